@@ -1,0 +1,200 @@
+"""Point-to-point exchange between pipeline ranks: one `dist.batch_isend_irecv` per step.
+
+Every transfer goes through `torch.distributed.P2POp` handed to `dist.batch_isend_irecv`, and
+every returned Work is waited on (gloo returns several; dropping one hung CPU runs,
+pytorch/pytorch#132644).  Ranks are *pipeline* ranks (0..p-1 inside the pipeline group) and are
+translated to global ranks here.  Shapes and dtypes travel as small fixed-size int64 metadata
+messages (see :func:`encode_metas`), exchanged once by the pipeline and then cached.
+"""
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pipeflow.errors import CommError, PipelineTimeoutError
+
+_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+)
+_MAX_DIMS = 8
+_FIELDS = 3 + _MAX_DIMS  # dtype code, requires_grad, ndim, dims...
+META_LEN = 1 + 24 * _FIELDS  # up to 24 tensors per transfer
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and grad requirement of one tensor that crosses a stage boundary."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        """The metadata of `tensor`."""
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.requires_grad)
+
+    def __str__(self) -> str:
+        grad = ", grad" if self.requires_grad else ""
+        return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')}{grad}"
+
+
+def encode_metas(metas: Sequence[TensorMeta]) -> torch.Tensor:
+    """Pack tensor metadata into one int64 tensor of length META_LEN.
+
+    Raises:
+        CommError: if there are too many tensors, too many dims, or an unsupported dtype.
+    """
+    if len(metas) > (META_LEN - 1) // _FIELDS:
+        raise CommError(f"a stage passes {len(metas)} tensors; at most {(META_LEN - 1) // _FIELDS} supported")
+    out = torch.zeros(META_LEN, dtype=torch.int64)
+    out[0] = len(metas)
+    for k, meta in enumerate(metas):
+        if meta.dtype not in _DTYPES or len(meta.shape) > _MAX_DIMS:
+            raise CommError(f"cannot send tensor {meta}: dtype or rank (> {_MAX_DIMS} dims) unsupported")
+        base = 1 + k * _FIELDS
+        out[base] = _DTYPES.index(meta.dtype)
+        out[base + 1] = int(meta.requires_grad)
+        out[base + 2] = len(meta.shape)
+        out[base + 3 : base + 3 + len(meta.shape)] = torch.tensor(meta.shape, dtype=torch.int64)
+    return out
+
+
+def decode_metas(packed: torch.Tensor) -> tuple[TensorMeta, ...]:
+    """Inverse of :func:`encode_metas`."""
+    values = packed.tolist()
+    metas = []
+    for k in range(values[0]):
+        base = 1 + k * _FIELDS
+        ndim = values[base + 2]
+        shape = tuple(values[base + 3 : base + 3 + ndim])
+        metas.append(TensorMeta(shape, _DTYPES[values[base]], bool(values[base + 1])))
+    return tuple(metas)
+
+
+class P2PComm:
+    """Batched point-to-point exchange inside one pipeline process group.
+
+    Args:
+        group: the pipeline process group (None = the default group).
+        device: where receive buffers live (``cuda:LOCAL_RANK`` with NCCL, CPU with gloo).
+        timeout_s: deadline for each batched call's completion (None: wait forever).
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, timeout_s: float | None = None
+    ) -> None:
+        self.group = group
+        self.device = torch.device(device)
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.timeout_s = timeout_s
+        self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)]
+
+    def global_rank(self, pp_rank: int) -> int:
+        """The global rank of pipeline rank `pp_rank`."""
+        return self._global[pp_rank]
+
+    def warmup(self) -> None:
+        """One collective batched ring exchange, so NCCL's first batched call involves every rank.
+
+        NCCL requires the first `batch_isend_irecv` on a group to include all its ranks
+        (pytorch/pytorch#74701); later calls may involve any subset.
+        """
+        if self.size == 1:
+            return
+        nxt, prv = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        out = torch.full((1,), float(self.rank), device=self.device)
+        buf = torch.empty(1, device=self.device)
+        self.exchange([(nxt, out)], [(prv, buf)], what="warm-up ring exchange")
+        if int(buf.item()) != prv:
+            raise CommError(f"rank {self.rank}: warm-up received {buf.item()} from rank {prv}")
+
+    def exchange(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        what: str = "",
+        timeout_s: float | None = None,
+    ) -> None:
+        """Post all `sends` and `recvs` as one batched call and wait for every op to complete.
+
+        Args:
+            sends: (peer pipeline rank, tensor) pairs, in per-peer order.
+            recvs: (peer pipeline rank, buffer) pairs; buffers are filled in place.
+            what: description of the ops for error messages (action, micro-batch, step).
+            timeout_s: overrides the communicator's deadline for this call.
+
+        Raises:
+            PipelineTimeoutError: the call did not complete in time.
+            CommError: the backend reported a failure (e.g. a dead peer).
+        """
+        if not sends and not recvs:
+            return
+        ops = [dist.P2POp(dist.isend, t, self._global[peer], self.group) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._global[peer], self.group) for peer, t in recvs]
+        deadline = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            works = dist.batch_isend_irecv(ops)
+            for work in works:
+                if deadline is None:
+                    work.wait()
+                else:
+                    work.wait(datetime.timedelta(seconds=deadline))
+        except RuntimeError as exc:
+            raise self._failure(exc, what, deadline) from exc
+
+    def _failure(self, exc: RuntimeError, what: str, deadline: float | None) -> CommError:
+        text = str(exc)
+        where = f"pipeline rank {self.rank} (global rank {self._global[self.rank]})"
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return PipelineTimeoutError(
+                f"{where}: no progress within comm.timeout_s={deadline} s while waiting to {what}. "
+                f"A peer is stuck, dead or running a different program; raise comm.timeout_s if "
+                f"the step is just slow. Backend said: {text.splitlines()[0] if text else ''}"
+            )
+        return CommError(f"{where}: batched P2P call failed while trying to {what}: {text}")
+
+    def send_metas(self, peer: int, metas: Sequence[TensorMeta], what: str = "") -> None:
+        """Send tensor metadata to `peer` (one small batched send)."""
+        self.exchange([(peer, encode_metas(metas).to(self.device))], [], what=f"send shapes {what}")
+
+    def recv_metas(self, peer: int, what: str = "") -> tuple[TensorMeta, ...]:
+        """Receive tensor metadata from `peer`."""
+        buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
+        self.exchange([], [(peer, buf)], what=f"recv shapes {what}")
+        return decode_metas(buf.cpu())
+
+
+def send_recv(
+    tensor: torch.Tensor,
+    dst: int,
+    src: int,
+    group: dist.ProcessGroup | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Send `tensor` to global rank `dst` and receive a tensor from `src`, in one batched call.
+
+    torch.distributed has no simultaneous send-and-receive; posting both ops in one
+    `batch_isend_irecv` avoids the deadlock of a blocking send followed by a blocking recv.
+
+    Args:
+        tensor: what to send.
+        dst: global rank to send to.
+        src: global rank to receive from.
+        group: process group (None = default group).
+        out: receive buffer; defaults to ``torch.empty_like(tensor)`` (same shape and dtype).
+
+    Returns:
+        The received tensor.
+    """
+    buf = torch.empty_like(tensor) if out is None else out
+    ops = [dist.P2POp(dist.isend, tensor, dst, group), dist.P2POp(dist.irecv, buf, src, group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return buf

@@ -1,0 +1,199 @@
+"""Typed configuration: dataclass schemas registered in Hydra's ConfigStore, checked once at start.
+
+YAML files under ``configs/`` hold the values; these dataclasses are their schemas (types and
+defaults), so a typo in an override (``pipeline.num_microbatch=4``) fails at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from pipeflow.errors import ConfigError
+
+
+@dataclass
+class GPTModelConfig:
+    """The built-in GPT-style decoder (``model=gpt``)."""
+
+    _target_: str = "pipeflow.models.gpt.build_gpt"
+    vocab_size: int = 64
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+    seed: int = 0
+
+
+@dataclass
+class MLPModelConfig:
+    """The built-in MLP classifier (``model=mlp``)."""
+
+    _target_: str = "pipeflow.models.mlp.build_mlp"
+    in_features: int = 32
+    hidden: int = 64
+    num_layers: int = 4
+    num_classes: int = 10
+    seed: int = 0
+
+
+@dataclass
+class ScheduleConfig:
+    """Which pipeline schedule runs (``schedule=1f1b`` or ``schedule=gpipe``)."""
+
+    name: str = "1f1b"
+
+
+@dataclass
+class PipelineConfig:
+    """How the batch is split and where layers go."""
+
+    num_microbatches: int = 8
+    split_points: list[Any] | None = None  # first layer (index or name) of stages 1..S-1
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from: ``markov`` (made locally), ``text`` (a local file), ``gaussian``."""
+
+    name: str = "markov"
+    batch_size: int = 32
+    seq_len: int = 64
+    vocab_size: int = 64
+    num_tokens: int = 200_000
+    path: str | None = None
+    level: str = "byte"  # text: "byte" (vocab 256) or "char"
+    val_fraction: float = 0.1
+    in_features: int = 32
+    num_classes: int = 10
+    seed: int = 1234
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay, global grad-norm clipping."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    warmup_steps: int = 20
+    grad_clip: float = 1.0  # 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    """The loop: how long, how often to log and evaluate, where to write."""
+
+    max_steps: int = 300
+    log_every: int = 25
+    eval_every: int = 100
+    eval_batches: int = 4
+    seed: int = 0
+    dtype: str = "float32"
+    run_dir: str | None = None  # default: outputs/<timestamp>, chosen by rank 0
+
+
+@dataclass
+class ParallelConfig:
+    """The process layout: ``parallel.dp`` x ``parallel.pp`` = world size."""
+
+    dp: int = 1
+    pp: int | None = None  # default: world size / dp
+
+
+@dataclass
+class CommConfig:
+    """Point-to-point communication."""
+
+    timeout_s: float = 300.0
+    first_step_timeout_s: float = 900.0
+    dynamic_shapes: bool = False
+
+
+@dataclass
+class DistConfig:
+    """Backend and device; default: NCCL on ``cuda:LOCAL_RANK`` when CUDA is present, else gloo/CPU."""
+
+    backend: str | None = None
+    device: str | None = None
+
+
+@dataclass
+class Config:
+    """The whole job."""
+
+    model: Any = MISSING
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas with Hydra's ConfigStore (called before ``@hydra.main`` runs)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    cs.store(group="model", name="base_gpt", node=GPTModelConfig)
+    cs.store(group="model", name="base_mlp", node=MLPModelConfig)
+    cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
+    cs.store(group="pipeline", name="base_pipeline", node=PipelineConfig)
+    cs.store(group="data", name="base_data", node=DataConfig)
+    cs.store(group="optim", name="base_optim", node=OptimConfig)
+
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
+    """(dp, pp) for this world size.
+
+    Raises:
+        ConfigError: if dp x pp does not equal the world size.
+    """
+    dp = parallel.dp
+    if dp < 1 or world_size % dp:
+        raise ConfigError(
+            f"parallel.dp={dp} does not divide the world size {world_size}; "
+            f"choose a dp that divides {world_size}"
+        )
+    pp = parallel.pp if parallel.pp is not None else world_size // dp
+    if dp * pp != world_size:
+        raise ConfigError(
+            f"parallel.dp={dp} x parallel.pp={pp} = {dp * pp} processes, but the world size is "
+            f"{world_size}; launch with torchrun --nproc-per-node {dp * pp} or set parallel.pp={world_size // dp}"
+        )
+    if dp != 1:
+        raise ConfigError(
+            f"parallel.dp={dp}: data parallelism is not available yet; use parallel.dp=1"
+        )
+    return dp, pp
+
+
+def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
+    """Check what can be checked before anything is built; returns (dp, pp).
+
+    Raises:
+        ConfigError: naming the key and what to change.
+    """
+    dp, pp = resolve_layout(cfg.parallel, world_size)
+    m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
+    if m < 1:
+        raise ConfigError(f"pipeline.num_microbatches={m} must be at least 1")
+    if batch % (dp * m):
+        raise ConfigError(
+            f"data.batch_size={batch} cannot be split into pipeline.num_microbatches={m} equal "
+            f"micro-batches (x parallel.dp={dp}); make the batch size a multiple of {dp * m}"
+        )
+    if cfg.train.dtype not in DTYPES:
+        raise ConfigError(f"train.dtype={cfg.train.dtype!r} is not one of {', '.join(DTYPES)}")
+    return dp, pp

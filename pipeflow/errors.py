@@ -1,0 +1,49 @@
+"""Every error pipeflow raises, in one place.
+
+Messages say what was wrong, where (rank, stage, micro-batch, action) and how to fix it.
+"""
+from __future__ import annotations
+
+
+class PipeflowError(Exception):
+    """Base class of all pipeflow errors."""
+
+
+class ConfigError(PipeflowError, ValueError):
+    """The configuration is invalid; the message names the key and what to change."""
+
+
+class PartitionError(ConfigError):
+    """Layers cannot be split into stages as asked (split points, stage count)."""
+
+
+class ScheduleError(PipeflowError, ValueError):
+    """A schedule or program is malformed: missing, duplicated or misordered actions."""
+
+
+class DeadlockError(ScheduleError):
+    """The simulator found that the lowered programs cannot make progress.
+
+    Attributes:
+        grid: a step x rank text grid marking where each rank is stuck.
+    """
+
+    def __init__(self, message: str, grid: str = "") -> None:
+        super().__init__(f"{message}\n{grid}" if grid else message)
+        self.grid = grid
+
+
+class CommError(PipeflowError, RuntimeError):
+    """A point-to-point transfer failed; the message names rank, peer and action."""
+
+
+class PipelineTimeoutError(CommError):
+    """A batched P2P call did not complete within `comm.timeout_s`."""
+
+
+class ShapeMismatchError(PipeflowError, RuntimeError):
+    """A stage produced tensors whose shapes or dtypes differ from what was negotiated."""
+
+
+class StageError(PipeflowError, RuntimeError):
+    """A user's layer raised inside a stage; the message names rank, stage, micro-batch, action."""

@@ -1,0 +1,198 @@
+"""A GPT-style decoder (nanoGPT-like) written as an ordered list of layers for pipelining.
+
+Layers: ``embedding`` (token + learned position), ``block.0`` .. ``block.{n_layer-1}`` (pre-LN
+causal self-attention and MLP, each residual), ``head`` (final LayerNorm + Linear to the vocab).
+Shapes: B = batch, T = time (sequence), C = n_embd, V = vocab_size, H = n_head.
+The LM head is not tied to the token embedding: tying would share a weight across stages.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeflow.errors import ConfigError
+from pipeflow.models.spec import LayerSpec, ModelSpec
+
+INIT_STD = 0.02  # GPT-2 init: weights ~ N(0, 0.02), biases 0
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Hyper-parameters shared by every GPT layer."""
+
+    vocab_size: int = 64
+    block_size: int = 64  # the longest sequence T the position embedding covers
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    bias: bool = True
+
+
+def _init_weights(module: nn.Module, n_layer: int) -> None:
+    """GPT-2 init: N(0, 0.02) Linear/Embedding weights, zero biases, scaled residual projections."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Linear, nn.Embedding)):
+            std = INIT_STD
+            if name.endswith("c_proj"):
+                # Residual projections are scaled by 1/sqrt(2 * n_layer) (GPT-2 paper), so the
+                # residual stream's variance does not grow with depth.
+                std = INIT_STD / math.sqrt(2 * n_layer)
+            nn.init.normal_(sub.weight, mean=0.0, std=std)
+            if getattr(sub, "bias", None) is not None:
+                nn.init.zeros_(sub.bias)
+
+
+class Embedding(nn.Module):
+    """Token + learned position embedding: idx (B, T) long -> (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.block_size = cfg.block_size
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        _init_weights(self, cfg.n_layer)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Embed tokens (B, T) into activations (B, T, C)."""
+        T = idx.size(1)
+        if T > self.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention written out by hand (exact in float64 on the CPU)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v at once
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        # mask[t, s] is True where position t may attend to position s (s <= t).  A bool buffer:
+        # untouched by .to(dtype), and not saved (it is rebuilt from block_size).
+        mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Attend over the past: (B, T, C) -> (B, T, C)."""
+        B, T, C = x.shape
+        hs = C // self.n_head  # head size
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, H, T, T)
+        att = att.masked_fill(~self.mask[:T, :T], float("-inf"))  # no looking ahead
+        att = self.attn_drop(F.softmax(att, dim=-1))
+        y = att @ v  # (B, H, T, T) @ (B, H, T, hs) -> (B, H, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: (B, T, C) -> (B, T, 4C) -> GELU -> (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the MLP to every position: (B, T, C) -> (B, T, C)."""
+        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)); (B, T, C) -> (B, T, C)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        _init_weights(self, cfg.n_layer)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Run attention then the MLP, each on the residual stream."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and projection to the vocabulary: (B, T, C) -> logits (B, T, V)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        _init_weights(self, cfg.n_layer)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Turn activations (B, T, C) into logits (B, T, V)."""
+        return self.lm_head(self.ln_f(x))
+
+
+def gpt_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross entropy over all tokens, mean: logits (B, T, V), targets (B, T) long -> scalar."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _check_config(cfg: GPTConfig) -> None:
+    """Raise ConfigError naming the bad GPT hyper-parameter."""
+    for key in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"model.{key}={getattr(cfg, key)} must be >= 1")
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(
+            f"model.n_embd={cfg.n_embd} must be divisible by model.n_head={cfg.n_head}"
+        )
+    if not 0.0 <= cfg.dropout < 1.0:
+        raise ConfigError(f"model.dropout={cfg.dropout} must be in [0, 1)")
+
+
+def build_gpt(
+    vocab_size: int = 64,
+    block_size: int = 64,
+    n_layer: int = 4,
+    n_head: int = 4,
+    n_embd: int = 64,
+    dropout: float = 0.0,
+    bias: bool = True,
+    seed: int = 0,
+) -> ModelSpec:
+    """Describe a GPT decoder as n_layer + 2 lazy layers: embedding, block.0.., head.
+
+    Args:
+        vocab_size: number of token ids V.
+        block_size: longest sequence T.
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block (must divide n_embd).
+        n_embd: model width C.
+        dropout: dropout probability (0 for exact reproducibility).
+        bias: whether Linear and LayerNorm layers have biases.
+        seed: the model seed every layer's init derives from.
+
+    Returns:
+        A ModelSpec whose loss is the mean token cross entropy.
+
+    Raises:
+        ConfigError: a hyper-parameter is invalid.
+    """
+    cfg = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)
+    _check_config(cfg)
+    layers = [LayerSpec("embedding", Embedding, (cfg,))]
+    layers += [LayerSpec(f"block.{k}", Block, (cfg,)) for k in range(n_layer)]
+    layers.append(LayerSpec("head", Head, (cfg,)))
+    return ModelSpec(name="gpt", layers=layers, loss_fn=gpt_loss, seed=seed)

@@ -1,0 +1,53 @@
+"""A small MLP classifier as an ordered list of layers: ``input``, ``hidden.0`` .., ``head``."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeflow.errors import ConfigError
+from pipeflow.models.spec import LayerSpec, ModelSpec
+
+
+def _linear_gelu(in_features: int, out_features: int) -> nn.Module:
+    """Linear followed by GELU: (B, in) -> (B, out)."""
+    return nn.Sequential(nn.Linear(in_features, out_features), nn.GELU())
+
+
+def classification_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross entropy: logits (B, classes), targets (B,) long -> scalar."""
+    return F.cross_entropy(logits, targets)
+
+
+def build_mlp(
+    in_features: int = 32,
+    hidden: int = 64,
+    num_layers: int = 4,
+    num_classes: int = 10,
+    seed: int = 0,
+) -> ModelSpec:
+    """Describe an MLP classifier as num_layers + 2 lazy layers.
+
+    Args:
+        in_features: input width.
+        hidden: hidden width.
+        num_layers: number of hidden blocks (Linear + GELU) between ``input`` and ``head``.
+        num_classes: number of classes (logit width).
+        seed: the model seed every layer's init derives from.
+
+    Returns:
+        A ModelSpec: ``input`` (Linear in->hidden + GELU), ``hidden.k`` (Linear + GELU),
+        ``head`` (Linear hidden->classes), with mean cross-entropy loss.
+
+    Raises:
+        ConfigError: a size is not positive or num_layers is negative.
+    """
+    sizes = {"in_features": in_features, "hidden": hidden, "num_classes": num_classes}
+    for key, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"model.{key}={value} must be >= 1")
+    if num_layers < 0:
+        raise ConfigError(f"model.num_layers={num_layers} must be >= 0")
+    layers = [LayerSpec("input", _linear_gelu, (in_features, hidden))]
+    layers += [LayerSpec(f"hidden.{k}", _linear_gelu, (hidden, hidden)) for k in range(num_layers)]
+    layers.append(LayerSpec("head", nn.Linear, (hidden, num_classes)))
+    return ModelSpec(name="mlp", layers=layers, loss_fn=classification_loss, seed=seed)

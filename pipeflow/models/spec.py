@@ -1,0 +1,165 @@
+"""Models as ordered lists of lazily built layers, seeded so every rank builds the same weights.
+
+A model is a `ModelSpec`: a name, an ordered list of `LayerSpec`s and a loss.  Nothing is built
+until a rank asks for its own layers with `ModelSpec.build_layers`, so a big model never exists
+whole on one rank.  Layer i is always built from the same seed, derived from (model seed, i), so
+the pipelined model is exactly the unsplit one.
+
+Layer calling convention (see `run_layers`): a layer returns a Tensor or a tuple of Tensors; a
+tuple is unpacked as the positional arguments of the next layer, a Tensor is its single argument.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pipeflow.errors import ConfigError
+
+LossFn = Callable[[Any, Tensor], Tensor]
+
+
+def derive_seed(*parts: int | str) -> int:
+    """Mix integers (and string tags) into one 63-bit seed, the same in every process and run.
+
+    Args:
+        parts: what to mix, e.g. (model seed, layer index) or ("markov", data seed, step).
+
+    Returns:
+        A non-negative seed suitable for `torch.Generator.manual_seed`.
+    """
+    key = repr(tuple(p if isinstance(p, str) else int(p) for p in parts)).encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class LayerSpec:
+    """A layer described but not built: `builder(*args, **kwargs)` is called only by `build()`."""
+
+    name: str
+    builder: Callable[..., nn.Module]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def build(self) -> nn.Module:
+        """Build the layer now.
+
+        Returns:
+            The module returned by the builder.
+
+        Raises:
+            ConfigError: the builder returned something that is not an `nn.Module`.
+        """
+        module = self.builder(*self.args, **self.kwargs)
+        if not isinstance(module, nn.Module):
+            raise ConfigError(
+                f"layer {self.name!r}: builder {self.builder!r} returned "
+                f"{type(module).__name__}, expected an nn.Module"
+            )
+        return module
+
+
+@dataclass
+class ModelSpec:
+    """An ordered list of lazy layers plus the loss on the last layer's output.
+
+    Attributes:
+        name: the model's name (for logs).
+        layers: the layers in forward order; names must be unique.
+        loss_fn: (output of the last layer, targets) -> scalar loss, the MEAN over the micro-batch.
+        seed: layer i is built under a CPU RNG seeded from (seed, i).
+    """
+
+    name: str
+    layers: list[LayerSpec]
+    loss_fn: LossFn
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ConfigError(f"model {self.name!r} has no layers")
+        names = self.layer_names()
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(f"model {self.name!r}: duplicate layer names {duplicates}")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer_names(self) -> list[str]:
+        """Return the layer names in forward order."""
+        return [layer.name for layer in self.layers]
+
+    def build_layers(
+        self,
+        indices: Sequence[int],
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> list[nn.Module]:
+        """Build only the layers at `indices`, each with the weights it has in the whole model.
+
+        Layer i is built in float32 on the CPU under a CPU RNG seeded from (seed, i) inside
+        `torch.random.fork_rng(devices=[])`, so the global RNG is untouched and any process that
+        builds layer i gets identical weights.  It is then moved with `.to(device, dtype)`
+        (`dtype` applies to floating parameters and buffers only).
+
+        Args:
+            indices: layer indices, in the order the modules should be returned.
+            device: where to move the built layers (default: stay on the CPU).
+            dtype: floating dtype to cast to (default: stay float32).
+
+        Returns:
+            The built modules, one per index.
+
+        Raises:
+            ConfigError: an index is out of range.
+        """
+        for i in indices:
+            if not 0 <= i < len(self.layers):
+                raise ConfigError(
+                    f"model {self.name!r} has {len(self.layers)} layers "
+                    f"(indices 0..{len(self.layers) - 1}); cannot build layer {i}"
+                )
+        return [self._build_one(i).to(device=device, dtype=dtype) for i in indices]
+
+    def build_all(
+        self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    ) -> list[nn.Module]:
+        """Build every layer (the unsplit reference model); see `build_layers`."""
+        return self.build_layers(range(len(self.layers)), device=device, dtype=dtype)
+
+    def _build_one(self, index: int) -> nn.Module:
+        """Build layer `index` in float32 on the CPU from its own seed; global state is untouched."""
+        old_dtype = torch.get_default_dtype()
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            # Seed only the CPU generator: torch.manual_seed would also reseed CUDA generators,
+            # which fork_rng(devices=[]) does not restore.
+            torch.default_generator.manual_seed(derive_seed(self.seed, index))
+            torch.set_default_dtype(torch.float32)
+            try:
+                return self.layers[index].build()
+            finally:
+                torch.set_default_dtype(old_dtype)
+
+
+def run_layers(layers: Sequence[nn.Module], inputs: Any) -> Any:
+    """Chain `layers` on `inputs` following the layer calling convention.
+
+    A tuple (from the input or a layer) is unpacked as the next layer's positional arguments;
+    anything else is passed as its single argument.
+
+    Args:
+        layers: modules in forward order.
+        inputs: the first layer's input: a Tensor or a tuple of Tensors.
+
+    Returns:
+        The last layer's output (the inputs unchanged when `layers` is empty).
+    """
+    out = inputs
+    for layer in layers:
+        out = layer(*out) if isinstance(out, tuple) else layer(out)
+    return out

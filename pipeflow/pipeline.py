@@ -1,0 +1,288 @@
+"""Executing one rank's lowered program: the only place where communication and compute meet.
+
+For every step of the program: post one batched call (sends produced by the previous action,
+recvs needed by this one), wait for it, then run the compute action on the local Stage.
+Which schedule produced the program is unknown here; the simulator has checked it before.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from pipeflow.comm import P2PComm, TensorMeta, decode_metas, encode_metas
+from pipeflow.errors import PipeflowError, ScheduleError, ShapeMismatchError, StageError
+from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
+from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
+from pipeflow.schedules.simulator import validate
+from pipeflow.stage import Stage, Tensors
+
+# inbox/outbox keys: (payload, micro-batch, stage) with stage = receiver (inbox) or sender (outbox)
+Key = tuple[str, int, int]
+
+
+class Pipeline:
+    """Runs a schedule's program for this rank's stages.
+
+    Args:
+        stages: this rank's stages, by stage index.
+        schedule: the schedule every rank of the pipeline runs (validated by the simulator).
+        comm: the batched P2P communicator of the pipeline group.
+        dynamic_shapes: renegotiate shapes whenever the input shape changes (one small
+            broadcast per step); otherwise shapes are negotiated once and a change is an error.
+        first_timeout_s: deadline for the calls of the first step (shape negotiation included).
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, Stage],
+        schedule: PipelineSchedule,
+        comm: P2PComm,
+        dynamic_shapes: bool = False,
+        first_timeout_s: float | None = None,
+    ) -> None:
+        self.stages = stages
+        self.schedule = schedule
+        self.comm = comm
+        self.rank = comm.rank
+        self.dynamic_shapes = dynamic_shapes
+        self.first_timeout_s = first_timeout_s
+        if comm.size != schedule.num_ranks:
+            raise ScheduleError(
+                f"schedule {schedule.name!r} is for {schedule.num_ranks} pipeline ranks but the "
+                f"pipeline group has {comm.size}"
+            )
+        if sorted(stages) != schedule.stages_of(self.rank):
+            raise ScheduleError(
+                f"rank {self.rank} holds stages {sorted(stages)} but schedule places "
+                f"{schedule.stages_of(self.rank)} on it"
+            )
+        self.program = self._checked_program(schedule)
+        self._eval_programs: dict[int, Program] = {}
+        self._edge_meta: dict[int, tuple[TensorMeta, ...]] = {}  # outputs of stage s (edge s -> s+1)
+        self._input_signature: torch.Tensor | None = None
+        self._timeout: float | None = first_timeout_s
+
+    def _checked_program(self, schedule: PipelineSchedule) -> Program:
+        programs = lower(schedule)
+        validate(schedule, programs)
+        return programs[self.rank]
+
+    def _owner(self, stage: int) -> int:
+        return self.schedule.stage_to_rank[stage]
+
+    # ----------------------------------------------------------------------------- public API
+    def run(self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
+        """One training step: forward and backward of every micro-batch, grads accumulated.
+
+        Args:
+            inputs: the m micro-batch inputs (tuples), needed on the rank holding stage 0.
+            targets: the m micro-batch targets, needed on the rank holding the last stage.
+
+        Returns:
+            On the rank holding the last stage, the full-batch loss (the micro-batch losses
+            each scaled by 1/m and summed); None elsewhere.
+        """
+        self._negotiate_shapes(inputs)
+        m = self.schedule.num_microbatches
+        self._execute(self.program, inputs, targets, loss_scale=1.0 / m, train=True)
+        self._timeout = self.comm.timeout_s
+        return self._take_loss()
+
+    def eval(
+        self,
+        inputs: Sequence[Tensors] | None,
+        targets: Sequence[torch.Tensor] | None,
+        num_microbatches: int | None = None,
+    ) -> torch.Tensor | None:
+        """Forward-only pass over the micro-batches (no activations kept); returns the loss.
+
+        Args:
+            inputs, targets: as for :meth:`run`.
+            num_microbatches: how many micro-batches every rank runs (default: the training
+                schedule's m); all ranks must pass the same number.
+        """
+        count = num_microbatches or self.schedule.num_microbatches
+        if count not in self._eval_programs:
+            schedule = forward_only(self.schedule.num_ranks, count, self.schedule.stage_to_rank)
+            self._eval_programs[count] = self._checked_program(schedule)
+        self._negotiate_shapes(inputs)
+        self._execute(self._eval_programs[count], inputs, targets, loss_scale=1.0 / count, train=False)
+        return self._take_loss()
+
+    def _take_loss(self) -> torch.Tensor | None:
+        last = self.stages.get(self.schedule.num_stages - 1)
+        return None if last is None else last.take_loss()
+
+    # ----------------------------------------------------------------------- shape negotiation
+    def _negotiate_shapes(self, inputs: Sequence[Tensors] | None) -> None:
+        """Learn the shapes/dtypes crossing every stage boundary (once, or when they change)."""
+        if self._edge_meta and not self.dynamic_shapes:
+            return
+        if self._edge_meta and not self._input_changed(inputs):
+            return
+        self._edge_meta.clear()
+        S = self.schedule.num_stages
+        for s in sorted(self.stages):
+            if s == 0:
+                in_metas = tuple(TensorMeta.of(t) for t in self._first_input(inputs))
+            elif self._owner(s - 1) == self.rank:
+                in_metas = self._edge_meta[s - 1]
+            else:
+                in_metas = self.comm.recv_metas(self._owner(s - 1), f"of stage {s - 1} output")
+                self._edge_meta[s - 1] = in_metas
+            if s < S - 1:
+                self._edge_meta[s] = self._infer_output(self.stages[s], in_metas)
+                if self._owner(s + 1) != self.rank:
+                    self.comm.send_metas(self._owner(s + 1), self._edge_meta[s], f"of stage {s} output")
+
+    def _first_input(self, inputs: Sequence[Tensors] | None) -> Tensors:
+        if not inputs:
+            raise ScheduleError(f"rank {self.rank} holds stage 0 but was given no micro-batch inputs")
+        return inputs[0]
+
+    def _input_changed(self, inputs: Sequence[Tensors] | None) -> bool:
+        """Dynamic shapes: broadcast stage 0's input signature; True if it differs from before."""
+        if 0 in self.stages:
+            signature = encode_metas([TensorMeta.of(t) for t in self._first_input(inputs)])
+        else:
+            signature = torch.empty_like(self._input_signature)
+        device_sig = signature.to(self.comm.device)
+        dist.broadcast(device_sig, self.comm.global_rank(self._owner(0)), group=self.comm.group)
+        signature = device_sig.cpu()
+        changed = self._input_signature is None or not torch.equal(signature, self._input_signature)
+        self._input_signature = signature
+        return changed
+
+    @staticmethod
+    def _infer_output(stage: Stage, in_metas: tuple[TensorMeta, ...]) -> tuple[TensorMeta, ...]:
+        """The output metadata of `stage` for inputs described by `in_metas`."""
+        device = next((p.device for p in stage.parameters()), torch.device("cpu"))
+        dummies = tuple(
+            torch.zeros(m.shape, dtype=m.dtype, device=device).requires_grad_(m.requires_grad)
+            for m in in_metas
+        )
+        return tuple(TensorMeta.of(t) for t in stage.trial_forward(dummies))
+
+    # -------------------------------------------------------------------------------- execution
+    def _execute(
+        self,
+        program: Program,
+        inputs: Sequence[Tensors] | None,
+        targets: Sequence[torch.Tensor] | None,
+        loss_scale: float,
+        train: bool,
+    ) -> None:
+        inbox: dict[Key, Tensors] = {}
+        outbox: dict[Key, Tensors] = {}
+        for k, step in enumerate(program):
+            landed = self._communicate(k, step, outbox)
+            for op, tensors in landed:
+                inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
+            if step.action is not None:
+                self._compute(step, inbox, outbox, inputs, targets, loss_scale, train)
+        if inbox or outbox:
+            raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {sorted(inbox) + sorted(outbox)}")
+
+    def _communicate(self, k: int, step: Step, outbox: dict[Key, Tensors]) -> list[tuple[CommOp, Tensors]]:
+        """Post this step's batched call and wait for it; returns what was received."""
+        sends: list[tuple[int, torch.Tensor]] = []
+        recvs: list[tuple[int, torch.Tensor]] = []
+        landed: list[tuple[CommOp, Tensors]] = []
+        for op in step.ops:
+            if op.is_send:
+                sends += [(op.peer, t) for t in outbox.pop((op.payload, op.microbatch, op.src_stage))]
+            else:
+                buffers = self._recv_buffers(op)
+                recvs += [(op.peer, b) for b in buffers]
+                landed.append((op, buffers))
+        if sends or recvs:
+            action = f"before {step.action}" if step.action is not None else "after the last action"
+            what = "; ".join(op.describe() for op in step.ops) + f" (step {k}, {action})"
+            self.comm.exchange(sends, recvs, what=what, timeout_s=self._timeout)
+        for op, buffers in landed:
+            if op.payload == ACTIVATION:
+                metas = self._edge_meta[op.src_stage]
+                for b, meta in zip(buffers, metas):
+                    b.requires_grad_(meta.requires_grad)
+        return landed
+
+    def _recv_buffers(self, op: CommOp) -> Tensors:
+        if op.payload == ACTIVATION:
+            metas = self._edge_meta[op.src_stage]
+        else:  # gradients of stage dst_stage's outputs that require grad
+            metas = tuple(m for m in self._edge_meta[op.dst_stage] if m.requires_grad)
+        device = self.comm.device
+        return tuple(torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas)
+
+    def _compute(
+        self,
+        step: Step,
+        inbox: dict[Key, Tensors],
+        outbox: dict[Key, Tensors],
+        inputs: Sequence[Tensors] | None,
+        targets: Sequence[torch.Tensor] | None,
+        loss_scale: float,
+        train: bool,
+    ) -> None:
+        action = step.action
+        assert action is not None
+        s, i = action.stage, action.microbatch
+        stage = self.stages[s]
+        try:
+            if action.kind == FORWARD:
+                x = inputs[i] if s == 0 and inputs is not None else inbox.pop((ACTIVATION, i, s))
+                target = targets[i] if stage.is_last and targets is not None else None
+                out = stage.forward(i, x, target, loss_scale, keep_for_backward=train)
+                if not stage.is_last:
+                    self._check_outputs(s, i, out, train)
+                    self._deliver(ACTIVATION, i, s, s + 1, tuple(t.detach() for t in out), inbox, outbox)
+            elif action.kind == BACKWARD:
+                grads = None if stage.is_last else inbox.pop((GRADIENT, i, s))
+                grads_in = stage.backward(i, grads, weights=step.backward_weights)
+                if s > 0:
+                    metas = self._edge_meta[s - 1]
+                    sent = tuple(
+                        g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=self.comm.device)
+                        for g, m in zip(grads_in, metas)
+                        if m.requires_grad
+                    )
+                    self._deliver(GRADIENT, i, s, s - 1, sent, inbox, outbox)
+            else:
+                stage.backward_weight(i)
+        except PipeflowError:
+            raise
+        except Exception as exc:  # a user's layer failed: say where
+            raise StageError(
+                f"pipeline rank {self.rank}, stage {s}, micro-batch {i}, action {action}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _deliver(
+        self, payload: str, i: int, src: int, dst: int, tensors: Tensors, inbox: dict[Key, Tensors], outbox: dict[Key, Tensors]
+    ) -> None:
+        """Hand tensors to stage `dst`: directly when it is local, else queue them for sending."""
+        if self._owner(dst) == self.rank:
+            if payload == ACTIVATION:
+                metas = self._edge_meta[src]
+                tensors = tuple(t.requires_grad_(m.requires_grad) for t, m in zip(tensors, metas))
+            inbox[(payload, i, dst)] = tensors
+        else:
+            outbox[(payload, i, src)] = tuple(t.contiguous() for t in tensors)
+
+    def _check_outputs(self, s: int, i: int, outputs: Tensors, train: bool) -> None:
+        expected = self._edge_meta[s]
+        actual = tuple(TensorMeta.of(t) for t in outputs)
+        same = len(actual) == len(expected) and all(
+            a.shape == e.shape and a.dtype == e.dtype and (a.requires_grad == e.requires_grad or not train)
+            for a, e in zip(actual, expected)
+        )
+        if not same:
+            raise ShapeMismatchError(
+                f"stage {s} (rank {self.rank}) produced outputs {[str(a) for a in actual]} for "
+                f"micro-batch {i}, but stage {s + 1} (rank {self._owner(s + 1)}) expects "
+                f"{[str(e) for e in expected]} as negotiated at the first step. Keep every batch "
+                f"the same shape (e.g. drop the last partial batch) or set comm.dynamic_shapes=true "
+                f"to renegotiate shapes when the input shape changes."
+            )

@@ -1,0 +1,153 @@
+"""The schedule IR: actions, schedules (actions per rank) and lowered programs (steps with comm ops).
+
+Index letters used throughout the schedules package:
+    p = number of pipeline ranks, S = number of stages, m = number of micro-batches,
+    r = a rank, s = a stage, i = a micro-batch.
+
+A schedule says, for every rank, the order of its compute actions.  Lowering turns it into a
+*program*: a list of steps, each one batched communication call (the sends produced by the
+previous action plus the recvs needed by this one) followed by one compute action.  The runtime
+and the simulator execute the very same program.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pipeflow.errors import ScheduleError
+
+FORWARD = "F"
+BACKWARD = "B"  # input-grad backward; a full backward when no W follows for the same (stage, i)
+WEIGHT = "W"  # weight-grad backward, split from B (zero-bubble schedules)
+KINDS = (FORWARD, BACKWARD, WEIGHT)
+
+_ACTION_RE = re.compile(r"^(\d+)([FBW])(\d+)$")
+
+
+class Action(NamedTuple):
+    """One compute action: `kind` (F, B or W) of `microbatch` on `stage`; prints as ``1F0``."""
+
+    kind: str
+    microbatch: int
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Parse ``'<stage><kind><microbatch>'`` such as ``'1F0'`` back into an Action.
+
+        Raises:
+            ScheduleError: if the text is not of that form.
+        """
+        match = _ACTION_RE.match(text.strip())
+        if match is None:
+            raise ScheduleError(
+                f"cannot parse action {text!r}: expected <stage><F|B|W><microbatch>, e.g. '1F0'"
+            )
+        stage, kind, microbatch = match.groups()
+        return cls(kind, int(microbatch), int(stage))
+
+
+ACTIVATION = "act"
+GRADIENT = "grad"
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One point-to-point operation inside a batched call.
+
+    `payload` is ``act`` (outputs of `src_stage` going forward) or ``grad`` (gradients of the
+    outputs of `dst_stage` going backward); `peer` is the pipeline rank on the other side.
+    """
+
+    op: str  # "send" or "recv"
+    payload: str  # ACTIVATION or GRADIENT
+    microbatch: int
+    src_stage: int
+    dst_stage: int
+    peer: int
+
+    @property
+    def is_send(self) -> bool:
+        """True for a send, False for a recv."""
+        return self.op == "send"
+
+    def matches(self, other: CommOp) -> bool:
+        """True if `other` is the counterpart of this op (same tensor, opposite direction)."""
+        return (self.payload, self.microbatch, self.src_stage, self.dst_stage) == (
+            other.payload,
+            other.microbatch,
+            other.src_stage,
+            other.dst_stage,
+        ) and self.op != other.op
+
+    def describe(self) -> str:
+        """Human text such as ``recv activation of micro-batch 5 from stage 2 (rank 2)``."""
+        what = "activation" if self.payload == ACTIVATION else "gradient"
+        if self.is_send:
+            return (
+                f"send {what} of micro-batch {self.microbatch} to stage {self.dst_stage} "
+                f"(rank {self.peer})"
+            )
+        return (
+            f"recv {what} of micro-batch {self.microbatch} from stage {self.src_stage} "
+            f"(rank {self.peer})"
+        )
+
+    def __str__(self) -> str:
+        arrow = "->" if self.is_send else "<-"
+        return f"{self.op}:{self.payload}{self.microbatch}[{self.src_stage}>{self.dst_stage}]{arrow}r{self.peer}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a rank's program: one batched comm call, then (optionally) one compute action.
+
+    `backward_weights` only matters for B actions: True when this B must also accumulate the
+    weight gradients (no W action follows for the same stage and micro-batch).
+    """
+
+    ops: tuple[CommOp, ...]
+    action: Action | None
+    backward_weights: bool = True
+
+    def __str__(self) -> str:
+        ops = " ".join(str(op) for op in self.ops)
+        return f"[{ops}] {self.action if self.action is not None else '-'}"
+
+
+Program = list[Step]
+
+
+@dataclass
+class PipelineSchedule:
+    """A schedule: the ordered compute actions of every pipeline rank, plus stage placement.
+
+    Attributes:
+        name: the schedule's name (e.g. ``1f1b``).
+        num_ranks: p, pipeline ranks.
+        num_stages: S, model chunks (S = p * stages per rank).
+        num_microbatches: m.
+        stage_to_rank: rank that owns each stage, ``stage_to_rank[s]``.
+        actions: ``actions[r]`` is rank r's list of actions in execution order.
+        training: False for forward-only (evaluation) schedules.
+    """
+
+    name: str
+    num_ranks: int
+    num_stages: int
+    num_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    actions: list[list[Action]]
+    training: bool = True
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages held by `rank`, in increasing order."""
+        return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
+
+    def table(self) -> str:
+        """The schedule as text: one line per rank of actions, e.g. ``0F0 0F1 0B0 ...``."""
+        return "\n".join(" ".join(str(a) for a in acts) for acts in self.actions)

@@ -1,0 +1,387 @@
+"""Rendezvous simulator: runs the lowered programs, proves them correct, measures time, memory."""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pipeflow.errors import DeadlockError, ScheduleError
+from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, KINDS, WEIGHT, Action, CommOp
+from pipeflow.schedules.ir import PipelineSchedule, Program, Step
+from pipeflow.schedules.lowering import lower, recvs_needed
+
+CostFn = Callable[[Action], float]
+Costs = Mapping[str, float] | CostFn
+DEFAULT_COSTS: dict[str, float] = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
+Channel = tuple[int, int]  # (src rank, dst rank)
+_GRID_FULL = 24  # programs up to this many steps are drawn whole in a deadlock grid
+_GRID_RADIUS = 3  # otherwise: this many steps either side of each stuck step
+_MAX_PROBLEMS = 8  # problems listed in one error message
+
+
+@dataclass
+class SimResult:
+    """What one simulated run of the programs measured.
+
+    Attributes:
+        makespan: time at which the last rank finishes.
+        busy: ``busy[r]``, total compute time of rank r.
+        bubble: idle fraction, ``1 - sum(busy) / (p * makespan)``.
+        peak_activations: ``peak_activations[r]``, most (stage, micro-batch) pairs on rank r
+            whose F has run and last backward (W, or B if no W follows) has not; 0 forward-only.
+        timeline: ``(rank, action, start, end)`` of every compute action, by start time then rank.
+    """
+
+    makespan: float
+    busy: list[float]
+    bubble: float
+    peak_activations: list[int]
+    timeline: list[tuple[int, Action, float, float]]
+
+
+def simulate(
+    schedule: PipelineSchedule,
+    programs: list[Program] | None = None,
+    costs: Costs | None = None,
+    comm_latency: float = 0.0,
+) -> SimResult:
+    """Execute the per-rank programs under rendezvous semantics, checking and measuring them.
+
+    A rank posts a step's ops together, waits until each meets its counterpart (the k-th send on
+    a directed rank pair meets the k-th recv there), then computes.  A batch posted at t is done
+    at max(t, counterparts' post times), plus `comm_latency` if it has ops.
+
+    Args:
+        schedule: the schedule (placement, sizes, training or not).
+        programs: per-rank programs; ``lower(schedule)`` when None.
+        costs: time per kind (``{"F": 1, "B": 1, "W": 1}`` by default, missing kinds default too)
+            or a function of the Action.  A B with ``backward_weights`` costs B + W.
+        comm_latency: added to the completion of every batch that has ops.
+
+    Returns:
+        The :class:`SimResult`.
+
+    Raises:
+        ScheduleError: missing, duplicated, misplaced or misordered actions or transfers,
+            unmatched comm ops, or a violated data dependency.
+        DeadlockError: the programs stop progressing; ``grid`` shows where each rank is stuck.
+    """
+    if comm_latency < 0:
+        raise ScheduleError(f"comm_latency must be >= 0, got {comm_latency}")
+    programs = lower(schedule) if programs is None else programs
+    _check_programs(schedule, programs)
+    _check_channel_counts(programs)
+    return _Simulation(schedule, programs, _cost_function(costs), comm_latency).run()
+
+
+def validate(schedule: PipelineSchedule, programs: list[Program] | None = None) -> SimResult:
+    """Prove `programs` (default ``lower(schedule)``) run each action once, in order, no deadlock.
+
+    Raises:
+        ScheduleError: on any problem found (see :func:`simulate`).
+        DeadlockError: when the programs cannot make progress.
+    """
+    return simulate(schedule, programs)
+
+
+def _cost_function(costs: Costs | None) -> CostFn:
+    if callable(costs):
+        return costs
+    table = {**DEFAULT_COSTS, **(costs or {})}
+    return lambda action: float(table[action.kind])
+
+
+def _step_cost(step: Step, cost: CostFn) -> float:
+    action = step.action
+    if action is None:
+        return 0.0
+    if action.kind == BACKWARD and step.backward_weights:
+        return cost(action) + cost(Action(WEIGHT, action.microbatch, action.stage))
+    return cost(action)
+
+
+def _raise_problems(what: str, problems: list[str]) -> None:
+    if problems:
+        more = len(problems) - _MAX_PROBLEMS
+        listed = problems[:_MAX_PROBLEMS] + ([f"... and {more} more"] if more > 0 else [])
+        raise ScheduleError(f"{what}:\n  " + "\n  ".join(listed))
+
+
+def _check_programs(schedule: PipelineSchedule, programs: list[Program]) -> None:
+    """Placement, ranges and completeness of the actions and ops, before anything runs."""
+    if len(programs) != schedule.num_ranks:
+        raise ScheduleError(f"got {len(programs)} programs for {schedule.num_ranks} ranks")
+    where: dict[Action, list[str]] = defaultdict(list)
+    problems: list[str] = []
+    for r, program in enumerate(programs):
+        for k, step in enumerate(program):
+            problems += [_op_problem(schedule, r, k, op) for op in step.ops]
+            if step.action is not None:
+                problems.append(_action_problem(schedule, r, k, step.action))
+                where[step.action].append(f"rank {r} step {k}")
+    name = repr(schedule.name)
+    _raise_problems(f"invalid programs for schedule {name}", [p for p in problems if p])
+    _raise_problems(f"incomplete schedule {name}", _completeness_problems(schedule, where))
+    _raise_problems(f"inconsistent backward steps in {name}", _split_problems(programs, where))
+
+
+def _action_problem(schedule: PipelineSchedule, r: int, k: int, action: Action) -> str:
+    at = f"rank {r} step {k}: {action}"
+    if action.kind not in KINDS or (not schedule.training and action.kind != FORWARD):
+        allowed = "F, B, W" if schedule.training else "only F (forward-only schedule)"
+        return f"{at}: kind {action.kind!r} not allowed ({allowed})"
+    out_of_range = _range_problem(schedule, (action.stage,), action.microbatch)
+    if out_of_range:
+        return f"{at}: {out_of_range}"
+    if schedule.stage_to_rank[action.stage] != r:
+        return f"{at}: stage {action.stage} belongs to rank {schedule.stage_to_rank[action.stage]}"
+    return ""
+
+
+def _op_problem(schedule: PipelineSchedule, r: int, k: int, op: CommOp) -> str:
+    at, owner = f"rank {r} step {k}: {op.describe()}", schedule.stage_to_rank
+    stages = (op.src_stage, op.dst_stage)
+    out_of_range = _range_problem(schedule, stages, op.microbatch)
+    if out_of_range:
+        return f"{at}: {out_of_range}"
+    mine, theirs = stages if op.is_send else stages[::-1]  # src_stage is the sender's
+    if owner[mine] != r or owner[theirs] != op.peer or op.peer == r:
+        return f"{at}: stage {mine} is on rank {owner[mine]}, {theirs} on rank {owner[theirs]}"
+    return ""
+
+
+def _range_problem(schedule: PipelineSchedule, stages: tuple[int, ...], microbatch: int) -> str:
+    bad = [s for s in stages if not 0 <= s < schedule.num_stages]
+    if bad:
+        return f"stage {bad[0]} out of range 0..{schedule.num_stages - 1}"
+    if not 0 <= microbatch < schedule.num_microbatches:
+        return f"micro-batch {microbatch} out of range 0..{schedule.num_microbatches - 1}"
+    return ""
+
+
+def _completeness_problems(schedule: PipelineSchedule, where: dict[Action, list[str]]) -> list[str]:
+    problems = []
+    required = (FORWARD, BACKWARD) if schedule.training else (FORWARD,)
+    for s in range(schedule.num_stages):
+        for i in range(schedule.num_microbatches):
+            for kind in KINDS:
+                action, found = Action(kind, i, s), where.get(Action(kind, i, s), [])
+                owner = schedule.stage_to_rank[s]
+                if kind in required and not found:
+                    problems.append(f"missing {action} (stage {s} is on rank {owner})")
+                elif len(found) > 1:
+                    problems.append(f"{action} appears {len(found)} times: {', '.join(found)}")
+    return problems
+
+
+def _split_problems(programs: list[Program], where: dict[Action, list[str]]) -> list[str]:
+    problems = []
+    for r, program in enumerate(programs):
+        for k, step in enumerate(program):
+            if step.action is None or step.action.kind != BACKWARD:
+                continue
+            weight = Action(WEIGHT, step.action.microbatch, step.action.stage)
+            if step.backward_weights == (weight in where):
+                reason = "is also scheduled" if weight in where else "is never scheduled"
+                problems.append(
+                    f"rank {r} step {k}: {step.action} has backward_weights="
+                    f"{step.backward_weights} but {weight} {reason}"
+                )
+    return problems
+
+
+def _check_channel_counts(programs: list[Program]) -> None:
+    """Every send must meet a recv on its channel, or ops are left over at the end."""
+    posted: dict[tuple[Channel, bool], list[str]] = defaultdict(list)
+    for r, program in enumerate(programs):
+        for k, step in enumerate(program):
+            for op in step.ops:
+                channel = (r, op.peer) if op.is_send else (op.peer, r)
+                posted[channel, op.is_send].append(f"rank {r} step {k}: {op.describe()}")
+    problems = []
+    for src, dst in sorted({channel for channel, _ in posted}):
+        sends, recvs = posted[(src, dst), True], posted[(src, dst), False]
+        if len(sends) != len(recvs):
+            left = (sends if len(sends) > len(recvs) else recvs)[min(len(sends), len(recvs)) :]
+            problems.append(
+                f"rank {src} -> rank {dst}: {len(sends)} sends, {len(recvs)} recvs; "
+                f"left over: {'; '.join(left)}"
+            )
+    _raise_problems("unmatched comm ops would be left over at the end", problems)
+
+
+class _Posted(NamedTuple):
+    rank: int
+    step: int
+    op: CommOp
+    time: float
+
+
+_Slot = tuple[_Posted, list[_Posted], int]  # (this op, the counterpart queue, index in it)
+
+
+def _counterpart(slot: _Slot) -> _Posted | None:
+    """The op matched with the slot's op, or None while it has not been posted."""
+    _, theirs, index = slot
+    return theirs[index] if index < len(theirs) else None
+
+
+def _dependencies(action: Action, num_stages: int) -> list[Action]:
+    s, i = action.stage, action.microbatch
+    if action.kind == FORWARD:
+        return [Action(FORWARD, i, s - 1)] if s > 0 else []
+    if action.kind == BACKWARD:
+        later = [Action(BACKWARD, i, s + 1)] if s < num_stages - 1 else []
+        return [Action(FORWARD, i, s)] + later
+    return [Action(BACKWARD, i, s)]
+
+
+def _producer(op: CommOp) -> Action:
+    kind = FORWARD if op.payload == ACTIVATION else BACKWARD
+    return Action(kind, op.microbatch, op.src_stage)
+
+
+class _Simulation:
+    """The state of every rank while the programs execute."""
+
+    def __init__(
+        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float
+    ) -> None:
+        p = schedule.num_ranks
+        self.schedule, self.programs, self.cost, self.latency = schedule, programs, cost, latency
+        self.queues: dict[tuple[Channel, bool], list[_Posted]] = defaultdict(list)  # by is_send
+        self.next_step, self.clock, self.busy = [0] * p, [0.0] * p, [0.0] * p
+        self.live, self.peak = [0] * p, [0] * p
+        self.slots: list[list[_Slot] | None] = [None] * p  # posted ops of each rank's current step
+        self.received: list[set[CommOp]] = [set() for _ in range(p)]
+        self.finished_at: dict[Action, float] = {}
+        self.timeline: list[tuple[int, Action, float, float]] = []
+
+    def run(self) -> SimResult:
+        """Advance every rank as far as it goes until all finish; raise on a deadlock."""
+        p = self.schedule.num_ranks
+        while any(self.next_step[r] < len(self.programs[r]) for r in range(p)):
+            progressed = False
+            for r in range(p):
+                while self._advance(r):
+                    progressed = True
+            if not progressed:
+                self._raise_deadlock()
+        makespan = max(self.clock, default=0.0)
+        bubble = 1.0 - sum(self.busy) / (p * makespan) if makespan > 0 else 0.0
+        self.timeline.sort(key=lambda entry: (entry[2], entry[0]))
+        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline)
+
+    def _advance(self, r: int) -> bool:
+        k = self.next_step[r]
+        if k >= len(self.programs[r]):
+            return False
+        step = self.programs[r][k]
+        if self.slots[r] is None:
+            self.slots[r] = [self._post(_Posted(r, k, op, self.clock[r])) for op in step.ops]
+            return True
+        others = [_counterpart(slot) for slot in self.slots[r]]
+        if any(other is None for other in others):
+            return False
+        done = max([self.clock[r]] + [other.time for other in others if other is not None])
+        self.received[r].update(op for op in step.ops if not op.is_send)
+        self._compute(r, k, step, done + (self.latency if step.ops else 0.0))
+        self.next_step[r], self.slots[r] = k + 1, None
+        return True
+
+    def _post(self, posted: _Posted) -> _Slot:
+        """Queue one op on its channel; the k-th send there meets the k-th recv."""
+        r, op = posted.rank, posted.op
+        if op.is_send and _producer(op) not in self.finished_at:
+            at = f"rank {r} step {posted.step}"
+            raise ScheduleError(f"{at}: {op.describe()} before {_producer(op)} has run")
+        channel = (r, op.peer) if op.is_send else (op.peer, r)
+        mine, theirs = self.queues[channel, op.is_send], self.queues[channel, not op.is_send]
+        slot = (posted, theirs, len(mine))
+        mine.append(posted)
+        other = _counterpart(slot)
+        if other is not None and not op.matches(other.op):
+            raise ScheduleError(
+                f"misordered transfer #{slot[2]} from rank {channel[0]} to rank {channel[1]}: "
+                f"rank {r} step {posted.step} posts '{op.describe()}' but rank {other.rank} "
+                f"step {other.step} posts '{other.op.describe()}'"
+            )
+        return slot
+
+    def _compute(self, r: int, k: int, step: Step, start: float) -> None:
+        end = start + _step_cost(step, self.cost)
+        self.clock[r] = end
+        if step.action is None:
+            return
+        action = step.action
+        self._check_inputs(r, k, action, start)
+        self.finished_at[action] = end
+        self.busy[r] += end - start
+        self.timeline.append((r, action, start, end))
+        if not self.schedule.training:
+            return
+        if action.kind == FORWARD:
+            self.live[r] += 1
+            self.peak[r] = max(self.peak[r], self.live[r])
+        elif action.kind == WEIGHT or step.backward_weights:
+            self.live[r] -= 1
+
+    def _check_inputs(self, r: int, k: int, action: Action, start: float) -> None:
+        for need in _dependencies(action, self.schedule.num_stages):
+            if self.finished_at.get(need, float("inf")) > start:
+                raise ScheduleError(f"rank {r} step {k}: {action} runs before {need} has finished")
+        for recv in recvs_needed(action, self.schedule):
+            if recv not in self.received[r]:
+                raise ScheduleError(
+                    f"rank {r} step {k}: {action} runs without its input ({recv.describe()})"
+                )
+
+    def _raise_deadlock(self) -> None:
+        stuck = {r: k for r, k in enumerate(self.next_step) if k < len(self.programs[r])}
+        waiting = []
+        for r, k in stuck.items():
+            slots = self.slots[r] or []
+            ops = "; ".join(s[0].op.describe() for s in slots if _counterpart(s) is None)
+            waiting.append(f"rank {r} step {k} ({_cell(self.programs[r][k])}) waits on: {ops}")
+        where = ", ".join(f"rank {r} at step {k}" for r, k in stuck.items())
+        grid = _deadlock_grid(self.programs, stuck) + "\n" + "\n".join(waiting)
+        message = f"deadlock in schedule {self.schedule.name!r}: no rank can progress ({where})"
+        raise DeadlockError(message, grid)
+
+
+def _cell(step: Step) -> str:
+    return str(step.action) if step.action is not None else "-"
+
+
+def _grid_columns(length: int, stuck_steps: list[int]) -> list[int | None]:
+    """Step indices to draw; None stands for a run of hidden steps (``...``)."""
+    if length <= _GRID_FULL:
+        return list(range(length))
+    near = {c for k in stuck_steps for c in range(k - _GRID_RADIUS, k + _GRID_RADIUS + 1)}
+    shown = sorted(c for c in near if 0 <= c < length)
+    columns: list[int | None] = []
+    previous = -1
+    for c in shown:
+        if c != previous + 1:
+            columns.append(None)
+        columns.append(c)
+        previous = c
+    return columns + ([None] if previous < length - 1 else [])
+
+
+def _deadlock_grid(programs: list[Program], stuck: dict[int, int]) -> str:
+    """A rank x step text table of the programs, each rank's stuck step marked ``[1F3]``."""
+    length = max((len(program) for program in programs), default=0)
+    columns = _grid_columns(length, list(stuck.values()))
+    rows = [["step"] + ["..." if c is None else str(c) for c in columns]]
+    for r, program in enumerate(programs):
+        row = [f"rank {r}"]
+        for c in columns:
+            text = "..." if c is None else _cell(program[c]) if c < len(program) else ""
+            row.append(f"[{text}]" if c is not None and stuck.get(r) == c else text)
+        rows.append(row)
+    widths = [max(len(row[j]) for row in rows) for j in range(len(rows[0]))]
+    return "\n".join(
+        " ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows
+    )

@@ -1,0 +1,166 @@
+"""One model chunk on one rank: forward, backward (full or split into B and W), activations kept.
+
+A Stage knows nothing about communication: it is handed input tuples and output gradients and
+returns outputs and input gradients.  Index letters: s = stage, i = micro-batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeflow.models.spec import run_layers
+
+Tensors = tuple[torch.Tensor, ...]
+
+
+def as_tuple(value: Any) -> Tensors:
+    """A layer output (Tensor or tuple of Tensors) as a tuple."""
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def unpack(values: Tensors) -> Any:
+    """A one-element tuple as its tensor, longer tuples unchanged (the model input convention)."""
+    return values[0] if len(values) == 1 else values
+
+
+class Stage:
+    """Runs stage `index` of `num_stages` for one micro-batch at a time.
+
+    Args:
+        index: the stage index s.
+        num_stages: S, the total number of stages.
+        layers: this stage's layers, in order.
+        loss_fn: (last layer output, targets) -> mean loss; used on the last stage only.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        num_stages: int,
+        layers: Sequence[nn.Module],
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.index = index
+        self.num_stages = num_stages
+        self.module = nn.ModuleList(layers)
+        self.loss_fn = loss_fn
+        self._inputs: dict[int, Tensors] = {}
+        self._outputs: dict[int, Tensors] = {}
+        self._pending_weight: dict[int, tuple[Tensors, Tensors | None]] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+
+    @property
+    def is_first(self) -> bool:
+        """True for stage 0, which reads the model input."""
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True for stage S-1, which computes the loss."""
+        return self.index == self.num_stages - 1
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This stage's parameters."""
+        return list(self.module.parameters())
+
+    def activations_held(self) -> int:
+        """How many micro-batches' activations this stage keeps for backward."""
+        return len(set(self._outputs) | set(self._pending_weight))
+
+    def forward(
+        self,
+        i: int,
+        inputs: Tensors,
+        target: torch.Tensor | None = None,
+        loss_scale: float = 1.0,
+        keep_for_backward: bool = True,
+    ) -> Tensors:
+        """Run micro-batch `i` through the stage.
+
+        On the last stage the loss ``loss_fn(output, target) * loss_scale`` is computed and kept
+        (``self.losses[i]``); the returned tuple is then the loss alone.
+
+        Args:
+            i: micro-batch index.
+            inputs: the stage inputs; received float tensors already require grad.
+            target: the micro-batch targets (last stage, training or evaluation with loss).
+            loss_scale: factor that makes the sum over micro-batches equal the full-batch loss.
+            keep_for_backward: False for evaluation (no graph is built or kept).
+        """
+        with torch.set_grad_enabled(keep_for_backward):
+            output = run_layers(list(self.module), unpack(inputs))
+            outputs = as_tuple(output)
+            if self.is_last and target is not None and self.loss_fn is not None:
+                loss = self.loss_fn(output, target) * loss_scale
+                self.losses[i] = loss.detach()
+                outputs = (loss,)
+        if keep_for_backward:
+            self._inputs[i] = inputs
+            self._outputs[i] = outputs
+        return outputs
+
+    def backward(self, i: int, grad_outputs: Tensors | None, weights: bool = True) -> tuple[torch.Tensor | None, ...]:
+        """Backward of micro-batch `i`; returns the gradients of the stage inputs.
+
+        Args:
+            i: micro-batch index.
+            grad_outputs: gradients of the outputs that require grad, in order (None on the
+                last stage, whose output is the loss).
+            weights: True for a full backward (parameter grads accumulated now); False for the
+                input-grad half (B) of a split backward, whose weight half runs in
+                :meth:`backward_weight`.
+
+        Returns:
+            One entry per input: its gradient, or None for inputs that need none.
+        """
+        inputs, outputs = self._inputs.pop(i), self._outputs.pop(i)
+        tensors = [t for t in outputs if t.requires_grad]
+        grads = None if grad_outputs is None else list(grad_outputs)
+        if grads is not None and len(grads) != len(tensors):
+            raise ValueError(
+                f"stage {self.index}, micro-batch {i}: got {len(grads)} output gradients for "
+                f"{len(tensors)} outputs that require grad"
+            )
+        wanted = [t for t in inputs if t.requires_grad]
+        if weights:
+            torch.autograd.backward(tensors, grads)
+            found = {id(t): t.grad for t in wanted}
+        else:
+            found = {}
+            if wanted:
+                grads_in = torch.autograd.grad(tensors, wanted, grads, retain_graph=True, allow_unused=True)
+                found = {id(t): g for t, g in zip(wanted, grads_in)}
+            self._pending_weight[i] = (tuple(tensors), None if grads is None else tuple(grads))
+        return tuple(found.get(id(t)) if t.requires_grad else None for t in inputs)
+
+    def backward_weight(self, i: int) -> None:
+        """The weight-grad half (W) of a split backward for micro-batch `i`."""
+        tensors, grads = self._pending_weight.pop(i)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        torch.autograd.backward(list(tensors), None if grads is None else list(grads), inputs=params)
+
+    def trial_forward(self, inputs: Tensors) -> Tensors:
+        """Run the layers once in eval mode (no BatchNorm update, no dropout RNG) to see outputs.
+
+        The graph is built (grad enabled) so that the outputs' ``requires_grad`` is what a
+        training forward gives; it is dropped on return.
+        """
+        modes = [(mod, mod.training) for mod in self.module.modules()]
+        self.module.train(False)
+        try:
+            with torch.enable_grad():
+                return tuple(t.detach().requires_grad_(t.requires_grad) for t in as_tuple(run_layers(list(self.module), unpack(inputs))))
+        finally:
+            for mod, mode in modes:
+                mod.training = mode
+
+    def take_loss(self) -> torch.Tensor | None:
+        """The sum of the kept micro-batch losses (last stage), clearing them; None elsewhere."""
+        if not self.losses:
+            return None
+        total = torch.stack(list(self.losses.values())).sum()
+        self.losses.clear()
+        return total

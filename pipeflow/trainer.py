@@ -1,0 +1,234 @@
+"""The training loop: data, optimizer, lr schedule, global grad-norm clipping, evaluation, logging.
+
+How a step is scheduled is the Pipeline's business; the Trainer splits batches into
+micro-batches, hands them over, then finishes the step (clip, optimizer, log) on every rank.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from pipeflow import data as datasets
+from pipeflow.comm import P2PComm
+from pipeflow.config import check_config
+from pipeflow.errors import ConfigError
+from pipeflow.models.spec import ModelSpec
+from pipeflow.partition import format_partition, partition_layers
+from pipeflow.pipeline import Pipeline
+from pipeflow.schedules import build_schedule
+from pipeflow.schedules.simulator import simulate
+from pipeflow.stage import Stage, Tensors
+
+log = logging.getLogger("pipeflow")
+
+
+@dataclass
+class Batches:
+    """Train and validation batch sources (each with ``get(step) -> (inputs, targets)``)."""
+
+    train: Any
+    val: Any
+    best_loss: float | None = None  # lowest achievable loss, where the data knows it
+
+
+def build_batches(cfg: Any, model_cfg: Any) -> Batches:
+    """The data sources named by ``data.name`` (identical on every rank).
+
+    Raises:
+        ConfigError: unknown data name, or a vocabulary larger than the model's.
+    """
+    name = cfg.name
+    if name == "gaussian":
+        make = lambda seed: datasets.ClassificationBatches(cfg.in_features, cfg.num_classes, cfg.batch_size, seed)  # noqa: E731
+        return Batches(make(cfg.seed), make(cfg.seed + 1))
+    if name == "markov":
+        tokens = datasets.markov_tokens(cfg.num_tokens, cfg.vocab_size, cfg.seed)
+        vocab, best = cfg.vocab_size, datasets.markov_entropy_rate(cfg.vocab_size, cfg.seed)
+    elif name == "text":
+        if cfg.path is None:
+            raise ConfigError("data=text needs data.path=<a local text file>")
+        tokens, chars = datasets.text_file_tokens(cfg.path, cfg.level)
+        vocab, best = (256 if chars is None else len(chars)), None
+    else:
+        raise ConfigError(f"unknown data.name={name!r}; valid: markov, text, gaussian")
+    model_vocab = getattr(model_cfg, "vocab_size", vocab)
+    if vocab > model_vocab:
+        raise ConfigError(
+            f"the data has a vocabulary of {vocab} tokens but model.vocab_size={model_vocab}; "
+            f"set model.vocab_size={vocab}"
+        )
+    train, val = datasets.split_tokens(tokens, cfg.val_fraction)
+    return Batches(
+        datasets.TokenBatches(train, cfg.seq_len, cfg.batch_size, cfg.seed),
+        datasets.TokenBatches(val, cfg.seq_len, cfg.batch_size, cfg.seed + 1),
+        best,
+    )
+
+
+def split_microbatches(tensor: torch.Tensor, m: int) -> list[torch.Tensor]:
+    """Split a batch along dim 0 into m equal micro-batches."""
+    if tensor.shape[0] % m:
+        raise ConfigError(f"batch of {tensor.shape[0]} cannot be split into {m} equal micro-batches")
+    return list(tensor.chunk(m))
+
+
+def lr_at(step: int, cfg: Any, max_steps: int) -> float:
+    """Linear warm-up to optim.lr, then cosine decay to optim.min_lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def clip_grad_norm_global(params: list[torch.nn.Parameter], max_norm: float, group: Any, extra: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Clip by the norm over every stage's gradients (one all-reduce over the pipeline group).
+
+    Equals ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.  `extra` (e.g. the loss,
+    non-zero on the last stage only) rides along in the same all-reduce.
+
+    Returns:
+        (total norm before clipping, the all-reduced `extra`).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    device = extra.device
+    local = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
+    packed = torch.cat([local.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
+    dist.all_reduce(packed, group=group)
+    total = float(packed[0].sqrt())
+    if max_norm > 0:
+        coef = max_norm / (total + 1e-6)
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return total, packed[1:]
+
+
+class Trainer:
+    """Builds this rank's part of the pipeline from the config and trains it.
+
+    Args:
+        cfg: the resolved Hydra config (see ``configs/`` and ``pipeflow/config.py``).
+        device: this rank's device.
+    """
+
+    def __init__(self, cfg: DictConfig, device: torch.device) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.is_main = self.rank == 0
+        self.dp, self.pp = check_config(cfg, self.world_size)
+        self.dtype = getattr(torch, cfg.train.dtype)
+        self.spec: ModelSpec = instantiate(cfg.model)
+        self.m = cfg.pipeline.num_microbatches
+        self.schedule = build_schedule(cfg.schedule.name, self.pp, self.m)
+        self.ranges = partition_layers(
+            len(self.spec.layers), self.schedule.num_stages, cfg.pipeline.split_points, self.spec.layer_names()
+        )
+        self.stages = {
+            s: Stage(s, self.schedule.num_stages, self.spec.build_layers(self.ranges[s], device, self.dtype), self.spec.loss_fn)
+            for s in self.schedule.stages_of(self.rank)
+        }
+        comm = P2PComm(None, device, cfg.comm.timeout_s)
+        comm.warmup()
+        self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
+        self.params = [p for st in self.stages.values() for p in st.parameters()]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
+        )
+        self.batches = build_batches(cfg.data, cfg.model)
+        self.run_dir = self._agree_run_dir()
+
+    def _agree_run_dir(self) -> str:
+        """Rank 0 picks the run directory, every rank receives it; rank 0 writes the config there."""
+        choice = [self.cfg.train.run_dir or os.path.join("outputs", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))]
+        dist.broadcast_object_list(choice, src=0)
+        run_dir = choice[0]
+        if self.is_main:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+                f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
+        return run_dir
+
+    def describe(self) -> str:
+        """The partition table and the schedule's predicted bubble (for F=1, B=2)."""
+        sim = simulate(self.schedule)
+        table = format_partition(self.ranges, self.spec.layer_names(), self.schedule.stage_to_rank)
+        return (
+            f"pipeline: {self.pp} ranks, schedule={self.schedule.name}, "
+            f"{self.m} micro-batches, predicted bubble {sim.bubble:.1%}\n{table}"
+        )
+
+    def _microbatches(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[list[Tensors] | None, list[torch.Tensor] | None]:
+        x, y = batch
+        inputs = targets = None
+        if 0 in self.stages:
+            xs = x.to(self.device)
+            xs = xs.to(self.dtype) if xs.is_floating_point() else xs
+            inputs = [(mb,) for mb in split_microbatches(xs, self.m)]
+        if self.schedule.num_stages - 1 in self.stages:
+            targets = split_microbatches(y.to(self.device), self.m)
+        return inputs, targets
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step on batch `step`; returns (loss, grad norm before clipping) on every rank."""
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        inputs, targets = self._microbatches(self.batches.train.get(step))
+        loss = self.pipeline.run(inputs, targets)
+        extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1)
+        norm, reduced = clip_grad_norm_global(self.params, self.cfg.optim.grad_clip, None, extra)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(reduced[0]), norm
+
+    def evaluate(self) -> float:
+        """Mean loss over ``train.eval_batches`` held-out batches (forward only)."""
+        total = torch.zeros(1, device=self.device, dtype=torch.float64)
+        for k in range(self.cfg.train.eval_batches):
+            inputs, targets = self._microbatches(self.batches.val.get(k))
+            loss = self.pipeline.eval(inputs, targets)
+            if loss is not None:
+                total += loss.double()
+        dist.all_reduce(total)
+        return float(total) / self.cfg.train.eval_batches
+
+    def fit(self) -> dict[str, float]:
+        """Train for ``train.max_steps`` steps; returns first/last loss and final held-out loss."""
+        cfg = self.cfg.train
+        if self.is_main:
+            log.info(self.describe())
+            log.info("run directory: %s", self.run_dir)
+        first_val = self.evaluate()
+        tokens_per_step = self.cfg.data.batch_size * (self.cfg.data.seq_len if self.cfg.data.name != "gaussian" else 1)
+        first_loss = last_loss = float("nan")
+        t0 = time.perf_counter()
+        for step in range(cfg.max_steps):
+            loss, norm = self.train_step(step)
+            first_loss = loss if step == 0 else first_loss
+            last_loss = loss
+            if self.is_main and (step % cfg.log_every == 0 or step == cfg.max_steps - 1):
+                dt = (time.perf_counter() - t0) / (step + 1)
+                log.info("step %4d/%d | loss %.4f | grad norm %.3f | lr %.2e | %.0f ms/step | %.0f tokens/s",
+                         step, cfg.max_steps, loss, norm, self.optimizer.param_groups[0]["lr"], dt * 1e3, tokens_per_step / dt)
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
+                val = self.evaluate()
+                if self.is_main:
+                    log.info("step %4d | held-out loss %.4f", step + 1, val)
+        final_val = self.evaluate()
+        result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val}
+        if self.is_main:
+            best = f" (best achievable {self.batches.best_loss:.4f})" if self.batches.best_loss is not None else ""
+            log.info("loss %.4f -> %.4f | held-out loss %.4f -> %.4f%s", first_loss, last_loss, first_val, final_val, best)
+        return result

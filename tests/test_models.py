@@ -1,0 +1,242 @@
+"""Tests for pipeflow.models (lazy, deterministic layers; run_layers) and pipeflow.data."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipeflow.data import (
+    ClassificationBatches,
+    TokenBatches,
+    markov_entropy_rate,
+    markov_tokens,
+    markov_transitions,
+    split_tokens,
+    text_file_tokens,
+)
+from pipeflow.errors import ConfigError
+from pipeflow.models import (
+    MODEL_BUILDERS,
+    LayerSpec,
+    ModelSpec,
+    get_model_builder,
+    register_model,
+    run_layers,
+)
+
+try:  # pytest puts tests/ on sys.path when tests/ is not a package
+    from toy_models import build_toy, random_batch
+except ImportError:  # pragma: no cover - tests/ became a package
+    from tests.toy_models import build_toy, random_batch
+
+KINDS = ["gpt", "mlp", "masked_mlp"]
+B = 3
+
+
+def _output_shape(kind: str) -> tuple[int, ...]:
+    return {"gpt": (B, 16, 64), "mlp": (B, 10), "masked_mlp": (B, 16)}[kind]
+
+
+def _same_state(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_run_layers_shapes_and_loss(kind: str) -> None:
+    spec = build_toy(kind)
+    x, y = random_batch(kind, B)
+    out = run_layers(spec.build_all(dtype=torch.float64), x)
+    assert isinstance(out, torch.Tensor) and out.shape == _output_shape(kind)
+    assert out.dtype == torch.float64
+    loss = spec.loss_fn(out, y)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+
+
+def test_layer_names() -> None:
+    blocks = [f"block.{k}" for k in range(4)]
+    assert build_toy("gpt").layer_names() == ["embedding", *blocks, "head"]
+    assert build_toy("mlp").layer_names() == ["input", *(f"hidden.{k}" for k in range(4)), "head"]
+    assert build_toy("masked_mlp").layer_names()[1] == "block.0"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_subset_equals_build_all(kind: str) -> None:
+    spec = build_toy(kind)
+    full = spec.build_all()
+    subset = [4, 1, 2]
+    for i, layer in zip(subset, spec.build_layers(subset)):
+        assert _same_state(layer, full[i])
+    assert not _same_state(full[1], full[2])  # layers are seeded apart, not identical
+
+
+def test_pipelined_chain_equals_full_chain_float64() -> None:
+    spec = build_toy("masked_mlp")
+    x, _ = random_batch("masked_mlp", B)
+    full = run_layers(spec.build_all(dtype=torch.float64), x)
+    stage0 = spec.build_layers(range(0, 2), dtype=torch.float64)
+    stage1 = spec.build_layers(range(2, len(spec)), dtype=torch.float64)
+    hidden = run_layers(stage0, x)
+    assert isinstance(hidden, tuple) and hidden[1].dtype == torch.int64
+    assert torch.equal(run_layers(stage1, hidden), full)
+
+
+def test_build_does_not_touch_global_rng() -> None:
+    spec = build_toy("gpt")
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    spec.build_layers([1])
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_build_is_independent_of_global_rng_and_default_dtype() -> None:
+    spec = build_toy("mlp")
+    torch.manual_seed(1)
+    a = spec.build_layers([0])[0]
+    torch.manual_seed(2)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        b = spec.build_layers([0])[0]
+    finally:
+        torch.set_default_dtype(old)
+    assert _same_state(a, b) and a[0].weight.dtype == torch.float32
+
+
+def test_seed_changes_weights() -> None:
+    a = build_toy("mlp", seed=0).build_layers([0])[0]
+    b = build_toy("mlp", seed=1).build_layers([0])[0]
+    assert not _same_state(a, b)
+
+
+def test_dtype_leaves_masks_and_ints_alone() -> None:
+    block = build_toy("gpt").build_layers([1], dtype=torch.float64)[0]
+    assert block.attn.mask.dtype == torch.bool
+    assert all(p.dtype == torch.float64 for p in block.parameters())
+
+
+def test_gpt_is_causal() -> None:
+    spec = build_toy("gpt")
+    layers = spec.build_all(dtype=torch.float64)
+    x, _ = random_batch("gpt", 1)
+    x2 = x.clone()
+    x2[0, -1] = (x[0, -1] + 1) % 64  # change only the last token
+    a, b = run_layers(layers, x), run_layers(layers, x2)
+    assert torch.equal(a[:, :-1], b[:, :-1]) and not torch.equal(a[:, -1], b[:, -1])
+
+
+def test_gpt_initial_loss_near_log_vocab() -> None:
+    spec = build_toy("gpt")
+    x, y = random_batch("gpt", 8)
+    loss = spec.loss_fn(run_layers(spec.build_all(), x), y)
+    assert abs(loss.item() - math.log(64)) < 0.1
+
+
+def test_bad_index_and_spec_errors() -> None:
+    spec = build_toy("mlp")
+    with pytest.raises(ConfigError, match="cannot build layer 6"):
+        spec.build_layers([6])
+    with pytest.raises(ConfigError, match="duplicate layer names"):
+        ModelSpec("x", [LayerSpec("a", nn.ReLU), LayerSpec("a", nn.ReLU)], loss_fn=lambda o, t: o)
+    with pytest.raises(ConfigError, match="expected an nn.Module"):
+        LayerSpec("bad", lambda: 3).build()
+    with pytest.raises(ConfigError, match="n_embd=10 must be divisible by model.n_head=4"):
+        get_model_builder("gpt")(n_embd=10, n_head=4)
+
+
+def test_layer_spec_is_lazy() -> None:
+    calls: list[int] = []
+
+    def builder() -> nn.Module:
+        calls.append(1)
+        return nn.Identity()
+
+    spec = ModelSpec("lazy", [LayerSpec(f"l{i}", builder) for i in range(3)], lambda o, t: o)
+    assert calls == []
+    spec.build_layers([2])
+    assert calls == [1]
+
+
+def test_registry() -> None:
+    assert get_model_builder("gpt") is MODEL_BUILDERS["gpt"]
+    with pytest.raises(ConfigError) as err:
+        get_model_builder("nope")
+    assert "'nope'" in str(err.value) and "gpt" in str(err.value) and "mlp" in str(err.value)
+
+    @register_model("toy_test_model")
+    def build_toy_test() -> ModelSpec:
+        return build_toy("mlp")
+
+    try:
+        assert get_model_builder("toy_test_model") is build_toy_test
+        with pytest.raises(ConfigError, match="already registered"):
+            register_model("toy_test_model", lambda: build_toy("mlp"))
+    finally:
+        MODEL_BUILDERS.pop("toy_test_model")
+
+
+# ---- data ----------------------------------------------------------------------------------
+
+
+def test_token_batches_deterministic() -> None:
+    tokens = markov_tokens(2000, 32, seed=0)
+    batches = TokenBatches(tokens, seq_len=8, batch_size=4, seed=7)
+    x, y = batches.get(5)
+    x2, y2 = TokenBatches(tokens, seq_len=8, batch_size=4, seed=7).get(5)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert x.shape == y.shape == (4, 8) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one
+    assert not torch.equal(batches.get(6)[0], x)
+    with pytest.raises(ConfigError, match="too short"):
+        TokenBatches(tokens[:8], seq_len=8, batch_size=1, seed=0)
+
+
+def test_markov_stream_and_entropy() -> None:
+    a = markov_tokens(5000, 32, seed=3)
+    assert torch.equal(a, markov_tokens(5000, 32, seed=3))
+    assert not torch.equal(a, markov_tokens(5000, 32, seed=4))
+    assert a.dtype == torch.long and 0 <= int(a.min()) and int(a.max()) < 32
+    P = markov_transitions(32, seed=3)
+    assert torch.allclose(P.sum(dim=1), torch.ones(32, dtype=torch.float64))
+    h = markov_entropy_rate(32, seed=3)
+    assert 0.0 < h < math.log(32) - 1.0  # learnable: far below the uniform loss
+    # the empirical next-token loss under the true chain matches the entropy rate
+    empirical = -P[a[:-1], a[1:]].log().mean().item()
+    assert abs(empirical - h) < 0.1
+
+
+def test_text_file_tokens(tmp_path: Path) -> None:
+    path = tmp_path / "t.txt"
+    path.write_text("hello wörld", encoding="utf-8")
+    tokens, vocab = text_file_tokens(path, level="char")
+    assert vocab == sorted(set("hello wörld")) and len(tokens) == 11
+    assert "".join(vocab[i] for i in tokens) == "hello wörld"
+    tokens, vocab = text_file_tokens(path, level="byte")
+    assert vocab is None and bytes(tokens.tolist()) == "hello wörld".encode()
+    with pytest.raises(ConfigError, match="does not exist"):
+        text_file_tokens(tmp_path / "missing.txt")
+    with pytest.raises(ConfigError, match="'word'"):
+        text_file_tokens(path, level="word")
+
+
+def test_split_tokens() -> None:
+    tokens = torch.arange(100)
+    train, val = split_tokens(tokens, 0.1)
+    assert torch.equal(torch.cat([train, val]), tokens) and len(val) == 10
+    assert len(split_tokens(tokens, 0.0)[1]) == 0
+    with pytest.raises(ConfigError):
+        split_tokens(tokens, 1.0)
+
+
+def test_classification_batches() -> None:
+    data = ClassificationBatches(in_features=32, num_classes=10, batch_size=6, seed=1)
+    x, y = data.get(2)
+    assert x.shape == (6, 32) and x.dtype == torch.float32 and y.dtype == torch.long
+    x2, y2 = ClassificationBatches(32, 10, 6, seed=1).get(2)
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert not torch.equal(data.get(3)[0], x)

@@ -1,0 +1,52 @@
+"""Train a model split into pipeline stages.
+
+One machine, 4 processes (one pipeline stage each):
+    torchrun --nproc-per-node 4 train.py
+Overrides (Hydra):
+    torchrun --nproc-per-node 2 train.py schedule=gpipe pipeline.num_microbatches=4 train.max_steps=50
+Several machines (run on each node, same endpoint):
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host:29500 train.py
+Without torchrun, `python train.py` runs a pipeline of one stage.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from pipeflow.config import register_configs
+from pipeflow.distributed import choose_device, init_distributed
+from pipeflow.trainer import Trainer
+
+register_configs()
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs INFO to stdout; other ranks only warnings and errors, tagged with their rank."""
+    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    """Set up the process group, train, and always tear the group down."""
+    backend, device = choose_device(cfg.dist.backend, cfg.dist.device)
+    init_distributed(backend, device)
+    setup_logging(dist.get_rank())
+    try:
+        Trainer(cfg, device).fit()
+    except Exception:
+        logging.getLogger("pipeflow").exception("rank %d failed", dist.get_rank())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
