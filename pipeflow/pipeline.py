@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pipeflow.comm import P2PComm, TensorMeta, decode_metas, encode_metas
+from pipeflow.comm import META_LEN, P2PComm, TensorMeta, encode_metas
 from pipeflow.errors import PipeflowError, ScheduleError, ShapeMismatchError, StageError
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
@@ -62,7 +62,7 @@ class Pipeline:
         self._eval_programs: dict[int, Program] = {}
         self._edge_meta: dict[int, tuple[TensorMeta, ...]] = {}  # outputs of stage s (edge s -> s+1)
         self._input_signature: torch.Tensor | None = None
-        self._timeout: float | None = first_timeout_s
+        self._timeout = first_timeout_s if first_timeout_s is not None else comm.timeout_s
 
     def _checked_program(self, schedule: PipelineSchedule) -> Program:
         programs = lower(schedule)
@@ -147,7 +147,7 @@ class Pipeline:
         if 0 in self.stages:
             signature = encode_metas([TensorMeta.of(t) for t in self._first_input(inputs)])
         else:
-            signature = torch.empty_like(self._input_signature)
+            signature = torch.empty(META_LEN, dtype=torch.int64)
         device_sig = signature.to(self.comm.device)
         dist.broadcast(device_sig, self.comm.global_rank(self._owner(0)), group=self.comm.group)
         signature = device_sig.cpu()

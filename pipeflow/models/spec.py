@@ -133,7 +133,7 @@ class ModelSpec:
         return self.build_layers(range(len(self.layers)), device=device, dtype=dtype)
 
     def _build_one(self, index: int) -> nn.Module:
-        """Build layer `index` in float32 on the CPU from its own seed; global state is untouched."""
+        """Build layer `index` in float32 on the CPU from its own seed; global state untouched."""
         old_dtype = torch.get_default_dtype()
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             # Seed only the CPU generator: torch.manual_seed would also reseed CUDA generators,

@@ -7,6 +7,7 @@ from pipeflow.errors import ScheduleError
 from pipeflow.schedules.generators import forward_only, gpipe, loop_placement, one_f_one_b
 from pipeflow.schedules.ir import Action, CommOp, PipelineSchedule, Program, Step
 from pipeflow.schedules.lowering import lower
+from pipeflow.schedules.simulator import SimResult, simulate, validate
 
 GENERATORS: dict[str, Callable[[int, int], PipelineSchedule]] = {
     "gpipe": gpipe,
@@ -32,6 +33,7 @@ __all__ = [
     "GENERATORS",
     "PipelineSchedule",
     "Program",
+    "SimResult",
     "Step",
     "build_schedule",
     "forward_only",
@@ -39,4 +41,6 @@ __all__ = [
     "loop_placement",
     "lower",
     "one_f_one_b",
+    "simulate",
+    "validate",
 ]

@@ -1,0 +1,138 @@
+"""Cases run inside every rank of a gloo group (see mp_harness): pipelined vs unsplit model.
+
+Each case builds the pipelined model for this rank and, in the same process, the unsplit
+reference; both see the same batches and optimizer, and the case returns the worst relative
+differences of loss, gradients and parameters seen on this rank.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeflow.comm import P2PComm, send_recv
+from pipeflow.errors import PipeflowError
+from pipeflow.models.spec import ModelSpec, run_layers
+from pipeflow.partition import partition_layers
+from pipeflow.pipeline import Pipeline
+from pipeflow.schedules import PipelineSchedule, build_schedule
+from pipeflow.stage import Stage, as_tuple
+from toy_models import build_toy, random_batch
+
+DTYPE = torch.float64
+BATCH = 24  # divisible by every micro-batch count tested: 1, 2, 3, 4, 6, 8, 12, 24
+
+
+def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| (0 for two zero tensors)."""
+    scale = expected.abs().max().item()
+    err = (actual - expected).abs().max().item()
+    return err / scale if scale > 0 else err
+
+
+def build_pipeline(spec: ModelSpec, schedule: PipelineSchedule, **kwargs: Any) -> tuple[Pipeline, list[range]]:
+    """This rank's stages of `spec` under `schedule`, uniform partition, float64 on CPU."""
+    rank = dist.get_rank()
+    ranges = partition_layers(len(spec.layers), schedule.num_stages, names=spec.layer_names())
+    stages = {
+        s: Stage(s, schedule.num_stages, spec.build_layers(ranges[s], dtype=DTYPE), spec.loss_fn)
+        for s in schedule.stages_of(rank)
+    }
+    comm = P2PComm(None, torch.device("cpu"), timeout_s=kwargs.pop("timeout_s", 120.0))
+    comm.warmup()
+    return Pipeline(stages, schedule, comm, **kwargs), ranges
+
+
+def split_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[list | None, list | None]:
+    """Micro-batch inputs for stage 0's rank and targets for the last stage's rank."""
+    inputs = [as_tuple(mb) for mb in x.chunk(m)] if 0 in pipe.stages else None
+    last = pipe.schedule.num_stages - 1
+    targets = list(y.chunk(m)) if last in pipe.stages else None
+    return inputs, targets
+
+
+def equivalence(model: str, schedule: str, m: int, steps: int = 3, batch: int = BATCH) -> dict[str, float]:
+    """Train `steps` AdamW steps pipelined and unsplit; return worst relative differences."""
+    p = dist.get_world_size()
+    spec = build_toy(model)
+    pipe, ranges = build_pipeline(spec, build_schedule(schedule, p, m))
+    reference = spec.build_all(dtype=DTYPE)
+    pairs = [
+        (mine, ref)
+        for s, stage in pipe.stages.items()
+        for layer, idx in zip(stage.module, ranges[s])
+        for mine, ref in zip(layer.parameters(), reference[idx].parameters())
+    ]
+    opt_pipe = torch.optim.AdamW([a for a, _ in pairs], lr=1e-2)
+    opt_ref = torch.optim.AdamW([q for layer in reference for q in layer.parameters()], lr=1e-2)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses_compared": 0, "params_compared": len(pairs)}
+    for step in range(steps):
+        x, y = random_batch(model, batch, seed=step)
+        loss_ref = spec.loss_fn(run_layers(reference, x), y)
+        loss_ref.backward()
+        loss = pipe.run(*split_batch(pipe, x, y, m))
+        if loss is not None:
+            worst["loss"] = max(worst["loss"], rel_diff(loss, loss_ref.detach()))
+            worst["losses_compared"] += 1
+        for mine, ref in pairs:
+            worst["grad"] = max(worst["grad"], rel_diff(mine.grad, ref.grad))
+        opt_pipe.step(), opt_ref.step()
+        opt_pipe.zero_grad(), opt_ref.zero_grad()
+        for mine, ref in pairs:
+            worst["param"] = max(worst["param"], rel_diff(mine.detach(), ref.detach()))
+    return worst
+
+
+def eval_matches(model: str, m: int) -> float:
+    """Forward-only evaluation loss vs the unsplit model (relative difference; 0 off the last rank)."""
+    spec = build_toy(model)
+    pipe, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m))
+    x, y = random_batch(model, BATCH, seed=7)
+    with torch.no_grad():
+        expected = spec.loss_fn(run_layers(spec.build_all(dtype=DTYPE), x), y)
+    loss = pipe.eval(*split_batch(pipe, x, y, m))
+    held = sum(st.activations_held() for st in pipe.stages.values())
+    if held:
+        raise AssertionError(f"evaluation kept {held} activations")
+    return 0.0 if loss is None else rel_diff(loss, expected)
+
+
+def dynamic_shapes(model: str = "masked_mlp", m: int = 2) -> float:
+    """With comm.dynamic_shapes, a smaller batch mid-run renegotiates and stays exact."""
+    spec = build_toy(model)
+    pipe, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), dynamic_shapes=True)
+    reference = spec.build_all(dtype=DTYPE)
+    worst = 0.0
+    for step, batch in enumerate((BATCH, BATCH // 2, BATCH)):
+        x, y = random_batch(model, batch, seed=step)
+        with torch.no_grad():
+            expected = spec.loss_fn(run_layers(reference, x), y)
+        loss = pipe.eval(*split_batch(pipe, x, y, m))
+        if loss is not None:
+            worst = max(worst, rel_diff(loss, expected))
+    return worst
+
+
+def send_recv_ring() -> list[float]:
+    """send_recv to the next rank and from the previous one in one batched call."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    got = send_recv(torch.full((3,), float(rank)), (rank + 1) % size, (rank - 1) % size)
+    return got.tolist()
+
+
+def shape_change_is_an_error(model: str = "masked_mlp", m: int = 2) -> str:
+    """Without dynamic shapes, a smaller batch is a ShapeMismatchError on the sender and a
+    PipelineTimeoutError (not a hang) on the ranks waiting for it.  Breaks the group: run last."""
+    spec = build_toy(model)
+    timeout_s = 2.0
+    pipe, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), timeout_s=timeout_s)
+    for batch in (BATCH, BATCH // 2):
+        x, y = random_batch(model, batch, seed=0)
+        try:
+            pipe.run(*split_batch(pipe, x, y, m))
+        except PipeflowError as exc:
+            time.sleep(2 * timeout_s)  # stay alive so that peers see their deadline, not our exit
+            return f"{type(exc).__name__}: {exc}"
+    return "no error"

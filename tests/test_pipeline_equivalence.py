@@ -1,0 +1,85 @@
+"""Pipelined training equals the unsplit model (float64), on 2 and 4 gloo processes.
+
+All cases of one world size run inside one process group (tests/mp_harness.py), so torch is
+imported and the group created once per world size.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+
+import pipeline_cases as cases
+from mp_harness import CaseResult, run_cases
+
+TOLERANCE = 1e-9
+MODELS = ("gpt", "masked_mlp")
+SCHEDULES = ("gpipe", "1f1b")
+MICROBATCHES = (1, 3, 4, 8)  # below, equal to and above the stage counts 2 and 4
+
+
+def _equivalence_cases() -> list[tuple[str, object]]:
+    return [
+        (f"eq-{model}-{schedule}-m{m}", functools.partial(cases.equivalence, model, schedule, m))
+        for model, schedule, m in itertools.product(MODELS, SCHEDULES, MICROBATCHES)
+    ]
+
+
+def _all_cases() -> list[tuple[str, object]]:
+    return _equivalence_cases() + [
+        ("eval-gpt", functools.partial(cases.eval_matches, "gpt", 4)),
+        ("dynamic-shapes", cases.dynamic_shapes),
+        ("send-recv", cases.send_recv_ring),
+        ("shape-change-error", cases.shape_change_is_an_error),  # breaks the group: last
+    ]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["p2", "p4"])
+def world(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[CaseResult]]]:
+    return request.param, run_cases(request.param, _all_cases())
+
+
+def _values(results: list[CaseResult]) -> list:
+    errors = [f"rank {r}: {res.error}" for r, res in enumerate(results) if res.error is not None]
+    assert not errors, "\n".join(errors)
+    return [res.value for res in results]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _equivalence_cases()])
+def test_pipelined_training_equals_unsplit_model(world, name: str) -> None:
+    p, results = world
+    values = _values(results[name])
+    assert sum(v["losses_compared"] for v in values) == 3  # last stage, every step
+    assert all(v["params_compared"] > 0 for v in values)  # every rank holds parameters
+    for rank, v in enumerate(values):
+        for key in ("loss", "grad", "param"):
+            assert v[key] <= TOLERANCE, f"p={p} rank {rank}: {key} differs by {v[key]:.3e}"
+
+
+def test_forward_only_eval_equals_unsplit_loss(world) -> None:
+    _, results = world
+    assert max(_values(results["eval-gpt"])) <= TOLERANCE
+
+
+def test_dynamic_shapes_renegotiate(world) -> None:
+    _, results = world
+    assert max(_values(results["dynamic-shapes"])) <= TOLERANCE
+
+
+def test_send_recv_is_a_ring_exchange(world) -> None:
+    p, results = world
+    for rank, got in enumerate(_values(results["send-recv"])):
+        assert got == [float((rank - 1) % p)] * 3
+
+
+def test_shape_change_without_dynamic_shapes_is_a_clear_error(world) -> None:
+    p, results = world
+    texts = _values(results["shape-change-error"])
+    assert texts[0].startswith("ShapeMismatchError"), texts[0]
+    assert "stage 0 (rank 0)" in texts[0] and "stage 1 (rank 1)" in texts[0]
+    assert "comm.dynamic_shapes=true" in texts[0]
+    assert "[6, 16]" in texts[0] and "[12, 16]" in texts[0]  # micro-batch now vs negotiated
+    # rank 1 waited for micro-batch 0 of stage 0 and timed out with a message that says so
+    assert texts[1].startswith("PipelineTimeoutError"), texts[1]
+    assert "recv activation of micro-batch 0 from stage 0 (rank 0)" in texts[1]
