@@ -219,8 +219,10 @@ class ClassificationBatches:
         seed: int,
         noise: float = 1.0,
         spread: float = 2.0,
+        split: str = "train",
     ) -> None:
-        """Args: in_features, num_classes, batch_size, seed; noise, spread (cluster, center std).
+        """Args: in_features, num_classes, batch_size, seed; noise, spread (cluster, center std);
+        split: names the sample stream ("train", "val"): same centers, different samples.
 
         Raises:
             ConfigError: a size is < 1.
@@ -234,12 +236,13 @@ class ClassificationBatches:
         self.num_classes = num_classes
         self.noise = noise
         self.seed = seed
+        self.split = split
         gen = _generator("class-centers", seed)  # fixed for the data set
         self.centers = spread * torch.randn(num_classes, in_features, generator=gen)
 
     def get(self, step: int) -> tuple[Tensor, Tensor]:
         """Return batch `step`: x (B, in_features) float32 and y (B,) long class ids."""
-        gen = _generator("class-batch", self.seed, step)
+        gen = _generator("class-batch", self.split, self.seed, step)
         y = torch.randint(self.num_classes, (self.batch_size,), generator=gen)
         noise = torch.randn(self.batch_size, self.centers.size(1), generator=gen)
         return self.centers[y] + self.noise * noise, y

@@ -5,11 +5,17 @@ A split point is the index of the first layer of stage s, for s = 1 .. S-1 (so S
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+import torch
+
+from pipeflow.balance import balance_contiguous, balance_profiles, estimate_stages
 from pipeflow.errors import PartitionError
+from pipeflow.models.spec import ModelSpec
+from pipeflow.profile import LayerProfile, count_layer_params, profile_layers
 
 SplitPoint = int | str
+BALANCE_METHODS = ("uniform", "params", "time", "memory")
 
 
 def partition_layers(
@@ -150,6 +156,76 @@ def check_coverage(ranges: Sequence[range], num_layers: int) -> None:
         )
 
 
+def plan_partition(
+    model: ModelSpec | Sequence[LayerProfile],
+    num_stages: int,
+    method: str = "uniform",
+    split_points: Sequence[SplitPoint] | None = None,
+    *,
+    sample_input: Any = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    inflight: Sequence[int] | None = None,
+    optimizer_factor: float = 2.0,
+) -> list[range]:
+    """Choose the stages as ``pipeline.balance=method`` says; explicit `split_points` always win.
+
+    - ``uniform``: layer counts differ by at most one (`partition_layers`).
+    - ``params``: balance parameter counts (`count_layer_params`: one layer built at a time).
+    - ``time``: balance forward + backward time measured by `profile_layers`.
+    - ``memory``: balance `pipeflow.balance.stage_memory` (params, grads, optimizer state and
+      ``inflight[s]`` micro-batches of activations).
+    Balanced splits are optimal for the bottleneck (`pipeflow.balance`).  Measure once and pass
+    the profiles as `model` to reuse them (and, on many ranks, so that all ranks agree).
+
+    Args:
+        model: the model, or its per-layer profiles (from `profile_layers`).
+        num_stages: S.
+        method: one of `BALANCE_METHODS`.
+        split_points: as in `partition_layers`; when given, `method` is ignored.
+        sample_input: one micro-batch's first-layer input, to profile for time and memory.
+        device: where to profile (default CPU).
+        dtype: floating dtype to profile in (default float32).
+        inflight: micro-batches stage s holds (memory); default 1F1B, ``S - s``.
+        optimizer_factor: optimizer state bytes per parameter byte (memory).
+
+    Returns:
+        S ranges covering every layer exactly once.
+
+    Raises:
+        PartitionError: unknown method, no sample input to profile, or bad counts / split points.
+    """
+    names = model.layer_names() if isinstance(model, ModelSpec) else [p.name for p in model]
+    if method not in BALANCE_METHODS:
+        raise PartitionError(
+            f"pipeline.balance={method!r} is not a balance method; use one of {BALANCE_METHODS}"
+        )
+    if split_points is not None or method == "uniform":
+        return partition_layers(len(names), num_stages, split_points, names)
+    if method == "params" and isinstance(model, ModelSpec):
+        ranges = balance_contiguous(count_layer_params(model), num_stages)
+    else:
+        profiles = _profiles(model, method, sample_input, device, dtype)
+        ranges = balance_profiles(profiles, method, num_stages, inflight, optimizer_factor)
+    check_coverage(ranges, len(names))
+    return ranges
+
+
+def _profiles(
+    model: ModelSpec | Sequence[LayerProfile], method: str, sample_input: Any,
+    device: torch.device | str | None, dtype: torch.dtype | None,
+) -> Sequence[LayerProfile]:
+    """The given profiles, or the model profiled on `sample_input`."""
+    if not isinstance(model, ModelSpec):
+        return model
+    if sample_input is None:
+        raise PartitionError(
+            f"pipeline.balance={method} measures the layers and needs a sample input (one "
+            "micro-batch for the first layer), or profiles from profile_layers"
+        )
+    return profile_layers(model, sample_input, device, dtype)
+
+
 def _rank_of(stage: int, stage_to_rank: Sequence[int] | Mapping[int, int] | None) -> str:
     """The rank column for `stage`: '-' when no mapping is given."""
     if stage_to_rank is None:
@@ -159,31 +235,69 @@ def _rank_of(stage: int, stage_to_rank: Sequence[int] | Mapping[int, int] | None
     return str(stage_to_rank[stage]) if stage < len(stage_to_rank) else "-"
 
 
+def _span(r: range, layer_names: Sequence[str]) -> str:
+    """``first..last`` layer names of a stage (one name for one layer, '-' for none)."""
+    if len(r) == 0:
+        return "-"
+    if len(r) == 1:
+        return layer_names[r.start]
+    return f"{layer_names[r.start]}..{layer_names[r[-1]]}"
+
+
+def _estimates(
+    ranges: Sequence[range], layer_params: Sequence[int] | None,
+    profiles: Sequence[LayerProfile] | None, inflight: Sequence[int] | None,
+    optimizer_factor: float,
+) -> tuple[list[str], list[list[str]]]:
+    """Extra column headers and per-stage cells: parameters, time (ms), memory (MB)."""
+    if profiles is not None:
+        est = estimate_stages(ranges, profiles, inflight, optimizer_factor)
+        cells = [[f"{e.params:,}", f"{1e3 * e.seconds:.3f}", f"{e.memory_bytes / 1e6:.2f}"]
+                 for e in est]
+        return ["parameters", "fwd+bwd (ms)", "memory (MB)"], cells
+    if layer_params is not None:
+        return ["parameters"], [[f"{sum(layer_params[i] for i in r):,}"] for r in ranges]
+    return [], [[] for _ in ranges]
+
+
 def format_partition(
     ranges: Sequence[range],
     layer_names: Sequence[str],
     stage_to_rank: Sequence[int] | Mapping[int, int] | None = None,
+    *,
+    layer_params: Sequence[int] | None = None,
+    profiles: Sequence[LayerProfile] | None = None,
+    inflight: Sequence[int] | None = None,
+    optimizer_factor: float = 2.0,
+    bubble: float | None = None,
 ) -> str:
-    """Render a partition as a small text table: stage | rank | layers (first..last) | count.
+    """Render a partition as a text table: stage | rank | layers (first..last) | count [| ...].
+
+    With `layer_params` or `profiles` a ``parameters`` column follows; with `profiles` also
+    ``fwd+bwd (ms)`` (per micro-batch) and ``memory (MB)`` (`pipeflow.balance.stage_memory`,
+    1 MB = 10^6 bytes).
 
     Args:
         ranges: the stages' layer ranges.
         layer_names: the names of all layers.
         stage_to_rank: the rank of each stage (list indexed by stage, or a mapping); '-' if None.
+        layer_params: parameter count of each layer (ignored when `profiles` are given).
+        profiles: per-layer profiles from `profile_layers`.
+        inflight: micro-batches each stage holds, for memory; default 1F1B, ``S - s``.
+        optimizer_factor: optimizer state bytes per parameter byte, for memory.
+        bubble: the predicted bubble fraction; adds a last line ``predicted bubble: x%``.
 
     Returns:
         The table, one header line, one rule line and one line per stage (no trailing newline).
     """
-    rows = [("stage", "rank", "layers", "count")]
+    heads, extra = _estimates(ranges, layer_params, profiles, inflight, optimizer_factor)
+    rows = [("stage", "rank", "layers", "count", *heads)]
     for s, r in enumerate(ranges):
-        if len(r) == 0:
-            span = "-"
-        elif len(r) == 1:
-            span = layer_names[r.start]
-        else:
-            span = f"{layer_names[r.start]}..{layer_names[r[-1]]}"
-        rows.append((str(s), _rank_of(s, stage_to_rank), span, str(len(r))))
-    widths = [max(len(row[c]) for row in rows) for c in range(4)]
+        span = _span(r, layer_names)
+        rows.append((str(s), _rank_of(s, stage_to_rank), span, str(len(r)), *extra[s]))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = [" | ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
+    if bubble is not None:
+        lines.append(f"predicted bubble: {bubble:.1%}")
     return "\n".join(lines)

@@ -49,8 +49,10 @@ def build_batches(cfg: Any, model_cfg: Any) -> Batches:
     """
     name = cfg.name
     if name == "gaussian":
-        make = lambda seed: datasets.ClassificationBatches(cfg.in_features, cfg.num_classes, cfg.batch_size, seed)  # noqa: E731
-        return Batches(make(cfg.seed), make(cfg.seed + 1))
+        make = lambda split: datasets.ClassificationBatches(  # noqa: E731
+            cfg.in_features, cfg.num_classes, cfg.batch_size, cfg.seed, noise=4.0, split=split
+        )
+        return Batches(make("train"), make("val"))
     if name == "markov":
         tokens = datasets.markov_tokens(cfg.num_tokens, cfg.vocab_size, cfg.seed)
         vocab, best = cfg.vocab_size, datasets.markov_entropy_rate(cfg.vocab_size, cfg.seed)
@@ -211,7 +213,8 @@ class Trainer:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
         first_val = self.evaluate()
-        tokens_per_step = self.cfg.data.batch_size * (self.cfg.data.seq_len if self.cfg.data.name != "gaussian" else 1)
+        per_sample = self.cfg.data.seq_len if self.cfg.data.name != "gaussian" else 1
+        items_per_step, unit = self.cfg.data.batch_size * per_sample, ("tokens" if per_sample > 1 else "samples")
         first_loss = last_loss = float("nan")
         t0 = time.perf_counter()
         for step in range(cfg.max_steps):
@@ -220,8 +223,9 @@ class Trainer:
             last_loss = loss
             if self.is_main and (step % cfg.log_every == 0 or step == cfg.max_steps - 1):
                 dt = (time.perf_counter() - t0) / (step + 1)
-                log.info("step %4d/%d | loss %.4f | grad norm %.3f | lr %.2e | %.0f ms/step | %.0f tokens/s",
-                         step, cfg.max_steps, loss, norm, self.optimizer.param_groups[0]["lr"], dt * 1e3, tokens_per_step / dt)
+                log.info("step %4d/%d | loss %.4f | grad norm %.3f | lr %.2e | %.0f ms/step | %.0f %s/s",
+                         step, cfg.max_steps, loss, norm, self.optimizer.param_groups[0]["lr"], dt * 1e3,
+                         items_per_step / dt, unit)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
                 val = self.evaluate()
                 if self.is_main:

@@ -25,6 +25,7 @@ from pipeflow.schedules import (
     validate,
 )
 from pipeflow.schedules.ir import ACTIVATION, GRADIENT
+from pipeflow.schedules.lowering import recvs_needed, sends_produced
 
 # p = ranks, m = micro-batches, r = rank, s = stage, i = micro-batch (as in the package).
 TRAINING_GENERATORS = [gpipe, one_f_one_b]
@@ -265,12 +266,27 @@ def test_backward_before_forward_deadlocks_with_grid() -> None:
     assert grid in str(info.value)
 
 
+def pairing_lower(schedule: PipelineSchedule) -> list[Program]:
+    """The plain pairing lowering: sends of the previous action + recvs of this one, no more."""
+    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == "W"}
+    programs = []
+    for actions in schedule.actions:
+        steps, pending = [], ()
+        for action in actions:
+            weights = (action.stage, action.microbatch) not in split
+            steps.append(Step(pending + recvs_needed(action, schedule), action, weights))
+            pending = sends_produced(action, schedule)
+        programs.append(steps + ([Step(pending, None)] if pending else []))
+    return programs
+
+
 def test_deadlock_grid_of_long_programs_shows_a_window() -> None:
     schedule = gpipe(2, 16)
     actions = schedule.actions[1]
     actions.insert(10, actions.pop(16))  # 1B0 before 1F10
-    with pytest.raises(DeadlockError) as info:
-        simulate(schedule)
+    validate(schedule)  # lower() posts 0's recv of grad 0 early: no deadlock
+    with pytest.raises(DeadlockError) as info:  # the plain pairing deadlocks
+        simulate(schedule, pairing_lower(schedule))
     table = info.value.grid.splitlines()[:3]
     assert table[0].split()[:3] == ["step", "...", "8"]
     assert "[1F10]" in table[2] and "[0F12]" in table[1]

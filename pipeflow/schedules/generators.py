@@ -17,6 +17,15 @@ def loop_placement(num_ranks: int, stages_per_rank: int = 1) -> tuple[int, ...]:
     return tuple(s % num_ranks for s in range(num_ranks * stages_per_rank))
 
 
+def v_placement(num_ranks: int, stages_per_rank: int = 2) -> tuple[int, ...]:
+    """Stages zigzag over the ranks: with 2 per rank, rank r holds stages r and 2p-1-r.
+
+    The first and last stage share rank 0, and the turn (stages p-1, p) is local to rank p-1.
+    """
+    p = num_ranks
+    return tuple(s % p if (s // p) % 2 == 0 else p - 1 - s % p for s in range(p * stages_per_rank))
+
+
 def _check(num_ranks: int, num_microbatches: int) -> None:
     if num_ranks < 1:
         raise ScheduleError(f"need at least 1 pipeline rank, got {num_ranks}")
@@ -69,3 +78,71 @@ def forward_only(
     return PipelineSchedule(
         "forward_only", num_ranks, len(owner), num_microbatches, tuple(owner), actions, training=False
     )
+
+
+def _check_chunks(name: str, stages_per_rank: int) -> None:
+    if stages_per_rank < 1:
+        raise ScheduleError(
+            f"{name} needs at least 1 stage per rank, got pipeline.stages_per_rank={stages_per_rank}"
+        )
+
+
+def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> PipelineSchedule:
+    """Megatron-LM's interleaved 1F1B: v = stages_per_rank chunks per rank, loop placement.
+
+    The k-th forward of a rank runs chunk (k // p) mod v on micro-batch (k // pv) p + k mod p
+    (micro-batches go in groups of p through each chunk in turn); the k-th backward walks the
+    chunks in reverse.  Rank r warms up with 2(p - r - 1) + (v - 1) p forwards (all of them
+    when m = p), then alternates F and B.  With v = 1 this is exactly :func:`one_f_one_b`.
+
+    Raises:
+        ScheduleError: when v > 1 and m is not a multiple of p (Megatron's requirement).
+    """
+    _check(num_ranks, num_microbatches)
+    _check_chunks("interleaved_1f1b", stages_per_rank)
+    p, m, v = num_ranks, num_microbatches, stages_per_rank
+    if v == 1:
+        plain = one_f_one_b(p, m)
+        return PipelineSchedule("interleaved_1f1b", p, p, m, plain.stage_to_rank, plain.actions)
+    if m % p:
+        valid = ", ".join(str(p * k) for k in range(1, 4))
+        raise ScheduleError(
+            f"interleaved_1f1b with stages_per_rank={v} needs pipeline.num_microbatches to be a "
+            f"multiple of the {p} pipeline ranks (micro-batches go in groups of p); "
+            f"got {m}, valid: {valid}, ..."
+        )
+    total = m * v
+    actions = []
+    for r in range(p):
+        warmup = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
+
+        def action(kind: str, k: int) -> Action:
+            chunk = (k // p) % v
+            chunk = chunk if kind == FORWARD else v - 1 - chunk
+            return Action(kind, (k // (p * v)) * p + k % p, chunk * p + r)
+
+        acts = [action(FORWARD, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            acts += [action(FORWARD, warmup + k), action(BACKWARD, k)]
+        acts += [action(BACKWARD, k) for k in range(total - warmup, total)]
+        actions.append(acts)
+    return PipelineSchedule("interleaved_1f1b", p, p * v, m, loop_placement(p, v), actions)
+
+
+def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> PipelineSchedule:
+    """Looped BFS (torch.distributed.pipelining's ScheduleLoopedBFS), loop placement.
+
+    Each rank runs every forward of its first stage, then of its next stage, ...; then the
+    backwards of its stages in reverse order, micro-batches in reverse order.  Holds v m
+    micro-batch activations.
+    """
+    _check(num_ranks, num_microbatches)
+    _check_chunks("looped_bfs", stages_per_rank)
+    p, m, v = num_ranks, num_microbatches, stages_per_rank
+    actions = []
+    for r in range(p):
+        stages = [c * p + r for c in range(v)]
+        acts = [Action(FORWARD, i, s) for s in stages for i in range(m)]
+        acts += [Action(BACKWARD, i, s) for s in reversed(stages) for i in reversed(range(m))]
+        actions.append(acts)
+    return PipelineSchedule("looped_bfs", p, p * v, m, loop_placement(p, v), actions)

@@ -1,0 +1,214 @@
+"""Measuring layers one at a time: parameters, forward/backward time and activation memory.
+
+Only one layer exists at a time (principle 4): each is built, measured and freed before the next
+is built.  Timings vary between runs and machines, so in a multi-rank job measure on one rank
+and broadcast the profiles (or the resulting ranges): ranks that balance on their own timings
+may disagree on the partition.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from pipeflow.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one layer costs for one micro-batch of the sample's size.
+
+    Attributes:
+        name: the layer's name.
+        params: number of parameters (elements).
+        param_bytes: bytes of the parameters in the profiled dtype.
+        forward_s: median forward time in seconds.
+        backward_s: median backward time in seconds (0 when nothing needs a gradient).
+        activation_bytes: bytes kept until the backward: tensors autograd saves (not parameters,
+            not the layer's inputs, which are the previous layer's outputs) plus the outputs;
+            each storage counted once.
+    """
+
+    name: str
+    params: int
+    param_bytes: int
+    forward_s: float
+    backward_s: float
+    activation_bytes: int
+
+    @property
+    def seconds(self) -> float:
+        """Forward plus backward time in seconds."""
+        return self.forward_s + self.backward_s
+
+
+def count_layer_params(spec: ModelSpec) -> list[int]:
+    """Count each layer's parameters, building one layer at a time (on the meta device).
+
+    A layer whose builder fails on the meta device is built on the CPU instead.  Each layer is
+    freed before the next one is built, so the whole model never exists at once.
+
+    Args:
+        spec: the model.
+
+    Returns:
+        ``counts[i]``, the number of parameter elements of layer i.
+    """
+    return [_count_params(spec, i) for i in range(len(spec))]
+
+
+def _count_params(spec: ModelSpec, index: int) -> int:
+    """Build layer `index` (meta device, else CPU), count its parameters, let it go."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            module = spec.layers[index].build()
+    except Exception:  # a builder that needs real data (.item(), explicit devices): use the CPU
+        module = spec.build_layers([index])[0]
+    return sum(p.numel() for p in module.parameters())
+
+
+def profile_layers(
+    spec: ModelSpec,
+    sample_input: Any,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    repeats: int = 3,
+) -> list[LayerProfile]:
+    """Profile every layer in order, the sample flowing through them, one layer alive at a time.
+
+    Layer i's input is layer i-1's output, detached, floating tensors requiring grad.  Each layer
+    runs one untimed forward+backward (warm-up), then `repeats` timed ones; the medians are kept.
+
+    Args:
+        spec: the model.
+        sample_input: the first layer's input for one micro-batch (a Tensor or a tuple); floating
+            tensors are cast to `dtype`.
+        device: where to build and run the layers (default CPU).
+        dtype: floating dtype of layers and activations (default float32).
+        repeats: timed runs per layer (>= 1).
+
+    Returns:
+        One `LayerProfile` per layer, in order.
+
+    Raises:
+        ValueError: repeats < 1.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    device = torch.device("cpu" if device is None else device)
+    inputs = _to_device(sample_input, device, dtype, requires_grad=False)
+    profiles = []
+    for index in range(len(spec)):
+        profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats)
+        profiles.append(profile)
+    return profiles
+
+
+def _profile_one(
+    spec: ModelSpec, index: int, inputs: tuple, device: torch.device,
+    dtype: torch.dtype | None, repeats: int,
+) -> tuple[LayerProfile, tuple]:
+    """Build, measure and free layer `index`; return its profile and the next layer's inputs."""
+    module = spec.build_layers([index], device, dtype)[0]
+    params = list(module.parameters())
+    _run(module, inputs, device)  # warm-up
+    activation_bytes, outputs = _activation_bytes(module, inputs, params)
+    times = [_run(module, inputs, device) for _ in range(repeats)]
+    for p in params:
+        p.grad = None
+    profile = LayerProfile(
+        name=spec.layers[index].name,
+        params=sum(p.numel() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        forward_s=statistics.median(t[0] for t in times),
+        backward_s=statistics.median(t[1] for t in times),
+        activation_bytes=activation_bytes,
+    )
+    return profile, _to_device(outputs, device, None, requires_grad=True)
+
+
+def _run(module: nn.Module, inputs: tuple, device: torch.device) -> tuple[float, float]:
+    """One forward and one backward of `module`; return their (forward, backward) seconds."""
+    _sync(device)
+    start = time.perf_counter()
+    outputs = _as_tuple(module(*inputs))
+    _sync(device)
+    forward = time.perf_counter() - start
+    roots = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]
+    if not roots:
+        return forward, 0.0
+    grads = [torch.ones_like(t) for t in roots]
+    _sync(device)
+    start = time.perf_counter()
+    torch.autograd.backward(roots, grads)
+    _sync(device)
+    return forward, time.perf_counter() - start
+
+
+def _activation_bytes(
+    module: nn.Module, inputs: tuple, params: Sequence[Tensor]
+) -> tuple[int, tuple]:
+    """Bytes of the storages one forward saves for backward, or outputs (params, inputs excluded).
+
+    Returns:
+        (the byte count, the outputs of that forward).
+    """
+    skip = {_storage_key(t) for t in (*params, *inputs) if isinstance(t, Tensor)}
+    seen: dict[tuple[str, int], int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        seen.setdefault(_storage_key(t), _storage_bytes(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = _as_tuple(module(*inputs))
+    for t in outputs:
+        if isinstance(t, Tensor):
+            seen.setdefault(_storage_key(t), _storage_bytes(t))
+    return sum(n for key, n in seen.items() if key not in skip), outputs
+
+
+def _storage_key(t: Tensor) -> tuple[str, int]:
+    """Identify the memory a tensor lives in, so views of one storage are counted once."""
+    try:
+        return (str(t.device), t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no plain storage (e.g. some tensor subclasses)
+        return (str(t.device), id(t))
+
+
+def _storage_bytes(t: Tensor) -> int:
+    """Bytes of the tensor's whole storage (a view keeps all of it alive)."""
+    try:
+        return t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return t.numel() * t.element_size()
+
+
+def _as_tuple(value: Any) -> tuple:
+    """The layer calling convention: a tuple is several arguments, anything else is one."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _to_device(
+    value: Any, device: torch.device, dtype: torch.dtype | None, requires_grad: bool
+) -> tuple:
+    """Move (and detach) tensors; cast floating ones to `dtype`; mark them requiring grad."""
+    moved = []
+    for t in _as_tuple(value):
+        if isinstance(t, Tensor):
+            t = t.detach().to(device)
+            if t.is_floating_point():
+                t = t.to(dtype) if dtype is not None else t
+                t.requires_grad_(requires_grad)
+        moved.append(t)
+    return tuple(moved)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued kernels, so wall-clock time measures the work (CUDA is asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,174 @@
+"""Zero-bubble schedules: backward split into B (input grads) and W (weight grads).
+
+From Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024), and DeepSeek's DualPipeV
+(the V-shaped cut of DualPipe, DeepSeek-V3 report).  A W has no consumer on another stage, so
+it can wait: deferred Ws fill the bubbles that 1F1B leaves.  Pure functions, no torch.
+"""
+from __future__ import annotations
+
+from pipeflow.errors import ScheduleError
+from pipeflow.schedules.generators import _check, loop_placement, v_placement
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
+
+
+def zb_h1(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
+    """ZB-H1: 1F1B whose weight-grad passes are deferred to fill the cool-down bubble.
+
+    Rank r warms up with p - r - 1 forwards like 1F1B, then alternates F and B; its first r
+    Ws are held back and every later B is followed by the oldest pending W; the held-back Ws
+    run at the end, where 1F1B idles.  With F = B = W = 1 the idle time is (p - 1) per rank,
+    a third of 1F1B's 3 (p - 1), once m >= p.  Every rank holds up to min(p, m) micro-batches
+    between F and W (1F1B's peak on rank 0), as the paper's ZB-H1 does.
+    """
+    _check(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    actions = []
+    for r in range(p):
+        warmup = min(p - r - 1, m)
+        acts = [Action(FORWARD, i, r) for i in range(warmup)]
+        pending: list[int] = []
+        for i in range(m):  # the i-th B, after the (i + warmup)-th F if there is one
+            if i + warmup < m:
+                acts.append(Action(FORWARD, i + warmup, r))
+            acts.append(Action(BACKWARD, i, r))
+            pending.append(i)
+            if i >= r:
+                acts.append(Action(WEIGHT, pending.pop(0), r))
+        acts += [Action(WEIGHT, i, r) for i in pending]
+        actions.append(acts)
+    return PipelineSchedule("zb_h1", p, p, m, loop_placement(p), actions)
+
+
+class _Counter:
+    """Hands out the next micro-batch of each (kind, stage) for one rank's action list."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.next: dict[tuple[str, int], int] = {}
+
+    def add(self, kind: str, stage: int) -> int:
+        i = self.next.get((kind, stage), 0)
+        self.next[kind, stage] = i + 1
+        self.actions.append(Action(kind, i, stage))
+        return i
+
+    def count(self, kind: str, stage: int) -> int:
+        return self.next.get((kind, stage), 0)
+
+
+def zbv(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
+    """ZB-V: V placement (rank r holds stages r and 2p-1-r), B/W split, as torch's ScheduleZBVZeroBubble.
+
+    Rank r: 2(p - r) - 1 forwards of its first stage; r pairs (F second stage, F first stage);
+    p - r rounds of (F, B, W) on its second stage; then the steady state alternates
+    (F, B, W) on the first stage and on the second; the cool-down runs the remaining Bs and
+    fills the tail with Ws.  Micro-batches past m are dropped, so any m >= 1 works.
+    """
+    _check(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    n = max(2 * p - 1, m)  # the pattern needs 2p - 1 micro-batches to fill the pipe
+    actions = []
+    for r in range(p):
+        first, second = r, 2 * p - 1 - r
+        ops = _Counter()
+        for _ in range(2 * (p - r) - 1):
+            ops.add(FORWARD, first)
+        for _ in range(r):
+            ops.add(FORWARD, second)
+            ops.add(FORWARD, first)
+        for _ in range(p - r):
+            ops.add(FORWARD, second)
+            ops.add(BACKWARD, second)
+            ops.add(WEIGHT, second)
+        while ops.count(FORWARD, second) < ops.count(FORWARD, first) or ops.count(FORWARD, first) < n:
+            if ops.count(FORWARD, first) < n:
+                ops.add(FORWARD, first)
+            ops.add(BACKWARD, first)
+            ops.add(WEIGHT, first)
+            ops.add(FORWARD, second)
+            ops.add(BACKWARD, second)
+            ops.add(WEIGHT, second)
+        for _ in range(r):
+            ops.add(BACKWARD, first)
+            ops.add(BACKWARD, second)
+        for _ in range(p - r):
+            ops.add(BACKWARD, first)
+            ops.add(WEIGHT, first)
+        for stage in (second, first):
+            while ops.count(WEIGHT, stage) < ops.count(BACKWARD, stage):
+                ops.add(WEIGHT, stage)
+        actions.append([a for a in ops.actions if a.microbatch < m])
+    return PipelineSchedule("zbv", p, 2 * p, m, v_placement(p), actions)
+
+
+def dualpipev(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
+    """DeepSeek's DualPipeV: V placement, 2 stages per rank, overlapped forward-backward pairs.
+
+    Rank r holds stages r (first) and 2p-1-r (second).  Phases, as in DeepSeek's reference:
+    2(p - r - 1) forwards of the first stage; r + 1 pairs of forwards (first, second);
+    p - r - 1 rounds (B second, W, F second); the main phase of overlapped pairs
+    "F first + B second" and "F second + B first" (each emitted as F then a full B, which our
+    runtime runs one after the other); p - r - 1 rounds (B second, F second + B first);
+    r + 1 rounds of Bs on both stages (the later half split into B and W); p - r - 1 rounds
+    (W, B first); the remaining Ws.
+
+    Raises:
+        ScheduleError: when m < 2p (the warm-up alone needs 2p micro-batches).
+    """
+    _check(num_ranks, num_microbatches)
+    p, m = num_ranks, num_microbatches
+    if m < 2 * p:
+        raise ScheduleError(
+            f"dualpipev needs at least 2p = {2 * p} micro-batches for {p} pipeline ranks "
+            f"(valid pipeline.num_microbatches: {2 * p}, {2 * p + 1}, ...), got {m}"
+        )
+    actions = [_dualpipev_rank(p, m, r) for r in range(p)]
+    return PipelineSchedule("dualpipev", p, 2 * p, m, v_placement(p), actions)
+
+
+def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
+    first, second = r, 2 * p - 1 - r
+    ops = _Counter()
+    deferred: list[tuple[int, int]] = []  # (stage, micro-batch) of Bs whose W is still to come
+
+    def backward(stage: int, split: bool) -> None:
+        i = ops.add(BACKWARD, stage)
+        if split:
+            deferred.append((stage, i))
+
+    def weight() -> None:
+        if deferred:
+            stage, i = deferred.pop(0)
+            ops.actions.append(Action(WEIGHT, i, stage))
+
+    for _ in range(2 * (p - r - 1)):
+        ops.add(FORWARD, first)
+    for _ in range(r + 1):
+        ops.add(FORWARD, first)
+        ops.add(FORWARD, second)
+    for _ in range(p - r - 1):
+        backward(second, split=True)
+        weight()
+        ops.add(FORWARD, second)
+    for _ in range(m - 2 * p + r + 1):  # overlapped pairs: F then full B
+        ops.add(FORWARD, first)
+        backward(second, split=False)
+        ops.add(FORWARD, second)
+        backward(first, split=False)
+    for _ in range(p - r - 1):
+        backward(second, split=False)
+        ops.add(FORWARD, second)
+        backward(first, split=False)
+    split = False
+    half = (r + 1) // 2
+    for k in range(r + 1):
+        split = split or (k == half and r % 2 == 1)
+        backward(second, split)
+        split = split or (k == half and r % 2 == 0)
+        backward(first, split)
+    for _ in range(p - r - 1):
+        weight()
+        backward(first, split)
+    while deferred:
+        weight()
+    return ops.actions

@@ -1,0 +1,85 @@
+"""`torchrun train.py` end to end, and the errors a user sees for bad configuration."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from pipeflow.config import check_config, register_configs
+from pipeflow.errors import ConfigError, PartitionError, ScheduleError
+from pipeflow.partition import partition_layers
+from pipeflow.schedules import build_schedule
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["model.n_layer=2", "model.n_embd=32", "data.batch_size=16", "data.num_tokens=20000", "train.eval_batches=2"]
+
+
+def torchrun(nproc: int, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run train.py under torchrun with `nproc` processes; returns the finished process."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+           "train.py", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def compose_config(*overrides: str):
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_torchrun_two_processes_trains_and_loss_falls(tmp_path: Path) -> None:
+    run = torchrun(2, *SMALL, "train.max_steps=60", "train.eval_every=0", "schedule=gpipe",
+                   "pipeline.num_microbatches=4", f"train.run_dir={tmp_path}")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    match = re.search(r"loss ([\d.]+) -> ([\d.]+) \| held-out loss ([\d.]+) -> ([\d.]+)", run.stdout)
+    assert match, run.stdout[-3000:]
+    first, last, val_first, val_last = map(float, match.groups())
+    assert last < first - 0.5 and val_last < val_first - 0.5
+    assert (tmp_path / "config.yaml").read_text().count("num_microbatches: 4") == 1
+    assert "schedule=gpipe" in run.stdout and "predicted bubble" in run.stdout
+
+
+def test_torchrun_with_a_world_size_that_does_not_fit_exits_with_a_clear_error(tmp_path: Path) -> None:
+    run = torchrun(2, *SMALL, "parallel.pp=4", f"train.run_dir={tmp_path}", timeout=120)
+    assert run.returncode != 0
+    assert "parallel.dp=1 x parallel.pp=4 = 4 processes, but the world size is 2" in run.stdout + run.stderr
+
+
+def test_world_size_must_equal_dp_times_pp() -> None:
+    cfg = compose_config("parallel.pp=3")
+    with pytest.raises(ConfigError, match=r"parallel.pp=3.*world size is 4.*--nproc-per-node 3"):
+        check_config(cfg, world_size=4)
+
+
+def test_batch_must_split_into_equal_microbatches() -> None:
+    cfg = compose_config("data.batch_size=30", "pipeline.num_microbatches=4")
+    with pytest.raises(ConfigError, match=r"data.batch_size=30.*pipeline.num_microbatches=4.*multiple of 4"):
+        check_config(cfg, world_size=4)
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    with pytest.raises(PartitionError, match=r"3.*4|4.*3"):
+        partition_layers(3, 4)
+
+
+def test_unknown_schedule_lists_the_valid_ones() -> None:
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'zigzag'.*1f1b.*gpipe"):
+        build_schedule("zigzag", 2, 4)
+
+
+def test_default_config_composes_with_overrides() -> None:
+    cfg = compose_config("schedule=gpipe", "pipeline.num_microbatches=4", "pipeline.split_points=[2,4,6]")
+    assert cfg.schedule.name == "gpipe" and cfg.pipeline.num_microbatches == 4
+    assert list(cfg.pipeline.split_points) == [2, 4, 6]
+    assert check_config(cfg, world_size=4) == (1, 4)
+
+
+def test_a_misspelt_key_is_rejected_by_the_schema() -> None:
+    with pytest.raises(Exception, match="num_microbatch"):
+        compose_config("pipeline.num_microbatch=4")
