@@ -27,6 +27,7 @@ class GPTModelConfig:
     dropout: float = 0.0
     bias: bool = True
     seed: int = 0
+    tie_embeddings: bool = False
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeflow.models.spec import run_layers
+from pipeflow.models.spec import ModelSpec, run_layers
 
 Tensors = tuple[torch.Tensor, ...]
 
@@ -164,3 +164,21 @@ class Stage:
         total = torch.stack(list(self.losses.values())).sum()
         self.losses.clear()
         return total
+
+
+def build_stages(
+    spec: ModelSpec,
+    ranges: Sequence[range],
+    stage_ids: Sequence[int],
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> dict[int, Stage]:
+    """Build the stages `stage_ids` of `spec` split by `ranges`; only their layers are built."""
+    return {
+        s: Stage(s, len(ranges), spec.build_layers(ranges[s], device, dtype), spec.loss_fn) for s in stage_ids
+    }
+
+
+def layers_by_index(stages: dict[int, Stage], ranges: Sequence[range]) -> dict[int, nn.Module]:
+    """This rank's built layers keyed by their index in the whole model."""
+    return {i: layer for s, stage in stages.items() for i, layer in zip(ranges[s], stage.module)}

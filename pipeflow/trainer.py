@@ -27,7 +27,8 @@ from pipeflow.partition import format_partition, partition_layers
 from pipeflow.pipeline import Pipeline
 from pipeflow.schedules import build_schedule
 from pipeflow.schedules.simulator import simulate
-from pipeflow.stage import Stage, Tensors
+from pipeflow.stage import Tensors, build_stages, layers_by_index
+from pipeflow.tied import TiedWeights
 
 log = logging.getLogger("pipeflow")
 
@@ -92,18 +93,31 @@ def lr_at(step: int, cfg: Any, max_steps: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def clip_grad_norm_global(params: list[torch.nn.Parameter], max_norm: float, group: Any, extra: torch.Tensor) -> tuple[float, torch.Tensor]:
+def unique_parameters(groups: Any) -> list[torch.nn.Parameter]:
+    """The parameters of several modules' lists, each once (tied copies on one rank are shared)."""
+    seen: dict[int, torch.nn.Parameter] = {}
+    for params in groups:
+        for p in params:
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def clip_grad_norm_global(
+    params: list[torch.nn.Parameter], max_norm: float, group: Any, extra: torch.Tensor, skip: set[int] = frozenset()
+) -> tuple[float, torch.Tensor]:
     """Clip by the norm over every stage's gradients (one all-reduce over the pipeline group).
 
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.  `extra` (e.g. the loss,
-    non-zero on the last stage only) rides along in the same all-reduce.
+    non-zero on the last stage only) rides along in the same all-reduce.  Parameters whose id
+    is in `skip` (copies of a tied parameter held elsewhere too) are scaled but not counted.
 
     Returns:
         (total norm before clipping, the all-reduced `extra`).
     """
     grads = [p.grad for p in params if p.grad is not None]
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     device = extra.device
-    local = torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum() if grads else torch.zeros((), dtype=torch.float64)
+    local = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), dtype=torch.float64)
     packed = torch.cat([local.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
     dist.all_reduce(packed, group=group)
     total = float(packed[0].sqrt())
@@ -137,14 +151,16 @@ class Trainer:
         self.ranges = partition_layers(
             len(self.spec.layers), self.schedule.num_stages, cfg.pipeline.split_points, self.spec.layer_names()
         )
-        self.stages = {
-            s: Stage(s, self.schedule.num_stages, self.spec.build_layers(self.ranges[s], device, self.dtype), self.spec.loss_fn)
-            for s in self.schedule.stages_of(self.rank)
-        }
+        self.stages = build_stages(self.spec, self.ranges, self.schedule.stages_of(self.rank), device, self.dtype)
         comm = P2PComm(None, device, cfg.comm.timeout_s)
         comm.warmup()
+        self.tied = TiedWeights(
+            self.spec, self.ranges, self.schedule.stage_to_rank, layers_by_index(self.stages, self.ranges),
+            [comm.global_rank(r) for r in range(comm.size)], comm.rank,
+        )
+        self.tied.sync_initial_values()
         self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
-        self.params = [p for st in self.stages.values() for p in st.parameters()]
+        self.params = unique_parameters(st.parameters() for st in self.stages.values())
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
         )
@@ -190,7 +206,8 @@ class Trainer:
         inputs, targets = self._microbatches(self.batches.train.get(step))
         loss = self.pipeline.run(inputs, targets)
         extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1)
-        norm, reduced = clip_grad_norm_global(self.params, self.cfg.optim.grad_clip, None, extra)
+        self.tied.reduce_grads()
+        norm, reduced = clip_grad_norm_global(self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(reduced[0]), norm

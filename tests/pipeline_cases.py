@@ -18,7 +18,10 @@ from pipeflow.models.spec import ModelSpec, run_layers
 from pipeflow.partition import partition_layers
 from pipeflow.pipeline import Pipeline
 from pipeflow.schedules import PipelineSchedule, build_schedule
-from pipeflow.stage import Stage, as_tuple
+from pipeflow.models import build_gpt
+from pipeflow.stage import as_tuple, build_stages, layers_by_index
+from pipeflow.tied import TiedWeights, tie_in_place
+from pipeflow.trainer import clip_grad_norm_global, unique_parameters
 from toy_models import build_toy, random_batch
 
 DTYPE = torch.float64
@@ -32,17 +35,25 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return err / scale if scale > 0 else err
 
 
-def build_pipeline(spec: ModelSpec, schedule: PipelineSchedule, **kwargs: Any) -> tuple[Pipeline, list[range]]:
+def build_pipeline(
+    spec: ModelSpec, schedule: PipelineSchedule, **kwargs: Any
+) -> tuple[Pipeline, list[range], TiedWeights]:
     """This rank's stages of `spec` under `schedule`, uniform partition, float64 on CPU."""
     rank = dist.get_rank()
     ranges = partition_layers(len(spec.layers), schedule.num_stages, names=spec.layer_names())
-    stages = {
-        s: Stage(s, schedule.num_stages, spec.build_layers(ranges[s], dtype=DTYPE), spec.loss_fn)
-        for s in schedule.stages_of(rank)
-    }
+    stages = build_stages(spec, ranges, schedule.stages_of(rank), dtype=DTYPE)
     comm = P2PComm(None, torch.device("cpu"), timeout_s=kwargs.pop("timeout_s", 120.0))
     comm.warmup()
-    return Pipeline(stages, schedule, comm, **kwargs), ranges
+    tied = TiedWeights(spec, ranges, schedule.stage_to_rank, layers_by_index(stages, ranges), list(range(comm.size)), rank)
+    tied.sync_initial_values()
+    return Pipeline(stages, schedule, comm, **kwargs), ranges, tied
+
+
+def make_spec(model: str) -> ModelSpec:
+    """The toy model `model`; ``gpt_tied`` is the small GPT with tied embedding and head."""
+    if model == "gpt_tied":
+        return build_gpt(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16, tie_embeddings=True)
+    return build_toy(model)
 
 
 def split_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[list | None, list | None]:
@@ -53,26 +64,40 @@ def split_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, m: int) -> tup
     return inputs, targets
 
 
-def equivalence(model: str, schedule: str, m: int, steps: int = 3, batch: int = BATCH) -> dict[str, float]:
-    """Train `steps` AdamW steps pipelined and unsplit; return worst relative differences."""
+def equivalence(
+    model: str, schedule: str, m: int, steps: int = 3, batch: int = BATCH, clip: float = 0.0
+) -> dict[str, float]:
+    """Train `steps` AdamW steps pipelined and unsplit; return worst relative differences.
+
+    With `clip` > 0, gradients are clipped by the global norm on both sides (pipelined: one
+    all-reduce over the stages; unsplit: torch.nn.utils.clip_grad_norm_) before the step.
+    """
     p = dist.get_world_size()
-    spec = build_toy(model)
-    pipe, ranges = build_pipeline(spec, build_schedule(schedule, p, m))
+    spec = make_spec(model)
+    pipe, ranges, tied = build_pipeline(spec, build_schedule(schedule, p, m))
     reference = spec.build_all(dtype=DTYPE)
+    tie_in_place(spec, dict(enumerate(reference)))
     pairs = [
         (mine, ref)
         for s, stage in pipe.stages.items()
         for layer, idx in zip(stage.module, ranges[s])
         for mine, ref in zip(layer.parameters(), reference[idx].parameters())
     ]
-    opt_pipe = torch.optim.AdamW([a for a, _ in pairs], lr=1e-2)
-    opt_ref = torch.optim.AdamW([q for layer in reference for q in layer.parameters()], lr=1e-2)
+    mine_params = unique_parameters([[a for a, _ in pairs]])
+    ref_params = unique_parameters(layer.parameters() for layer in reference)
+    opt_pipe = torch.optim.AdamW(mine_params, lr=1e-2)
+    opt_ref = torch.optim.AdamW(ref_params, lr=1e-2)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses_compared": 0, "params_compared": len(pairs)}
     for step in range(steps):
-        x, y = random_batch(model, batch, seed=step)
+        x, y = random_batch("gpt" if model == "gpt_tied" else model, batch, seed=step)
         loss_ref = spec.loss_fn(run_layers(reference, x), y)
         loss_ref.backward()
         loss = pipe.run(*split_batch(pipe, x, y, m))
+        tied.reduce_grads()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(ref_params, clip)
+            norm, _ = clip_grad_norm_global(mine_params, clip, None, torch.zeros(1, dtype=DTYPE), tied.duplicates())
+            worst["norm_before_clip"] = norm
         if loss is not None:
             worst["loss"] = max(worst["loss"], rel_diff(loss, loss_ref.detach()))
             worst["losses_compared"] += 1
@@ -88,7 +113,7 @@ def equivalence(model: str, schedule: str, m: int, steps: int = 3, batch: int = 
 def eval_matches(model: str, m: int) -> float:
     """Forward-only evaluation loss vs the unsplit model (relative difference; 0 off the last rank)."""
     spec = build_toy(model)
-    pipe, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m))
+    pipe, _, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m))
     x, y = random_batch(model, BATCH, seed=7)
     with torch.no_grad():
         expected = spec.loss_fn(run_layers(spec.build_all(dtype=DTYPE), x), y)
@@ -102,7 +127,7 @@ def eval_matches(model: str, m: int) -> float:
 def dynamic_shapes(model: str = "masked_mlp", m: int = 2) -> float:
     """With comm.dynamic_shapes, a smaller batch mid-run renegotiates and stays exact."""
     spec = build_toy(model)
-    pipe, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), dynamic_shapes=True)
+    pipe, _, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), dynamic_shapes=True)
     reference = spec.build_all(dtype=DTYPE)
     worst = 0.0
     for step, batch in enumerate((BATCH, BATCH // 2, BATCH)):
@@ -127,7 +152,7 @@ def shape_change_is_an_error(model: str = "masked_mlp", m: int = 2) -> str:
     PipelineTimeoutError (not a hang) on the ranks waiting for it.  Breaks the group: run last."""
     spec = build_toy(model)
     timeout_s = 2.0
-    pipe, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), timeout_s=timeout_s)
+    pipe, _, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), timeout_s=timeout_s)
     for batch in (BATCH, BATCH // 2):
         x, y = random_batch(model, batch, seed=0)
         try:

@@ -19,11 +19,20 @@ SCHEDULES = ("gpipe", "1f1b")
 MICROBATCHES = (1, 3, 4, 8)  # below, equal to and above the stage counts 2 and 4
 
 
+CLIP = 0.05
+
+
 def _equivalence_cases() -> list[tuple[str, object]]:
-    return [
+    plain = [
         (f"eq-{model}-{schedule}-m{m}", functools.partial(cases.equivalence, model, schedule, m))
         for model, schedule, m in itertools.product(MODELS, SCHEDULES, MICROBATCHES)
     ]
+    tied = [  # GPT with the token embedding tied to the output head (first and last stage)
+        (f"eq-gpt_tied-{schedule}-m{m}", functools.partial(cases.equivalence, "gpt_tied", schedule, m))
+        for schedule, m in (("1f1b", 4), ("gpipe", 3))
+    ]
+    clipped = [("eq-clipped-gpt_tied-1f1b-m4", functools.partial(cases.equivalence, "gpt_tied", "1f1b", 4, clip=CLIP))]
+    return plain + tied + clipped
 
 
 def _all_cases() -> list[tuple[str, object]]:
@@ -52,6 +61,8 @@ def test_pipelined_training_equals_unsplit_model(world, name: str) -> None:
     values = _values(results[name])
     assert sum(v["losses_compared"] for v in values) == 3  # last stage, every step
     assert all(v["params_compared"] > 0 for v in values)  # every rank holds parameters
+    if "clipped" in name:  # the clip must really bite, or the test proves nothing
+        assert all(v["norm_before_clip"] > 2 * CLIP for v in values)
     for rank, v in enumerate(values):
         for key in ("loss", "grad", "param"):
             assert v[key] <= TOLERANCE, f"p={p} rank {rank}: {key} differs by {v[key]:.3e}"

@@ -171,6 +171,7 @@ def build_gpt(
     dropout: float = 0.0,
     bias: bool = True,
     seed: int = 0,
+    tie_embeddings: bool = False,
 ) -> ModelSpec:
     """Describe a GPT decoder as n_layer + 2 lazy layers: embedding, block.0.., head.
 
@@ -183,6 +184,8 @@ def build_gpt(
         dropout: dropout probability (0 for exact reproducibility).
         bias: whether Linear and LayerNorm layers have biases.
         seed: the model seed every layer's init derives from.
+        tie_embeddings: share the token embedding with the output head (GPT-2 style); the two
+            copies live on different stages and their gradients are summed every step.
 
     Returns:
         A ModelSpec whose loss is the mean token cross entropy.
@@ -195,4 +198,5 @@ def build_gpt(
     layers = [LayerSpec("embedding", Embedding, (cfg,))]
     layers += [LayerSpec(f"block.{k}", Block, (cfg,)) for k in range(n_layer)]
     layers.append(LayerSpec("head", Head, (cfg,)))
-    return ModelSpec(name="gpt", layers=layers, loss_fn=gpt_loss, seed=seed)
+    tied = {"wte": [("embedding", "wte.weight"), ("head", "lm_head.weight")]} if tie_embeddings else {}
+    return ModelSpec(name="gpt", layers=layers, loss_fn=gpt_loss, seed=seed, tied=tied)

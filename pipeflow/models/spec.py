@@ -72,12 +72,16 @@ class ModelSpec:
         layers: the layers in forward order; names must be unique.
         loss_fn: (output of the last layer, targets) -> scalar loss, the MEAN over the micro-batch.
         seed: layer i is built under a CPU RNG seeded from (seed, i).
+        tied: parameters shared by several layers, declared once: ``{tie name: [(layer name,
+            parameter path), ...]}``, e.g. GPT's ``{"wte": [("embedding", "wte.weight"),
+            ("head", "lm_head.weight")]}``. The first entry's initial value is used everywhere.
     """
 
     name: str
     layers: list[LayerSpec]
     loss_fn: LossFn
     seed: int = 0
+    tied: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -86,6 +90,13 @@ class ModelSpec:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ConfigError(f"model {self.name!r}: duplicate layer names {duplicates}")
+        for tie, members in self.tied.items():
+            unknown = [layer for layer, _ in members if layer not in names]
+            if unknown or len(members) < 2:
+                raise ConfigError(
+                    f"model {self.name!r}: tied parameter {tie!r} needs two or more members among "
+                    f"the layers {names}; got {members}"
+                )
 
     def __len__(self) -> int:
         return len(self.layers)
