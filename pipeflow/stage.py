@@ -49,7 +49,8 @@ class Stage:
         self.loss_fn = loss_fn
         self._inputs: dict[int, Tensors] = {}
         self._outputs: dict[int, Tensors] = {}
-        self._pending_weight: dict[int, tuple[Tensors, Tensors | None]] = {}
+        self._boundaries: dict[int, list[Tensors]] = {}  # each layer's outputs, for a split backward
+        self._pending_weight: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
         self.losses: dict[int, torch.Tensor] = {}
 
     @property
@@ -91,7 +92,10 @@ class Stage:
             keep_for_backward: False for evaluation (no graph is built or kept).
         """
         with torch.set_grad_enabled(keep_for_backward):
-            output = run_layers(list(self.module), unpack(inputs))
+            output, boundaries = unpack(inputs), []
+            for layer in self.module:  # run_layers' convention, keeping every layer's outputs
+                output = layer(*output) if isinstance(output, tuple) else layer(output)
+                boundaries.append(as_tuple(output))
             outputs = as_tuple(output)
             if self.is_last and target is not None and self.loss_fn is not None:
                 loss = self.loss_fn(output, target) * loss_scale
@@ -100,6 +104,7 @@ class Stage:
         if keep_for_backward:
             self._inputs[i] = inputs
             self._outputs[i] = outputs
+            self._boundaries[i] = boundaries
         return outputs
 
     def backward(self, i: int, grad_outputs: Tensors | None, weights: bool = True) -> tuple[torch.Tensor | None, ...]:
@@ -125,22 +130,48 @@ class Stage:
                 f"{len(tensors)} outputs that require grad"
             )
         wanted = [t for t in inputs if t.requires_grad]
+        boundaries = self._boundaries.pop(i)
         if weights:
             torch.autograd.backward(tensors, grads)
             found = {id(t): t.grad for t in wanted}
         else:
-            found = {}
-            if wanted:
-                grads_in = torch.autograd.grad(tensors, wanted, grads, retain_graph=True, allow_unused=True)
-                found = {id(t): g for t, g in zip(wanted, grads_in)}
-            self._pending_weight[i] = (tuple(tensors), None if grads is None else tuple(grads))
+            found = self._backward_input(i, tensors, grads, wanted, boundaries)
         return tuple(found.get(id(t)) if t.requires_grad else None for t in inputs)
+
+    def _backward_input(
+        self,
+        i: int,
+        roots: list[torch.Tensor],
+        root_grads: list[torch.Tensor] | None,
+        wanted: list[torch.Tensor],
+        boundaries: list[Tensors],
+    ) -> dict[int, torch.Tensor | None]:
+        """B of a split backward: input grads, plus the grads at every layer's outputs for W.
+
+        One pass down the chain computes both; W then only walks each layer's own sub-graph
+        from its outputs to its parameters, never the chain again.
+        """
+        per_layer = [[t for t in outs if t.requires_grad] for outs in boundaries]
+        flat = [t for outs in per_layer for t in outs]
+        got = torch.autograd.grad(roots, wanted + flat, root_grads, retain_graph=True, allow_unused=True)
+        grads_in, rest = got[: len(wanted)], list(got[len(wanted):])
+        pending = []
+        for layer_outs in per_layer:
+            layer_grads, rest = rest[: len(layer_outs)], rest[len(layer_outs):]
+            keep = [(t, g) for t, g in zip(layer_outs, layer_grads) if g is not None]
+            pending.append(([t for t, _ in keep], [g for _, g in keep]))
+        self._pending_weight[i] = pending
+        return {id(t): g for t, g in zip(wanted, grads_in)}
 
     def backward_weight(self, i: int) -> None:
         """The weight-grad half (W) of a split backward for micro-batch `i`."""
-        tensors, grads = self._pending_weight.pop(i)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        torch.autograd.backward(list(tensors), None if grads is None else list(grads), inputs=params)
+        for layer, (outs, grads) in zip(self.module, self._pending_weight.pop(i)):
+            params = [p for p in layer.parameters() if p.requires_grad]
+            if not outs or not params:
+                continue
+            for p, g in zip(params, torch.autograd.grad(outs, params, grads, allow_unused=True)):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
 
     def trial_forward(self, inputs: Tensors) -> Tensors:
         """Run the layers once in eval mode (no BatchNorm update, no dropout RNG) to see outputs.

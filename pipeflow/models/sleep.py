@@ -1,0 +1,79 @@
+"""Sleep-stages: layers whose F, B and W each cost a fixed wall time without using the CPU.
+
+They measure what a schedule and the runtime deliver against the simulator's ideal: every
+layer sleeps `forward_ms` in forward, `backward_ms` when the gradient of its input is computed
+(B) and `weight_ms` when the gradient of its parameter is computed (W); a full backward pays
+both. The two gradient paths are separate autograd nodes, so a split backward runs only one.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeflow.models.spec import LayerSpec, ModelSpec
+
+
+class _SleepThrough(torch.autograd.Function):
+    """Identity on x that sleeps in forward and in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class _SleepWeight(torch.autograd.Function):
+    """Returns zeros shaped like `like`; its backward (the weight gradient) sleeps."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, like: torch.Tensor, weight_s: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.weight_s = weight_s
+        ctx.save_for_backward(weight)
+        return torch.zeros_like(like)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        time.sleep(ctx.weight_s)
+        (weight,) = ctx.saved_tensors
+        return grad.sum().reshape(1).expand_as(weight) * 0, None, None
+
+
+class SleepLayer(nn.Module):
+    """x -> x, costing forward_ms (F), backward_ms (B, input grad) and weight_ms (W, weight grad)."""
+
+    def __init__(self, forward_ms: float, backward_ms: float, weight_ms: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1))
+        self.costs_s = (forward_ms / 1e3, backward_ms / 1e3, weight_ms / 1e3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Sleep F, return x (plus a zero that carries the weight's gradient path)."""
+        forward_s, backward_s, weight_s = self.costs_s
+        return _SleepThrough.apply(x, forward_s, backward_s) + _SleepWeight.apply(self.weight, x.detach(), weight_s)
+
+
+def build_sleep(
+    num_layers: int = 8,
+    forward_ms: float = 10.0,
+    backward_ms: float = 10.0,
+    weight_ms: float = 10.0,
+    width: int = 8,
+    seed: int = 0,
+) -> ModelSpec:
+    """A model of `num_layers` sleep layers on (B, width) float inputs; MSE loss.
+
+    With one layer per stage, stage costs are exactly F = forward_ms, B = backward_ms,
+    W = weight_ms (a full backward costs B + W).
+    """
+    del width  # the input width is the data's; kept for config symmetry
+    layers = [LayerSpec(f"sleep.{k}", SleepLayer, (forward_ms, backward_ms, weight_ms)) for k in range(num_layers)]
+    return ModelSpec("sleep", layers, loss_fn=F.mse_loss, seed=seed)
