@@ -43,6 +43,31 @@ class MLPModelConfig:
 
 
 @dataclass
+class ResNetModelConfig:
+    """A torchvision ResNet flattened into stem, residual blocks, head (``model=resnet18``)."""
+
+    _target_: str = "pipeflow.models.resnet.build_resnet"
+    arch: str = "resnet18"
+    num_classes: int = 10
+    small_input: bool = True
+    in_channels: int = 3
+    zero_init_residual: bool = False
+    seed: int = 0
+
+
+@dataclass
+class SleepModelConfig:
+    """Sleep-stages whose F, B and W cost fixed wall time (``model=sleep``, with ``data=gaussian``)."""
+
+    _target_: str = "pipeflow.models.sleep.build_sleep"
+    num_layers: int = 4
+    forward_ms: float = 10.0
+    backward_ms: float = 10.0
+    weight_ms: float = 10.0
+    seed: int = 0
+
+
+@dataclass
 class ScheduleConfig:
     """Which pipeline schedule runs (``schedule=1f1b`` or ``schedule=gpipe``)."""
 
@@ -59,7 +84,8 @@ class PipelineConfig:
 
 @dataclass
 class DataConfig:
-    """Where batches come from: ``markov`` (made locally), ``text`` (a local file), ``gaussian``."""
+    """Where batches come from: ``markov`` (made locally), ``text`` (a local file), ``gaussian``,
+    or images: ``cifar10``, ``mnist``, ``imagefolder`` (under ``data.root``), ``fakedata``."""
 
     name: str = "markov"
     batch_size: int = 32
@@ -71,6 +97,10 @@ class DataConfig:
     val_fraction: float = 0.1
     in_features: int = 32
     num_classes: int = 10
+    root: str = "data"
+    download: bool = False
+    image_size: int | None = None
+    fake_size: int = 1024
     seed: int = 1234
 
 
@@ -146,6 +176,8 @@ def register_configs() -> None:
     cs.store(name="base_config", node=Config)
     cs.store(group="model", name="base_gpt", node=GPTModelConfig)
     cs.store(group="model", name="base_mlp", node=MLPModelConfig)
+    cs.store(group="model", name="base_resnet", node=ResNetModelConfig)
+    cs.store(group="model", name="base_sleep", node=SleepModelConfig)
     cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
     cs.store(group="pipeline", name="base_pipeline", node=PipelineConfig)
     cs.store(group="data", name="base_data", node=DataConfig)

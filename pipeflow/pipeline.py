@@ -108,7 +108,14 @@ class Pipeline:
             schedule = forward_only(self.schedule.num_ranks, count, self.schedule.stage_to_rank)
             self._eval_programs[count] = self._checked_program(schedule)
         self._negotiate_shapes(inputs)
-        self._execute(self._eval_programs[count], inputs, targets, loss_scale=1.0 / count, train=False)
+        modes = [(mod, mod.training) for stage in self.stages.values() for mod in stage.module.modules()]
+        for stage in self.stages.values():
+            stage.module.train(False)  # BatchNorm uses running statistics, dropout is off
+        try:
+            self._execute(self._eval_programs[count], inputs, targets, loss_scale=1.0 / count, train=False)
+        finally:
+            for mod, mode in modes:
+                mod.training = mode
         return self._take_loss()
 
     def _take_loss(self) -> torch.Tensor | None:

@@ -42,6 +42,10 @@ class Batches:
     best_loss: float | None = None  # lowest achievable loss, where the data knows it
 
 
+IMAGE_DATA = ("cifar10", "mnist", "imagefolder", "fakedata")
+TOKEN_DATA = ("markov", "text")
+
+
 def build_batches(cfg: Any, model_cfg: Any) -> Batches:
     """The data sources named by ``data.name`` (identical on every rank).
 
@@ -49,6 +53,13 @@ def build_batches(cfg: Any, model_cfg: Any) -> Batches:
         ConfigError: unknown data name, or a vocabulary larger than the model's.
     """
     name = cfg.name
+    if name in IMAGE_DATA:
+        from pipeflow.vision_data import build_image_batches  # torchvision costs seconds to import
+
+        make = lambda seed, train: build_image_batches(  # noqa: E731
+            name, cfg.root, cfg.batch_size, seed, cfg.download, train, cfg.image_size, cfg.num_classes, cfg.fake_size
+        )
+        return Batches(make(cfg.seed, True), make(cfg.seed + 1, False))
     if name == "gaussian":
         make = lambda split: datasets.ClassificationBatches(  # noqa: E731
             cfg.in_features, cfg.num_classes, cfg.batch_size, cfg.seed, noise=4.0, split=split
@@ -63,7 +74,7 @@ def build_batches(cfg: Any, model_cfg: Any) -> Batches:
         tokens, chars = datasets.text_file_tokens(cfg.path, cfg.level)
         vocab, best = (256 if chars is None else len(chars)), None
     else:
-        raise ConfigError(f"unknown data.name={name!r}; valid: markov, text, gaussian")
+        raise ConfigError(f"unknown data.name={name!r}; valid: markov, text, gaussian, {', '.join(IMAGE_DATA)}")
     model_vocab = getattr(model_cfg, "vocab_size", vocab)
     if vocab > model_vocab:
         raise ConfigError(
@@ -230,7 +241,7 @@ class Trainer:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
         first_val = self.evaluate()
-        per_sample = self.cfg.data.seq_len if self.cfg.data.name != "gaussian" else 1
+        per_sample = self.cfg.data.seq_len if self.cfg.data.name in TOKEN_DATA else 1
         items_per_step, unit = self.cfg.data.batch_size * per_sample, ("tokens" if per_sample > 1 else "samples")
         first_loss = last_loss = float("nan")
         t0 = time.perf_counter()

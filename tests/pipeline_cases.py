@@ -19,6 +19,7 @@ from pipeflow.partition import partition_layers
 from pipeflow.pipeline import Pipeline
 from pipeflow.schedules import PipelineSchedule, build_schedule
 from pipeflow.models import build_gpt
+from pipeflow.models.resnet import build_resnet
 from pipeflow.stage import as_tuple, build_stages, layers_by_index
 from pipeflow.tied import TiedWeights, tie_in_place
 from pipeflow.trainer import clip_grad_norm_global, unique_parameters
@@ -50,10 +51,29 @@ def build_pipeline(
 
 
 def make_spec(model: str) -> ModelSpec:
-    """The toy model `model`; ``gpt_tied`` is the small GPT with tied embedding and head."""
+    """The toy model `model`; ``gpt_tied`` is the small GPT with tied embedding and head;
+    ``resnet18`` the flattened torchvision ResNet-18 (run with BatchNorm in eval mode)."""
     if model == "gpt_tied":
         return build_gpt(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16, tie_embeddings=True)
+    if model == "resnet18":
+        return build_resnet("resnet18", num_classes=10)
     return build_toy(model)
+
+
+def make_batch(model: str, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets for `model` (images are 3 x 8 x 8)."""
+    if model == "resnet18":
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randn(batch, 3, 8, 8, generator=gen, dtype=DTYPE), torch.randint(10, (batch,), generator=gen)
+    return random_batch("gpt" if model == "gpt_tied" else model, batch, seed=seed)
+
+
+def freeze_batchnorm(modules: Any) -> None:
+    """BatchNorm on running statistics, so a micro-batch's normalisation equals the batch's."""
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+                sub.eval()
 
 
 def split_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, m: int) -> tuple[list | None, list | None]:
@@ -77,6 +97,8 @@ def equivalence(
     pipe, ranges, tied = build_pipeline(spec, build_schedule(schedule, p, m))
     reference = spec.build_all(dtype=DTYPE)
     tie_in_place(spec, dict(enumerate(reference)))
+    freeze_batchnorm(reference)
+    freeze_batchnorm(st.module for st in pipe.stages.values())
     pairs = [
         (mine, ref)
         for s, stage in pipe.stages.items()
@@ -89,7 +111,7 @@ def equivalence(
     opt_ref = torch.optim.AdamW(ref_params, lr=1e-2)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses_compared": 0, "params_compared": len(pairs)}
     for step in range(steps):
-        x, y = random_batch("gpt" if model == "gpt_tied" else model, batch, seed=step)
+        x, y = make_batch(model, batch, seed=step)
         loss_ref = spec.loss_fn(run_layers(reference, x), y)
         loss_ref.backward()
         loss = pipe.run(*split_batch(pipe, x, y, m))

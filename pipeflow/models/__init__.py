@@ -6,6 +6,7 @@ from typing import Callable, TypeVar
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.mlp import build_mlp
+from pipeflow.models.resnet import build_resnet, build_resnet18, build_resnet50
 from pipeflow.models.spec import LayerSpec, ModelSpec, derive_seed, run_layers
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "ModelSpec",
     "build_gpt",
     "build_mlp",
+    "build_resnet",
     "derive_seed",
     "get_model_builder",
     "register_model",
@@ -23,7 +25,13 @@ __all__ = [
 ModelBuilder = Callable[..., ModelSpec]
 B = TypeVar("B", bound=ModelBuilder)
 
-MODEL_BUILDERS: dict[str, ModelBuilder] = {"gpt": build_gpt, "mlp": build_mlp}
+MODEL_BUILDERS: dict[str, ModelBuilder] = {
+    "gpt": build_gpt,
+    "mlp": build_mlp,
+    "resnet": build_resnet,
+    "resnet18": build_resnet18,
+    "resnet50": build_resnet50,
+}
 
 
 def register_model(

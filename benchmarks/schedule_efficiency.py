@@ -1,0 +1,128 @@
+"""Measured step time of every schedule on sleep-stages vs the simulator's makespan.
+
+Each stage is one sleep layer whose F, B and W cost fixed wall time without using the CPU, so
+the ratio measured / simulated is the runtime's own overhead (communication, Python, waits):
+
+    python benchmarks/schedule_efficiency.py --ranks 4 --microbatches 8 16
+
+Runs on gloo/CPU (the default) with `--ranks` processes spawned here; prints a Markdown table
+and, with --out, appends it to that file with the command, machine, torch version and date.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from pipeflow.comm import P2PComm  # noqa: E402
+from pipeflow.models.sleep import build_sleep  # noqa: E402
+from pipeflow.partition import partition_layers  # noqa: E402
+from pipeflow.pipeline import Pipeline  # noqa: E402
+from pipeflow.schedules import build_schedule, simulate  # noqa: E402
+from pipeflow.stage import build_stages  # noqa: E402
+
+CHUNKED = {"interleaved_1f1b": 2, "looped_bfs": 2, "zbv": 2, "dualpipev": 2}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
+
+
+def measure(name: str, p: int, m: int, args: argparse.Namespace) -> tuple[float, float] | None:
+    """(median measured step seconds, simulated makespan seconds), or None if not available."""
+    try:
+        schedule = build_schedule(name, p, m, stages_per_rank=CHUNKED.get(name, 1))
+    except Exception as exc:  # noqa: BLE001 - a schedule this build lacks, or m it cannot serve
+        if dist.get_rank() == 0:
+            print(f"skip {name} m={m}: {exc}", file=sys.stderr)
+        return None
+    S = schedule.num_stages
+    spec = build_sleep(S, args.forward_ms, args.backward_ms, args.weight_ms)
+    ranges = partition_layers(S, S)
+    stages = build_stages(spec, ranges, schedule.stages_of(dist.get_rank()))
+    comm = P2PComm(None, torch.device("cpu"), timeout_s=120)
+    pipe = Pipeline(stages, schedule, comm)
+    x, y = torch.randn(m * 2, 8), torch.randn(m * 2, 8)
+    inputs = [(mb,) for mb in x.chunk(m)] if 0 in stages else None
+    targets = list(y.chunk(m)) if S - 1 in stages else None
+    times = []
+    for step in range(args.warmup + args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        pipe.run(inputs, targets)
+        end = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(end, op=dist.ReduceOp.MAX)
+        if step >= args.warmup:
+            times.append(float(end))
+    costs = {"F": args.forward_ms / 1e3, "B": args.backward_ms / 1e3, "W": args.weight_ms / 1e3}
+    return statistics.median(times), simulate(schedule, costs=costs).makespan
+
+
+def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
+    P2PComm(None, torch.device("cpu")).warmup()
+    rows = []
+    for m in args.microbatches:
+        for name in args.schedules:
+            result = measure(name, p, m, args)
+            if result is not None:
+                rows.append((name, m, *result))
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def table(rows: list[tuple[str, int, float, float]], args: argparse.Namespace) -> str:
+    """The results as a Markdown table."""
+    lines = [
+        f"F = {args.forward_ms} ms, B = {args.backward_ms} ms, W = {args.weight_ms} ms per stage "
+        f"(a full backward costs B + W), p = {args.ranks}, median of {args.steps} steps",
+        "",
+        "| schedule | m | measured step (ms) | simulated makespan (ms) | measured / simulated |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, m, measured, ideal in rows:
+        lines.append(f"| {name} | {m} | {measured * 1e3:.1f} | {ideal * 1e3:.1f} | {measured / ideal:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
+    parser.add_argument("--forward-ms", type=float, default=10.0)
+    parser.add_argument("--backward-ms", type=float, default=10.0)
+    parser.add_argument("--weight-ms", type=float, default=10.0)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default=None, help="append the table to this Markdown file")
+    args = parser.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
+    text = table(queue.get(), args)
+    print(text)
+    if args.out:
+        header = (
+            f"\n### Schedule efficiency on sleep-stages ({datetime.date.today()})\n\n"
+            f"`python {' '.join(sys.argv)}` on {platform.machine()}, {os.cpu_count()} CPU cores, "
+            f"torch {torch.__version__}, gloo\n\n"
+        )
+        with open(args.out, "a") as f:
+            f.write(header + text + "\n")
+
+
+if __name__ == "__main__":
+    main()
