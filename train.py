@@ -41,6 +41,9 @@ def main(cfg: DictConfig) -> None:
     setup_logging(dist.get_rank())
     try:
         Trainer(cfg, device).fit()
+        # Tear down only once every rank is done: destroying a gloo group while a peer
+        # still talks to it aborts that peer ("terminate called without an active exception").
+        dist.barrier()
     except Exception:
         logging.getLogger("pipeflow").exception("rank %d failed", dist.get_rank())
         raise
