@@ -69,9 +69,10 @@ class SleepModelConfig:
 
 @dataclass
 class ScheduleConfig:
-    """Which pipeline schedule runs (``schedule=1f1b`` or ``schedule=gpipe``)."""
+    """Which pipeline schedule runs (``schedule=1f1b``, ``schedule=zbv``, ... or ``schedule=custom``)."""
 
     name: str = "1f1b"
+    path: str | None = None  # schedule=custom: the file of actions per rank
 
 
 @dataclass
@@ -80,6 +81,8 @@ class PipelineConfig:
 
     num_microbatches: int = 8
     split_points: list[Any] | None = None  # first layer (index or name) of stages 1..S-1
+    stages_per_rank: int | None = None  # model chunks per rank; None: the schedule's own
+    placement: str | None = None  # loop | v; None: the schedule's own
 
 
 @dataclass

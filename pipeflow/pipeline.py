@@ -1,7 +1,9 @@
 """Executing one rank's lowered program: the only place where communication and compute meet.
 
-For every step of the program: post one batched call (sends produced by the previous action,
-recvs needed by this one), wait for it, then run the compute action on the local Stage.
+For every step of the program: post one batched call (sends of tensors produced by earlier
+actions, recvs of tensors needed by this action or a later one; lowering decides which step
+carries each transfer), wait for it, then run the compute action on the local Stage.  Early
+arrivals wait in an inbox keyed by (payload, micro-batch, stage).
 Which schedule produced the program is unknown here; the simulator has checked it before.
 """
 from __future__ import annotations

@@ -158,7 +158,10 @@ class Trainer:
         self.dtype = getattr(torch, cfg.train.dtype)
         self.spec: ModelSpec = instantiate(cfg.model)
         self.m = cfg.pipeline.num_microbatches
-        self.schedule = build_schedule(cfg.schedule.name, self.pp, self.m)
+        self.schedule = build_schedule(
+            cfg.schedule.name, self.pp, self.m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
+            cfg.schedule.path,
+        )
         self.ranges = partition_layers(
             len(self.spec.layers), self.schedule.num_stages, cfg.pipeline.split_points, self.spec.layer_names()
         )

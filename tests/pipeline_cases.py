@@ -51,12 +51,18 @@ def build_pipeline(
 
 
 def make_spec(model: str) -> ModelSpec:
-    """The toy model `model`; ``gpt_tied`` is the small GPT with tied embedding and head;
+    """The toy model `model`; ``gpt_tied`` is the small GPT with tied embedding and head; a
+    suffix ``8`` makes it 8 layers (two chunks per rank on 4 ranks);
     ``resnet18`` the flattened torchvision ResNet-18 (run with BatchNorm in eval mode)."""
-    if model == "gpt_tied":
-        return build_gpt(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16, tie_embeddings=True)
+    if model in ("gpt_tied", "gpt_tied8"):
+        n_layer = 6 if model == "gpt_tied8" else 4
+        return build_gpt(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=16, tie_embeddings=True)
     if model == "resnet18":
         return build_resnet("resnet18", num_classes=10)
+    if model == "gpt8":  # 8 layers: two chunks on each of 4 ranks
+        return build_toy("gpt", n_layer=6)
+    if model == "masked_mlp8":
+        return build_toy("masked_mlp", num_layers=8)
     return build_toy(model)
 
 
@@ -65,7 +71,7 @@ def make_batch(model: str, batch: int, seed: int) -> tuple[torch.Tensor, torch.T
     if model == "resnet18":
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(batch, 3, 8, 8, generator=gen, dtype=DTYPE), torch.randint(10, (batch,), generator=gen)
-    return random_batch("gpt" if model == "gpt_tied" else model, batch, seed=seed)
+    return random_batch(model.removesuffix("8").removesuffix("_tied"), batch, seed=seed)
 
 
 def freeze_batchnorm(modules: Any) -> None:

@@ -83,3 +83,29 @@ def test_default_config_composes_with_overrides() -> None:
 def test_a_misspelt_key_is_rejected_by_the_schema() -> None:
     with pytest.raises(Exception, match="num_microbatch"):
         compose_config("pipeline.num_microbatch=4")
+
+
+def _schedule_from(cfg, pp: int = 4):
+    return build_schedule(cfg.schedule.name, pp, cfg.pipeline.num_microbatches, cfg.pipeline.stages_per_rank,
+                          cfg.pipeline.placement, cfg.schedule.path)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs" / "schedule").glob("*.yaml") if p.stem != "custom"))
+def test_every_schedule_config_builds(name: str) -> None:
+    schedule = _schedule_from(compose_config(f"schedule={name}"))
+    assert schedule.name == name and schedule.num_microbatches == 8
+
+
+def test_layout_overrides_reach_the_schedule(tmp_path: Path) -> None:
+    schedule = _schedule_from(compose_config("schedule=interleaved_1f1b", "pipeline.stages_per_rank=3"))
+    assert schedule.num_stages == 12
+    with pytest.raises(ScheduleError, match=r"'zbv' needs pipeline.stages_per_rank=2"):
+        _schedule_from(compose_config("schedule=zbv", "pipeline.stages_per_rank=3"))
+    with pytest.raises(ScheduleError, match=r"'1f1b' cannot use pipeline.placement=v"):
+        _schedule_from(compose_config("schedule=1f1b", "pipeline.placement=v"))
+    with pytest.raises(ScheduleError, match=r"schedule.path"):
+        _schedule_from(compose_config("schedule=custom", "schedule.path=null"))
+    path = tmp_path / "mine.txt"
+    path.write_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
+    custom = _schedule_from(compose_config("schedule=custom", f"schedule.path={path}", "pipeline.num_microbatches=2"), pp=2)
+    assert custom.num_ranks == 2 and custom.num_microbatches == 2

@@ -17,6 +17,13 @@ TOLERANCE = 1e-9
 MODELS = ("gpt", "masked_mlp")
 SCHEDULES = ("gpipe", "1f1b")
 MICROBATCHES = (1, 3, 4, 8)  # below, equal to and above the stage counts 2 and 4
+CHUNKED_SCHEDULES = {
+    "interleaved_1f1b": (4, 8, 12),  # m a multiple of p
+    "looped_bfs": (1, 3, 8),
+    "zb_h1": (1, 3, 8),
+    "zbv": (1, 3, 8),
+    "dualpipev": (8, 12),  # m >= 2p
+}
 
 
 CLIP = 0.05
@@ -31,9 +38,20 @@ def _equivalence_cases() -> list[tuple[str, object]]:
         (f"eq-gpt_tied-{schedule}-m{m}", functools.partial(cases.equivalence, "gpt_tied", schedule, m))
         for schedule, m in (("1f1b", 4), ("gpipe", 3))
     ]
+    # Several chunks per rank (loop or V placement), split backward (B then W): models of 8
+    # layers; micro-batch counts valid for p = 2 and 4, the smallest each schedule accepts first.
+    chunked = [
+        (f"eq-{model}-{schedule}-m{m}", functools.partial(cases.equivalence, model, schedule, m))
+        for schedule, counts in CHUNKED_SCHEDULES.items()
+        for model, m in itertools.product(("gpt8", "masked_mlp8"), counts)
+    ]
+    tied_v = [  # V placement puts the first and last stage, so both tied copies, on rank 0
+        ("eq-gpt_tied8-zbv-m4", functools.partial(cases.equivalence, "gpt_tied8", "zbv", 4)),
+        ("eq-gpt_tied8-interleaved_1f1b-m4", functools.partial(cases.equivalence, "gpt_tied8", "interleaved_1f1b", 4)),
+    ]
     resnet = [("eq-resnet18-1f1b-m4", functools.partial(cases.equivalence, "resnet18", "1f1b", 4, steps=2))]
     clipped = [("eq-clipped-gpt_tied-1f1b-m4", functools.partial(cases.equivalence, "gpt_tied", "1f1b", 4, clip=CLIP))]
-    return plain + tied + resnet + clipped
+    return plain + tied + chunked + tied_v + resnet + clipped
 
 
 def _all_cases() -> list[tuple[str, object]]:

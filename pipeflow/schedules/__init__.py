@@ -2,45 +2,160 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from pipeflow.errors import ScheduleError
-from pipeflow.schedules.generators import forward_only, gpipe, loop_placement, one_f_one_b
+from pipeflow.schedules.custom import load_schedule
+from pipeflow.schedules.generators import (
+    forward_only,
+    gpipe,
+    interleaved_1f1b,
+    loop_placement,
+    looped_bfs,
+    one_f_one_b,
+    v_placement,
+)
 from pipeflow.schedules.ir import Action, CommOp, PipelineSchedule, Program, Step
 from pipeflow.schedules.lowering import lower
 from pipeflow.schedules.simulator import SimResult, simulate, validate
+from pipeflow.schedules.zero_bubble import dualpipev, zb_h1, zbv
 
-GENERATORS: dict[str, Callable[[int, int], PipelineSchedule]] = {
+GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+    "looped_bfs": looped_bfs,
+    "zb_h1": zb_h1,
+    "zbv": zbv,
+    "dualpipev": dualpipev,
 }
 
+PLACEMENTS: dict[str, Callable[[int, int], tuple[int, ...]]] = {
+    "loop": loop_placement,
+    "v": v_placement,
+}
 
-def build_schedule(name: str, num_ranks: int, num_microbatches: int) -> PipelineSchedule:
+# name: (stages per rank it needs, None if any count; placements it can use, default first)
+LAYOUTS: dict[str, tuple[int | None, tuple[str, ...]]] = {
+    "gpipe": (1, ("loop",)),
+    "1f1b": (1, ("loop",)),
+    "interleaved_1f1b": (None, ("loop",)),
+    "looped_bfs": (None, ("loop",)),
+    "zb_h1": (1, ("loop",)),
+    "zbv": (2, ("v",)),
+    "dualpipev": (2, ("v",)),
+}
+DEFAULT_STAGES_PER_RANK = 2  # for the schedules that take any count
+CUSTOM = "custom"
+
+
+def build_schedule(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    stages_per_rank: int | None = None,
+    placement: str | None = None,
+    path: str | Path | None = None,
+) -> PipelineSchedule:
     """Generate the schedule called `name` for p ranks and m micro-batches.
 
+    Args:
+        name: a key of :data:`GENERATORS`, or ``custom`` to read `path`.
+        num_ranks: p, pipeline ranks.
+        num_microbatches: m.
+        stages_per_rank: model chunks per rank; None picks the schedule's own (1 for gpipe,
+            1f1b, zb_h1; 2 for zbv, dualpipev and, by default, interleaved_1f1b, looped_bfs).
+        placement: ``loop`` or ``v``; None picks the schedule's own.
+        path: the schedule file for ``custom`` (see :func:`load_schedule`).
+
     Raises:
-        ScheduleError: for an unknown name (the message lists the valid ones).
+        ScheduleError: for an unknown name (the message lists the valid ones), a stage count,
+            placement or micro-batch count the schedule cannot use (the message names the
+            valid values), or a custom file that is missing, malformed or disagrees with p, m.
     """
+    if name == CUSTOM:
+        return _custom(path, num_ranks, num_microbatches, stages_per_rank, placement)
     if name not in GENERATORS:
-        valid = ", ".join(sorted(GENERATORS))
+        valid = ", ".join(sorted(GENERATORS) + [CUSTOM])
         raise ScheduleError(f"unknown schedule {name!r}; valid schedules: {valid} (schedule=<name>)")
+    needed, placements = LAYOUTS[name]
+    if placement is not None:
+        _check_placement(name, placement, placements)
+    if needed is None:
+        count = DEFAULT_STAGES_PER_RANK if stages_per_rank is None else stages_per_rank
+        return GENERATORS[name](num_ranks, num_microbatches, count)
+    if stages_per_rank is not None and stages_per_rank != needed:
+        raise ScheduleError(
+            f"schedule {name!r} needs pipeline.stages_per_rank={needed} "
+            f"({placements[0]} placement), got {stages_per_rank}"
+        )
     return GENERATORS[name](num_ranks, num_microbatches)
+
+
+def _check_placement(name: str, placement: str, usable: tuple[str, ...]) -> None:
+    if placement not in PLACEMENTS:
+        valid = ", ".join(PLACEMENTS)
+        raise ScheduleError(f"unknown placement {placement!r}; valid: {valid} (pipeline.placement)")
+    if placement not in usable:
+        raise ScheduleError(
+            f"schedule {name!r} cannot use pipeline.placement={placement}; "
+            f"it needs: {', '.join(usable)}"
+        )
+
+
+def _custom(
+    path: str | Path | None,
+    num_ranks: int,
+    num_microbatches: int,
+    stages_per_rank: int | None,
+    placement: str | None,
+) -> PipelineSchedule:
+    if path is None:
+        raise ScheduleError("schedule=custom needs the file of actions: set schedule.path=<file>")
+    schedule = load_schedule(path)
+    found = {
+        "parallel.pp (pipeline ranks)": (num_ranks, schedule.num_ranks),
+        "pipeline.num_microbatches": (num_microbatches, schedule.num_microbatches),
+    }
+    if stages_per_rank is not None:
+        found["pipeline.stages_per_rank"] = (stages_per_rank, schedule.num_stages / schedule.num_ranks)
+    for key, (asked, got) in found.items():
+        if asked != got:
+            raise ScheduleError(f"custom schedule {path} has {key}={got:g}, but {asked} was asked")
+    if placement is not None:
+        _check_placement(CUSTOM, placement, tuple(PLACEMENTS))
+        expected = PLACEMENTS[placement](schedule.num_ranks, schedule.num_stages // schedule.num_ranks)
+        if expected != schedule.stage_to_rank:
+            raise ScheduleError(
+                f"custom schedule {path} places stages on ranks {list(schedule.stage_to_rank)}, "
+                f"not by pipeline.placement={placement} ({list(expected)})"
+            )
+    return schedule
 
 
 __all__ = [
     "Action",
     "CommOp",
     "GENERATORS",
+    "LAYOUTS",
+    "PLACEMENTS",
     "PipelineSchedule",
     "Program",
     "SimResult",
     "Step",
     "build_schedule",
+    "dualpipev",
     "forward_only",
     "gpipe",
+    "interleaved_1f1b",
+    "load_schedule",
     "loop_placement",
+    "looped_bfs",
     "lower",
     "one_f_one_b",
     "simulate",
+    "v_placement",
     "validate",
+    "zb_h1",
+    "zbv",
 ]

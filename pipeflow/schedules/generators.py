@@ -1,10 +1,14 @@
-"""Pure schedule generators: (ranks, micro-batches, placement) -> actions per rank.
+"""Pure schedule generators: (ranks, micro-batches, stages per rank) -> actions per rank.
 
 Each generator returns a :class:`PipelineSchedule`; none touches torch.  Pictures use
 F = forward, B = backward; one row per rank, time to the right (p = 4, m = 8 for 1F1B):
 
     rank 0: F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7
     rank 3: F0 B0 F1 B1 F2 B2 ...
+
+Here: GPipe, 1F1B, forward-only, Megatron's interleaved 1F1B and looped BFS (several stages
+per rank, loop placement).  The zero-bubble family (B split from W) is in ``zero_bubble.py``;
+``docs/schedules/<name>.png`` draws each one (``python -m pipeflow.schedules.show``).
 """
 from __future__ import annotations
 
@@ -94,6 +98,10 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
     (micro-batches go in groups of p through each chunk in turn); the k-th backward walks the
     chunks in reverse.  Rank r warms up with 2(p - r - 1) + (v - 1) p forwards (all of them
     when m = p), then alternates F and B.  With v = 1 this is exactly :func:`one_f_one_b`.
+    p = 2, v = 2, m = 4 (stages 0, 2 on rank 0; 1, 3 on rank 1):
+
+        rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+        rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
 
     Raises:
         ScheduleError: when v > 1 and m is not a multiple of p (Megatron's requirement).
@@ -115,18 +123,19 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
     actions = []
     for r in range(p):
         warmup = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
-
-        def action(kind: str, k: int) -> Action:
-            chunk = (k // p) % v
-            chunk = chunk if kind == FORWARD else v - 1 - chunk
-            return Action(kind, (k // (p * v)) * p + k % p, chunk * p + r)
-
-        acts = [action(FORWARD, k) for k in range(warmup)]
+        acts = [_interleaved(FORWARD, k, p, v, r) for k in range(warmup)]
         for k in range(total - warmup):
-            acts += [action(FORWARD, warmup + k), action(BACKWARD, k)]
-        acts += [action(BACKWARD, k) for k in range(total - warmup, total)]
+            acts += [_interleaved(FORWARD, warmup + k, p, v, r), _interleaved(BACKWARD, k, p, v, r)]
+        acts += [_interleaved(BACKWARD, k, p, v, r) for k in range(total - warmup, total)]
         actions.append(acts)
     return PipelineSchedule("interleaved_1f1b", p, p * v, m, loop_placement(p, v), actions)
+
+
+def _interleaved(kind: str, k: int, p: int, v: int, r: int) -> Action:
+    """The k-th forward (or backward) of rank r in Megatron's interleaved order."""
+    chunk = (k // p) % v
+    chunk = chunk if kind == FORWARD else v - 1 - chunk
+    return Action(kind, (k // (p * v)) * p + k % p, chunk * p + r)
 
 
 def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> PipelineSchedule:

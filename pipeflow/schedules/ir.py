@@ -5,9 +5,11 @@ Index letters used throughout the schedules package:
     r = a rank, s = a stage, i = a micro-batch.
 
 A schedule says, for every rank, the order of its compute actions.  Lowering turns it into a
-*program*: a list of steps, each one batched communication call (the sends produced by the
-previous action plus the recvs needed by this one) followed by one compute action.  The runtime
-and the simulator execute the very same program.
+*program*: a list of steps, each one batched communication call followed by one compute action.
+A send sits in a step after the action that produced it and a recv in the step of the action
+that consumes it or an earlier one (for GPipe and 1F1B exactly: the sends of the previous action
+plus the recvs of this one); see :mod:`~pipeflow.schedules.lowering` for where and why.  The
+runtime and the simulator execute the very same program.
 """
 from __future__ import annotations
 

@@ -1,30 +1,34 @@
 """Lowering: a schedule (actions per rank) becomes programs (batched comm call + compute per step).
 
-Step k of rank r posts, in one batched call, the sends produced by action k-1 and the recvs
-needed by action k (Megatron's ``send_forward_recv_backward`` pairing), then runs action k.
-A final step flushes the sends of the last action.  Transfers between two stages held by the
-same rank need no communication and produce no op.
+Each step of a rank posts one batched call, waits for all of it, then runs its action (a final
+step may only flush sends).  Transfers between two stages held by the same rank need no op.
+Every send sits in a step after its producing action, every recv in the step of its consuming
+action or an earlier one (the runtime keeps early arrivals in its inbox).
 
-Under rendezvous semantics (a batch completes once every op in it has met its counterpart) that
-simple pairing deadlocks for some schedules (interleaved and V-shaped ones at small p): a
-sender can wait for a recv that its peer only posts after waiting for the sender.  So a recv
-may be posted *earlier* than its consumer's step, at a step chosen from a dry run with unit
-costs (F = B = W = 1, a full backward 2) in which every rank runs its actions in order, as soon
-as their inputs exist (no rendezvous).  Call a step's *window* the time between the end of the
-previous action (when the step's batch is posted) and the start of its own action.  A transfer
-whose sender step X (right after the producer) and receiver step Y (at or before the consumer)
-have overlapping windows completes without stalling either rank, so the recv goes to the latest
-such Y; if there is none, to the latest Y posted no later than X's action starts.
+Where exactly: the simulator (and NCCL) complete a batch only once every op in it has met its
+counterpart, so a transfer must be posted by both ranks at an instant when both are between
+actions.  Take a planned timing (:mod:`~pipeflow.schedules.timing`, unit costs) and call a
+step's *window* the interval from its post (the end of the previous action) to the start of
+its own action.  For a transfer from producer P (rank A) to consumer C (rank B), the send goes
+to the first step X after P whose window overlaps the window of some step Y <= C on B, the
+recv to the latest such Y; at an instant t in both windows both batches are posted, so neither
+rank stalls and the rendezvous run takes exactly the planned timing.  The asap timing (sends
+never wait) is tried first; for GPipe and 1F1B it yields the plain pairing, the sends of the
+previous action with the recvs of this one (Megatron's ``send_forward_recv_backward``).  Where
+it leaves a transfer no such instant (neighbours busy with 2-unit full backwards offset by one:
+interleaved 1F1B, DualPipeV), the rendezvous timing is used, which gives every transfer one.
+The plain pairing would deadlock there, or misorder transfers on the channel that carries both
+activations and gradients when p = 2 with the V placement.
 
-Why this cannot deadlock: let e(Z) be the dry-run end time of step Z's action (a flush step
-ends just after its producer).  A batch waits only for its own rank's previous step and, for
-each op, for the step before its counterpart's step.  The placement guarantees
-e(step before Y) <= start(X) < e(X) and e(producer) <= start(Y) < e(Y) (in the fallback,
-e(Y) > start(X) >= e(producer) because the next step on Y's rank did not qualify), so every
-wait points to a strictly earlier e: no cycle.  Keeping FIFO order per directed rank pair only
-moves recvs earlier, which keeps both inequalities.  When the dry run cannot finish (the
-schedule itself has a dependency cycle), the affected recvs stay at their consumer's step and
-the simulator reports the deadlock with its grid.
+Why no placement here can deadlock: a batch waits for its rank's previous step and, for each
+op, for the step before the counterpart's step.  Let e(Z) be the planned end of step Z's
+action (a flush step: just after its post).  Its counterpart Y is posted at e(step before Y)
+<= t <= start(X) < e(X), so every wait points to a strictly smaller e: no cycle.  (If no
+windows overlap, which the rendezvous timing rules out, X is the step after P and Y the latest
+step <= C posted by start(X); both inequalities still hold.)  Per directed rank pair the
+transfers are ordered by (t, producer), and X and Y grow with t, so the k-th send meets the
+k-th recv.  Channels with a transfer the timing cannot place (an action off its stage's rank,
+a dependency cycle in the schedule) keep the plain pairing, and the simulator names the fault.
 """
 from __future__ import annotations
 
@@ -43,8 +47,7 @@ from pipeflow.schedules.ir import (
     Program,
     Step,
 )
-
-Times = list[list[tuple[float, float] | None]]  # [rank][index] -> (start, end) in the dry run
+from pipeflow.schedules.timing import Times, asap, rendezvous
 
 
 def recvs_needed(action: Action, schedule: PipelineSchedule) -> tuple[CommOp, ...]:
@@ -77,29 +80,30 @@ def lower(schedule: PipelineSchedule) -> list[Program]:
         sends and recvs of a channel are posted in the same order (see the module docstring).
     """
     split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
-    placed = _placements(schedule, _dry_run(schedule, split))
+    sends = [[_safe(sends_produced, a, schedule) for a in acts] for acts in schedule.actions]
+    placed = _placements(schedule, sends, split)
     programs: list[Program] = []
     for r, actions in enumerate(schedule.actions):
-        ops: dict[int, list[tuple[tuple, CommOp]]] = defaultdict(list)
+        ops: list[list[tuple[tuple, CommOp]]] = [[] for _ in range(len(actions) + 1)]
         for k, action in enumerate(actions):
-            for op in _safe(sends_produced, action, schedule):
-                step, key = placed.get((r, op), (k + 1, (k,)))
+            for op in sends[r][k]:
+                step, key = placed.get(_key(r, op), (k + 1, (k,)))
                 ops[step].append(((0, key, op.peer), op))
             for op in _safe(recvs_needed, action, schedule):
-                step, key = placed.get((r, op), (k, (k,)))
+                step, key = placed.get(_key(r, op), (k, (k,)))
                 ops[step].append(((1, key, op.peer), op))
-        steps: Program = []
-        for k, action in enumerate(actions):
-            weights = (action.stage, action.microbatch) not in split
-            steps.append(Step(_sorted_ops(ops[k]), action, weights))
-        if ops[len(actions)]:
-            steps.append(Step(_sorted_ops(ops[len(actions)]), None))
-        programs.append(steps)
+        steps = [
+            Step(_sorted_ops(ops[k]), action, (action.stage, action.microbatch) not in split)
+            for k, action in enumerate(actions)
+        ]
+        programs.append(steps + ([Step(_sorted_ops(ops[-1]), None)] if ops[-1] else []))
     return programs
 
 
 def _sorted_ops(keyed: list[tuple[tuple, CommOp]]) -> tuple[CommOp, ...]:
     """Sends before recvs; each channel's ops in the order of its transfers."""
+    if len(keyed) < 2:
+        return tuple(op for _, op in keyed)
     return tuple(op for _, op in sorted(keyed, key=lambda item: item[0]))
 
 
@@ -110,76 +114,69 @@ def _safe(ops_of, action: Action, schedule: PipelineSchedule) -> tuple[CommOp, .
     return ops_of(action, schedule)
 
 
-def _dependencies(action: Action, num_stages: int) -> list[Action]:
-    s, i = action.stage, action.microbatch
-    if action.kind == FORWARD:
-        return [Action(FORWARD, i, s - 1)] if s > 0 else []
-    if action.kind == BACKWARD:
-        return [Action(FORWARD, i, s)] + ([Action(BACKWARD, i, s + 1)] if s < num_stages - 1 else [])
-    return [Action(BACKWARD, i, s)]
+Windows = list[tuple[float, float]]  # [step] -> (post time, action start); the flush step last
 
 
-def _dry_run(schedule: PipelineSchedule, split: set[tuple[int, int]]) -> Times:
-    """Unit-cost times of every action when ranks never wait on communication (None: never ran)."""
-    actions, S = schedule.actions, schedule.num_stages
-    times: Times = [[None] * len(acts) for acts in actions]
-    ends: dict[Action, float] = {}
-    nxt, clock = [0] * len(actions), [0.0] * len(actions)
-    progressed = True
-    while progressed:
-        progressed = False
-        for r, acts in enumerate(actions):
-            while nxt[r] < len(acts):
-                action = acts[nxt[r]]
-                deps = [ends.get(d) for d in _dependencies(action, S)]
-                if any(d is None for d in deps):
-                    break
-                start = max([clock[r]] + deps)
-                full = action.kind == BACKWARD and (action.stage, action.microbatch) not in split
-                clock[r] = ends[action] = start + (2.0 if full else 1.0)
-                times[r][nxt[r]] = (start, clock[r])
-                nxt[r], progressed = nxt[r] + 1, True
-    return times
+def _placements(
+    schedule: PipelineSchedule, sends: list[list[tuple[CommOp, ...]]], split: set[tuple[int, int]]
+) -> dict[tuple, tuple]:
+    """Where each transfer goes: ``{_key(rank, op): (step, order key)}`` for both of its ops.
 
-
-def _placements(schedule: PipelineSchedule, times: Times) -> dict[tuple[int, CommOp], tuple]:
-    """Where each timed transfer goes: ``{(rank, op): (step, order key)}`` for both its ops.
-
-    A channel (directed rank pair) with any transfer the dry run could not time is left out:
-    its sends stay right after their producers and its recvs at their consumers.
+    Placed from the asap timing when that leaves every transfer a meeting instant (no rank
+    ever stalls), else from the rendezvous timing.  A channel (directed rank pair) with a
+    transfer that cannot be timed (an action off its stage's rank, a dependency cycle) is left
+    out: its sends stay right after their producers and its recvs at their consumers.
     """
+    owner = schedule.stage_to_rank
+    for r, acts in enumerate(schedule.actions):
+        if any(not 0 <= a.stage < len(owner) or owner[a.stage] != r for a in acts):
+            return {}
     where = {a: (r, k) for r, acts in enumerate(schedule.actions) for k, a in enumerate(acts)}
-    windows = [_windows(rank_times) for rank_times in times]
-    channels: dict[tuple[int, int], list[tuple[int, CommOp, int, int] | None]] = defaultdict(list)
-    for a_rank, acts in enumerate(schedule.actions):
-        for a, producer in enumerate(acts):
-            for send in _safe(sends_produced, producer, schedule):
-                b_rank, c = where.get(_consumer(send), (None, 0))
-                timed = b_rank == send.peer and a + 1 < len(windows[a_rank])
-                timed = timed and c < len(windows[b_rank])
-                channels[a_rank, send.peer].append((a_rank, send, a, c) if timed else None)
-    placed: dict[tuple[int, CommOp], tuple] = {}
-    for (a_rank, b_rank), transfers in channels.items():
-        if None in transfers:
-            continue
-        for _, send, a, c in transfers:  # type: ignore[misc]
-            t, x, y = _meeting(windows[a_rank], a, windows[b_rank], c)
-            recv = CommOp("recv", send.payload, send.microbatch, send.src_stage, send.dst_stage, a_rank)
-            placed[a_rank, send] = (x, (t, a))
-            placed[b_rank, recv] = (y, (t, a))
+    placed, stalls = _place(where, sends, asap(schedule, split))
+    if stalls:
+        placed, _ = _place(where, sends, rendezvous(schedule, split))
     return placed
 
 
-def _consumer(send: CommOp) -> Action:
-    kind = FORWARD if send.payload == ACTIVATION else BACKWARD
-    return Action(kind, send.microbatch, send.dst_stage)
+def _place(
+    where: dict[Action, tuple[int, int]], sends: list[list[tuple[CommOp, ...]]], times: Times
+) -> tuple[dict[tuple, tuple], int]:
+    """The placements from one timing, and how many of them make a rank stall."""
+    windows = [_windows(rank_times) for rank_times in times]
+    posts = [[post for post, _ in rank_windows] for rank_windows in windows]
+    channels: dict[tuple[int, int], list[tuple[CommOp, int, int] | None]] = defaultdict(list)
+    for a_rank, rank_sends in enumerate(sends):
+        for a, ops in enumerate(rank_sends):
+            for send in ops:
+                b_rank, c = where.get(_consumer(send), (None, 0))
+                timed = b_rank == send.peer and a + 1 < len(windows[a_rank])
+                timed = timed and c < len(windows[send.peer])
+                channels[a_rank, send.peer].append((send, a, c) if timed else None)
+    placed: dict[tuple, tuple] = {}
+    stalls = 0
+    for (a_rank, b_rank), transfers in channels.items():
+        if None in transfers:
+            continue
+        for send, a, c in transfers:  # type: ignore[misc]
+            t, x, y, met = _meeting(windows[a_rank], a, windows[b_rank], posts[b_rank], c)
+            placed[_key(a_rank, send)] = (x, (t, a))
+            placed[b_rank, False, send.payload, send.microbatch, send.src_stage] = (y, (t, a))
+            stalls += not met
+    return placed, stalls
 
 
-Windows = list[tuple[float, float]]  # [step] -> (post time, action start); a flush step last
+def _key(rank: int, op: CommOp) -> tuple:
+    """(rank, is_send, payload, micro-batch, source stage): names one end of one transfer."""
+    return (rank, op.is_send, op.payload, op.microbatch, op.src_stage)
+
+
+def _consumer(send: CommOp) -> tuple[str, int, int]:
+    """The consuming action, as a plain tuple (equal to the Action, cheaper to make)."""
+    return (FORWARD if send.payload == ACTIVATION else BACKWARD, send.microbatch, send.dst_stage)
 
 
 def _windows(rank_times: list[tuple[float, float] | None]) -> Windows:
-    """The dry-run window of each step of a rank, as far as the dry run got, plus the flush."""
+    """The window of each step of a rank, as far as the timing got, plus the flush step's."""
     windows, post = [], 0.0
     for span in rank_times:
         if span is None:
@@ -189,20 +186,22 @@ def _windows(rank_times: list[tuple[float, float] | None]) -> Windows:
     return windows + [(post, post)]
 
 
-def _meeting(a_windows: Windows, a: int, b_windows: Windows, c: int) -> tuple[float, int, int]:
-    """(meeting time t, sender step x > a, receiver step y <= c) of one transfer.
+def _meeting(
+    a_windows: Windows, a: int, b_windows: Windows, b_posts: list[float], c: int
+) -> tuple[float, int, int, bool]:
+    """(meeting time t, sender step x > a, receiver step y <= c, stall-free) of one transfer.
 
-    Prefers x = a + 1 and then the latest y; t lies in both windows, so neither rank stalls.
-    If no pair of windows overlaps, falls back to x = a + 1 and the latest y posted by the
-    time x's action starts (deadlock-free, but one rank waits).
+    The first sender step whose window overlaps a receiver window up to c, and the latest such
+    receiver step; t lies in both windows, so neither rank stalls.  If no windows overlap
+    (never with the rendezvous timing), x = a + 1 and y is the latest step posted by the time
+    x's action starts: deadlock-free, but the receiver waits.
     """
-    posts = [post for post, _ in b_windows[: c + 1]]
     for x in range(a + 1, len(a_windows)):
         low, high = a_windows[x]
         if low > b_windows[c][1]:
             break
-        y = bisect_right(posts, high) - 1
+        y = bisect_right(b_posts, high, 0, c + 1) - 1
         if b_windows[y][1] >= low:
-            return min(high, b_windows[y][1]), x, y
+            return min(high, b_windows[y][1]), x, y, True
     high = a_windows[a + 1][1]
-    return high, a + 1, max(bisect_right(posts, high) - 1, 0)
+    return high, a + 1, max(bisect_right(b_posts, high, 0, c + 1) - 1, 0), False

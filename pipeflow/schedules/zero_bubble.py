@@ -18,7 +18,11 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     Ws are held back and every later B is followed by the oldest pending W; the held-back Ws
     run at the end, where 1F1B idles.  With F = B = W = 1 the idle time is (p - 1) per rank,
     a third of 1F1B's 3 (p - 1), once m >= p.  Every rank holds up to min(p, m) micro-batches
-    between F and W (1F1B's peak on rank 0), as the paper's ZB-H1 does.
+    between F and W (1F1B's peak on rank 0), as the paper's ZB-H1 does.  p = 3, m = 4:
+
+        rank 0: 0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3
+        rank 1: 1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3
+        rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3
     """
     _check(num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
@@ -62,7 +66,13 @@ def zbv(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     Rank r: 2(p - r) - 1 forwards of its first stage; r pairs (F second stage, F first stage);
     p - r rounds of (F, B, W) on its second stage; then the steady state alternates
     (F, B, W) on the first stage and on the second; the cool-down runs the remaining Bs and
-    fills the tail with Ws.  Micro-batches past m are dropped, so any m >= 1 works.
+    fills the tail with Ws.  Micro-batches past m are dropped, so any m >= 1 works.  With
+    F = B = W = 1 the makespan is max(6m + p - 1, 4m + 4p - 2): for m >= (3p - 1) / 2 the
+    lower bound of any V-placed schedule (rank p - 1 cannot start before p - 1 and has 6m of
+    work).  p = 2, m = 4 (stages 0, 3 on rank 0; 1, 2 on rank 1):
+
+        rank 0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 ...
+        rank 1: 1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 ...
     """
     _check(num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
@@ -110,7 +120,8 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     "F first + B second" and "F second + B first" (each emitted as F then a full B, which our
     runtime runs one after the other); p - r - 1 rounds (B second, F second + B first);
     r + 1 rounds of Bs on both stages (the later half split into B and W); p - r - 1 rounds
-    (W, B first); the remaining Ws.
+    (W, B first); the remaining Ws.  With F = B = W = 1 (full B = 2) the makespan is
+    6m + p - 1 + min(p - 1, (m - p) // 2) under rendezvous, 6m + p - 1 if sends never waited.
 
     Raises:
         ScheduleError: when m < 2p (the warm-up alone needs 2p micro-batches).

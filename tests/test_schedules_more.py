@@ -1,0 +1,446 @@
+"""The schedules users reach for: every generator swept through the simulator, closed forms,
+the deadlock-free lowering, custom schedule files, the timeline pictures and the configs.
+
+Costs are the simulator's defaults, F = B = W = 1 (a full backward, no W after it, costs 2).
+p = ranks, v = stages per rank, m = micro-batches, r = rank.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeflow.errors import DeadlockError, ScheduleError
+from pipeflow.schedules import (
+    GENERATORS,
+    LAYOUTS,
+    Action,
+    PipelineSchedule,
+    Program,
+    SimResult,
+    Step,
+    build_schedule,
+    interleaved_1f1b,
+    load_schedule,
+    loop_placement,
+    lower,
+    one_f_one_b,
+    simulate,
+    v_placement,
+)
+from pipeflow.schedules.lowering import recvs_needed, sends_produced
+from pipeflow.schedules.timing import asap
+
+ROOT = Path(__file__).resolve().parent.parent
+RANKS, CHUNKS, MICRO = range(1, 9), range(1, 5), range(1, 25)
+
+
+@functools.lru_cache(maxsize=None)
+def run(name: str, p: int, v: int, m: int) -> SimResult | None:
+    """The simulated result, or None when build_schedule refuses the combination."""
+    try:
+        schedule = build_schedule(name, p, m, stages_per_rank=v)
+    except ScheduleError:
+        return None
+    return simulate(schedule)
+
+
+def accepts(name: str, p: int, v: int, m: int) -> bool:
+    """Which combinations each schedule is meant to take."""
+    if name == "dualpipev":
+        return v == 2 and m >= 2 * p
+    if name == "zbv":
+        return v == 2
+    if name == "interleaved_1f1b":
+        return v == 1 or m % p == 0
+    return name == "looped_bfs" or v == 1
+
+
+def idle(result: SimResult) -> float:
+    return len(result.busy) * result.makespan - sum(result.busy)
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def simulated(name: str, v: int, m: int) -> bool:
+    """The whole grid is simulated, except looped BFS with v >= 3, the largest programs, for
+    which m runs over 1..8, 12, 16, 24 (keeps the schedule tests within ~15 s)."""
+    return name != "looped_bfs" or v < 3 or m <= 8 or m in (12, 16, 24)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_sweep_every_accepted_combination_is_valid(name: str) -> None:
+    """p 1..8, v 1..4, m 1..24: accepted ones simulate complete, ordered and deadlock-free."""
+    for p in RANKS:
+        for v in CHUNKS:
+            for m in MICRO:
+                if not simulated(name, v, m):
+                    try:
+                        build_schedule(name, p, m, stages_per_rank=v)
+                    except ScheduleError:
+                        pytest.fail(f"{name} refused p={p} v={v} m={m}")
+                    continue
+                result = run(name, p, v, m)
+                assert (result is not None) == accepts(name, p, v, m), (name, p, v, m)
+                if result is not None:  # simulate() raised on anything incomplete or stuck
+                    split = name in ("zb_h1", "zbv")  # every backward split from its W
+                    assert len(result.timeline) >= (3 if split else 2) * p * v * m
+                    assert result.busy == [3.0 * v * m] * p
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_rejections_name_the_valid_values(name: str) -> None:
+    needed, _ = LAYOUTS[name]
+    if needed is not None:
+        with pytest.raises(ScheduleError, match=f"pipeline.stages_per_rank={needed}"):
+            build_schedule(name, 4, 8, stages_per_rank=needed + 1)
+    with pytest.raises(ScheduleError, match="at least 1"):
+        build_schedule(name, 0, 8)
+
+
+def test_specific_rejections() -> None:
+    with pytest.raises(ScheduleError, match=r"multiple of the 4 pipeline ranks.*valid: 4, 8, 12"):
+        build_schedule("interleaved_1f1b", 4, 6, stages_per_rank=2)
+    with pytest.raises(ScheduleError, match=r"at least 2p = 8 micro-batches.*valid.*8, 9"):
+        build_schedule("dualpipev", 4, 7)
+    with pytest.raises(ScheduleError, match="cannot use pipeline.placement=v; it needs: loop"):
+        build_schedule("1f1b", 4, 8, placement="v")
+    with pytest.raises(ScheduleError, match="cannot use pipeline.placement=loop; it needs: v"):
+        build_schedule("zbv", 4, 8, placement="loop")
+    with pytest.raises(ScheduleError, match="unknown placement 'zigzag'; valid: loop, v"):
+        build_schedule("zbv", 4, 8, placement="zigzag")
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb'") as info:
+        build_schedule("zb", 4, 8)
+    assert all(name in str(info.value) for name in list(GENERATORS) + ["custom"])
+
+
+def test_build_schedule_defaults_and_old_positional_calls() -> None:
+    assert build_schedule("1f1b", 4, 8).table() == one_f_one_b(4, 8).table()
+    assert build_schedule("zbv", 4, 8).num_stages == 8  # v = 2 needed, picked by default
+    assert build_schedule("interleaved_1f1b", 4, 8).num_stages == 8  # v = 2 by default
+    assert build_schedule("looped_bfs", 2, 3, 3, "loop").stage_to_rank == loop_placement(2, 3)
+
+
+@pytest.mark.parametrize(
+    "name, p, m, table",
+    [
+        ("interleaved_1f1b", 2, 4, [
+            "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+            "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+        ]),
+        ("looped_bfs", 2, 2, ["0F0 0F1 2F0 2F1 2B1 2B0 0B1 0B0", "1F0 1F1 3F0 3F1 3B1 3B0 1B1 1B0"]),
+        ("zb_h1", 3, 4, [  # rank r holds back its first r Ws
+            "0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3",
+            "1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3",
+            "2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3",
+        ]),
+        ("zbv", 2, 4, [
+            "0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3 "
+            "0B2 0W2 0B3 0W3",
+            "1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3 "
+            "1B3 1W2 2W3 1W3",
+        ]),
+        ("dualpipev", 2, 4, [  # "F then B" pairs are DualPipe's overlapped chunks
+            "0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0B2 0W2 0B3 0W3",
+            "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2B3 1B3 2W3 1W3",
+        ]),
+    ],
+)
+def test_tables(name: str, p: int, m: int, table: list[str]) -> None:
+    assert build_schedule(name, p, m).table().splitlines() == table
+
+
+def test_placements() -> None:
+    assert loop_placement(3, 2) == (0, 1, 2, 0, 1, 2)
+    assert v_placement(3) == (0, 1, 2, 2, 1, 0)
+    assert v_placement(2, 4) == (0, 1, 1, 0, 0, 1, 1, 0)
+    assert build_schedule("dualpipev", 3, 6).stage_to_rank == v_placement(3)
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_gpipe_1f1b_bubble(name: str) -> None:
+    for p in RANKS:
+        for m in MICRO:
+            assert math.isclose(run(name, p, 1, m).bubble, (p - 1) / (m + p - 1)), (p, m)
+
+
+def test_peak_activations_gpipe_1f1b() -> None:
+    for p in RANKS:
+        for m in MICRO:
+            assert run("1f1b", p, 1, m).peak_activations[0] == min(p, m)
+            assert run("gpipe", p, 1, m).peak_activations == [m] * p
+
+
+def test_interleaved_bubble() -> None:
+    """Megatron's (p - 1) / (v m + p - 1): makespan 3 (v m + p - 1), for every valid m."""
+    for p in RANKS:
+        for v in CHUNKS:
+            for m in MICRO:
+                result = run("interleaved_1f1b", p, v, m)
+                if result is not None:
+                    assert result.makespan == 3 * (v * m + p - 1), (p, v, m)
+                    assert math.isclose(result.bubble, (p - 1) / (v * m + p - 1))
+
+
+def test_interleaved_with_one_chunk_is_1f1b() -> None:
+    for p, m in [(1, 3), (4, 8), (3, 7)]:
+        assert interleaved_1f1b(p, m, 1).table() == one_f_one_b(p, m).table()
+
+
+def test_looped_bfs_makespan() -> None:
+    """3 (v m + p - 1), plus 3 (v - 1)(p - m) when m < p: each chunk waits for the pipe to fill."""
+    for p in RANKS:
+        for v in CHUNKS:
+            for m in filter(lambda m: simulated("looped_bfs", v, m), MICRO):
+                extra = 3 * (v - 1) * max(0, p - m)
+                assert run("looped_bfs", p, v, m).makespan == 3 * (v * m + p - 1) + extra
+
+
+def test_zb_h1_idle_is_a_third_of_1f1b() -> None:
+    """Idle time p (p - 1) against 1F1B's 3 p (p - 1), makespan 3m + p - 1, once m >= p.
+
+    Peak: min(p, m) micro-batches between F and W on every rank, 1F1B's rank-0 peak.  A limit
+    of p - r on rank r (1F1B's per-rank count) cannot give a third: the last rank could hold 1,
+    so it would run F, B, W strictly in turn, finishing its last B at 3m + p - 2 or later; that
+    gradient still needs p - 1 hops to rank 0 and a W there: makespan >= 3m + 2p - 2.
+    """
+    for p in RANKS:
+        for m in MICRO:
+            zb, plain = run("zb_h1", p, 1, m), run("1f1b", p, 1, m)
+            assert zb.peak_activations == [min(p, m)] * p
+            if m >= p:
+                assert zb.makespan == 3 * m + p - 1
+                assert 3 * idle(zb) == idle(plain) == 3 * p * (p - 1)
+            else:  # too few micro-batches to fill the cool-down: 2 (m + p) - 1
+                assert zb.makespan == 2 * (m + p) - 1
+
+
+def test_zbv_attains_its_lower_bound() -> None:
+    """Lower bound for any schedule on the V placement: makespan >= 6m + p - 1.
+
+    Rank p - 1 holds stages p - 1 and p; its first action, F of micro-batch 0 on stage p - 1,
+    needs the forwards of stages 0..p-2 first, one unit each, so it starts at p - 1 or later,
+    and it has 6m units of work (F, B, W of m micro-batches on 2 stages).  ZB-V's makespan is
+    max(6m + p - 1, 4m + 4p - 2): the bound itself once m >= (3p - 1) / 2 (so for every
+    m >= 2p), a bubble of (p - 1) / (6m + p - 1), holding 2p stage-activations (p
+    micro-batches' worth) per rank.  Fewer micro-batches cannot keep rank p - 1 busy.
+    """
+    for p in RANKS:
+        for m in MICRO:
+            result = run("zbv", p, 2, m)
+            assert result.makespan == max(6 * m + p - 1, 4 * m + 4 * p - 2), (p, m)
+            if m >= 2 * p:
+                assert math.isclose(result.bubble, (p - 1) / (6 * m + p - 1))
+                assert result.peak_activations == [2 * p] * p
+
+
+def test_dualpipev_makespan() -> None:
+    """6m + p - 1 + min(p - 1, (m - p) // 2); peak 2p + 1 stage-activations per rank.
+
+    Without rendezvous (sends that never wait, the asap timing) it is exactly ZB-V's bound,
+    6m + p - 1.  Under rendezvous, its 2-unit full backwards on neighbouring ranks are offset
+    by one unit, so some transfers find no instant where both ranks are between actions: each
+    such meeting costs one unit, at most p - 1 in all.
+    """
+    for p in RANKS:
+        for m in range(2 * p, 25):
+            result = run("dualpipev", p, 2, m)
+            assert result.makespan == 6 * m + p - 1 + min(p - 1, (m - p) // 2), (p, m)
+            assert result.peak_activations == [2 * p + 1] * p
+            assert asap_makespan(build_schedule("dualpipev", p, m)) == 6 * m + p - 1
+
+
+def asap_makespan(schedule: PipelineSchedule) -> float:
+    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == "W"}
+    return max(span[1] for row in asap(schedule, split) for span in row if span)
+
+
+# ----------------------------------------------------------------------------- lowering
+
+
+def pairing_lower(schedule: PipelineSchedule) -> list[Program]:
+    """The plain pairing: sends of the previous action + recvs of this one, in one batch."""
+    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == "W"}
+    programs = []
+    for actions in schedule.actions:
+        steps, pending = [], ()
+        for action in actions:
+            weights = (action.stage, action.microbatch) not in split
+            steps.append(Step(pending + recvs_needed(action, schedule), action, weights))
+            pending = sends_produced(action, schedule)
+        programs.append(steps + ([Step(pending, None)] if pending else []))
+    return programs
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_lowering_is_the_plain_pairing_where_that_never_stalls(name: str) -> None:
+    for p in RANKS:
+        for m in range(1, 13):
+            schedule = build_schedule(name, p, m)
+            assert lower(schedule) == pairing_lower(schedule), (p, m)
+
+
+@pytest.mark.parametrize(
+    "name, p, m, v",
+    [("interleaved_1f1b", 2, 4, 2), ("interleaved_1f1b", 4, 8, 2), ("looped_bfs", 2, 4, 2),
+     ("dualpipev", 2, 4, 2), ("zbv", 2, 4, 2), ("dualpipev", 4, 8, 2)],
+)
+def test_plain_pairing_fails_where_lower_does_not(name: str, p: int, m: int, v: int) -> None:
+    """Deadlocks (a send waits on a recv its peer posts only after waiting on us) or misorders
+    (p = 2 with V placement: activations and gradients share one channel)."""
+    schedule = build_schedule(name, p, m, stages_per_rank=v)
+    with pytest.raises(ScheduleError, match="deadlock|misordered"):
+        simulate(schedule, pairing_lower(schedule))
+    simulate(schedule)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_lowering_places_sends_after_producers_and_recvs_before_consumers(name: str) -> None:
+    for p, m in [(1, 3), (2, 4), (3, 6), (4, 8)]:
+        schedule = build_schedule(name, p, m)
+        channels: dict[tuple[int, int, str], list] = defaultdict(list)
+        for r, program in enumerate(lower(schedule)):
+            done: set[Action] = set()
+            received = set()
+            for step in program:
+                for op in step.ops:
+                    if op.is_send:
+                        producer = Action("F" if op.payload == "act" else "B", op.microbatch, op.src_stage)
+                        assert producer in done, (name, p, m, r, op)
+                        channels[r, op.peer, "send"].append(op)
+                    else:
+                        received.add(op)
+                        channels[op.peer, r, "recv"].append(op)
+                if step.action is not None:
+                    assert set(recvs_needed(step.action, schedule)) <= received
+                    done.add(step.action)
+        for (src, dst, kind), ops in channels.items():
+            if kind == "send":
+                assert all(a.matches(b) for a, b in zip(ops, channels[src, dst, "recv"]))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv"])
+def test_no_rank_ever_stalls_on_a_transfer(name: str) -> None:
+    """The rendezvous makespan equals the asap one (sends that never wait) for these."""
+    for p in range(1, 6):
+        for m in (p, 2 * p, 2 * p + 1):
+            try:
+                schedule = build_schedule(name, p, m)
+            except ScheduleError:  # interleaved: m must be a multiple of p
+                continue
+            assert simulate(schedule).makespan == asap_makespan(schedule), (p, m)
+
+
+# ----------------------------------------------------------------------------- custom files
+
+GOOD = """\
+# p = 2, m = 2: 1F1B with the backward split
+0F0 0F1 0B0 0W0 0B1 0W1   # rank 0
+1F0 1B0 1W0 1F1 1B1 1W1   # rank 1
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "schedule.txt") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_custom_text_file(tmp_path: Path) -> None:
+    schedule = load_schedule(write(tmp_path, GOOD))
+    assert (schedule.num_ranks, schedule.num_stages, schedule.num_microbatches) == (2, 2, 2)
+    assert schedule.stage_to_rank == (0, 1)
+    assert schedule.table() == "0F0 0F1 0B0 0W0 0B1 0W1\n1F0 1B0 1W0 1F1 1B1 1W1"
+    assert build_schedule("custom", 2, 2, path=write(tmp_path, GOOD)).table() == schedule.table()
+
+
+def test_custom_csv_file_with_v_placement(tmp_path: Path) -> None:
+    rows = [
+        "# a spreadsheet: empty cells align actions in time",
+        "0F0,,,3F0,3B0,,,0B0",
+        ",1F0,2F0,,,2B0,1B0,",
+    ]
+    schedule = load_schedule(write(tmp_path, "\n".join(rows), "zb.csv"))
+    assert schedule.stage_to_rank == v_placement(2)
+    assert build_schedule("custom", 2, 1, placement="v", path=tmp_path / "zb.csv")
+    with pytest.raises(ScheduleError, match="not by pipeline.placement=loop"):
+        build_schedule("custom", 2, 1, placement="loop", path=tmp_path / "zb.csv")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("0F0 0X0\n1F0 1B0 0B0\n", r"schedule.txt:1: cannot parse action '0X0'"),
+        ("0F0 0B0\n1F0 1B0 0W0\n", "stage 0 appears on rank 0 and on rank 1"),
+        ("0F0 0B0\n2F0 2B0\n", r"stage\(s\) 1 appear on no rank"),
+        ("0F0 0F1 0B0\n1F0 1B0 1F1 1B1\n", r"missing 0B1 \(stage 0 is on rank 0\)"),
+        ("# nothing\n\n", "no actions"),
+    ],
+)
+def test_custom_bad_files(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ScheduleError, match=message) as info:
+        load_schedule(write(tmp_path, text))
+    assert "schedule.txt" in str(info.value)
+
+
+def test_custom_deadlock_shows_the_grid(tmp_path: Path) -> None:
+    path = write(tmp_path, "0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1\n")  # 0B0 before 0F1, GPipe on 1
+    with pytest.raises(DeadlockError) as info:
+        load_schedule(path)
+    assert str(path) in str(info.value) and "[1F1]" in info.value.grid
+
+
+def test_custom_needs_a_path_and_matching_sizes(tmp_path: Path) -> None:
+    with pytest.raises(ScheduleError, match="schedule.path"):
+        build_schedule("custom", 2, 2)
+    with pytest.raises(ScheduleError, match="not found"):
+        build_schedule("custom", 2, 2, path=tmp_path / "missing.txt")
+    path = write(tmp_path, GOOD)
+    with pytest.raises(ScheduleError, match=r"parallel.pp \(pipeline ranks\)=2, but 4"):
+        build_schedule("custom", 4, 2, path=path)
+    with pytest.raises(ScheduleError, match="pipeline.num_microbatches=2, but 8"):
+        build_schedule("custom", 2, 8, path=path)
+    with pytest.raises(ScheduleError, match="pipeline.stages_per_rank=1, but 2"):
+        build_schedule("custom", 2, 2, stages_per_rank=2, path=path)
+
+
+# ----------------------------------------------------------------------------- pictures, configs
+
+
+def test_show_draws_a_timeline(tmp_path: Path) -> None:
+    from pipeflow.schedules.show import draw_timeline, main, parse_args
+
+    settings = parse_args(["schedule=zbv", "pipeline.num_stages=2", "+pipeline.num_microbatches=4",
+                           "costs.W=0.5", "--out", str(tmp_path / "z.png")])
+    assert settings == {"name": "zbv", "ranks": 2, "microbatches": 4, "W": 0.5,
+                        "out": str(tmp_path / "z.png")}
+    assert main(["schedule=zbv", "parallel.pp=2", "pipeline.num_microbatches=4",
+                 f"--out={tmp_path / 'z.png'}"]) == 0
+    assert (tmp_path / "z.png").stat().st_size > 1000
+    assert main(["schedule=zbv", "pipeline.stages_per_rank=3"]) == 2
+    assert main(["pipeline.colour=red"]) == 2
+    custom = write(tmp_path, GOOD)
+    assert main(["schedule=custom", f"schedule.path={custom}", f"--out={tmp_path / 'c.png'}"]) == 0
+    timeline = simulate(build_schedule("1f1b", 2, 2)).timeline
+    assert draw_timeline(timeline, 2, "t", tmp_path / "t.svg").stat().st_size > 1000
+
+
+def test_docs_pictures_and_configs_exist() -> None:
+    for name in GENERATORS:
+        assert (ROOT / "docs" / "schedules" / f"{name}.png").is_file(), name
+    for name in list(GENERATORS) + ["custom"]:
+        config = yaml.safe_load((ROOT / "configs" / "schedule" / f"{name}.yaml").read_text())
+        assert config["name"] == name
+    assert yaml.safe_load((ROOT / "configs" / "schedule" / "custom.yaml").read_text())["path"] == "???"
+
+
+def teardown_module() -> None:
+    run.cache_clear()  # drop the cached timelines now rather than at interpreter exit
