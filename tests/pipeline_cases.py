@@ -138,6 +138,22 @@ def equivalence(
     return worst
 
 
+def chunked_microbatch_counts(schedule: str, p: int) -> tuple[int, int, int]:
+    """Three micro-batch counts `schedule` accepts on p ranks with 2 chunks each, the smallest
+    first (all divide BATCH)."""
+    if schedule == "interleaved_1f1b":  # m a multiple of p
+        return (p, 2 * p, 3 * p)
+    if schedule == "dualpipev":  # m >= 2p
+        return (2 * p, 3 * p, 6 * p)
+    return (1, 3, 8)
+
+
+def equivalence_nth_count(model: str, schedule: str, k: int, **kwargs: Any) -> dict[str, float]:
+    """:func:`equivalence` with the k-th of :func:`chunked_microbatch_counts` for this world size."""
+    m = chunked_microbatch_counts(schedule, dist.get_world_size())[k]
+    return {**equivalence(model, schedule, m, **kwargs), "microbatches": m}
+
+
 def eval_matches(model: str, m: int) -> float:
     """Forward-only evaluation loss vs the unsplit model (relative difference; 0 off the last rank)."""
     spec = build_toy(model)
