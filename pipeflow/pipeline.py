@@ -8,7 +8,9 @@ Which schedule produced the program is unknown here; the simulator has checked i
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,17 @@ from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lo
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
 from pipeflow.stage import Stage, Tensors
+
+class TimedEvent(NamedTuple):
+    """One recorded interval on this rank: a batched call (kind ``comm``, post to completion)
+    or a compute action (kind ``F``, ``B`` or ``W``; name such as ``1F0``); seconds from
+    ``time.perf_counter``."""
+
+    kind: str
+    name: str
+    start: float
+    end: float
+
 
 # inbox/outbox keys: (payload, micro-batch, stage) with stage = receiver (inbox) or sender (outbox)
 Key = tuple[str, int, int]
@@ -65,6 +78,9 @@ class Pipeline:
         self._edge_meta: dict[int, tuple[TensorMeta, ...]] = {}  # outputs of stage s (edge s -> s+1)
         self._input_signature: torch.Tensor | None = None
         self._timeout = first_timeout_s if first_timeout_s is not None else comm.timeout_s
+        # When a list, every batched call and compute action of run()/eval() appends a
+        # TimedEvent (what observability and the benchmarks read); None records nothing.
+        self.events: list[TimedEvent] | None = None
 
     def _checked_program(self, schedule: PipelineSchedule) -> Program:
         programs = lower(schedule)
@@ -185,12 +201,19 @@ class Pipeline:
     ) -> None:
         inbox: dict[Key, Tensors] = {}
         outbox: dict[Key, Tensors] = {}
+        events, clock = self.events, time.perf_counter
         for k, step in enumerate(program):
+            t0 = clock()
             landed = self._communicate(k, step, outbox)
             for op, tensors in landed:
                 inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
+            if events is not None and step.ops:
+                events.append(TimedEvent("comm", "; ".join(str(op) for op in step.ops), t0, clock()))
             if step.action is not None:
+                t1 = clock()
                 self._compute(step, inbox, outbox, inputs, targets, loss_scale, train)
+                if events is not None:
+                    events.append(TimedEvent(step.action.kind, str(step.action), t1, clock()))
         if inbox or outbox:
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {sorted(inbox) + sorted(outbox)}")
 

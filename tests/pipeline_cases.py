@@ -205,3 +205,18 @@ def shape_change_is_an_error(model: str = "masked_mlp", m: int = 2) -> str:
             time.sleep(2 * timeout_s)  # stay alive so that peers see their deadline, not our exit
             return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def events_recorded(model: str = "masked_mlp", m: int = 4) -> dict[str, int]:
+    """With ``Pipeline.events`` a list, one run records every compute action and batched call."""
+    spec = build_toy(model)
+    pipe, _, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m))
+    pipe.events = []
+    x, y = random_batch(model, BATCH, seed=3)
+    pipe.run(*split_batch(pipe, x, y, m))
+    counts: dict[str, int] = {}
+    for event in pipe.events:
+        if event.end < event.start:
+            raise AssertionError(f"event {event} ends before it starts")
+        counts[event.kind] = counts.get(event.kind, 0) + 1
+    return counts

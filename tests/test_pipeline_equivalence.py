@@ -52,6 +52,7 @@ def _all_cases() -> list[tuple[str, object]]:
         ("eval-gpt", functools.partial(cases.eval_matches, "gpt", 4)),
         ("dynamic-shapes", cases.dynamic_shapes),
         ("send-recv", cases.send_recv_ring),
+        ("events", cases.events_recorded),
         ("shape-change-error", cases.shape_change_is_an_error),  # breaks the group: last
     ]
 
@@ -93,6 +94,13 @@ def test_forward_only_eval_equals_unsplit_loss(world) -> None:
 def test_dynamic_shapes_renegotiate(world) -> None:
     _, results = world
     assert max(_values(results["dynamic-shapes"])) <= TOLERANCE
+
+
+def test_events_record_every_action(world) -> None:
+    p, results = world
+    for counts in _values(results["events"]):
+        assert counts["F"] == counts["B"] == 4 and "W" not in counts  # one stage per rank, m = 4
+        assert counts["comm"] >= 4  # at least the activation or gradient of each micro-batch
 
 
 def test_send_recv_is_a_ring_exchange(world) -> None:
