@@ -83,6 +83,9 @@ class PipelineConfig:
     split_points: list[Any] | None = None  # first layer (index or name) of stages 1..S-1
     stages_per_rank: int | None = None  # model chunks per rank; None: the schedule's own
     placement: str | None = None  # loop | v; None: the schedule's own
+    stage_to_rank: list[int] | None = None  # explicit placement: pipeline rank of each stage
+    balance: str = "uniform"  # uniform | params | time | memory (ignored with split_points)
+    profile: bool = True  # profile layers (on pipeline rank 0) for the partition table
 
 
 @dataclass

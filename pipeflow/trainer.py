@@ -23,10 +23,9 @@ from pipeflow.comm import P2PComm
 from pipeflow.config import check_config
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
-from pipeflow.partition import format_partition, partition_layers
+from pipeflow.layout import choose_layout, describe_layout
 from pipeflow.pipeline import Pipeline
 from pipeflow.schedules import build_schedule
-from pipeflow.schedules.simulator import simulate
 from pipeflow.stage import Tensors, build_stages, layers_by_index
 from pipeflow.tied import TiedWeights
 
@@ -160,11 +159,12 @@ class Trainer:
         self.m = cfg.pipeline.num_microbatches
         self.schedule = build_schedule(
             cfg.schedule.name, self.pp, self.m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
-            cfg.schedule.path,
+            cfg.schedule.path, cfg.pipeline.stage_to_rank,
         )
-        self.ranges = partition_layers(
-            len(self.spec.layers), self.schedule.num_stages, cfg.pipeline.split_points, self.spec.layer_names()
-        )
+        self.batches = build_batches(cfg.data, cfg.model)
+        sample = split_microbatches(self.batches.train.get(0)[0], self.m)[0]
+        self.layout = choose_layout(self.spec, self.schedule, cfg.pipeline, sample, device, self.dtype)
+        self.ranges = self.layout.ranges
         self.stages = build_stages(self.spec, self.ranges, self.schedule.stages_of(self.rank), device, self.dtype)
         comm = P2PComm(None, device, cfg.comm.timeout_s)
         comm.warmup()
@@ -178,7 +178,6 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
         )
-        self.batches = build_batches(cfg.data, cfg.model)
         self.run_dir = self._agree_run_dir()
 
     def _agree_run_dir(self) -> str:
@@ -193,13 +192,8 @@ class Trainer:
         return run_dir
 
     def describe(self) -> str:
-        """The partition table and the schedule's predicted bubble (for F=1, B=2)."""
-        sim = simulate(self.schedule)
-        table = format_partition(self.ranges, self.spec.layer_names(), self.schedule.stage_to_rank)
-        return (
-            f"pipeline: {self.pp} ranks, schedule={self.schedule.name}, "
-            f"{self.m} micro-batches, predicted bubble {sim.bubble:.1%}\n{table}"
-        )
+        """The schedule, its predicted bubble and the partition table (see pipeflow.layout)."""
+        return describe_layout(self.layout, self.spec, self.schedule)
 
     def _microbatches(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[list[Tensors] | None, list[torch.Tensor] | None]:
         x, y = batch

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from pipeflow.comm import P2PComm, send_recv
 from pipeflow.errors import PipeflowError
-from pipeflow.models.spec import ModelSpec, run_layers
+from pipeflow.models.spec import LayerSpec, ModelSpec, run_layers
 from pipeflow.partition import partition_layers
 from pipeflow.pipeline import Pipeline
 from pipeflow.schedules import PipelineSchedule, build_schedule
@@ -59,6 +59,10 @@ def make_spec(model: str) -> ModelSpec:
         return build_gpt(vocab_size=64, block_size=16, n_layer=n_layer, n_head=2, n_embd=16, tie_embeddings=True)
     if model == "resnet18":
         return build_resnet("resnet18", num_classes=10)
+    if model == "residual_mlp":  # the README's custom-model example
+        from examples.custom_model import build_residual_mlp
+
+        return build_residual_mlp(in_features=32, hidden=16, num_layers=4, num_classes=10)
     if model == "gpt8":  # 8 layers: two chunks on each of 4 ranks
         return build_toy("gpt", n_layer=6)
     if model == "masked_mlp8":
@@ -71,7 +75,8 @@ def make_batch(model: str, batch: int, seed: int) -> tuple[torch.Tensor, torch.T
     if model == "resnet18":
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(batch, 3, 8, 8, generator=gen, dtype=DTYPE), torch.randint(10, (batch,), generator=gen)
-    return random_batch(model.removesuffix("8").removesuffix("_tied"), batch, seed=seed)
+    kind = "mlp" if model == "residual_mlp" else model.removesuffix("8").removesuffix("_tied")
+    return random_batch(kind, batch, seed=seed)
 
 
 def freeze_batchnorm(modules: Any) -> None:
@@ -91,16 +96,21 @@ def split_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, m: int) -> tup
 
 
 def equivalence(
-    model: str, schedule: str, m: int, steps: int = 3, batch: int = BATCH, clip: float = 0.0
+    model: str, schedule: str, m: int, steps: int = 3, batch: int = BATCH, clip: float = 0.0,
+    reversed_placement: bool = False,
 ) -> dict[str, float]:
     """Train `steps` AdamW steps pipelined and unsplit; return worst relative differences.
 
     With `clip` > 0, gradients are clipped by the global norm on both sides (pipelined: one
     all-reduce over the stages; unsplit: torch.nn.utils.clip_grad_norm_) before the step.
+    With `reversed_placement`, rank r's stages run on rank p-1-r (``pipeline.stage_to_rank``).
     """
     p = dist.get_world_size()
     spec = make_spec(model)
-    pipe, ranges, tied = build_pipeline(spec, build_schedule(schedule, p, m))
+    plan = build_schedule(schedule, p, m)
+    if reversed_placement:  # rank r's stages move to rank p-1-r
+        plan = build_schedule(schedule, p, m, stage_to_rank=[p - 1 - r for r in plan.stage_to_rank])
+    pipe, ranges, tied = build_pipeline(spec, plan)
     reference = spec.build_all(dtype=DTYPE)
     tie_in_place(spec, dict(enumerate(reference)))
     freeze_batchnorm(reference)
@@ -220,3 +230,29 @@ def events_recorded(model: str = "masked_mlp", m: int = 4) -> dict[str, int]:
             raise AssertionError(f"event {event} ends before it starts")
         counts[event.kind] = counts.get(event.kind, 0) + 1
     return counts
+
+
+def only_own_layers(m: int = 4) -> str:
+    """Each rank builds only its own layers: a builder raises when called on another rank."""
+    p, rank = dist.get_world_size(), dist.get_rank()
+    schedule = build_schedule("1f1b", p, m)
+    num_layers = 2 * p
+    ranges = partition_layers(num_layers, schedule.num_stages)
+    owner = {i: schedule.stage_to_rank[s] for s, r in enumerate(ranges) for i in r}
+
+    def guarded_linear(index: int) -> torch.nn.Module:
+        if owner[index] != rank:
+            raise RuntimeError(f"layer {index} built on rank {rank}, but rank {owner[index]} owns it")
+        return torch.nn.Linear(8, 8)
+
+    spec = ModelSpec("guarded", [LayerSpec(f"l{i}", guarded_linear, (i,)) for i in range(num_layers)],
+                     loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y))
+    pipe, _, _ = build_pipeline(spec, schedule)
+    x, y = torch.randn(BATCH, 8, dtype=DTYPE), torch.randn(BATCH, 8, dtype=DTYPE)
+    pipe.run(*split_batch(pipe, x, y, m))
+    foreign = next(i for i, r in owner.items() if r != rank)
+    try:
+        spec.build_layers([foreign])
+    except RuntimeError as exc:
+        return f"built only own layers; foreign build raised: {exc}"
+    return "foreign build did not raise"

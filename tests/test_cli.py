@@ -45,6 +45,21 @@ def test_torchrun_two_processes_trains_and_loss_falls(tmp_path: Path) -> None:
     assert "schedule=gpipe" in run.stdout and "predicted bubble" in run.stdout
 
 
+def test_custom_model_example_runs_under_torchrun_with_balance_and_placement(tmp_path: Path) -> None:
+    """examples/custom_model.py selected by its own config outside pipeflow (Hydra search path),
+    balanced by profiled time, stages placed by hand (stage 0 on rank 1)."""
+    run = torchrun(2, "hydra.searchpath=[file://examples/configs]", "model=residual_mlp", "data=gaussian",
+                   "train.max_steps=40", "train.eval_every=0", "pipeline.balance=time",
+                   "pipeline.stage_to_rank=[1,0]", f"train.run_dir={tmp_path}")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "fwd+bwd (ms)" in run.stdout and "memory (MB)" in run.stdout and "predicted bubble" in run.stdout
+    rows = re.findall(r"^(\d) +\| (\d) +\| (\S+) ", run.stdout, re.M)
+    assert [(stage, rank) for stage, rank, _ in rows] == [("0", "1"), ("1", "0")], run.stdout
+    assert rows[0][2].startswith("input") and rows[1][2].endswith("head")
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", run.stdout).groups())
+    assert last < first / 2
+
+
 def test_torchrun_with_a_world_size_that_does_not_fit_exits_with_a_clear_error(tmp_path: Path) -> None:
     run = torchrun(2, *SMALL, "parallel.pp=4", f"train.run_dir={tmp_path}", timeout=120)
     assert run.returncode != 0

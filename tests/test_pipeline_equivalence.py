@@ -42,9 +42,15 @@ def _equivalence_cases() -> list[tuple[str, object]]:
         ("eq-gpt_tied8-zbv-m4", functools.partial(cases.equivalence, "gpt_tied8", "zbv", 4)),
         ("eq-gpt_tied8-interleaved_1f1b-m4", functools.partial(cases.equivalence, "gpt_tied8", "interleaved_1f1b", 4)),
     ]
+    own = [  # the README's custom-model example; stages placed by hand, stage s on rank p-1-s
+        ("eq-residual_mlp-1f1b-m4", functools.partial(cases.equivalence, "residual_mlp", "1f1b", 4)),
+        ("eq-gpt-1f1b-m4-reversed", functools.partial(cases.equivalence, "gpt", "1f1b", 4, reversed_placement=True)),
+        ("eq-gpt8-interleaved_1f1b-m4-reversed",
+         functools.partial(cases.equivalence, "gpt8", "interleaved_1f1b", 4, reversed_placement=True)),
+    ]
     resnet = [("eq-resnet18-1f1b-m4", functools.partial(cases.equivalence, "resnet18", "1f1b", 4, steps=2))]
     clipped = [("eq-clipped-gpt_tied-1f1b-m4", functools.partial(cases.equivalence, "gpt_tied", "1f1b", 4, clip=CLIP))]
-    return plain + tied + chunked + tied_v + resnet + clipped
+    return plain + tied + chunked + tied_v + own + resnet + clipped
 
 
 def _all_cases() -> list[tuple[str, object]]:
@@ -53,6 +59,7 @@ def _all_cases() -> list[tuple[str, object]]:
         ("dynamic-shapes", cases.dynamic_shapes),
         ("send-recv", cases.send_recv_ring),
         ("events", cases.events_recorded),
+        ("only-own-layers", cases.only_own_layers),
         ("shape-change-error", cases.shape_change_is_an_error),  # breaks the group: last
     ]
 
@@ -101,6 +108,11 @@ def test_events_record_every_action(world) -> None:
     for counts in _values(results["events"]):
         assert counts["F"] == counts["B"] == 4 and "W" not in counts  # one stage per rank, m = 4
         assert counts["comm"] >= 4  # at least the activation or gradient of each micro-batch
+
+
+def test_each_rank_builds_only_its_own_layers(world) -> None:
+    for rank, text in enumerate(_values(world[1]["only-own-layers"])):
+        assert text.startswith("built only own layers; foreign build raised: layer"), f"rank {rank}: {text}"
 
 
 def test_send_recv_is_a_ring_exchange(world) -> None:

@@ -13,6 +13,7 @@ from pipeflow.schedules.generators import (
     loop_placement,
     looped_bfs,
     one_f_one_b,
+    relabel_ranks,
     v_placement,
 )
 from pipeflow.schedules.ir import Action, CommOp, PipelineSchedule, Program, Step
@@ -56,6 +57,7 @@ def build_schedule(
     stages_per_rank: int | None = None,
     placement: str | None = None,
     path: str | Path | None = None,
+    stage_to_rank: list[int] | tuple[int, ...] | None = None,
 ) -> PipelineSchedule:
     """Generate the schedule called `name` for p ranks and m micro-batches.
 
@@ -67,12 +69,26 @@ def build_schedule(
             1f1b, zb_h1; 2 for zbv, dualpipev and, by default, interleaved_1f1b, looped_bfs).
         placement: ``loop`` or ``v``; None picks the schedule's own.
         path: the schedule file for ``custom`` (see :func:`load_schedule`).
+        stage_to_rank: an explicit placement (``pipeline.stage_to_rank``); it must rename the
+            schedule's own ranks (:func:`relabel_ranks`).
 
     Raises:
         ScheduleError: for an unknown name (the message lists the valid ones), a stage count,
             placement or micro-batch count the schedule cannot use (the message names the
             valid values), or a custom file that is missing, malformed or disagrees with p, m.
     """
+    schedule = _generate(name, num_ranks, num_microbatches, stages_per_rank, placement, path)
+    return schedule if stage_to_rank is None else relabel_ranks(schedule, stage_to_rank)
+
+
+def _generate(
+    name: str,
+    num_ranks: int,
+    num_microbatches: int,
+    stages_per_rank: int | None,
+    placement: str | None,
+    path: str | Path | None,
+) -> PipelineSchedule:
     if name == CUSTOM:
         return _custom(path, num_ranks, num_microbatches, stages_per_rank, placement)
     if name not in GENERATORS:
@@ -153,6 +169,7 @@ __all__ = [
     "looped_bfs",
     "lower",
     "one_f_one_b",
+    "relabel_ranks",
     "simulate",
     "v_placement",
     "validate",

@@ -155,3 +155,39 @@ def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) 
         acts += [Action(BACKWARD, i, s) for s in reversed(stages) for i in reversed(range(m))]
         actions.append(acts)
     return PipelineSchedule("looped_bfs", p, p * v, m, loop_placement(p, v), actions)
+
+
+def relabel_ranks(schedule: PipelineSchedule, stage_to_rank: tuple[int, ...] | list[int]) -> PipelineSchedule:
+    """The same schedule with its ranks renamed so that stage s lives on ``stage_to_rank[s]``.
+
+    An explicit placement (``pipeline.stage_to_rank``, e.g. to keep neighbouring stages on one
+    node) is usable by a schedule exactly when it renames the schedule's own ranks: every rank
+    of the schedule's placement maps to one distinct pipeline rank.  Timing, memory and the
+    deadlock-freedom proof are unchanged by a renaming; only which process runs what changes.
+
+    Raises:
+        ScheduleError: wrong length, ranks out of range, or a mapping that splits a rank's
+            stages (the message shows the placement the schedule needs).
+    """
+    p, S = schedule.num_ranks, schedule.num_stages
+    mapping = tuple(int(r) for r in stage_to_rank)
+    own = list(schedule.stage_to_rank)
+    if len(mapping) != S:
+        raise ScheduleError(
+            f"pipeline.stage_to_rank has {len(mapping)} entries but schedule {schedule.name!r} has "
+            f"{S} stages ({p} ranks x {S // p} per rank); give one rank per stage"
+        )
+    if any(not 0 <= r < p for r in mapping):
+        raise ScheduleError(f"pipeline.stage_to_rank={list(mapping)} names ranks outside 0..{p - 1}")
+    rename: dict[int, int] = {}
+    consistent = all(rename.setdefault(old, new) == new for old, new in zip(own, mapping))
+    if not consistent or len(set(rename.values())) != p:
+        raise ScheduleError(
+            f"pipeline.stage_to_rank={list(mapping)} does not fit schedule {schedule.name!r}: it needs "
+            f"stages grouped on ranks as {own} (stages sharing a rank there must share one here), "
+            f"with every rank used once; e.g. {[(r + 1) % p for r in own]} renames rank r to r+1"
+        )
+    actions: list[list[Action]] = [[] for _ in range(p)]
+    for old, acts in enumerate(schedule.actions):
+        actions[rename[old]] = list(acts)
+    return PipelineSchedule(schedule.name, p, S, schedule.num_microbatches, mapping, actions, schedule.training)

@@ -1,0 +1,24 @@
+"""How many micro-batches' activations each stage holds at most under a schedule (no torch)."""
+from __future__ import annotations
+
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, PipelineSchedule
+
+
+def stage_inflight(schedule: PipelineSchedule) -> list[int]:
+    """``inflight[s]``: the most micro-batches whose F has run on stage s and whose backward has
+    not yet released them (the W, or the B when no W follows), walking each rank's action order.
+
+    1F1B gives ``S - s`` (at most m), GPipe m on every stage; this is what balancing by memory
+    and the partition table's memory estimate charge each stage for.
+    """
+    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
+    held = [0] * schedule.num_stages
+    peak = [0] * schedule.num_stages
+    for acts in schedule.actions:
+        for a in acts:
+            if a.kind == FORWARD and schedule.training:
+                held[a.stage] += 1
+                peak[a.stage] = max(peak[a.stage], held[a.stage])
+            elif a.kind == WEIGHT or (a.kind == BACKWARD and (a.stage, a.microbatch) not in split):
+                held[a.stage] -= 1
+    return peak
