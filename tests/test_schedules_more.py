@@ -33,6 +33,7 @@ from pipeflow.schedules import (
     v_placement,
 )
 from pipeflow.schedules.lowering import recvs_needed, sends_produced
+from pipeflow.schedules.compare import compare, markdown
 from pipeflow.schedules.timing import asap
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -444,3 +445,10 @@ def test_docs_pictures_and_configs_exist() -> None:
 
 def teardown_module() -> None:
     run.cache_clear()  # drop the cached timelines now rather than at interpreter exit
+
+
+def test_compare_table_matches_the_closed_forms() -> None:
+    rows = compare(4, [4, 8, 16])
+    assert {r.name for r in rows} == set(GENERATORS)
+    assert all(r.makespan == r.closed_form for r in rows)
+    assert "| `zbv` | 4 | 2 | 8 | 51 |" in markdown(rows)

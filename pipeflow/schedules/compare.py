@@ -1,0 +1,96 @@
+"""Every schedule side by side: simulated makespan, bubble and memory beside the closed forms.
+
+    python -m pipeflow.schedules.compare --ranks 4 --microbatches 8 16
+
+Costs are one unit per F, B and W of one stage (a full backward, where a schedule does not
+split it, costs B + W = 2); with v chunks per rank a stage is 1/v of a rank's share of the model,
+so compare schedules by "step time / ideal" (makespan over one rank's busy time) and by the bubble.  The closed forms are the ones the simulator tests prove for every accepted
+(p, v, m) up to 8 ranks and 24 micro-batches (tests/test_schedules*.py).
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeflow.errors import ScheduleError
+from pipeflow.schedules import GENERATORS, LAYOUTS, build_schedule, simulate
+
+# name: (makespan formula in p, m, v; the formula as printed)
+CLOSED_FORMS = {
+    "gpipe": (lambda p, m, v: 3 * (m + p - 1), "3(m+p-1)"),
+    "1f1b": (lambda p, m, v: 3 * (m + p - 1), "3(m+p-1)"),
+    "interleaved_1f1b": (lambda p, m, v: 3 * (v * m + p - 1), "3(vm+p-1)"),
+    "looped_bfs": (lambda p, m, v: 3 * (v * m + p - 1) + 3 * (v - 1) * max(0, p - m), "3(vm+p-1)+3(v-1)max(0,p-m)"),
+    "zb_h1": (lambda p, m, v: 3 * m + p - 1 if m >= p else 2 * (m + p) - 1, "3m+p-1 (m>=p)"),
+    "zbv": (lambda p, m, v: max(6 * m + p - 1, 4 * m + 4 * p - 2), "max(6m+p-1, 4m+4p-2)"),
+    "dualpipev": (lambda p, m, v: 6 * m + p - 1 + min(p - 1, (m - p) // 2), "6m+p-1+min(p-1,(m-p)//2)"),
+}
+
+
+@dataclass
+class Row:
+    """One schedule at one micro-batch count."""
+
+    name: str
+    p: int
+    v: int
+    m: int
+    makespan: float
+    closed_form: float
+    formula: str
+    bubble: float
+    peak_rank0: int
+    busy_per_rank: float
+
+
+def compare(num_ranks: int, microbatch_counts: Sequence[int], stages_per_rank: int = 2) -> list[Row]:
+    """Simulate every registered schedule for p = `num_ranks` and each m; skip what it refuses."""
+    rows = []
+    for m in microbatch_counts:
+        for name in GENERATORS:
+            needed = LAYOUTS[name][0]
+            v = needed if needed is not None else stages_per_rank
+            try:
+                schedule = build_schedule(name, num_ranks, m, v)
+            except ScheduleError:
+                continue
+            result = simulate(schedule)
+            formula, text = CLOSED_FORMS[name]
+            rows.append(Row(name, num_ranks, v, m, result.makespan, formula(num_ranks, m, v), text,
+                            result.bubble, result.peak_activations[0], result.busy[0]))
+    return rows
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    """The rows as a Markdown table."""
+    lines = [
+        "| schedule | p | chunks v | m | makespan (simulated) | closed form | step time / ideal | bubble "
+        "| activations held on rank 0 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| `{r.name}` | {r.p} | {r.v} | {r.m} | {r.makespan:g} | {r.formula} = {r.closed_form:g} | "
+            f"{r.makespan / r.busy_per_rank:.3f} | {r.bubble:.1%} | {r.peak_rank0 / r.v:g} micro-batches |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point: print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--stages-per-rank", type=int, default=2, help="for interleaved_1f1b and looped_bfs")
+    args = parser.parse_args(argv)
+    rows = compare(args.ranks, args.microbatches, args.stages_per_rank)
+    print(markdown(rows))
+    wrong = [r for r in rows if r.makespan != r.closed_form]
+    for r in wrong:
+        print(f"MISMATCH: {r.name} m={r.m}: simulated {r.makespan:g}, closed form {r.closed_form:g}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
