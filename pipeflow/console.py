@@ -65,3 +65,13 @@ def step_line(
     rate = f"{samples / step_s:.0f} samples/s" + (f" {tokens / step_s:.0f} tokens/s" if tokens is not None else "")
     return (f"step {step:4d}/{max_steps} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
             f"{1e3 * step_s:.0f} ms/step | {rate} | bubble {bubble:.0%} (predicted {predicted:.0%})")
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """The end-of-run line, e.g. ``median step 41 ms | 780 samples/s | bubble 30% measured,
+    27% predicted | peak memory 812, 640, 640, 790 MB``."""
+    tokens = summary["tokens_per_s"]
+    rate = f"{summary['samples_per_s']:.0f} samples/s" + (f" {tokens:.0f} tokens/s" if tokens is not None else "")
+    peaks = ", ".join(f"{mb:.0f}" for mb in summary["peak_memory_mb"])
+    return (f"median step {1e3 * summary['step_time_s']:.0f} ms | {rate} | bubble {summary['bubble_measured']:.0%} "
+            f"measured, {summary['bubble_predicted']:.0%} predicted | peak memory per pipeline rank {peaks} MB")

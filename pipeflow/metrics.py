@@ -145,11 +145,11 @@ class RunMetrics:
             raise ConfigError(f"metrics.log_every={self.log_every} must be at least 1 (or null for train.log_every)")
         self.max_steps = cfg.train.max_steps
         self.trace_steps = {int(s) for s in mc.trace_steps}
-        if any(s < 0 or s >= self.max_steps for s in self.trace_steps):
+        self.is_main = dist.get_rank() == 0
+        if self.is_main and any(s < 0 or s >= self.max_steps for s in self.trace_steps):
             log.warning("metrics.trace_steps=%s: steps outside 0..%d are not traced", sorted(self.trace_steps), self.max_steps - 1)
         self.pipeline, self.pp_rank, self.num_pp, self.device = pipeline, pp_rank, num_pp, device
         self.run_dir, self.predicted, self.items = run_dir, predicted, items
-        self.is_main = dist.get_rank() == 0
         self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
         self.bar = console.progress_bar(self.max_steps, mc.progress_bar) if self.is_main else None
         self.interval, self.interval_steps = RankFigures(), 0
@@ -222,7 +222,7 @@ class RunMetrics:
         """Write the traces, close the writer and the bar; returns the run's figures on every rank:
         ``samples_per_s``, ``tokens_per_s`` (None for non-token data), ``step_time_s`` (median),
         ``bubble_measured``, ``bubble_predicted``, ``peak_memory_mb`` (one per pipeline rank)."""
-        from pipeflow import trace
+        from pipeflow import console, trace
 
         if self.bar is not None:
             self.bar.close()
@@ -240,6 +240,8 @@ class RunMetrics:
             "peak_memory_mb": peaks,
         }]
         dist.broadcast_object_list(summary, src=0)  # rank 0's step times stand for the run
+        if self.is_main:
+            log.info(console.summary_line(summary[0]))
         if self.writer is not None:
             self.writer.close()
         return summary[0]
