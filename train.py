@@ -11,26 +11,17 @@ Without torchrun, `python train.py` runs a pipeline of one stage.
 from __future__ import annotations
 
 import logging
-import sys
 
 import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig
 
 from pipeflow.config import register_configs
+from pipeflow.console import setup_logging
 from pipeflow.distributed import choose_device, init_distributed
 from pipeflow.trainer import Trainer
 
 register_configs()
-
-
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs INFO to stdout; other ranks only warnings and errors, tagged with their rank."""
-    handler = logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)
-    handler.setFormatter(logging.Formatter(f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")

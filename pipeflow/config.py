@@ -162,6 +162,17 @@ class DistConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """What is measured and written: TensorBoard under ``<run_dir>/tb``, traces of chosen steps
+    (``<run_dir>/trace.json``, ``timeline_step<N>.png``), the console progress bar."""
+
+    tensorboard: bool = True
+    log_every: int | None = None  # steps per log interval; None: train.log_every
+    trace_steps: list[int] = field(default_factory=list)  # steps whose every action is traced
+    progress_bar: bool = True  # tqdm bar on rank 0 (only when stderr is a terminal)
+
+
+@dataclass
 class Config:
     """The whole job."""
 
@@ -174,6 +185,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def register_configs() -> None:
@@ -188,6 +200,7 @@ def register_configs() -> None:
     cs.store(group="pipeline", name="base_pipeline", node=PipelineConfig)
     cs.store(group="data", name="base_data", node=DataConfig)
     cs.store(group="optim", name="base_optim", node=OptimConfig)
+    cs.store(group="metrics", name="base_metrics", node=MetricsConfig)
 
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")

@@ -9,7 +9,6 @@ import datetime
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,7 @@ from pipeflow.config import check_config
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.layout import choose_layout, describe_layout
+from pipeflow.metrics import RunMetrics, predicted_bubble
 from pipeflow.pipeline import Pipeline
 from pipeflow.schedules import build_schedule
 from pipeflow.stage import Tensors, build_stages, layers_by_index
@@ -179,6 +179,11 @@ class Trainer:
             self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
         )
         self.run_dir = self._agree_run_dir()
+        per_sample = cfg.data.seq_len if cfg.data.name in TOKEN_DATA else None
+        self.metrics = RunMetrics(
+            cfg, self.pipeline, comm.rank, self.pp, device, self.run_dir, predicted_bubble(self.layout, self.schedule),
+            (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
+        )
 
     def _agree_run_dir(self) -> str:
         """Rank 0 picks the run directory, every rank receives it; rank 0 writes the config there."""
@@ -231,32 +236,29 @@ class Trainer:
         dist.all_reduce(total)
         return float(total) / self.cfg.train.eval_batches
 
-    def fit(self) -> dict[str, float]:
-        """Train for ``train.max_steps`` steps; returns first/last loss and final held-out loss."""
+    def fit(self) -> dict[str, Any]:
+        """Train for ``train.max_steps`` steps; returns first/last loss, final held-out loss and the
+        run's figures (``samples_per_s``, ``tokens_per_s``, ``step_time_s``, ``bubble_measured``,
+        ``bubble_predicted``, ``peak_memory_mb``; see ``pipeflow.metrics.RunMetrics.close``)."""
         cfg = self.cfg.train
         if self.is_main:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
         first_val = self.evaluate()
-        per_sample = self.cfg.data.seq_len if self.cfg.data.name in TOKEN_DATA else 1
-        items_per_step, unit = self.cfg.data.batch_size * per_sample, ("tokens" if per_sample > 1 else "samples")
         first_loss = last_loss = float("nan")
-        t0 = time.perf_counter()
         for step in range(cfg.max_steps):
+            self.metrics.begin_step(step)
             loss, norm = self.train_step(step)
+            self.metrics.end_step(step, loss, norm, self.optimizer.param_groups[0]["lr"])
             first_loss = loss if step == 0 else first_loss
             last_loss = loss
-            if self.is_main and (step % cfg.log_every == 0 or step == cfg.max_steps - 1):
-                dt = (time.perf_counter() - t0) / (step + 1)
-                log.info("step %4d/%d | loss %.4f | grad norm %.3f | lr %.2e | %.0f ms/step | %.0f %s/s",
-                         step, cfg.max_steps, loss, norm, self.optimizer.param_groups[0]["lr"], dt * 1e3,
-                         items_per_step / dt, unit)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
                 val = self.evaluate()
                 if self.is_main:
                     log.info("step %4d | held-out loss %.4f", step + 1, val)
         final_val = self.evaluate()
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val}
+        result.update(self.metrics.close(self.schedule))
         if self.is_main:
             best = f" (best achievable {self.batches.best_loss:.4f})" if self.batches.best_loss is not None else ""
             log.info("loss %.4f -> %.4f | held-out loss %.4f -> %.4f%s", first_loss, last_loss, first_val, final_val, best)

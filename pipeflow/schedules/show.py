@@ -54,7 +54,14 @@ def chunk_colour(kind: str, chunk: int) -> tuple[float, float, float, float]:
     return plt.get_cmap(_CMAPS[kind])(max(0.2, 0.6 - 0.2 * chunk))
 
 
-def draw_timeline(timeline: Timeline, num_ranks: int, title: str, out_path: str | Path) -> Path:
+def draw_timeline(
+    timeline: Timeline,
+    num_ranks: int,
+    title: str,
+    out_path: str | Path,
+    waits: Sequence[tuple[int, float, float]] = (),
+    xlabel: str = "time",
+) -> Path:
     """Draw a timeline of compute actions (simulated or measured) to an image file.
 
     Args:
@@ -62,6 +69,9 @@ def draw_timeline(timeline: Timeline, num_ranks: int, title: str, out_path: str 
         num_ranks: p, the rows drawn (rank 0 on top).
         title: the picture's title.
         out_path: where to write (format from the suffix, e.g. ``.png``, ``.svg``).
+        waits: ``(rank, start, end)`` of communication calls, drawn as thin grey bars
+            (a measured timeline, see ``pipeflow.trace``).
+        xlabel: the unit of the time axis.
 
     Returns:
         The path written.
@@ -70,8 +80,10 @@ def draw_timeline(timeline: Timeline, num_ranks: int, title: str, out_path: str 
     for rank, action, _, _ in timeline:
         stages[rank].add(action.stage)
     chunk = {(r, s): k for r, held in stages.items() for k, s in enumerate(sorted(held))}
-    end = max((stop for *_, stop in timeline), default=1.0)
+    end = max([stop for *_, stop in timeline] + [stop for *_, stop in waits], default=1.0)
     fig, ax = plt.subplots(figsize=(min(28.0, max(8.0, 0.3 * end + 2)), 0.55 * num_ranks + 1.6))
+    for rank, start, stop in waits:
+        ax.broken_barh([(start, stop - start)], (rank - 0.15, 0.3), facecolors="0.75", linewidth=0)
     for rank, action, start, stop in timeline:
         colour = chunk_colour(action.kind, chunk[rank, action.stage])
         ax.broken_barh([(start, stop - start)], (rank - 0.4, 0.8), facecolors=colour,
@@ -82,12 +94,13 @@ def draw_timeline(timeline: Timeline, num_ranks: int, title: str, out_path: str 
     ax.set_xlim(0, end)
     ax.set_ylim(num_ranks - 0.5, -0.5)
     ax.set_yticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
-    ax.set_xlabel("time")
+    ax.set_xlabel(xlabel)
     ax.set_title(title)
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
     ax.set_axisbelow(True)
     chunks = max((len(held) for held in stages.values()), default=1)
-    ax.legend(handles=_legend(timeline, chunks), loc="upper left", bbox_to_anchor=(1.0, 1.0),
+    handles = _legend(timeline, chunks) + ([Patch(facecolor="0.75", label="comm (batched call)")] if waits else [])
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
               fontsize=7, frameon=False)
     fig.tight_layout()
     out = Path(out_path)

@@ -1,0 +1,247 @@
+"""Measuring what the pipeline does: per-rank compute, comm-wait and idle time, the measured
+bubble beside the simulator's prediction, peak memory; TensorBoard on rank 0; traces of chosen steps.
+
+Every rank turns its ``Pipeline.events`` of a step into :class:`RankFigures`; once per log
+interval one all-gather brings every rank's sums to rank 0, which writes them to TensorBoard.
+Definitions (r = a pipeline rank):
+
+    compute_r   time in F / B / W actions
+    comm_r      time in batched calls, post to completion (waiting on peers included)
+    idle_r      the rest of the training step (gaps between actions, grad clipping, optimizer)
+    span_r      first to last event of the rank's pipeline program (the simulator's makespan
+                counts only the program, not the optimizer)
+    bubble_r    1 - compute_r / span_r
+    bubble      1 - sum_r compute_r / (p * max_r span_r), as ``SimResult.bubble``
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeflow.errors import ConfigError
+from pipeflow.schedules import PipelineSchedule, simulate
+from pipeflow.schedules.ir import BACKWARD, FORWARD, KINDS, WEIGHT
+
+log = logging.getLogger("pipeflow")
+
+
+@dataclass
+class RankFigures:
+    """Seconds one rank spent in one step (or summed over several steps)."""
+
+    compute_s: float = 0.0
+    comm_wait_s: float = 0.0
+    idle_s: float = 0.0
+    step_s: float = 0.0
+    span_s: float = 0.0
+
+    def __iadd__(self, other: RankFigures) -> RankFigures:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+
+def step_figures(events: Sequence[Any], step_start: float, step_end: float) -> RankFigures:
+    """Compute, comm-wait and idle time of one rank's step from its ``TimedEvent``s.
+
+    Idle time is the part of [step_start, step_end] that no event covers.
+    """
+    compute = sum(e.end - e.start for e in events if e.kind in KINDS)
+    comm = sum(e.end - e.start for e in events if e.kind == "comm")
+    idle, cursor = 0.0, step_start
+    for e in sorted(events, key=lambda e: e.start):
+        idle += max(0.0, e.start - cursor)
+        cursor = max(cursor, e.end)
+    idle += max(0.0, step_end - cursor)
+    span = max(e.end for e in events) - min(e.start for e in events) if events else 0.0
+    return RankFigures(compute, comm, idle, step_end - step_start, span)
+
+
+def rank_bubble(compute_s: float, span_s: float) -> float:
+    """Idle fraction of one rank's pipeline program, ``1 - compute / span``."""
+    return min(1.0, max(0.0, 1.0 - compute_s / span_s)) if span_s > 0 else 0.0
+
+
+def pipeline_bubble(compute_s: Sequence[float], span_s: Sequence[float]) -> float:
+    """Idle fraction of the pipeline, ``1 - sum(compute) / (p * max(span))`` (as the simulator)."""
+    longest = max(span_s, default=0.0)
+    return min(1.0, max(0.0, 1.0 - sum(compute_s) / (len(span_s) * longest))) if longest > 0 else 0.0
+
+
+def predicted_bubble(layout: Any, schedule: PipelineSchedule) -> float:
+    """The simulator's bubble for the run, from profiled layer costs or else F = B = W
+    (the same prediction as the start-of-run table, ``pipeflow.layout.describe_layout``)."""
+    from pipeflow.layout import predicted_costs
+
+    if layout is not None and layout.profiles is not None:
+        return simulate(schedule, costs=predicted_costs(layout, schedule)).bubble
+    return simulate(schedule, costs={FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}).bubble
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA max allocated on a GPU, else the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+_PACKET = len(fields(RankFigures)) + 3  # pipeline rank, number of steps, figures..., peak memory
+
+
+def gather_figures(
+    totals: RankFigures, steps: int, pp_rank: int, num_pp: int, device: torch.device
+) -> tuple[list[RankFigures], list[float]]:
+    """All-gather every rank's summed figures (one small collective); returns the per-step mean
+    figures and the peak memory of each pipeline rank (data-parallel replicas averaged, peak max)."""
+    packet = torch.tensor([pp_rank, steps, *astuple(totals), peak_memory_mb(device)], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(packet) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, packet)
+    sums = [RankFigures() for _ in range(num_pp)]
+    counts, peaks = [0.0] * num_pp, [0.0] * num_pp
+    for row in (g.cpu().tolist() for g in gathered):
+        r = int(row[0])
+        sums[r] += RankFigures(*row[2:-1])
+        counts[r] += row[1]
+        peaks[r] = max(peaks[r], row[-1])
+    means = [RankFigures(*(v / max(1.0, n) for v in astuple(s))) for s, n in zip(sums, counts)]
+    return means, peaks
+
+
+class RunMetrics:
+    """Measures every training step and reports it (TensorBoard, console, trace, fit() summary).
+
+    Collective: every rank creates one and calls :meth:`begin_step`/:meth:`end_step` around each
+    step and :meth:`close` at the end.
+
+    Args:
+        cfg: the whole config (``metrics``, ``train``, ``data`` groups are read).
+        pipeline: this rank's Pipeline (its ``events`` list is filled during steps).
+        pp_rank, num_pp: this rank's pipeline rank and the pipeline size p.
+        device: this rank's device (collectives and memory).
+        run_dir: the run directory every rank agreed on.
+        predicted: the simulator's predicted bubble for the run.
+        items: (samples per step, tokens per step or None for non-token data).
+    """
+
+    def __init__(
+        self, cfg: Any, pipeline: Any, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
+        predicted: float, items: tuple[int, int | None],
+    ) -> None:
+        from pipeflow import console
+
+        mc = cfg.metrics
+        self.log_every = mc.log_every if mc.log_every is not None else cfg.train.log_every
+        if self.log_every < 1:
+            raise ConfigError(f"metrics.log_every={self.log_every} must be at least 1 (or null for train.log_every)")
+        self.max_steps = cfg.train.max_steps
+        self.trace_steps = {int(s) for s in mc.trace_steps}
+        self.is_main = dist.get_rank() == 0
+        if self.is_main and any(s < 0 or s >= self.max_steps for s in self.trace_steps):
+            log.warning("metrics.trace_steps=%s: steps outside 0..%d are not traced", sorted(self.trace_steps), self.max_steps - 1)
+        self.pipeline, self.pp_rank, self.num_pp, self.device = pipeline, pp_rank, num_pp, device
+        self.run_dir, self.predicted, self.items = run_dir, predicted, items
+        self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
+        self.bar = console.progress_bar(self.max_steps, mc.progress_bar) if self.is_main else None
+        self.interval, self.interval_steps = RankFigures(), 0
+        self.steady, self.steady_steps = RankFigures(), 0  # every step but the first (warm-up)
+        self.step_times: list[float] = []
+        self.traced: dict[int, tuple[float, float, list[tuple[str, str, float, float]]]] = {}
+        self._start = 0.0
+
+    def _open_writer(self) -> Any:
+        import os
+
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(os.path.join(self.run_dir, "tb"))
+
+    def begin_step(self, step: int) -> None:
+        """Start measuring step `step` (records the pipeline's events from now on)."""
+        self.pipeline.events = []
+        self._start = time.perf_counter()
+
+    def end_step(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+        """Finish step `step`: add up its figures; at a log step gather them and report."""
+        end = time.perf_counter()
+        events, self.pipeline.events = self.pipeline.events or [], None
+        figures = step_figures(events, self._start, end)
+        self.interval += figures
+        self.interval_steps += 1
+        if step > 0 or self.max_steps == 1:
+            self.steady += figures
+            self.steady_steps += 1
+        self.step_times.append(figures.step_s)
+        if step in self.trace_steps:
+            self.traced[step] = (self._start, end, [(e.kind, e.name, e.start, e.end) for e in events])
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{self.items[0] / figures.step_s:.0f}")
+        if step % self.log_every == 0 or step == self.max_steps - 1:
+            self._report(step, loss, grad_norm, lr)
+
+    def _report(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+        from pipeflow import console
+
+        means, peaks = gather_figures(self.interval, self.interval_steps, self.pp_rank, self.num_pp, self.device)
+        self.interval, self.interval_steps = RankFigures(), 0
+        bubble = pipeline_bubble([f.compute_s for f in means], [f.span_s for f in means])
+        step_s = means[0].step_s
+        samples, tokens = self.items
+        if self.is_main:
+            log.info(console.step_line(step, self.max_steps, loss, grad_norm, lr, step_s, samples, tokens, bubble, self.predicted))
+        if self.writer is None:
+            return
+        scalars = {
+            "train/loss": loss, "train/lr": lr, "train/grad_norm": grad_norm, "train/step_time_ms": 1e3 * step_s,
+            "train/samples_per_s": samples / step_s,
+            "pipeline/bubble_measured": bubble, "pipeline/bubble_predicted": self.predicted,
+        }
+        if tokens is not None:
+            scalars["train/tokens_per_s"] = tokens / step_s
+        for r, (f, peak) in enumerate(zip(means, peaks)):
+            scalars.update({
+                f"stage/{r}/compute_ms": 1e3 * f.compute_s, f"stage/{r}/comm_wait_ms": 1e3 * f.comm_wait_s,
+                f"stage/{r}/idle_ms": 1e3 * f.idle_s, f"stage/{r}/step_ms": 1e3 * f.step_s,
+                f"stage/{r}/bubble": rank_bubble(f.compute_s, f.span_s), f"stage/{r}/peak_memory_mb": peak,
+            })
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+        self.writer.flush()
+
+    def close(self, schedule: PipelineSchedule) -> dict[str, Any]:
+        """Write the traces, close the writer and the bar; returns the run's figures on every rank:
+        ``samples_per_s``, ``tokens_per_s`` (None for non-token data), ``step_time_s`` (median),
+        ``bubble_measured``, ``bubble_predicted``, ``peak_memory_mb`` (one per pipeline rank)."""
+        from pipeflow import console, trace
+
+        if self.bar is not None:
+            self.bar.close()
+        means, peaks = gather_figures(self.steady, self.steady_steps, self.pp_rank, self.num_pp, self.device)
+        if self.trace_steps:
+            trace.write_traces(self.traced, self.pp_rank, schedule, self.run_dir, self.device, self.predicted, self.writer)
+        step_s = statistics.median(self.step_times) if self.step_times else float("nan")
+        samples, tokens = self.items
+        summary = [{
+            "samples_per_s": samples / step_s,
+            "tokens_per_s": None if tokens is None else tokens / step_s,
+            "step_time_s": step_s,
+            "bubble_measured": pipeline_bubble([f.compute_s for f in means], [f.span_s for f in means]),
+            "bubble_predicted": self.predicted,
+            "peak_memory_mb": peaks,
+        }]
+        dist.broadcast_object_list(summary, src=0)  # rank 0's step times stand for the run
+        if self.is_main:
+            log.info(console.summary_line(summary[0]))
+        if self.writer is not None:
+            self.writer.close()
+        return summary[0]

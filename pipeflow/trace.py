@@ -1,0 +1,129 @@
+"""Traces of chosen training steps: clocks aligned over the process group, one Chrome-trace
+JSON (opens in Perfetto, one track per rank) and one timeline picture per step.
+
+Every rank times its events with its own ``time.perf_counter``; :func:`clock_offsets` measures
+each clock against rank 0's so that all events land on rank 0's time axis.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeflow.schedules import PipelineSchedule
+from pipeflow.schedules.ir import KINDS, Action
+
+# One traced step of one rank: (pipeline rank, step start, step end, [(kind, name, start, end)])
+RankStep = tuple[int, float, float, list[tuple[str, str, float, float]]]
+
+
+def clock_offsets(device: torch.device, rounds: int = 5) -> list[float]:
+    """Every rank's ``perf_counter`` minus rank 0's (seconds), the median of `rounds`
+    barrier-then-timestamp exchanges.  Collective over the default group."""
+    samples: list[list[float]] = []
+    world = dist.get_world_size()
+    for _ in range(rounds):
+        dist.barrier()
+        now = torch.tensor([time.perf_counter()], dtype=torch.float64, device=device)
+        stamps = [torch.empty_like(now) for _ in range(world)]
+        dist.all_gather(stamps, now)
+        samples.append([float(t) - float(stamps[0]) for t in stamps])
+    return [statistics.median(s[r] for s in samples) for r in range(world)]
+
+
+def chrome_trace(steps: dict[int, list[RankStep]]) -> dict[str, Any]:
+    """A Chrome trace (Perfetto, chrome://tracing) of traced steps, clocks already aligned.
+
+    Args:
+        steps: ``steps[step][global rank]`` as gathered by :func:`write_traces`.
+
+    Returns:
+        ``{"traceEvents": [...]}``: process ``rank r`` per rank (pid = global rank, one thread),
+        a complete event (``ph: X``, microseconds) per action or batched call, with step,
+        micro-batch and stage in ``args``.
+    """
+    origin = min((start for per_rank in steps.values() for _, start, _, _ in per_rank), default=0.0)
+    events: list[dict[str, Any]] = []
+    ranks = {r: pp for per_rank in steps.values() for r, (pp, *_) in enumerate(per_rank)}
+    for r, pp in sorted(ranks.items()):
+        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r} (pipeline rank {pp})"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
+        events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "pipeline"}})
+    for step, per_rank in sorted(steps.items()):
+        for r, (_, _, _, timed) in enumerate(per_rank):
+            for kind, name, start, end in timed:
+                args: dict[str, Any] = {"step": step}
+                if kind in KINDS:
+                    action = Action.parse(name)
+                    args.update(microbatch=action.microbatch, stage=action.stage)
+                else:
+                    args["ops"] = name
+                events.append({
+                    "ph": "X", "name": name if kind in KINDS else "comm", "cat": kind, "pid": r, "tid": 0,
+                    "ts": 1e6 * (start - origin), "dur": 1e6 * (end - start), "args": args,
+                })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def draw_step(per_rank: Sequence[RankStep], num_pp: int, title: str, out_path: str) -> str:
+    """Draw one measured step like the schedule pictures: F/B/W boxes per pipeline rank, comm
+    waits as grey bars, time in ms from the step's first event."""
+    from pipeflow.schedules.show import draw_timeline
+
+    origin = min((s for _, _, _, timed in per_rank for _, _, s, _ in timed), default=0.0)
+    boxes, waits, seen = [], [], set()
+    for pp, _, _, timed in per_rank:
+        if pp in seen:  # data-parallel replicas: draw the first one of each pipeline rank
+            continue
+        seen.add(pp)
+        for kind, name, start, end in timed:
+            span = (1e3 * (start - origin), 1e3 * (end - origin))
+            if kind in KINDS:
+                boxes.append((pp, Action.parse(name), *span))
+            else:
+                waits.append((pp, *span))
+    return str(draw_timeline(boxes, num_pp, title, out_path, waits=waits, xlabel="ms"))
+
+
+def write_traces(
+    traced: dict[int, tuple[float, float, list[tuple[str, str, float, float]]]],
+    pp_rank: int,
+    schedule: PipelineSchedule,
+    run_dir: str,
+    device: torch.device,
+    predicted: float,
+    writer: Any = None,
+) -> None:
+    """Gather every rank's traced steps to rank 0 (clocks aligned) and write ``trace.json`` and
+    ``timeline_step<N>.png`` into `run_dir` (and the pictures into TensorBoard).  Collective."""
+    from pipeflow.metrics import pipeline_bubble, step_figures
+    from pipeflow.pipeline import TimedEvent
+
+    offset = clock_offsets(device)[dist.get_rank()]
+    mine = {
+        step: (pp_rank, start - offset, end - offset, [(k, n, s - offset, e - offset) for k, n, s, e in timed])
+        for step, (start, end, timed) in traced.items()
+    }
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return
+    steps = {step: [g[step] for g in gathered] for step in sorted(set().union(*gathered)) if all(step in g for g in gathered)}
+    with open(os.path.join(run_dir, "trace.json"), "w") as f:
+        json.dump(chrome_trace(steps), f)
+    for step, per_rank in steps.items():
+        figures = [step_figures([TimedEvent(*t) for t in timed], start, end) for _, start, end, timed in per_rank]
+        bubble = pipeline_bubble([f.compute_s for f in figures], [f.span_s for f in figures])
+        title = (f"measured {schedule.name}, step {step}: p={schedule.num_ranks}, m={schedule.num_microbatches}, "
+                 f"bubble {bubble:.1%} (predicted {predicted:.1%})")
+        path = draw_step(per_rank, schedule.num_ranks, title, os.path.join(run_dir, f"timeline_step{step}.png"))
+        if writer is not None:
+            import matplotlib.image
+
+            writer.add_image("timeline", matplotlib.image.imread(path)[..., :3], step, dataformats="HWC")

@@ -1,0 +1,133 @@
+"""Measured figures from events (pure), the Chrome trace and timeline of a step, the console."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from pipeflow.console import setup_logging, step_line, summary_line
+from pipeflow.metrics import RankFigures, pipeline_bubble, predicted_bubble, rank_bubble, step_figures
+from pipeflow.pipeline import TimedEvent
+from pipeflow.schedules import build_schedule, simulate
+from pipeflow.trace import RankStep, chrome_trace, draw_step
+
+
+def ev(kind: str, name: str, start: float, end: float) -> TimedEvent:
+    return TimedEvent(kind, name, start, end)
+
+
+def test_step_figures_split_the_step_into_compute_comm_wait_and_idle() -> None:
+    events = [
+        ev("comm", "recv", 1.0, 3.0),  # idle 0..1 before it
+        ev("F", "1F0", 3.0, 4.0),
+        ev("comm", "send", 4.5, 5.0),  # idle 4..4.5
+        ev("B", "1B0", 5.0, 7.0),
+        ev("W", "1W0", 7.0, 7.5),
+    ]  # idle 7.5..10 after the last event
+    figures = step_figures(events, 0.0, 10.0)
+    assert figures == RankFigures(compute_s=3.5, comm_wait_s=2.5, idle_s=4.0, step_s=10.0, span_s=6.5)
+    assert figures.compute_s + figures.comm_wait_s + figures.idle_s == pytest.approx(figures.step_s)
+
+
+def test_idle_time_counts_overlapping_events_once_and_an_empty_step_is_all_idle() -> None:
+    figures = step_figures([ev("F", "0F0", 1.0, 4.0), ev("comm", "x", 2.0, 3.0), ev("B", "0B0", 6.0, 8.0)], 0.0, 9.0)
+    assert figures.idle_s == pytest.approx(1.0 + 2.0 + 1.0)
+    assert step_figures([], 2.0, 5.0) == RankFigures(0.0, 0.0, 3.0, 3.0, 0.0)
+
+
+def test_bubbles_are_idle_fractions_clamped_to_zero_one() -> None:
+    assert rank_bubble(3.0, 4.0) == pytest.approx(0.25)
+    assert rank_bubble(5.0, 4.0) == 0.0 and rank_bubble(0.0, 0.0) == 0.0
+    assert pipeline_bubble([3.0, 2.0], [4.0, 3.0]) == pytest.approx(1 - 5.0 / 8.0)
+    assert pipeline_bubble([], []) == 0.0
+
+
+def simulated_events(name: str, p: int, m: int, **kwargs) -> tuple[list[list[TimedEvent]], float]:
+    """A simulated run as each rank would record it: its actions, and a first comm event from
+    the step start (0) to its first action (the wait for the first activation)."""
+    schedule = build_schedule(name, p, m, **kwargs)
+    sim = simulate(schedule, costs={"F": 1.0, "B": 2.0, "W": 1.5})
+    per_rank: list[list[TimedEvent]] = [[] for _ in range(p)]
+    for rank, action, start, end in sim.timeline:
+        per_rank[rank].append(ev(action.kind, str(action), start, end))
+    for events in per_rank:
+        events.insert(0, ev("comm", "recv", 0.0, min(e.start for e in events)))
+    return per_rank, sim.bubble
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [("1f1b", {}), ("gpipe", {}), ("zb_h1", {}), ("interleaved_1f1b", {"stages_per_rank": 2})])
+def test_measured_bubble_of_a_simulated_run_equals_the_simulators_bubble(name: str, kwargs: dict) -> None:
+    per_rank, expected = simulated_events(name, 4, 8, **kwargs)
+    figures = [step_figures(events, 0.0, max(e.end for e in events)) for events in per_rank]
+    assert pipeline_bubble([f.compute_s for f in figures], [f.span_s for f in figures]) == pytest.approx(expected)
+    assert 0.0 < expected < 1.0
+
+
+def traced_steps(name: str, p: int, m: int, steps: tuple[int, ...] = (3,)) -> dict[int, list[RankStep]]:
+    per_rank, _ = simulated_events(name, p, m)
+    return {
+        step: [(r, 10.0 * step, 10.0 * step + 40, [(e.kind, e.name, 10.0 * step + e.start / 1e3, 10.0 * step + e.end / 1e3)
+                                               for e in events]) for r, events in enumerate(per_rank)]
+        for step in steps
+    }
+
+
+def test_chrome_trace_has_one_track_per_rank_and_every_action_of_the_schedule() -> None:
+    p, m = 4, 6
+    trace = json.loads(json.dumps(chrome_trace(traced_steps("zb_h1", p, m, steps=(2, 3)))))
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {(e["pid"], e["tid"]) for e in complete} == {(r, 0) for r in range(p)}
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {r: f"rank {r} (pipeline rank {r})" for r in range(p)}
+    for step in (2, 3):
+        for r in range(p):
+            mine = [e for e in complete if e["pid"] == r and e["args"]["step"] == step]
+            assert {kind: sum(e["cat"] == kind for e in mine) for kind in "FBW"} == {"F": m, "B": m, "W": m}
+            assert sorted(e["args"]["microbatch"] for e in mine if e["cat"] == "F") == list(range(m))
+            assert {e["args"]["stage"] for e in mine if e["cat"] in "FBW"} == {r}
+    assert min(e["ts"] for e in complete) == 0.0 and all(e["dur"] >= 0 for e in complete)
+    assert all(isinstance(e["ts"], float) for e in complete)
+
+
+def test_timeline_picture_of_a_step_decodes_and_is_not_blank(tmp_path: Path) -> None:
+    steps = traced_steps("1f1b", 4, 8)
+    path = draw_step(steps[3], 4, "measured 1f1b", str(tmp_path / "timeline_step3.png"))
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 200 and image.shape[1] > 800 and image[..., :3].std() > 0.05
+
+
+def test_predicted_bubble_without_profiles_is_the_simulators_with_equal_costs() -> None:
+    schedule = build_schedule("1f1b", 4, 8)
+    assert predicted_bubble(None, schedule) == pytest.approx(simulate(schedule, costs={"F": 1, "B": 1, "W": 1}).bubble)
+    assert predicted_bubble(None, schedule) == pytest.approx(3 / 11)  # B costs B + W: (p-1)/(m+p-1)
+
+
+def test_console_lines_name_the_figures() -> None:
+    line = step_line(25, 300, 2.34123, 0.8123, 3e-3, 0.041, 32, 2048, 0.301, 0.273)
+    assert line == ("step   25/300 | loss 2.3412 | grad norm 0.812 | lr 3.00e-03 | 41 ms/step | "
+                    "780 samples/s 49951 tokens/s | bubble 30% (predicted 27%)")
+    summary = {"samples_per_s": 780.4, "tokens_per_s": None, "step_time_s": 0.041, "bubble_measured": 0.3,
+               "bubble_predicted": 0.273, "peak_memory_mb": [812.2, 640.0]}
+    assert summary_line(summary) == ("median step 41 ms | 780 samples/s | bubble 30% measured, 27% predicted | "
+                                     "peak memory per pipeline rank 812, 640 MB")
+
+
+def test_non_zero_ranks_log_only_warnings_tagged_with_their_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    err = io.StringIO()
+    monkeypatch.setattr("sys.stderr", err)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        setup_logging(2)
+        logging.getLogger("pipeflow").info("not shown")
+        logging.getLogger("pipeflow").warning("stage 1 is slow")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+        logging.captureWarnings(False)
+    assert "not shown" not in err.getvalue()
+    assert "[rank 2]" in err.getvalue() and "WARNING stage 1 is slow" in err.getvalue()

@@ -1,0 +1,110 @@
+"""One `torchrun train.py` of 4 sleep-stages under 1F1B, read back: TensorBoard events, the
+Chrome trace, the timeline picture and the console; and `train.py --cfg job`."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.test_cli import ROOT, torchrun
+
+P, M, STEPS, LOG_EVERY, TRACED = 4, 8, 6, 2, 3
+LOGGED = [0, 2, 4, 5]  # every LOG_EVERY steps and the last
+SLEEP = ["model=sleep", "data=gaussian", "model.forward_ms=40", "model.backward_ms=40", "model.weight_ms=40"]
+PER_STAGE = ("compute_ms", "comm_wait_ms", "idle_ms", "step_ms", "bubble", "peak_memory_mb")
+TRAIN = ("loss", "lr", "grad_norm", "samples_per_s", "step_time_ms")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    run_dir = tmp_path_factory.mktemp("run")
+    done = torchrun(P, *SLEEP, f"pipeline.num_microbatches={M}", f"train.max_steps={STEPS}",
+                    f"train.log_every={LOG_EVERY}", "train.eval_every=0", "train.eval_batches=1",
+                    f"metrics.trace_steps=[{TRACED}]", f"train.run_dir={run_dir}", timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done, run_dir
+
+
+@pytest.fixture(scope="module")
+def scalars(run) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(str(run[1] / "tb"), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_every_tag_is_written_once_per_log_interval_by_one_writer(run, scalars) -> None:
+    expected = {f"train/{name}" for name in TRAIN} | {"pipeline/bubble_measured", "pipeline/bubble_predicted"}
+    expected |= {f"stage/{r}/{name}" for r in range(P) for name in PER_STAGE}
+    assert set(scalars) == expected  # no tokens/s: gaussian data has no tokens
+    assert all([step for step, _ in points] == LOGGED for points in scalars.values())
+    assert len(list((run[1] / "tb").iterdir())) == 1
+
+
+def test_logged_values_are_sane(scalars) -> None:
+    value = lambda tag: [v for _, v in scalars[tag]]  # noqa: E731
+    assert all(math.isfinite(v) for v in value("train/loss"))
+    for step_ms, samples_s in zip(value("train/step_time_ms"), value("train/samples_per_s")):
+        assert samples_s == pytest.approx(64 / (step_ms / 1e3), rel=1e-3)  # gaussian: batch of 64
+    bubbles = value("pipeline/bubble_measured") + value("pipeline/bubble_predicted")
+    bubbles += [v for r in range(P) for v in value(f"stage/{r}/bubble")]
+    assert all(0.0 <= b <= 1.0 for b in bubbles)
+    for r in range(P):
+        parts = zip(value(f"stage/{r}/compute_ms"), value(f"stage/{r}/comm_wait_ms"), value(f"stage/{r}/idle_ms"))
+        for (compute, comm, idle), step_ms in zip(parts, value("train/step_time_ms")):
+            assert compute + comm + idle == pytest.approx(step_ms, rel=0.10)
+            assert compute > 0.5 * M * 40  # at least every F of 40 ms (and stage 0's B, its W only)
+        assert all(mb > 10 for mb in value(f"stage/{r}/peak_memory_mb"))
+
+
+def test_measured_bubble_is_within_five_points_of_the_prediction_for_1f1b_p4_m8(scalars) -> None:
+    predicted = scalars["pipeline/bubble_predicted"][0][1]
+    steady = sorted(v for step, v in scalars["pipeline/bubble_measured"] if step > 0)
+    assert abs(steady[len(steady) // 2] - predicted) < 0.05, (steady, predicted)
+
+
+def test_trace_has_one_track_per_rank_with_m_forwards_and_backwards(run) -> None:
+    trace = json.loads((run[1] / "trace.json").read_text())
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in complete} == set(range(P)) and {e["tid"] for e in complete} == {0}
+    for r in range(P):
+        mine = sorted((e for e in complete if e["pid"] == r), key=lambda e: e["ts"])
+        assert {kind: sum(e["cat"] == kind for e in mine) for kind in ("F", "B", "W")} == {"F": M, "B": M, "W": 0}
+        assert all(e["args"]["step"] == TRACED and e["dur"] > 0 for e in mine)
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(mine, mine[1:]))  # one track never overlaps
+    forward = {(e["pid"], e["args"]["microbatch"]): e for e in complete if e["cat"] == "F"}
+    for r in range(1, P):  # aligned clocks: stage r's F of micro-batch i starts after stage r-1's ended
+        for i in range(M):
+            earlier = forward[r - 1, i]
+            assert forward[r, i]["ts"] >= earlier["ts"] + earlier["dur"] - 2000  # 2 ms of clock skew
+
+
+def test_timeline_picture_is_written_and_sent_to_tensorboard(run) -> None:
+    image = matplotlib.image.imread(run[1] / f"timeline_step{TRACED}.png")
+    assert image.shape[0] > 200 and image.shape[1] > 1000 and image[..., :3].std() > 0.05
+    events = EventAccumulator(str(run[1] / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("timeline")] == [TRACED]
+
+
+def test_console_has_one_line_per_interval_from_rank_0_and_the_summary(run) -> None:
+    out = run[0].stdout
+    lines = re.findall(r"^\[rank (\d)\] .* INFO step +(\d+)/6 \| loss .* bubble \d+% \(predicted \d+%\)$", out, re.M)
+    assert lines == [("0", str(step)) for step in LOGGED], out[-3000:]
+    assert re.search(r"median step \d+ ms \| \d+ samples/s \| bubble \d+% measured, \d+% predicted \| "
+                     r"peak memory per pipeline rank \d+, \d+, \d+, \d+ MB", out)
+    assert "INFO" not in run[0].stderr  # other ranks log warnings only
+
+
+def test_cfg_job_prints_the_resolved_config_with_the_metrics_group() -> None:
+    done = subprocess.run([sys.executable, "train.py", "--cfg", "job", "metrics.trace_steps=[5]"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"^metrics:\n  tensorboard: true\n  log_every: null\n  trace_steps:\n  - 5\n  progress_bar: true",
+                     done.stdout, re.M), done.stdout
