@@ -86,6 +86,7 @@ class PipelineConfig:
     stage_to_rank: list[int] | None = None  # explicit placement: pipeline rank of each stage
     balance: str = "uniform"  # uniform | params | time | memory (ignored with split_points)
     profile: bool = True  # profile layers (on pipeline rank 0) for the partition table
+    checkpoint_activations: Any = False  # true | false | n: recompute every n-th layer in backward
 
 
 @dataclass
@@ -134,6 +135,9 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float32"
     run_dir: str | None = None  # default: outputs/<timestamp>, chosen by rank 0
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast compute dtype; weights stay in train.dtype
+    save_every: int = 0  # write a checkpoint every n steps (and at the end); 0: never
+    resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
 
 
 @dataclass
@@ -224,10 +228,6 @@ def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]
             f"parallel.dp={dp} x parallel.pp={pp} = {dp * pp} processes, but the world size is "
             f"{world_size}; launch with torchrun --nproc-per-node {dp * pp} or set parallel.pp={world_size // dp}"
         )
-    if dp != 1:
-        raise ConfigError(
-            f"parallel.dp={dp}: data parallelism is not available yet; use parallel.dp=1"
-        )
     return dp, pp
 
 
@@ -248,4 +248,10 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
         )
     if cfg.train.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={cfg.train.dtype!r} is not one of {', '.join(DTYPES)}")
+    from pipeflow.precision import checkpoint_every, compute_dtype  # torch-heavy: only when checking
+
+    compute_dtype(cfg.train.precision)
+    checkpoint_every(cfg.pipeline.checkpoint_activations)
+    if cfg.train.save_every < 0:
+        raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0: never save)")
     return dp, pp

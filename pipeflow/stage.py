@@ -5,11 +5,13 @@ returns outputs and input gradients.  Index letters: s = stage, i = micro-batch.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pipeflow.models.spec import ModelSpec, run_layers
 
@@ -52,6 +54,9 @@ class Stage:
         self._boundaries: dict[int, list[Tensors]] = {}  # each layer's outputs, for a split backward
         self._pending_weight: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
         self.losses: dict[int, torch.Tensor] = {}
+        self.compute_dtype: torch.dtype | None = None  # autocast dtype (train.precision); None: off
+        self.grad_scale: float = 1.0  # fp16 loss scale, applied to the loss sent backward only
+        self.checkpoint_every: int = 0  # recompute layers 0, n, 2n, ... in backward; 0: off
 
     @property
     def is_first(self) -> bool:
@@ -91,21 +96,40 @@ class Stage:
             loss_scale: factor that makes the sum over micro-batches equal the full-batch loss.
             keep_for_backward: False for evaluation (no graph is built or kept).
         """
-        with torch.set_grad_enabled(keep_for_backward):
+        with torch.set_grad_enabled(keep_for_backward), self._autocast():
             output, boundaries = unpack(inputs), []
-            for layer in self.module:  # run_layers' convention, keeping every layer's outputs
-                output = layer(*output) if isinstance(output, tuple) else layer(output)
+            for k, layer in enumerate(self.module):  # run_layers' convention, keeping every layer's outputs
+                output = self._call(k, layer, output, keep_for_backward)
                 boundaries.append(as_tuple(output))
-            outputs = as_tuple(output)
+            outputs = self._to_compute_dtype(as_tuple(output))
             if self.is_last and target is not None and self.loss_fn is not None:
                 loss = self.loss_fn(output, target) * loss_scale
                 self.losses[i] = loss.detach()
-                outputs = (loss,)
+                outputs = (loss * self.grad_scale if self.grad_scale != 1.0 else loss,)
         if keep_for_backward:
             self._inputs[i] = inputs
             self._outputs[i] = outputs
             self._boundaries[i] = boundaries
         return outputs
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        return torch.autocast(device.type, dtype=self.compute_dtype)
+
+    def _call(self, k: int, layer: nn.Module, output: Any, grad: bool) -> Any:
+        """Layer k on `output`; checkpointed (recomputed in backward) when configured."""
+        args = output if isinstance(output, tuple) else (output,)
+        if grad and self.checkpoint_every and k % self.checkpoint_every == 0:
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
+
+    def _to_compute_dtype(self, outputs: Tensors) -> Tensors:
+        """Floating outputs of a non-last stage in the compute dtype: what travels to the next stage."""
+        if self.compute_dtype is None or self.is_last:
+            return outputs
+        return tuple(t.to(self.compute_dtype) if t.is_floating_point() else t for t in outputs)
 
     def backward(self, i: int, grad_outputs: Tensors | None, weights: bool = True) -> tuple[torch.Tensor | None, ...]:
         """Backward of micro-batch `i`; returns the gradients of the stage inputs.
@@ -182,8 +206,9 @@ class Stage:
         modes = [(mod, mod.training) for mod in self.module.modules()]
         self.module.train(False)
         try:
-            with torch.enable_grad():
-                return tuple(t.detach().requires_grad_(t.requires_grad) for t in as_tuple(run_layers(list(self.module), unpack(inputs))))
+            with torch.enable_grad(), self._autocast():
+                outputs = self._to_compute_dtype(as_tuple(run_layers(list(self.module), unpack(inputs))))
+                return tuple(t.detach().requires_grad_(t.requires_grad) for t in outputs)
         finally:
             for mod, mode in modes:
                 mod.training = mode

@@ -67,6 +67,9 @@ class TiedWeights:
         layers: this rank's built layers, by layer index.
         global_ranks: global rank of every pipeline rank.
         my_rank: this process's pipeline rank.
+        replicas: with data parallelism, the global ranks of every replica's pipeline (one
+            list per replica, `global_ranks` among them): ``dist.new_group`` is collective over
+            the world, so every rank creates each replica's tie group and keeps its own.
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class TiedWeights:
         layers: dict[int, nn.Module],
         global_ranks: Sequence[int],
         my_rank: int,
+        replicas: Sequence[Sequence[int]] | None = None,
     ) -> None:
         tie_in_place(spec, layers)
         index = {name: i for i, name in enumerate(spec.layer_names())}
@@ -84,7 +88,10 @@ class TiedWeights:
         self.ties: list[_Tie] = []
         for name, members in spec.tied.items():
             ranks = sorted({rank_of_layer[index[layer]] for layer, _ in members})
-            group = dist.new_group([global_ranks[r] for r in ranks]) if len(ranks) > 1 else None
+            group = None
+            for replica in replicas or [global_ranks]:
+                made = dist.new_group([replica[r] for r in ranks]) if len(ranks) > 1 else None
+                group = made if list(replica) == list(global_ranks) else group
             mine = [(index[layer], path) for layer, path in members if index[layer] in layers]
             if mine:
                 first_rank = rank_of_layer[index[members[0][0]]]

@@ -23,8 +23,10 @@ from pipeflow.config import check_config
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.layout import choose_layout, describe_layout
+from pipeflow.mesh import all_reduce_grads, build_mesh
 from pipeflow.metrics import RunMetrics, predicted_bubble
 from pipeflow.pipeline import Pipeline
+from pipeflow.precision import LossScaler, configure_stages
 from pipeflow.schedules import build_schedule
 from pipeflow.stage import Tensors, build_stages, layers_by_index
 from pipeflow.tied import TiedWeights
@@ -95,6 +97,20 @@ def split_microbatches(tensor: torch.Tensor, m: int) -> list[torch.Tensor]:
     return list(tensor.chunk(m))
 
 
+def shard(batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel rank `dp_rank`'s contiguous 1/dp of the global batch (``data.batch_size`` rows).
+
+    Every replica slices the same global batch, so the data stream does not depend on dp: a
+    run resumed with another dp sees the same samples, and the dp run equals one replica on the
+    whole batch.
+    """
+    if dp == 1:
+        return batch
+    x, y = batch
+    rows = x.shape[0] // dp
+    return x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
+
+
 def lr_at(step: int, cfg: Any, max_steps: int) -> float:
     """Linear warm-up to optim.lr, then cosine decay to optim.min_lr at the last step."""
     if step < cfg.warmup_steps:
@@ -113,13 +129,17 @@ def unique_parameters(groups: Any) -> list[torch.nn.Parameter]:
 
 
 def clip_grad_norm_global(
-    params: list[torch.nn.Parameter], max_norm: float, group: Any, extra: torch.Tensor, skip: set[int] = frozenset()
+    params: list[torch.nn.Parameter], max_norm: float, group: Any, extra: torch.Tensor, skip: set[int] = frozenset(),
+    replicas: int = 1,
 ) -> tuple[float, torch.Tensor]:
     """Clip by the norm over every stage's gradients (one all-reduce over the pipeline group).
 
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.  `extra` (e.g. the loss,
     non-zero on the last stage only) rides along in the same all-reduce.  Parameters whose id
     is in `skip` (copies of a tied parameter held elsewhere too) are scaled but not counted.
+    With data parallelism the group spans `replicas` identical copies of every gradient (after
+    their dp all-reduce): each counts 1/replicas, so one all-reduce over the world gives the
+    norm of one model.  A non-finite norm (fp16 overflow on any rank) is returned unclipped.
 
     Returns:
         (total norm before clipping, the all-reduced `extra`).
@@ -128,10 +148,11 @@ def clip_grad_norm_global(
     counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     device = extra.device
     local = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), dtype=torch.float64)
+    local = local / replicas if replicas > 1 else local
     packed = torch.cat([local.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
     dist.all_reduce(packed, group=group)
     total = float(packed[0].sqrt())
-    if max_norm > 0:
+    if max_norm > 0 and math.isfinite(total):
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for g in grads:
@@ -154,6 +175,8 @@ class Trainer:
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0
         self.dp, self.pp = check_config(cfg, self.world_size)
+        self.mesh = build_mesh(self.dp, self.pp, device)
+        self.pp_rank = self.mesh.pp_rank
         self.dtype = getattr(torch, cfg.train.dtype)
         self.spec: ModelSpec = instantiate(cfg.model)
         self.m = cfg.pipeline.num_microbatches
@@ -162,15 +185,17 @@ class Trainer:
             cfg.schedule.path, cfg.pipeline.stage_to_rank,
         )
         self.batches = build_batches(cfg.data, cfg.model)
-        sample = split_microbatches(self.batches.train.get(0)[0], self.m)[0]
+        sample = split_microbatches(shard(self.batches.train.get(0), 0, self.dp)[0], self.m)[0]
         self.layout = choose_layout(self.spec, self.schedule, cfg.pipeline, sample, device, self.dtype)
         self.ranges = self.layout.ranges
-        self.stages = build_stages(self.spec, self.ranges, self.schedule.stages_of(self.rank), device, self.dtype)
-        comm = P2PComm(None, device, cfg.comm.timeout_s)
+        self.stages = build_stages(self.spec, self.ranges, self.schedule.stages_of(self.pp_rank), device, self.dtype)
+        configure_stages(self.stages.values(), cfg.train.precision, cfg.pipeline.checkpoint_activations)
+        self.scaler = LossScaler(cfg.train.precision == "fp16")
+        comm = P2PComm(self.mesh.pp_group, device, cfg.comm.timeout_s)
         comm.warmup()
         self.tied = TiedWeights(
             self.spec, self.ranges, self.schedule.stage_to_rank, layers_by_index(self.stages, self.ranges),
-            [comm.global_rank(r) for r in range(comm.size)], comm.rank,
+            [comm.global_rank(r) for r in range(comm.size)], comm.rank, self.mesh.replicas,
         )
         self.tied.sync_initial_values()
         self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
@@ -200,9 +225,17 @@ class Trainer:
         """The schedule, its predicted bubble and the partition table (see pipeflow.layout)."""
         return describe_layout(self.layout, self.spec, self.schedule)
 
-    def _microbatches(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[list[Tensors] | None, list[torch.Tensor] | None]:
-        x, y = batch
+    def _local_batch(self, source: Any, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This dp rank's shard of batch `step`; None on ranks without the first or last stage."""
+        if 0 not in self.stages and self.schedule.num_stages - 1 not in self.stages:
+            return None
+        return shard(source.get(step), self.mesh.dp_rank, self.dp)
+
+    def _microbatches(self, batch: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[list[Tensors] | None, list[torch.Tensor] | None]:
         inputs = targets = None
+        if batch is None:
+            return inputs, targets
+        x, y = batch
         if 0 in self.stages:
             xs = x.to(self.device)
             xs = xs.to(self.dtype) if xs.is_floating_point() else xs
@@ -211,30 +244,56 @@ class Trainer:
             targets = split_microbatches(y.to(self.device), self.m)
         return inputs, targets
 
+    def forward_backward(self, step: int) -> tuple[float, float]:
+        """Gradients of batch `step`, reduced over ties and dp, unscaled and clipped, left in
+        ``p.grad``; returns (loss, grad norm before clipping), the same on every rank.
+
+        A non-finite norm means an inf/nan gradient somewhere (fp16 overflow).
+        """
+        inputs, targets = self._microbatches(self._local_batch(self.batches.train, step))
+        for stage in self.stages.values():
+            stage.grad_scale = self.scaler.scale
+        loss = self.pipeline.run(inputs, targets)
+        extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
+        self.tied.reduce_grads()
+        all_reduce_grads(self.params, self.mesh.dp_group, self.dp)
+        self.scaler.unscale_(self.params)
+        norm, reduced = clip_grad_norm_global(
+            self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(), replicas=self.dp
+        )
+        return float(reduced[0]), norm
+
     def train_step(self, step: int) -> tuple[float, float]:
-        """One optimizer step on batch `step`; returns (loss, grad norm before clipping) on every rank."""
+        """One optimizer step on batch `step`; returns (loss, grad norm before clipping) on every rank.
+
+        With fp16, a step whose gradients overflowed on any rank is skipped on every rank (the
+        norm that says so is all-reduced) and the loss scale halves.
+        """
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, targets = self._microbatches(self.batches.train.get(step))
-        loss = self.pipeline.run(inputs, targets)
-        extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1)
-        self.tied.reduce_grads()
-        norm, reduced = clip_grad_norm_global(self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates())
-        self.optimizer.step()
+        loss, norm = self.forward_backward(step)
+        overflow = self.scaler.enabled and not math.isfinite(norm)
+        if overflow:
+            if self.is_main:
+                log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f",
+                            step, self.scaler.scale, self.scaler.scale * self.scaler.backoff_factor)
+        else:
+            self.optimizer.step()
+        self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
-        return float(reduced[0]), norm
+        return loss, norm
 
     def evaluate(self) -> float:
         """Mean loss over ``train.eval_batches`` held-out batches (forward only)."""
         total = torch.zeros(1, device=self.device, dtype=torch.float64)
         for k in range(self.cfg.train.eval_batches):
-            inputs, targets = self._microbatches(self.batches.val.get(k))
+            inputs, targets = self._microbatches(self._local_batch(self.batches.val, k))
             loss = self.pipeline.eval(inputs, targets)
             if loss is not None:
                 total += loss.double()
-        dist.all_reduce(total)
-        return float(total) / self.cfg.train.eval_batches
+        dist.all_reduce(total)  # the last stage of every replica holds its shard's mean loss
+        return float(total) / (self.cfg.train.eval_batches * self.dp)
 
     def fit(self) -> dict[str, Any]:
         """Train for ``train.max_steps`` steps; returns first/last loss, final held-out loss and the

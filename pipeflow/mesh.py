@@ -1,0 +1,115 @@
+"""The 2-D process mesh (data parallel x pipeline parallel) and the data-parallel gradient reduction.
+
+Global rank g sits at mesh coordinate (d, r) = divmod(g, pp): the ranks of one pipeline are
+consecutive (pipeline rank r of replica d is global rank d * pp + r), and the dp group of a
+pipeline rank holds the same stages in every replica.  Put the pipeline inside a node when
+pp <= GPUs per node (its P2P traffic is the chattiest); across nodes the dp all-reduce runs
+once per step.
+
+Why not DDP: DDP reduces from autograd's AccumulateGrad hooks and expects one forward then one
+backward through the wrapped module.  A pipeline runs many micro-batch forwards before their
+backwards, and split-backward schedules (ZB-H1, ZB-V, DualPipeV) compute weight gradients with
+``torch.autograd.grad`` and assign ``p.grad`` themselves, which fires no DDP hook at all.  So
+the gradients of every stage are reduced here, once per step after the pipeline flush, in
+flattened buckets with asynchronous ``all_reduce`` calls all posted before the first wait.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the dp x pp mesh.
+
+    Attributes:
+        dp, pp: the mesh shape.
+        dp_rank, pp_rank: this rank's coordinates.
+        pp_group: the process group of this rank's pipeline (P2P runs inside it).
+        dp_group: the ranks holding the same stages in every replica (gradient all-reduce).
+        replicas: ``replicas[d][r]``, the global rank of pipeline rank r in replica d.
+        device_mesh: torch's DeviceMesh (None for a 1 x 1 mesh).
+    """
+
+    dp: int
+    pp: int
+    dp_rank: int
+    pp_rank: int
+    pp_group: Any
+    dp_group: Any
+    replicas: list[list[int]]
+    device_mesh: DeviceMesh | None
+
+    @property
+    def pipeline_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline, by pipeline rank."""
+        return self.replicas[self.dp_rank]
+
+
+def build_mesh(dp: int, pp: int, device: torch.device) -> Mesh:
+    """Build the (dp, pp) mesh over the default process group (collective: every rank calls it).
+
+    Args:
+        dp: data-parallel degree.
+        pp: pipeline degree; dp * pp must equal the world size (checked by config.check_config).
+        device: this rank's device (its type names the mesh's device type).
+    """
+    rank = dist.get_rank()
+    dp_rank, pp_rank = divmod(rank, pp)
+    replicas = [[d * pp + r for r in range(pp)] for d in range(dp)]
+    if dp * pp == 1:
+        return Mesh(1, 1, 0, 0, None, None, replicas, None)
+    device_mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    return Mesh(
+        dp, pp, dp_rank, pp_rank, device_mesh.get_group("pp"), device_mesh.get_group("dp"), replicas, device_mesh
+    )
+
+
+def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
+    """Consecutive parameters grouped by dtype and device, each group under `bucket_bytes`."""
+    buckets: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in params:
+        last = buckets[-1] if buckets else None
+        fits = last is not None and last[0].dtype == p.dtype and last[0].device == p.device
+        if not fits or size + p.numel() * p.element_size() > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    return buckets
+
+
+def all_reduce_grads(
+    params: list[torch.nn.Parameter], group: Any, world: int, bucket_bytes: int = BUCKET_BYTES
+) -> None:
+    """Average the gradients of `params` over the data-parallel `group` of `world` ranks.
+
+    Every replica of a stage holds the same parameters in the same order, so the flattened
+    buckets line up.  A missing gradient counts as zeros (and becomes a zero tensor), so the
+    collective stays matched whatever a replica computed.
+    """
+    if world == 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    pending = []
+    for bucket in _buckets(params, bucket_bytes):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    for bucket, flat, work in pending:
+        work.wait()
+        flat.div_(world)
+        offset = 0
+        for p in bucket:
+            n = p.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n

@@ -1,0 +1,167 @@
+"""Cases run inside every rank of a gloo group (see mp_harness): the Trainer on a dp x pp mesh
+against the unsplit model on the global batch, mixed precision, activation checkpointing.
+
+Each case builds a real Trainer from a config (the code path of ``train.py``) and, in the same
+process, the unsplit reference model trained on the same global batches with the same lr
+schedule, clipping and AdamW.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from pipeflow.config import Config, GPTModelConfig
+from pipeflow.models.spec import run_layers
+from pipeflow.tied import tie_in_place
+from pipeflow.trainer import Trainer, build_batches, lr_at, unique_parameters
+
+BATCH = 24
+
+
+def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected|."""
+    scale = expected.abs().max().item()
+    err = (actual.to(expected.dtype) - expected).abs().max().item()
+    return err / scale if scale > 0 else err
+
+
+def make_config(dp: int, schedule: str = "1f1b", m: int = 2, **train: Any) -> Any:
+    """A small tied GPT on Markov data, float64, no profiling; `train` overrides any section
+    as ``section__key=value`` (e.g. ``optim__grad_clip=0.05``)."""
+    cfg = OmegaConf.structured(Config(model=GPTModelConfig(
+        vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=True)))
+    cfg.schedule.name = schedule
+    cfg.pipeline.num_microbatches = m
+    cfg.pipeline.profile = False
+    cfg.data.update(vocab_size=32, seq_len=8, batch_size=BATCH, num_tokens=4000)
+    cfg.optim.update(lr=1e-2, warmup_steps=2, grad_clip=0.0)
+    cfg.train.update(dtype="float64", max_steps=3, eval_every=0, eval_batches=1, log_every=100)
+    cfg.parallel.dp = dp
+    for key, value in train.items():
+        section, _, name = key.partition("__")
+        OmegaConf.update(cfg, f"{section}.{name}", value)
+    if cfg.train.run_dir is None:
+        box = [tempfile.mkdtemp(prefix="pipeflow-scale-") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        cfg.train.run_dir = box[0]
+    return cfg
+
+
+class Reference:
+    """The unsplit model trained as the Trainer would train one process on the whole batch."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.spec = instantiate(cfg.model)
+        self.layers = self.spec.build_all(dtype=getattr(torch, cfg.train.dtype))
+        tie_in_place(self.spec, dict(enumerate(self.layers)))
+        self.params = unique_parameters(layer.parameters() for layer in self.layers)
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        self.batches = build_batches(cfg.data, cfg.model)
+
+    def grads(self, step: int) -> float:
+        """Loss and (clipped) grads of batch `step`; returns the loss."""
+        x, y = self.batches.train.get(step)
+        loss = self.spec.loss_fn(run_layers(self.layers, x), y)
+        loss.backward()
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
+        return float(loss)
+
+    def step(self, step: int) -> None:
+        """The optimizer step with the lr schedule's value for `step`."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def pairs(trainer: Trainer, reference: Reference) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    """(pipelined parameter, the same parameter of the unsplit model) for this rank's layers."""
+    return [
+        (mine, ref)
+        for s, stage in trainer.stages.items()
+        for layer, idx in zip(stage.module, trainer.ranges[s])
+        for mine, ref in zip(layer.parameters(), reference.layers[idx].parameters())
+    ]
+
+
+def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, **overrides: Any) -> dict[str, float]:
+    """Train `steps` steps on the dp x pp mesh and unsplit; worst relative differences of loss,
+    every gradient (after dp reduction and clipping) and every parameter."""
+    cfg = make_config(dp, schedule, m, **overrides)
+    trainer, reference = Trainer(cfg, torch.device("cpu")), Reference(cfg)
+    both = pairs(trainer, reference)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0}
+    for step in range(steps):
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg.optim, cfg.train.max_steps)
+        loss, norm = trainer.forward_backward(step)
+        ref_loss = reference.grads(step)
+        worst["norm"] = max(worst["norm"], norm)
+        worst["loss"] = max(worst["loss"], abs(loss - ref_loss) / abs(ref_loss))
+        worst["grad"] = max([worst["grad"]] + [rel_diff(a.grad, b.grad) for a, b in both])
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        reference.step(step)
+        worst["param"] = max([worst["param"]] + [rel_diff(a.detach(), b.detach()) for a, b in both])
+    return worst
+
+
+def precision_vs_fp32(precision: str, dp: int = 1, schedule: str = "1f1b") -> dict[str, float]:
+    """Gradients of one step under `precision` against fp32 (float32 weights), and the dtype of
+    what crossed the stage boundary."""
+    out: dict[str, Any] = {}
+    grads = {}
+    for prec in ("fp32", precision):
+        cfg = make_config(dp, schedule, 2, train__dtype="float32", train__precision=prec)
+        trainer = Trainer(cfg, torch.device("cpu"))
+        trainer.forward_backward(0)
+        grads[prec] = [p.grad.clone() for p in trainer.params]
+        out[f"edge_dtypes_{prec}"] = sorted({str(m.dtype) for metas in trainer.pipeline._edge_meta.values() for m in metas})
+    out["grad"] = max(rel_diff(a, b) for a, b in zip(grads[precision], grads["fp32"]))
+    return out
+
+
+def precision_trains(precision: str, steps: int = 30) -> dict[str, float]:
+    """The loss falls under `precision` (float32 master weights)."""
+    cfg = make_config(1, "1f1b", 2, train__dtype="float32", train__precision=precision, train__max_steps=steps,
+                      optim__lr=3e-2, optim__grad_clip=1.0)
+    trainer = Trainer(cfg, torch.device("cpu"))
+    losses = [trainer.train_step(step)[0] for step in range(steps)]
+    return {"first": sum(losses[:3]) / 3, "last": sum(losses[-3:]) / 3,
+            "dtypes": sorted({str(p.dtype) for p in trainer.params})}
+
+
+def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1) -> dict[str, Any]:
+    """An inf in one stage's gradient at step 0 skips the step on every rank; step 1 then runs."""
+    cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
+                      train__dtype="float32", train__precision="fp16")
+    trainer = Trainer(cfg, torch.device("cpu"))
+    run = trainer.pipeline.run
+
+    def poisoned(inputs: Any, targets: Any) -> Any:
+        loss = run(inputs, targets)
+        if poisoned.armed and trainer.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:
+            trainer.params[0].grad.view(-1)[0] = float("inf")
+        return loss
+
+    poisoned.armed = True
+    trainer.pipeline.run = poisoned
+    before = [p.detach().clone() for p in trainer.params]
+    scale0 = trainer.scaler.scale
+    _, norm0 = trainer.train_step(0)
+    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
+    scale1 = trainer.scaler.scale
+    poisoned.armed = False
+    _, norm1 = trainer.train_step(1)
+    changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
+    return {"skipped": unchanged, "finite0": math.isfinite(norm0), "scale_ratio": scale1 / scale0,
+            "stepped_after": changed, "finite1": math.isfinite(norm1)}

@@ -1,0 +1,88 @@
+"""Scale-out on 4 gloo processes: the dp x pp mesh equals the unsplit model on the global batch
+(float64), global clipping, mixed precision, activation checkpointing, checkpoints.
+
+All cases run inside one process group (tests/mp_harness.py); each builds a real Trainer.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import scale_cases as cases
+from mp_harness import CaseResult, run_cases
+
+TOLERANCE = 1e-9
+CLIP = 0.05
+WORLD = 4
+
+EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
+    "dp2xpp2-1f1b": (2, "1f1b", 2, {}),
+    "dp2xpp2-zb_h1": (2, "zb_h1", 2, {}),
+    "dp4xpp1": (4, "1f1b", 1, {}),
+    "dp1xpp4-gpipe": (1, "gpipe", 3, {}),
+    "dp2xpp2-clipped": (2, "1f1b", 2, {"optim__grad_clip": CLIP}),
+    "dp1xpp4-clipped": (1, "1f1b", 2, {"optim__grad_clip": CLIP}),
+    "dp2xpp2-actckpt": (2, "1f1b", 2, {"pipeline__checkpoint_activations": True}),
+    "dp1xpp4-zb_h1-actckpt": (1, "zb_h1", 2, {"pipeline__checkpoint_activations": True}),
+    "dp2xpp2-zb_h1-actckpt2": (2, "zb_h1", 2, {"pipeline__checkpoint_activations": 2}),
+}
+
+
+def _cases() -> list[tuple[str, object]]:
+    eq = [
+        (name, functools.partial(cases.dp_equivalence, dp, schedule, m, **overrides))
+        for name, (dp, schedule, m, overrides) in EQUIVALENCE.items()
+    ]
+    return eq + [
+        ("bf16-vs-fp32", functools.partial(cases.precision_vs_fp32, "bf16", 2)),
+        ("fp16-vs-fp32", functools.partial(cases.precision_vs_fp32, "fp16", 1)),
+        ("bf16-trains", functools.partial(cases.precision_trains, "bf16")),
+        ("fp16-overflow", cases.fp16_overflow_skips_everywhere),
+    ]
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, list[CaseResult]]:
+    return run_cases(WORLD, _cases())
+
+
+def _values(results: list[CaseResult]) -> list:
+    errors = [f"rank {r}: {res.error}" for r, res in enumerate(results) if res.error is not None]
+    assert not errors, "\n".join(errors)
+    return [res.value for res in results]
+
+
+@pytest.mark.parametrize("name", list(EQUIVALENCE))
+def test_mesh_training_equals_unsplit_model_on_global_batch(world, name: str) -> None:
+    values = _values(world[name])
+    assert all(v["params_compared"] > 0 for v in values)
+    if "clipped" in name:  # the clip must bite, or the test proves nothing
+        assert all(v["norm"] > 2 * CLIP for v in values)
+    for rank, v in enumerate(values):
+        for key in ("loss", "grad", "param"):
+            assert v[key] <= TOLERANCE, f"{name} rank {rank}: {key} differs by {v[key]:.3e}"
+
+
+@pytest.mark.parametrize("precision,tolerance", [("bf16", 0.05), ("fp16", 0.01)])
+def test_half_precision_gradients_agree_with_fp32_and_travel_in_half(world, precision: str, tolerance: float) -> None:
+    half = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+    for rank, v in enumerate(_values(world[f"{precision}-vs-fp32"])):
+        assert v["grad"] < tolerance, f"rank {rank}: {precision} grads differ from fp32 by {v['grad']:.3e}"
+        assert v["grad"] > 0  # autocast really ran
+        assert v["edge_dtypes_fp32"] == ["torch.float32"]
+        if v[f"edge_dtypes_{precision}"]:  # ranks that send or receive activations
+            assert v[f"edge_dtypes_{precision}"] == [half]
+
+
+def test_bf16_training_lowers_the_loss_with_fp32_master_weights(world) -> None:
+    for v in _values(world["bf16-trains"]):
+        assert v["last"] < v["first"] - 0.3, v
+        assert v["dtypes"] == ["torch.float32"]
+
+
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_rank(world) -> None:
+    for rank, v in enumerate(_values(world["fp16-overflow"])):
+        assert v["skipped"] and not v["finite0"], f"rank {rank}: {v}"
+        assert v["scale_ratio"] == 0.5
+        assert v["stepped_after"] and v["finite1"], f"rank {rank}: {v}"
