@@ -16,6 +16,7 @@ import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from pipeflow import guard
 from pipeflow.config import register_configs
 from pipeflow.console import setup_logging
 from pipeflow.distributed import choose_device, init_distributed
@@ -26,20 +27,18 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    """Set up the process group, train, and always tear the group down."""
+    """Set up the process group, train, tear the group down; on any failure exit 1 at once (guard.fail)."""
     backend, device = choose_device(cfg.dist.backend, cfg.dist.device)
-    init_distributed(backend, device)
+    init_distributed(backend, device, cfg.comm.first_step_timeout_s)  # a deadline on every collective
     setup_logging(dist.get_rank())
     try:
         Trainer(cfg, device).fit()
         # Tear down only once every rank is done: destroying a gloo group while a peer
         # still talks to it aborts that peer ("terminate called without an active exception").
         dist.barrier()
-    except Exception:
-        logging.getLogger("pipeflow").exception("rank %d failed", dist.get_rank())
-        raise
-    finally:
-        dist.destroy_process_group()
+    except Exception as exc:
+        guard.fail(exc, dist.get_rank())  # logs, names the job's first failure, exits 1 at once
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ class P2PComm:
         where = f"pipeline rank {self.rank} (global rank {self._global[self.rank]})"
         if "timed out" in text.lower() or "timeout" in text.lower():
             return PipelineTimeoutError(
-                f"{where}: no progress within comm.timeout_s={deadline} s while waiting to {what}. "
+                f"{where}: no progress within {deadline} s (comm.timeout_s; comm.first_step_timeout_s in the first step) while waiting to {what}. "
                 f"A peer is stuck, dead or running a different program; raise comm.timeout_s if "
                 f"the step is just slow. Backend said: {text.splitlines()[0] if text else ''}"
             )

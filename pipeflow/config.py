@@ -5,11 +5,12 @@ defaults), so a typo in an override (``pipeline.num_microbatch=4``) fails at onc
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from pipeflow.errors import ConfigError
 
@@ -254,4 +255,53 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
     checkpoint_every(cfg.pipeline.checkpoint_activations)
     if cfg.train.save_every < 0:
         raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0: never save)")
+    check_comm(cfg.comm)
+    check_paths(cfg)
+    backend = OmegaConf.select(cfg, "dist.backend")
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(f"dist.backend={backend!r} is unknown; valid: {', '.join(BACKENDS)} (or null: automatic)")
     return dp, pp
+
+
+BACKENDS = ("nccl", "gloo", "mpi", "ucc")
+RESUME_WORDS = ("auto", "none", "never", "latest", "")  # train.resume values that are not paths
+
+
+def check_comm(comm: Any) -> None:
+    """Deadlines must be positive, and the first step's at least the steady one.
+
+    Raises:
+        ConfigError: naming the key and a value that works.
+    """
+    if not comm.timeout_s > 0:
+        raise ConfigError(f"comm.timeout_s={comm.timeout_s} must be > 0 seconds (default 300)")
+    if comm.first_step_timeout_s < comm.timeout_s:
+        raise ConfigError(
+            f"comm.first_step_timeout_s={comm.first_step_timeout_s} is shorter than "
+            f"comm.timeout_s={comm.timeout_s}; the first step (shape negotiation, lazy start-up) "
+            f"needs the longer deadline: set comm.first_step_timeout_s>={comm.timeout_s}"
+        )
+
+
+def check_paths(cfg: Any) -> None:
+    """The files the config names must exist: data.path (data=text), schedule.path
+    (schedule=custom), train.resume (when it is a path).
+
+    Raises:
+        ConfigError: naming the key, the path, and what to set instead.
+    """
+    data_path = OmegaConf.select(cfg, "data.path")
+    if cfg.data.name == "text" and data_path is not None and not os.path.isfile(data_path):
+        raise ConfigError(f"data.path={data_path!r} is not a file; point data.path at a local text file")
+    schedule_path = OmegaConf.select(cfg, "schedule.path")
+    if cfg.schedule.name == "custom" and schedule_path is not None and not os.path.isfile(schedule_path):
+        raise ConfigError(
+            f"schedule.path={schedule_path!r} is not a file; schedule=custom needs a file of actions "
+            f"per rank (see pipeflow/schedules/custom.py)"
+        )
+    resume = OmegaConf.select(cfg, "train.resume", default=None)
+    if isinstance(resume, str) and resume.lower() not in RESUME_WORDS and not os.path.exists(resume):
+        raise ConfigError(
+            f"train.resume={resume!r} does not exist; give an existing checkpoint, "
+            f"train.resume=auto (the last good checkpoint of the run directory) or leave it unset"
+        )

@@ -47,3 +47,11 @@ class ShapeMismatchError(PipeflowError, RuntimeError):
 
 class StageError(PipeflowError, RuntimeError):
     """A user's layer raised inside a stage; the message names rank, stage, micro-batch, action."""
+
+
+class ConfigMismatchError(ConfigError):
+    """Ranks were started with different configs; the message lists each differing key per rank."""
+
+
+class StageOutOfMemoryError(StageError):
+    """A stage ran out of device memory; the message gives memory figures and the knobs to turn."""

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.comm import META_LEN, P2PComm, TensorMeta, encode_metas
-from pipeflow.errors import PipeflowError, ScheduleError, ShapeMismatchError, StageError
+from pipeflow import guard
+from pipeflow.errors import CommError, PipeflowError, ScheduleError, ShapeMismatchError
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
@@ -204,7 +205,10 @@ class Pipeline:
         events, clock = self.events, time.perf_counter
         for k, step in enumerate(program):
             t0 = clock()
-            landed = self._communicate(k, step, outbox)
+            try:
+                landed = self._communicate(k, step, outbox)
+            except CommError as exc:  # say what this rank had done before it got stuck
+                raise guard.with_progress(exc, program, k)
             for op, tensors in landed:
                 inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
             if events is not None and step.ops:
@@ -286,10 +290,8 @@ class Pipeline:
         except PipeflowError:
             raise
         except Exception as exc:  # a user's layer failed: say where
-            raise StageError(
-                f"pipeline rank {self.rank}, stage {s}, micro-batch {i}, action {action}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+            where = f"pipeline rank {self.rank}, stage {s}, micro-batch {i}, action {action}"
+            raise guard.stage_failure(exc, where, self.stages, self.comm.device) from exc
 
     def _deliver(
         self, payload: str, i: int, src: int, dst: int, tensors: Tensors, inbox: dict[Key, Tensors], outbox: dict[Key, Tensors]

@@ -18,9 +18,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow import data as datasets
+from pipeflow import guard
 from pipeflow.comm import P2PComm
 from pipeflow.config import check_config
 from pipeflow.errors import ConfigError
+from pipeflow.faults import install_from_env
 from pipeflow.models.spec import ModelSpec
 from pipeflow.layout import choose_layout, describe_layout
 from pipeflow.mesh import all_reduce_grads, build_mesh
@@ -174,6 +176,7 @@ class Trainer:
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
         self.is_main = self.rank == 0
+        self.config_hash = guard.check_same_config(cfg)  # before anything a rank could disagree on
         self.dp, self.pp = check_config(cfg, self.world_size)
         self.mesh = build_mesh(self.dp, self.pp, device)
         self.pp_rank = self.mesh.pp_rank
@@ -188,17 +191,21 @@ class Trainer:
         sample = split_microbatches(shard(self.batches.train.get(0), 0, self.dp)[0], self.m)[0]
         self.layout = choose_layout(self.spec, self.schedule, cfg.pipeline, sample, device, self.dtype)
         self.ranges = self.layout.ranges
+        guard.check_same_program(self.schedule, self.ranges)
         self.stages = build_stages(self.spec, self.ranges, self.schedule.stages_of(self.pp_rank), device, self.dtype)
         configure_stages(self.stages.values(), cfg.train.precision, cfg.pipeline.checkpoint_activations)
         self.scaler = LossScaler(cfg.train.precision == "fp16")
-        comm = P2PComm(self.mesh.pp_group, device, cfg.comm.timeout_s)
-        comm.warmup()
+        comm = P2PComm(self.mesh.pp_group, device, cfg.comm.first_step_timeout_s)
+        comm.warmup()  # ranks may still be building their stages: the first-step deadline
+        comm.timeout_s = cfg.comm.timeout_s
         self.tied = TiedWeights(
             self.spec, self.ranges, self.schedule.stage_to_rank, layers_by_index(self.stages, self.ranges),
             [comm.global_rank(r) for r in range(comm.size)], comm.rank, self.mesh.replicas,
         )
         self.tied.sync_initial_values()
         self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
+        self.faults = install_from_env(self.stages, self.rank)  # PIPEFLOW_FAULT_INJECT (tests)
+        self._first_step_done = False
         self.params = unique_parameters(st.parameters() for st in self.stages.values())
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
@@ -272,7 +279,10 @@ class Trainer:
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss, norm = self.forward_backward(step)
+        if self.faults is not None:
+            self.faults.step = step
+        with guard.context(f"training step {step}"):
+            loss, norm = self.forward_backward(step)
         overflow = self.scaler.enabled and not math.isfinite(norm)
         if overflow:
             if self.is_main:
@@ -282,6 +292,9 @@ class Trainer:
             self.optimizer.step()
         self.scaler.update(overflow)
         self.optimizer.zero_grad(set_to_none=True)
+        if not self._first_step_done:  # later collectives get the steady-state deadline
+            guard.set_collective_timeout(self.cfg.comm.timeout_s)
+            self._first_step_done = True
         return loss, norm
 
     def evaluate(self) -> float:

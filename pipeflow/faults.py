@@ -1,0 +1,132 @@
+"""Fault injection for tests and drills: ``PIPEFLOW_FAULT_INJECT=<kind>:rank=R:step=K[:microbatch=I][:stage=S]``.
+
+The variable is read in one place (:func:`install_from_env`, called by the Trainer); unset,
+nothing is installed.  On global rank R, the forward of micro-batch I (default 0) of training
+step K on this rank's first stage (or stage S) then:
+
+=========  =====================================================================
+stall      sleeps for an hour (a rank hung inside forward)
+raise      raises RuntimeError (an exception in a user's layer)
+kill       sends itself SIGKILL (a process that dies mid-step)
+oom        raises torch.OutOfMemoryError (CUDA out of memory)
+shape      returns outputs whose first dimension is halved
+dtype      returns outputs in another floating dtype
+=========  =====================================================================
+
+Each injection prints ``[pipeflow fault injection] ... t=<unix time>`` to stderr first, so a
+test can measure how long the job took to stop.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pipeflow.errors import ConfigError
+
+ENV_VAR = "PIPEFLOW_FAULT_INJECT"
+KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype")
+STALL_S = 3600.0
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """Which fault to inject, where and when."""
+
+    kind: str
+    rank: int
+    step: int
+    microbatch: int = 0
+    stage: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        """Parse ``kind:rank=R:step=K[:microbatch=I][:stage=S]``.
+
+        Raises:
+            ConfigError: an unknown kind or field, or a missing rank or step.
+        """
+        kind, *fields = text.strip().split(":")
+        if kind not in KINDS:
+            raise ConfigError(f"{ENV_VAR}={text!r}: unknown fault {kind!r}; valid: {', '.join(KINDS)}")
+        values: dict[str, int] = {}
+        for field in fields:
+            key, _, value = field.partition("=")
+            if key not in ("rank", "step", "microbatch", "stage") or not value.lstrip("-").isdigit():
+                raise ConfigError(f"{ENV_VAR}={text!r}: cannot read {field!r}; expected rank=R, step=K, microbatch=I or stage=S")
+            values[key] = int(value)
+        if "rank" not in values or "step" not in values:
+            raise ConfigError(f"{ENV_VAR}={text!r}: needs rank=R and step=K, e.g. stall:rank=1:step=2")
+        return cls(kind, **values)
+
+
+class FaultInjector:
+    """Wraps the forward of one stage so that it fails as `spec` says; the Trainer sets `step`."""
+
+    def __init__(self, spec: FaultSpec, rank: int) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.step: int | None = None  # the training step now running (None: not training)
+
+    def install(self, stages: dict[int, Any]) -> None:
+        """Wrap the target stage's ``forward`` (this rank's first stage unless `spec.stage`)."""
+        target = self.spec.stage if self.spec.stage is not None else min(stages)
+        if target in stages:
+            self._wrap(stages[target])
+
+    def _wrap(self, stage: Any) -> None:
+        original = stage.forward
+
+        def forward(i: int, inputs: Any, target: Any = None, loss_scale: float = 1.0, keep_for_backward: bool = True) -> Any:
+            hit = keep_for_backward and self.step == self.spec.step and i == self.spec.microbatch
+            if hit:
+                self._before(stage.index, i)
+            outputs = original(i, inputs, target, loss_scale, keep_for_backward=keep_for_backward)
+            return self._corrupt(outputs) if hit else outputs
+
+        stage.forward = forward
+
+    def _announce(self, stage: int, i: int) -> None:
+        print(
+            f"[pipeflow fault injection] rank {self.rank}: {self.spec.kind} at training step {self.step}, "
+            f"stage {stage}, micro-batch {i}, t={time.time():.3f}",
+            file=sys.stderr, flush=True,
+        )
+
+    def _before(self, stage: int, i: int) -> None:
+        self._announce(stage, i)
+        kind = self.spec.kind
+        if kind == "stall":
+            time.sleep(STALL_S)
+        elif kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif kind == "raise":
+            raise RuntimeError(f"injected failure in a layer ({ENV_VAR})")
+        elif kind == "oom":
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected by {ENV_VAR})")
+
+    def _corrupt(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if self.spec.kind == "shape":
+            return tuple(t[: max(1, t.shape[0] // 2)] if t.dim() else t for t in outputs)
+        if self.spec.kind == "dtype":
+            return tuple(t.to(torch.float32 if t.dtype == torch.float64 else torch.float64) for t in outputs)
+        return outputs
+
+
+def install_from_env(stages: dict[int, Any], rank: int) -> FaultInjector | None:
+    """The injector described by ``PIPEFLOW_FAULT_INJECT``, installed on `stages` when it targets
+    `rank`; None when the variable is unset or names another rank."""
+    text = os.environ.get(ENV_VAR)
+    if not text:
+        return None
+    spec = FaultSpec.parse(text)
+    if spec.rank != rank:
+        return None
+    injector = FaultInjector(spec, rank)
+    injector.install(stages)
+    return injector

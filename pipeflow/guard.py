@@ -1,0 +1,295 @@
+"""Guards around a run: every rank starts from the same config and pipeline, a failure inside a
+stage or a transfer says where it happened, and a failed rank reports the job's first failure and
+leaves at once instead of hanging.
+
+* :func:`check_same_config` / :func:`check_same_program`: one small all-gather each at start-up.
+* :func:`stage_failure`: a user's layer that raised (or ran out of memory) becomes a
+  :class:`StageError` naming rank, stage, micro-batch and action.
+* :func:`with_progress` / :func:`context`: a failed transfer also says what this rank had
+  already done and during which training step.
+* :func:`fail`: log, record the first failure in the rendezvous store, ``os._exit(1)``.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from pipeflow.errors import (
+    ConfigError,
+    ConfigMismatchError,
+    PipeflowError,
+    ScheduleError,
+    StageError,
+    StageOutOfMemoryError,
+)
+
+log = logging.getLogger("pipeflow")
+
+FAILURE_COUNT_KEY = "pipeflow/failures"
+FIRST_FAILURE_KEY = "pipeflow/first_failure"
+MAX_LISTED_KEYS = 20
+OOM_HINTS = (
+    "To fit: use smaller micro-batches (more pipeline.num_microbatches for the same data.batch_size), "
+    "turn on activation checkpointing, pick a schedule that keeps fewer micro-batches in flight "
+    "(1f1b or zb_h1 rather than gpipe), or move layers off this stage (pipeline.balance=memory, "
+    "pipeline.split_points). If much more is reserved than allocated, try "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True."
+)
+
+
+# ------------------------------------------------------------------------ config agreement
+def flatten_config(cfg: Any) -> dict[str, Any]:
+    """The resolved config as ``{"pipeline.num_microbatches": 8, ...}`` (lists stay values)."""
+    tree = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else cfg
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, Mapping) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        else:
+            flat[prefix[:-1]] = node
+
+    walk(tree, "")
+    return flat
+
+
+def config_hash(flat: Mapping[str, Any]) -> str:
+    """A short stable digest of a flattened config."""
+    text = json.dumps(flat, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def config_differences(per_rank: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    """Text listing every key whose value differs between ranks, and which ranks hold which value.
+
+    Args:
+        per_rank: (config hash, flattened config) of every rank, by rank.
+    """
+    keys = sorted(set().union(*(flat.keys() for _, flat in per_rank)))
+    lines = []
+    for key in keys:
+        holders: dict[str, list[int]] = {}
+        for rank, (_, flat) in enumerate(per_rank):
+            value = json.dumps(flat[key], default=str) if key in flat else "(absent)"
+            holders.setdefault(value, []).append(rank)
+        if len(holders) > 1:
+            lines.append(f"  {key}: " + "; ".join(f"{value} on {_ranks(r)}" for value, r in holders.items()))
+    shown = lines[:MAX_LISTED_KEYS] + ([f"  ... and {len(lines) - MAX_LISTED_KEYS} more keys"] if len(lines) > MAX_LISTED_KEYS else [])
+    by_hash: dict[str, list[int]] = {}
+    for rank, (digest, _) in enumerate(per_rank):
+        by_hash.setdefault(digest, []).append(rank)
+    hashes = "; ".join(f"{digest} on {_ranks(r)}" for digest, r in by_hash.items())
+    return "\n".join([f"config hashes: {hashes}", *shown])
+
+
+def check_same_config(cfg: Any, group: dist.ProcessGroup | None = None) -> str:
+    """Check that every rank of `group` resolved the same config (one all-gather); returns its hash.
+
+    Raises:
+        ConfigMismatchError: on every rank, listing the differing keys and each rank's value.
+    """
+    flat = flatten_config(cfg)
+    digest = config_hash(flat)
+    size = dist.get_world_size(group)
+    if size == 1:
+        return digest
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, (digest, flat), group=group)
+    if len({d for d, _ in gathered}) > 1:
+        raise ConfigMismatchError(
+            "the ranks were started with different configs; launch every rank with the same "
+            "overrides (and the same config files):\n" + config_differences(gathered)
+        )
+    return digest
+
+
+# ----------------------------------------------------------------------- program agreement
+def program_summary(schedule: Any, ranges: Sequence[range]) -> str:
+    """One line naming what every rank must agree on: schedule, placement, actions, partition."""
+    actions = " | ".join(" ".join(map(str, acts)) for acts in schedule.actions)
+    spans = [(r.start, r.stop) for r in ranges]
+    return (
+        f"schedule {schedule.name} p={schedule.num_ranks} stages={schedule.num_stages} "
+        f"m={schedule.num_microbatches} stage_to_rank={list(schedule.stage_to_rank)} "
+        f"layers per stage={spans} actions: {actions}"
+    )
+
+
+def check_same_program(schedule: Any, ranges: Sequence[range], group: dist.ProcessGroup | None = None) -> str:
+    """Check that every rank built the same schedule and partition (one all-gather); returns its hash.
+
+    Each rank builds them itself (a custom schedule file, profiled balance), so a file that
+    differs between nodes would otherwise give ranks programs that do not pair up.
+
+    Raises:
+        ScheduleError: naming which ranks built which schedule.
+    """
+    summary = program_summary(schedule, ranges)
+    digest = hashlib.sha256(summary.encode()).hexdigest()[:12]
+    size = dist.get_world_size(group)
+    if size == 1:
+        return digest
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, (digest, summary), group=group)
+    if len({d for d, _ in gathered}) > 1:
+        by_digest: dict[str, list[int]] = {}
+        for rank, (d, _) in enumerate(gathered):
+            by_digest.setdefault(d, []).append(rank)
+        listed = "\n".join(f"  {_ranks(r)}: {gathered[r[0]][1][:600]}" for r in by_digest.values())
+        raise ScheduleError(
+            "the ranks built different pipelines, so their programs would not pair up. Is the "
+            "schedule.path file the same on every node? Does the partition depend on a "
+            "per-node measurement?\n" + listed
+        )
+    return digest
+
+
+# ------------------------------------------------------------------------- failure context
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for torch's OutOfMemoryError and allocator RuntimeErrors that say 'out of memory'."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"
+
+
+def memory_report(stages: Mapping[int, Any], device: torch.device) -> str:
+    """Activations held per stage, parameter and gradient bytes, and the device's allocator figures."""
+    held = ", ".join(f"stage {s}: {stage.activations_held()}" for s, stage in sorted(stages.items()))
+    params = [p for stage in stages.values() for p in stage.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    parts = [
+        f"micro-batches whose activations are held for backward: {held}",
+        f"parameters {_gib(param_bytes)}, gradients {_gib(grad_bytes)}",
+    ]
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        allocated = torch.cuda.memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        parts.append(
+            f"{device}: {_gib(allocated)} allocated, of which {_gib(max(0, allocated - param_bytes - grad_bytes))} "
+            f"beyond parameters and gradients (activations, optimizer state, workspaces); "
+            f"{_gib(torch.cuda.memory_reserved(device))} reserved, peak {_gib(torch.cuda.max_memory_allocated(device))}, "
+            f"{_gib(free)} free of {_gib(total)}"
+        )
+    else:
+        parts.append(f"{device}: no allocator figures on this device")
+    return "; ".join(parts)
+
+
+def stage_failure(exc: BaseException, where: str, stages: Mapping[int, Any], device: torch.device) -> StageError:
+    """The error to raise for `exc`, raised by a user's layer at `where` (rank, stage, micro-batch, action).
+
+    Out-of-memory becomes a :class:`StageOutOfMemoryError` with :func:`memory_report` and
+    :data:`OOM_HINTS`; anything else a :class:`StageError`.  Raise it ``from exc``.
+    """
+    first_line = (str(exc).splitlines() or [""])[0]
+    if is_out_of_memory(exc):
+        return StageOutOfMemoryError(
+            f"out of memory at {where}: {type(exc).__name__}: {first_line}\n"
+            f"  memory: {memory_report(stages, device)}\n  {OOM_HINTS}"
+        )
+    return StageError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def progress_note(program: Sequence[Any], position: int, last: int = 4) -> str:
+    """What a rank had done when step `position` of its `program` failed: compute actions before it."""
+    done = [str(step.action) for step in program[:position] if step.action is not None]
+    if not done:
+        return "this rank had not run any action of this pass yet"
+    recent = ", ".join(done[-last:])
+    return f"this rank had completed {position} of {len(program)} program steps of this pass; last actions: {recent}"
+
+
+def with_progress(exc: PipeflowError, program: Sequence[Any], position: int) -> PipeflowError:
+    """`exc` with :func:`progress_note` appended to its message (returned for ``raise``)."""
+    _append(exc, progress_note(program, position))
+    return exc
+
+
+def _append(exc: BaseException, text: str) -> None:
+    head = exc.args[0] if exc.args else ""
+    exc.args = (f"{head}\n  {text}", *exc.args[1:])
+
+
+@contextmanager
+def context(where: str) -> Iterator[None]:
+    """Append ``during <where>`` to any pipeflow error raised inside the block."""
+    try:
+        yield
+    except PipeflowError as exc:
+        _append(exc, f"during {where}")
+        raise
+
+
+def set_collective_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
+    """Set the deadline of later collectives of `group` (after the first step: ``comm.timeout_s``)."""
+    dist.set_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+# ----------------------------------------------------------------------------- failing fast
+def failure_summary(exc: BaseException, rank: int, limit: int = 2000) -> str:
+    """``rank R: Type: message`` (the message cut to `limit` characters)."""
+    text = str(exc)
+    text = text if len(text) <= limit else text[:limit] + " ..."
+    return f"rank {rank}: {type(exc).__name__}: {text}"
+
+
+def record_failure(exc: BaseException, rank: int, store: Any = None, wait_s: float = 2.0) -> str | None:
+    """Record this rank's failure in the rendezvous store; return the first failure if another rank's.
+
+    The first rank to fail writes its summary; the ranks that fail after it (a peer's
+    connection closed, a deadline passed) read it back, so every log names the root cause.
+    Never raises: when the store is unreachable the failure is simply not shared.
+    """
+    try:
+        store = store if store is not None else dist.distributed_c10d._get_default_store()
+        if store.add(FAILURE_COUNT_KEY, 1) == 1:
+            store.set(FIRST_FAILURE_KEY, failure_summary(exc, rank))
+            return None
+        store.wait([FIRST_FAILURE_KEY], datetime.timedelta(seconds=wait_s))
+        return store.get(FIRST_FAILURE_KEY).decode()
+    except Exception:  # noqa: BLE001 - reporting must never hide the real error
+        return None
+
+
+def fail(exc: BaseException, rank: int) -> NoReturn:
+    """Log `exc`, share it as the job's first failure if it is, and end this process with status 1.
+
+    The process group is not torn down: with peers stuck in (or waiting for) a transfer,
+    destroying it can block (NCCL) or abort the peers with an unrelated message (gloo).
+    ``os._exit`` closes this rank's connections, so peers fail fast, and torchrun stops the rest.
+    """
+    first = record_failure(exc, rank)
+    if isinstance(exc, (ConfigError, ScheduleError)):  # the message says everything
+        log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
+    else:
+        log.error("rank %d failed with %s; its traceback ends with the message:", rank, type(exc).__name__, exc_info=exc)
+    if first is not None:
+        log.error("rank %d: the first failure in this job was %s", rank, first)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

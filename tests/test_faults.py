@@ -1,0 +1,340 @@
+"""Failures become named errors, never hangs: config checks, agreement, stage faults, OOM, and
+torchrun jobs with an injected fault (PIPEFLOW_FAULT_INJECT) that must exit non-zero, promptly,
+naming the culprit, with no process left behind."""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+import fault_cases as cases
+from mp_harness import CaseResult, run_cases
+from pipeflow import guard
+from pipeflow.config import check_config
+from pipeflow.errors import ConfigError, StageError, StageOutOfMemoryError
+from pipeflow.faults import FaultSpec
+from pipeflow.schedules import lower, one_f_one_b
+from test_cli import compose_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------ config checks
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["comm.timeout_s=0"], r"comm.timeout_s=0.0 must be > 0"),
+        (["comm.timeout_s=10", "comm.first_step_timeout_s=5"], r"first_step_timeout_s=5.0 is shorter.*>=10.0"),
+        (["data=text", "data.path=/no/such/file.txt"], r"data.path='/no/such/file.txt' is not a file"),
+        (["schedule=custom", "schedule.path=/no/such/schedule.txt"], r"schedule.path='/no/such/schedule.txt' is not a file"),
+        (["dist.backend=ncll"], r"dist.backend='ncll' is unknown; valid: nccl, gloo"),
+    ],
+)
+def test_config_errors_say_what_to_change(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_config(compose_config(*overrides), world_size=2)
+
+
+def _with_resume(value: str):
+    """The default config with ``train.resume`` (a key the checkpoint work adds) set to `value`."""
+    cfg = OmegaConf.create(OmegaConf.to_container(compose_config(), resolve=True))
+    cfg.train.resume = value
+    return cfg
+
+
+def test_resume_must_be_auto_or_an_existing_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train.resume='/no/such/ckpt' does not exist.*train.resume=auto"):
+        check_config(_with_resume("/no/such/ckpt"), world_size=2)
+    assert check_config(_with_resume("auto"), world_size=2) == (1, 2)
+    assert check_config(_with_resume(str(tmp_path)), world_size=2) == (1, 2)
+
+
+def test_existing_paths_pass(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello")
+    assert check_config(compose_config("data=text", f"data.path={text}"), world_size=2) == (1, 2)
+
+
+def test_config_differences_name_keys_values_and_ranks() -> None:
+    base = guard.flatten_config(compose_config())
+    other = guard.flatten_config(compose_config("pipeline.num_microbatches=4", "schedule=gpipe"))
+    assert base["pipeline.num_microbatches"] == 8 and "model.n_layer" in base
+    per_rank = [(guard.config_hash(f), f) for f in (base, other, base)]
+    text = guard.config_differences(per_rank)
+    assert "pipeline.num_microbatches: 8 on ranks 0, 2; 4 on rank 1" in text
+    assert 'schedule.name: "1f1b" on ranks 0, 2; "gpipe" on rank 1' in text
+    assert "model.n_layer" not in text  # equal keys are not listed
+    assert per_rank[0][0] == per_rank[2][0] != per_rank[1][0]
+
+
+# ---------------------------------------------------------------------------- error content
+def test_fault_spec_parses_and_rejects_bad_text() -> None:
+    assert FaultSpec.parse("stall:rank=1:step=2") == FaultSpec("stall", 1, 2)
+    assert FaultSpec.parse("raise:rank=2:step=0:microbatch=3:stage=5") == FaultSpec("raise", 2, 0, 3, 5)
+    with pytest.raises(ConfigError, match="unknown fault 'sleep'; valid: stall, raise"):
+        FaultSpec.parse("sleep:rank=1:step=2")
+    with pytest.raises(ConfigError, match="needs rank=R and step=K"):
+        FaultSpec.parse("kill:rank=1")
+
+
+def test_progress_note_lists_the_last_actions_done() -> None:
+    program = lower(one_f_one_b(2, 4))[1]  # rank 1: every step computes, 1F0 1B0 1F1 1B1 ...
+    assert guard.progress_note(program, 0) == "this rank had not run any action of this pass yet"
+    note = guard.progress_note(program, 5)
+    assert note.startswith(f"this rank had completed 5 of {len(program)} program steps")
+    assert note.endswith("last actions: 1B0, 1F1, 1B1, 1F2")
+
+
+class _FakeStage:
+    def __init__(self, held: int) -> None:
+        self.weight = torch.nn.Parameter(torch.zeros(256, 256))  # 0.25 MiB
+        self.weight.grad = torch.zeros_like(self.weight)
+        self.held = held
+
+    def activations_held(self) -> int:
+        return self.held
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [self.weight]
+
+
+def test_out_of_memory_becomes_a_named_error_with_memory_and_hints(monkeypatch: pytest.MonkeyPatch) -> None:
+    stages = {2: _FakeStage(3), 5: _FakeStage(1)}
+    where = "pipeline rank 1, stage 2, micro-batch 4, action 2F4"
+    error = guard.stage_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), where, stages, torch.device("cpu"))
+    assert isinstance(error, StageOutOfMemoryError) and isinstance(error, StageError)
+    text = str(error)
+    assert text.startswith(f"out of memory at {where}: OutOfMemoryError: CUDA out of memory")
+    assert "activations are held for backward: stage 2: 3, stage 5: 1" in text
+    assert "parameters 0.00 GiB" in text and "pipeline.num_microbatches" in text and "activation checkpointing" in text
+    assert "pipeline.balance=memory" in text
+    # on CUDA the allocator's figures are included (faked here: no GPU on the test machine)
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 38 * gib)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 31 * gib)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (gib // 2, 40 * gib))
+    report = guard.memory_report(stages, torch.device("cuda:1"))
+    assert "cuda:1: 30.00 GiB allocated, of which 30.00 GiB beyond parameters and gradients" in report
+    assert "38.00 GiB reserved, peak 31.00 GiB, 0.50 GiB free of 40.00 GiB" in report
+
+
+def test_only_memory_errors_are_treated_as_out_of_memory() -> None:
+    assert guard.is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert guard.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
+    assert not guard.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    error = guard.stage_failure(ValueError("bad"), "pipeline rank 0, stage 0, micro-batch 1, action 0F1", {}, torch.device("cpu"))
+    assert type(error) is StageError and str(error) == "pipeline rank 0, stage 0, micro-batch 1, action 0F1: ValueError: bad"
+
+
+def test_first_failure_is_written_once_and_read_back() -> None:
+    store = dist.HashStore()
+    assert guard.record_failure(RuntimeError("layer exploded"), 2, store) is None
+    assert guard.record_failure(RuntimeError("peer closed"), 0, store) == "rank 2: RuntimeError: layer exploded"
+    assert guard.record_failure(RuntimeError("x"), 1, store="not a store") is None  # never raises
+
+
+# ------------------------------------------------------------------ 2 gloo processes, in-process
+def _world_cases() -> list[tuple[str, object]]:
+    return [
+        ("same-config", functools.partial(cases.config_agreement, False)),
+        ("config-mismatch", functools.partial(cases.config_agreement, True)),
+        ("program-mismatch", cases.program_agreement),
+        ("fault-raise", functools.partial(cases.stage_fault, "raise")),
+        ("fault-oom", functools.partial(cases.stage_fault, "oom")),
+        ("fault-dtype", functools.partial(cases.stage_fault, "dtype")),
+        ("fault-shape", functools.partial(cases.stage_fault, "shape")),
+        ("first-failure", cases.first_failure_is_shared),
+    ]
+
+
+@pytest.fixture(scope="module")
+def world() -> dict[str, list[CaseResult]]:
+    return run_cases(2, _world_cases())
+
+
+def _values(results: list[CaseResult]) -> list:
+    errors = [f"rank {r}: {res.error}" for r, res in enumerate(results) if res.error is not None]
+    assert not errors, "\n".join(errors)
+    return [res.value for res in results]
+
+
+def test_ranks_with_the_same_config_agree(world) -> None:
+    hashes = _values(world["same-config"])
+    assert len(set(hashes)) == 1 and re.fullmatch(r"[0-9a-f]{12}", hashes[0])
+
+
+def test_ranks_started_with_different_overrides_stop_with_the_difference(world) -> None:
+    for text in _values(world["config-mismatch"]):  # every rank raises the same error
+        assert text.startswith("ConfigMismatchError: the ranks were started with different configs")
+        assert "pipeline.num_microbatches: 8 on rank 0; 4 on rank 1" in text
+        assert "comm.timeout_s: 300.0 on rank 0; 60.0 on rank 1" in text
+        assert re.search(r"config hashes: [0-9a-f]{12} on rank 0; [0-9a-f]{12} on rank 1", text)
+
+
+def test_ranks_that_built_different_schedules_stop_before_communicating(world) -> None:
+    for text in _values(world["program-mismatch"]):
+        assert text.startswith("ScheduleError: the ranks built different pipelines")
+        assert "rank 0: schedule 1f1b p=2 stages=2 m=4" in text and "rank 1: schedule 1f1b p=2 stages=2 m=8" in text
+
+
+def test_exception_in_a_layer_names_rank_stage_microbatch_and_keeps_the_cause(world) -> None:
+    for rank, text in enumerate(_values(world["fault-raise"])):
+        assert text.startswith(f"StageError: pipeline rank 0, stage 0, micro-batch 1, action 0F1: RuntimeError: injected failure")
+        assert text.endswith("| cause: RuntimeError")
+
+
+def test_out_of_memory_in_a_stage_is_named_with_the_activations_held(world) -> None:
+    for text in _values(world["fault-oom"]):
+        assert text.startswith("StageOutOfMemoryError: out of memory at pipeline rank 0, stage 0, micro-batch 1, action 0F1")
+        assert "activations are held for backward: stage 0: 1, stage 1: 0" in text  # 0F0 awaits 0B0
+        assert "activation checkpointing" in text and text.endswith("| cause: OutOfMemoryError")
+
+
+def test_wrong_dtype_names_both_stages_and_dynamic_shapes(world) -> None:
+    for text in _values(world["fault-dtype"]):
+        assert text.startswith("ShapeMismatchError: stage 0 (rank 0) produced outputs ['[4, 16] float32, grad']")
+        assert "stage 1 (rank 0) expects ['[4, 16] float64, grad']" in text
+        assert "comm.dynamic_shapes=true" in text
+
+
+def test_wrong_shape_names_both_stages_and_dynamic_shapes(world) -> None:
+    for text in _values(world["fault-shape"]):
+        assert "produced outputs ['[2, 16] float64, grad'] for micro-batch 1" in text
+        assert "stage 1 (rank 0) expects ['[4, 16] float64, grad']" in text and "comm.dynamic_shapes=true" in text
+
+
+def test_later_failures_read_the_first_one_from_the_store(world) -> None:
+    rank0, rank1 = _values(world["first-failure"])
+    assert rank1 == [None]  # rank 1 failed first
+    assert rank0 == ["rank 1: RuntimeError: boom on rank 1"]
+
+
+# ------------------------------------------------------------------------ torchrun with faults
+FAST = ["model=mlp", "data=gaussian", "train.max_steps=6", "train.eval_every=0", "train.eval_batches=1",
+        "pipeline.profile=false", "comm.timeout_s=3", "comm.first_step_timeout_s=30"]
+INJECTED = re.compile(r"\[pipeflow fault injection\] rank (\d+): (\w+) at training step (\d+).*t=([\d.]+)")
+
+
+class Job:
+    """A finished torchrun job: exit code, output, seconds from the injected fault to the exit."""
+
+    def __init__(self, proc: subprocess.CompletedProcess, ended: float, marker: str) -> None:
+        self.returncode = proc.returncode
+        self.output = proc.stdout + proc.stderr
+        match = INJECTED.search(self.output)
+        self.detect_s = ended - float(match.group(4)) if match else None
+        self.survivors = [pid for pid in _pids_with(marker) if pid != os.getpid()]
+
+
+def _pids_with(marker: str) -> list[int]:
+    """Processes whose command line contains `marker` (the job's unique run directory)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def run_job(nproc: int, tmp_path: Path, *overrides: str, fault: str | None = None, per_rank: dict[int, str] | None = None) -> Job:
+    """torchrun train.py with `fault` in PIPEFLOW_FAULT_INJECT; `per_rank` adds an override on one rank."""
+    args = [*FAST, *overrides, f"train.run_dir={tmp_path}"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
+    if per_rank:  # a shell decides each rank's overrides from LOCAL_RANK
+        cases_ = " ".join(f'[ "$LOCAL_RANK" = {r} ] && set -- "$@" {o};' for r, o in per_rank.items())
+        cmd = [*launch, "--no-python", "bash", "-c", f'{cases_} exec {sys.executable} train.py "$@"', "train.py", *args]
+    else:
+        cmd = [*launch, "train.py", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PIPEFLOW_FAULT_INJECT", None)
+    if fault:
+        env["PIPEFLOW_FAULT_INJECT"] = fault
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    ended = time.time()
+    time.sleep(0.5)
+    return Job(proc, ended, str(tmp_path))
+
+
+def _report(job: Job) -> str:
+    return f"rc={job.returncode} detect={job.detect_s}\n{job.output[-4000:]}"
+
+
+def test_a_rank_stalled_in_forward_makes_its_peer_time_out_and_the_job_exit(tmp_path: Path) -> None:
+    job = run_job(2, tmp_path, fault="stall:rank=1:step=2")
+    assert job.returncode != 0, _report(job)
+    assert "rank 0 failed with PipelineTimeoutError" in job.output
+    assert "PipelineTimeoutError: pipeline rank 0 (global rank 0): no progress within 3.0 s" in job.output
+    assert "recv gradient of micro-batch 0 from stage 1 (rank 1)" in job.output
+    assert "this rank had completed 2 of 16 program steps of this pass; last actions: 0F0, 0F1" in job.output
+    assert "during training step 2" in job.output
+    assert job.detect_s is not None and job.detect_s < 3 + 10, _report(job)
+    assert not job.survivors
+
+
+def test_an_exception_in_a_layer_on_rank_2_of_4_stops_every_rank(tmp_path: Path) -> None:
+    job = run_job(4, tmp_path, fault="raise:rank=2:step=1:microbatch=3")
+    assert job.returncode != 0, _report(job)
+    assert "rank 2 failed with StageError" in job.output, _report(job)
+    assert ("StageError: pipeline rank 2, stage 2, micro-batch 3, action 2F3: "
+            "RuntimeError: injected failure in a layer") in job.output
+    assert "during training step 1" in job.output
+    assert re.search(r"the first failure in this job was rank 2: StageError", job.output), _report(job)
+    assert job.detect_s is not None and job.detect_s < 10, _report(job)
+    assert not job.survivors
+
+
+def test_a_killed_rank_is_noticed_and_the_job_exits(tmp_path: Path) -> None:
+    job = run_job(2, tmp_path, fault="kill:rank=1:step=2")
+    assert job.returncode != 0, _report(job)
+    assert "rank 0 failed with CommError" in job.output
+    assert "CommError: pipeline rank 0 (global rank 0): batched P2P call failed" in job.output
+    assert "stage 1 (rank 1)" in job.output and "during training step 2" in job.output
+    assert re.search(r"exitcode\s*: -9", job.output), _report(job)  # torchrun: the root cause
+    assert job.detect_s is not None and job.detect_s < 3 + 10, _report(job)
+    assert not job.survivors
+
+
+def test_a_wrong_shape_mid_run_is_named_and_the_job_exits(tmp_path: Path) -> None:
+    job = run_job(2, tmp_path, fault="shape:rank=0:step=2")
+    assert job.returncode != 0, _report(job)
+    assert "ShapeMismatchError: stage 0 (rank 0) produced outputs ['[4, 64] float32, grad'] for micro-batch 0" in job.output
+    assert "stage 1 (rank 1) expects ['[8, 64] float32, grad']" in job.output
+    assert "comm.dynamic_shapes=true" in job.output
+    assert job.detect_s is not None and job.detect_s < 10, _report(job)
+    assert not job.survivors
+
+
+def test_ranks_launched_with_different_overrides_stop_at_start(tmp_path: Path) -> None:
+    job = run_job(2, tmp_path, per_rank={1: "pipeline.num_microbatches=4"})
+    assert job.returncode != 0, _report(job)
+    assert "ConfigMismatchError: the ranks were started with different configs" in job.output
+    assert "pipeline.num_microbatches: 8 on rank 0; 4 on rank 1" in job.output, _report(job)
+    assert not job.survivors
+
+
+def test_a_deadlocking_schedule_file_stops_every_rank_with_the_grid(tmp_path: Path) -> None:
+    bad = tmp_path / "swapped.txt"
+    bad.write_text("0F0 0B0 0F1 0B1\n1F0 1F1 1B0 1B1\n")  # rank 0 waits for 1B0 before sending 0F1
+    started = time.time()
+    job = run_job(2, tmp_path, "schedule=custom", f"schedule.path={bad}", "pipeline.num_microbatches=2")
+    assert job.returncode != 0, _report(job)
+    for rank in (0, 1):
+        assert f"rank {rank} failed: DeadlockError: {bad}" in job.output, _report(job)
+    assert "[1F1]" in job.output and "rank 0" in job.output
+    assert "warm-up" not in job.output and "run directory" not in job.output  # nothing ran
+    assert time.time() - started < 60
+    assert not job.survivors
