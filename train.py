@@ -7,6 +7,8 @@ Overrides (Hydra):
 Several machines (run on each node, same endpoint):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host:29500 train.py
 Without torchrun, `python train.py` runs a pipeline of one stage.
+A sweep, every combination in one launch, compared in <sweep dir>/sweep.md (pipeflow/sweep.py):
+    torchrun --nproc-per-node 4 train.py -m schedule=1f1b,zbv pipeline.num_microbatches=8,16 train.max_steps=20
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pipeflow import guard
 from pipeflow.config import register_configs
 from pipeflow.console import setup_logging
 from pipeflow.distributed import choose_device, init_distributed
+from pipeflow.sweep import is_multirun, run_sweep_job
 from pipeflow.trainer import Trainer
 
 register_configs()
@@ -31,6 +34,9 @@ def main(cfg: DictConfig) -> None:
     backend, device = choose_device(cfg.dist.backend, cfg.dist.device)
     init_distributed(backend, device, cfg.comm.first_step_timeout_s)  # a deadline on every collective
     setup_logging(dist.get_rank())
+    if is_multirun():  # train.py -m: the jobs of a sweep share one process group (pipeflow/sweep.py)
+        run_sweep_job(cfg, device)
+        return
     try:
         Trainer(cfg, device).fit()
         # Tear down only once every rank is done: destroying a gloo group while a peer

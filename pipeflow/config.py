@@ -178,6 +178,21 @@ class MetricsConfig:
 
 
 @dataclass
+class PlanConfig:
+    """The planner, ``python -m pipeflow.plan`` (see pipeflow/plan.py); train.py ignores it."""
+
+    top: int = 10  # layouts printed
+    memory_limit_gb: float | None = None  # per pipeline rank; null: no limit
+    schedules: list[str] | None = None  # null: every built-in schedule
+    microbatches: list[int] | None = None  # null: every count that divides data.batch_size
+    max_chunks: int = 4  # stages per rank tried by schedules that take any count
+    splits: str = "balanced"  # balanced (time, memory, uniform) | all (every split; small models)
+    comm_latency_ms: float = 0.0  # added per communicating step in the simulation
+    repeats: int = 5  # timed runs per layer when profiling
+    optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (AdamW: 2)
+
+
+@dataclass
 class Config:
     """The whole job."""
 
@@ -191,6 +206,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register_configs() -> None:
@@ -206,6 +222,7 @@ def register_configs() -> None:
     cs.store(group="data", name="base_data", node=DataConfig)
     cs.store(group="optim", name="base_optim", node=OptimConfig)
     cs.store(group="metrics", name="base_metrics", node=MetricsConfig)
+    cs.store(group="plan", name="base_plan", node=PlanConfig)
 
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")

@@ -31,6 +31,10 @@ class LayerProfile:
         activation_bytes: bytes kept until the backward: tensors autograd saves (not parameters,
             not the layer's inputs, which are the previous layer's outputs) plus the outputs;
             each storage counted once.
+        input_grad_s: median time of the input-grad half (B) of a split backward; 0 when not
+            measured (``profile_layers(..., split_backward=False)``) or when no input needs a grad.
+        weight_grad_s: median time of the weight-grad half (W); 0 when not measured or no
+            parameters.
     """
 
     name: str
@@ -39,6 +43,8 @@ class LayerProfile:
     forward_s: float
     backward_s: float
     activation_bytes: int
+    input_grad_s: float = 0.0
+    weight_grad_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -77,6 +83,7 @@ def profile_layers(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     repeats: int = 3,
+    split_backward: bool = False,
 ) -> list[LayerProfile]:
     """Profile every layer in order, the sample flowing through them, one layer alive at a time.
 
@@ -90,6 +97,9 @@ def profile_layers(
         device: where to build and run the layers (default CPU).
         dtype: floating dtype of layers and activations (default float32).
         repeats: timed runs per layer (>= 1).
+        split_backward: also time the backward split as the zero-bubble schedules run it: the
+            input-grad half (B) then the weight-grad half (W), into ``input_grad_s`` and
+            ``weight_grad_s`` (costs `repeats` more forwards per layer).
 
     Returns:
         One `LayerProfile` per layer, in order.
@@ -103,14 +113,14 @@ def profile_layers(
     inputs = _to_device(sample_input, device, dtype, requires_grad=False)
     profiles = []
     for index in range(len(spec)):
-        profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats)
+        profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats, split_backward)
         profiles.append(profile)
     return profiles
 
 
 def _profile_one(
     spec: ModelSpec, index: int, inputs: tuple, device: torch.device,
-    dtype: torch.dtype | None, repeats: int,
+    dtype: torch.dtype | None, repeats: int, split_backward: bool = False,
 ) -> tuple[LayerProfile, tuple]:
     """Build, measure and free layer `index`; return its profile and the next layer's inputs."""
     module = spec.build_layers([index], device, dtype)[0]
@@ -118,6 +128,7 @@ def _profile_one(
     _run(module, inputs, device)  # warm-up
     activation_bytes, outputs = _activation_bytes(module, inputs, params)
     times = [_run(module, inputs, device) for _ in range(repeats)]
+    halves = [_run_split(module, inputs, device) for _ in range(repeats)] if split_backward else [(0.0, 0.0)]
     for p in params:
         p.grad = None
     profile = LayerProfile(
@@ -127,6 +138,8 @@ def _profile_one(
         forward_s=statistics.median(t[0] for t in times),
         backward_s=statistics.median(t[1] for t in times),
         activation_bytes=activation_bytes,
+        input_grad_s=statistics.median(h[0] for h in halves),
+        weight_grad_s=statistics.median(h[1] for h in halves),
     )
     return profile, _to_device(outputs, device, None, requires_grad=True)
 
@@ -147,6 +160,32 @@ def _run(module: nn.Module, inputs: tuple, device: torch.device) -> tuple[float,
     torch.autograd.backward(roots, grads)
     _sync(device)
     return forward, time.perf_counter() - start
+
+
+def _run_split(module: nn.Module, inputs: tuple, device: torch.device) -> tuple[float, float]:
+    """One forward, then the backward in two halves; return the (input-grad, weight-grad) seconds.
+
+    B takes the gradients of the inputs (keeping the graph), W those of the parameters, as a
+    stage does for the zero-bubble schedules (`pipeflow.stage.Stage.backward_weight`).
+    """
+    outputs = _as_tuple(module(*inputs))
+    roots = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]
+    wanted = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not roots:
+        return 0.0, 0.0
+    grads = [torch.ones_like(t) for t in roots]
+    halves = []
+    for targets, keep in ((wanted, bool(params)), (params, False)):
+        if not targets:
+            halves.append(0.0)
+            continue
+        _sync(device)
+        start = time.perf_counter()
+        torch.autograd.grad(roots, targets, grads, retain_graph=keep, allow_unused=True)
+        _sync(device)
+        halves.append(time.perf_counter() - start)
+    return halves[0], halves[1]
 
 
 def _activation_bytes(

@@ -1,0 +1,153 @@
+"""Predict the best pipeline layout before running: ``python -m pipeflow.plan model=gpt parallel.pp=4``.
+
+The same Hydra overrides as train.py (composed from the same ``configs/``), no torchrun.  Every
+layer is profiled on this machine's device (forward, the backward split into input-grad B and
+weight-grad W, activation bytes) at the smallest and the largest micro-batch size tried; costs
+in between are interpolated linearly (per-call overhead included).  Then every (schedule x
+micro-batch count x chunks per rank x balanced split) is simulated (`pipeflow.plan_search`) and
+the fastest that fit ``plan.memory_limit_gb`` are printed with ready-to-paste overrides:
+
+    python -m pipeflow.plan model=gpt parallel.pp=4 plan.memory_limit_gb=2 plan.top=5
+    torchrun --nproc-per-node 4 train.py <overrides of the pick>
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from pipeflow.config import register_configs, resolve_layout
+from pipeflow.distributed import choose_device
+from pipeflow.errors import ConfigError
+from pipeflow.plan_search import CostModel, PlanResult, SearchSpace, search
+from pipeflow.profile import LayerProfile, profile_layers
+from pipeflow.schedules import GENERATORS
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+_SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes")
+
+
+def compose_config(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> DictConfig:
+    """The job config train.py would get for these overrides."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def interpolate(low: Sequence[LayerProfile], b_low: int, high: Sequence[LayerProfile], b_high: int) -> CostModel:
+    """Per-layer costs at any micro-batch size b, linear through the two profiled sizes.
+
+    Times and activation bytes are ``x(b) = x_low + (x_high - x_low) (b - b_low) / (b_high - b_low)``,
+    never below 0; with one profiled size (b_low == b_high) they are used as they are.
+    """
+    def at(b: int) -> list[LayerProfile]:
+        if b_high == b_low:
+            return list(low)
+        t = (b - b_low) / (b_high - b_low)
+        return [
+            dataclasses.replace(lo, **{k: _lerp(getattr(lo, k), getattr(hi, k), t) for k in _SCALED})
+            for lo, hi in zip(low, high)
+        ]
+    return at
+
+
+def _lerp(low: float, high: float, t: float) -> Any:
+    value = max(0.0, low + (high - low) * t)
+    return int(round(value)) if isinstance(low, int) else value
+
+
+def profile_costs(cfg: DictConfig, sizes: Sequence[int], device: torch.device) -> CostModel:
+    """Profile the model's layers at the smallest and largest micro-batch size of `sizes`."""
+    from pipeflow.trainer import build_batches  # the data sources train.py uses
+
+    spec = instantiate(cfg.model)
+    sample = build_batches(cfg.data, cfg.model).train.get(0)[0]
+    dtype = getattr(torch, cfg.train.dtype)
+    b_low, b_high = min(sizes), max(sizes)
+    low = profile_layers(spec, sample[:b_low], device, dtype, cfg.plan.repeats, split_backward=True)
+    high = low if b_high == b_low else profile_layers(
+        spec, sample[:b_high], device, dtype, cfg.plan.repeats, split_backward=True
+    )
+    return interpolate(low, b_low, high, b_high)
+
+
+def search_space(cfg: DictConfig, batch_size: int) -> SearchSpace:
+    """The planner's search space from the ``plan`` config."""
+    plan = cfg.plan
+    names = tuple(plan.schedules) if plan.schedules is not None else tuple(GENERATORS)
+    unknown = [n for n in names if n not in GENERATORS]
+    if unknown:
+        raise ConfigError(f"plan.schedules has unknown {unknown}; valid: {', '.join(GENERATORS)}")
+    counts = plan.microbatches or [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    if plan.max_chunks < 1:
+        raise ConfigError(f"plan.max_chunks={plan.max_chunks} must be at least 1")
+    return SearchSpace(names, tuple(int(m) for m in counts), tuple(range(1, plan.max_chunks + 1)), plan.splits)
+
+
+def run_plan(cfg: DictConfig, costs: CostModel | None = None) -> tuple[PlanResult, str]:
+    """Profile (unless `costs` are given), search and format; returns the result and the report.
+
+    Raises:
+        ConfigError: ``parallel.pp`` missing or inconsistent, a bad ``plan`` setting.
+    """
+    if cfg.parallel.pp is None:
+        raise ConfigError("the planner needs the pipeline size: add parallel.pp=<ranks>")
+    dp, pp = resolve_layout(cfg.parallel, cfg.parallel.dp * cfg.parallel.pp)
+    batch = cfg.data.batch_size // dp
+    space = search_space(cfg, batch)
+    sizes = [batch // m for m in space.microbatches if batch % m == 0]
+    if not sizes:
+        raise ConfigError(f"no count in plan.microbatches={list(space.microbatches)} divides data.batch_size={batch}")
+    device = choose_device(cfg.dist.backend, cfg.dist.device)[1]
+    costs = costs or profile_costs(cfg, sizes, device)
+    limit = None if cfg.plan.memory_limit_gb is None else cfg.plan.memory_limit_gb * 1e9
+    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, cfg.plan.comm_latency_ms / 1e3)
+    header = (f"planner: {pp} pipeline ranks, batch {batch}, profiled on {device} ({cfg.train.dtype}) "
+              f"at micro-batch sizes {min(sizes)} and {max(sizes)}")
+    return result, header + "\n" + format_plan(result, cfg.plan.top, pp, limit)
+
+
+def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float | None) -> str:
+    """The top layouts as a table (rank, predicted step, bubble, memory, overrides) and a summary."""
+    rows = [("#", "schedule", "m", "v", "step (ms)", "bubble", "peak mem/rank (MB)", "overrides")]
+    for k, c in enumerate(result.candidates[:top], 1):
+        rows.append((str(k), c.schedule, str(c.num_microbatches), str(c.stages_per_rank), f"{1e3 * c.step_s:.2f}",
+                     f"{c.bubble:.1%}", f"{c.peak_bytes / 1e6:.1f}", c.overrides()))
+    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]) - 1)]
+    lines = [" | ".join([cell.ljust(w) for cell, w in zip(r, widths)] + [r[-1]]) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * 9)
+    simulated = len(result.candidates) + len(result.over_memory)
+    limit = "no memory limit" if limit_bytes is None else f"{len(result.over_memory)} over the memory limit {limit_bytes / 1e9:g} GB"
+    by_schedule: dict[str, int] = {}
+    for reason, n in result.skipped.items():
+        name = reason.split(":")[0]
+        by_schedule[name] = by_schedule.get(name, 0) + n
+    skipped = ", ".join(f"{name} {n}" for name, n in sorted(by_schedule.items())) or "none"
+    lines.append(f"{simulated} layouts simulated ({limit}); invalid combinations skipped: {skipped}")
+    if result.candidates:
+        lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks} train.py {result.candidates[0].overrides()}")
+    else:
+        lines.append("no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches)")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Compose the config from the command line's overrides, plan, print; returns the exit code."""
+    cfg = compose_config(sys.argv[1:] if argv is None else argv)
+    try:
+        _, report = run_plan(cfg)
+    except ConfigError as err:
+        print(f"pipeflow.plan: {err}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The planner's search: rank (schedule x micro-batches x chunks per rank x split) by simulated
+step time, under a memory limit.  Pure numbers: per-layer costs in, ranked candidates out.
+
+Index letters as elsewhere: p = pipeline ranks, m = micro-batches, v = stages (chunks) per rank,
+S = p * v stages, L = layers, b = micro-batch size (samples).
+
+The per-layer costs are a function of b (`CostModel`), since the planner compares micro-batch
+counts: the costs of stage s are the sums over its layers.  A schedule that splits the backward
+(has W actions) is charged F, B = ``input_grad_s`` and W = ``weight_grad_s``; the others F and a
+full backward ``backward_s``.  A rank's memory is its stages' parameters x (weights, grads and
+``optimizer_factor`` optimizer states) plus the most activation bytes it holds at once, walking
+its actions in order (an F adds its stage's activation bytes, the last backward half frees them).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+
+from pipeflow.balance import balance_by_memory, balance_contiguous
+from pipeflow.errors import ConfigError, PartitionError, ScheduleError
+from pipeflow.partition import partition_layers
+from pipeflow.schedules import LAYOUTS, PipelineSchedule, build_schedule, lower, simulate
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action
+from pipeflow.schedules.memory import stage_inflight
+
+if TYPE_CHECKING:
+    from pipeflow.profile import LayerProfile
+
+CostModel = Callable[[int], Sequence["LayerProfile"]]  # micro-batch size b -> per-layer costs
+SPLIT_SEARCHES = ("balanced", "all")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the planner tries.
+
+    Attributes:
+        schedules: schedule names (keys of ``pipeflow.schedules.GENERATORS``).
+        microbatches: micro-batch counts m; those not dividing the batch are skipped.
+        chunks: stages per rank v tried by the schedules that take any count (v = 1 only when
+            it is the sole count: interleaved 1F1B and looped BFS with one chunk are 1F1B and GPipe).
+        splits: ``balanced`` (the time-balanced, the memory-balanced and the uniform split) or
+            ``all`` (every contiguous split: brute force, for small models).
+        max_splits: the most splits ``all`` may try per (schedule, m, v).
+    """
+
+    schedules: tuple[str, ...]
+    microbatches: tuple[int, ...]
+    chunks: tuple[int, ...] = (1, 2, 3, 4)
+    splits: str = "balanced"
+    max_splits: int = 2000
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout and what the simulator predicts for it.
+
+    Attributes:
+        schedule: schedule name.
+        num_microbatches: m.
+        stages_per_rank: v.
+        split_points: first layer of stages 1..S-1.
+        step_s: predicted step time (simulated makespan) in seconds.
+        bubble: predicted idle fraction.
+        rank_bytes: predicted peak memory of each pipeline rank, in bytes.
+        takes_chunks: whether the schedule takes ``pipeline.stages_per_rank`` (any count).
+    """
+
+    schedule: str
+    num_microbatches: int
+    stages_per_rank: int
+    split_points: tuple[int, ...]
+    step_s: float
+    bubble: float
+    rank_bytes: tuple[float, ...]
+    takes_chunks: bool = False
+
+    @property
+    def peak_bytes(self) -> float:
+        """The largest predicted memory of any rank."""
+        return max(self.rank_bytes)
+
+    def overrides(self) -> str:
+        """Ready-to-paste Hydra overrides for train.py (shell-quoted split points)."""
+        parts = [f"schedule={self.schedule}", f"pipeline.num_microbatches={self.num_microbatches}"]
+        if self.takes_chunks:
+            parts.append(f"pipeline.stages_per_rank={self.stages_per_rank}")
+        points = ",".join(str(i) for i in self.split_points)
+        parts.append(f"'pipeline.split_points=[{points}]'")
+        return " ".join(parts)
+
+
+@dataclass
+class PlanResult:
+    """The ranked candidates (fitting the memory limit, fastest first) and what was left out.
+
+    Attributes:
+        candidates: layouts within the memory limit, by predicted step time.
+        over_memory: layouts whose busiest rank exceeds the limit.
+        skipped: reason -> number of combinations the schedule or the model cannot run.
+    """
+
+    candidates: list[Candidate] = field(default_factory=list)
+    over_memory: list[Candidate] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_skipped(self) -> int:
+        """How many combinations were invalid."""
+        return sum(self.skipped.values())
+
+
+def search(
+    costs: CostModel,
+    num_ranks: int,
+    batch_size: int,
+    space: SearchSpace,
+    memory_limit_bytes: float | None = None,
+    optimizer_factor: float = 2.0,
+    comm_latency_s: float = 0.0,
+) -> PlanResult:
+    """Simulate every combination of `space` and rank them by predicted step time.
+
+    Args:
+        costs: per-layer costs for a micro-batch of b samples.
+        num_ranks: p.
+        batch_size: samples per step (per data-parallel replica); m must divide it.
+        space: what to try.
+        memory_limit_bytes: layouts whose busiest rank needs more go to ``over_memory``.
+        optimizer_factor: optimizer state bytes per parameter byte (2 for Adam).
+        comm_latency_s: added by the simulator to every step that communicates.
+
+    Returns:
+        The `PlanResult`; invalid combinations are counted in ``skipped`` by reason.
+
+    Raises:
+        ConfigError: an unknown split search, or ``all`` with too many splits.
+    """
+    if space.splits not in SPLIT_SEARCHES:
+        raise ConfigError(f"plan.splits={space.splits!r} is not one of {SPLIT_SEARCHES}")
+    result = PlanResult()
+    for name, m, v in itertools.product(space.schedules, space.microbatches, space.chunks):
+        takes_chunks = name in LAYOUTS and LAYOUTS[name][0] is None
+        if name in LAYOUTS and not takes_chunks and v != LAYOUTS[name][0]:
+            continue  # a fixed-chunk schedule is tried once, at its own v
+        if takes_chunks and v == 1 and len(space.chunks) > 1:
+            continue  # one chunk per rank is 1F1B / GPipe again
+        if batch_size % m:
+            _count(result, f"data.batch_size={batch_size} not a multiple of m")
+            continue
+        profiles = costs(batch_size // m)
+        try:
+            schedule = build_schedule(name, num_ranks, m, v if takes_chunks else None)
+            programs = lower(schedule)
+            splits = list(_splits(profiles, schedule, space, optimizer_factor))
+        except (ScheduleError, PartitionError) as err:
+            _count(result, f"{name}: {str(err).splitlines()[0]}")
+            continue
+        for ranges in splits:
+            cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, comm_latency_s, takes_chunks)
+            fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
+            (result.candidates if fits else result.over_memory).append(cand)
+    result.candidates.sort(key=_rank_key)
+    result.over_memory.sort(key=_rank_key)
+    return result
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Fastest first; then the least memory; then a fixed order so that ties rank the same."""
+    return (c.step_s, c.peak_bytes, c.schedule, c.num_microbatches, c.stages_per_rank, c.split_points)
+
+
+def _count(result: PlanResult, reason: str) -> None:
+    result.skipped[reason] = result.skipped.get(reason, 0) + 1
+
+
+def _splits(
+    profiles: Sequence[LayerProfile], schedule: PipelineSchedule, space: SearchSpace, optimizer_factor: float
+) -> Iterator[list[range]]:
+    """The splits to try for this schedule: balanced ones (deduplicated) or every one."""
+    L, S = len(profiles), schedule.num_stages
+    if S > L:
+        raise PartitionError(f"{S} stages but only {L} layers")
+    if space.splits == "all":
+        count = math.comb(L - 1, S - 1)
+        if count > space.max_splits:
+            raise ConfigError(
+                f"plan.splits=all would try {count} splits of {L} layers into {S} stages "
+                f"(plan.max_splits={space.max_splits}); use plan.splits=balanced"
+            )
+        for points in itertools.combinations(range(1, L), S - 1):
+            bounds = (0, *points, L)
+            yield [range(bounds[s], bounds[s + 1]) for s in range(S)]
+        return
+    seconds = [p.forward_s + _backward_s(p, True) for p in profiles]
+    found = [
+        balance_contiguous(seconds, S),
+        balance_by_memory([p.param_bytes for p in profiles], [p.activation_bytes for p in profiles],
+                          S, stage_inflight(schedule), optimizer_factor),
+        partition_layers(L, S),
+    ]
+    seen: set[tuple[int, ...]] = set()
+    for ranges in found:
+        key = tuple(r.start for r in ranges)
+        if key not in seen:
+            seen.add(key)
+            yield ranges
+
+
+def _backward_s(profile: LayerProfile, split: bool) -> float:
+    """Backward seconds of a layer: B + W when measured split, else the full backward."""
+    halves = profile.input_grad_s + profile.weight_grad_s
+    return halves if split and halves > 0 else profile.backward_s
+
+
+def _evaluate(
+    schedule: PipelineSchedule, programs: list, ranges: list[range], profiles: Sequence[LayerProfile],
+    optimizer_factor: float, comm_latency_s: float, takes_chunks: bool,
+) -> Candidate:
+    """Simulate one layout; its step time, bubble and per-rank memory."""
+    splits_backward = any(a.kind == WEIGHT for acts in schedule.actions for a in acts)
+    cost = stage_costs(ranges, profiles, splits_backward)
+    sim = simulate(schedule, programs, cost, comm_latency_s)
+    param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
+    act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
+    return Candidate(
+        schedule=schedule.name, num_microbatches=schedule.num_microbatches,
+        stages_per_rank=schedule.num_stages // schedule.num_ranks,
+        split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan, bubble=sim.bubble,
+        rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor)),
+        takes_chunks=takes_chunks,
+    )
+
+
+def stage_costs(
+    ranges: Sequence[range], profiles: Sequence[LayerProfile], splits_backward: bool
+) -> Callable[[Action], float]:
+    """Seconds of each action for the simulator, summed over the stage's layers.
+
+    With `splits_backward` a B costs the input-grad half and a W the weight-grad half; without,
+    a B (which then also computes the weight grads) costs the full backward and W nothing.
+    """
+    forward = [math.fsum(profiles[i].forward_s for i in r) for r in ranges]
+    if splits_backward:
+        backward = [math.fsum(profiles[i].input_grad_s for i in r) for r in ranges]
+        weight = [math.fsum(profiles[i].weight_grad_s for i in r) for r in ranges]
+    else:
+        backward = [math.fsum(profiles[i].backward_s for i in r) for r in ranges]
+        weight = [0.0] * len(ranges)
+    table = {FORWARD: forward, BACKWARD: backward, WEIGHT: weight}
+    return lambda action: table[action.kind][action.stage]
+
+
+def rank_memory(
+    schedule: PipelineSchedule, param_bytes: Sequence[float], act_bytes: Sequence[float],
+    optimizer_factor: float = 2.0,
+) -> list[float]:
+    """Peak bytes of each rank: its stages' parameters, grads and optimizer state, plus the most
+    activation bytes held at once in its action order (see the module docstring)."""
+    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
+    memory = []
+    for r, acts in enumerate(schedule.actions):
+        held = peak = 0.0
+        for a in acts:
+            if a.kind == FORWARD:
+                held += act_bytes[a.stage]
+                peak = max(peak, held)
+            elif a.kind == WEIGHT or (a.kind == BACKWARD and (a.stage, a.microbatch) not in split):
+                held -= act_bytes[a.stage]
+        mine = [s for s, owner in enumerate(schedule.stage_to_rank) if owner == r]
+        memory.append(math.fsum(param_bytes[s] for s in mine) * (2.0 + optimizer_factor) + peak)
+    return memory

@@ -1,0 +1,310 @@
+"""Sweeps: every combination of a Hydra multirun in one torchrun launch, and the comparison table.
+
+    torchrun --nproc-per-node 4 train.py -m schedule=1f1b,interleaved_1f1b,zbv \\
+        pipeline.num_microbatches=4,8,16 train.max_steps=20
+
+Hydra's basic launcher runs the jobs one after another inside each process, in the same order
+on every rank (the command lines are identical).  The process group is created by the first
+job and reused by the others; it is torn down once, at exit (barrier, then destroy).  Rank 0
+picks the sweep directory once (``train.run_dir``, else ``outputs/sweep_<time>``) and job k
+writes into ``<sweep dir>/<k>_<swept overrides>``, so each job has its own config, TensorBoard
+run and checkpoints.  A job whose combination the schedule or the config cannot run (a
+ConfigError or ScheduleError while building, on any rank) is skipped on every rank with a
+message.  After each job rank 0 rewrites ``sweep.md`` and ``sweep.csv`` (jobs sorted by
+throughput); at the end of the sweep it prints the table.
+"""
+from __future__ import annotations
+
+import atexit
+import csv
+import datetime
+import gc
+import logging
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict, read_write
+
+from pipeflow.errors import ConfigError, ScheduleError
+
+log = logging.getLogger("pipeflow")
+
+
+@dataclass
+class JobRecord:
+    """One finished job of a sweep: its overrides and what it measured (NaN: not measured)."""
+
+    job: int
+    overrides: str
+    run_dir: str
+    samples_per_s: float
+    tokens_per_s: float
+    step_time_ms: float
+    bubble_measured: float
+    bubble_predicted: float
+    predicted_step_ms: float
+    peak_memory_mb: list[float]
+    predicted_memory_mb: list[float]
+    final_loss: float
+
+
+@dataclass
+class SweepState:
+    """The sweep directory, chosen once, and the jobs done so far (kept on rank 0)."""
+
+    dir: str
+    records: list[JobRecord] = field(default_factory=list)
+    skipped: list[tuple[int, str, str]] = field(default_factory=list)  # (job, overrides, why)
+
+
+_STATE: SweepState | None = None
+_FAILED = False
+
+
+def is_multirun() -> bool:
+    """True inside a job of a Hydra multirun (``train.py -m ...``)."""
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def swept_keys(argv: list[str]) -> set[str]:
+    """The keys the command line sweeps over (``a=1,2`` or ``a=range(...)``), from its overrides."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    words = [a for a in argv if "=" in a and not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(words)
+    except Exception:  # an unparsable command line fails in Hydra itself; name jobs by all overrides
+        return {a.split("=", 1)[0].lstrip("+~") for a in words}
+    return {o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()}
+
+
+def job_label(index: int, overrides: list[str], keys: set[str]) -> tuple[str, str]:
+    """(the job's swept overrides as text, its sub-directory name ``<k>_<overrides>``)."""
+    mine = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in keys] or overrides
+    text = " ".join(mine)
+    name = re.sub(r"[^A-Za-z0-9._=,+\-\[\]]", "_", ",".join(mine))[:120]
+    return text, f"{index}_{name}" if name else str(index)
+
+
+def _state(cfg: DictConfig) -> SweepState:
+    """The sweep's state; on the first job rank 0 picks the directory and every rank receives it."""
+    global _STATE
+    if _STATE is None:
+        default = os.path.join("outputs", "sweep_" + datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
+        choice = [cfg.train.run_dir or default]
+        dist.broadcast_object_list(choice, src=0)
+        _STATE = SweepState(choice[0])
+        atexit.register(_teardown)
+    return _STATE
+
+
+def _teardown() -> None:
+    """At exit: wait for every rank, then destroy the process group (no wait after a failure)."""
+    if dist.is_initialized():
+        if not _FAILED:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_sweep_job(cfg: DictConfig, device: torch.device) -> JobRecord | None:
+    """Run one job of a multirun on every rank: its own run directory, skipped when invalid.
+
+    Returns:
+        The job's record (on every rank), or None when the job was skipped.
+
+    Raises:
+        SystemExit: any other failure ends the whole sweep on this rank (its peers are stopped
+            by torchrun), since the ranks could no longer walk the sweep together.
+    """
+    global _FAILED
+    state = _state(cfg)
+    hydra_cfg = HydraConfig.get()
+    index = hydra_cfg.job.num
+    text, name = job_label(index, list(hydra_cfg.overrides.task), swept_keys(sys.argv[1:]))
+    run_dir = os.path.join(state.dir, name)
+    with read_write(cfg), open_dict(cfg):
+        cfg.train.run_dir = run_dir
+    try:
+        record = _run_job(cfg, device, index, text, run_dir, state)
+        dist.barrier()
+    except Exception:
+        _FAILED = True
+        log.exception("rank %d: sweep job %d (%s) failed; stopping the sweep", dist.get_rank(), index, text)
+        raise SystemExit(1)
+    if dist.get_rank() == 0:
+        write_tables(state)
+    return record
+
+
+def _run_job(cfg: DictConfig, device: torch.device, index: int, text: str, run_dir: str,
+             state: SweepState) -> JobRecord | None:
+    from pipeflow.trainer import Trainer
+
+    trainer, why = _build_agreed(lambda: Trainer(cfg, device))
+    if trainer is None:
+        if dist.get_rank() == 0:
+            log.warning("sweep job %d (%s) skipped: %s", index, text, why)
+            state.skipped.append((index, text, why))
+        return None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    evaluating = _time_evaluations(trainer)
+    start = time.perf_counter()
+    result = trainer.fit()
+    train_s = time.perf_counter() - start - evaluating[0]
+    record = _record(trainer, result, index, text, run_dir, train_s, device)
+    del trainer
+    gc.collect()
+    if dist.get_rank() == 0:
+        state.records.append(record)
+    return record
+
+
+def _build_agreed(build: Any) -> tuple[Any, str]:
+    """Build on every rank; if a ConfigError/ScheduleError happened on any rank, all skip together.
+
+    Returns:
+        (the built object, "") or (None, the first rank's error message).
+    """
+    built, why = None, ""
+    try:
+        built = build()
+    except (ConfigError, ScheduleError) as err:
+        why = f"{type(err).__name__}: {err}".splitlines()[0]
+    errors: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(errors, why)
+    first = next((e for e in errors if e), "")
+    return (built, "") if not first else (None, first)
+
+
+def _time_evaluations(trainer: Any) -> list[float]:
+    """Wrap the trainer's evaluate so that the held-out passes can be left out of throughput."""
+    spent = [0.0]
+    evaluate = trainer.evaluate
+
+    def timed() -> float:
+        start = time.perf_counter()
+        try:
+            return evaluate()
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    trainer.evaluate = timed
+    return spent
+
+
+def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str, train_s: float,
+            device: torch.device) -> JobRecord:
+    """The job's figures: the fit() result where it has them, else measured here."""
+    cfg = trainer.cfg
+    steps = max(1, cfg.train.max_steps)
+    samples = cfg.data.batch_size * steps / max(train_s, 1e-9)
+    per_sample = cfg.data.seq_len if cfg.data.name in ("markov", "text") else 0
+    bubble, step_s, memory = _predictions(trainer)
+    peak = result.get("peak_memory_mb")
+    if peak is None and device.type == "cuda":
+        peak = _gather(torch.cuda.max_memory_allocated(device) / 1e6)
+    return JobRecord(
+        job=index, overrides=text, run_dir=run_dir,
+        samples_per_s=float(result.get("samples_per_s", samples)),
+        tokens_per_s=float(result.get("tokens_per_s", samples * per_sample if per_sample else math.nan)),
+        step_time_ms=1e3 * float(result.get("step_time_s", train_s / steps)),
+        bubble_measured=float(result.get("bubble_measured", math.nan)),
+        bubble_predicted=float(result.get("bubble_predicted", bubble)),
+        predicted_step_ms=1e3 * step_s, peak_memory_mb=[float(x) for x in (peak or [])],
+        predicted_memory_mb=memory, final_loss=float(result.get("last_loss", math.nan)),
+    )
+
+
+def _gather(value: float) -> list[float]:
+    """One value per pipeline rank, in rank order."""
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return [float(v) for v in values]
+
+
+def _predictions(trainer: Any) -> tuple[float, float, list[float]]:
+    """(bubble, compute step seconds, MB per rank) the simulator predicts from the run's profiles."""
+    from pipeflow.layout import predicted_costs
+    from pipeflow.plan_search import rank_memory
+    from pipeflow.schedules import simulate
+
+    layout, schedule = trainer.layout, trainer.schedule
+    if layout.profiles is None:
+        return simulate(schedule).bubble, math.nan, []
+    sim = simulate(schedule, costs=predicted_costs(layout, schedule))
+    param = [sum(layout.profiles[i].param_bytes for i in r) for r in layout.ranges]
+    act = [sum(layout.profiles[i].activation_bytes for i in r) for r in layout.ranges]
+    return sim.bubble, sim.makespan, [b / 1e6 for b in rank_memory(schedule, param, act)]
+
+
+COLUMNS = ("job", "overrides", "samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms",
+           "bubble_measured", "bubble_predicted", "peak_memory_mb", "predicted_memory_mb", "final_loss", "run_dir")
+
+
+def sorted_records(state: SweepState) -> list[JobRecord]:
+    """The jobs, fastest (most samples per second) first."""
+    return sorted(state.records, key=lambda r: (-r.samples_per_s, r.job))
+
+
+def _cell(value: Any, digits: int = 1) -> str:
+    if isinstance(value, list):
+        return "/".join(_cell(v, digits) for v in value) or "-"
+    if isinstance(value, float):
+        return "-" if math.isnan(value) else f"{value:.{digits}f}"
+    return str(value)
+
+
+def format_table(state: SweepState) -> str:
+    """The sweep as a Markdown table (fastest first) and the list of skipped jobs."""
+    heads = ["job", "overrides", "samples/s", "step (ms)", "predicted step (ms)", "bubble measured",
+             "bubble predicted", "peak MB/rank", "predicted MB/rank", "final loss"]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for r in sorted_records(state):
+        cells = [str(r.job), f"`{r.overrides}`", _cell(r.samples_per_s), _cell(r.step_time_ms),
+                 _cell(r.predicted_step_ms),
+                 _pct(r.bubble_measured), _pct(r.bubble_predicted), _cell(r.peak_memory_mb),
+                 _cell(r.predicted_memory_mb), _cell(r.final_loss, 4)]
+        lines.append("| " + " | ".join(cells) + " |")
+    for job, text, why in state.skipped:
+        lines.append(f"\nskipped job {job} (`{text}`): {why}")
+    return "\n".join(lines)
+
+
+def _pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1%}"
+
+
+def write_tables(state: SweepState) -> None:
+    """Write ``sweep.md`` and ``sweep.csv`` into the sweep directory (rank 0)."""
+    os.makedirs(state.dir, exist_ok=True)
+    with open(os.path.join(state.dir, "sweep.md"), "w") as f:
+        f.write(f"# Sweep ({len(state.records)} jobs run, {len(state.skipped)} skipped)\n\n{format_table(state)}\n")
+    with open(os.path.join(state.dir, "sweep.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(COLUMNS)
+        for r in sorted_records(state):
+            row = asdict(r)
+            writer.writerow([";".join(f"{v:.3f}" for v in row[c]) if isinstance(row[c], list) else row[c]
+                             for c in COLUMNS])
+
+
+class SweepTable(Callback):
+    """Hydra callback: at the end of a multirun, rank 0 prints the sweep table."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        """Print where the tables are and the table itself (rank 0 of a distributed sweep)."""
+        if _STATE is None or not dist.is_initialized() or dist.get_rank() != 0:
+            return
+        print(f"sweep: {len(_STATE.records)} jobs run, {len(_STATE.skipped)} skipped; "
+              f"{os.path.join(_STATE.dir, 'sweep.md')}\n{format_table(_STATE)}", flush=True)

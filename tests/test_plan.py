@@ -1,0 +1,144 @@
+"""The planner: ranking on synthetic costs (against brute force), memory limit, and the CLI."""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeflow.config import check_config
+from pipeflow.errors import ScheduleError
+from pipeflow.partition import partition_layers
+from pipeflow.plan import compose_config, interpolate
+from pipeflow.plan_search import SearchSpace, rank_memory, search
+from pipeflow.profile import LayerProfile
+from pipeflow.schedules import GENERATORS, LAYOUTS, build_schedule, simulate
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
+
+ROOT = Path(__file__).resolve().parents[1]
+MS = 1e-3
+
+
+def layer(name: str, f: float, b: float, w: float, act: int = 0, param_bytes: int = 0) -> LayerProfile:
+    """A synthetic layer: F, B (input grad) and W (weight grad) seconds; full backward B + W."""
+    return LayerProfile(name, param_bytes // 4, param_bytes, f, b + w, act, b, w)
+
+
+def uneven_costs(b: int) -> list[LayerProfile]:
+    """Five layers with different, affine-in-b costs (a fixed overhead plus a per-sample part)."""
+    base = [(1.0, 1.5, 0.5), (3.0, 2.0, 2.5), (2.0, 2.0, 1.0), (0.5, 0.7, 0.3), (2.5, 1.0, 3.0)]
+    return [layer(f"l{i}", MS * (0.3 + f * b), MS * (0.2 + bb * b), MS * (0.1 + w * b), 1000 * b)
+            for i, (f, bb, w) in enumerate(base)]
+
+
+def brute_force_best(costs, p: int, batch: int, counts, chunks) -> float:
+    """The least simulated step over every schedule, m, v and contiguous split, computed directly."""
+    best = math.inf
+    for name, m in itertools.product(GENERATORS, counts):
+        needed = LAYOUTS[name][0]
+        for v in ([needed] if needed is not None else chunks):
+            try:
+                schedule = build_schedule(name, p, m, v if needed is None else None)
+            except ScheduleError:
+                continue
+            profiles = costs(batch // m)
+            S, L = schedule.num_stages, len(profiles)
+            split = any(a.kind == WEIGHT for acts in schedule.actions for a in acts)
+            for points in itertools.combinations(range(1, L), S - 1):
+                bounds = (0, *points, L)
+                stage = [profiles[bounds[s]:bounds[s + 1]] for s in range(S)]
+
+                def cost(action, stage=stage, split=split):
+                    layers = stage[action.stage]
+                    if action.kind == FORWARD:
+                        return sum(x.forward_s for x in layers)
+                    if action.kind == BACKWARD:
+                        return sum(x.input_grad_s if split else x.backward_s for x in layers)
+                    return sum(x.weight_grad_s for x in layers)
+
+                best = min(best, simulate(schedule, costs=cost).makespan)
+    return best
+
+
+def test_planner_top_pick_is_the_brute_force_best() -> None:
+    counts, chunks = (1, 2, 4, 8), (1, 2)
+    result = search(uneven_costs, 2, 8, SearchSpace(tuple(GENERATORS), counts, chunks, splits="all"))
+    top = result.candidates[0]
+    assert top.step_s == pytest.approx(brute_force_best(uneven_costs, 2, 8, counts, chunks), rel=1e-12)
+    assert [c.step_s for c in result.candidates] == sorted(c.step_s for c in result.candidates)
+    assert result.num_skipped > 0  # e.g. zbv/dualpipev with too few micro-batches, 6 stages of 5 layers
+
+
+def test_balanced_search_finds_the_balanced_split_of_1f1b() -> None:
+    """With the splits restricted to balanced ones, 1F1B on even layers picks the even split."""
+    even = lambda b: [layer(f"l{i}", MS * b, MS * b, MS * b) for i in range(8)]  # noqa: E731
+    result = search(even, 4, 8, SearchSpace(("1f1b",), (8,)))
+    assert result.candidates[0].split_points == (2, 4, 6)
+    assert len({c.split_points for c in result.candidates}) == len(result.candidates) <= 3  # deduplicated
+
+
+def test_with_equal_f_b_w_zbv_beats_1f1b_by_the_textbook_makespans() -> None:
+    """F = B = W = 1 ms per layer, 8 layers, p = 4, m = 8 >= 2p: 1F1B takes (m + p - 1)(F + B + W)
+    per 2-layer stage = 66 ms; ZB-V on 1-layer stages 6m + p - 1 = 51 ms, its bubble far smaller."""
+    even = lambda b: [layer(f"l{i}", MS, MS, MS) for i in range(8)]  # noqa: E731
+    result = search(even, 4, 32, SearchSpace(("1f1b", "zbv"), (8,)))
+    by_name = {c.schedule: c for c in reversed(result.candidates)}  # the best of each
+    assert result.candidates[0].schedule == "zbv"
+    assert by_name["zbv"].step_s == pytest.approx(51 * MS) and by_name["1f1b"].step_s == pytest.approx(66 * MS)
+    assert by_name["zbv"].bubble < by_name["1f1b"].bubble / 3
+    assert "schedule=zbv pipeline.num_microbatches=8 'pipeline.split_points=[1,2,3,4,5,6,7]'" == by_name["zbv"].overrides()
+
+
+def test_memory_limit_filters_gpipe_with_many_microbatches() -> None:
+    """GPipe holds all m micro-batches, 1F1B at most p: a limit between them drops GPipe."""
+    heavy = lambda b: [layer(f"l{i}", MS, MS, MS, act=10**6 * b, param_bytes=4000) for i in range(4)]  # noqa: E731
+    space = SearchSpace(("gpipe", "1f1b"), (8,))
+    free = search(heavy, 2, 16, space)
+    assert {c.schedule for c in free.candidates} == {"gpipe", "1f1b"}
+    # per-sample activations 1 MB/layer, b = 2, 2 layers per stage: 4 MB per micro-batch held.
+    gpipe_peak = max(c.peak_bytes for c in free.candidates if c.schedule == "gpipe")
+    assert gpipe_peak == pytest.approx(8 * 4e6 + 2 * 4000 * 4)
+    limited = search(heavy, 2, 16, space, memory_limit_bytes=3 * 4e6 + 1e6)
+    assert {c.schedule for c in limited.candidates} == {"1f1b"}
+    assert {c.schedule for c in limited.over_memory} == {"gpipe"}
+    assert all(c.peak_bytes <= 13e6 for c in limited.candidates)
+
+
+def test_rank_memory_charges_the_activations_each_rank_holds() -> None:
+    schedule = build_schedule("1f1b", 4, 8)
+    memory = rank_memory(schedule, [100.0] * 4, [10.0] * 4, optimizer_factor=2.0)
+    assert memory == [400 + 40, 400 + 30, 400 + 20, 400 + 10]  # rank r holds p - r micro-batches
+
+
+def test_interpolate_is_linear_between_the_profiled_sizes() -> None:
+    low, high = [layer("a", 1.0, 2.0, 3.0, act=100)], [layer("a", 5.0, 10.0, 3.0, act=500)]
+    at = interpolate(low, 1, high, 5)
+    mid = at(3)[0]
+    assert (mid.forward_s, mid.input_grad_s, mid.weight_grad_s, mid.activation_bytes) == (3.0, 6.0, 3.0, 300)
+    assert at(5)[0] == high[0] and at(1)[0] == low[0]
+
+
+def test_plan_cli_prints_overrides_that_compose_into_a_valid_config() -> None:
+    cmd = [sys.executable, "-m", "pipeflow.plan", "model=gpt", "model.n_layer=2", "model.n_embd=32",
+           "data.batch_size=8", "data.num_tokens=5000", "parallel.pp=2", "plan.top=4", "plan.repeats=1"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = re.findall(r"^\d+ +\| (\S+) +\| (\d+) +\| (\d) +\| ([\d.]+) +\| ([\d.]+)% +\| ([\d.]+) +\| (.+)$",
+                      run.stdout, re.M)
+    assert len(rows) == 4, run.stdout
+    steps = [float(r[3]) for r in rows]
+    assert steps == sorted(steps) and all(s > 0 for s in steps)
+    for name, m, v, _, _, _, overrides in rows:
+        words = [w.strip("'") for w in overrides.split()]
+        cfg = compose_config(["model.n_layer=2", "data.batch_size=8", "parallel.pp=2", *words])
+        assert cfg.schedule.name == name and cfg.pipeline.num_microbatches == int(m)
+        assert check_config(cfg, world_size=2) == (1, 2)
+        schedule = build_schedule(name, 2, int(m), cfg.pipeline.stages_per_rank)
+        assert schedule.num_stages == 2 * int(v)
+        partition_layers(4, schedule.num_stages, list(cfg.pipeline.split_points))
+    assert "run the pick: torchrun --nproc-per-node 2 train.py schedule=" in run.stdout
