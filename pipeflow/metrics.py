@@ -16,6 +16,7 @@ Definitions (r = a pipeline rank):
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import statistics
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeflow import console
 from pipeflow.errors import ConfigError
 from pipeflow.schedules import PipelineSchedule, simulate
 from pipeflow.schedules.ir import BACKWARD, FORWARD, KINDS, WEIGHT
@@ -137,8 +139,6 @@ class RunMetrics:
         self, cfg: Any, pipeline: Any, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
         predicted: float, items: tuple[int, int | None],
     ) -> None:
-        from pipeflow import console
-
         mc = cfg.metrics
         self.log_every = mc.log_every if mc.log_every is not None else cfg.train.log_every
         if self.log_every < 1:
@@ -151,7 +151,7 @@ class RunMetrics:
         self.pipeline, self.pp_rank, self.num_pp, self.device = pipeline, pp_rank, num_pp, device
         self.run_dir, self.predicted, self.items = run_dir, predicted, items
         self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
-        self.bar = console.progress_bar(self.max_steps, mc.progress_bar) if self.is_main else None
+        self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
         self.interval, self.interval_steps = RankFigures(), 0
         self.steady, self.steady_steps = RankFigures(), 0  # every step but the first (warm-up)
         self.step_times: list[float] = []
@@ -159,14 +159,14 @@ class RunMetrics:
         self._start = 0.0
 
     def _open_writer(self) -> Any:
-        import os
-
         from torch.utils.tensorboard import SummaryWriter
 
         return SummaryWriter(os.path.join(self.run_dir, "tb"))
 
     def begin_step(self, step: int) -> None:
         """Start measuring step `step` (records the pipeline's events from now on)."""
+        if self.show_bar and self.bar is None:
+            self.bar = console.progress_bar(self.max_steps, True)
         self.pipeline.events = []
         self._start = time.perf_counter()
 
@@ -190,8 +190,6 @@ class RunMetrics:
             self._report(step, loss, grad_norm, lr)
 
     def _report(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
-        from pipeflow import console
-
         means, peaks = gather_figures(self.interval, self.interval_steps, self.pp_rank, self.num_pp, self.device)
         self.interval, self.interval_steps = RankFigures(), 0
         bubble = pipeline_bubble([f.compute_s for f in means], [f.span_s for f in means])
@@ -222,7 +220,7 @@ class RunMetrics:
         """Write the traces, close the writer and the bar; returns the run's figures on every rank:
         ``samples_per_s``, ``tokens_per_s`` (None for non-token data), ``step_time_s`` (median),
         ``bubble_measured``, ``bubble_predicted``, ``peak_memory_mb`` (one per pipeline rank)."""
-        from pipeflow import console, trace
+        from pipeflow import trace  # imports this module
 
         if self.bar is not None:
             self.bar.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import statistics
 import time
 from collections.abc import Sequence
@@ -23,18 +24,35 @@ from pipeflow.schedules.ir import KINDS, Action
 RankStep = tuple[int, float, float, list[tuple[str, str, float, float]]]
 
 
-def clock_offsets(device: torch.device, rounds: int = 5) -> list[float]:
-    """Every rank's ``perf_counter`` minus rank 0's (seconds), the median of `rounds`
-    barrier-then-timestamp exchanges.  Collective over the default group."""
-    samples: list[list[float]] = []
+def clock_offsets(device: torch.device, rounds: int = 7) -> list[float]:
+    """Every rank's ``perf_counter`` minus rank 0's (seconds).  Collective over the default group.
+
+    Processes on one machine share the monotonic clock behind ``perf_counter``, so ranks on
+    rank 0's host get 0 exactly; every other host gets the median of `rounds`
+    barrier-then-timestamp exchanges over all its ranks (see :func:`host_offsets`).
+    """
     world = dist.get_world_size()
-    for _ in range(rounds):
+    hosts: list[Any] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    samples: list[list[float]] = []
+    for _ in range(rounds if len(set(hosts)) > 1 else 0):
         dist.barrier()
         now = torch.tensor([time.perf_counter()], dtype=torch.float64, device=device)
         stamps = [torch.empty_like(now) for _ in range(world)]
         dist.all_gather(stamps, now)
-        samples.append([float(t) - float(stamps[0]) for t in stamps])
-    return [statistics.median(s[r] for s in samples) for r in range(world)]
+        samples.append([float(t) for t in stamps])
+    return host_offsets(hosts, samples)
+
+
+def host_offsets(hosts: Sequence[str], samples: Sequence[Sequence[float]]) -> list[float]:
+    """Clock offsets to rank 0 from hostnames and timestamps taken together (one row per round,
+    one column per rank): 0 on rank 0's host, else the host's median of ``t_r - t_0``."""
+    offsets: dict[str, float] = {hosts[0]: 0.0}
+    for host in dict.fromkeys(hosts):
+        if host not in offsets:
+            ranks = [r for r, h in enumerate(hosts) if h == host]
+            offsets[host] = statistics.median(row[r] - row[0] for row in samples for r in ranks)
+    return [offsets[h] for h in hosts]
 
 
 def chrome_trace(steps: dict[int, list[RankStep]]) -> dict[str, Any]:
@@ -88,7 +106,11 @@ def draw_step(per_rank: Sequence[RankStep], num_pp: int, title: str, out_path: s
                 boxes.append((pp, Action.parse(name), *span))
             else:
                 waits.append((pp, *span))
-    return str(draw_timeline(boxes, num_pp, title, out_path, waits=waits, xlabel="ms"))
+    # as wide as the schedule picture would be with unit costs: the span in typical actions
+    unit = statistics.median(end - start for *_, start, end in boxes) if boxes else 1.0
+    end = max([stop for *_, stop in boxes] + [stop for *_, stop in waits], default=1.0)
+    width = min(28.0, max(8.0, 0.3 * end / max(unit, 1e-9) + 2))
+    return str(draw_timeline(boxes, num_pp, title, out_path, waits=waits, xlabel="ms", width=width))
 
 
 def write_traces(

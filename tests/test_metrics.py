@@ -131,3 +131,12 @@ def test_non_zero_ranks_log_only_warnings_tagged_with_their_rank(monkeypatch: py
         logging.captureWarnings(False)
     assert "not shown" not in err.getvalue()
     assert "[rank 2]" in err.getvalue() and "WARNING stage 1 is slow" in err.getvalue()
+
+
+def test_clock_offsets_are_zero_on_rank_0s_host_and_a_median_per_other_host() -> None:
+    from pipeflow.trace import host_offsets
+
+    hosts = ["a", "a", "b", "b"]
+    rounds = [[10.0, 10.1, 15.0, 15.2], [20.0, 19.9, 25.1, 25.0], [30.0, 30.0, 34.0, 35.0]]
+    assert host_offsets(hosts, rounds) == [0.0, 0.0, 5.0, 5.0]  # median of 5.0 5.2 5.1 5.0 4.0 5.0
+    assert host_offsets(["a", "a"], []) == [0.0, 0.0]

@@ -108,3 +108,21 @@ def test_cfg_job_prints_the_resolved_config_with_the_metrics_group() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"^metrics:\n  tensorboard: true\n  log_every: null\n  trace_steps:\n  - 5\n  progress_bar: true",
                      done.stdout, re.M), done.stdout
+
+
+def test_a_single_process_token_run_logs_tokens_per_s(tmp_path: Path) -> None:
+    """`python train.py` (a pipeline of one rank) on token data: tokens/s = samples/s x seq_len."""
+    done = subprocess.run([sys.executable, "train.py", "model.n_layer=1", "model.n_embd=16", "data.batch_size=8",
+                           "data.seq_len=16", "data.num_tokens=5000", "pipeline.num_microbatches=2",
+                           "pipeline.profile=false", "train.max_steps=3", "train.log_every=1", "train.eval_every=0",
+                           "train.eval_batches=1", "metrics.trace_steps=[1]", f"train.run_dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    samples = [e.value for e in events.Scalars("train/samples_per_s")]
+    tokens = [e.value for e in events.Scalars("train/tokens_per_s")]
+    assert len(tokens) == 3 and tokens == pytest.approx([16 * s for s in samples], rel=1e-4)
+    assert [e.value for e in events.Scalars("pipeline/bubble_predicted")] == [0.0] * 3
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert sum(e["ph"] == "X" and e["cat"] == "F" for e in trace["traceEvents"]) == 2
