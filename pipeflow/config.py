@@ -135,6 +135,7 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "float32"
     run_dir: str | None = None  # default: outputs/<timestamp>, chosen by rank 0
+    check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage
 
 
 @dataclass
