@@ -20,9 +20,10 @@ import fault_cases as cases
 from mp_harness import CaseResult, run_cases
 from pipeflow import guard
 from pipeflow.config import check_config
-from pipeflow.errors import ConfigError, StageError, StageOutOfMemoryError
+from pipeflow.errors import ConfigError, ScheduleError, StageError, StageOutOfMemoryError
 from pipeflow.faults import FaultSpec
-from pipeflow.schedules import lower, one_f_one_b
+from pipeflow.schedules import build_schedule, lower, one_f_one_b
+from pipeflow.trainer import build_batches
 from test_cli import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,15 @@ def test_existing_paths_pass(tmp_path: Path) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("hello")
     assert check_config(compose_config("data=text", f"data.path={text}"), world_size=2) == (1, 2)
+
+
+def test_unknown_names_list_the_valid_ones() -> None:
+    with pytest.raises(ScheduleError, match=r"unknown placement 'zigzag'; valid: loop, v \(pipeline.placement\)"):
+        build_schedule("interleaved_1f1b", 2, 4, placement="zigzag")
+    with pytest.raises(ConfigError, match=r"unknown data.name='imagenet'; valid: markov, text, gaussian, cifar10"):
+        build_batches(compose_config("data.name=imagenet").data, None)
+    with pytest.raises(ConfigError, match=r"train.dtype='fp8' is not one of float32, float64, bfloat16, float16"):
+        check_config(compose_config("train.dtype=fp8"), world_size=2)
 
 
 def test_config_differences_name_keys_values_and_ranks() -> None:
