@@ -39,6 +39,7 @@ def _error(call: Any) -> str:
 def config_agreement(differ: bool) -> str:
     """check_same_config on a structured config; with `differ`, rank 1 has other overrides."""
     cfg = OmegaConf.structured(Config(model=MLPModelConfig()))
+    cfg.train.run_dir = f"outputs/rank{dist.get_rank()}"  # may differ: rank 0's is broadcast
     if differ and dist.get_rank() == 1:
         cfg.pipeline.num_microbatches = 4
         cfg.comm.timeout_s = 60.0

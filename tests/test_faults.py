@@ -193,6 +193,7 @@ def test_ranks_started_with_different_overrides_stop_with_the_difference(world) 
         assert "pipeline.num_microbatches: 8 on rank 0; 4 on rank 1" in text
         assert "comm.timeout_s: 300.0 on rank 0; 60.0 on rank 1" in text
         assert re.search(r"config hashes: [0-9a-f]{12} on rank 0; [0-9a-f]{12} on rank 1", text)
+        assert "train.run_dir" not in text  # differs too, but rank 0's is broadcast
 
 
 def test_ranks_that_built_different_schedules_stop_before_communicating(world) -> None:
