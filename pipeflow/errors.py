@@ -55,3 +55,7 @@ class ConfigMismatchError(ConfigError):
 
 class StageOutOfMemoryError(StageError):
     """A stage ran out of device memory; the message gives memory figures and the knobs to turn."""
+
+
+class NonFiniteError(PipeflowError, FloatingPointError):
+    """NaN or Inf in a loss or gradient (``train.check_finite``); names the stage where it appeared first."""

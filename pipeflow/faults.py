@@ -11,6 +11,7 @@ kill       sends itself SIGKILL (a process that dies mid-step)
 oom        raises torch.OutOfMemoryError (CUDA out of memory)
 shape      returns outputs whose first dimension is halved
 dtype      returns outputs in another floating dtype
+nan        returns outputs filled with NaN (floating ones)
 =========  =====================================================================
 
 Each injection prints ``[pipeflow fault injection] ... t=<unix time>`` to stderr first, so a
@@ -30,7 +31,7 @@ import torch
 from pipeflow.errors import ConfigError
 
 ENV_VAR = "PIPEFLOW_FAULT_INJECT"
-KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype")
+KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan")
 STALL_S = 3600.0
 
 
@@ -115,6 +116,8 @@ class FaultInjector:
             return tuple(t[: max(1, t.shape[0] // 2)] if t.dim() else t for t in outputs)
         if self.spec.kind == "dtype":
             return tuple(t.to(torch.float32 if t.dtype == torch.float64 else torch.float64) for t in outputs)
+        if self.spec.kind == "nan":
+            return tuple(t * float("nan") if t.is_floating_point() else t for t in outputs)
         return outputs
 
 

@@ -39,6 +39,9 @@ log = logging.getLogger("pipeflow")
 FAILURE_COUNT_KEY = "pipeflow/failures"
 FIRST_FAILURE_KEY = "pipeflow/first_failure"
 MAX_LISTED_KEYS = 20
+# Keys that may differ between ranks: rank 0's run directory is broadcast to all (a ${now:}
+# in it resolves per rank, possibly a second apart).
+AGREEMENT_IGNORES = ("train.run_dir",)
 OOM_HINTS = (
     "To fit: use smaller micro-batches (more pipeline.num_microbatches for the same data.batch_size), "
     "turn on activation checkpointing, pick a schedule that keeps fewer micro-batches in flight "
@@ -104,7 +107,7 @@ def check_same_config(cfg: Any, group: dist.ProcessGroup | None = None) -> str:
     Raises:
         ConfigMismatchError: on every rank, listing the differing keys and each rank's value.
     """
-    flat = flatten_config(cfg)
+    flat = {k: v for k, v in flatten_config(cfg).items() if k not in AGREEMENT_IGNORES}
     digest = config_hash(flat)
     size = dist.get_world_size(group)
     if size == 1:

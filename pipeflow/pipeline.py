@@ -235,7 +235,7 @@ class Pipeline:
                 landed.append((op, buffers))
         if sends or recvs:
             action = f"before {step.action}" if step.action is not None else "after the last action"
-            what = "; ".join(op.describe() for op in step.ops) + f" (step {k}, {action})"
+            what = "; ".join(op.describe() for op in step.ops) + f" (program step {k}, {action})"
             self.comm.exchange(sends, recvs, what=what, timeout_s=self._timeout)
         for op, buffers in landed:
             if op.payload == ACTIVATION:

@@ -23,6 +23,7 @@ from pipeflow.comm import P2PComm
 from pipeflow.config import check_config
 from pipeflow.errors import ConfigError
 from pipeflow.faults import install_from_env
+from pipeflow.finite import FiniteCheck
 from pipeflow.models.spec import ModelSpec
 from pipeflow.layout import choose_layout, describe_layout
 from pipeflow.mesh import all_reduce_grads, build_mesh
@@ -206,6 +207,7 @@ class Trainer:
         self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
         self.faults = install_from_env(self.stages, self.rank)  # PIPEFLOW_FAULT_INJECT (tests)
         self._first_step_done = False
+        self.finite = FiniteCheck(self.stages, self.schedule.num_stages, device) if cfg.train.check_finite else None
         self.params = unique_parameters(st.parameters() for st in self.stages.values())
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
@@ -261,6 +263,8 @@ class Trainer:
         for stage in self.stages.values():
             stage.grad_scale = self.scaler.scale
         loss = self.pipeline.run(inputs, targets)
+        if self.finite is not None:
+            self.finite.check(step, self.schedule.stage_to_rank)
         extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
         self.tied.reduce_grads()
         all_reduce_grads(self.params, self.mesh.dp_group, self.dp)
@@ -302,7 +306,8 @@ class Trainer:
         total = torch.zeros(1, device=self.device, dtype=torch.float64)
         for k in range(self.cfg.train.eval_batches):
             inputs, targets = self._microbatches(self._local_batch(self.batches.val, k))
-            loss = self.pipeline.eval(inputs, targets)
+            with guard.context("evaluation"):
+                loss = self.pipeline.eval(inputs, targets)
             if loss is not None:
                 total += loss.double()
         dist.all_reduce(total)  # the last stage of every replica holds its shard's mean loss

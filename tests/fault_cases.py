@@ -16,6 +16,7 @@ from pipeflow import guard
 from pipeflow.comm import P2PComm
 from pipeflow.config import Config, MLPModelConfig
 from pipeflow.faults import FaultInjector, FaultSpec
+from pipeflow.finite import FiniteCheck
 from pipeflow.partition import partition_layers
 from pipeflow.pipeline import Pipeline
 from pipeflow.schedules import build_schedule
@@ -38,6 +39,7 @@ def _error(call: Any) -> str:
 def config_agreement(differ: bool) -> str:
     """check_same_config on a structured config; with `differ`, rank 1 has other overrides."""
     cfg = OmegaConf.structured(Config(model=MLPModelConfig()))
+    cfg.train.run_dir = f"outputs/rank{dist.get_rank()}"  # may differ: rank 0's is broadcast
     if differ and dist.get_rank() == 1:
         cfg.pipeline.num_microbatches = 4
         cfg.comm.timeout_s = 60.0
@@ -58,9 +60,11 @@ def _own_group() -> Any:
     return groups[dist.get_rank()]
 
 
-def stage_fault(kind: str, microbatch: int = 1) -> str:
+def stage_fault(kind: str, microbatch: int = 1, check_finite: bool = False, nan_grad_stage: int | None = None) -> str:
     """A two-stage pipeline on this rank alone (interleaved 1F1B, p = 1); `kind` injected into
-    stage 0's forward of `microbatch` at step 1 (step 0 runs clean and negotiates shapes)."""
+    stage 0's forward of `microbatch` at step 1 (step 0 runs clean and negotiates shapes).
+    With `check_finite`, a FiniteCheck runs after each step; `nan_grad_stage` turns that
+    stage's first parameter gradient into NaN from step 1 on (a backward-only fault)."""
     group = _own_group()
     spec = build_toy("mlp")
     schedule = build_schedule("interleaved_1f1b", 1, 2, stages_per_rank=2)
@@ -69,12 +73,18 @@ def stage_fault(kind: str, microbatch: int = 1) -> str:
     pipe = Pipeline(stages, schedule, P2PComm(group, torch.device("cpu"), timeout_s=10.0))
     injector = FaultInjector(FaultSpec(kind, rank=dist.get_rank(), step=1, microbatch=microbatch, stage=0), dist.get_rank())
     injector.install(stages)
+    finite = FiniteCheck(stages, 2, torch.device("cpu")) if check_finite else None
+    if nan_grad_stage is not None:
+        weight = stages[nan_grad_stage].parameters()[0]
+        weight.register_hook(lambda g: g * float("nan") if injector.step == 1 else g)
 
     def run() -> None:
         for step in range(2):
             injector.step = step
             x, y = random_batch("mlp", BATCH, seed=step)
             pipe.run([(mb,) for mb in x.chunk(2)], list(y.chunk(2)))
+            if finite is not None:
+                finite.check(step, schedule.stage_to_rank, group)
 
     return _error(run)
 

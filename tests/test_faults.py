@@ -20,9 +20,10 @@ import fault_cases as cases
 from mp_harness import CaseResult, run_cases
 from pipeflow import guard
 from pipeflow.config import check_config
-from pipeflow.errors import ConfigError, StageError, StageOutOfMemoryError
+from pipeflow.errors import ConfigError, ScheduleError, StageError, StageOutOfMemoryError
 from pipeflow.faults import FaultSpec
-from pipeflow.schedules import lower, one_f_one_b
+from pipeflow.schedules import build_schedule, lower, one_f_one_b
+from pipeflow.trainer import build_batches
 from test_cli import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,15 @@ def test_existing_paths_pass(tmp_path: Path) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("hello")
     assert check_config(compose_config("data=text", f"data.path={text}"), world_size=2) == (1, 2)
+
+
+def test_unknown_names_list_the_valid_ones() -> None:
+    with pytest.raises(ScheduleError, match=r"unknown placement 'zigzag'; valid: loop, v \(pipeline.placement\)"):
+        build_schedule("interleaved_1f1b", 2, 4, placement="zigzag")
+    with pytest.raises(ConfigError, match=r"unknown data.name='imagenet'; valid: markov, text, gaussian, cifar10"):
+        build_batches(compose_config("data.name=imagenet").data, None)
+    with pytest.raises(ConfigError, match=r"train.dtype='fp8' is not one of float32, float64, bfloat16, float16"):
+        check_config(compose_config("train.dtype=fp8"), world_size=2)
 
 
 def test_config_differences_name_keys_values_and_ranks() -> None:
@@ -155,6 +165,9 @@ def _world_cases() -> list[tuple[str, object]]:
         ("fault-dtype", functools.partial(cases.stage_fault, "dtype")),
         ("fault-shape", functools.partial(cases.stage_fault, "shape")),
         ("first-failure", cases.first_failure_is_shared),
+        ("nan-forward", functools.partial(cases.stage_fault, "nan", check_finite=True)),
+        ("nan-backward", functools.partial(cases.stage_fault, "none", check_finite=True, nan_grad_stage=1)),
+        ("nan-unchecked", functools.partial(cases.stage_fault, "nan")),
     ]
 
 
@@ -180,6 +193,7 @@ def test_ranks_started_with_different_overrides_stop_with_the_difference(world) 
         assert "pipeline.num_microbatches: 8 on rank 0; 4 on rank 1" in text
         assert "comm.timeout_s: 300.0 on rank 0; 60.0 on rank 1" in text
         assert re.search(r"config hashes: [0-9a-f]{12} on rank 0; [0-9a-f]{12} on rank 1", text)
+        assert "train.run_dir" not in text  # differs too, but rank 0's is broadcast
 
 
 def test_ranks_that_built_different_schedules_stop_before_communicating(world) -> None:
@@ -212,6 +226,20 @@ def test_wrong_shape_names_both_stages_and_dynamic_shapes(world) -> None:
     for text in _values(world["fault-shape"]):
         assert "produced outputs ['[2, 16] float64, grad'] for micro-batch 1" in text
         assert "stage 1 (rank 0) expects ['[4, 16] float64, grad']" in text and "comm.dynamic_shapes=true" in text
+
+
+def test_non_finite_forward_is_traced_to_the_stage_that_produced_it(world) -> None:
+    for text in _values(world["nan-forward"]):
+        assert text.startswith("NonFiniteError: training step 1: non-finite values (NaN or Inf) first appeared "
+                               "in the forward output of stage 0 (rank 0)")
+        assert "stages with non-finite forward outputs: [0, 1], with non-finite gradients: [0, 1]" in text
+    assert _values(world["nan-unchecked"]) == ["no error", "no error"]  # the check is opt-in
+
+
+def test_non_finite_gradients_only_are_traced_to_their_stage(world) -> None:
+    for text in _values(world["nan-backward"]):
+        assert "first appeared in the parameter gradients of stage 1 (rank 0), in backward" in text
+        assert "non-finite forward outputs: none, with non-finite gradients: [1]" in text
 
 
 def test_later_failures_read_the_first_one_from_the_store(world) -> None:
@@ -337,4 +365,15 @@ def test_a_deadlocking_schedule_file_stops_every_rank_with_the_grid(tmp_path: Pa
     assert "[1F1]" in job.output and "rank 0" in job.output
     assert "warm-up" not in job.output and "run directory" not in job.output  # nothing ran
     assert time.time() - started < 60
+    assert not job.survivors
+
+
+def test_check_finite_stops_every_rank_at_the_stage_that_made_nan(tmp_path: Path) -> None:
+    job = run_job(2, tmp_path, "train.check_finite=true", fault="nan:rank=0:step=2")
+    assert job.returncode != 0, _report(job)
+    for rank in (0, 1):
+        assert f"rank {rank} failed with NonFiniteError" in job.output, _report(job)
+    assert ("NonFiniteError: training step 2: non-finite values (NaN or Inf) first appeared in the forward "
+            "output of stage 0 (rank 0)") in job.output
+    assert job.detect_s is not None and job.detect_s < 10, _report(job)
     assert not job.survivors
