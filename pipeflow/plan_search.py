@@ -119,7 +119,7 @@ def search(
     space: SearchSpace,
     memory_limit_bytes: float | None = None,
     optimizer_factor: float = 2.0,
-    comm_latency_s: float = 0.0,
+    comm_latency_s: float | Callable[[int], float] = 0.0,
 ) -> PlanResult:
     """Simulate every combination of `space` and rank them by predicted step time.
 
@@ -130,7 +130,8 @@ def search(
         space: what to try.
         memory_limit_bytes: layouts whose busiest rank needs more go to ``over_memory``.
         optimizer_factor: optimizer state bytes per parameter byte (2 for Adam).
-        comm_latency_s: added by the simulator to every step that communicates.
+        comm_latency_s: added by the simulator to every step that communicates; a number, or a
+            function of the micro-batch size b.
 
     Returns:
         The `PlanResult`; invalid combinations are counted in ``skipped`` by reason.
@@ -151,6 +152,7 @@ def search(
             _count(result, f"data.batch_size={batch_size} not a multiple of m")
             continue
         profiles = costs(batch_size // m)
+        latency = comm_latency_s(batch_size // m) if callable(comm_latency_s) else comm_latency_s
         try:
             schedule = build_schedule(name, num_ranks, m, v if takes_chunks else None)
             programs = lower(schedule)
@@ -159,7 +161,7 @@ def search(
             _count(result, f"{name}: {str(err).splitlines()[0]}")
             continue
         for ranges in splits:
-            cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, comm_latency_s, takes_chunks)
+            cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, latency, takes_chunks)
             fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
             (result.candidates if fits else result.over_memory).append(cand)
     result.candidates.sort(key=_rank_key)

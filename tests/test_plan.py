@@ -142,3 +142,5 @@ def test_plan_cli_prints_overrides_that_compose_into_a_valid_config() -> None:
         assert schedule.num_stages == 2 * int(v)
         partition_layers(4, schedule.num_stages, list(cfg.pipeline.split_points))
     assert "run the pick: torchrun --nproc-per-node 2 train.py schedule=" in run.stdout
+    latency = re.search(r"comm measured \(gloo\): ([\d.]+) ms per step", run.stdout)  # plan.comm_latency_ms=null
+    assert latency and 0 < float(latency.group(1)) < 1000, run.stdout
