@@ -174,6 +174,7 @@ class PlanConfig:
     comm_latency_ms: float | None = None  # per communicating step; null: measured (2 local processes)
     repeats: int = 5  # timed runs per layer when profiling
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (AdamW: 2)
+    csv: str | None = None  # also write every simulated layout to this CSV file
 
 
 @dataclass

@@ -12,6 +12,7 @@ the fastest that fit ``plan.memory_limit_gb`` are printed with ready-to-paste ov
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
 import sys
 from pathlib import Path
@@ -109,6 +110,8 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None) -> tuple[PlanResul
     latency, comm = comm_model(cfg, costs, sizes, device, pp)
     limit = None if cfg.plan.memory_limit_gb is None else cfg.plan.memory_limit_gb * 1e9
     result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency)
+    if cfg.plan.csv:
+        write_csv(result, cfg.plan.csv)
     header = (f"planner: {pp} pipeline ranks, batch {batch}, profiled on {device} ({cfg.train.dtype}) "
               f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}")
     return result, header + "\n" + format_plan(result, cfg.plan.top, pp, limit)
@@ -159,6 +162,19 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
     else:
         lines.append("no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches)")
     return "\n".join(lines)
+
+
+def write_csv(result: PlanResult, path: str) -> None:
+    """Every simulated layout, fastest first, with whether it fits the memory limit."""
+    rows = [(c, True) for c in result.candidates] + [(c, False) for c in result.over_memory]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["schedule", "num_microbatches", "stages_per_rank", "split_points", "step_ms", "bubble",
+                         "peak_memory_mb", "fits", "overrides"])
+        for c, fits in sorted(rows, key=lambda row: row[0].step_s):
+            writer.writerow([c.schedule, c.num_microbatches, c.stages_per_rank, " ".join(map(str, c.split_points)),
+                             f"{1e3 * c.step_s:.4f}", f"{c.bubble:.4f}", f"{c.peak_bytes / 1e6:.3f}", fits,
+                             c.overrides()])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
