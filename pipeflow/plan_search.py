@@ -137,17 +137,13 @@ def search(
         The `PlanResult`; invalid combinations are counted in ``skipped`` by reason.
 
     Raises:
-        ConfigError: an unknown split search, or ``all`` with too many splits.
+        ConfigError: an unknown schedule or split search, or ``all`` with too many splits.
     """
     if space.splits not in SPLIT_SEARCHES:
         raise ConfigError(f"plan.splits={space.splits!r} is not one of {SPLIT_SEARCHES}")
     result = PlanResult()
-    for name, m, v in itertools.product(space.schedules, space.microbatches, space.chunks):
-        takes_chunks = name in LAYOUTS and LAYOUTS[name][0] is None
-        if name in LAYOUTS and not takes_chunks and v != LAYOUTS[name][0]:
-            continue  # a fixed-chunk schedule is tried once, at its own v
-        if takes_chunks and v == 1 and len(space.chunks) > 1:
-            continue  # one chunk per rank is 1F1B / GPipe again
+    for name, m, v in _combinations(space):
+        takes_chunks = LAYOUTS[name][0] is None
         if batch_size % m:
             _count(result, f"data.batch_size={batch_size} not a multiple of m")
             continue
@@ -167,6 +163,19 @@ def search(
     result.candidates.sort(key=_rank_key)
     result.over_memory.sort(key=_rank_key)
     return result
+
+
+def _combinations(space: SearchSpace) -> Iterator[tuple[str, int, int]]:
+    """(schedule, m, v) to try: a fixed-chunk schedule at its own v, the others at each of
+    `space.chunks` (without v = 1 when there are others: one chunk per rank is 1F1B / GPipe)."""
+    for name in space.schedules:
+        if name not in LAYOUTS:
+            raise ConfigError(f"unknown schedule {name!r} in the search; valid: {', '.join(LAYOUTS)}")
+        needed = LAYOUTS[name][0]
+        chunks = (needed,) if needed is not None else tuple(v for v in space.chunks if v > 1 or len(space.chunks) == 1)
+        for m in space.microbatches:
+            for v in chunks:
+                yield name, m, v
 
 
 def _rank_key(c: Candidate) -> tuple:

@@ -150,3 +150,10 @@ def test_plan_cli_prints_overrides_that_compose_into_a_valid_config(tmp_path: Pa
         simulated = list(csv.DictReader(f))
     assert len(simulated) > 4
     assert all(abs(float(r["step_ms"]) - s) <= 0.006 for r, s in zip(simulated, steps))  # table rounds to 0.01
+
+
+def test_fixed_chunk_schedules_are_tried_whatever_the_chunk_counts() -> None:
+    """ZB-V always has 2 chunks per rank: plan.max_chunks=1 must not hide it."""
+    even = lambda b: [layer(f"l{i}", MS, MS, MS) for i in range(8)]  # noqa: E731
+    result = search(even, 2, 8, SearchSpace(("zbv", "interleaved_1f1b"), (4,), chunks=(1,)))
+    assert {(c.schedule, c.stages_per_rank) for c in result.candidates} == {("zbv", 2), ("interleaved_1f1b", 1)}
