@@ -188,9 +188,10 @@ class PlanConfig:
     microbatches: list[int] | None = None  # null: every count that divides data.batch_size
     max_chunks: int = 4  # stages per rank tried by schedules that take any count
     splits: str = "balanced"  # balanced (time, memory, uniform) | all (every split; small models)
-    comm_latency_ms: float = 0.0  # added per communicating step in the simulation
+    comm_latency_ms: float | None = None  # per communicating step; null: measured (2 local processes)
     repeats: int = 5  # timed runs per layer when profiling
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (AdamW: 2)
+    csv: str | None = None  # also write every simulated layout to this CSV file
 
 
 @dataclass

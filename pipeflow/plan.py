@@ -12,6 +12,7 @@ the fastest that fit ``plan.memory_limit_gb`` are printed with ready-to-paste ov
 """
 from __future__ import annotations
 
+import csv
 import dataclasses
 import sys
 from pathlib import Path
@@ -30,7 +31,7 @@ from pipeflow.profile import LayerProfile, profile_layers
 from pipeflow.schedules import GENERATORS
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-_SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes")
+_SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes")
 
 
 def compose_config(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> DictConfig:
@@ -106,11 +107,37 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None) -> tuple[PlanResul
         raise ConfigError(f"no count in plan.microbatches={list(space.microbatches)} divides data.batch_size={batch}")
     device = choose_device(cfg.dist.backend, cfg.dist.device)[1]
     costs = costs or profile_costs(cfg, sizes, device)
+    latency, comm = comm_model(cfg, costs, sizes, device, pp)
     limit = None if cfg.plan.memory_limit_gb is None else cfg.plan.memory_limit_gb * 1e9
-    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, cfg.plan.comm_latency_ms / 1e3)
+    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency)
+    if cfg.plan.csv:
+        write_csv(result, cfg.plan.csv)
     header = (f"planner: {pp} pipeline ranks, batch {batch}, profiled on {device} ({cfg.train.dtype}) "
-              f"at micro-batch sizes {min(sizes)} and {max(sizes)}")
+              f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}")
     return result, header + "\n" + format_plan(result, cfg.plan.top, pp, limit)
+
+
+def comm_model(cfg: DictConfig, costs: CostModel, sizes: Sequence[int], device: torch.device,
+               num_ranks: int) -> tuple[Any, str]:
+    """The simulated cost of a communicating step: ``plan.comm_latency_ms``, or when that is null,
+    an exchange of the largest layer output measured between two local processes at the smallest
+    and the largest micro-batch size (linear in between); and a line saying which."""
+    if cfg.plan.comm_latency_ms is not None or num_ranks == 1:
+        ms = cfg.plan.comm_latency_ms or 0.0
+        return ms / 1e3, f"comm {ms:g} ms per step (plan.comm_latency_ms)"
+    from pipeflow.plan_comm import measure_exchange_s
+
+    b_low, b_high = min(sizes), max(sizes)
+    payload = [max(p.output_bytes for p in costs(b)) for b in (b_low, b_high)]
+    use_cuda = device.type == "cuda" and torch.cuda.device_count() >= 2
+    low, high = measure_exchange_s(payload, use_cuda=use_cuda)
+
+    def latency(b: int) -> float:
+        return low if b_high == b_low else max(0.0, low + (high - low) * (b - b_low) / (b_high - b_low))
+
+    how = "nccl" if use_cuda else "gloo"
+    return latency, (f"comm measured ({how}): {1e3 * low:.3f} ms per step at {payload[0] / 1e6:.2f} MB, "
+                     f"{1e3 * high:.3f} ms at {payload[1] / 1e6:.2f} MB")
 
 
 def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float | None) -> str:
@@ -135,6 +162,19 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
     else:
         lines.append("no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches)")
     return "\n".join(lines)
+
+
+def write_csv(result: PlanResult, path: str) -> None:
+    """Every simulated layout, fastest first, with whether it fits the memory limit."""
+    rows = [(c, True) for c in result.candidates] + [(c, False) for c in result.over_memory]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["schedule", "num_microbatches", "stages_per_rank", "split_points", "step_ms", "bubble",
+                         "peak_memory_mb", "fits", "overrides"])
+        for c, fits in sorted(rows, key=lambda row: row[0].step_s):
+            writer.writerow([c.schedule, c.num_microbatches, c.stages_per_rank, " ".join(map(str, c.split_points)),
+                             f"{1e3 * c.step_s:.4f}", f"{c.bubble:.4f}", f"{c.peak_bytes / 1e6:.3f}", fits,
+                             c.overrides()])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

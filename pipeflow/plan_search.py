@@ -119,7 +119,7 @@ def search(
     space: SearchSpace,
     memory_limit_bytes: float | None = None,
     optimizer_factor: float = 2.0,
-    comm_latency_s: float = 0.0,
+    comm_latency_s: float | Callable[[int], float] = 0.0,
 ) -> PlanResult:
     """Simulate every combination of `space` and rank them by predicted step time.
 
@@ -130,27 +130,25 @@ def search(
         space: what to try.
         memory_limit_bytes: layouts whose busiest rank needs more go to ``over_memory``.
         optimizer_factor: optimizer state bytes per parameter byte (2 for Adam).
-        comm_latency_s: added by the simulator to every step that communicates.
+        comm_latency_s: added by the simulator to every step that communicates; a number, or a
+            function of the micro-batch size b.
 
     Returns:
         The `PlanResult`; invalid combinations are counted in ``skipped`` by reason.
 
     Raises:
-        ConfigError: an unknown split search, or ``all`` with too many splits.
+        ConfigError: an unknown schedule or split search, or ``all`` with too many splits.
     """
     if space.splits not in SPLIT_SEARCHES:
         raise ConfigError(f"plan.splits={space.splits!r} is not one of {SPLIT_SEARCHES}")
     result = PlanResult()
-    for name, m, v in itertools.product(space.schedules, space.microbatches, space.chunks):
-        takes_chunks = name in LAYOUTS and LAYOUTS[name][0] is None
-        if name in LAYOUTS and not takes_chunks and v != LAYOUTS[name][0]:
-            continue  # a fixed-chunk schedule is tried once, at its own v
-        if takes_chunks and v == 1 and len(space.chunks) > 1:
-            continue  # one chunk per rank is 1F1B / GPipe again
+    for name, m, v in _combinations(space):
+        takes_chunks = LAYOUTS[name][0] is None
         if batch_size % m:
             _count(result, f"data.batch_size={batch_size} not a multiple of m")
             continue
         profiles = costs(batch_size // m)
+        latency = comm_latency_s(batch_size // m) if callable(comm_latency_s) else comm_latency_s
         try:
             schedule = build_schedule(name, num_ranks, m, v if takes_chunks else None)
             programs = lower(schedule)
@@ -159,12 +157,25 @@ def search(
             _count(result, f"{name}: {str(err).splitlines()[0]}")
             continue
         for ranges in splits:
-            cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, comm_latency_s, takes_chunks)
+            cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, latency, takes_chunks)
             fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
             (result.candidates if fits else result.over_memory).append(cand)
     result.candidates.sort(key=_rank_key)
     result.over_memory.sort(key=_rank_key)
     return result
+
+
+def _combinations(space: SearchSpace) -> Iterator[tuple[str, int, int]]:
+    """(schedule, m, v) to try: a fixed-chunk schedule at its own v, the others at each of
+    `space.chunks` (without v = 1 when there are others: one chunk per rank is 1F1B / GPipe)."""
+    for name in space.schedules:
+        if name not in LAYOUTS:
+            raise ConfigError(f"unknown schedule {name!r} in the search; valid: {', '.join(LAYOUTS)}")
+        needed = LAYOUTS[name][0]
+        chunks = (needed,) if needed is not None else tuple(v for v in space.chunks if v > 1 or len(space.chunks) == 1)
+        for m in space.microbatches:
+            for v in chunks:
+                yield name, m, v
 
 
 def _rank_key(c: Candidate) -> tuple:

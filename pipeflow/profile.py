@@ -35,6 +35,8 @@ class LayerProfile:
             measured (``profile_layers(..., split_backward=False)``) or when no input needs a grad.
         weight_grad_s: median time of the weight-grad half (W); 0 when not measured or no
             parameters.
+        output_bytes: bytes of the layer's output tensors (what goes to the next stage when a
+            stage ends here).
     """
 
     name: str
@@ -45,6 +47,7 @@ class LayerProfile:
     activation_bytes: int
     input_grad_s: float = 0.0
     weight_grad_s: float = 0.0
+    output_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -140,6 +143,7 @@ def _profile_one(
         activation_bytes=activation_bytes,
         input_grad_s=statistics.median(h[0] for h in halves),
         weight_grad_s=statistics.median(h[1] for h in halves),
+        output_bytes=sum(t.numel() * t.element_size() for t in outputs if isinstance(t, Tensor)),
     )
     return profile, _to_device(outputs, device, None, requires_grad=True)
 

@@ -1,6 +1,7 @@
 """The planner: ranking on synthetic costs (against brute force), memory limit, and the CLI."""
 from __future__ import annotations
 
+import csv
 import itertools
 import math
 import re
@@ -122,9 +123,10 @@ def test_interpolate_is_linear_between_the_profiled_sizes() -> None:
     assert at(5)[0] == high[0] and at(1)[0] == low[0]
 
 
-def test_plan_cli_prints_overrides_that_compose_into_a_valid_config() -> None:
+def test_plan_cli_prints_overrides_that_compose_into_a_valid_config(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "pipeflow.plan", "model=gpt", "model.n_layer=2", "model.n_embd=32",
-           "data.batch_size=8", "data.num_tokens=5000", "parallel.pp=2", "plan.top=4", "plan.repeats=1"]
+           "data.batch_size=8", "data.num_tokens=5000", "parallel.pp=2", "plan.top=4", "plan.repeats=1",
+           f"plan.csv={tmp_path / 'plan.csv'}"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stdout + run.stderr
@@ -142,3 +144,16 @@ def test_plan_cli_prints_overrides_that_compose_into_a_valid_config() -> None:
         assert schedule.num_stages == 2 * int(v)
         partition_layers(4, schedule.num_stages, list(cfg.pipeline.split_points))
     assert "run the pick: torchrun --nproc-per-node 2 train.py schedule=" in run.stdout
+    latency = re.search(r"comm measured \(gloo\): ([\d.]+) ms per step", run.stdout)  # plan.comm_latency_ms=null
+    assert latency and 0 < float(latency.group(1)) < 1000, run.stdout
+    with open(tmp_path / "plan.csv") as f:
+        simulated = list(csv.DictReader(f))
+    assert len(simulated) > 4
+    assert all(abs(float(r["step_ms"]) - s) <= 0.006 for r, s in zip(simulated, steps))  # table rounds to 0.01
+
+
+def test_fixed_chunk_schedules_are_tried_whatever_the_chunk_counts() -> None:
+    """ZB-V always has 2 chunks per rank: plan.max_chunks=1 must not hide it."""
+    even = lambda b: [layer(f"l{i}", MS, MS, MS) for i in range(8)]  # noqa: E731
+    result = search(even, 2, 8, SearchSpace(("zbv", "interleaved_1f1b"), (4,), chunks=(1,)))
+    assert {(c.schedule, c.stages_per_rank) for c in result.candidates} == {("zbv", 2), ("interleaved_1f1b", 1)}

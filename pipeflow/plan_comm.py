@@ -1,0 +1,92 @@
+"""What one batched exchange between neighbouring stages costs here, for the planner's simulation.
+
+Two local processes post a send and a recv to each other in one ``batch_isend_irecv`` (as the
+pipeline does at every step) and time it: gloo on CPU tensors, or NCCL on ``cuda:0``/``cuda:1``
+when the planner profiles on a GPU and the machine has two.  Spawning costs a few seconds, so
+the planner measures once per payload size.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_WARMUP = 5
+
+
+def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bool = False,
+                       timeout_s: float = 120.0) -> list[float]:
+    """Median seconds of one exchange (send and recv of each payload, both ways) between 2 processes.
+
+    Args:
+        payload_bytes: the payload sizes to time, in bytes.
+        repeats: timed exchanges per size.
+        use_cuda: NCCL between two GPUs (needs two), else gloo on CPU.
+        timeout_s: give up after this long.
+
+    Returns:
+        Seconds per exchange for each payload size, in order.
+
+    Raises:
+        RuntimeError: the measuring processes failed or timed out.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, payload_bytes, repeats, use_cuda, results))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        times = results.get(timeout=timeout_s)
+    except Exception as err:
+        raise RuntimeError(f"measuring the exchange time failed (no result within {timeout_s:g} s); "
+                           "set plan.comm_latency_ms=<ms> instead") from err
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return times
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool, results: Any) -> None:
+    """One side of the exchange: time `repeats` batched send+recv pairs per size; rank 0 reports."""
+    torch.set_num_threads(1)
+    device = torch.device(f"cuda:{rank}") if use_cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=2)
+    try:
+        times = [_time_exchange(1 - rank, max(1, n // 4), repeats, device) for n in sizes]
+        if rank == 0:
+            results.put(times)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _time_exchange(peer: int, numel: int, repeats: int, device: torch.device) -> float:
+    send = torch.zeros(numel, device=device)
+    recv = torch.empty_like(send)
+    samples = []
+    for k in range(_WARMUP + repeats):
+        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+        start = time.perf_counter()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if k >= _WARMUP:
+            samples.append(time.perf_counter() - start)
+    samples.sort()
+    return samples[len(samples) // 2]
