@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from pipeflow import checkpoint
 from pipeflow import data as datasets
 from pipeflow.comm import P2PComm
 from pipeflow.config import check_config
@@ -204,6 +205,8 @@ class Trainer:
             self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
         )
         self.run_dir = self._agree_run_dir()
+        self.checkpoint_root = os.path.join(self.run_dir, "checkpoints")
+        self.history: list[float] = []  # the loss of every step this run trained
 
     def _agree_run_dir(self) -> str:
         """Rank 0 picks the run directory, every rank receives it; rank 0 writes the config there."""
@@ -215,6 +218,22 @@ class Trainer:
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
         return run_dir
+
+    def save_checkpoint(self, step: int) -> str:
+        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.checkpoint)."""
+        meta = {"dp": self.dp, "pp": self.pp, "scaler": self.scaler.state_dict()}
+        return checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer, meta)
+
+    def resume(self) -> int:
+        """Load the checkpoint ``train.resume`` names, if any; returns the step to start from."""
+        path = checkpoint.resolve(self.cfg.train.resume, self.checkpoint_root)
+        if path is None:
+            return 0
+        meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer)
+        self.scaler.load_state_dict(meta["scaler"])
+        if self.is_main:
+            log.info("resumed from %s at step %d (saved with dp=%s, pp=%s)", path, meta["step"], meta["dp"], meta["pp"])
+        return int(meta["step"])
 
     def describe(self) -> str:
         """The schedule, its predicted bubble and the partition table (see pipeflow.layout)."""
@@ -296,17 +315,21 @@ class Trainer:
         if self.is_main:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
+        start = self.resume()
         first_val = self.evaluate()
         per_sample = self.cfg.data.seq_len if self.cfg.data.name in TOKEN_DATA else 1
         items_per_step, unit = self.cfg.data.batch_size * per_sample, ("tokens" if per_sample > 1 else "samples")
         first_loss = last_loss = float("nan")
         t0 = time.perf_counter()
-        for step in range(cfg.max_steps):
+        for step in range(start, cfg.max_steps):
             loss, norm = self.train_step(step)
-            first_loss = loss if step == 0 else first_loss
+            first_loss = loss if step == start else first_loss
             last_loss = loss
+            self.history.append(loss)
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps):
+                self.save_checkpoint(step + 1)
             if self.is_main and (step % cfg.log_every == 0 or step == cfg.max_steps - 1):
-                dt = (time.perf_counter() - t0) / (step + 1)
+                dt = (time.perf_counter() - t0) / (step + 1 - start)
                 log.info("step %4d/%d | loss %.4f | grad norm %.3f | lr %.2e | %.0f ms/step | %.0f %s/s",
                          step, cfg.max_steps, loss, norm, self.optimizer.param_groups[0]["lr"], dt * 1e3,
                          items_per_step / dt, unit)
