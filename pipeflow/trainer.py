@@ -25,7 +25,7 @@ from pipeflow.config import check_config
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.layout import choose_layout, describe_layout
-from pipeflow.mesh import all_reduce_grads, build_mesh
+from pipeflow.mesh import GradReducer, build_mesh
 from pipeflow.pipeline import Pipeline
 from pipeflow.precision import LossScaler, configure_stages
 from pipeflow.schedules import build_schedule
@@ -201,6 +201,9 @@ class Trainer:
         self.tied.sync_initial_values()
         self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
         self.params = unique_parameters(st.parameters() for st in self.stages.values())
+        self.reducer = GradReducer(self.stages, self.mesh.dp_group, self.dp) if self.dp > 1 else None
+        if self.reducer is not None:
+            self.pipeline.on_stage_grads_ready = self.reducer.stage_ready
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
         )
@@ -269,8 +272,9 @@ class Trainer:
             stage.grad_scale = self.scaler.scale
         loss = self.pipeline.run(inputs, targets)
         extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
+        if self.reducer is not None:  # before the tie sums: it writes back what it snapshotted
+            self.reducer.finish()
         self.tied.reduce_grads()
-        all_reduce_grads(self.params, self.mesh.dp_group, self.dp)
         self.scaler.unscale_(self.params)
         norm, reduced = clip_grad_norm_global(
             self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(), replicas=self.dp

@@ -145,22 +145,15 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1) -> dict[str, Any]
     cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
                       train__dtype="float32", train__precision="fp16")
     trainer = Trainer(cfg, torch.device("cpu"))
-    run = trainer.pipeline.run
-
-    def poisoned(inputs: Any, targets: Any) -> Any:
-        loss = run(inputs, targets)
-        if poisoned.armed and trainer.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:
-            trainer.params[0].grad.view(-1)[0] = float("inf")
-        return loss
-
-    poisoned.armed = True
-    trainer.pipeline.run = poisoned
+    armed = [True]
+    if trainer.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
+        trainer.params[0].register_hook(lambda g: torch.full_like(g, float("inf")) if armed[0] else g)
     before = [p.detach().clone() for p in trainer.params]
     scale0 = trainer.scaler.scale
     _, norm0 = trainer.train_step(0)
     unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
     scale1 = trainer.scaler.scale
-    poisoned.armed = False
+    armed[0] = False
     _, norm1 = trainer.train_step(1)
     changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
     return {"skipped": unchanged, "finite0": math.isfinite(norm0), "scale_ratio": scale1 / scale0,

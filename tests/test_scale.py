@@ -19,6 +19,7 @@ WORLD = 4
 EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-1f1b": (2, "1f1b", 2, {}),
     "dp2xpp2-zb_h1": (2, "zb_h1", 2, {}),
+    "dp2xpp2-zbv": (2, "zbv", 3, {}),  # V placement: both tied copies on pipeline rank 0
     "dp4xpp1": (4, "1f1b", 1, {}),
     "dp1xpp4-gpipe": (1, "gpipe", 3, {}),
     "dp2xpp2-clipped": (2, "1f1b", 2, {"optim__grad_clip": CLIP}),
