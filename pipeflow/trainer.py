@@ -319,6 +319,8 @@ class Trainer:
         if self.is_main:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
+            log.info("mesh: dp=%d x pp=%d, precision=%s, activation checkpointing=%s", self.dp, self.pp,
+                     self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
         start = self.resume()
         first_val = self.evaluate()
         per_sample = self.cfg.data.seq_len if self.cfg.data.name in TOKEN_DATA else 1
