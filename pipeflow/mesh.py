@@ -10,8 +10,10 @@ Why not DDP: DDP reduces from autograd's AccumulateGrad hooks and expects one fo
 backward through the wrapped module.  A pipeline runs many micro-batch forwards before their
 backwards, and split-backward schedules (ZB-H1, ZB-V, DualPipeV) compute weight gradients with
 ``torch.autograd.grad`` and assign ``p.grad`` themselves, which fires no DDP hook at all.  So
-the gradients of every stage are reduced here, once per step after the pipeline flush, in
-flattened buckets with asynchronous ``all_reduce`` calls all posted before the first wait.
+the gradients of every stage are reduced here (:class:`GradReducer`), once per step, in
+flattened buckets with asynchronous ``all_reduce`` calls: a stage's buckets are posted the
+moment its last weight gradient is in, overlapping the rest of the cooldown, and waited for
+after the flush.
 """
 from __future__ import annotations
 
@@ -87,29 +89,57 @@ def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[t
     return buckets
 
 
-def all_reduce_grads(
-    params: list[torch.nn.Parameter], group: Any, world: int, bucket_bytes: int = BUCKET_BYTES
-) -> None:
-    """Average the gradients of `params` over the data-parallel `group` of `world` ranks.
+class GradReducer:
+    """Averages every stage's gradients over the data-parallel group, once per step.
 
-    Every replica of a stage holds the same parameters in the same order, so the flattened
-    buckets line up.  A missing gradient counts as zeros (and becomes a zero tensor), so the
-    collective stays matched whatever a replica computed.
+    A stage's buckets are posted (asynchronous ``all_reduce``) as soon as the pipeline reports
+    its weight gradients complete (``Pipeline.on_stage_grads_ready``), so the reduction of
+    early-finishing stages overlaps the cooldown of the others; :meth:`finish` posts whatever
+    has not started and waits for all.  A parameter held by several local stages (a tie inside
+    one rank) waits for the last of them.  Every replica of a pipeline rank runs the same
+    program, so the buckets are posted in the same order on every member of the dp group.
+
+    Args:
+        stages: this rank's stages (objects with ``parameters()``), by stage index.
+        group: the dp process group.
+        world: its size.
+        bucket_bytes: the largest flattened bucket.
     """
-    if world == 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    pending = []
-    for bucket in _buckets(params, bucket_bytes):
-        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-        pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
-    for bucket, flat, work in pending:
-        work.wait()
-        flat.div_(world)
-        offset = 0
-        for p in bucket:
-            n = p.numel()
-            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-            offset += n
+
+    def __init__(self, stages: dict[int, Any], group: Any, world: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.group, self.world, self.bucket_bytes = group, world, bucket_bytes
+        self.stage_params = {s: list({id(p): p for p in stages[s].parameters()}.values()) for s in sorted(stages)}
+        self.owners: dict[int, set[int]] = {}
+        for s, params in self.stage_params.items():
+            for p in params:
+                self.owners.setdefault(id(p), set()).add(s)
+        self._ready: set[int] = set()
+        self._launched: set[int] = set()
+        self._pending: list[tuple[list[torch.nn.Parameter], torch.Tensor, Any]] = []
+
+    def stage_ready(self, s: int) -> None:
+        """Post the all-reduce of stage s's gradients (those not shared with a stage still running)."""
+        self._ready.add(s)
+        params = [p for p in self.stage_params[s] if id(p) not in self._launched and self.owners[id(p)] <= self._ready]
+        for p in params:
+            self._launched.add(id(p))
+            if p.grad is None:  # a missing gradient counts as zeros, so the collective stays matched
+                p.grad = torch.zeros_like(p)
+        for bucket in _buckets(params, self.bucket_bytes):
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            self._pending.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def finish(self) -> None:
+        """Post what has not started, wait for every bucket and write the averages back."""
+        for s in self.stage_params:
+            self.stage_ready(s)
+        for bucket, flat, work in self._pending:
+            work.wait()
+            flat.div_(self.world)
+            offset = 0
+            for p in bucket:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        self._ready.clear()
+        self._launched.clear()
+        self._pending.clear()

@@ -9,7 +9,7 @@ Which schedule produced the program is unknown here; the simulator has checked i
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -82,6 +82,11 @@ class Pipeline:
         # When a list, every batched call and compute action of run()/eval() appends a
         # TimedEvent (what observability and the benchmarks read); None records nothing.
         self.events: list[TimedEvent] | None = None
+        # Called with a stage index as soon as that stage's weight gradients of the training step
+        # are complete (its last full backward or W), e.g. to start its data-parallel all-reduce
+        # while the cooldown still runs; None: no call.
+        self.on_stage_grads_ready: Callable[[int], None] | None = None
+        self._weights_left: dict[int, int] = {}
 
     def _checked_program(self, schedule: PipelineSchedule) -> Program:
         programs = lower(schedule)
@@ -202,6 +207,7 @@ class Pipeline:
     ) -> None:
         inbox: dict[Key, Tensors] = {}
         outbox: dict[Key, Tensors] = {}
+        self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
         events, clock = self.events, time.perf_counter
         for k, step in enumerate(program):
             t0 = clock()
@@ -287,11 +293,21 @@ class Pipeline:
                     self._deliver(GRADIENT, i, s, s - 1, sent, inbox, outbox)
             else:
                 stage.backward_weight(i)
+            if action.kind != FORWARD and (action.kind != BACKWARD or step.backward_weights):
+                self._weights_done(s)
         except PipeflowError:
             raise
         except Exception as exc:  # a user's layer failed: say where
             where = f"pipeline rank {self.rank}, stage {s}, micro-batch {i}, action {action}"
             raise guard.stage_failure(exc, where, self.stages, self.comm.device) from exc
+
+    def _weights_done(self, s: int) -> None:
+        """One more micro-batch's weight gradients of stage s are in; tell the hook after the last."""
+        if s not in self._weights_left:
+            return
+        self._weights_left[s] -= 1
+        if self._weights_left[s] == 0 and self.on_stage_grads_ready is not None:
+            self.on_stage_grads_ready(s)
 
     def _deliver(
         self, payload: str, i: int, src: int, dst: int, tensors: Tensors, inbox: dict[Key, Tensors], outbox: dict[Key, Tensors]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from pipeflow import checkpoint
 from pipeflow import data as datasets
 from pipeflow import guard
 from pipeflow.comm import P2PComm
@@ -26,7 +27,7 @@ from pipeflow.faults import install_from_env
 from pipeflow.finite import FiniteCheck
 from pipeflow.models.spec import ModelSpec
 from pipeflow.layout import choose_layout, describe_layout
-from pipeflow.mesh import all_reduce_grads, build_mesh
+from pipeflow.mesh import GradReducer, build_mesh
 from pipeflow.metrics import RunMetrics, predicted_bubble
 from pipeflow.pipeline import Pipeline
 from pipeflow.precision import LossScaler, configure_stages
@@ -209,6 +210,9 @@ class Trainer:
         self._first_step_done = False
         self.finite = FiniteCheck(self.stages, self.schedule.num_stages, device) if cfg.train.check_finite else None
         self.params = unique_parameters(st.parameters() for st in self.stages.values())
+        self.reducer = GradReducer(self.stages, self.mesh.dp_group, self.dp) if self.dp > 1 else None
+        if self.reducer is not None:
+            self.pipeline.on_stage_grads_ready = self.reducer.stage_ready
         self.optimizer = torch.optim.AdamW(
             self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
         )
@@ -218,6 +222,8 @@ class Trainer:
             cfg, self.pipeline, comm.rank, self.pp, device, self.run_dir, predicted_bubble(self.layout, self.schedule),
             (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
         )
+        self.checkpoint_root = os.path.join(self.run_dir, "checkpoints")
+        self.history: list[float] = []  # the loss of every step this run trained
 
     def _agree_run_dir(self) -> str:
         """Rank 0 picks the run directory, every rank receives it; rank 0 writes the config there."""
@@ -229,6 +235,22 @@ class Trainer:
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
         return run_dir
+
+    def save_checkpoint(self, step: int) -> str:
+        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.checkpoint)."""
+        meta = {"dp": self.dp, "pp": self.pp, "scaler": self.scaler.state_dict()}
+        return checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer, meta)
+
+    def resume(self) -> int:
+        """Load the checkpoint ``train.resume`` names, if any; returns the step to start from."""
+        path = checkpoint.resolve(self.cfg.train.resume, self.checkpoint_root)
+        if path is None:
+            return 0
+        meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer)
+        self.scaler.load_state_dict(meta["scaler"])
+        if self.is_main:
+            log.info("resumed from %s at step %d (saved with dp=%s, pp=%s)", path, meta["step"], meta["dp"], meta["pp"])
+        return int(meta["step"])
 
     def describe(self) -> str:
         """The schedule, its predicted bubble and the partition table (see pipeflow.layout)."""
@@ -266,8 +288,9 @@ class Trainer:
         if self.finite is not None:
             self.finite.check(step, self.schedule.stage_to_rank)
         extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
+        if self.reducer is not None:  # before the tie sums: it writes back what it snapshotted
+            self.reducer.finish()
         self.tied.reduce_grads()
-        all_reduce_grads(self.params, self.mesh.dp_group, self.dp)
         self.scaler.unscale_(self.params)
         norm, reduced = clip_grad_norm_global(
             self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(), replicas=self.dp
@@ -321,14 +344,20 @@ class Trainer:
         if self.is_main:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
+            log.info("mesh: dp=%d x pp=%d, precision=%s, activation checkpointing=%s", self.dp, self.pp,
+                     self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
+        start = self.resume()
         first_val = self.evaluate()
         first_loss = last_loss = float("nan")
-        for step in range(cfg.max_steps):
+        for step in range(start, cfg.max_steps):
             self.metrics.begin_step(step)
             loss, norm = self.train_step(step)
             self.metrics.end_step(step, loss, norm, self.optimizer.param_groups[0]["lr"])
-            first_loss = loss if step == 0 else first_loss
+            first_loss = loss if step == start else first_loss
             last_loss = loss
+            self.history.append(loss)
+            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps):
+                self.save_checkpoint(step + 1)
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
                 val = self.evaluate()
                 if self.is_main:

@@ -19,6 +19,7 @@ WORLD = 4
 EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-1f1b": (2, "1f1b", 2, {}),
     "dp2xpp2-zb_h1": (2, "zb_h1", 2, {}),
+    "dp2xpp2-zbv": (2, "zbv", 3, {}),  # V placement: both tied copies on pipeline rank 0
     "dp4xpp1": (4, "1f1b", 1, {}),
     "dp1xpp4-gpipe": (1, "gpipe", 3, {}),
     "dp2xpp2-clipped": (2, "1f1b", 2, {"optim__grad_clip": CLIP}),
@@ -39,6 +40,7 @@ def _cases() -> list[tuple[str, object]]:
         ("fp16-vs-fp32", functools.partial(cases.precision_vs_fp32, "fp16", 1)),
         ("bf16-trains", functools.partial(cases.precision_trains, "bf16")),
         ("fp16-overflow", cases.fp16_overflow_skips_everywhere),
+        ("resume", cases.resume_across_layouts),
     ]
 
 
@@ -86,3 +88,21 @@ def test_fp16_overflow_on_one_stage_skips_the_step_on_every_rank(world) -> None:
         assert v["skipped"] and not v["finite0"], f"rank {rank}: {v}"
         assert v["scale_ratio"] == 0.5
         assert v["stepped_after"] and v["finite1"], f"rank {rank}: {v}"
+
+
+def test_resume_equals_training_straight_through_and_survives_a_layout_change(world) -> None:
+    out = _values(world["resume"])[0]
+    straight = out["straight_history_float32"]
+    assert len(straight) == 6 and out["keys"] > 0
+    assert out["same_history"] == straight[3:]  # identical loss curve
+    assert out["same_bitwise"], f"same-layout resume differs by {out['same_param']:.3e}"
+    straight = out["straight_history_float64"]
+    for name in ("dp2xpp2", "dp4xpp1"):  # pp 4 -> 2 -> 1, dp 1 -> 2 -> 4 (float64)
+        assert out[f"{name}_same_keys"]
+        assert out[f"{name}_param"] < TOLERANCE, f"{name}: {out[f'{name}_param']:.3e}"
+        assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE
+
+
+def test_export_loads_into_the_unsplit_model(world) -> None:
+    out = _values(world["resume"])[0]
+    assert abs(out["export_val_loss"] - out["trainer_val_loss"]) < 1e-5 * out["trainer_val_loss"]

@@ -1,0 +1,76 @@
+"""Checkpoints are atomic: a process killed in the middle of a save leaves the last good one
+loadable, and the next run resumes from it (``train.resume=auto``) and cleans up."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from pipeflow.checkpoint import export, find_latest, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = textwrap.dedent("""
+    import os, socket, sys, time
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import torch, torch.distributed as dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+    import scale_cases
+    import pipeflow.checkpoint as ck
+    from pipeflow.trainer import Trainer
+    cfg = scale_cases.make_config(1, "1f1b", 2, train__dtype="float32", train__max_steps={steps},
+                                  train__save_every=2, train__run_dir={run_dir!r}, train__resume="auto")
+    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer.fit()
+    print("RESUMED_AT", {steps} - len(trainer.history), flush=True)
+    if {crash}:
+        rename = os.rename
+        def stuck(src, dst):  # the save hangs after its data and meta.json, before the rename
+            if str(src).endswith("step_00000004.tmp"):
+                print("SAVING", flush=True)
+                time.sleep(120)
+            rename(src, dst)
+        ck.os.rename = stuck
+        trainer.save_checkpoint(4)
+    dist.destroy_process_group()
+""")
+
+
+def _child(run_dir: Path, steps: int, crash: bool) -> subprocess.Popen:
+    code = CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), steps=steps, run_dir=str(run_dir), crash=crash)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    child = _child(run_dir, steps=2, crash=True)
+    lines = []
+    for line in child.stdout:  # wait until the second save is under way, then kill -9
+        lines.append(line)
+        if line.startswith("SAVING"):
+            child.send_signal(signal.SIGKILL)
+            break
+    child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
+    root = run_dir / "checkpoints"
+    assert (root / "step_00000004.tmp" / "meta.json").is_file()  # the interrupted save, all but renamed
+    assert find_latest(str(root)) == str(root / "step_00000002")
+    assert resolve("auto", str(root)) == str(root / "step_00000002")
+    count = export(str(root), str(tmp_path / "model.pt"))
+    state = torch.load(tmp_path / "model.pt")
+    assert count == len(state) > 0 and all(torch.isfinite(v).all() for v in state.values())
+
+    resumed = _child(run_dir, steps=4, crash=False)  # train.resume=auto picks step 2
+    out, _ = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, out[-3000:]
+    assert "RESUMED_AT 2" in out, out[-3000:]
+    assert find_latest(str(root)) == str(root / "step_00000004")
+    assert not (root / "step_00000004.tmp").exists()
