@@ -82,6 +82,9 @@ class Pipeline:
         # When a list, every batched call and compute action of run()/eval() appends a
         # TimedEvent (what observability and the benchmarks read); None records nothing.
         self.events: list[TimedEvent] | None = None
+        # Free a sent activation's storage once sent, keeping its autograd node (the memory
+        # benchmark turns it off to show the difference).
+        self.free_sent_activations = True
 
     def _checked_program(self, schedule: PipelineSchedule) -> Program:
         programs = lower(schedule)
@@ -305,7 +308,7 @@ class Pipeline:
                 if not stage.is_last:
                     self._check_outputs(s, i, out, train)
                     self._deliver(ACTIVATION, i, s, s + 1, tuple(t.detach() for t in out), inbox, outbox)
-                    if train and self._owner(s + 1) != self.rank:
+                    if train and self.free_sent_activations and self._owner(s + 1) != self.rank:
                         stage.deallocate_outputs(i)  # the sent copy holds the storage until sent
             elif action.kind == BACKWARD:
                 grads = None if stage.is_last else inbox.pop((GRADIENT, i, s))
