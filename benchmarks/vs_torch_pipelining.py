@@ -171,7 +171,8 @@ def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.devi
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
     diff = float("nan")
     if losses.get("pipeflow") is not None and losses.get("torch") is not None:
-        diff = abs(float(losses["pipeflow"]) - float(losses["torch"])) / max(abs(float(losses["torch"])), 1e-30)
+        a, b = float(losses["pipeflow"].detach()), float(losses["torch"].detach())
+        diff = abs(a - b) / max(abs(b), 1e-30)
     gathered: list[float] = [0.0] * p
     dist.all_gather_object(gathered, diff)
     row = {
