@@ -206,16 +206,17 @@ class Pipeline:
     ) -> None:
         """Run `program`: per step post its batched call, wait for the recvs, compute.
 
-        Sends are waited on lazily: a sent tensor is held (with its Work) until its send has
-        completed, checked after each action, and all are completed before returning.  Where the
-        backend completes ops one by one (gloo), the recvs of the next step are posted with this
+        Sends are waited on lazily, after the step's action rather than before it (the sent
+        tensors are held until then, then freed).  Where the backend completes ops one by one
+        (gloo), the recvs of the next step are posted with this
         step's sends, before this step computes, so data lands while the rank computes; that only
-        relaxes the rendezvous the simulator proves (``simulate(..., eager_sends=True)``).  With
+        relaxes the rendezvous the simulator proves (``simulate(..., eager_sends=True)``): every op
+        is still posted no later, and before an action a rank waits for a subset of what
+        rendezvous makes it wait for, so nothing can wait longer than in the proven run.  With
         NCCL each step is one group on the comm stream, as the simulator runs it.
         """
         inbox: dict[Key, Tensors] = {}
         outbox: dict[Key, Tensors] = {}
-        pending: list[tuple[dist.Work, object]] = []  # sends in flight, with the tensors they read
         events, clock, comm = self.events, time.perf_counter, self.comm
         ahead = self._post_recvs(program[0]) if comm.independent_ops and program else None
         for k, step in enumerate(program):
@@ -229,9 +230,6 @@ class Pipeline:
             else:
                 landed = self._recv_buffers_of(step)
                 send_works, recv_works = comm.post(sends, [(op.peer, b) for op, bs in landed for b in bs])
-            if send_works:  # one Work per send (gloo), or one for the whole group (NCCL, sends only)
-                held = [t for _, t in sends]
-                pending += zip(send_works, held) if len(send_works) == len(held) else [(w, held) for w in send_works]
             if recv_works:
                 comm.wait(recv_works, lambda: self._describe(k, step), self._timeout)
             for op, tensors in landed:
@@ -246,12 +244,11 @@ class Pipeline:
                 self._compute(step, inbox, outbox, inputs, targets, loss_scale, train)
                 if events is not None:
                     events.append(TimedEvent(step.action.kind, str(step.action), t1, clock()))
-            if pending:
-                pending = [entry for entry in pending if not entry[0].is_completed()]
-        t0 = clock()
-        comm.wait([work for work, _ in pending], lambda: f"complete the sends of the step (rank {self.rank})", self._timeout)
-        if events is not None and pending:
-            events.append(TimedEvent("comm", "wait for sends", t0, clock()))
+            if send_works:  # by now the peer has long posted its recvs; `sends` are freed after
+                t0 = clock()
+                comm.wait(send_works, lambda: self._describe(k, step), self._timeout)
+                if events is not None:
+                    events.append(TimedEvent("comm", "sends of the step done", t0, clock()))
         if inbox or outbox:
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {sorted(inbox) + sorted(outbox)}")
 
