@@ -9,7 +9,7 @@ messages (see :func:`encode_metas`), exchanged once by the pipeline and then cac
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +95,52 @@ class P2PComm:
         self.size = dist.get_world_size(group)
         self.timeout_s = timeout_s
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)]
+        self.independent_ops = not _coalesces(group, self.device)
+
+    def post(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> tuple[list[dist.Work], list[dist.Work]]:
+        """Post `sends` and `recvs` as one batched call without waiting: (send works, recv works).
+
+        With a backend whose ops complete one by one (gloo: one Work per op) the recvs can be
+        waited on alone and the sends later.  With a coalescing backend (NCCL) the batch is one
+        group on the communicator's own stream that completes as a whole: its single Work is
+        returned with the recvs (as a send work when there are no recvs); waiting on it makes
+        the current stream wait for the group (an event, not a device-wide sync).
+        """
+        ops = [dist.P2POp(dist.isend, t, self._global[peer], self.group) for peer, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._global[peer], self.group) for peer, t in recvs]
+        if not ops:
+            return [], []
+        works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+        if len(works) == len(ops):
+            return works[: len(sends)], works[len(sends):]
+        return ([], works) if recvs else (works, [])
+
+    def wait(self, works: Sequence[dist.Work], what: str | Callable[[], str] = "", timeout_s: float | None = None) -> None:
+        """Wait for `works` posted by :meth:`post`.
+
+        Args:
+            works: the works to complete.
+            what: description for error messages, or a function making it (built on failure only).
+            timeout_s: overrides the communicator's deadline.  On CUDA the wait only orders the
+                current stream after the comm stream; the deadline there is the process group's
+                own (NCCL watchdog), since a host-side timed wait would block the CPU each step.
+
+        Raises:
+            PipelineTimeoutError, CommError: as for :meth:`exchange`.
+        """
+        deadline = timeout_s if timeout_s is not None else self.timeout_s
+        if self.device.type == "cuda":
+            deadline = None
+        try:
+            for work in works:
+                if deadline is None:
+                    work.wait()
+                else:
+                    work.wait(datetime.timedelta(seconds=deadline))
+        except RuntimeError as exc:
+            raise self._failure(exc, what() if callable(what) else what, deadline) from exc
 
     def global_rank(self, pp_rank: int) -> int:
         """The global rank of pipeline rank `pp_rank`."""
@@ -169,6 +215,15 @@ class P2PComm:
         buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
         self.exchange([], [(peer, buf)], what=f"recv shapes {what}")
         return decode_metas(buf.cpu())
+
+
+def _coalesces(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """True if `batch_isend_irecv` on `group` makes one coalesced group (NCCL), not one op each."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return bool(getattr(pg._get_backend(device), "supports_coalescing", False))
+    except RuntimeError:  # no backend for this device type
+        return False
 
 
 def send_recv(

@@ -77,6 +77,7 @@ class Pipeline:
         self.program = self._checked_program(schedule)
         self._eval_programs: dict[int, Program] = {}
         self._edge_meta: dict[int, tuple[TensorMeta, ...]] = {}  # outputs of stage s (edge s -> s+1)
+        self._recv_metas: dict[tuple[str, int], tuple[TensorMeta, ...]] = {}  # by (payload, src stage)
         self._input_signature: torch.Tensor | None = None
         self._timeout = first_timeout_s if first_timeout_s is not None else comm.timeout_s
         # When a list, every batched call and compute action of run()/eval() appends a
@@ -87,6 +88,9 @@ class Pipeline:
         # while the cooldown still runs; None: no call.
         self.on_stage_grads_ready: Callable[[int], None] | None = None
         self._weights_left: dict[int, int] = {}
+        # Free a sent activation's storage once sent, keeping its autograd node (the memory
+        # benchmark turns it off to show the difference).
+        self.free_sent_activations = True
 
     def _checked_program(self, schedule: PipelineSchedule) -> Program:
         programs = lower(schedule)
@@ -154,6 +158,7 @@ class Pipeline:
         if self._edge_meta and not self._input_changed(inputs):
             return
         self._edge_meta.clear()
+        self._recv_metas.clear()
         S = self.schedule.num_stages
         for s in sorted(self.stages):
             if s == 0:
@@ -205,17 +210,39 @@ class Pipeline:
         loss_scale: float,
         train: bool,
     ) -> None:
+        """Run `program`: per step post its batched call, wait for the recvs, compute.
+
+        Sends are waited on lazily, after the step's action rather than before it (the sent
+        tensors are held until then, then freed).  Where the backend completes ops one by one
+        (gloo), the recvs of the next step are posted with this
+        step's sends, before this step computes, so data lands while the rank computes; that only
+        relaxes the rendezvous the simulator proves (``simulate(..., eager_sends=True)``): every op
+        is still posted no later, and before an action a rank waits for a subset of what
+        rendezvous makes it wait for, so nothing can wait longer than in the proven run.  With
+        NCCL each step is one group on the comm stream, as the simulator runs it.
+        """
         inbox: dict[Key, Tensors] = {}
         outbox: dict[Key, Tensors] = {}
         self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
-        events, clock = self.events, time.perf_counter
+        events, clock, comm = self.events, time.perf_counter, self.comm
+        ahead = self._post_recvs(program[0]) if comm.independent_ops and program else None
         for k, step in enumerate(program):
             t0 = clock()
-            try:
-                landed = self._communicate(k, step, outbox)
-            except CommError as exc:  # say what this rank had done before it got stuck
-                raise guard.with_progress(exc, program, k)
+            sends = self._sends(step, outbox)
+            if ahead is not None:
+                landed, recv_works = ahead
+                follow = self._recv_buffers_of(program[k + 1]) if k + 1 < len(program) else []
+                send_works, follow_works = comm.post(sends, [(op.peer, b) for op, bs in follow for b in bs])
+                ahead = (follow, follow_works)
+            else:
+                landed = self._recv_buffers_of(step)
+                send_works, recv_works = comm.post(sends, [(op.peer, b) for op, bs in landed for b in bs])
+            if recv_works:
+                self._wait(recv_works, program, k)
             for op, tensors in landed:
+                if op.payload == ACTIVATION:
+                    for b, meta in zip(tensors, self._edge_meta[op.src_stage]):
+                        b.requires_grad_(meta.requires_grad)
                 inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
             if events is not None and step.ops:
                 events.append(TimedEvent("comm", "; ".join(str(op) for op in step.ops), t0, clock()))
@@ -224,37 +251,50 @@ class Pipeline:
                 self._compute(step, inbox, outbox, inputs, targets, loss_scale, train)
                 if events is not None:
                     events.append(TimedEvent(step.action.kind, str(step.action), t1, clock()))
+            if send_works:  # by now the peer has long posted its recvs; `sends` are freed after
+                t0 = clock()
+                self._wait(send_works, program, k)
+                if events is not None:
+                    events.append(TimedEvent("comm", "sends of the step done", t0, clock()))
         if inbox or outbox:
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {sorted(inbox) + sorted(outbox)}")
 
-    def _communicate(self, k: int, step: Step, outbox: dict[Key, Tensors]) -> list[tuple[CommOp, Tensors]]:
-        """Post this step's batched call and wait for it; returns what was received."""
-        sends: list[tuple[int, torch.Tensor]] = []
-        recvs: list[tuple[int, torch.Tensor]] = []
-        landed: list[tuple[CommOp, Tensors]] = []
-        for op in step.ops:
-            if op.is_send:
-                sends += [(op.peer, t) for t in outbox.pop((op.payload, op.microbatch, op.src_stage))]
-            else:
-                buffers = self._recv_buffers(op)
-                recvs += [(op.peer, b) for b in buffers]
-                landed.append((op, buffers))
-        if sends or recvs:
-            action = f"before {step.action}" if step.action is not None else "after the last action"
-            what = "; ".join(op.describe() for op in step.ops) + f" (program step {k}, {action})"
-            self.comm.exchange(sends, recvs, what=what, timeout_s=self._timeout)
-        for op, buffers in landed:
-            if op.payload == ACTIVATION:
-                metas = self._edge_meta[op.src_stage]
-                for b, meta in zip(buffers, metas):
-                    b.requires_grad_(meta.requires_grad)
-        return landed
+    @staticmethod
+    def _describe(k: int, step: Step) -> str:
+        action = f"before {step.action}" if step.action is not None else "after the last action"
+        return "; ".join(op.describe() for op in step.ops) + f" (program step {k}, {action})"
+
+    @staticmethod
+    def _sends(step: Step, outbox: dict[Key, Tensors]) -> list[tuple[int, torch.Tensor]]:
+        """(peer, tensor) of every send of `step`, taken from the outbox in the step's order."""
+        return [(op.peer, t) for op in step.ops if op.is_send for t in outbox.pop((op.payload, op.microbatch, op.src_stage))]
+
+    def _recv_buffers_of(self, step: Step) -> list[tuple[CommOp, Tensors]]:
+        """Fresh buffers for every recv of `step`, in the step's order."""
+        return [(op, self._recv_buffers(op)) for op in step.ops if not op.is_send]
+
+    def _post_recvs(self, step: Step) -> tuple[list[tuple[CommOp, Tensors]], list[dist.Work]]:
+        """Post the recvs of `step` alone (the first step, on backends with independent ops)."""
+        landed = self._recv_buffers_of(step)
+        _, works = self.comm.post([], [(op.peer, b) for op, bs in landed for b in bs])
+        return landed, works
+
+    def _wait(self, works: list[dist.Work], program: Program, k: int) -> None:
+        """Wait for `works` of program step k under the deadline; a timeout says what this rank
+        had done before it got stuck."""
+        try:
+            self.comm.wait(works, lambda: self._describe(k, program[k]), self._timeout)
+        except CommError as exc:
+            raise guard.with_progress(exc, program, k)
 
     def _recv_buffers(self, op: CommOp) -> Tensors:
-        if op.payload == ACTIVATION:
-            metas = self._edge_meta[op.src_stage]
-        else:  # gradients of stage dst_stage's outputs that require grad
-            metas = tuple(m for m in self._edge_meta[op.dst_stage] if m.requires_grad)
+        metas = self._recv_metas.get((op.payload, op.src_stage))
+        if metas is None:
+            if op.payload == ACTIVATION:
+                metas = self._edge_meta[op.src_stage]
+            else:  # gradients of stage dst_stage's outputs that require grad
+                metas = tuple(m for m in self._edge_meta[op.dst_stage] if m.requires_grad)
+            self._recv_metas[(op.payload, op.src_stage)] = metas
         device = self.comm.device
         return tuple(torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas)
 
@@ -280,6 +320,8 @@ class Pipeline:
                 if not stage.is_last:
                     self._check_outputs(s, i, out, train)
                     self._deliver(ACTIVATION, i, s, s + 1, tuple(t.detach() for t in out), inbox, outbox)
+                    if train and self.free_sent_activations and self._owner(s + 1) != self.rank:
+                        stage.deallocate_outputs(i)  # the sent copy holds the storage until sent
             elif action.kind == BACKWARD:
                 grads = None if stage.is_last else inbox.pop((GRADIENT, i, s))
                 grads_in = stage.backward(i, grads, weights=step.backward_weights)

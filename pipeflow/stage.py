@@ -16,6 +16,39 @@ from torch.utils.checkpoint import checkpoint
 from pipeflow.models.spec import ModelSpec, run_layers
 
 Tensors = tuple[torch.Tensor, ...]
+_ENGINE = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+
+
+def run_backward(
+    roots: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor] | None,
+    inputs: Sequence[torch.Tensor] | None = None,
+    retain_graph: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
+    """Backward from `roots` through the autograd engine directly, as Megatron's custom_backward.
+
+    ``torch.autograd.backward``/``grad`` check each grad's shape against its root; a root whose
+    storage was freed after its send (:meth:`Stage.deallocate_outputs`) has shape (0,) now, so
+    they would refuse.  With no `inputs` the gradients accumulate into the leaves' ``.grad``
+    (a full backward); with `inputs` (even empty) their gradients are returned instead (None
+    where unused).
+
+    Args:
+        roots: the tensors to differentiate (each requires grad).
+        grads: one gradient per root, or None for scalar roots (the loss): ones.
+        inputs: tensors to return gradients for; None to accumulate into ``.grad``.
+        retain_graph: keep the graph for a later pass (the W of a split backward).
+    """
+    roots = tuple(roots)
+    if not roots:
+        return (None,) * len(inputs or ())
+    if grads is None:
+        grads = tuple(torch.ones_like(t, memory_format=torch.preserve_format) for t in roots)
+    if inputs is None:
+        return _ENGINE.run_backward(roots, tuple(grads), retain_graph, False, (), True, True)
+    if not inputs:
+        return ()
+    return _ENGINE.run_backward(roots, tuple(grads), retain_graph, False, tuple(inputs), True, False)
 
 
 def as_tuple(value: Any) -> Tensors:
@@ -131,6 +164,19 @@ class Stage:
             return outputs
         return tuple(t.to(self.compute_dtype) if t.is_floating_point() else t for t in outputs)
 
+    def deallocate_outputs(self, i: int) -> None:
+        """Free the storage of micro-batch `i`'s kept outputs, keeping their autograd nodes.
+
+        The pipeline calls this once the outputs are on their way to the next stage (it holds
+        the detached tensors being sent until their sends complete, so the memory goes with
+        them): backward only needs the outputs' grad_fn, not their values (Megatron's
+        ``deallocate_output_tensor``).  Views and leaves (an output that is an input or aliases
+        one) are left alone.
+        """
+        for t in self._outputs.get(i, ()):
+            if t.grad_fn is not None and t._base is None and t.numel() > 0:
+                t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
+
     def backward(self, i: int, grad_outputs: Tensors | None, weights: bool = True) -> tuple[torch.Tensor | None, ...]:
         """Backward of micro-batch `i`; returns the gradients of the stage inputs.
 
@@ -156,7 +202,7 @@ class Stage:
         wanted = [t for t in inputs if t.requires_grad]
         boundaries = self._boundaries.pop(i)
         if weights:
-            torch.autograd.backward(tensors, grads)
+            run_backward(tensors, grads)
             found = {id(t): t.grad for t in wanted}
         else:
             found = self._backward_input(i, tensors, grads, wanted, boundaries)
@@ -177,7 +223,7 @@ class Stage:
         """
         per_layer = [[t for t in outs if t.requires_grad] for outs in boundaries]
         flat = [t for outs in per_layer for t in outs]
-        got = torch.autograd.grad(roots, wanted + flat, root_grads, retain_graph=True, allow_unused=True)
+        got = run_backward(roots, root_grads, wanted + flat, retain_graph=True)
         grads_in, rest = got[: len(wanted)], list(got[len(wanted):])
         pending = []
         for layer_outs in per_layer:
@@ -193,7 +239,7 @@ class Stage:
             params = [p for p in layer.parameters() if p.requires_grad]
             if not outs or not params:
                 continue
-            for p, g in zip(params, torch.autograd.grad(outs, params, grads, allow_unused=True)):
+            for p, g in zip(params, run_backward(outs, grads, params)):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
 

@@ -15,18 +15,27 @@ from torch import nn
 from pipeflow.models.spec import LayerSpec, ModelSpec
 
 
+def _sleep_until(deadline: float) -> None:
+    """Sleep until ``time.perf_counter()`` reaches `deadline` (the layer's own tensor work counts
+    against its budget, so a layer costs its wall time, not that time plus its Python)."""
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
 class _SleepThrough(torch.autograd.Function):
-    """Identity on x that sleeps in forward and in backward."""
+    """Identity on x that sleeps in forward (until `forward_end`) and in backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, forward_end: float, backward_s: float) -> torch.Tensor:  # type: ignore[override]
         ctx.backward_s = backward_s
-        time.sleep(forward_s)
-        return x.clone()
+        out = x.clone()
+        _sleep_until(forward_end)
+        return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        time.sleep(ctx.backward_s)
+        _sleep_until(time.perf_counter() + ctx.backward_s)
         return grad, None, None
 
 
@@ -56,8 +65,10 @@ class SleepLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Sleep F, return x (plus a zero that carries the weight's gradient path)."""
+        start = time.perf_counter()
         forward_s, backward_s, weight_s = self.costs_s
-        return _SleepThrough.apply(x, forward_s, backward_s) + _SleepWeight.apply(self.weight, x.detach(), weight_s)
+        zero = _SleepWeight.apply(self.weight, x.detach(), weight_s)
+        return _SleepThrough.apply(x, start + forward_s, backward_s) + zero
 
 
 def build_sleep(

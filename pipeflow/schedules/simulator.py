@@ -45,6 +45,7 @@ def simulate(
     programs: list[Program] | None = None,
     costs: Costs | None = None,
     comm_latency: float = 0.0,
+    eager_sends: bool = False,
 ) -> SimResult:
     """Execute the per-rank programs under rendezvous semantics, checking and measuring them.
 
@@ -58,6 +59,10 @@ def simulate(
         costs: time per kind (``{"F": 1, "B": 1, "W": 1}`` by default, missing kinds default too)
             or a function of the Action.  A B with ``backward_weights`` costs B + W.
         comm_latency: added to the completion of every batch that has ops.
+        eager_sends: a step waits only for its recvs, its sends complete whenever the peer
+            posts the recv (what the runtime does on backends whose ops complete one by one,
+            gloo).  This only relaxes rendezvous: a program that runs under rendezvous runs
+            here too, never later.
 
     Returns:
         The :class:`SimResult`.
@@ -72,7 +77,7 @@ def simulate(
     programs = lower(schedule) if programs is None else programs
     _check_programs(schedule, programs)
     _check_channel_counts(programs)
-    return _Simulation(schedule, programs, _cost_function(costs), comm_latency).run()
+    return _Simulation(schedule, programs, _cost_function(costs), comm_latency, eager_sends).run()
 
 
 def validate(schedule: PipelineSchedule, programs: list[Program] | None = None) -> SimResult:
@@ -246,10 +251,11 @@ class _Simulation:
     """The state of every rank while the programs execute."""
 
     def __init__(
-        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float
+        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float, eager: bool = False
     ) -> None:
         p = schedule.num_ranks
         self.schedule, self.programs, self.cost, self.latency = schedule, programs, cost, latency
+        self.eager = eager
         self.queues: dict[tuple[Channel, bool], list[_Posted]] = defaultdict(list)  # by is_send
         self.next_step, self.clock, self.busy = [0] * p, [0.0] * p, [0.0] * p
         self.live, self.peak = [0] * p, [0] * p
@@ -281,7 +287,7 @@ class _Simulation:
         if self.slots[r] is None:
             self.slots[r] = [self._post(_Posted(r, k, op, self.clock[r])) for op in step.ops]
             return True
-        others = [_counterpart(slot) for slot in self.slots[r]]
+        others = [_counterpart(slot) for slot in self.slots[r] if not (self.eager and slot[0].op.is_send)]
         if any(other is None for other in others):
             return False
         done = max([self.clock[r]] + [other.time for other in others if other is not None])

@@ -1,0 +1,179 @@
+"""The CUDA code paths one GPU can exercise (no second GPU for NCCL between ranks).
+
+    python benchmarks/gpu_single.py --out results.md
+
+Checks, each printed as one line ``PASS|FAIL name: detail`` and written to --out:
+
+1. stage compute on CUDA: a Pipeline on a one-rank NCCL group (1F1B, m = 4) gives the loss and
+   gradients of the unsplit model on the GPU (float32, TF32 off);
+2. bf16: the same pipeline with bf16 parameters and inputs agrees with float32 to bf16 rounding;
+3. freed outputs on CUDA: ``Stage.deallocate_outputs`` returns the output's memory to the
+   allocator and the gradients stay bitwise equal;
+4. peak memory: ``torch.cuda.max_memory_allocated`` over k held micro-batches grows by k times
+   one micro-batch's activations (what the simulator's peak count multiplies);
+5. comm stream: ``P2PComm.wait`` on CUDA only orders the current stream after the NCCL stream
+   (no host sync, even with a deadline set): a one-rank group cannot send, so this waits on an
+   all-reduce whose input comes from a long kernel chain; the host must return long before the
+   GPU is done.
+
+Exits non-zero if any check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from pipeflow.comm import P2PComm  # noqa: E402
+from pipeflow.pipeline import Pipeline  # noqa: E402
+from pipeflow.schedules import build_schedule  # noqa: E402
+from pipeflow.stage import Stage  # noqa: E402
+
+DEVICE = torch.device("cuda", 0)
+
+
+def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean square error."""
+    return (out.float() - y.float()).pow(2).mean()
+
+
+def layers(dtype: torch.dtype, hidden: int = 256, count: int = 4) -> list[nn.Module]:
+    """Linear + GELU layers, seeded."""
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()).to(DEVICE, dtype) for _ in range(count)]
+
+
+def pipelined(dtype: torch.dtype, m: int = 4) -> tuple[float, list[torch.Tensor]]:
+    """Loss and grads of one 1F1B step on a one-rank pipeline (every stage on this GPU)."""
+    schedule = build_schedule("1f1b", 1, m)
+    stage = Stage(0, 1, layers(dtype), mse)
+    pipe = Pipeline({0: stage}, schedule, P2PComm(None, DEVICE))
+    x, y = batch(dtype)
+    loss = pipe.run([(mb,) for mb in x.chunk(m)], list(y.chunk(m)))
+    return float(loss), [p.grad.float() for p in stage.parameters()]
+
+
+def batch(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same inputs and targets every time."""
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 256, generator=gen), torch.randn(64, 256, generator=gen)
+    return x.to(DEVICE, dtype), y.to(DEVICE, dtype)
+
+
+def check_stage_compute() -> str:
+    loss, grads = pipelined(torch.float32)
+    model = nn.Sequential(*layers(torch.float32))
+    x, y = batch(torch.float32)
+    ref = mse(model(x), y)
+    ref.backward()
+    worst = max(float((g - p.grad).abs().max() / p.grad.abs().max()) for g, p in zip(grads, model.parameters()))
+    assert abs(loss - float(ref)) <= 1e-5 * abs(float(ref)) and worst <= 1e-4, (loss, float(ref), worst)
+    return f"loss {loss:.6f} vs unsplit {float(ref):.6f}, worst grad rel. diff {worst:.1e}"
+
+
+def check_bf16() -> str:
+    loss32, grads32 = pipelined(torch.float32)
+    loss16, grads16 = pipelined(torch.bfloat16)
+    worst = max(float((a - b).norm() / b.norm()) for a, b in zip(grads16, grads32))
+    assert abs(loss16 - loss32) <= 0.02 * abs(loss32) and worst <= 0.05, (loss16, loss32, worst)
+    return f"bf16 loss {loss16:.5f} vs fp32 {loss32:.5f}, worst grad rel. norm diff {worst:.3f}"
+
+
+def check_freed_outputs() -> str:
+    results, freed = [], 0
+    for free in (False, True):
+        stage = Stage(0, 2, layers(torch.float32))
+        x = torch.randn(512, 256, device=DEVICE, requires_grad=True)
+        (out,) = stage.forward(0, (x,))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        if free:
+            stage.deallocate_outputs(0)
+            freed = before - torch.cuda.memory_allocated()
+        (gx,) = stage.backward(0, (torch.ones(512, 256, device=DEVICE),))
+        results.append([gx] + [p.grad for p in stage.parameters()])
+        del out
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert freed >= 512 * 256 * 4, freed
+    return f"freed {freed} bytes of a {512 * 256 * 4}-byte output; grads bitwise equal"
+
+
+def check_peak_memory(k: int = 6) -> str:
+    stage = Stage(0, 2, layers(torch.float32))
+    peaks = []
+    for held in range(1, k + 1):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for i in range(held):
+            x = torch.randn(256, 256, device=DEVICE, requires_grad=True)
+            stage.forward(i, (x,))
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        for i in range(held):
+            grads = tuple(torch.ones_like(t) for t in stage._outputs[i])
+            stage.backward(i, grads)
+        for p in stage.parameters():
+            p.grad = None
+    steps = [b - a for a, b in zip(peaks, peaks[1:])]
+    spread = (max(steps) - min(steps)) / max(steps)
+    assert spread <= 0.1, steps
+    return f"peak grows {statistics_text(steps)} bytes per held micro-batch (spread {spread:.2f})"
+
+
+def statistics_text(values: list[int]) -> str:
+    return "/".join(str(v) for v in values)
+
+
+def check_stream_wait() -> str:
+    a = torch.randn(4096, 4096, device=DEVICE)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(40):  # a long chain on the current stream that the collective's input needs
+        a = a @ a / 4096
+    work = dist.all_reduce(a.sum().reshape(1), async_op=True)  # NCCL stream waits for the chain
+    queued = time.perf_counter()
+    P2PComm(None, DEVICE, timeout_s=60).wait([work])  # a deadline is given: still no host block
+    host = time.perf_counter() - queued
+    torch.cuda.synchronize()
+    gpu = time.perf_counter() - start
+    assert host < gpu / 4, (host, gpu)
+    return f"wait returned after {host * 1e3:.2f} ms, the GPU work after {gpu * 1e3:.1f} ms"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.cuda.set_device(DEVICE)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=DEVICE)
+    lines, failed = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}"], 0
+    checks = [("stage compute on CUDA", check_stage_compute), ("bf16", check_bf16),
+              ("freed outputs on CUDA", check_freed_outputs), ("peak memory", check_peak_memory),
+              ("comm wait is a stream wait", check_stream_wait)]
+    for name, check in checks:
+        try:
+            lines.append(f"PASS {name}: {check()}")
+        except Exception as exc:  # noqa: BLE001 - report every check
+            failed += 1
+            lines.append(f"FAIL {name}: {type(exc).__name__}: {exc}")
+        print(lines[-1], flush=True)
+    dist.destroy_process_group()
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(lines) + "\n")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""pipeflow vs torch.distributed.pipelining, side by side in the same processes.
+
+Both frameworks run the same layers (same weights), split into the same stages on the same
+ranks, with the same schedule, batch and micro-batches, in one process group; their steps
+alternate (pipeflow, torch, pipeflow, torch, ...) so that load on the machine hits both alike.
+The table gives each one's median step time and the ratio pipeflow / torch: the median of the
+per-round ratios with their interquartile range.
+
+    torchrun --nproc-per-node 2 benchmarks/vs_torch_pipelining.py --hidden 512 64 --schedules gpipe 1f1b
+    torchrun --nproc-per-node 4 benchmarks/vs_torch_pipelining.py --model gpt --hidden 128 \\
+        --schedules gpipe 1f1b interleaved_1f1b zbv
+    torchrun --nproc-per-node 4 benchmarks/vs_torch_pipelining.py --model sleep --schedules 1f1b zbv
+
+Models: ``mlp`` (Linear + GELU layers of width --hidden, --layers-per-stage per stage), ``gpt``
+(pre-LN transformer blocks of width --hidden, sequences of --seq tokens), ``sleep`` (one sleep
+layer per stage: F, B, W cost --sleep-ms each without using the CPU; the table then also gives
+each framework's step over the simulator's makespan).  Loss: mean square against a random
+target.  gloo on CPU by default; ``--device cuda`` uses NCCL on cuda:LOCAL_RANK.  With
+``--out FILE`` rank 0 appends the table to FILE with the command, machine, torch and date.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from pipeflow.comm import P2PComm  # noqa: E402
+from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
+from pipeflow.models.sleep import SleepLayer  # noqa: E402
+from pipeflow.pipeline import Pipeline  # noqa: E402
+from pipeflow.schedules import PipelineSchedule, build_schedule, simulate  # noqa: E402
+from pipeflow.stage import Stage  # noqa: E402
+
+CHUNKED = {"interleaved_1f1b": 2, "looped_bfs": 2, "zbv": 2, "dualpipev": 2}
+TORCH_SCHEDULES = {  # pipeflow name -> torch.distributed.pipelining.schedules class name
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean square error, the loss of every benchmark model."""
+    return (output - target).pow(2).mean()
+
+
+def make_layers(args: argparse.Namespace, hidden: int, stage: int) -> list[nn.Module]:
+    """The layers of stage `stage`, seeded by stage so every framework and rank agrees."""
+    torch.manual_seed(1000 + stage)
+    if args.model == "sleep":
+        return [SleepLayer(args.sleep_ms, args.sleep_ms, args.sleep_ms)]
+    if args.model == "gpt":
+        cfg = GPTConfig(block_size=args.seq, n_layer=args.layers_per_stage, n_head=4, n_embd=hidden)
+        return [Block(cfg) for _ in range(args.layers_per_stage)]
+    return [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(args.layers_per_stage)]
+
+
+def make_batch(args: argparse.Namespace, hidden: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (input, target) on every rank."""
+    gen = torch.Generator().manual_seed(7)
+    shape = (args.batch, args.seq, hidden) if args.model == "gpt" else (args.batch, 8 if args.model == "sleep" else hidden)
+    return torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device)
+
+
+class Runner:
+    """One framework's step on this rank: ``step()`` runs it and returns the loss (last stage)."""
+
+    def __init__(self, step: Callable[[], torch.Tensor | None], params: list[nn.Parameter]) -> None:
+        self._step, self.params = step, params
+
+    def step(self) -> torch.Tensor | None:
+        """One training step (forward and backward of every micro-batch), grads then cleared."""
+        loss = self._step()
+        for p in self.params:
+            p.grad = None
+        return loss
+
+
+def pipeflow_runner(schedule: PipelineSchedule, layers: dict[int, list[nn.Module]], batch, device, m: int) -> Runner:
+    """pipeflow's Pipeline over this rank's stages."""
+    S = schedule.num_stages
+    stages = {s: Stage(s, S, mods, mse) for s, mods in layers.items()}
+    pipe = Pipeline(stages, schedule, P2PComm(None, device, timeout_s=300))
+    x, y = batch
+
+    def step() -> torch.Tensor | None:
+        inputs = [(mb,) for mb in x.chunk(m)] if 0 in stages else None
+        targets = list(y.chunk(m)) if S - 1 in stages else None
+        return pipe.run(inputs, targets)
+
+    return Runner(step, [p for st in stages.values() for p in st.parameters()])
+
+
+def torch_runner(name: str, schedule: PipelineSchedule, layers: dict[int, list[nn.Module]], batch, device, m: int) -> Runner:
+    """torch.distributed.pipelining's PipelineStage(s) and schedule class for the same split."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    S = schedule.num_stages
+    mods = {s: nn.Sequential(*ls) for s, ls in layers.items()}
+    stages = [PipelineStage(mods[s], s, S, device) for s in sorted(mods)]
+    cls = getattr(schedules, TORCH_SCHEDULES[name])
+    if name in CHUNKED:
+        if name == "zbv" or name == "dualpipev":  # V order: the rank's first stage, then its second
+            stages = sorted(stages, key=lambda st: st.stage_index)
+        sched = cls(stages, m, loss_fn=mse)
+    else:
+        sched = cls(stages[0], m, loss_fn=mse)
+    x, y = batch
+
+    def step() -> torch.Tensor | None:
+        args = (x,) if 0 in mods else ()
+        if S - 1 in mods:
+            losses: list[torch.Tensor] = []
+            sched.step(*args, target=y, losses=losses)
+            return torch.stack(losses).mean()
+        sched.step(*args)
+        return None
+
+    return Runner(step, [p for mod in mods.values() for p in mod.parameters()])
+
+
+def timed(runner: Runner) -> tuple[float, torch.Tensor | None]:
+    """(slowest rank's seconds, loss) of one step, all ranks starting together."""
+    dist.barrier()
+    start = time.perf_counter()
+    loss = runner.step()
+    took = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took), loss
+
+
+def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.device) -> dict | None:
+    """Alternate the two frameworks' steps; medians, the ratio and its spread, loss agreement."""
+    p, m, rank = dist.get_world_size(), args.microbatches, dist.get_rank()
+    schedule = build_schedule(name, p, m, stages_per_rank=CHUNKED.get(name, 1))
+    mine = schedule.stages_of(rank)
+    built = {s: make_layers(args, hidden, s) for s in mine}
+    for mods in built.values():
+        for mod in mods:
+            mod.to(device)
+    batch = make_batch(args, hidden, device)
+    runners = {
+        "pipeflow": pipeflow_runner(schedule, built, batch, device, m),
+        "torch": torch_runner(name, schedule, {s: copy.deepcopy(ls) for s, ls in built.items()}, batch, device, m),
+    }
+    times: dict[str, list[float]] = {"pipeflow": [], "torch": []}
+    losses: dict[str, torch.Tensor | None] = {}
+    for k in range(args.warmup + args.rounds):
+        for fw, runner in runners.items():
+            took, loss = timed(runner)
+            if k == 0:
+                losses[fw] = loss
+            if k >= args.warmup:
+                times[fw].append(took)
+    ratios = [a / b for a, b in zip(times["pipeflow"], times["torch"])]
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    diff = float("nan")
+    if losses.get("pipeflow") is not None and losses.get("torch") is not None:
+        a, b = float(losses["pipeflow"].detach()), float(losses["torch"].detach())
+        diff = abs(a - b) / max(abs(b), 1e-30)
+    gathered: list[float] = [0.0] * p
+    dist.all_gather_object(gathered, diff)
+    row = {
+        "model": args.model, "hidden": hidden, "p": p, "schedule": name,
+        "pipeflow": statistics.median(times["pipeflow"]), "torch": statistics.median(times["torch"]),
+        "ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
+        "loss_diff": max((d for d in gathered if d == d), default=float("nan")),
+    }
+    if args.model == "sleep":
+        costs = {"F": args.sleep_ms / 1e3, "B": args.sleep_ms / 1e3, "W": args.sleep_ms / 1e3}
+        row["makespan"] = simulate(schedule, costs=costs).makespan
+    return row
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> str:
+    """The results as a Markdown table."""
+    sleep = args.model == "sleep"
+    head = "| model | width | ranks | schedule | pipeflow step (ms) | torch step (ms) | pipeflow / torch (median) | IQR of the ratio | loss rel. diff |"
+    if sleep:
+        head += " simulated makespan (ms) | pipeflow / makespan | torch / makespan |"
+    lines = [
+        f"batch {args.batch}, {args.microbatches} micro-batches, {args.rounds} alternating rounds "
+        f"after {args.warmup} warm-up, {args.layers_per_stage if not sleep else 1} layer(s) per stage",
+        "",
+        head,
+        "|" + " --- |" * (head.count("|") - 1),
+    ]
+    for r in rows:
+        line = (
+            f"| {r['model']} | {r['hidden'] if not sleep else '-'} | {r['p']} | {r['schedule']} | {r['pipeflow'] * 1e3:.1f} "
+            f"| {r['torch'] * 1e3:.1f} | {r['ratio']:.3f} | {r['q1']:.3f}-{r['q3']:.3f} | {r['loss_diff']:.1e} |"
+        )
+        if sleep:
+            line += f" {r['makespan'] * 1e3:.1f} | {r['pipeflow'] / r['makespan']:.3f} | {r['torch'] / r['makespan']:.3f} |"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("mlp", "gpt", "sleep"), default="mlp")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[512, 64])
+    parser.add_argument("--layers-per-stage", type=int, default=4)
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (gpt)")
+    parser.add_argument("--sleep-ms", type=float, default=10.0, help="F = B = W cost (sleep)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", default=None, help="append the table to this Markdown file")
+    args = parser.parse_args()
+    if args.model == "sleep":
+        args.hidden = args.hidden[:1]
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device, backend = torch.device("cuda", local), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    try:
+        P2PComm(None, device).warmup()
+        rows = []
+        for hidden in args.hidden:
+            for name in args.schedules:
+                row = compare(name, hidden, args, device)
+                if row is not None:
+                    rows.append(row)
+                    if dist.get_rank() == 0:
+                        print(f"{name} width {hidden}: ratio {row['ratio']:.3f}", file=sys.stderr, flush=True)
+        if dist.get_rank() == 0:
+            text = table(rows, args)
+            print(text)
+            if args.out:
+                write(text, args, backend)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def write(text: str, args: argparse.Namespace, backend: str) -> None:
+    """Append the table to args.out with how it was made."""
+    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores"
+    if args.device == "cuda":
+        machine += f", {torch.cuda.get_device_name()}"
+    header = (
+        f"\n### pipeflow vs torch.distributed.pipelining, {args.model} "
+        f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n"
+        f"`torchrun --nproc-per-node {dist.get_world_size()} {' '.join(sys.argv)}` on {machine}, "
+        f"torch {torch.__version__}, {backend}\n\n"
+    )
+    with open(args.out, "a") as f:
+        f.write(header + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""What the faster runtime relies on: the eager-send simulation and freed output storage.
+
+p = ranks, v = stages per rank, m = micro-batches (as in the schedules package).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeflow.errors import DeadlockError
+from pipeflow.schedules import GENERATORS, Action, build_schedule, one_f_one_b, simulate
+from pipeflow.stage import Stage, run_backward
+
+COSTS = {"F": 1.0, "B": 2.0, "W": 1.0}
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_eager_sends_never_slower_and_still_proven(name: str) -> None:
+    """Posting recvs early and waiting on sends lazily (gloo) only relaxes rendezvous."""
+    v = 2 if name in ("interleaved_1f1b", "looped_bfs", "zbv", "dualpipev") else 1
+    for p in (1, 2, 3, 4):
+        for m in (2 * p, 3 * p):
+            schedule = build_schedule(name, p, m, stages_per_rank=v)
+            strict = simulate(schedule, costs=COSTS, comm_latency=0.1)
+            eager = simulate(schedule, costs=COSTS, comm_latency=0.1, eager_sends=True)
+            assert eager.makespan <= strict.makespan + 1e-9, (p, m)
+            assert len(eager.timeline) == len(strict.timeline)
+
+
+def test_eager_sends_still_catch_a_deadlock() -> None:
+    schedule = one_f_one_b(4, 4)
+    schedule.actions[1] = [Action.parse(w) for w in "1F0 1B0 1F1 1F2 1F3 1B1 1B2 1B3".split()]
+    with pytest.raises(DeadlockError):
+        simulate(schedule, eager_sends=True)
+
+
+def _stage(last: bool) -> Stage:
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 6).double(), nn.Tanh(), nn.Linear(6, 6).double()]
+    return Stage(1 if last else 0, 2, layers, (lambda out, y: (out - y).pow(2).mean()) if last else None)
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_freed_outputs_give_the_same_gradients(weights: bool) -> None:
+    """deallocate_outputs frees the output storage; backward (full, or B then W) is unchanged."""
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(4, 6, dtype=torch.float64)
+    results = []
+    for free in (False, True):
+        stage = _stage(last=False)
+        xi = x.detach().clone().requires_grad_(True)
+        (out,) = stage.forward(0, (xi,))
+        if free:
+            stage.deallocate_outputs(0)
+            assert out.numel() == 0  # storage gone, autograd node kept
+        (gx,) = stage.backward(0, (grad,), weights=weights)
+        if not weights:
+            stage.backward_weight(0)
+        results.append([gx] + [p.grad for p in stage.parameters()])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_tuple_outputs_and_untouchable_ones() -> None:
+    """A pass-through output (a leaf, or a view of the input) keeps its storage."""
+
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x * 2, x.view(-1)
+
+    stage = Stage(0, 2, [Pair()])
+    x = torch.randn(3, 2, requires_grad=True)
+    doubled, view = stage.forward(0, (x,))
+    stage.deallocate_outputs(0)
+    assert doubled.numel() == 0 and view.numel() == 6
+    (gx,) = stage.backward(0, (torch.ones(3, 2), torch.ones(6)))
+    assert torch.equal(gx, torch.full((3, 2), 3.0))
+
+
+def test_run_backward_returns_input_grads_without_accumulating() -> None:
+    w = torch.ones(2, requires_grad=True)
+    y = (w * 3).sum()
+    (g,) = run_backward([y], None, [w])
+    assert torch.equal(g, torch.full((2,), 3.0)) and w.grad is None
+    assert run_backward([], None, [w]) == (None,)
