@@ -215,3 +215,15 @@ def resume_across_layouts() -> dict[str, Any] | None:
         out["export_val_loss"] = float(spec.loss_fn(run_layers(list(model), x), y))
     out["trainer_val_loss"] = val
     return out
+
+
+def resume_into_another_model_is_refused() -> str:
+    """A checkpoint of one model loaded into a model with more layers: a clear ConfigError."""
+    run_dir = _shared_dir("pf-wrong-")
+    _fit(1, run_dir)
+    cfg = make_config(1, "1f1b", 2, train__dtype="float32", train__resume=f"{run_dir}/checkpoints", model__n_layer=6)
+    try:
+        Trainer(cfg, torch.device("cpu")).fit()
+    except Exception as exc:  # noqa: BLE001 - the test asserts the type
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

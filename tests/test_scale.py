@@ -41,6 +41,7 @@ def _cases() -> list[tuple[str, object]]:
         ("bf16-trains", functools.partial(cases.precision_trains, "bf16")),
         ("fp16-overflow", cases.fp16_overflow_skips_everywhere),
         ("resume", cases.resume_across_layouts),
+        ("wrong-model", cases.resume_into_another_model_is_refused),
     ]
 
 
@@ -106,3 +107,10 @@ def test_resume_equals_training_straight_through_and_survives_a_layout_change(wo
 def test_export_loads_into_the_unsplit_model(world) -> None:
     out = _values(world["resume"])[0]
     assert abs(out["export_val_loss"] - out["trainer_val_loss"]) < 1e-5 * out["trainer_val_loss"]
+
+
+def test_resuming_another_model_names_the_missing_entries(world) -> None:
+    texts = _values(world["wrong-model"])
+    for text in texts:  # 6 blocks on 4 ranks: every rank holds a block the 2-block checkpoint lacks
+        assert text.startswith("ConfigError: rank "), text
+        assert "has no model.layers." in text and "saved from another model" in text
