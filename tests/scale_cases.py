@@ -227,3 +227,21 @@ def resume_into_another_model_is_refused() -> str:
     except Exception as exc:  # noqa: BLE001 - the test asserts the type
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def reduction_overlaps_cooldown(schedule: str = "interleaved_1f1b", m: int = 2) -> dict[str, Any]:
+    """With two stages per rank, the dp all-reduce of the stage that finishes first is posted
+    before the rank's last compute action (while the cooldown still runs)."""
+    trainer = Trainer(make_config(2, schedule, m), torch.device("cpu"))
+    trainer.pipeline.events = []
+    posted: list[tuple[int, int]] = []
+    ready = trainer.pipeline.on_stage_grads_ready
+
+    def record(s: int) -> None:
+        posted.append((s, sum(1 for e in trainer.pipeline.events if e.kind != "comm")))
+        ready(s)
+
+    trainer.pipeline.on_stage_grads_ready = record
+    trainer.forward_backward(0)
+    actions = sum(1 for e in trainer.pipeline.events if e.kind != "comm")
+    return {"posted": posted, "actions": actions, "stages": sorted(trainer.stages)}

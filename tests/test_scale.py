@@ -20,6 +20,7 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-1f1b": (2, "1f1b", 2, {}),
     "dp2xpp2-zb_h1": (2, "zb_h1", 2, {}),
     "dp2xpp2-zbv": (2, "zbv", 3, {}),  # V placement: both tied copies on pipeline rank 0
+    "dp2xpp2-interleaved": (2, "interleaved_1f1b", 2, {}),
     "dp4xpp1": (4, "1f1b", 1, {}),
     "dp1xpp4-gpipe": (1, "gpipe", 3, {}),
     "dp2xpp2-clipped": (2, "1f1b", 2, {"optim__grad_clip": CLIP}),
@@ -41,6 +42,7 @@ def _cases() -> list[tuple[str, object]]:
         ("bf16-trains", functools.partial(cases.precision_trains, "bf16")),
         ("fp16-overflow", cases.fp16_overflow_skips_everywhere),
         ("resume", cases.resume_across_layouts),
+        ("overlap", cases.reduction_overlaps_cooldown),
         ("wrong-model", cases.resume_into_another_model_is_refused),
     ]
 
@@ -114,3 +116,10 @@ def test_resuming_another_model_names_the_missing_entries(world) -> None:
     for text in texts:  # 6 blocks on 4 ranks: every rank holds a block the 2-block checkpoint lacks
         assert text.startswith("ConfigError: rank "), text
         assert "has no model.layers." in text and "saved from another model" in text
+
+
+def test_dp_reduction_of_an_early_stage_starts_before_the_cooldown_ends(world) -> None:
+    for rank, v in enumerate(_values(world["overlap"])):
+        assert sorted(s for s, _ in v["posted"]) == v["stages"]  # each stage once per step
+        first_done = min(at for _, at in v["posted"])
+        assert first_done < v["actions"], f"rank {rank}: every reduction waited for the flush: {v}"
