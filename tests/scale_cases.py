@@ -8,6 +8,7 @@ schedule, clipping and AdamW.
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from typing import Any
 
@@ -22,6 +23,7 @@ from pipeflow.tied import tie_in_place
 from pipeflow.trainer import Trainer, build_batches, lr_at, unique_parameters
 
 BATCH = 24
+TMP_ENV = "PIPEFLOW_TEST_TMP"  # where run directories go (the test's tmp dir; inherited by the workers)
 
 
 def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -47,7 +49,7 @@ def make_config(dp: int, schedule: str = "1f1b", m: int = 2, **train: Any) -> An
         section, _, name = key.partition("__")
         OmegaConf.update(cfg, f"{section}.{name}", value)
     if cfg.train.run_dir is None:
-        box = [tempfile.mkdtemp(prefix="pipeflow-scale-") if dist.get_rank() == 0 else None]
+        box = [tempfile.mkdtemp(prefix="pipeflow-scale-", dir=os.environ.get(TMP_ENV)) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         cfg.train.run_dir = box[0]
     return cfg
@@ -161,7 +163,7 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1) -> dict[str, Any]
 
 
 def _shared_dir(prefix: str) -> str:
-    box = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    box = [tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(TMP_ENV)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -48,8 +48,10 @@ def _cases() -> list[tuple[str, object]]:
 
 
 @pytest.fixture(scope="module")
-def world() -> dict[str, list[CaseResult]]:
-    return run_cases(WORLD, _cases())
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[CaseResult]]:
+    with pytest.MonkeyPatch.context() as patch:  # run directories under pytest's tmp dir
+        patch.setenv(cases.TMP_ENV, str(tmp_path_factory.mktemp("runs")))
+        return run_cases(WORLD, _cases())
 
 
 def _values(results: list[CaseResult]) -> list:
