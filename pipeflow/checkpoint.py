@@ -183,8 +183,14 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
     """
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
-    state = {**model_state(layers), **optimizer_state(optimizer, layers, fill=True)}
-    dcp.load(state, checkpoint_id=path)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    model = model_state(layers)
+    _check_model(path, model, saved)
+    optim = optimizer_state(optimizer, layers, fill=True)
+    if any(key not in saved for key in optim):  # saved before any optimizer step (e.g. all fp16 steps skipped)
+        optimizer.state.clear()
+        optim = {}
+    dcp.load({**model, **optim}, checkpoint_id=path)
     rng = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
     if meta.get("world_size") == dist.get_world_size() and os.path.isfile(rng):
         saved = torch.load(rng, weights_only=False)
@@ -192,6 +198,22 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
         if "cuda" in saved and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["cuda"])
     return meta
+
+
+def _check_model(path: str, model: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
+    """Raise on every rank (agreed by one all-gather) if any rank's model entries are missing
+    from the checkpoint or have another shape, naming the first such rank and entries."""
+    bad = sorted(k for k, v in model.items() if k not in saved or tuple(saved[k].size) != tuple(v.shape))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, bad)
+    culprit = next((r for r, keys in enumerate(everyone) if keys), None)
+    if culprit is not None:
+        keys = everyone[culprit]
+        raise ConfigError(
+            f"rank {culprit}: checkpoint {path} has no {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} "
+            f"of this shape ({len(keys)} of that rank's model entries missing or reshaped): it was saved from "
+            f"another model; resume with the model config it was trained with"
+        )
 
 
 def export(path: str, out: str) -> int:

@@ -129,7 +129,7 @@ class Stage:
             loss_scale: factor that makes the sum over micro-batches equal the full-batch loss.
             keep_for_backward: False for evaluation (no graph is built or kept).
         """
-        with torch.set_grad_enabled(keep_for_backward), self._autocast():
+        with torch.set_grad_enabled(keep_for_backward), self._autocast(inputs):
             output, boundaries = unpack(inputs), []
             for k, layer in enumerate(self.module):  # run_layers' convention, keeping every layer's outputs
                 output = self._call(k, layer, output, keep_for_backward)
@@ -145,11 +145,11 @@ class Stage:
             self._boundaries[i] = boundaries
         return outputs
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def _autocast(self, inputs: Tensors = ()) -> contextlib.AbstractContextManager:
         if self.compute_dtype is None:
             return contextlib.nullcontext()
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        return torch.autocast(device.type, dtype=self.compute_dtype)
+        devices = [p.device for p in self.module.parameters()] + [t.device for t in inputs]
+        return torch.autocast(devices[0].type if devices else "cpu", dtype=self.compute_dtype)
 
     def _call(self, k: int, layer: nn.Module, output: Any, grad: bool) -> Any:
         """Layer k on `output`; checkpointed (recomputed in backward) when configured."""
@@ -252,7 +252,7 @@ class Stage:
         modes = [(mod, mod.training) for mod in self.module.modules()]
         self.module.train(False)
         try:
-            with torch.enable_grad(), self._autocast():
+            with torch.enable_grad(), self._autocast(inputs):
                 outputs = self._to_compute_dtype(as_tuple(run_layers(list(self.module), unpack(inputs))))
                 return tuple(t.detach().requires_grad_(t.requires_grad) for t in outputs)
         finally:

@@ -8,6 +8,7 @@ schedule, clipping and AdamW.
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from typing import Any
 
@@ -22,6 +23,7 @@ from pipeflow.tied import tie_in_place
 from pipeflow.trainer import Trainer, build_batches, lr_at, unique_parameters
 
 BATCH = 24
+TMP_ENV = "PIPEFLOW_TEST_TMP"  # where run directories go (the test's tmp dir; inherited by the workers)
 
 
 def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -47,7 +49,7 @@ def make_config(dp: int, schedule: str = "1f1b", m: int = 2, **train: Any) -> An
         section, _, name = key.partition("__")
         OmegaConf.update(cfg, f"{section}.{name}", value)
     if cfg.train.run_dir is None:
-        box = [tempfile.mkdtemp(prefix="pipeflow-scale-") if dist.get_rank() == 0 else None]
+        box = [tempfile.mkdtemp(prefix="pipeflow-scale-", dir=os.environ.get(TMP_ENV)) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         cfg.train.run_dir = box[0]
     return cfg
@@ -161,7 +163,7 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1) -> dict[str, Any]
 
 
 def _shared_dir(prefix: str) -> str:
-    box = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    box = [tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(TMP_ENV)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -215,3 +217,33 @@ def resume_across_layouts() -> dict[str, Any] | None:
         out["export_val_loss"] = float(spec.loss_fn(run_layers(list(model), x), y))
     out["trainer_val_loss"] = val
     return out
+
+
+def resume_into_another_model_is_refused() -> str:
+    """A checkpoint of one model loaded into a model with more layers: a clear ConfigError."""
+    run_dir = _shared_dir("pf-wrong-")
+    _fit(1, run_dir)
+    cfg = make_config(1, "1f1b", 2, train__dtype="float32", train__resume=f"{run_dir}/checkpoints", model__n_layer=6)
+    try:
+        Trainer(cfg, torch.device("cpu")).fit()
+    except Exception as exc:  # noqa: BLE001 - the test asserts the type
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def reduction_overlaps_cooldown(schedule: str = "interleaved_1f1b", m: int = 2) -> dict[str, Any]:
+    """With two stages per rank, the dp all-reduce of the stage that finishes first is posted
+    before the rank's last compute action (while the cooldown still runs)."""
+    trainer = Trainer(make_config(2, schedule, m), torch.device("cpu"))
+    trainer.pipeline.events = []
+    posted: list[tuple[int, int]] = []
+    ready = trainer.pipeline.on_stage_grads_ready
+
+    def record(s: int) -> None:
+        posted.append((s, sum(1 for e in trainer.pipeline.events if e.kind != "comm")))
+        ready(s)
+
+    trainer.pipeline.on_stage_grads_ready = record
+    trainer.forward_backward(0)
+    actions = sum(1 for e in trainer.pipeline.events if e.kind != "comm")
+    return {"posted": posted, "actions": actions, "stages": sorted(trainer.stages)}

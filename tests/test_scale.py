@@ -20,6 +20,7 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-1f1b": (2, "1f1b", 2, {}),
     "dp2xpp2-zb_h1": (2, "zb_h1", 2, {}),
     "dp2xpp2-zbv": (2, "zbv", 3, {}),  # V placement: both tied copies on pipeline rank 0
+    "dp2xpp2-interleaved": (2, "interleaved_1f1b", 2, {}),
     "dp4xpp1": (4, "1f1b", 1, {}),
     "dp1xpp4-gpipe": (1, "gpipe", 3, {}),
     "dp2xpp2-clipped": (2, "1f1b", 2, {"optim__grad_clip": CLIP}),
@@ -41,12 +42,16 @@ def _cases() -> list[tuple[str, object]]:
         ("bf16-trains", functools.partial(cases.precision_trains, "bf16")),
         ("fp16-overflow", cases.fp16_overflow_skips_everywhere),
         ("resume", cases.resume_across_layouts),
+        ("overlap", cases.reduction_overlaps_cooldown),
+        ("wrong-model", cases.resume_into_another_model_is_refused),
     ]
 
 
 @pytest.fixture(scope="module")
-def world() -> dict[str, list[CaseResult]]:
-    return run_cases(WORLD, _cases())
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[CaseResult]]:
+    with pytest.MonkeyPatch.context() as patch:  # run directories under pytest's tmp dir
+        patch.setenv(cases.TMP_ENV, str(tmp_path_factory.mktemp("runs")))
+        return run_cases(WORLD, _cases())
 
 
 def _values(results: list[CaseResult]) -> list:
@@ -106,3 +111,17 @@ def test_resume_equals_training_straight_through_and_survives_a_layout_change(wo
 def test_export_loads_into_the_unsplit_model(world) -> None:
     out = _values(world["resume"])[0]
     assert abs(out["export_val_loss"] - out["trainer_val_loss"]) < 1e-5 * out["trainer_val_loss"]
+
+
+def test_resuming_another_model_names_the_missing_entries(world) -> None:
+    texts = _values(world["wrong-model"])
+    for text in texts:  # 6 blocks on 4 ranks: every rank holds a block the 2-block checkpoint lacks
+        assert text.startswith("ConfigError: rank "), text
+        assert "has no model.layers." in text and "saved from another model" in text
+
+
+def test_dp_reduction_of_an_early_stage_starts_before_the_cooldown_ends(world) -> None:
+    for rank, v in enumerate(_values(world["overlap"])):
+        assert sorted(s for s, _ in v["posted"]) == v["stages"]  # each stage once per step
+        first_done = min(at for _, at in v["posted"])
+        assert first_done < v["actions"], f"rank {rank}: every reduction waited for the flush: {v}"
