@@ -174,9 +174,9 @@ def main() -> None:
     print(text)
     if args.out:
         header = (
-            f"\n### Peak activation memory per rank ({datetime.date.today()})\n\n"
+            f"\n### Peak activation memory per rank ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n"
             f"`python {' '.join(sys.argv)}` on {platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, gloo\n\n"
+            f"torch {torch.__version__}, gloo, load average {os.getloadavg()[0]:.1f} at the end\n\n"
         )
         with open(args.out, "a") as f:
             f.write(header + text + "\n")

@@ -38,9 +38,10 @@ CHUNKED = {"interleaved_1f1b": 2, "looped_bfs": 2, "zbv": 2, "dualpipev": 2}
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
 
 
-def measure(name: str, p: int, m: int, args: argparse.Namespace) -> tuple[float, float, float] | None:
+def measure(name: str, p: int, m: int, args: argparse.Namespace) -> tuple[float, ...] | None:
     """(median measured step s, simulated makespan s, makespan simulated with the measured
-    action times s), or None if the schedule is not available."""
+    action times s[, median step s of the strict-rendezvous runtime]), or None if the schedule
+    is not available.  With --compare-strict the two runtimes alternate step by step."""
     try:
         schedule = build_schedule(name, p, m, stages_per_rank=CHUNKED.get(name, 1))
     except Exception as exc:  # noqa: BLE001 - a schedule this build lacks, or m it cannot serve
@@ -56,26 +57,31 @@ def measure(name: str, p: int, m: int, args: argparse.Namespace) -> tuple[float,
     x, y = torch.randn(m * 2, 8), torch.randn(m * 2, 8)
     inputs = [(mb,) for mb in x.chunk(m)] if 0 in stages else None
     targets = list(y.chunk(m)) if S - 1 in stages else None
-    times, spans = [], defaultdict(list)
+    modes = (False, True) if args.compare_strict else (False,)
+    times: dict[bool, list[float]] = {mode: [] for mode in modes}
+    spans = defaultdict(list)
     for step in range(args.warmup + args.steps):
-        pipe.events = []
-        dist.barrier()
-        start = time.perf_counter()
-        pipe.run(inputs, targets)
-        end = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(end, op=dist.ReduceOp.MAX)
-        if step >= args.warmup:
-            times.append(float(end))
-            for event in pipe.events:
-                if event.kind != "comm":
-                    spans[event.name].append(event.end - event.start)
+        for strict in modes:
+            pipe.strict_rendezvous = strict
+            pipe.events = []
+            dist.barrier()
+            start = time.perf_counter()
+            pipe.run(inputs, targets)
+            end = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(end, op=dist.ReduceOp.MAX)
+            if step >= args.warmup:
+                times[strict].append(float(end))
+                for event in pipe.events if not strict else ():
+                    if event.kind != "comm":
+                        spans[event.name].append(event.end - event.start)
     costs = {"F": args.forward_ms / 1e3, "B": args.backward_ms / 1e3, "W": args.weight_ms / 1e3}
     gathered: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, {a: statistics.median(v) for a, v in spans.items()})
     measured = {a: t for rank_spans in gathered for a, t in rank_spans.items()}
     # A full backward's event covers B and W; the simulator adds cost(W), absent here: 0.
     actual = simulate(schedule, costs=lambda action: measured.get(str(action), 0.0)).makespan
-    return statistics.median(times), simulate(schedule, costs=costs).makespan, actual
+    result = (statistics.median(times[False]), simulate(schedule, costs=costs).makespan, actual)
+    return result + ((statistics.median(times[True]),) if args.compare_strict else ())
 
 
 def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
@@ -93,26 +99,33 @@ def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.Sim
     dist.destroy_process_group()
 
 
-def table(rows: list[tuple[str, int, float, float, float]], args: argparse.Namespace) -> str:
+def table(rows: list[tuple], args: argparse.Namespace) -> str:
     """The results as a Markdown table."""
     lines = [
         f"F = {args.forward_ms} ms, B = {args.backward_ms} ms, W = {args.weight_ms} ms per stage "
         f"(a full backward costs B + W), p = {args.ranks}, median of {args.steps} steps",
         "",
         "| schedule | m | measured step (ms) | simulated makespan (ms) | measured / simulated "
-        "| makespan from measured action times (ms) | measured / that |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| makespan from measured action times (ms) | measured / that |"
+        + (" strict rendezvous step (ms) | measured / strict |" if args.compare_strict else ""),
+        "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if args.compare_strict else ""),
     ]
-    for name, m, measured, ideal, actual in rows:
-        lines.append(
+    for name, m, measured, ideal, actual, *strict in rows:
+        line = (
             f"| {name} | {m} | {measured * 1e3:.1f} | {ideal * 1e3:.1f} | {measured / ideal:.3f} "
             f"| {actual * 1e3:.1f} | {measured / actual:.3f} |"
         )
+        if strict:
+            line += f" {strict[0] * 1e3:.1f} | {measured / strict[0]:.3f} |"
+        lines.append(line)
     lines += [
         "",
         "measured / simulated is the whole overhead; the last column takes the layers' own "
         "overshoot out (each action's measured median time fed to the simulator), leaving what "
-        "the runtime adds: communication, waits and Python between actions.",
+        "the runtime adds: communication, waits and Python between actions."
+        + (" Strict rendezvous (`Pipeline.strict_rendezvous`: every op of a step completes before "
+           "its action, nothing posted ahead; the runtime before the optimisations) ran in "
+           "alternation with the default runtime, step by step." if args.compare_strict else ""),
     ]
     return "\n".join(lines)
 
@@ -127,6 +140,8 @@ def main() -> None:
     parser.add_argument("--weight-ms", type=float, default=10.0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compare-strict", action="store_true",
+                        help="alternate each step with the strict-rendezvous runtime and compare")
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     with socket.socket() as sock:
@@ -138,9 +153,9 @@ def main() -> None:
     print(text)
     if args.out:
         header = (
-            f"\n### Schedule efficiency on sleep-stages ({datetime.date.today()})\n\n"
+            f"\n### Schedule efficiency on sleep-stages ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n"
             f"`python {' '.join(sys.argv)}` on {platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, gloo\n\n"
+            f"torch {torch.__version__}, gloo, load average {os.getloadavg()[0]:.1f} at the end\n\n"
         )
         with open(args.out, "a") as f:
             f.write(header + text + "\n")

@@ -265,7 +265,7 @@ def write(text: str, args: argparse.Namespace, backend: str) -> None:
         f"\n### pipeflow vs torch.distributed.pipelining, {args.model} "
         f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n"
         f"`torchrun --nproc-per-node {dist.get_world_size()} {' '.join(sys.argv)}` on {machine}, "
-        f"torch {torch.__version__}, {backend}\n\n"
+        f"torch {torch.__version__}, {backend}, load average {os.getloadavg()[0]:.1f} at the end\n\n"
     )
     with open(args.out, "a") as f:
         f.write(header + text + "\n")

@@ -91,6 +91,9 @@ class Pipeline:
         # Free a sent activation's storage once sent, keeping its autograd node (the memory
         # benchmark turns it off to show the difference).
         self.free_sent_activations = True
+        # True: run exactly the simulator's rendezvous semantics (each step's ops all complete
+        # before its action, nothing posted ahead); for debugging and the before/after benchmark.
+        self.strict_rendezvous = False
 
     def _checked_program(self, schedule: PipelineSchedule) -> Program:
         programs = lower(schedule)
@@ -225,7 +228,8 @@ class Pipeline:
         outbox: dict[Key, Tensors] = {}
         self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
         events, clock, comm = self.events, time.perf_counter, self.comm
-        ahead = self._post_recvs(program[0]) if comm.independent_ops and program else None
+        eager = comm.independent_ops and not self.strict_rendezvous
+        ahead = self._post_recvs(program[0]) if eager and program else None
         for k, step in enumerate(program):
             t0 = clock()
             sends = self._sends(step, outbox)
@@ -237,6 +241,8 @@ class Pipeline:
             else:
                 landed = self._recv_buffers_of(step)
                 send_works, recv_works = comm.post(sends, [(op.peer, b) for op, bs in landed for b in bs])
+                if self.strict_rendezvous:
+                    send_works, recv_works = [], send_works + recv_works
             if recv_works:
                 self._wait(recv_works, program, k)
             for op, tensors in landed:
