@@ -109,11 +109,13 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None) -> tuple[PlanResul
     costs = costs or profile_costs(cfg, sizes, device)
     latency, comm = comm_model(cfg, costs, sizes, device, pp)
     limit = None if cfg.plan.memory_limit_gb is None else cfg.plan.memory_limit_gb * 1e9
-    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency)
+    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency,
+                    cfg.plan.action_overhead_ms / 1e3)
     if cfg.plan.csv:
         write_csv(result, cfg.plan.csv)
     header = (f"planner: {pp} pipeline ranks, batch {batch}, profiled on {device} ({cfg.train.dtype}) "
-              f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}")
+              f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; "
+              f"{cfg.plan.action_overhead_ms:g} ms per action (plan.action_overhead_ms)")
     return result, header + "\n" + format_plan(result, cfg.plan.top, pp, limit)
 
 
