@@ -180,15 +180,16 @@ def write_csv(result: PlanResult, path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Compose the config from the command line's overrides, plan, print; returns the exit code."""
+    """Compose the config from the command line's overrides, plan, print; returns the exit code
+    (0, 1 when no layout fits the memory limit, 2 for a bad config)."""
     cfg = compose_config(sys.argv[1:] if argv is None else argv)
     try:
-        _, report = run_plan(cfg)
+        result, report = run_plan(cfg)
     except ConfigError as err:
         print(f"pipeflow.plan: {err}", file=sys.stderr)
         return 2
     print(report)
-    return 0
+    return 0 if result.candidates else 1
 
 
 if __name__ == "__main__":
