@@ -109,11 +109,13 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None) -> tuple[PlanResul
     costs = costs or profile_costs(cfg, sizes, device)
     latency, comm = comm_model(cfg, costs, sizes, device, pp)
     limit = None if cfg.plan.memory_limit_gb is None else cfg.plan.memory_limit_gb * 1e9
-    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency)
+    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency,
+                    cfg.plan.action_overhead_ms / 1e3)
     if cfg.plan.csv:
         write_csv(result, cfg.plan.csv)
     header = (f"planner: {pp} pipeline ranks, batch {batch}, profiled on {device} ({cfg.train.dtype}) "
-              f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}")
+              f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; "
+              f"{cfg.plan.action_overhead_ms:g} ms per action (plan.action_overhead_ms)")
     return result, header + "\n" + format_plan(result, cfg.plan.top, pp, limit)
 
 
@@ -178,15 +180,16 @@ def write_csv(result: PlanResult, path: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Compose the config from the command line's overrides, plan, print; returns the exit code."""
+    """Compose the config from the command line's overrides, plan, print; returns the exit code
+    (0, 1 when no layout fits the memory limit, 2 for a bad config)."""
     cfg = compose_config(sys.argv[1:] if argv is None else argv)
     try:
-        _, report = run_plan(cfg)
+        result, report = run_plan(cfg)
     except ConfigError as err:
         print(f"pipeflow.plan: {err}", file=sys.stderr)
         return 2
     print(report)
-    return 0
+    return 0 if result.candidates else 1
 
 
 if __name__ == "__main__":

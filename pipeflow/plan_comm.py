@@ -7,6 +7,7 @@ the planner measures once per payload size.
 """
 from __future__ import annotations
 
+import queue
 import socket
 import time
 from typing import Any
@@ -42,16 +43,28 @@ def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bo
     for p in procs:
         p.start()
     try:
-        times = results.get(timeout=timeout_s)
-    except Exception as err:
-        raise RuntimeError(f"measuring the exchange time failed (no result within {timeout_s:g} s); "
-                           "set plan.comm_latency_ms=<ms> instead") from err
+        times = _await(results, procs, timeout_s)
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
     return times
+
+
+def _await(results: Any, procs: list, timeout_s: float) -> list[float]:
+    """Rank 0's result; fail fast when a measuring process dies, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a process measuring the exchange time exited with {dead[0]}; "
+                                   "set plan.comm_latency_ms=<ms> instead")
+    raise RuntimeError(f"measuring the exchange time gave no result within {timeout_s:g} s; "
+                       "set plan.comm_latency_ms=<ms> instead")
 
 
 def _free_port() -> int:

@@ -120,6 +120,7 @@ def search(
     memory_limit_bytes: float | None = None,
     optimizer_factor: float = 2.0,
     comm_latency_s: float | Callable[[int], float] = 0.0,
+    action_overhead_s: float = 0.0,
 ) -> PlanResult:
     """Simulate every combination of `space` and rank them by predicted step time.
 
@@ -132,6 +133,8 @@ def search(
         optimizer_factor: optimizer state bytes per parameter byte (2 for Adam).
         comm_latency_s: added by the simulator to every step that communicates; a number, or a
             function of the micro-batch size b.
+        action_overhead_s: added to every compute action (F, B, W): the runtime's own cost per
+            action beyond the layers' (dispatch, bookkeeping, waking up after a wait).
 
     Returns:
         The `PlanResult`; invalid combinations are counted in ``skipped`` by reason.
@@ -157,7 +160,8 @@ def search(
             _count(result, f"{name}: {str(err).splitlines()[0]}")
             continue
         for ranges in splits:
-            cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, latency, takes_chunks)
+            cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, (latency, action_overhead_s),
+                             takes_chunks)
             fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
             (result.candidates if fits else result.over_memory).append(cand)
     result.candidates.sort(key=_rank_key)
@@ -228,12 +232,12 @@ def _backward_s(profile: LayerProfile, split: bool) -> float:
 
 def _evaluate(
     schedule: PipelineSchedule, programs: list, ranges: list[range], profiles: Sequence[LayerProfile],
-    optimizer_factor: float, comm_latency_s: float, takes_chunks: bool,
+    optimizer_factor: float, overheads: tuple[float, float], takes_chunks: bool,
 ) -> Candidate:
     """Simulate one layout; its step time, bubble and per-rank memory."""
     splits_backward = any(a.kind == WEIGHT for acts in schedule.actions for a in acts)
-    cost = stage_costs(ranges, profiles, splits_backward)
-    sim = simulate(schedule, programs, cost, comm_latency_s)
+    comm_s, action_s = overheads
+    sim = simulate(schedule, programs, stage_costs(ranges, profiles, splits_backward, action_s), comm_s)
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     return Candidate(
@@ -246,19 +250,21 @@ def _evaluate(
 
 
 def stage_costs(
-    ranges: Sequence[range], profiles: Sequence[LayerProfile], splits_backward: bool
+    ranges: Sequence[range], profiles: Sequence[LayerProfile], splits_backward: bool,
+    action_overhead_s: float = 0.0,
 ) -> Callable[[Action], float]:
     """Seconds of each action for the simulator, summed over the stage's layers.
 
     With `splits_backward` a B costs the input-grad half and a W the weight-grad half; without,
     a B (which then also computes the weight grads) costs the full backward and W nothing.
     """
-    forward = [math.fsum(profiles[i].forward_s for i in r) for r in ranges]
+    extra = action_overhead_s
+    forward = [math.fsum(profiles[i].forward_s for i in r) + extra for r in ranges]
     if splits_backward:
-        backward = [math.fsum(profiles[i].input_grad_s for i in r) for r in ranges]
-        weight = [math.fsum(profiles[i].weight_grad_s for i in r) for r in ranges]
+        backward = [math.fsum(profiles[i].input_grad_s for i in r) + extra for r in ranges]
+        weight = [math.fsum(profiles[i].weight_grad_s for i in r) + extra for r in ranges]
     else:
-        backward = [math.fsum(profiles[i].backward_s for i in r) for r in ranges]
+        backward = [math.fsum(profiles[i].backward_s for i in r) + extra for r in ranges]
         weight = [0.0] * len(ranges)
     table = {FORWARD: forward, BACKWARD: backward, WEIGHT: weight}
     return lambda action: table[action.kind][action.stage]

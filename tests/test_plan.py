@@ -157,3 +157,15 @@ def test_fixed_chunk_schedules_are_tried_whatever_the_chunk_counts() -> None:
     even = lambda b: [layer(f"l{i}", MS, MS, MS) for i in range(8)]  # noqa: E731
     result = search(even, 2, 8, SearchSpace(("zbv", "interleaved_1f1b"), (4,), chunks=(1,)))
     assert {(c.schedule, c.stages_per_rank) for c in result.candidates} == {("zbv", 2), ("interleaved_1f1b", 1)}
+
+
+def test_an_action_overhead_favours_fewer_microbatches() -> None:
+    """Costs linear in b make more micro-batches always better; a fixed cost per action turns that."""
+    linear = lambda b: [layer(f"l{i}", MS * b, MS * b, MS * b) for i in range(4)]  # noqa: E731
+    space = SearchSpace(("1f1b",), (2, 4, 8, 16))
+    assert search(linear, 2, 16, space).candidates[0].num_microbatches == 16
+    slow = search(linear, 2, 16, space, action_overhead_s=20 * MS)
+    assert slow.candidates[0].num_microbatches < 16
+    # 1F1B, p = 2, m = 16, 2-layer stages: (m + p - 1) (F + B) with F = 2 ms + 20 ms, B = 4 ms + 20 ms
+    by_m = {c.num_microbatches: c for c in reversed(slow.candidates)}
+    assert by_m[16].step_s == pytest.approx(17 * 46 * MS)
