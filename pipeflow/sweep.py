@@ -68,7 +68,6 @@ class SweepState:
 
 
 _STATE: SweepState | None = None
-_FAILED = False
 
 
 def is_multirun() -> bool:
@@ -109,10 +108,10 @@ def _state(cfg: DictConfig) -> SweepState:
 
 
 def _teardown() -> None:
-    """At exit: wait for every rank, then destroy the process group (no wait after a failure)."""
+    """At a normal exit: wait for every rank, then destroy the process group (a failed rank has
+    left through `pipeflow.guard.fail`, which skips this)."""
     if dist.is_initialized():
-        if not _FAILED:
-            dist.barrier()
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -122,11 +121,9 @@ def run_sweep_job(cfg: DictConfig, device: torch.device) -> JobRecord | None:
     Returns:
         The job's record (on every rank), or None when the job was skipped.
 
-    Raises:
-        SystemExit: any other failure ends the whole sweep on this rank (its peers are stopped
-            by torchrun), since the ranks could no longer walk the sweep together.
+    Any other failure ends the whole sweep (`pipeflow.guard.fail`: logged, exit 1 at once; torchrun
+    stops the peers), since the ranks could no longer walk the sweep together.
     """
-    global _FAILED
     state = _state(cfg)
     hydra_cfg = HydraConfig.get()
     index = hydra_cfg.job.num
@@ -137,10 +134,11 @@ def run_sweep_job(cfg: DictConfig, device: torch.device) -> JobRecord | None:
     try:
         record = _run_job(cfg, device, index, text, run_dir, state)
         dist.barrier()
-    except Exception:
-        _FAILED = True
-        log.exception("rank %d: sweep job %d (%s) failed; stopping the sweep", dist.get_rank(), index, text)
-        raise SystemExit(1)
+    except Exception as exc:
+        from pipeflow import guard
+
+        log.error("rank %d: sweep job %d (%s) failed; stopping the sweep", dist.get_rank(), index, text)
+        guard.fail(exc, dist.get_rank())
     if dist.get_rank() == 0:
         write_tables(state)
     return record
@@ -217,13 +215,18 @@ def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str, tra
     return JobRecord(
         job=index, overrides=text, run_dir=run_dir,
         samples_per_s=float(result.get("samples_per_s", samples)),
-        tokens_per_s=float(result.get("tokens_per_s", samples * per_sample if per_sample else math.nan)),
+        tokens_per_s=_number(result.get("tokens_per_s"), samples * per_sample if per_sample else math.nan),
         step_time_ms=1e3 * float(result.get("step_time_s", train_s / steps)),
         bubble_measured=float(result.get("bubble_measured", math.nan)),
         bubble_predicted=float(result.get("bubble_predicted", bubble)),
         predicted_step_ms=1e3 * step_s, peak_memory_mb=[float(x) for x in (peak or [])],
         predicted_memory_mb=memory, final_loss=float(result.get("last_loss", math.nan)),
     )
+
+
+def _number(value: Any, default: float) -> float:
+    """`value` as a float; `default` when it is missing (None)."""
+    return default if value is None else float(value)
 
 
 def _gather(value: float) -> list[float]:

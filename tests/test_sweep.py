@@ -11,7 +11,8 @@ from mp_harness import run_cases
 from pipeflow.sweep import JobRecord, SweepState, format_table, job_label, swept_keys
 from test_cli import SMALL, torchrun
 
-FIGURES = ("samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms", "bubble_predicted", "final_loss")
+FIGURES = ("samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms", "bubble_measured",
+           "bubble_predicted", "final_loss")
 
 
 def test_a_2x2_sweep_on_two_processes_runs_four_jobs_and_skips_the_invalid_ones(tmp_path: Path) -> None:
@@ -29,8 +30,9 @@ def test_a_2x2_sweep_on_two_processes_runs_four_jobs_and_skips_the_invalid_ones(
         "4_schedule=zbv,pipeline.num_microbatches=2,pipeline.stages_per_rank=null",
         "6_schedule=zbv,pipeline.num_microbatches=4,pipeline.stages_per_rank=null",
     ], out[-4000:]
-    for job in jobs:  # each job's config is its own combination
+    for job in jobs:  # each job's config is its own combination, each job its own TensorBoard run
         config = (tmp_path / job / "config.yaml").read_text()
+        assert list((tmp_path / job / "tb").glob("events.out.tfevents.*")), job
         name, m = re.match(r"\d+_schedule=(\w+),pipeline.num_microbatches=(\d+)", job).groups()
         assert f"name: {name}" in config and f"num_microbatches: {m}" in config
     skipped = re.findall(r"sweep job (\d) \(schedule=\w+ pipeline.num_microbatches=\d "
@@ -42,6 +44,8 @@ def test_a_2x2_sweep_on_two_processes_runs_four_jobs_and_skips_the_invalid_ones(
     for row in rows:
         assert all(math.isfinite(float(row[k])) for k in FIGURES), row
         assert float(row["samples_per_s"]) > 0 and 0 <= float(row["bubble_predicted"]) < 1
+        peaks = [float(x) for x in row["peak_memory_mb"].split(";")]
+        assert len(peaks) == 2 and all(math.isfinite(x) and x > 0 for x in peaks), row  # one per pipeline rank
     speeds = [float(r["samples_per_s"]) for r in rows]
     assert speeds == sorted(speeds, reverse=True)
     table = (tmp_path / "sweep.md").read_text()
