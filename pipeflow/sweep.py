@@ -214,13 +214,13 @@ def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str, tra
         peak = _gather(torch.cuda.max_memory_allocated(device) / 1e6)
     return JobRecord(
         job=index, overrides=text, run_dir=run_dir,
-        samples_per_s=float(result.get("samples_per_s", samples)),
+        samples_per_s=_number(result.get("samples_per_s"), samples),
         tokens_per_s=_number(result.get("tokens_per_s"), samples * per_sample if per_sample else math.nan),
-        step_time_ms=1e3 * float(result.get("step_time_s", train_s / steps)),
-        bubble_measured=float(result.get("bubble_measured", math.nan)),
-        bubble_predicted=float(result.get("bubble_predicted", bubble)),
+        step_time_ms=1e3 * _number(result.get("step_time_s"), train_s / steps),
+        bubble_measured=_number(result.get("bubble_measured"), math.nan),
+        bubble_predicted=_number(result.get("bubble_predicted"), bubble),
         predicted_step_ms=1e3 * step_s, peak_memory_mb=[float(x) for x in (peak or [])],
-        predicted_memory_mb=memory, final_loss=float(result.get("last_loss", math.nan)),
+        predicted_memory_mb=memory, final_loss=_number(result.get("last_loss"), math.nan),
     )
 
 
