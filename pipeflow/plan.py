@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,6 +32,7 @@ from pipeflow.profile import LayerProfile, profile_layers
 from pipeflow.schedules import GENERATORS
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+_PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points"}
 _SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes")
 
 
@@ -91,8 +93,11 @@ def search_space(cfg: DictConfig, batch_size: int) -> SearchSpace:
     return SearchSpace(names, tuple(int(m) for m in counts), tuple(range(1, plan.max_chunks + 1)), plan.splits)
 
 
-def run_plan(cfg: DictConfig, costs: CostModel | None = None) -> tuple[PlanResult, str]:
+def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequence[str] = ()) -> tuple[PlanResult, str]:
     """Profile (unless `costs` are given), search and format; returns the result and the report.
+
+    `overrides` (the planner's command line) are repeated in the printed train.py command,
+    except the ``plan.*`` ones and those the pick sets.
 
     Raises:
         ConfigError: ``parallel.pp`` missing or inconsistent, a bad ``plan`` setting.
@@ -113,10 +118,11 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None) -> tuple[PlanResul
                     cfg.plan.action_overhead_ms / 1e3)
     if cfg.plan.csv:
         write_csv(result, cfg.plan.csv)
-    header = (f"planner: {pp} pipeline ranks, batch {batch}, profiled on {device} ({cfg.train.dtype}) "
+    replicas = f" x {dp} data-parallel replicas, batch {batch} per replica" if dp > 1 else f", batch {batch}"
+    header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}) "
               f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; "
               f"{cfg.plan.action_overhead_ms:g} ms per action (plan.action_overhead_ms)")
-    return result, header + "\n" + format_plan(result, cfg.plan.top, pp, limit)
+    return result, header + "\n" + format_plan(result, cfg.plan.top, dp * pp, limit, overrides)
 
 
 def comm_model(cfg: DictConfig, costs: CostModel, sizes: Sequence[int], device: torch.device,
@@ -142,8 +148,10 @@ def comm_model(cfg: DictConfig, costs: CostModel, sizes: Sequence[int], device: 
                      f"{1e3 * high:.3f} ms at {payload[1] / 1e6:.2f} MB")
 
 
-def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float | None) -> str:
-    """The top layouts as a table (rank, predicted step, bubble, memory, overrides) and a summary."""
+def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float | None,
+                overrides: Sequence[str] = ()) -> str:
+    """The top layouts as a table (rank, predicted step, bubble, memory, overrides) and a summary;
+    `num_ranks` is the world size the pick is launched with."""
     rows = [("#", "schedule", "m", "v", "step (ms)", "bubble", "peak mem/rank (MB)", "overrides")]
     for k, c in enumerate(result.candidates[:top], 1):
         rows.append((str(k), c.schedule, str(c.num_microbatches), str(c.stages_per_rank), f"{1e3 * c.step_s:.2f}",
@@ -160,7 +168,10 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
     skipped = ", ".join(f"{name} {n}" for name, n in sorted(by_schedule.items())) or "none"
     lines.append(f"{simulated} layouts simulated ({limit}); invalid combinations skipped: {skipped}")
     if result.candidates:
-        lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks} train.py {result.candidates[0].overrides()}")
+        keep = [shlex.quote(o) for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _PICK_KEYS
+                and not o.startswith("plan.")]
+        command = " ".join(["train.py", *keep, result.candidates[0].overrides()])
+        lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks} {command}")
     else:
         lines.append("no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches)")
     return "\n".join(lines)
@@ -184,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (0, 1 when no layout fits the memory limit, 2 for a bad config)."""
     cfg = compose_config(sys.argv[1:] if argv is None else argv)
     try:
-        result, report = run_plan(cfg)
+        result, report = run_plan(cfg, overrides=sys.argv[1:] if argv is None else argv)
     except ConfigError as err:
         print(f"pipeflow.plan: {err}", file=sys.stderr)
         return 2

@@ -143,7 +143,9 @@ def test_plan_cli_prints_overrides_that_compose_into_a_valid_config(tmp_path: Pa
         schedule = build_schedule(name, 2, int(m), cfg.pipeline.stages_per_rank)
         assert schedule.num_stages == 2 * int(v)
         partition_layers(4, schedule.num_stages, list(cfg.pipeline.split_points))
-    assert "run the pick: torchrun --nproc-per-node 2 train.py schedule=" in run.stdout
+    pick = ("run the pick: torchrun --nproc-per-node 2 train.py model=gpt model.n_layer=2 model.n_embd=32 "
+            "data.batch_size=8 data.num_tokens=5000 parallel.pp=2 " + rows[0][6])
+    assert pick in run.stdout, run.stdout
     latency = re.search(r"comm measured \(gloo\): ([\d.]+) ms per step", run.stdout)  # plan.comm_latency_ms=null
     assert latency and 0 < float(latency.group(1)) < 1000, run.stdout
     with open(tmp_path / "plan.csv") as f:
