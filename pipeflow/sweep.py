@@ -162,7 +162,9 @@ def _run_job(cfg: DictConfig, device: torch.device, index: int, text: str, run_d
     train_s = time.perf_counter() - start - evaluating[0]
     record = _record(trainer, result, index, text, run_dir, train_s, device)
     del trainer
-    gc.collect()
+    gc.collect()  # free this job's stages before the next job builds its own
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         state.records.append(record)
     return record
