@@ -117,7 +117,9 @@ class P2PComm:
             return works[: len(sends)], works[len(sends):]
         return ([], works) if recvs else (works, [])
 
-    def wait(self, works: Sequence[dist.Work], what: str | Callable[[], str] = "", timeout_s: float | None = None) -> None:
+    def wait(
+        self, works: Sequence[dist.Work], what: str | Callable[[], str] = "", timeout_s: float | None = None
+    ) -> None:
         """Wait for `works` posted by :meth:`post`.
 
         Args:
