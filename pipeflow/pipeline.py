@@ -273,7 +273,9 @@ class Pipeline:
     @staticmethod
     def _sends(step: Step, outbox: dict[Key, Tensors]) -> list[tuple[int, torch.Tensor]]:
         """(peer, tensor) of every send of `step`, taken from the outbox in the step's order."""
-        return [(op.peer, t) for op in step.ops if op.is_send for t in outbox.pop((op.payload, op.microbatch, op.src_stage))]
+        return [
+            (op.peer, t) for op in step.ops if op.is_send for t in outbox.pop((op.payload, op.microbatch, op.src_stage))
+        ]
 
     def _recv_buffers_of(self, step: Step) -> list[tuple[CommOp, Tensors]]:
         """Fresh buffers for every recv of `step`, in the step's order."""

@@ -97,9 +97,13 @@ def split_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, m: int) -> tup
 
 def equivalence(
     model: str, schedule: str, m: int, steps: int = 3, batch: int = BATCH, clip: float = 0.0,
-    reversed_placement: bool = False,
+    reversed_placement: bool = False, runtime: str = "default",
 ) -> dict[str, float]:
     """Train `steps` AdamW steps pipelined and unsplit; return worst relative differences.
+
+    `runtime`: ``default`` (gloo: recvs posted a step ahead, sends waited after the action),
+    ``grouped`` (one post per step as with NCCL: recvs waited before the action, sends after)
+    or ``strict`` (every op of a step completes before its action: the simulated semantics).
 
     With `clip` > 0, gradients are clipped by the global norm on both sides (pipelined: one
     all-reduce over the stages; unsplit: torch.nn.utils.clip_grad_norm_) before the step.
@@ -111,6 +115,8 @@ def equivalence(
     if reversed_placement:  # rank r's stages move to rank p-1-r
         plan = build_schedule(schedule, p, m, stage_to_rank=[p - 1 - r for r in plan.stage_to_rank])
     pipe, ranges, tied = build_pipeline(spec, plan)
+    pipe.strict_rendezvous = runtime == "strict"
+    pipe.comm.independent_ops = runtime == "default"
     reference = spec.build_all(dtype=DTYPE)
     tie_in_place(spec, dict(enumerate(reference)))
     freeze_batchnorm(reference)

@@ -50,7 +50,12 @@ def _equivalence_cases() -> list[tuple[str, object]]:
     ]
     resnet = [("eq-resnet18-1f1b-m4", functools.partial(cases.equivalence, "resnet18", "1f1b", 4, steps=2))]
     clipped = [("eq-clipped-gpt_tied-1f1b-m4", functools.partial(cases.equivalence, "gpt_tied", "1f1b", 4, clip=CLIP))]
-    return plain + tied + chunked + tied_v + own + resnet + clipped
+    runtimes = [  # the NCCL-shaped posting (one call per step) and the exact simulated semantics
+        ("eq-gpt8-zbv-m4-grouped", functools.partial(cases.equivalence, "gpt8", "zbv", 4, runtime="grouped")),
+        ("eq-masked_mlp-gpipe-m3-grouped", functools.partial(cases.equivalence, "masked_mlp", "gpipe", 3, runtime="grouped")),
+        ("eq-masked_mlp-1f1b-m8-strict", functools.partial(cases.equivalence, "masked_mlp", "1f1b", 8, runtime="strict")),
+    ]
+    return plain + tied + chunked + tied_v + own + resnet + clipped + runtimes
 
 
 def _all_cases() -> list[tuple[str, object]]:
