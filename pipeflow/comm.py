@@ -95,7 +95,6 @@ class P2PComm:
         self.size = dist.get_world_size(group)
         self.timeout_s = timeout_s
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)]
-        self._pg = group if group is not None else dist.distributed_c10d._get_default_group()
         self.independent_ops = not _coalesces(group, self.device)
 
     def post(
@@ -104,17 +103,12 @@ class P2PComm:
         """Post `sends` and `recvs` as one batched call without waiting: (send works, recv works).
 
         With a backend whose ops complete one by one (gloo: one Work per op) the recvs can be
-        waited on alone and the sends later; the ops then go straight to the process group
-        (``ProcessGroup.send``/``recv`` with pipeline ranks, which are its group ranks), as
-        ``batch_isend_irecv`` would do op by op, without its per-op Python checks.  With a
-        coalescing backend (NCCL) the batch is one group on the communicator's own stream that
-        completes as a whole: its single Work is returned with the recvs (as a send work when
+        waited on alone and the sends later.  Every transfer goes through
+        ``dist.batch_isend_irecv``, whatever the backend.  With a coalescing backend (NCCL) the
+        batch is one group on the communicator's own stream that completes as a whole: its single Work is returned with the recvs (as a send work when
         there are no recvs); waiting on it makes the current stream wait for the group (an
         event, not a device-wide sync).
         """
-        if self.independent_ops:  # one Work per op anyway: skip the per-op Python wrappers
-            pg = self._pg
-            return [pg.send([t], peer, 0) for peer, t in sends], [pg.recv([t], peer, 0) for peer, t in recvs]
         ops = [dist.P2POp(dist.isend, t, self._global[peer], self.group) for peer, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self._global[peer], self.group) for peer, t in recvs]
         if not ops:
