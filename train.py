@@ -12,7 +12,6 @@ A sweep, every combination in one launch, compared in <sweep dir>/sweep.md (pipe
 """
 from __future__ import annotations
 
-import logging
 
 import hydra
 import torch.distributed as dist

@@ -15,9 +15,7 @@ With --out the table is appended to that file with command, machine, torch versi
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import socket
 import sys
 import weakref
@@ -30,6 +28,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
+from results import append_result  # noqa: E402  (benchmarks/results.py)
 from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.stage import Stage  # noqa: E402
@@ -173,13 +172,7 @@ def main() -> None:
     text = table(queue.get(), one_microbatch_bytes(args), args)
     print(text)
     if args.out:
-        header = (
-            f"\n### Peak activation memory per rank ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n"
-            f"`python {' '.join(sys.argv)}` on {platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, gloo, load average {os.getloadavg()[0]:.1f} at the end\n\n"
-        )
-        with open(args.out, "a") as f:
-            f.write(header + text + "\n")
+        append_result(args.out, "Peak activation memory per rank", f"python {' '.join(sys.argv)}", text)
 
 
 if __name__ == "__main__":

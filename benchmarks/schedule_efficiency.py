@@ -12,9 +12,7 @@ and, with --out, appends it to that file with the command, machine, torch versio
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import socket
 import statistics
 import sys
@@ -28,6 +26,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
+from results import append_result  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.sleep import build_sleep  # noqa: E402
 from pipeflow.partition import partition_layers  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
@@ -152,13 +151,7 @@ def main() -> None:
     text = table(queue.get(), args)
     print(text)
     if args.out:
-        header = (
-            f"\n### Schedule efficiency on sleep-stages ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n"
-            f"`python {' '.join(sys.argv)}` on {platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, gloo, load average {os.getloadavg()[0]:.1f} at the end\n\n"
-        )
-        with open(args.out, "a") as f:
-            f.write(header + text + "\n")
+        append_result(args.out, "Schedule efficiency on sleep-stages", f"python {' '.join(sys.argv)}", text)
 
 
 if __name__ == "__main__":

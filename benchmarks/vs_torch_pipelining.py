@@ -24,7 +24,6 @@ import argparse
 import copy
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
+from results import append_result  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
 from pipeflow.models.sleep import SleepLayer  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
@@ -258,17 +258,11 @@ def main() -> None:
 
 def write(text: str, args: argparse.Namespace, backend: str) -> None:
     """Append the table to args.out with how it was made."""
-    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores"
-    if args.device == "cuda":
-        machine += f", {torch.cuda.get_device_name()}"
-    header = (
-        f"\n### pipeflow vs torch.distributed.pipelining, {args.model} "
-        f"({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC)\n\n"
-        f"`torchrun --nproc-per-node {dist.get_world_size()} {' '.join(sys.argv)}` on {machine}, "
-        f"torch {torch.__version__}, {backend}, load average {os.getloadavg()[0]:.1f} at the end\n\n"
+    append_result(
+        args.out, f"pipeflow vs torch.distributed.pipelining, {args.model}",
+        f"torchrun --nproc-per-node {dist.get_world_size()} {' '.join(sys.argv)}", text, backend,
+        torch.cuda.get_device_name() if args.device == "cuda" else "",
     )
-    with open(args.out, "a") as f:
-        f.write(header + text + "\n")
 
 
 if __name__ == "__main__":

@@ -134,8 +134,11 @@ class P2PComm:
             PipelineTimeoutError, CommError: as for :meth:`exchange`.
         """
         deadline = timeout_s if timeout_s is not None else self.timeout_s
-        if self.device.type == "cuda":
-            deadline = None
+        self._wait_all(works, None if self.device.type == "cuda" else deadline, what)
+
+    def _wait_all(self, works: Sequence[dist.Work], deadline: float | None, what: str | Callable[[], str]) -> None:
+        """Wait for every work (gloo returns several per batched call: dropping one hangs,
+        pytorch/pytorch#132644); a failure becomes a named CommError."""
         try:
             for work in works:
                 if deadline is None:
@@ -190,13 +193,9 @@ class P2PComm:
         deadline = timeout_s if timeout_s is not None else self.timeout_s
         try:
             works = dist.batch_isend_irecv(ops)
-            for work in works:
-                if deadline is None:
-                    work.wait()
-                else:
-                    work.wait(datetime.timedelta(seconds=deadline))
         except RuntimeError as exc:
             raise self._failure(exc, what, deadline) from exc
+        self._wait_all(works, deadline, what)
 
     def _failure(self, exc: RuntimeError, what: str, deadline: float | None) -> CommError:
         text = str(exc)
