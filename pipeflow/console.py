@@ -50,9 +50,10 @@ def setup_logging(rank: int) -> None:
     logging.captureWarnings(True)
 
 
-def progress_bar(total: int, enabled: bool) -> Any:
-    """A tqdm bar over `total` steps on stderr; off when not `enabled` or stderr is not a terminal."""
-    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, leave=False,
+def progress_bar(total: int, enabled: bool, initial: int = 0) -> Any:
+    """A tqdm bar over `total` steps on stderr, starting at `initial` (a resumed run); off when
+    not `enabled` or stderr is not a terminal."""
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, leave=False,
                 disable=not enabled or not sys.stderr.isatty())
 
 

@@ -154,6 +154,7 @@ class RunMetrics:
         self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
         self.interval, self.interval_steps = RankFigures(), 0
         self.steady, self.steady_steps = RankFigures(), 0  # every step but the first (warm-up)
+        self.first_step: int | None = None  # 0, or where a resumed run starts
         self.step_times: list[float] = []
         self.traced: dict[int, tuple[float, float, list[tuple[str, str, float, float]]]] = {}
         self._start = 0.0
@@ -165,8 +166,10 @@ class RunMetrics:
 
     def begin_step(self, step: int) -> None:
         """Start measuring step `step` (records the pipeline's events from now on)."""
-        if self.show_bar and self.bar is None:
-            self.bar = console.progress_bar(self.max_steps, True)
+        if self.first_step is None:
+            self.first_step = step
+            if self.show_bar:
+                self.bar = console.progress_bar(self.max_steps, True, initial=step)
         self.pipeline.events = []
         self._start = time.perf_counter()
 
@@ -177,7 +180,7 @@ class RunMetrics:
         figures = step_figures(events, self._start, end)
         self.interval += figures
         self.interval_steps += 1
-        if step > 0 or self.max_steps == 1:
+        if step > self.first_step or self.max_steps - self.first_step == 1:
             self.steady += figures
             self.steady_steps += 1
         self.step_times.append(figures.step_s)

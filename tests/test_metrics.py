@@ -140,3 +140,14 @@ def test_clock_offsets_are_zero_on_rank_0s_host_and_a_median_per_other_host() ->
     rounds = [[10.0, 10.1, 15.0, 15.2], [20.0, 19.9, 25.1, 25.0], [30.0, 30.0, 34.0, 35.0]]
     assert host_offsets(hosts, rounds) == [0.0, 0.0, 5.0, 5.0]  # median of 5.0 5.2 5.1 5.0 4.0 5.0
     assert host_offsets(["a", "a"], []) == [0.0, 0.0]
+
+
+def test_progress_bar_of_a_resumed_run_starts_at_the_resumed_step() -> None:
+    from types import SimpleNamespace
+
+    from pipeflow.metrics import RunMetrics
+
+    fake = SimpleNamespace(show_bar=True, bar=None, first_step=None, max_steps=10, pipeline=SimpleNamespace(events=None))
+    RunMetrics.begin_step(fake, 6)  # the first step this process runs after resuming at step 6
+    assert (fake.bar.n, fake.bar.total) == (6, 10)
+    fake.bar.close()
