@@ -9,6 +9,8 @@ messages (see :func:`encode_metas`), exchanged once by the pipeline and then cac
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -77,6 +79,53 @@ def decode_metas(packed: torch.Tensor) -> tuple[TensorMeta, ...]:
     return tuple(metas)
 
 
+class DeadlineWatchdog:
+    """A daemon thread that holds waits which do not block the host to their deadline.
+
+    On CUDA, waiting for a batched call only makes the compute stream wait for the comm stream;
+    the host runs on and would only block later, deep inside an unrelated sync.  Each such wait
+    is registered here with its deadline and description; the thread polls
+    ``Work.is_completed()`` (an event query, never a block) and, when one is overdue, hands a
+    :class:`PipelineTimeoutError` naming the transfer to `on_timeout` (which ends the process:
+    the main thread may be stuck in a CUDA sync it cannot leave).
+
+    Args:
+        on_timeout: called once, from the watchdog thread, with the error.
+        poll_s: how often the pending waits are checked.
+    """
+
+    def __init__(self, on_timeout: Callable[[PipelineTimeoutError], None], poll_s: float = 0.2) -> None:
+        self.on_timeout = on_timeout
+        self.poll_s = poll_s
+        self._pending: list[tuple[float, float, Sequence[dist.Work], str, str | Callable[[], str]]] = []
+        self._lock = threading.Lock()
+        self._fired = False
+        threading.Thread(target=self._run, name="pipeflow-p2p-watchdog", daemon=True).start()
+
+    def watch(self, works: Sequence[dist.Work], deadline_s: float, where: str, what: str | Callable[[], str]) -> None:
+        """Hold `works` to `deadline_s` seconds from now; `where` and `what` name the rank and the
+        transfer in the error (`what` may be a function, called only then)."""
+        with self._lock:
+            self._pending.append((time.monotonic() + deadline_s, deadline_s, works, where, what))
+
+    def _run(self) -> None:
+        while not self._fired:
+            time.sleep(self.poll_s)
+            now = time.monotonic()
+            with self._lock:
+                self._pending = [p for p in self._pending if not all(w.is_completed() for w in p[2])]
+                overdue = next((p for p in self._pending if p[0] < now), None)
+            if overdue is not None:
+                self._fired = True
+                _, deadline_s, _, where, what = overdue
+                self.on_timeout(PipelineTimeoutError(
+                    f"{where}: no progress within {deadline_s} s (comm.timeout_s; comm.first_step_timeout_s in the first "
+                    f"step) while waiting to {what() if callable(what) else what}; noticed by the P2P watchdog "
+                    f"(this wait does not block the host). A peer is stuck, dead or running a different program; "
+                    f"raise comm.timeout_s if the step is just slow."
+                ))
+
+
 class P2PComm:
     """Batched point-to-point exchange inside one pipeline process group.
 
@@ -84,10 +133,14 @@ class P2PComm:
         group: the pipeline process group (None = the default group).
         device: where receive buffers live (``cuda:LOCAL_RANK`` with NCCL, CPU with gloo).
         timeout_s: deadline for each batched call's completion (None: wait forever).
+        host_blocking: whether :meth:`wait` blocks the host with the deadline (gloo, CPU);
+            default: everywhere but CUDA, where a wait only orders the streams and the deadline
+            is kept by :attr:`watchdog` when one is set.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None, device: torch.device, timeout_s: float | None = None
+        self, group: dist.ProcessGroup | None, device: torch.device, timeout_s: float | None = None,
+        host_blocking: bool | None = None,
     ) -> None:
         self.group = group
         self.device = torch.device(device)
@@ -96,6 +149,8 @@ class P2PComm:
         self.timeout_s = timeout_s
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)]
         self.independent_ops = not _coalesces(group, self.device)
+        self.host_blocking = self.device.type != "cuda" if host_blocking is None else host_blocking
+        self.watchdog: DeadlineWatchdog | None = None  # keeps the deadline of non-blocking waits
 
     def post(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
@@ -127,14 +182,20 @@ class P2PComm:
             works: the works to complete.
             what: description for error messages, or a function making it (built on failure only).
             timeout_s: overrides the communicator's deadline.  On CUDA the wait only orders the
-                current stream after the comm stream; the deadline there is the process group's
-                own (NCCL watchdog), since a host-side timed wait would block the CPU each step.
+                current stream after the comm stream (a host-side timed wait would block the CPU
+                each step); the deadline there is kept by :attr:`watchdog` when one is set, and
+                by the process group's own timeout (NCCL watchdog) in any case.
 
         Raises:
             PipelineTimeoutError, CommError: as for :meth:`exchange`.
         """
         deadline = timeout_s if timeout_s is not None else self.timeout_s
-        self._wait_all(works, None if self.device.type == "cuda" else deadline, what)
+        if self.host_blocking:
+            self._wait_all(works, deadline, what)
+            return
+        if self.watchdog is not None and deadline is not None:
+            self.watchdog.watch(works, deadline, self._where(), what)
+        self._wait_all(works, None, what)
 
     def _wait_all(self, works: Sequence[dist.Work], deadline: float | None, what: str | Callable[[], str]) -> None:
         """Wait for every work (gloo returns several per batched call: dropping one hangs,
@@ -197,9 +258,12 @@ class P2PComm:
             raise self._failure(exc, what, deadline) from exc
         self._wait_all(works, deadline, what)
 
+    def _where(self) -> str:
+        return f"pipeline rank {self.rank} (global rank {self._global[self.rank]})"
+
     def _failure(self, exc: RuntimeError, what: str, deadline: float | None) -> CommError:
         text = str(exc)
-        where = f"pipeline rank {self.rank} (global rank {self._global[self.rank]})"
+        where = self._where()
         if "timed out" in text.lower() or "timeout" in text.lower():
             return PipelineTimeoutError(
                 f"{where}: no progress within {deadline} s (comm.timeout_s; comm.first_step_timeout_s in the first step) while waiting to {what}. "

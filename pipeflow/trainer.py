@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow import checkpoint
 from pipeflow import data as datasets
 from pipeflow import guard
-from pipeflow.comm import P2PComm
+from pipeflow.comm import DeadlineWatchdog, P2PComm
 from pipeflow.config import check_config
 from pipeflow.errors import ConfigError
 from pipeflow.faults import install_from_env
@@ -200,6 +200,8 @@ class Trainer:
         comm = P2PComm(self.mesh.pp_group, device, cfg.comm.first_step_timeout_s)
         comm.warmup()  # ranks may still be building their stages: the first-step deadline
         comm.timeout_s = cfg.comm.timeout_s
+        if not comm.host_blocking:  # CUDA: waits order streams; a thread keeps their deadlines
+            comm.watchdog = DeadlineWatchdog(lambda exc: guard.fail(exc, self.rank))
         self.tied = TiedWeights(
             self.spec, self.ranges, self.schedule.stage_to_rank, layers_by_index(self.stages, self.ranges),
             [comm.global_rank(r) for r in range(comm.size)], comm.rank, self.mesh.replicas,
