@@ -75,22 +75,21 @@ class FaultInjector:
         self.step: int | None = None  # the training step now running (None: not training)
 
     def install(self, stages: dict[int, Any]) -> None:
-        """Wrap the target stage's ``forward`` (this rank's first stage unless `spec.stage`)."""
+        """Hook into the target stage's training forward (this rank's first stage unless `spec.stage`)."""
         target = self.spec.stage if self.spec.stage is not None else min(stages)
         if target in stages:
-            self._wrap(stages[target])
+            stages[target].pre_forward_hooks.append(self._pre_forward)
+            stages[target].forward_hooks.append(self._post_forward)
 
-    def _wrap(self, stage: Any) -> None:
-        original = stage.forward
+    def _hit(self, i: int) -> bool:
+        return self.step == self.spec.step and i == self.spec.microbatch
 
-        def forward(i: int, inputs: Any, target: Any = None, loss_scale: float = 1.0, keep_for_backward: bool = True) -> Any:
-            hit = keep_for_backward and self.step == self.spec.step and i == self.spec.microbatch
-            if hit:
-                self._before(stage.index, i)
-            outputs = original(i, inputs, target, loss_scale, keep_for_backward=keep_for_backward)
-            return self._corrupt(outputs) if hit else outputs
+    def _pre_forward(self, stage: Any, i: int) -> None:
+        if self._hit(i):
+            self._before(stage.index, i)
 
-        stage.forward = forward
+    def _post_forward(self, stage: Any, i: int, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return self._corrupt(outputs) if self._hit(i) else outputs
 
     def _announce(self, stage: int, i: int) -> None:
         print(

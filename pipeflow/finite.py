@@ -20,7 +20,7 @@ class FiniteCheck:
     """Watches this rank's stages for non-finite forward outputs and gradients.
 
     Args:
-        stages: this rank's stages by index (their ``forward`` is wrapped).
+        stages: this rank's stages by index (a forward hook is added to each).
         num_stages: S, stages in the whole pipeline.
         device: where the flags live (the stages' device).
     """
@@ -30,20 +30,15 @@ class FiniteCheck:
         self.num_stages = num_stages
         self.flags = torch.zeros(2 * num_stages, device=device)  # [forward of s..., grads of s...]
         for stage in stages.values():
-            self._wrap(stage)
+            stage.forward_hooks.append(self._watch_forward)
 
-    def _wrap(self, stage: Any) -> None:
-        original = stage.forward
-
-        def forward(i: int, inputs: Any, target: Any = None, loss_scale: float = 1.0, keep_for_backward: bool = True) -> Any:
-            outputs = original(i, inputs, target, loss_scale, keep_for_backward=keep_for_backward)
-            floats = [t.detach() for t in outputs if t.is_floating_point()]
-            if keep_for_backward and floats:
-                bad = torch.stack([~torch.isfinite(t).all() for t in floats]).any()
-                self.flags[stage.index] += bad.to(self.flags.dtype)
-            return outputs
-
-        stage.forward = forward
+    def _watch_forward(self, stage: Any, i: int, outputs: Any) -> Any:
+        """A forward hook: flag stage `stage.index` when its outputs hold a NaN or Inf."""
+        floats = [t.detach() for t in outputs if t.is_floating_point()]
+        if floats:
+            bad = torch.stack([~torch.isfinite(t).all() for t in floats]).any()
+            self.flags[stage.index] += bad.to(self.flags.dtype)
+        return outputs
 
     def check(self, step: int, stage_to_rank: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
         """After a step's forward and backward: raise on every rank if anything was non-finite.

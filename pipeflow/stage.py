@@ -90,6 +90,10 @@ class Stage:
         self.compute_dtype: torch.dtype | None = None  # autocast dtype (train.precision); None: off
         self.grad_scale: float = 1.0  # fp16 loss scale, applied to the loss sent backward only
         self.checkpoint_every: int = 0  # recompute layers 0, n, 2n, ... in backward; 0: off
+        # Training forwards only: called as hook(stage, i) before micro-batch i runs, and as
+        # outputs = hook(stage, i, outputs) on what it hands to the pipeline (guards, drills).
+        self.pre_forward_hooks: list[Callable[[Stage, int], None]] = []
+        self.forward_hooks: list[Callable[[Stage, int, Tensors], Tensors]] = []
 
     @property
     def is_first(self) -> bool:
@@ -127,8 +131,11 @@ class Stage:
             inputs: the stage inputs; received float tensors already require grad.
             target: the micro-batch targets (last stage, training or evaluation with loss).
             loss_scale: factor that makes the sum over micro-batches equal the full-batch loss.
-            keep_for_backward: False for evaluation (no graph is built or kept).
+            keep_for_backward: False for evaluation (no graph is built or kept, no hooks run).
         """
+        if keep_for_backward:
+            for pre_hook in self.pre_forward_hooks:
+                pre_hook(self, i)
         with torch.set_grad_enabled(keep_for_backward), self._autocast(inputs):
             output, boundaries = unpack(inputs), []
             for k, layer in enumerate(self.module):  # run_layers' convention, keeping every layer's outputs
@@ -143,6 +150,8 @@ class Stage:
             self._inputs[i] = inputs
             self._outputs[i] = outputs
             self._boundaries[i] = boundaries
+            for hook in self.forward_hooks:
+                outputs = hook(self, i, outputs)
         return outputs
 
     def _autocast(self, inputs: Tensors = ()) -> contextlib.AbstractContextManager:

@@ -204,7 +204,7 @@ def test_ranks_that_built_different_schedules_stop_before_communicating(world) -
 
 def test_exception_in_a_layer_names_rank_stage_microbatch_and_keeps_the_cause(world) -> None:
     for rank, text in enumerate(_values(world["fault-raise"])):
-        assert text.startswith(f"StageError: pipeline rank 0, stage 0, micro-batch 1, action 0F1: RuntimeError: injected failure")
+        assert text.startswith("StageError: pipeline rank 0, stage 0, micro-batch 1, action 0F1: RuntimeError: injected failure")
         assert text.endswith("| cause: RuntimeError")
 
 
