@@ -78,6 +78,24 @@ def _ranks(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
+def _ranks_by_digest(per_rank: Sequence[tuple[str, Any]]) -> dict[str, list[int]]:
+    """The ranks holding each digest, in order of first appearance."""
+    holders: dict[str, list[int]] = {}
+    for rank, (digest, _) in enumerate(per_rank):
+        holders.setdefault(digest, []).append(rank)
+    return holders
+
+
+def _gather_if_different(digest: str, payload: Any, group: dist.ProcessGroup | None) -> list[tuple[str, Any]] | None:
+    """All-gather every rank's (digest, payload) (one collective); None when all digests agree."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return None
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, (digest, payload), group=group)
+    return gathered if len({d for d, _ in gathered}) > 1 else None
+
+
 def config_differences(per_rank: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     """Text listing every key whose value differs between ranks, and which ranks hold which value.
 
@@ -94,10 +112,7 @@ def config_differences(per_rank: Sequence[tuple[str, Mapping[str, Any]]]) -> str
         if len(holders) > 1:
             lines.append(f"  {key}: " + "; ".join(f"{value} on {_ranks(r)}" for value, r in holders.items()))
     shown = lines[:MAX_LISTED_KEYS] + ([f"  ... and {len(lines) - MAX_LISTED_KEYS} more keys"] if len(lines) > MAX_LISTED_KEYS else [])
-    by_hash: dict[str, list[int]] = {}
-    for rank, (digest, _) in enumerate(per_rank):
-        by_hash.setdefault(digest, []).append(rank)
-    hashes = "; ".join(f"{digest} on {_ranks(r)}" for digest, r in by_hash.items())
+    hashes = "; ".join(f"{digest} on {_ranks(r)}" for digest, r in _ranks_by_digest(per_rank).items())
     return "\n".join([f"config hashes: {hashes}", *shown])
 
 
@@ -109,12 +124,8 @@ def check_same_config(cfg: Any, group: dist.ProcessGroup | None = None) -> str:
     """
     flat = {k: v for k, v in flatten_config(cfg).items() if k not in AGREEMENT_IGNORES}
     digest = config_hash(flat)
-    size = dist.get_world_size(group)
-    if size == 1:
-        return digest
-    gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, (digest, flat), group=group)
-    if len({d for d, _ in gathered}) > 1:
+    gathered = _gather_if_different(digest, flat, group)
+    if gathered is not None:
         raise ConfigMismatchError(
             "the ranks were started with different configs; launch every rank with the same "
             "overrides (and the same config files):\n" + config_differences(gathered)
@@ -145,16 +156,9 @@ def check_same_program(schedule: Any, ranges: Sequence[range], group: dist.Proce
     """
     summary = program_summary(schedule, ranges)
     digest = hashlib.sha256(summary.encode()).hexdigest()[:12]
-    size = dist.get_world_size(group)
-    if size == 1:
-        return digest
-    gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, (digest, summary), group=group)
-    if len({d for d, _ in gathered}) > 1:
-        by_digest: dict[str, list[int]] = {}
-        for rank, (d, _) in enumerate(gathered):
-            by_digest.setdefault(d, []).append(rank)
-        listed = "\n".join(f"  {_ranks(r)}: {gathered[r[0]][1][:600]}" for r in by_digest.values())
+    gathered = _gather_if_different(digest, summary, group)
+    if gathered is not None:
+        listed = "\n".join(f"  {_ranks(r)}: {gathered[r[0]][1][:600]}" for r in _ranks_by_digest(gathered).values())
         raise ScheduleError(
             "the ranks built different pipelines, so their programs would not pair up. Is the "
             "schedule.path file the same on every node? Does the partition depend on a "
