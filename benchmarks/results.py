@@ -1,11 +1,28 @@
-"""Appending a benchmark's table to benchmarks/RESULTS.md with how, where and when it was made."""
+"""Shared by the benchmark scripts: spawning gloo ranks on this machine, and appending a table to
+benchmarks/RESULTS.md with how, where and when it was made."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
+import socket
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.multiprocessing as mp
+
+
+def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace) -> Any:
+    """Run ``worker(rank, args.ranks, port, args, queue)`` in `args.ranks` spawned processes on a
+    free local port; returns the one object rank 0 puts on the queue."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
+    return queue.get()
 
 
 def append_result(path: str, title: str, command: str, text: str, backend: str = "gloo", device_name: str = "") -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
-from results import append_result  # noqa: E402  (benchmarks/results.py)
+from results import append_result, spawn_ranks  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.sleep import build_sleep  # noqa: E402
 from pipeflow.partition import partition_layers  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
@@ -143,12 +142,7 @@ def main() -> None:
                         help="alternate each step with the strict-rendezvous runtime and compare")
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
-    text = table(queue.get(), args)
+    text = table(spawn_ranks(worker, args), args)
     print(text)
     if args.out:
         append_result(args.out, "Schedule efficiency on sleep-stages", f"python {' '.join(sys.argv)}", text)
