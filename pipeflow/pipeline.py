@@ -251,7 +251,7 @@ class Pipeline:
                         b.requires_grad_(meta.requires_grad)
                 inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
             if events is not None and step.ops:
-                events.append(TimedEvent("comm", "; ".join(str(op) for op in step.ops), t0, clock()))
+                events.append(TimedEvent("comm", step.ops_text, t0, clock()))
             if step.action is not None:
                 t1 = clock()
                 self._compute(step, inbox, outbox, inputs, targets, loss_scale, train)

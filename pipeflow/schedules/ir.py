@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 from pipeflow.errors import ScheduleError
@@ -115,6 +116,11 @@ class Step:
     ops: tuple[CommOp, ...]
     action: Action | None
     backward_weights: bool = True
+
+    @cached_property
+    def ops_text(self) -> str:
+        """The step's ops as one line, ``op; op`` (built once: the runtime names events with it)."""
+        return "; ".join(str(op) for op in self.ops)
 
     def __str__(self) -> str:
         ops = " ".join(str(op) for op in self.ops)
