@@ -49,11 +49,6 @@ class Mesh:
     replicas: list[list[int]]
     device_mesh: DeviceMesh | None
 
-    @property
-    def pipeline_ranks(self) -> list[int]:
-        """Global ranks of this rank's pipeline, by pipeline rank."""
-        return self.replicas[self.dp_rank]
-
 
 def build_mesh(dp: int, pp: int, device: torch.device) -> Mesh:
     """Build the (dp, pp) mesh over the default process group (collective: every rank calls it).
