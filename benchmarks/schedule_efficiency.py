@@ -77,7 +77,7 @@ def measure(name: str, p: int, m: int, args: argparse.Namespace) -> tuple[float,
     dist.all_gather_object(gathered, {a: statistics.median(v) for a, v in spans.items()})
     measured = {a: t for rank_spans in gathered for a, t in rank_spans.items()}
     # A full backward's event covers B and W; the simulator adds cost(W), absent here: 0.
-    actual = simulate(schedule, costs=lambda action: measured.get(str(action), 0.0)).makespan
+    actual = simulate(schedule, costs=lambda action: measured.get(str(action), 0.0), eager_sends=True).makespan
     result = (statistics.median(times[False]), simulate(schedule, costs=costs).makespan, actual)
     return result + ((statistics.median(times[True]),) if args.compare_strict else ())
 

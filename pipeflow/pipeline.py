@@ -38,6 +38,14 @@ class TimedEvent(NamedTuple):
 Key = tuple[str, int, int]
 
 
+class _InFlight(NamedTuple):
+    """A posted recv: its op, the buffers it fills, and the works to wait for."""
+
+    op: CommOp
+    tensors: Tensors
+    works: list[dist.Work]
+
+
 class Pipeline:
     """Runs a schedule's program for this rank's stages.
 
@@ -213,44 +221,49 @@ class Pipeline:
         loss_scale: float,
         train: bool,
     ) -> None:
-        """Run `program`: per step post its batched call, wait for the recvs, compute.
+        """Run `program`: per step post its batched call, wait for what the action needs, compute.
 
         Sends are waited on lazily, after the step's action rather than before it (the sent
         tensors are held until then, then freed).  Where the backend completes ops one by one
-        (gloo), the recvs of the next step are posted with this
-        step's sends, before this step computes, so data lands while the rank computes; that only
-        relaxes the rendezvous the simulator proves (``simulate(..., eager_sends=True)``): every op
-        is still posted no later, and before an action a rank waits for a subset of what
-        rendezvous makes it wait for, so nothing can wait longer than in the proven run.  With
-        NCCL each step is one group on the comm stream, as the simulator runs it.
+        (gloo), the recvs of the next step are posted with this step's sends, before this step
+        computes, so data lands while the rank computes; and each recv is waited on only by the
+        action that consumes it, so a recv that lowering placed before an unrelated action (a W,
+        say) never holds that action up.  This is the runtime ``simulate(..., eager_sends=True)``
+        proves and times: every op is posted no later than under rendezvous and each wait is for
+        a subset of what rendezvous waits for, so nothing can wait longer than in the proven run.
+        With NCCL each step is one group on the comm stream, as the simulator runs it.
         """
         inbox: dict[Key, Tensors] = {}
         outbox: dict[Key, Tensors] = {}
         self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
         events, clock, comm = self.events, time.perf_counter, self.comm
         eager = comm.independent_ops and not self.strict_rendezvous
-        ahead = self._post_recvs(program[0]) if eager and program else None
+        in_flight: dict[Key, _InFlight] = {}  # eager: posted recvs not waited on yet
+        if eager and program:
+            self._post_recvs([], program[0], in_flight)
+        last = len(program) - 1
         for k, step in enumerate(program):
             t0 = clock()
             sends = self._sends(step, outbox)
-            if ahead is not None:
-                landed, recv_works = ahead
-                follow = self._recv_buffers_of(program[k + 1]) if k + 1 < len(program) else []
-                send_works, follow_works = comm.post(sends, [(op.peer, b) for op, bs in follow for b in bs])
-                ahead = (follow, follow_works)
+            if eager:
+                send_works = self._post_recvs(sends, program[k + 1] if k < last else None, in_flight)
+                landed = self._needed(step, in_flight, everything=k == last)
             else:
-                landed = self._recv_buffers_of(step)
-                send_works, recv_works = comm.post(sends, [(op.peer, b) for op, bs in landed for b in bs])
+                buffers = self._recv_buffers_of(step)
+                send_works, recv_works = comm.post(sends, [(op.peer, b) for op, bs in buffers for b in bs])
                 if self.strict_rendezvous:
                     send_works, recv_works = [], send_works + recv_works
-            if recv_works:
-                self._wait(recv_works, program, k)
-            for op, tensors in landed:
+                if recv_works:
+                    self._wait(recv_works, program, k)
+                landed = [_InFlight(op, bs, []) for op, bs in buffers]
+            for op, tensors, works in landed:
+                if works:
+                    self._wait(works, program, k, op)
                 if op.payload == ACTIVATION:
                     for b, meta in zip(tensors, self._edge_meta[op.src_stage]):
                         b.requires_grad_(meta.requires_grad)
                 inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
-            if events is not None and step.ops:
+            if events is not None and (step.ops or landed):
                 events.append(TimedEvent("comm", step.ops_text, t0, clock()))
             if step.action is not None:
                 t1 = clock()
@@ -262,13 +275,42 @@ class Pipeline:
                 self._wait(send_works, program, k)
                 if events is not None:
                     events.append(TimedEvent("comm", "sends of the step done", t0, clock()))
-        if inbox or outbox:
-            raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {sorted(inbox) + sorted(outbox)}")
+        if inbox or outbox or in_flight:
+            left = sorted(inbox) + sorted(outbox) + sorted(in_flight)
+            raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
+
+    def _post_recvs(
+        self, sends: list[tuple[int, torch.Tensor]], step: Step | None, in_flight: dict[Key, _InFlight]
+    ) -> list[dist.Work]:
+        """Post `sends` with the recvs of `step` (None: none) in one batched call; the recvs
+        join `in_flight` by the inbox key they will fill.  Returns the send works."""
+        buffers = self._recv_buffers_of(step) if step is not None else []
+        send_works, recv_works = self.comm.post(sends, [(op.peer, b) for op, bs in buffers for b in bs])
+        at = 0
+        for op, tensors in buffers:
+            in_flight[(op.payload, op.microbatch, op.dst_stage)] = _InFlight(op, tensors, recv_works[at : at + len(tensors)])
+            at += len(tensors)
+        return send_works
 
     @staticmethod
-    def _describe(k: int, step: Step) -> str:
+    def _needed(step: Step, in_flight: dict[Key, _InFlight], everything: bool) -> list[_InFlight]:
+        """The in-flight recvs the step's action consumes (all of them at the last step)."""
+        if everything:
+            landed = list(in_flight.values())
+            in_flight.clear()
+            return landed
+        action = step.action
+        if action is None or action.kind not in (FORWARD, BACKWARD):
+            return []
+        payload = ACTIVATION if action.kind == FORWARD else GRADIENT
+        recv = in_flight.pop((payload, action.microbatch, action.stage), None)
+        return [recv] if recv is not None else []
+
+    @staticmethod
+    def _describe(k: int, step: Step, op: CommOp | None = None) -> str:
         action = f"before {step.action}" if step.action is not None else "after the last action"
-        return "; ".join(op.describe() for op in step.ops) + f" (program step {k}, {action})"
+        ops = op.describe() if op is not None else "; ".join(o.describe() for o in step.ops)
+        return ops + f" (program step {k}, {action})"
 
     @staticmethod
     def _sends(step: Step, outbox: dict[Key, Tensors]) -> list[tuple[int, torch.Tensor]]:
@@ -281,17 +323,11 @@ class Pipeline:
         """Fresh buffers for every recv of `step`, in the step's order."""
         return [(op, self._recv_buffers(op)) for op in step.ops if not op.is_send]
 
-    def _post_recvs(self, step: Step) -> tuple[list[tuple[CommOp, Tensors]], list[dist.Work]]:
-        """Post the recvs of `step` alone (the first step, on backends with independent ops)."""
-        landed = self._recv_buffers_of(step)
-        _, works = self.comm.post([], [(op.peer, b) for op, bs in landed for b in bs])
-        return landed, works
-
-    def _wait(self, works: list[dist.Work], program: Program, k: int) -> None:
-        """Wait for `works` of program step k under the deadline; a timeout says what this rank
-        had done before it got stuck."""
+    def _wait(self, works: list[dist.Work], program: Program, k: int, op: CommOp | None = None) -> None:
+        """Wait for `works` at program step k (those of `op`, or of the step's ops) under the
+        deadline; a timeout says what this rank had done before it got stuck."""
         try:
-            self.comm.wait(works, lambda: self._describe(k, program[k]), self._timeout)
+            self.comm.wait(works, lambda: self._describe(k, program[k], op), self._timeout)
         except CommError as exc:
             raise guard.with_progress(exc, program, k)
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from pipeflow.errors import DeadlockError
 from pipeflow.schedules import GENERATORS, Action, build_schedule, one_f_one_b, simulate
+from pipeflow.schedules.lowering import recvs_needed
 from pipeflow.stage import Stage, run_backward
 
 COSTS = {"F": 1.0, "B": 2.0, "W": 1.0}
@@ -84,3 +85,24 @@ def test_run_backward_returns_input_grads_without_accumulating() -> None:
     (g,) = run_backward([y], None, [w])
     assert torch.equal(g, torch.full((2,), 3.0)) and w.grad is None
     assert run_backward([], None, [w]) == (None,)
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_eager_action_waits_only_for_its_own_inputs(name: str) -> None:
+    """On gloo a recv is waited on by the action that consumes it: an action with no remote
+    input (a W, stage 0's F, a local hand-off) starts as soon as its rank's previous action ends,
+    even when lowering placed a recv for a later action before it and that sender is slow."""
+    v = 2 if name in ("interleaved_1f1b", "looped_bfs", "zbv", "dualpipev") else 1
+    for p in (2, 4):
+        schedule = build_schedule(name, p, 2 * p, stages_per_rank=v)
+        slow_stage = schedule.num_stages // 2  # its F is late, so recvs of its output are too
+
+        def costs(action: Action) -> float:
+            return 5.0 if action.kind == "F" and action.stage == slow_stage else 1.0
+
+        result = simulate(schedule, costs=costs, comm_latency=0.1, eager_sends=True)
+        previous_end = [0.0] * p
+        for rank, action, start, end in sorted(result.timeline, key=lambda entry: (entry[0], entry[2])):
+            if not recvs_needed(action, schedule):
+                assert start == pytest.approx(previous_end[rank]), (p, rank, action)
+            previous_end[rank] = end

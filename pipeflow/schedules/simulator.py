@@ -59,10 +59,13 @@ def simulate(
         costs: time per kind (``{"F": 1, "B": 1, "W": 1}`` by default, missing kinds default too)
             or a function of the Action.  A B with ``backward_weights`` costs B + W.
         comm_latency: added to the completion of every batch that has ops.
-        eager_sends: a step waits only for its recvs, its sends complete whenever the peer
-            posts the recv (what the runtime does on backends whose ops complete one by one,
-            gloo).  This only relaxes rendezvous: a program that runs under rendezvous runs
-            here too, never later.
+        eager_sends: what the runtime does on backends whose ops complete one by one (gloo):
+            a step's sends complete whenever the peer posts the recv, and a recv is waited on
+            only by the action that consumes its tensors (a recv that lowering placed in an
+            earlier step, or before an action that does not need it, stays in flight; the last
+            step waits for whatever is left).  This only relaxes rendezvous: every op is posted
+            no later and each wait is for a subset of what rendezvous waits for, so a program
+            that runs under rendezvous runs here too, never later.
 
     Returns:
         The :class:`SimResult`.
@@ -261,6 +264,7 @@ class _Simulation:
         self.live, self.peak = [0] * p, [0] * p
         self.slots: list[list[_Slot] | None] = [None] * p  # posted ops of each rank's current step
         self.received: list[set[CommOp]] = [set() for _ in range(p)]
+        self.in_flight: list[dict[CommOp, _Slot]] = [{} for _ in range(p)]  # eager: posted recvs not waited on
         self.finished_at: dict[Action, float] = {}
         self.timeline: list[tuple[int, Action, float, float]] = []
 
@@ -286,15 +290,33 @@ class _Simulation:
         step = self.programs[r][k]
         if self.slots[r] is None:
             self.slots[r] = [self._post(_Posted(r, k, op, self.clock[r])) for op in step.ops]
+            if self.eager:
+                self.in_flight[r].update((slot[0].op, slot) for slot in self.slots[r] if not slot[0].op.is_send)
             return True
-        others = [_counterpart(slot) for slot in self.slots[r] if not (self.eager and slot[0].op.is_send)]
+        waited = self._waited(r, k, step)
+        others = [_counterpart(slot) for slot in waited]
         if any(other is None for other in others):
             return False
-        done = max([self.clock[r]] + [other.time for other in others if other is not None])
-        self.received[r].update(op for op in step.ops if not op.is_send)
-        self._compute(r, k, step, done + (self.latency if step.ops else 0.0))
+        if self.eager:  # each recv completes `latency` after both sides posted it
+            start = max([self.clock[r]] + [max(s[0].time, o.time) + self.latency for s, o in zip(waited, others) if o])
+        else:  # the step's batch completes `latency` after every counterpart is posted
+            start = max([self.clock[r]] + [o.time for o in others if o]) + (self.latency if step.ops else 0.0)
+        received = [slot[0].op for slot in waited if not slot[0].op.is_send]
+        self.received[r].update(received)
+        for op in received:
+            self.in_flight[r].pop(op, None)
+        self._compute(r, k, step, start)
         self.next_step[r], self.slots[r] = k + 1, None
         return True
+
+    def _waited(self, r: int, k: int, step: Step) -> list[_Slot]:
+        """The posted ops rank r waits for before the action of its step k."""
+        if not self.eager:
+            return self.slots[r] or []
+        if step.action is None or k == len(self.programs[r]) - 1:
+            return list(self.in_flight[r].values())
+        needed = recvs_needed(step.action, self.schedule)
+        return [self.in_flight[r][op] for op in needed if op in self.in_flight[r]]
 
     def _post(self, posted: _Posted) -> _Slot:
         """Queue one op on its channel; the k-th send there meets the k-th recv."""
@@ -347,7 +369,7 @@ class _Simulation:
         stuck = {r: k for r, k in enumerate(self.next_step) if k < len(self.programs[r])}
         waiting = []
         for r, k in stuck.items():
-            slots = self.slots[r] or []
+            slots = self._waited(r, k, self.programs[r][k]) if self.slots[r] is not None else []
             ops = "; ".join(s[0].op.describe() for s in slots if _counterpart(s) is None)
             waiting.append(f"rank {r} step {k} ({_cell(self.programs[r][k])}) waits on: {ops}")
         where = ", ".join(f"rank {r} at step {k}" for r, k in stuck.items())
