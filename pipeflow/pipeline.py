@@ -102,6 +102,11 @@ class Pipeline:
         # True: run exactly the simulator's rendezvous semantics (each step's ops all complete
         # before its action, nothing posted ahead); for debugging and the before/after benchmark.
         self.strict_rendezvous = False
+        # gloo (eager runtime) only: post the next step's recvs with this step's sends (True) or
+        # each step's recvs with its own sends (False); either way a recv is waited on by the
+        # action that consumes it.  Ahead was faster in 3 of 4 MLP cases measured, slower for
+        # 1F1B on 2 ranks with tiny layers (docs/performance.md).
+        self.recvs_ahead = True
 
     def _checked_program(self, schedule: PipelineSchedule) -> Program:
         programs = lower(schedule)
@@ -239,14 +244,15 @@ class Pipeline:
         events, clock, comm = self.events, time.perf_counter, self.comm
         eager = comm.independent_ops and not self.strict_rendezvous
         in_flight: dict[Key, _InFlight] = {}  # eager: posted recvs not waited on yet
-        if eager and program:
+        ahead = 1 if self.recvs_ahead else 0
+        if eager and program and ahead:
             self._post_recvs([], program[0], in_flight)
         last = len(program) - 1
         for k, step in enumerate(program):
             t0 = clock()
             sends = self._sends(step, outbox)
             if eager:
-                send_works = self._post_recvs(sends, program[k + 1] if k < last else None, in_flight)
+                send_works = self._post_recvs(sends, program[k + ahead] if k + ahead <= last else None, in_flight)
                 landed = self._needed(step, in_flight, everything=k == last)
             else:
                 buffers = self._recv_buffers_of(step)

@@ -101,7 +101,8 @@ def equivalence(
 ) -> dict[str, float]:
     """Train `steps` AdamW steps pipelined and unsplit; return worst relative differences.
 
-    `runtime`: ``default`` (gloo: recvs posted a step ahead, sends waited after the action),
+    `runtime`: ``default`` (gloo: recvs posted a step ahead, each waited on by its consumer,
+    sends waited after the action), ``at-step`` (the same, recvs posted at their own step),
     ``grouped`` (one post per step as with NCCL: recvs waited before the action, sends after)
     or ``strict`` (every op of a step completes before its action: the simulated semantics).
 
@@ -116,7 +117,8 @@ def equivalence(
         plan = build_schedule(schedule, p, m, stage_to_rank=[p - 1 - r for r in plan.stage_to_rank])
     pipe, ranges, tied = build_pipeline(spec, plan)
     pipe.strict_rendezvous = runtime == "strict"
-    pipe.comm.independent_ops = runtime == "default"
+    pipe.comm.independent_ops = runtime in ("default", "at-step")
+    pipe.recvs_ahead = runtime != "at-step"
     reference = spec.build_all(dtype=DTYPE)
     tie_in_place(spec, dict(enumerate(reference)))
     freeze_batchnorm(reference)
