@@ -54,7 +54,7 @@ def _equivalence_cases() -> list[tuple[str, object]]:
         ("eq-gpt8-zbv-m4-grouped", functools.partial(cases.equivalence, "gpt8", "zbv", 4, runtime="grouped")),
         ("eq-masked_mlp-gpipe-m3-grouped", functools.partial(cases.equivalence, "masked_mlp", "gpipe", 3, runtime="grouped")),
         ("eq-masked_mlp-1f1b-m8-strict", functools.partial(cases.equivalence, "masked_mlp", "1f1b", 8, runtime="strict")),
-        ("eq-gpt8-dualpipev-m4-at-step", functools.partial(cases.equivalence, "gpt8", "dualpipev", 4, runtime="at-step")),
+        ("eq-gpt8-dualpipev-m8-at-step", functools.partial(cases.equivalence, "gpt8", "dualpipev", 8, runtime="at-step")),
     ]
     return plain + tied + chunked + tied_v + own + resnet + clipped + runtimes
 
