@@ -2,8 +2,10 @@
 
 For every step of the program: post one batched call (sends of tensors produced by earlier
 actions, recvs of tensors needed by this action or a later one; lowering decides which step
-carries each transfer), wait for it, then run the compute action on the local Stage.  Early
-arrivals wait in an inbox keyed by (payload, micro-batch, stage).
+carries each transfer), wait for what the action needs, then run the compute action on the
+local Stage.  With NCCL that wait is the whole step's group; with gloo, whose ops complete one
+by one, it is only the recv of the action's own input.  Arrivals wait in an inbox keyed by
+(payload, micro-batch, stage).
 Which schedule produced the program is unknown here; the simulator has checked it before.
 """
 from __future__ import annotations

@@ -50,9 +50,11 @@ class _SleepWeight(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        time.sleep(ctx.weight_s)
+        start = time.perf_counter()
         (weight,) = ctx.saved_tensors
-        return grad.sum().reshape(1).expand_as(weight) * 0, None, None
+        zero = grad.sum().reshape(1).expand_as(weight) * 0
+        _sleep_until(start + ctx.weight_s)  # its tensor work counts against W, as in forward
+        return zero, None, None
 
 
 class SleepLayer(nn.Module):
