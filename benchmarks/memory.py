@@ -27,7 +27,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
-from results import append_result, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
 from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.stage import Stage  # noqa: E402
@@ -163,10 +163,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
-    text = table(spawn_ranks(worker, args), one_microbatch_bytes(args), args)
-    print(text)
-    if args.out:
-        append_result(args.out, "Peak activation memory per rank", f"python {' '.join(sys.argv)}", text)
+    report("Peak activation memory per rank", table(spawn_ranks(worker, args), one_microbatch_bytes(args), args), args.out)
 
 
 if __name__ == "__main__":

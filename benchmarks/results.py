@@ -7,6 +7,7 @@ import datetime
 import os
 import platform
 import socket
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,3 +36,10 @@ def append_result(path: str, title: str, command: str, text: str, backend: str =
     )
     with open(path, "a") as f:
         f.write(header + text + "\n")
+
+
+def report(title: str, text: str, out: str | None) -> None:
+    """Print the table `text`; with `out`, also append it there under `title` with this command."""
+    print(text)
+    if out:
+        append_result(out, title, f"python {' '.join(sys.argv)}", text)

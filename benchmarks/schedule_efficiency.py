@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
-from results import append_result, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.sleep import build_sleep  # noqa: E402
 from pipeflow.partition import partition_layers  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
@@ -142,10 +142,7 @@ def main() -> None:
                         help="alternate each step with the strict-rendezvous runtime and compare")
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
-    text = table(spawn_ranks(worker, args), args)
-    print(text)
-    if args.out:
-        append_result(args.out, "Schedule efficiency on sleep-stages", f"python {' '.join(sys.argv)}", text)
+    report("Schedule efficiency on sleep-stages", table(spawn_ranks(worker, args), args), args.out)
 
 
 if __name__ == "__main__":

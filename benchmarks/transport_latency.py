@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from results import append_result, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
 
 MODES = ("at its step", "a step ahead")
 
@@ -101,10 +101,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     args.ranks = 2
-    text = table(spawn_ranks(worker, args), args)
-    print(text)
-    if args.out:
-        append_result(args.out, "gloo transport latency (raw torch, no pipeflow)", f"python {' '.join(sys.argv)}", text)
+    report("gloo transport latency (raw torch, no pipeflow)", table(spawn_ranks(worker, args), args), args.out)
 
 
 if __name__ == "__main__":
