@@ -5,6 +5,10 @@ the ratio measured / simulated is the runtime's overhead (communication, Python,
 the layers' own overshoot of their nominal time, which a second ratio takes out:
 
     python benchmarks/schedule_efficiency.py --ranks 4 --microbatches 8 16
+    python benchmarks/schedule_efficiency.py --ranks 4 --microbatches 8 --repeats 5  # noisy machine
+
+With --repeats N every schedule is measured N times, round robin (so slow drift of the machine
+hits every schedule alike), and the table gives the medians with the range of the ratio.
 
 Runs on gloo/CPU (the default) with `--ranks` processes spawned here; prints a Markdown table
 and, with --out, appends it to that file with the command, machine, torch version and date.
@@ -86,31 +90,42 @@ def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.Sim
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     P2PComm(None, torch.device("cpu")).warmup()
-    rows = []
-    for m in args.microbatches:
-        for name in args.schedules:
-            result = measure(name, p, m, args)
-            if result is not None:
-                rows.append((name, m, *result))
+    runs: dict[tuple[str, int], list[tuple[float, ...]]] = {}
+    for _ in range(args.repeats):  # each repeat measures every schedule once, so drift hits all alike
+        for m in args.microbatches:
+            for name in args.schedules:
+                result = measure(name, p, m, args)
+                if result is not None:
+                    runs.setdefault((name, m), []).append(result)
     if rank == 0:
-        queue.put(rows)
+        queue.put([(name, m, *summarize(results)) for (name, m), results in runs.items()])
     dist.destroy_process_group()
+
+
+def summarize(results: list[tuple[float, ...]]) -> tuple[float, ...]:
+    """Field-wise medians over the repeats, then the lowest and highest measured / simulated."""
+    medians = tuple(statistics.median(field) for field in zip(*results))
+    ratios = [measured / ideal for measured, ideal, *_ in results]
+    return medians + (min(ratios), max(ratios))
 
 
 def table(rows: list[tuple], args: argparse.Namespace) -> str:
     """The results as a Markdown table."""
     lines = [
         f"F = {args.forward_ms} ms, B = {args.backward_ms} ms, W = {args.weight_ms} ms per stage "
-        f"(a full backward costs B + W), p = {args.ranks}, median of {args.steps} steps",
+        f"(a full backward costs B + W), p = {args.ranks}, median of {args.steps} steps"
+        + (f"; medians of {args.repeats} repeats (every schedule measured once per repeat), "
+           f"lowest-highest measured / simulated in brackets" if args.repeats > 1 else ""),
         "",
         "| schedule | m | measured step (ms) | simulated makespan (ms) | measured / simulated "
         "| makespan from measured action times (ms) | measured / that |"
         + (" strict rendezvous step (ms) | measured / strict |" if args.compare_strict else ""),
         "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if args.compare_strict else ""),
     ]
-    for name, m, measured, ideal, actual, *strict in rows:
+    for name, m, measured, ideal, actual, *strict, lowest, highest in rows:
+        spread = f" ({lowest:.3f}-{highest:.3f})" if args.repeats > 1 else ""
         line = (
-            f"| {name} | {m} | {measured * 1e3:.1f} | {ideal * 1e3:.1f} | {measured / ideal:.3f} "
+            f"| {name} | {m} | {measured * 1e3:.1f} | {ideal * 1e3:.1f} | {measured / ideal:.3f}{spread} "
             f"| {actual * 1e3:.1f} | {measured / actual:.3f} |"
         )
         if strict:
@@ -138,6 +153,8 @@ def main() -> None:
     parser.add_argument("--weight-ms", type=float, default=10.0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure every schedule this many times, round robin; report medians and range")
     parser.add_argument("--compare-strict", action="store_true",
                         help="alternate each step with the strict-rendezvous runtime and compare")
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
