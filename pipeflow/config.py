@@ -157,6 +157,7 @@ class CommConfig:
     timeout_s: float = 300.0
     first_step_timeout_s: float = 900.0
     dynamic_shapes: bool = False
+    recvs_ahead: bool = True  # gloo: post the next step's recvs before computing (Pipeline.recvs_ahead)
 
 
 @dataclass

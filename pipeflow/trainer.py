@@ -208,6 +208,7 @@ class Trainer:
         )
         self.tied.sync_initial_values()
         self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
+        self.pipeline.recvs_ahead = cfg.comm.recvs_ahead
         self.faults = install_from_env(self.stages, self.rank)  # PIPEFLOW_FAULT_INJECT (tests)
         self._first_step_done = False
         self.finite = FiniteCheck(self.stages, self.schedule.num_stages, device) if cfg.train.check_finite else None

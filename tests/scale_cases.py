@@ -100,6 +100,7 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
     every gradient (after dp reduction and clipping) and every parameter."""
     cfg = make_config(dp, schedule, m, **overrides)
     trainer, reference = Trainer(cfg, torch.device("cpu")), Reference(cfg)
+    assert trainer.pipeline.recvs_ahead == cfg.comm.recvs_ahead
     both = pairs(trainer, reference)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0}
     for step in range(steps):

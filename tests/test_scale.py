@@ -23,6 +23,7 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-interleaved": (2, "interleaved_1f1b", 2, {}),
     "dp4xpp1": (4, "1f1b", 1, {}),
     "dp1xpp4-gpipe": (1, "gpipe", 3, {}),
+    "dp1xpp4-zb_h1-recvs-at-step": (1, "zb_h1", 4, {"comm__recvs_ahead": False}),
     "dp2xpp2-clipped": (2, "1f1b", 2, {"optim__grad_clip": CLIP}),
     "dp1xpp4-clipped": (1, "1f1b", 2, {"optim__grad_clip": CLIP}),
     "dp2xpp2-actckpt": (2, "1f1b", 2, {"pipeline__checkpoint_activations": True}),
