@@ -117,11 +117,6 @@ def default_inflight(num_stages: int, num_microbatches: int | None = None) -> li
     return [min(num_stages - s, m) for s in range(num_stages)]
 
 
-def stage_sums(ranges: Sequence[range], values: Sequence[float]) -> list[float]:
-    """Return ``fsum(values[r])`` for each stage range r (per-stage parameters, time...)."""
-    return [math.fsum(values[i] for i in r) for r in ranges]
-
-
 def balance_profiles(
     profiles: Sequence[LayerProfile],
     method: str,
