@@ -271,8 +271,9 @@ class Pipeline:
                     for b, meta in zip(tensors, self._edge_meta[op.src_stage]):
                         b.requires_grad_(meta.requires_grad)
                 inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
-            if events is not None and (step.ops or landed):
-                events.append(TimedEvent("comm", step.ops_text, t0, clock()))
+            if events is not None and (step.ops or landed):  # a step without ops names what it waited for
+                name = step.ops_text or "; ".join(str(entry.op) for entry in landed)
+                events.append(TimedEvent("comm", name, t0, clock()))
             if step.action is not None:
                 t1 = clock()
                 self._compute(step, inbox, outbox, inputs, targets, loss_scale, train)

@@ -225,10 +225,11 @@ def shape_change_is_an_error(model: str = "masked_mlp", m: int = 2) -> str:
     return "no error"
 
 
-def events_recorded(model: str = "masked_mlp", m: int = 4) -> dict[str, int]:
-    """With ``Pipeline.events`` a list, one run records every compute action and batched call."""
-    spec = build_toy(model)
-    pipe, _, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m))
+def events_recorded(model: str = "masked_mlp", m: int = 4, schedule: str = "1f1b", **sizes: Any) -> dict[str, int]:
+    """With ``Pipeline.events`` a list, one run records every compute action and batched call,
+    each comm event named by what it posted or, posting nothing, by the recv it waited for."""
+    spec = build_toy(model, **sizes)
+    pipe, _, _ = build_pipeline(spec, build_schedule(schedule, dist.get_world_size(), m))
     pipe.events = []
     x, y = random_batch(model, BATCH, seed=3)
     pipe.run(*split_batch(pipe, x, y, m))
@@ -236,6 +237,8 @@ def events_recorded(model: str = "masked_mlp", m: int = 4) -> dict[str, int]:
     for event in pipe.events:
         if event.end < event.start:
             raise AssertionError(f"event {event} ends before it starts")
+        if not event.name:
+            raise AssertionError(f"event {event} has no name")
         counts[event.kind] = counts.get(event.kind, 0) + 1
     return counts
 

@@ -65,6 +65,7 @@ def _all_cases() -> list[tuple[str, object]]:
         ("dynamic-shapes", cases.dynamic_shapes),
         ("send-recv", cases.send_recv_ring),
         ("events", cases.events_recorded),
+        ("events-zbv", functools.partial(cases.events_recorded, "gpt", 8, "zbv", n_layer=6)),
         ("only-own-layers", cases.only_own_layers),
         ("shape-change-error", cases.shape_change_is_an_error),  # breaks the group: last
     ]
@@ -114,6 +115,8 @@ def test_events_record_every_action(world) -> None:
     for counts in _values(results["events"]):
         assert counts["F"] == counts["B"] == 4 and "W" not in counts  # one stage per rank, m = 4
         assert counts["comm"] >= 4  # at least the activation or gradient of each micro-batch
+    for counts in _values(results["events-zbv"]):
+        assert counts["F"] == counts["B"] == counts["W"] == 16  # two stages per rank, m = 8
 
 
 def test_each_rank_builds_only_its_own_layers(world) -> None:
