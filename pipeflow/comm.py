@@ -247,16 +247,12 @@ class P2PComm:
             PipelineTimeoutError: the call did not complete in time.
             CommError: the backend reported a failure (e.g. a dead peer).
         """
-        if not sends and not recvs:
-            return
-        ops = [dist.P2POp(dist.isend, t, self._global[peer], self.group) for peer, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self._global[peer], self.group) for peer, t in recvs]
         deadline = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            works = dist.batch_isend_irecv(ops)
+            send_works, recv_works = self.post(sends, recvs)
         except RuntimeError as exc:
             raise self._failure(exc, what, deadline) from exc
-        self._wait_all(works, deadline, what)
+        self._wait_all(send_works + recv_works, deadline, what)
 
     def _where(self) -> str:
         return f"pipeline rank {self.rank} (global rank {self._global[self.rank]})"

@@ -255,15 +255,12 @@ class Pipeline:
             sends = self._sends(step, outbox)
             if eager:
                 send_works = self._post_recvs(sends, program[k + ahead] if k + ahead <= last else None, in_flight)
-                landed = self._needed(step, in_flight, everything=k == last)
-            else:
-                buffers = self._recv_buffers_of(step)
-                send_works, recv_works = comm.post(sends, [(op.peer, b) for op, bs in buffers for b in bs])
-                if self.strict_rendezvous:
-                    send_works, recv_works = [], send_works + recv_works
-                if recv_works:
-                    self._wait(recv_works, program, k)
-                landed = [_InFlight(op, bs, []) for op, bs in buffers]
+            else:  # the step's own recvs, all waited on before its action (one group with NCCL)
+                send_works = self._post_recvs(sends, step, in_flight)
+                if self.strict_rendezvous and send_works:
+                    self._wait(send_works, program, k)
+                    send_works = []
+            landed = self._needed(step, in_flight, everything=not eager or k == last)
             for op, tensors, works in landed:
                 if works:
                     self._wait(works, program, k, op)
@@ -291,9 +288,10 @@ class Pipeline:
     def _post_recvs(
         self, sends: list[tuple[int, torch.Tensor]], step: Step | None, in_flight: dict[Key, _InFlight]
     ) -> list[dist.Work]:
-        """Post `sends` with the recvs of `step` (None: none) in one batched call; the recvs
-        join `in_flight` by the inbox key they will fill.  Returns the send works."""
-        buffers = self._recv_buffers_of(step) if step is not None else []
+        """Post `sends` with the recvs of `step` (None: none) in one batched call, into fresh
+        buffers; the recvs join `in_flight` by the inbox key they will fill (with NCCL the
+        group's one work goes to the first).  Returns the send works."""
+        buffers = [(op, self._recv_buffers(op)) for op in step.ops if not op.is_send] if step is not None else []
         send_works, recv_works = self.comm.post(sends, [(op.peer, b) for op, bs in buffers for b in bs])
         at = 0
         for op, tensors in buffers:
@@ -303,7 +301,7 @@ class Pipeline:
 
     @staticmethod
     def _needed(step: Step, in_flight: dict[Key, _InFlight], everything: bool) -> list[_InFlight]:
-        """The in-flight recvs the step's action consumes (all of them at the last step)."""
+        """The in-flight recvs the step's action consumes, or all of them with `everything`."""
         if everything:
             landed = list(in_flight.values())
             in_flight.clear()
@@ -327,10 +325,6 @@ class Pipeline:
         return [
             (op.peer, t) for op in step.ops if op.is_send for t in outbox.pop((op.payload, op.microbatch, op.src_stage))
         ]
-
-    def _recv_buffers_of(self, step: Step) -> list[tuple[CommOp, Tensors]]:
-        """Fresh buffers for every recv of `step`, in the step's order."""
-        return [(op, self._recv_buffers(op)) for op in step.ops if not op.is_send]
 
     def _wait(self, works: list[dist.Work], program: Program, k: int, op: CommOp | None = None) -> None:
         """Wait for `works` at program step k (those of `op`, or of the step's ops) under the

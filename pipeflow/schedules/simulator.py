@@ -313,8 +313,10 @@ class _Simulation:
         """The posted ops rank r waits for before the action of its step k."""
         if not self.eager:
             return self.slots[r] or []
-        if step.action is None or k == len(self.programs[r]) - 1:
+        if k == len(self.programs[r]) - 1:  # as the runtime: the last step waits for the rest
             return list(self.in_flight[r].values())
+        if step.action is None:
+            return []
         needed = recvs_needed(step.action, self.schedule)
         return [self.in_flight[r][op] for op in needed if op in self.in_flight[r]]
 
