@@ -224,7 +224,7 @@ def export(path: str, out: str) -> int:
     Returns:
         The number of entries written.
     """
-    path = path if is_checkpoint(path) else resolve(path, path)
+    path = resolve(path, path)  # a checkpoint, or the newest under a root
     reader = dcp.FileSystemReader(path)
     entries = reader.read_metadata().state_dict_metadata
     state = {

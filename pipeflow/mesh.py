@@ -103,7 +103,7 @@ class GradReducer:
 
     def __init__(self, stages: dict[int, Any], group: Any, world: int, bucket_bytes: int = BUCKET_BYTES) -> None:
         self.group, self.world, self.bucket_bytes = group, world, bucket_bytes
-        self.stage_params = {s: list({id(p): p for p in stages[s].parameters()}.values()) for s in sorted(stages)}
+        self.stage_params = {s: stages[s].parameters() for s in sorted(stages)}  # each parameter once
         self.owners: dict[int, set[int]] = {}
         for s, params in self.stage_params.items():
             for p in params:

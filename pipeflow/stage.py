@@ -157,8 +157,9 @@ class Stage:
     def _autocast(self, inputs: Tensors = ()) -> contextlib.AbstractContextManager:
         if self.compute_dtype is None:
             return contextlib.nullcontext()
-        devices = [p.device for p in self.module.parameters()] + [t.device for t in inputs]
-        return torch.autocast(devices[0].type if devices else "cpu", dtype=self.compute_dtype)
+        first = next(self.module.parameters(), None)
+        device = first.device if first is not None else inputs[0].device if inputs else torch.device("cpu")
+        return torch.autocast(device.type, dtype=self.compute_dtype)
 
     def _call(self, k: int, layer: nn.Module, output: Any, grad: bool) -> Any:
         """Layer k on `output`; checkpointed (recomputed in backward) when configured."""

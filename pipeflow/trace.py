@@ -108,9 +108,7 @@ def draw_step(per_rank: Sequence[RankStep], num_pp: int, title: str, out_path: s
                 waits.append((pp, *span))
     # as wide as the schedule picture would be with unit costs: the span in typical actions
     unit = statistics.median(end - start for *_, start, end in boxes) if boxes else 1.0
-    end = max([stop for *_, stop in boxes] + [stop for *_, stop in waits], default=1.0)
-    width = min(28.0, max(8.0, 0.3 * end / max(unit, 1e-9) + 2))
-    return str(draw_timeline(boxes, num_pp, title, out_path, waits=waits, xlabel="ms", width=width))
+    return str(draw_timeline(boxes, num_pp, title, out_path, waits=waits, xlabel="ms", unit=unit))
 
 
 def write_traces(

@@ -351,13 +351,11 @@ class Trainer:
                      self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
         start = self.resume()
         first_val = self.evaluate()
-        first_loss = last_loss = float("nan")
+        trained = len(self.history)
         for step in range(start, cfg.max_steps):
             self.metrics.begin_step(step)
             loss, norm = self.train_step(step)
             self.metrics.end_step(step, loss, norm, self.optimizer.param_groups[0]["lr"])
-            first_loss = loss if step == start else first_loss
-            last_loss = loss
             self.history.append(loss)
             if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps):
                 self.save_checkpoint(step + 1)
@@ -366,6 +364,8 @@ class Trainer:
                 if self.is_main:
                     log.info("step %4d | held-out loss %.4f", step + 1, val)
         final_val = self.evaluate()
+        losses = self.history[trained:]
+        first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val}
         result.update(self.metrics.close(self.schedule))
         if self.is_main:

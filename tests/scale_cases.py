@@ -49,9 +49,7 @@ def make_config(dp: int, schedule: str = "1f1b", m: int = 2, **train: Any) -> An
         section, _, name = key.partition("__")
         OmegaConf.update(cfg, f"{section}.{name}", value)
     if cfg.train.run_dir is None:
-        box = [tempfile.mkdtemp(prefix="pipeflow-scale-", dir=os.environ.get(TMP_ENV)) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        cfg.train.run_dir = box[0]
+        cfg.train.run_dir = _shared_dir("pipeflow-scale-")
     return cfg
 
 
@@ -164,6 +162,7 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1) -> dict[str, Any]
 
 
 def _shared_dir(prefix: str) -> str:
+    """A fresh directory made by rank 0 (under $TMP_ENV if set), its path on every rank."""
     box = [tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(TMP_ENV)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import time
 
 import torch.multiprocessing as mp
 
+from mp_harness import _free_port
 from pipeflow.comm import DeadlineWatchdog
 from pipeflow.errors import PipelineTimeoutError
 
@@ -80,9 +80,7 @@ def _stuck_rank(rank: int, port: int) -> None:
 
 
 def test_a_non_blocking_wait_on_a_silent_peer_is_stopped_by_the_watchdog(capfd) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = _free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_stuck_rank, args=(r, port)) for r in range(2)]
     start = time.monotonic()

@@ -61,7 +61,7 @@ def draw_timeline(
     out_path: str | Path,
     waits: Sequence[tuple[int, float, float]] = (),
     xlabel: str = "time",
-    width: float | None = None,
+    unit: float = 1.0,
 ) -> Path:
     """Draw a timeline of compute actions (simulated or measured) to an image file.
 
@@ -73,7 +73,8 @@ def draw_timeline(
         waits: ``(rank, start, end)`` of communication calls, drawn as thin grey bars
             (a measured timeline, see ``pipeflow.trace``).
         xlabel: the unit of the time axis.
-        width: the figure's width in inches (default: from the time span, as for unit costs).
+        unit: the time of a typical action; the figure is as wide as the span in such units
+            (1 for unit costs; a measured timeline passes its median action time).
 
     Returns:
         The path written.
@@ -83,7 +84,7 @@ def draw_timeline(
         stages[rank].add(action.stage)
     chunk = {(r, s): k for r, held in stages.items() for k, s in enumerate(sorted(held))}
     end = max([stop for *_, stop in timeline] + [stop for *_, stop in waits], default=1.0)
-    width = width if width is not None else min(28.0, max(8.0, 0.3 * end + 2))
+    width = min(28.0, max(8.0, 0.3 * end / max(unit, 1e-9) + 2))
     fig, ax = plt.subplots(figsize=(width, 0.55 * num_ranks + 1.6))
     for rank, start, stop in waits:
         ax.broken_barh([(start, stop - start)], (rank - 0.15, 0.3), facecolors="0.75", linewidth=0)
