@@ -8,13 +8,15 @@ the planner measures once per payload size.
 from __future__ import annotations
 
 import queue
-import socket
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from pipeflow.comm import send_recv
+from pipeflow.distributed import _free_port
 
 _WARMUP = 5
 
@@ -67,12 +69,6 @@ def _await(results: Any, procs: list, timeout_s: float) -> list[float]:
                        "set plan.comm_latency_ms=<ms> instead")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool, results: Any) -> None:
     """One side of the exchange: time `repeats` batched send+recv pairs per size; rank 0 reports."""
     torch.set_num_threads(1)
@@ -93,10 +89,8 @@ def _time_exchange(peer: int, numel: int, repeats: int, device: torch.device) ->
     recv = torch.empty_like(send)
     samples = []
     for k in range(_WARMUP + repeats):
-        ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
         start = time.perf_counter()
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        send_recv(send, peer, peer, out=recv)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if k >= _WARMUP:

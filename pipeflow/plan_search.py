@@ -159,9 +159,10 @@ def search(
         except (ScheduleError, PartitionError) as err:
             _count(result, f"{name}: {str(err).splitlines()[0]}")
             continue
+        weighted = _weighted(schedule)
         for ranges in splits:
             cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, (latency, action_overhead_s),
-                             takes_chunks)
+                             takes_chunks, weighted)
             fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
             (result.candidates if fits else result.over_memory).append(cand)
     result.candidates.sort(key=_rank_key)
@@ -209,7 +210,7 @@ def _splits(
             bounds = (0, *points, L)
             yield [range(bounds[s], bounds[s + 1]) for s in range(S)]
         return
-    seconds = [p.forward_s + _backward_s(p, True) for p in profiles]
+    seconds = [p.forward_s + _backward_s(p) for p in profiles]
     found = [
         balance_contiguous(seconds, S),
         balance_by_memory([p.param_bytes for p in profiles], [p.activation_bytes for p in profiles],
@@ -224,27 +225,28 @@ def _splits(
             yield ranges
 
 
-def _backward_s(profile: LayerProfile, split: bool) -> float:
+def _backward_s(profile: LayerProfile) -> float:
     """Backward seconds of a layer: B + W when measured split, else the full backward."""
     halves = profile.input_grad_s + profile.weight_grad_s
-    return halves if split and halves > 0 else profile.backward_s
+    return halves if halves > 0 else profile.backward_s
 
 
 def _evaluate(
     schedule: PipelineSchedule, programs: list, ranges: list[range], profiles: Sequence[LayerProfile],
     optimizer_factor: float, overheads: tuple[float, float], takes_chunks: bool,
+    weighted: set[tuple[int, int]],
 ) -> Candidate:
-    """Simulate one layout; its step time, bubble and per-rank memory."""
-    splits_backward = any(a.kind == WEIGHT for acts in schedule.actions for a in acts)
+    """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
+    schedule's `_weighted` set, computed once per schedule by the caller)."""
     comm_s, action_s = overheads
-    sim = simulate(schedule, programs, stage_costs(ranges, profiles, splits_backward, action_s), comm_s)
+    sim = simulate(schedule, programs, stage_costs(ranges, profiles, bool(weighted), action_s), comm_s)
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     return Candidate(
         schedule=schedule.name, num_microbatches=schedule.num_microbatches,
         stages_per_rank=schedule.num_stages // schedule.num_ranks,
         split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan, bubble=sim.bubble,
-        rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor)),
+        rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted)),
         takes_chunks=takes_chunks,
     )
 
@@ -272,11 +274,12 @@ def stage_costs(
 
 def rank_memory(
     schedule: PipelineSchedule, param_bytes: Sequence[float], act_bytes: Sequence[float],
-    optimizer_factor: float = 2.0,
+    optimizer_factor: float = 2.0, weighted: set[tuple[int, int]] | None = None,
 ) -> list[float]:
     """Peak bytes of each rank: its stages' parameters, grads and optimizer state, plus the most
-    activation bytes held at once in its action order (see the module docstring)."""
-    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
+    activation bytes held at once in its action order (see the module docstring).  `weighted`:
+    ``_weighted(schedule)`` when the caller already has it."""
+    split = _weighted(schedule) if weighted is None else weighted
     memory = []
     for r, acts in enumerate(schedule.actions):
         held = peak = 0.0
@@ -289,3 +292,8 @@ def rank_memory(
         mine = [s for s, owner in enumerate(schedule.stage_to_rank) if owner == r]
         memory.append(math.fsum(param_bytes[s] for s in mine) * (2.0 + optimizer_factor) + peak)
     return memory
+
+
+def _weighted(schedule: PipelineSchedule) -> set[tuple[int, int]]:
+    """(stage, micro-batch) of every W action: the backwards the schedule splits (none: it does not)."""
+    return {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}

@@ -24,7 +24,6 @@ import math
 import os
 import re
 import sys
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -156,11 +155,8 @@ def _run_job(cfg: DictConfig, device: torch.device, index: int, text: str, run_d
         return None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    evaluating = _time_evaluations(trainer)
-    start = time.perf_counter()
     result = trainer.fit()
-    train_s = time.perf_counter() - start - evaluating[0]
-    record = _record(trainer, result, index, text, run_dir, train_s, device)
+    record = _record(trainer, result, index, text, run_dir)
     del trainer
     gc.collect()  # free this job's stages before the next job builds its own
     if device.type == "cuda":
@@ -187,70 +183,37 @@ def _build_agreed(build: Any) -> tuple[Any, str]:
     return (built, "") if not first else (None, first)
 
 
-def _time_evaluations(trainer: Any) -> list[float]:
-    """Wrap the trainer's evaluate so that the held-out passes can be left out of throughput."""
-    spent = [0.0]
-    evaluate = trainer.evaluate
-
-    def timed() -> float:
-        start = time.perf_counter()
-        try:
-            return evaluate()
-        finally:
-            spent[0] += time.perf_counter() - start
-
-    trainer.evaluate = timed
-    return spent
-
-
-def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str, train_s: float,
-            device: torch.device) -> JobRecord:
-    """The job's figures: the fit() result where it has them, else measured here."""
-    cfg = trainer.cfg
-    steps = max(1, cfg.train.max_steps)
-    samples = cfg.data.batch_size * steps / max(train_s, 1e-9)
-    per_sample = cfg.data.seq_len if cfg.data.name in ("markov", "text") else 0
-    bubble, step_s, memory = _predictions(trainer)
-    peak = result.get("peak_memory_mb")
-    if peak is None and device.type == "cuda":
-        peak = _gather(torch.cuda.max_memory_allocated(device) / 1e6)
+def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> JobRecord:
+    """The job's figures, from the fit() result (`pipeflow.metrics.RunMetrics.close`: every key is
+    always there; ``tokens_per_s`` is None for non-token data) and the simulator's predictions."""
+    step_s, memory = _predictions(trainer)
+    tokens = result["tokens_per_s"]
     return JobRecord(
         job=index, overrides=text, run_dir=run_dir,
-        samples_per_s=_number(result.get("samples_per_s"), samples),
-        tokens_per_s=_number(result.get("tokens_per_s"), samples * per_sample if per_sample else math.nan),
-        step_time_ms=1e3 * _number(result.get("step_time_s"), train_s / steps),
-        bubble_measured=_number(result.get("bubble_measured"), math.nan),
-        bubble_predicted=_number(result.get("bubble_predicted"), bubble),
-        predicted_step_ms=1e3 * step_s, peak_memory_mb=[float(x) for x in (peak or [])],
-        predicted_memory_mb=memory, final_loss=_number(result.get("last_loss"), math.nan),
+        samples_per_s=float(result["samples_per_s"]),
+        tokens_per_s=math.nan if tokens is None else float(tokens),
+        step_time_ms=1e3 * float(result["step_time_s"]),
+        bubble_measured=float(result["bubble_measured"]),
+        bubble_predicted=float(result["bubble_predicted"]),
+        predicted_step_ms=1e3 * step_s, peak_memory_mb=[float(x) for x in result["peak_memory_mb"]],
+        predicted_memory_mb=memory, final_loss=float(result["last_loss"]),
     )
 
 
-def _number(value: Any, default: float) -> float:
-    """`value` as a float; `default` when it is missing (None)."""
-    return default if value is None else float(value)
-
-
-def _gather(value: float) -> list[float]:
-    """One value per pipeline rank, in rank order."""
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return [float(v) for v in values]
-
-
-def _predictions(trainer: Any) -> tuple[float, float, list[float]]:
-    """(bubble, compute step seconds, MB per rank) the simulator predicts from the run's profiles."""
+def _predictions(trainer: Any) -> tuple[float, list[float]]:
+    """(compute step seconds, MB per rank) the simulator predicts from the run's profiles
+    (NaN and none without profiles)."""
     from pipeflow.layout import predicted_costs
     from pipeflow.plan_search import rank_memory
     from pipeflow.schedules import simulate
 
     layout, schedule = trainer.layout, trainer.schedule
     if layout.profiles is None:
-        return simulate(schedule).bubble, math.nan, []
+        return math.nan, []
     sim = simulate(schedule, costs=predicted_costs(layout, schedule))
     param = [sum(layout.profiles[i].param_bytes for i in r) for r in layout.ranges]
     act = [sum(layout.profiles[i].activation_bytes for i in r) for r in layout.ranges]
-    return sim.bubble, sim.makespan, [b / 1e6 for b in rank_memory(schedule, param, act)]
+    return sim.makespan, [b / 1e6 for b in rank_memory(schedule, param, act)]
 
 
 COLUMNS = ("job", "overrides", "samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms",
