@@ -124,11 +124,7 @@ def check_peak_memory(k: int = 6) -> str:
     steps = [b - a for a, b in zip(peaks, peaks[1:])]
     spread = (max(steps) - min(steps)) / max(steps)
     assert spread <= 0.1, steps
-    return f"peak grows {statistics_text(steps)} bytes per held micro-batch (spread {spread:.2f})"
-
-
-def statistics_text(values: list[int]) -> str:
-    return "/".join(str(v) for v in values)
+    return f"peak grows {'/'.join(str(v) for v in steps)} bytes per held micro-batch (spread {spread:.2f})"
 
 
 def check_stream_wait() -> str:

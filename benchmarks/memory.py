@@ -32,8 +32,6 @@ from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.stage import Stage  # noqa: E402
 
-CHUNKED = {"interleaved_1f1b": 2, "looped_bfs": 2, "zbv": 2, "dualpipev": 2}
-
 
 class _Saved:
     """What a pack hook returns: the tensor, registered as live until autograd drops it."""
@@ -95,7 +93,7 @@ def make_layers(args: argparse.Namespace) -> list[nn.Module]:
 def measure(name: str, p: int, args: argparse.Namespace, free: bool) -> tuple[int, int]:
     """(this rank's peak held bytes, the simulator's peak (stage, micro-batch) pairs on it)."""
     m, rank = args.microbatches, dist.get_rank()
-    schedule = build_schedule(name, p, m, stages_per_rank=CHUNKED.get(name, 1))
+    schedule = build_schedule(name, p, m)
     S = schedule.num_stages
     torch.manual_seed(rank)
     mse = lambda out, y: (out - y).pow(2).mean()  # noqa: E731

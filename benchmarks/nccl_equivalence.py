@@ -26,8 +26,6 @@ from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule  # noqa: E402
 from pipeflow.stage import Stage  # noqa: E402
 
-CHUNKED = {"interleaved_1f1b": 2, "looped_bfs": 2, "zbv": 2, "dualpipev": 2, "zb_h1": 1}
-
 
 def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean square error."""
@@ -43,7 +41,7 @@ def layer(index: int, hidden: int, device: torch.device) -> nn.Module:
 def one(name: str, m: int, hidden: int, device: torch.device) -> tuple[float, float]:
     """(loss rel. diff or 0 off the last stage, worst grad rel. diff) of one step of `name`."""
     p, rank = dist.get_world_size(), dist.get_rank()
-    schedule = build_schedule(name, p, m, stages_per_rank=CHUNKED.get(name, 1))
+    schedule = build_schedule(name, p, m)
     S, per = schedule.num_stages, 2
     stages = {s: Stage(s, S, [layer(s * per + j, hidden, device) for j in range(per)], mse) for s in schedule.stages_of(rank)}
     pipe = Pipeline(stages, schedule, P2PComm(None, device, timeout_s=120))

@@ -36,7 +36,6 @@ from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.stage import build_stages  # noqa: E402
 
-CHUNKED = {"interleaved_1f1b": 2, "looped_bfs": 2, "zbv": 2, "dualpipev": 2}
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
 
 
@@ -45,7 +44,7 @@ def measure(name: str, p: int, m: int, args: argparse.Namespace) -> tuple[float,
     action times s[, median step s of the strict-rendezvous runtime]), or None if the schedule
     is not available.  With --compare-strict the two runtimes alternate step by step."""
     try:
-        schedule = build_schedule(name, p, m, stages_per_rank=CHUNKED.get(name, 1))
+        schedule = build_schedule(name, p, m)
     except Exception as exc:  # noqa: BLE001 - a schedule this build lacks, or m it cannot serve
         if dist.get_rank() == 0:
             print(f"skip {name} m={m}: {exc}", file=sys.stderr)

@@ -43,7 +43,6 @@ from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import PipelineSchedule, build_schedule, simulate  # noqa: E402
 from pipeflow.stage import Stage  # noqa: E402
 
-CHUNKED = {"interleaved_1f1b": 2, "looped_bfs": 2, "zbv": 2, "dualpipev": 2}
 TORCH_SCHEDULES = {  # pipeflow name -> torch.distributed.pipelining.schedules class name
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
@@ -114,12 +113,7 @@ def torch_runner(name: str, schedule: PipelineSchedule, layers: dict[int, list[n
     mods = {s: nn.Sequential(*ls) for s, ls in layers.items()}
     stages = [PipelineStage(mods[s], s, S, device) for s in sorted(mods)]
     cls = getattr(schedules, TORCH_SCHEDULES[name])
-    if name in CHUNKED:
-        if name == "zbv" or name == "dualpipev":  # V order: the rank's first stage, then its second
-            stages = sorted(stages, key=lambda st: st.stage_index)
-        sched = cls(stages, m, loss_fn=mse)
-    else:
-        sched = cls(stages[0], m, loss_fn=mse)
+    sched = cls(stages if len(stages) > 1 else stages[0], m, loss_fn=mse)
     x, y = batch
 
     def step() -> torch.Tensor | None:
@@ -144,10 +138,10 @@ def timed(runner: Runner) -> tuple[float, torch.Tensor | None]:
     return float(took), loss
 
 
-def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.device) -> dict | None:
+def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.device) -> dict:
     """Alternate the two frameworks' steps; medians, the ratio and its spread, loss agreement."""
     p, m, rank = dist.get_world_size(), args.microbatches, dist.get_rank()
-    schedule = build_schedule(name, p, m, stages_per_rank=CHUNKED.get(name, 1))
+    schedule = build_schedule(name, p, m)
     mine = schedule.stages_of(rank)
     built = {s: make_layers(args, hidden, s) for s in mine}
     for mods in built.values():
@@ -242,10 +236,9 @@ def main() -> None:
         for hidden in args.hidden:
             for name in args.schedules:
                 row = compare(name, hidden, args, device)
-                if row is not None:
-                    rows.append(row)
-                    if dist.get_rank() == 0:
-                        print(f"{name} width {hidden}: ratio {row['ratio']:.3f}", file=sys.stderr, flush=True)
+                rows.append(row)
+                if dist.get_rank() == 0:
+                    print(f"{name} width {hidden}: ratio {row['ratio']:.3f}", file=sys.stderr, flush=True)
         if dist.get_rank() == 0:
             text = table(rows, args)
             print(text)

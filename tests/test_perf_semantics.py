@@ -19,10 +19,9 @@ COSTS = {"F": 1.0, "B": 2.0, "W": 1.0}
 @pytest.mark.parametrize("name", sorted(GENERATORS))
 def test_eager_sends_never_slower_and_still_proven(name: str) -> None:
     """Posting recvs early and waiting on sends lazily (gloo) only relaxes rendezvous."""
-    v = 2 if name in ("interleaved_1f1b", "looped_bfs", "zbv", "dualpipev") else 1
     for p in (1, 2, 3, 4):
         for m in (2 * p, 3 * p):
-            schedule = build_schedule(name, p, m, stages_per_rank=v)
+            schedule = build_schedule(name, p, m)
             strict = simulate(schedule, costs=COSTS, comm_latency=0.1)
             eager = simulate(schedule, costs=COSTS, comm_latency=0.1, eager_sends=True)
             assert eager.makespan <= strict.makespan + 1e-9, (p, m)
@@ -92,9 +91,8 @@ def test_eager_action_waits_only_for_its_own_inputs(name: str) -> None:
     """On gloo a recv is waited on by the action that consumes it: an action with no remote
     input (a W, stage 0's F, a local hand-off) starts as soon as its rank's previous action ends,
     even when lowering placed a recv for a later action before it and that sender is slow."""
-    v = 2 if name in ("interleaved_1f1b", "looped_bfs", "zbv", "dualpipev") else 1
     for p in (2, 4):
-        schedule = build_schedule(name, p, 2 * p, stages_per_rank=v)
+        schedule = build_schedule(name, p, 2 * p)
         slow_stage = schedule.num_stages // 2  # its F is late, so recvs of its output are too
 
         def costs(action: Action) -> float:
