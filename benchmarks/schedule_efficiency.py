@@ -2,7 +2,10 @@
 
 Each stage is one sleep layer whose F, B and W cost fixed wall time without using the CPU, so
 the ratio measured / simulated is the runtime's overhead (communication, Python, waits) plus
-the layers' own overshoot of their nominal time, which a second ratio takes out:
+the layers' own overshoot of their nominal time (``time.sleep`` wakes late).  Two more ratios
+take that overshoot out: against the makespan simulated with the layer's costs as
+`pipeflow.profile` measures them on one rank alone before the run (what the planner would
+predict), and against the makespan simulated with each action's time measured in the run:
 
     python benchmarks/schedule_efficiency.py --ranks 4 --microbatches 8 16
     python benchmarks/schedule_efficiency.py --ranks 4 --microbatches 8 --repeats 5  # noisy machine
@@ -30,19 +33,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
 from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
-from pipeflow.models.sleep import build_sleep  # noqa: E402
+from pipeflow.models.sleep import build_sleep, sleep_batch  # noqa: E402
 from pipeflow.partition import partition_layers  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
+from pipeflow.profile import LayerProfile, profile_layers  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.stage import build_stages  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
 
 
-def measure(name: str, p: int, m: int, args: argparse.Namespace) -> tuple[float, ...] | None:
-    """(median measured step s, simulated makespan s, makespan simulated with the measured
-    action times s[, median step s of the strict-rendezvous runtime]), or None if the schedule
-    is not available.  With --compare-strict the two runtimes alternate step by step."""
+def measure(
+    name: str, p: int, m: int, profiled: LayerProfile, args: argparse.Namespace
+) -> tuple[float, ...] | None:
+    """(median measured step s, simulated makespan s, makespan simulated with the profiled
+    layer costs s, makespan simulated with the measured action times s[, median step s of the
+    strict-rendezvous runtime]), or None if the schedule is not available.  With
+    --compare-strict the two runtimes alternate step by step."""
     try:
         schedule = build_schedule(name, p, m)
     except Exception as exc:  # noqa: BLE001 - a schedule this build lacks, or m it cannot serve
@@ -55,9 +62,9 @@ def measure(name: str, p: int, m: int, args: argparse.Namespace) -> tuple[float,
     stages = build_stages(spec, ranges, schedule.stages_of(dist.get_rank()))
     comm = P2PComm(None, torch.device("cpu"), timeout_s=120)
     pipe = Pipeline(stages, schedule, comm)
-    x, y = torch.randn(m * 2, 8), torch.randn(m * 2, 8)
-    inputs = [(mb,) for mb in x.chunk(m)] if 0 in stages else None
-    targets = list(y.chunk(m)) if S - 1 in stages else None
+    inputs, targets = sleep_batch(m)  # inputs that require grad: stage 0's B costs B too
+    inputs = inputs if 0 in stages else None
+    targets = targets if S - 1 in stages else None
     modes = (False, True) if args.compare_strict else (False,)
     times: dict[bool, list[float]] = {mode: [] for mode in modes}
     spans = defaultdict(list)
@@ -81,50 +88,95 @@ def measure(name: str, p: int, m: int, args: argparse.Namespace) -> tuple[float,
     measured = {a: t for rank_spans in gathered for a, t in rank_spans.items()}
     # A full backward's event covers B and W; the simulator adds cost(W), absent here: 0.
     actual = simulate(schedule, costs=lambda action: measured.get(str(action), 0.0), eager_sends=True).makespan
-    result = (statistics.median(times[False]), simulate(schedule, costs=costs).makespan, actual)
+    nominal = simulate(schedule, costs=costs).makespan
+    predicted = simulate(schedule, costs=profiled_costs(schedule, profiled)).makespan
+    result = (statistics.median(times[False]), nominal, predicted, actual)
     return result + ((statistics.median(times[True]),) if args.compare_strict else ())
+
+
+def profiled_costs(schedule, profile: LayerProfile):
+    """The simulator's cost function from one sleep layer's profile: F, the split halves B and W
+    where the schedule splits the backward, and a full backward's measured time where it does not
+    (the simulator charges a full backward B + W, so B is the full time less W)."""
+    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == "W"}
+
+    def cost(action) -> float:
+        if action.kind == "F":
+            return profile.forward_s
+        if action.kind == "W":
+            return profile.weight_grad_s
+        if (action.stage, action.microbatch) in split:
+            return profile.input_grad_s
+        return profile.backward_s - profile.weight_grad_s
+
+    return cost
+
+
+def profile_sleep_layer(args: argparse.Namespace) -> LayerProfile:
+    """One sleep layer's F, B, W and full-backward times, measured alone on rank 0 while the
+    other ranks wait (medians of --profile-repeats runs), shared with every rank."""
+    box: list[LayerProfile | None] = [None]
+    if dist.get_rank() == 0:
+        spec = build_sleep(2, args.forward_ms, args.backward_ms, args.weight_ms)
+        # the second layer's: its input requires grad, as every stage's but the first does
+        box = profile_layers(spec, torch.randn(2, 8), repeats=args.profile_repeats, split_backward=True)[1:]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    return box[0]
 
 
 def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     P2PComm(None, torch.device("cpu")).warmup()
+    profiled = profile_sleep_layer(args)
     runs: dict[tuple[str, int], list[tuple[float, ...]]] = {}
     for _ in range(args.repeats):  # each repeat measures every schedule once, so drift hits all alike
         for m in args.microbatches:
             for name in args.schedules:
-                result = measure(name, p, m, args)
+                result = measure(name, p, m, profiled, args)
                 if result is not None:
                     runs.setdefault((name, m), []).append(result)
     if rank == 0:
-        queue.put([(name, m, *summarize(results)) for (name, m), results in runs.items()])
+        queue.put((profiled, [(name, m, *summarize(results)) for (name, m), results in runs.items()]))
     dist.destroy_process_group()
 
 
 def summarize(results: list[tuple[float, ...]]) -> tuple[float, ...]:
-    """Field-wise medians over the repeats, then the lowest and highest measured / simulated."""
+    """Field-wise medians over the repeats, then the lowest and highest measured / simulated
+    (nominal costs) and measured / simulated (profiled costs)."""
     medians = tuple(statistics.median(field) for field in zip(*results))
-    ratios = [measured / ideal for measured, ideal, *_ in results]
-    return medians + (min(ratios), max(ratios))
+    nominal = [measured / ideal for measured, ideal, *_ in results]
+    profiled = [measured / predicted for measured, _, predicted, *_ in results]
+    return medians + (min(nominal), max(nominal), min(profiled), max(profiled))
 
 
-def table(rows: list[tuple], args: argparse.Namespace) -> str:
+def table(result: tuple[LayerProfile, list[tuple]], args: argparse.Namespace) -> str:
     """The results as a Markdown table."""
+    profiled, rows = result
+    ms = lambda seconds: f"{seconds * 1e3:.2f}"  # noqa: E731
     lines = [
         f"F = {args.forward_ms} ms, B = {args.backward_ms} ms, W = {args.weight_ms} ms per stage "
         f"(a full backward costs B + W), p = {args.ranks}, median of {args.steps} steps"
         + (f"; medians of {args.repeats} repeats (every schedule measured once per repeat), "
-           f"lowest-highest measured / simulated in brackets" if args.repeats > 1 else ""),
+           f"lowest-highest ratio in brackets" if args.repeats > 1 else ""),
         "",
-        "| schedule | m | measured step (ms) | simulated makespan (ms) | measured / simulated "
-        "| makespan from measured action times (ms) | measured / that |"
+        f"One sleep layer profiled alone (`pipeflow.profile`, median of {args.profile_repeats}): "
+        f"F {ms(profiled.forward_s)} ms, B {ms(profiled.input_grad_s)} ms, W {ms(profiled.weight_grad_s)} ms, "
+        f"full backward {ms(profiled.backward_s)} ms.",
+        "",
+        "| schedule | m | measured step (ms) | simulated, nominal costs (ms) | measured / that "
+        "| simulated, profiled costs (ms) | measured / that "
+        "| simulated, measured action times (ms) | measured / that |"
         + (" strict rendezvous step (ms) | measured / strict |" if args.compare_strict else ""),
-        "| --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if args.compare_strict else ""),
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if args.compare_strict else ""),
     ]
-    for name, m, measured, ideal, actual, *strict, lowest, highest in rows:
-        spread = f" ({lowest:.3f}-{highest:.3f})" if args.repeats > 1 else ""
+    for name, m, measured, ideal, predicted, actual, *strict, low, high, low_p, high_p in rows:
+        spread = f" ({low:.3f}-{high:.3f})" if args.repeats > 1 else ""
+        spread_p = f" ({low_p:.3f}-{high_p:.3f})" if args.repeats > 1 else ""
         line = (
             f"| {name} | {m} | {measured * 1e3:.1f} | {ideal * 1e3:.1f} | {measured / ideal:.3f}{spread} "
+            f"| {predicted * 1e3:.1f} | {measured / predicted:.3f}{spread_p} "
             f"| {actual * 1e3:.1f} | {measured / actual:.3f} |"
         )
         if strict:
@@ -132,9 +184,12 @@ def table(rows: list[tuple], args: argparse.Namespace) -> str:
         lines.append(line)
     lines += [
         "",
-        "measured / simulated is the whole overhead; the last column takes the layers' own "
-        "overshoot out (each action's measured median time fed to the simulator), leaving what "
-        "the runtime adds: communication, waits and Python between actions."
+        "measured / nominal is the whole overhead, the layers' overshoot of their nominal time "
+        "included. Against the profiled costs (what `python -m pipeflow.plan` would predict from "
+        "the same profile) the layers' overshoot when alone is taken out; against the measured "
+        "action times (each action's median time in the run fed to the simulator) also what the "
+        "four ranks sharing the CPU add to the actions, leaving what the runtime adds between "
+        "actions: communication, waits and Python."
         + (" Strict rendezvous (`Pipeline.strict_rendezvous`: every op of a step completes before "
            "its action, nothing posted ahead; the runtime before the optimisations) ran in "
            "alternation with the default runtime, step by step." if args.compare_strict else ""),
@@ -154,6 +209,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1,
                         help="measure every schedule this many times, round robin; report medians and range")
+    parser.add_argument("--profile-repeats", type=int, default=21,
+                        help="timed runs of the sleep layer profiled alone before the measurement")
     parser.add_argument("--compare-strict", action="store_true",
                         help="alternate each step with the strict-rendezvous runtime and compare")
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")

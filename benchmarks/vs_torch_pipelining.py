@@ -73,7 +73,10 @@ def make_batch(args: argparse.Namespace, hidden: int, device: torch.device) -> t
     """The same (input, target) on every rank."""
     gen = torch.Generator().manual_seed(7)
     shape = (args.batch, args.seq, hidden) if args.model == "gpt" else (args.batch, 8 if args.model == "sleep" else hidden)
-    return torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device)
+    x, y = torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device)
+    # sleep-stages: the input requires grad so that stage 0's B costs B as every other stage's
+    # does (its input gradient is computed, in both frameworks), as the simulator charges it
+    return x.requires_grad_(args.model == "sleep"), y
 
 
 class Runner:

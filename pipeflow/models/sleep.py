@@ -91,6 +91,19 @@ def build_sleep(
     return ModelSpec("sleep", layers, loss_fn=sleep_loss, seed=seed)
 
 
+def sleep_batch(num_microbatches: int, rows: int = 2, width: int = 8, seed: int = 0) -> tuple[list[tuple[torch.Tensor]], list[torch.Tensor]]:
+    """Micro-batch inputs and targets for sleep-stages, the inputs requiring grad.
+
+    A stage computes the gradient of its input only where that input requires grad, so with
+    plain data stage 0's B would cost nothing; with these inputs every stage costs F, B and W
+    as the simulator charges them (the input gradient is computed and dropped).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_microbatches * rows, width, generator=gen)
+    y = torch.randn(num_microbatches * rows, width, generator=gen)
+    return [(mb.requires_grad_(),) for mb in x.chunk(num_microbatches)], list(y.chunk(num_microbatches))
+
+
 def sleep_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean square of the output (the target is ignored: sleep-stages learn nothing)."""
     del target
