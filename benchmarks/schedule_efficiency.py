@@ -36,7 +36,7 @@ from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.sleep import build_sleep, sleep_batch  # noqa: E402
 from pipeflow.partition import partition_layers  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
-from pipeflow.profile import LayerProfile, profile_layers  # noqa: E402
+from pipeflow.profile import LayerProfile, action_costs, profile_layers  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.stage import build_stages  # noqa: E402
 
@@ -89,27 +89,10 @@ def measure(
     # A full backward's event covers B and W; the simulator adds cost(W), absent here: 0.
     actual = simulate(schedule, costs=lambda action: measured.get(str(action), 0.0), eager_sends=True).makespan
     nominal = simulate(schedule, costs=costs).makespan
-    predicted = simulate(schedule, costs=profiled_costs(schedule, profiled)).makespan
+    one_layer_stages = [range(s, s + 1) for s in range(S)]
+    predicted = simulate(schedule, costs=action_costs(one_layer_stages, [profiled] * S, schedule)).makespan
     result = (statistics.median(times[False]), nominal, predicted, actual)
     return result + ((statistics.median(times[True]),) if args.compare_strict else ())
-
-
-def profiled_costs(schedule, profile: LayerProfile):
-    """The simulator's cost function from one sleep layer's profile: F, the split halves B and W
-    where the schedule splits the backward, and a full backward's measured time where it does not
-    (the simulator charges a full backward B + W, so B is the full time less W)."""
-    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == "W"}
-
-    def cost(action) -> float:
-        if action.kind == "F":
-            return profile.forward_s
-        if action.kind == "W":
-            return profile.weight_grad_s
-        if (action.stage, action.microbatch) in split:
-            return profile.input_grad_s
-        return profile.backward_s - profile.weight_grad_s
-
-    return cost
 
 
 def profile_sleep_layer(args: argparse.Namespace) -> LayerProfile:

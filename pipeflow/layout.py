@@ -7,7 +7,7 @@ every rank then derives the same partition from the same numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from pipeflow.errors import PartitionError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.partition import BALANCE_METHODS, format_partition, plan_partition
-from pipeflow.profile import LayerProfile, count_layer_params, profile_layers
+from pipeflow.profile import LayerProfile, action_costs, count_layer_params, profile_layers
 from pipeflow.schedules import PipelineSchedule, simulate
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action
 from pipeflow.schedules.memory import stage_inflight
@@ -68,21 +68,10 @@ def choose_layout(
     return Layout(ranges, profiles, inflight)
 
 
-def predicted_costs(layout: Layout, schedule: PipelineSchedule):
-    """Per-action seconds for the simulator from the profiles: F and the backward of each stage,
-    the backward split evenly into B and W where the schedule splits it."""
+def predicted_costs(layout: Layout, schedule: PipelineSchedule) -> Callable[[Action], float]:
+    """Per-action seconds for the simulator from the layout's profiles (`action_costs`)."""
     assert layout.profiles is not None
-    forward = [sum(layout.profiles[i].forward_s for i in r) for r in layout.ranges]
-    backward = [sum(layout.profiles[i].backward_s for i in r) for r in layout.ranges]
-
-    def cost(action: Action) -> float:
-        if action.kind == FORWARD:
-            return forward[action.stage]
-        if action.kind in (BACKWARD, WEIGHT):
-            return backward[action.stage] / 2
-        raise ValueError(action.kind)
-
-    return cost
+    return action_costs(layout.ranges, layout.profiles, schedule)
 
 
 def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule) -> str:

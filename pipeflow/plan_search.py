@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from pipeflow.balance import balance_by_memory, balance_contiguous
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.partition import partition_layers
+from pipeflow.profile import action_costs
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, build_schedule, lower, simulate
-from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
 from pipeflow.schedules.memory import stage_inflight
 
 if TYPE_CHECKING:
@@ -239,7 +240,7 @@ def _evaluate(
     """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
     schedule's `_weighted` set, computed once per schedule by the caller)."""
     comm_s, action_s = overheads
-    sim = simulate(schedule, programs, stage_costs(ranges, profiles, bool(weighted), action_s), comm_s)
+    sim = simulate(schedule, programs, action_costs(ranges, profiles, schedule, action_s), comm_s)
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     return Candidate(
@@ -249,27 +250,6 @@ def _evaluate(
         rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted)),
         takes_chunks=takes_chunks,
     )
-
-
-def stage_costs(
-    ranges: Sequence[range], profiles: Sequence[LayerProfile], splits_backward: bool,
-    action_overhead_s: float = 0.0,
-) -> Callable[[Action], float]:
-    """Seconds of each action for the simulator, summed over the stage's layers.
-
-    With `splits_backward` a B costs the input-grad half and a W the weight-grad half; without,
-    a B (which then also computes the weight grads) costs the full backward and W nothing.
-    """
-    extra = action_overhead_s
-    forward = [math.fsum(profiles[i].forward_s for i in r) + extra for r in ranges]
-    if splits_backward:
-        backward = [math.fsum(profiles[i].input_grad_s for i in r) + extra for r in ranges]
-        weight = [math.fsum(profiles[i].weight_grad_s for i in r) + extra for r in ranges]
-    else:
-        backward = [math.fsum(profiles[i].backward_s for i in r) + extra for r in ranges]
-        weight = [0.0] * len(ranges)
-    table = {FORWARD: forward, BACKWARD: backward, WEIGHT: weight}
-    return lambda action: table[action.kind][action.stage]
 
 
 def rank_memory(

@@ -7,15 +7,17 @@ may disagree on the partition.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from pipeflow.models.spec import ModelSpec
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,51 @@ class LayerProfile:
     def seconds(self) -> float:
         """Forward plus backward time in seconds."""
         return self.forward_s + self.backward_s
+
+
+def action_costs(
+    ranges: Sequence[range], profiles: Sequence[LayerProfile], schedule: PipelineSchedule,
+    action_overhead_s: float = 0.0,
+) -> Callable[[Action], float]:
+    """Seconds of each of `schedule`'s actions for the simulator, summed over the stage's layers.
+
+    This is the one cost model of the planner, the start-of-run report and the benchmarks.  F
+    costs the stage's forward.  Where the schedule splits a backward (its W is scheduled), B
+    costs the input-grad half and W the weight-grad half, as profiled with
+    ``split_backward=True``, or half the backward each when the halves were not profiled.  A
+    full backward costs the profiled backward (the simulator charges it B + W, so its B is that
+    less W).  `action_overhead_s` is added once to every action.
+
+    Args:
+        ranges: the layers of each stage.
+        profiles: one profile per layer (`profile_layers`).
+        schedule: the schedule whose actions are costed.
+        action_overhead_s: fixed seconds each action costs beyond its layers (runtime overhead).
+    """
+    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
+    halves_profiled = any(p.input_grad_s > 0 or p.weight_grad_s > 0 for p in profiles)
+    extra = action_overhead_s
+    forward = [math.fsum(profiles[i].forward_s for i in r) for r in ranges]
+    full = [math.fsum(profiles[i].backward_s for i in r) for r in ranges]
+    if halves_profiled:
+        input_half = [math.fsum(profiles[i].input_grad_s for i in r) for r in ranges]
+        weight_half = [math.fsum(profiles[i].weight_grad_s for i in r) for r in ranges]
+    else:
+        input_half = weight_half = [b / 2 for b in full]
+
+    def cost(action: Action) -> float:
+        s = action.stage
+        if action.kind == FORWARD:
+            return forward[s] + extra
+        if action.kind == WEIGHT:
+            return weight_half[s] + extra
+        if action.kind == BACKWARD:
+            if (s, action.microbatch) in split:
+                return input_half[s] + extra
+            return max(full[s] - weight_half[s], 0.0)  # + the W the simulator adds: full + extra
+        raise ValueError(f"unknown action kind {action.kind!r}")
+
+    return cost
 
 
 def count_layer_params(spec: ModelSpec) -> list[int]:

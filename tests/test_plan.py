@@ -171,3 +171,31 @@ def test_an_action_overhead_favours_fewer_microbatches() -> None:
     # 1F1B, p = 2, m = 16, 2-layer stages: (m + p - 1) (F + B) with F = 2 ms + 20 ms, B = 4 ms + 20 ms
     by_m = {c.num_microbatches: c for c in reversed(slow.candidates)}
     assert by_m[16].step_s == pytest.approx(17 * 46 * MS)
+
+
+def test_action_costs_one_model_for_planner_and_run_report() -> None:
+    """F, the split halves and a full backward cost what the profiles say, in every caller: the
+    planner's step for a split schedule equals the start-of-run report's (the report used to
+    split every backward evenly, the planner the profiled halves, so they disagreed)."""
+    from pipeflow.layout import Layout, predicted_costs
+    from pipeflow.plan_search import _evaluate, _weighted
+    from pipeflow.profile import action_costs
+    from pipeflow.schedules import lower
+    from pipeflow.schedules.ir import Action
+
+    profiles = [layer(f"l{i}", 1.0 * MS, 1.0 * MS, 3.0 * MS) for i in range(4)]
+    ranges = partition_layers(4, 4)
+    split, full = build_schedule("zb_h1", 4, 8), build_schedule("1f1b", 4, 8)
+    cost = action_costs(ranges, profiles, split, action_overhead_s=0.5 * MS)
+    assert cost(Action(FORWARD, 0, 1)) == pytest.approx(1.5 * MS)
+    assert cost(Action(BACKWARD, 0, 1)) == pytest.approx(1.5 * MS)
+    assert cost(Action(WEIGHT, 0, 1)) == pytest.approx(3.5 * MS)
+    cost = action_costs(ranges, profiles, full, action_overhead_s=0.5 * MS)  # a full B is B + W
+    assert cost(Action(BACKWARD, 0, 1)) + cost(Action(WEIGHT, 0, 1)) == pytest.approx(4.5 * MS)
+    unsplit = [LayerProfile(p.name, 0, 0, p.forward_s, p.backward_s, 0) for p in profiles]
+    cost = action_costs(ranges, unsplit, split)  # halves not profiled: half the backward each
+    assert cost(Action(BACKWARD, 0, 1)) == cost(Action(WEIGHT, 0, 1)) == pytest.approx(2.0 * MS)
+    for schedule in (split, full):
+        planned = _evaluate(schedule, lower(schedule), ranges, profiles, 2.0, (0.0, 0.0), False, _weighted(schedule))
+        reported = simulate(schedule, costs=predicted_costs(Layout(ranges, profiles, [1] * 4), schedule))
+        assert planned.step_s == pytest.approx(reported.makespan)
