@@ -35,13 +35,9 @@ from pipeflow.comm import P2PComm  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule  # noqa: E402
 from pipeflow.stage import Stage  # noqa: E402
+from results import mse  # noqa: E402  (benchmarks/results.py)
 
 DEVICE = torch.device("cuda", 0)
-
-
-def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean square error."""
-    return (out.float() - y.float()).pow(2).mean()
 
 
 def layers(dtype: torch.dtype, hidden: int = 256, count: int = 4) -> list[nn.Module]:

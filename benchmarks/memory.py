@@ -27,7 +27,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
-from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from results import microbatches, mse, report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
 from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.stage import Stage  # noqa: E402
@@ -96,7 +96,6 @@ def measure(name: str, p: int, args: argparse.Namespace, free: bool) -> tuple[in
     schedule = build_schedule(name, p, m)
     S = schedule.num_stages
     torch.manual_seed(rank)
-    mse = lambda out, y: (out - y).pow(2).mean()  # noqa: E731
     stages = {s: Stage(s, S, make_layers(args), mse) for s in schedule.stages_of(rank)}
     pipe = Pipeline(stages, schedule, P2PComm(None, torch.device("cpu"), timeout_s=300))
     pipe.free_sent_activations = free
@@ -109,8 +108,7 @@ def measure(name: str, p: int, args: argparse.Namespace, free: bool) -> tuple[in
 
     pipe._compute = sampled  # type: ignore[method-assign]
     x = torch.randn(args.batch, args.hidden)
-    inputs = [(mb,) for mb in x.chunk(m)] if 0 in stages else None
-    targets = list(x.chunk(m)) if S - 1 in stages else None
+    inputs, targets = microbatches(x, x, m, stages, S)
     with tracker.hooks:
         pipe.run(inputs, targets)
     return tracker.peak, simulate(schedule).peak_activations[rank]

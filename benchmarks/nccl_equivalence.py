@@ -25,11 +25,7 @@ from pipeflow.comm import P2PComm  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule  # noqa: E402
 from pipeflow.stage import Stage  # noqa: E402
-
-
-def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Mean square error."""
-    return (out - y).pow(2).mean()
+from results import microbatches, mse  # noqa: E402  (benchmarks/results.py)
 
 
 def layer(index: int, hidden: int, device: torch.device) -> nn.Module:
@@ -47,7 +43,7 @@ def one(name: str, m: int, hidden: int, device: torch.device) -> tuple[float, fl
     pipe = Pipeline(stages, schedule, P2PComm(None, device, timeout_s=120))
     gen = torch.Generator().manual_seed(5)
     x, y = torch.randn(8 * m, hidden, generator=gen).to(device), torch.randn(8 * m, hidden, generator=gen).to(device)
-    loss = pipe.run([(mb,) for mb in x.chunk(m)] if 0 in stages else None, list(y.chunk(m)) if S - 1 in stages else None)
+    loss = pipe.run(*microbatches(x, y, m, stages, S))
     model = nn.Sequential(*[layer(k, hidden, device) for k in range(S * per)])
     ref = mse(model(x), y)
     ref.backward()

@@ -15,6 +15,22 @@ import torch
 import torch.multiprocessing as mp
 
 
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean square error, the loss of every benchmark model; computed in float32 at least (a
+    bf16/fp16 output is upcast, a float64 one is kept)."""
+    return (output.to(torch.promote_types(output.dtype, torch.float32)) - target).pow(2).mean()
+
+
+def microbatches(
+    x: torch.Tensor, y: torch.Tensor, m: int, stages: Any, num_stages: int
+) -> tuple[list[tuple[torch.Tensor]] | None, list[torch.Tensor] | None]:
+    """`Pipeline.run`'s inputs and targets from one batch split into `m` micro-batches: the
+    inputs where this rank holds stage 0, the targets where it holds the last stage."""
+    inputs = [(mb,) for mb in x.chunk(m)] if 0 in stages else None
+    targets = list(y.chunk(m)) if num_stages - 1 in stages else None
+    return inputs, targets
+
+
 def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace) -> Any:
     """Run ``worker(rank, args.ranks, port, args, queue)`` in `args.ranks` spawned processes on a
     free local port; returns the one object rank 0 puts on the queue."""

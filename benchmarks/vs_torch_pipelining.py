@@ -36,7 +36,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
-from results import append_result  # noqa: E402  (benchmarks/results.py)
+from results import append_result, microbatches, mse  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
 from pipeflow.models.sleep import SleepLayer  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
@@ -51,11 +51,6 @@ TORCH_SCHEDULES = {  # pipeflow name -> torch.distributed.pipelining.schedules c
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
 }
-
-
-def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean square error, the loss of every benchmark model."""
-    return (output - target).pow(2).mean()
 
 
 def make_layers(args: argparse.Namespace, hidden: int, stage: int) -> list[nn.Module]:
@@ -101,9 +96,7 @@ def pipeflow_runner(schedule: PipelineSchedule, layers: dict[int, list[nn.Module
     x, y = batch
 
     def step() -> torch.Tensor | None:
-        inputs = [(mb,) for mb in x.chunk(m)] if 0 in stages else None
-        targets = list(y.chunk(m)) if S - 1 in stages else None
-        return pipe.run(inputs, targets)
+        return pipe.run(*microbatches(x, y, m, stages, S))
 
     return Runner(step, [p for st in stages.values() for p in st.parameters()])
 
