@@ -1,9 +1,16 @@
 """``train.check_finite``: stop at the first non-finite value, naming the stage where it appeared.
 
-Forward outputs (the loss on the last stage) and parameter gradients are checked on the device
-without a host sync per micro-batch; one all-reduce of 2 x S flags per step tells every rank
-where NaN or Inf first showed up: the lowest stage whose forward output was non-finite (forward
-runs from stage 0 up), else the highest stage whose gradients were (backward runs down).
+Forward outputs (the loss on the last stage, before the fp16 loss scale) and parameter gradients
+are checked on the device without a host sync per micro-batch; 2 x S flags summed over the world
+once per step tell every rank where NaN or Inf first showed up: the lowest stage whose forward
+output was non-finite (forward runs from stage 0 up), else the highest stage whose gradients were
+(backward runs down).  The Trainer sends the flags in the all-reduce of the global grad norm that
+it runs every step anyway (no collective of their own); :meth:`FiniteCheck.check` runs its own.
+
+With fp16, non-finite gradients alone are a loss-scale overflow, the loss scaler's business: the
+step is skipped on every rank and the scale lowered, no error.  What the scaler cannot explain
+still raises: a non-finite forward output or loss (the scale only multiplies the backward), and
+an overflow while the scale is already at its minimum (a lower scale cannot cure it).
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import NonFiniteError
+from pipeflow.precision import LossScaler
 
 
 class FiniteCheck:
@@ -34,37 +42,67 @@ class FiniteCheck:
 
     def _watch_forward(self, stage: Any, i: int, outputs: Any) -> Any:
         """A forward hook: flag stage `stage.index` when its outputs hold a NaN or Inf."""
-        floats = [t.detach() for t in outputs if t.is_floating_point()]
+        # the last stage's output is the loss times the fp16 loss scale: judge the loss itself
+        watched = (stage.losses[i],) if stage.is_last and i in stage.losses else outputs
+        floats = [t.detach() for t in watched if t.is_floating_point()]
         if floats:
             bad = torch.stack([~torch.isfinite(t).all() for t in floats]).any()
             self.flags[stage.index] += bad.to(self.flags.dtype)
         return outputs
 
-    def check(self, step: int, stage_to_rank: Sequence[int], group: dist.ProcessGroup | None = None) -> None:
-        """After a step's forward and backward: raise on every rank if anything was non-finite.
+    def local_flags(self) -> torch.Tensor:
+        """This rank's 2 x S flags for the step (gradients looked at now, after backward), to be
+        summed over the world; the next step starts from zeros."""
+        S = self.num_stages
+        for s, stage in self.stages.items():
+            grads = [p.grad.detach() for p in stage.parameters() if p.grad is not None]
+            if grads:  # isfinite, not a norm: a norm of large finite values can overflow
+                bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any()
+                self.flags[S + s] = bad.to(self.flags.dtype)
+        flags, self.flags = self.flags, torch.zeros_like(self.flags)
+        return flags
+
+    def check(
+        self, step: int, stage_to_rank: Sequence[int], group: dist.ProcessGroup | None = None,
+        scaler: LossScaler | None = None,
+    ) -> None:
+        """After a step's forward and backward: one all-reduce of the flags, then
+        :meth:`raise_if_non_finite` (the Trainer sends the flags in its grad-norm all-reduce instead).
+
+        Raises:
+            NonFiniteError: naming the stage (and rank) where non-finite values first appeared.
+        """
+        flags = self.local_flags()
+        dist.all_reduce(flags, group=group)
+        self.raise_if_non_finite(flags.tolist(), step, stage_to_rank, scaler)
+
+    def raise_if_non_finite(
+        self, flags: Sequence[float], step: int, stage_to_rank: Sequence[int], scaler: LossScaler | None = None
+    ) -> None:
+        """Raise on every rank if the world-summed `flags` show NaN or Inf that `scaler` (the fp16
+        loss scaler, if any) does not explain: non-finite gradients alone are an overflow it skips,
+        unless its scale is already at the minimum.
 
         Raises:
             NonFiniteError: naming the stage (and rank) where non-finite values first appeared.
         """
         S = self.num_stages
-        for s, stage in self.stages.items():
-            grads = [p.grad.detach() for p in stage.parameters() if p.grad is not None]
-            if grads:
-                norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-                self.flags[S + s] = (~torch.isfinite(norms)).any().to(self.flags.dtype)
-        dist.all_reduce(self.flags, group=group)
-        flags = self.flags.tolist()
-        self.flags.zero_()
         forward = [s for s in range(S) if flags[s] > 0]
         backward = [s for s in range(S) if flags[S + s] > 0]
         if not forward and not backward:
             return
+        overflow = not forward and scaler is not None and scaler.enabled
+        if overflow and not scaler.at_minimum:
+            return  # the loss scaler skips the step and lowers the scale
         if forward:
             s = forward[0]
             where = f"the forward output of stage {s} (rank {stage_to_rank[s]}){' - the loss' if s == S - 1 else ''}"
         else:
             s = backward[-1]
             where = f"the parameter gradients of stage {s} (rank {stage_to_rank[s]}), in backward"
+        if overflow:
+            where += (f"; the fp16 loss scale is already at its minimum ({scaler.min_scale:g}), so a lower "
+                      f"scale cannot cure this overflow (train.precision=bf16 has fp32's range)")
         raise NonFiniteError(
             f"training step {step}: non-finite values (NaN or Inf) first appeared in {where}; "
             f"stages with non-finite forward outputs: {forward or 'none'}, with non-finite gradients: "

@@ -6,7 +6,9 @@ forward runs under ``torch.autocast`` in the compute dtype, and what a stage sen
 travel.  fp16 needs a loss scale: the loss sent backward is multiplied by it, gradients are
 divided by it before clipping, and a step whose gradients hold an inf or nan anywhere is skipped
 on every rank: the check rides in the single all-reduce of the global grad norm (a non-finite
-norm on one stage makes the all-reduced norm non-finite everywhere).
+norm on one stage makes the all-reduced norm non-finite everywhere).  The scale never falls
+below ``min_scale`` (1, as Megatron-LM's and DeepSpeed's default): an overflow there is not one
+a lower scale can cure, and ``train.check_finite`` raises on it (see pipeflow.finite).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ class LossScaler:
     """Dynamic loss scale for fp16 (the policy of ``torch.amp.GradScaler``).
 
     The scale doubles after `growth_interval` finite steps in a row and halves at every
-    overflow.  Disabled (scale 1, never skips) unless `enabled`.
+    overflow, down to `min_scale`.  Disabled (scale 1, never skips) unless `enabled`.
     """
 
     def __init__(
@@ -45,8 +47,10 @@ class LossScaler:
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        min_scale: float = 1.0,
     ) -> None:
         self.enabled = enabled
+        self.min_scale = min_scale
         self.scale = init_scale if enabled else 1.0
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -62,12 +66,17 @@ class LossScaler:
             if p.grad is not None:
                 p.grad.mul_(inv)
 
+    @property
+    def at_minimum(self) -> bool:
+        """True when enabled and the scale can fall no further: an overflow now is not the scale's fault."""
+        return self.enabled and self.scale <= self.min_scale
+
     def update(self, found_inf: bool) -> None:
         """Adjust the scale after a step; `found_inf` must be the same on every rank."""
         if not self.enabled:
             return
         if found_inf:
-            self.scale *= self.backoff_factor
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self._good_steps = 0
             return
         self._good_steps += 1

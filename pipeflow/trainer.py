@@ -282,15 +282,19 @@ class Trainer:
         """Gradients of batch `step`, reduced over ties and dp, unscaled and clipped, left in
         ``p.grad``; returns (loss, grad norm before clipping), the same on every rank.
 
-        A non-finite norm means an inf/nan gradient somewhere (fp16 overflow).
+        A non-finite norm means an inf/nan gradient somewhere (fp16 overflow).  With
+        ``train.check_finite`` the finite flags ride in the grad-norm all-reduce.
+
+        Raises:
+            NonFiniteError: ``train.check_finite`` and NaN/Inf the loss scaler does not explain.
         """
         inputs, targets = self._microbatches(self._local_batch(self.batches.train, step))
         for stage in self.stages.values():
             stage.grad_scale = self.scaler.scale
         loss = self.pipeline.run(inputs, targets)
-        if self.finite is not None:
-            self.finite.check(step, self.schedule.stage_to_rank)
         extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
+        if self.finite is not None:  # before the dp and tie sums, which would spread a NaN to other stages
+            extra = torch.cat([extra, self.finite.local_flags().to(extra.dtype)])
         if self.reducer is not None:  # before the tie sums: it writes back what it snapshotted
             self.reducer.finish()
         self.tied.reduce_grads()
@@ -298,13 +302,16 @@ class Trainer:
         norm, reduced = clip_grad_norm_global(
             self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(), replicas=self.dp
         )
-        return float(reduced[0]), norm
+        reduced = reduced.tolist()
+        if self.finite is not None:
+            self.finite.raise_if_non_finite(reduced[1:], step, self.schedule.stage_to_rank, self.scaler)
+        return reduced[0], norm
 
     def train_step(self, step: int) -> tuple[float, float]:
         """One optimizer step on batch `step`; returns (loss, grad norm before clipping) on every rank.
 
         With fp16, a step whose gradients overflowed on any rank is skipped on every rank (the
-        norm that says so is all-reduced) and the loss scale halves.
+        norm that says so is all-reduced) and the loss scale halves (not below its minimum).
         """
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         for group in self.optimizer.param_groups:
@@ -314,13 +321,13 @@ class Trainer:
         with guard.context(f"training step {step}"):
             loss, norm = self.forward_backward(step)
         overflow = self.scaler.enabled and not math.isfinite(norm)
-        if overflow:
-            if self.is_main:
-                log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f",
-                            step, self.scaler.scale, self.scaler.scale * self.scaler.backoff_factor)
-        else:
+        scale = self.scaler.scale
+        if not overflow:
             self.optimizer.step()
         self.scaler.update(overflow)
+        if overflow and self.is_main:
+            log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f",
+                        step, scale, self.scaler.scale)
         self.optimizer.zero_grad(set_to_none=True)
         if not self._first_step_done:  # later collectives get the steady-state deadline
             guard.set_collective_timeout(self.cfg.comm.timeout_s)

@@ -141,10 +141,11 @@ def precision_trains(precision: str, steps: int = 30) -> dict[str, float]:
             "dtypes": sorted({str(p.dtype) for p in trainer.params})}
 
 
-def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1) -> dict[str, Any]:
-    """An inf in one stage's gradient at step 0 skips the step on every rank; step 1 then runs."""
+def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: bool = False) -> dict[str, Any]:
+    """An inf in one stage's gradient at step 0 skips the step on every rank; step 1 then runs
+    (with `check_finite` too: an overflow is the loss scaler's, not a NonFiniteError)."""
     cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
-                      train__dtype="float32", train__precision="fp16")
+                      train__dtype="float32", train__precision="fp16", train__check_finite=check_finite)
     trainer = Trainer(cfg, torch.device("cpu"))
     armed = [True]
     if trainer.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
@@ -159,6 +160,29 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1) -> dict[str, Any]
     changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
     return {"skipped": unchanged, "finite0": math.isfinite(norm0), "scale_ratio": scale1 / scale0,
             "stepped_after": changed, "finite1": math.isfinite(norm1)}
+
+
+def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1) -> str:
+    """``train.check_finite=true`` through the Trainer on one replica of one pipeline rank:
+    `fault` "inf-grad" (an inf in a parameter gradient at step 0; with fp16 the loss scale is
+    set to its minimum first, where a lower scale cannot help) or "nan-param" (a NaN weight, so
+    the forward output is non-finite).  Returns the error's text, the same on every rank."""
+    cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
+                      train__dtype="float32", train__precision=precision, train__check_finite=True)
+    trainer = Trainer(cfg, torch.device("cpu"))
+    if precision == "fp16" and fault == "inf-grad":
+        trainer.scaler.scale = trainer.scaler.min_scale
+    if trainer.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:
+        if fault == "inf-grad":
+            trainer.params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
+        else:
+            with torch.no_grad():
+                trainer.params[0].fill_(float("nan"))
+    try:
+        trainer.train_step(0)
+    except Exception as exc:  # noqa: BLE001 - the test compares the type and text on every rank
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def _shared_dir(prefix: str) -> str:

@@ -1,11 +1,14 @@
 """Pure pieces of scale-out: config checks, the loss scaler's policy, act-ckpt settings, dp buckets."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from pipeflow.config import check_config
-from pipeflow.errors import ConfigError
+from pipeflow.errors import ConfigError, NonFiniteError
+from pipeflow.finite import FiniteCheck
 from pipeflow.mesh import _buckets
 from pipeflow.precision import LossScaler, checkpoint_every, compute_dtype
 from test_cli import compose_config
@@ -48,7 +51,33 @@ def test_loss_scaler_backs_off_on_overflow_and_grows_after_clean_steps() -> None
     assert restored.scale == scaler.scale
     off = LossScaler(False)
     off.update(found_inf=True)
-    assert off.scale == 1.0
+    assert off.scale == 1.0 and not off.at_minimum
+
+
+def test_loss_scale_stops_at_its_minimum() -> None:
+    scaler = LossScaler(True, init_scale=4.0)
+    scales = []
+    for _ in range(4):
+        scaler.update(found_inf=True)
+        scales.append(scaler.scale)
+    assert scales == [2.0, 1.0, 1.0, 1.0] and scaler.at_minimum
+
+
+def test_check_finite_leaves_gradient_overflow_to_the_fp16_loss_scaler() -> None:
+    check = FiniteCheck({}, num_stages=2, device=torch.device("cpu"))  # flags: [forward 0, 1, grads 0, 1]
+    ranks = [0, 1]
+    fp16, fp32 = LossScaler(True), LossScaler(False)
+    check.raise_if_non_finite([0, 0, 0, 0], 3, ranks, fp16)
+    check.raise_if_non_finite([0, 0, 1, 2], 3, ranks, fp16)  # an overflow: skipped by the scaler
+    with pytest.raises(NonFiniteError, match=r"step 3: .* the parameter gradients of stage 1 \(rank 1\), in backward; s"):
+        check.raise_if_non_finite([0, 0, 1, 2], 3, ranks, fp32)  # no scaler to explain it
+    with pytest.raises(NonFiniteError, match=r"step 3: .* the parameter gradients of stage 1 \(rank 1\)"):
+        check.raise_if_non_finite([0, 0, 1, 2], 3, ranks)
+    with pytest.raises(NonFiniteError, match=r"the forward output of stage 1 \(rank 1\) - the loss"):
+        check.raise_if_non_finite([0, 1, 0, 1], 3, ranks, fp16)  # the scale does not touch the forward
+    fp16.scale = fp16.min_scale
+    with pytest.raises(NonFiniteError, match=r"stage 1 \(rank 1\), in backward; the fp16 loss scale is already at its minimum \(1\)"):
+        check.raise_if_non_finite([0, 0, 0, 1], 3, ranks, fp16)
 
 
 def test_buckets_split_by_size_and_dtype_in_order() -> None:
@@ -57,3 +86,19 @@ def test_buckets_split_by_size_and_dtype_in_order() -> None:
     buckets = _buckets(params, bucket_bytes=100)
     assert [[p.numel() for p in b] for b in buckets] == [[10, 10], [30], [5, 5]]
     assert [p for b in buckets for p in b] == params
+
+
+def test_check_finite_judges_the_unscaled_loss_and_large_finite_gradients_pass() -> None:
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.full((2,), 1e20)  # finite, though its float32 norm overflows
+    last = SimpleNamespace(index=1, is_last=True, losses={0: torch.tensor(2.0, dtype=torch.float16)},
+                           forward_hooks=[], parameters=lambda: [weight])
+    check = FiniteCheck({1: last}, num_stages=2, device=torch.device("cpu"))
+    scaled = torch.tensor(2.0, dtype=torch.float16) * 65536.0  # inf: fp16 tops out at 65504
+    check._watch_forward(last, 0, (scaled,))
+    assert check.local_flags().tolist() == [0, 0, 0, 0]
+    last.losses[0] = torch.tensor(float("nan"))
+    weight.grad[1] = float("inf")
+    check._watch_forward(last, 0, (scaled,))
+    assert check.local_flags().tolist() == [0, 1, 0, 1]
+    assert check.local_flags().tolist() == [0, 0, 0, 1]  # forward flags start again from zero

@@ -42,6 +42,10 @@ def _cases() -> list[tuple[str, object]]:
         ("fp16-vs-fp32", functools.partial(cases.precision_vs_fp32, "fp16", 1)),
         ("bf16-trains", functools.partial(cases.precision_trains, "bf16")),
         ("fp16-overflow", cases.fp16_overflow_skips_everywhere),
+        ("fp16-overflow-checked", functools.partial(cases.fp16_overflow_skips_everywhere, check_finite=True)),
+        ("fp16-min-scale-checked", functools.partial(cases.check_finite_raises, "fp16", "inf-grad")),
+        ("fp16-nan-forward-checked", functools.partial(cases.check_finite_raises, "fp16", "nan-param")),
+        ("fp32-inf-grad-checked", functools.partial(cases.check_finite_raises, "fp32", "inf-grad")),
         ("resume", cases.resume_across_layouts),
         ("overlap", cases.reduction_overlaps_cooldown),
         ("wrong-model", cases.resume_into_another_model_is_refused),
@@ -89,11 +93,25 @@ def test_bf16_training_lowers_the_loss_with_fp32_master_weights(world) -> None:
         assert v["dtypes"] == ["torch.float32"]
 
 
-def test_fp16_overflow_on_one_stage_skips_the_step_on_every_rank(world) -> None:
-    for rank, v in enumerate(_values(world["fp16-overflow"])):
+@pytest.mark.parametrize("name", ["fp16-overflow", "fp16-overflow-checked"])
+def test_fp16_overflow_on_one_stage_skips_the_step_on_every_rank(world, name: str) -> None:
+    for rank, v in enumerate(_values(world[name])):  # with train.check_finite too: no NonFiniteError
         assert v["skipped"] and not v["finite0"], f"rank {rank}: {v}"
         assert v["scale_ratio"] == 0.5
         assert v["stepped_after"] and v["finite1"], f"rank {rank}: {v}"
+
+
+def test_check_finite_raises_what_the_loss_scaler_cannot_explain(world) -> None:
+    grads = "non-finite values (NaN or Inf) first appeared in the parameter gradients of stage 1 (rank 1), in backward"
+    for text in _values(world["fp32-inf-grad-checked"]):  # one replica of pipeline rank 1, no scaler
+        assert text.startswith(f"NonFiniteError: training step 0: {grads}"), text
+        assert "loss scale" not in text
+    for text in _values(world["fp16-min-scale-checked"]):  # fp16 overflow at the minimum loss scale
+        assert text.startswith(f"NonFiniteError: training step 0: {grads}"), text
+        assert "the fp16 loss scale is already at its minimum (1)" in text
+    for text in _values(world["fp16-nan-forward-checked"]):  # a NaN forward is never the scaler's
+        assert text.startswith("NonFiniteError: training step 0: non-finite values (NaN or Inf) first appeared "
+                               "in the forward output of stage 1 (rank 1) - the loss"), text
 
 
 def test_resume_equals_training_straight_through_and_survives_a_layout_change(world) -> None:
