@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
 from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
-from pipeflow.models.sleep import build_sleep, sleep_batch  # noqa: E402
+from pipeflow.models.sleep import build_sleep, profile_sleep_layer, sleep_batch, sleep_costs  # noqa: E402
 from pipeflow.partition import partition_layers  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
-from pipeflow.profile import LayerProfile, action_costs, profile_layers  # noqa: E402
+from pipeflow.profile import LayerProfile  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.stage import build_stages  # noqa: E402
 
@@ -89,20 +89,16 @@ def measure(
     # A full backward's event covers B and W; the simulator adds cost(W), absent here: 0.
     actual = simulate(schedule, costs=lambda action: measured.get(str(action), 0.0), eager_sends=True).makespan
     nominal = simulate(schedule, costs=costs).makespan
-    one_layer_stages = [range(s, s + 1) for s in range(S)]
-    predicted = simulate(schedule, costs=action_costs(one_layer_stages, [profiled] * S, schedule)).makespan
+    predicted = simulate(schedule, costs=sleep_costs(schedule, profiled)).makespan
     result = (statistics.median(times[False]), nominal, predicted, actual)
     return result + ((statistics.median(times[True]),) if args.compare_strict else ())
 
 
-def profile_sleep_layer(args: argparse.Namespace) -> LayerProfile:
-    """One sleep layer's F, B, W and full-backward times, measured alone on rank 0 while the
-    other ranks wait (medians of --profile-repeats runs), shared with every rank."""
+def shared_profile(args: argparse.Namespace) -> LayerProfile:
+    """The sleep layer's profile, measured on rank 0 while the other ranks wait, for every rank."""
     box: list[LayerProfile | None] = [None]
     if dist.get_rank() == 0:
-        spec = build_sleep(2, args.forward_ms, args.backward_ms, args.weight_ms)
-        # the second layer's: its input requires grad, as every stage's but the first does
-        box = profile_layers(spec, torch.randn(2, 8), repeats=args.profile_repeats, split_backward=True)[1:]
+        box = [profile_sleep_layer(args.forward_ms, args.backward_ms, args.weight_ms, args.profile_repeats)]
     dist.broadcast_object_list(box, src=0)
     assert box[0] is not None
     return box[0]
@@ -112,7 +108,7 @@ def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.Sim
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     P2PComm(None, torch.device("cpu")).warmup()
-    profiled = profile_sleep_layer(args)
+    profiled = shared_profile(args)
     runs: dict[tuple[str, int], list[tuple[float, ...]]] = {}
     for _ in range(args.repeats):  # each repeat measures every schedule once, so drift hits all alike
         for m in args.microbatches:

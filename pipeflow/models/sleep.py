@@ -8,11 +8,16 @@ both. The two gradient paths are separate autograd nodes, so a split backward ru
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from pipeflow.models.spec import LayerSpec, ModelSpec
+
+if TYPE_CHECKING:
+    from pipeflow.profile import LayerProfile
+    from pipeflow.schedules.ir import Action, PipelineSchedule
 
 
 def _sleep_until(deadline: float) -> None:
@@ -102,6 +107,30 @@ def sleep_batch(num_microbatches: int, rows: int = 2, width: int = 8, seed: int 
     x = torch.randn(num_microbatches * rows, width, generator=gen)
     y = torch.randn(num_microbatches * rows, width, generator=gen)
     return [(mb.requires_grad_(),) for mb in x.chunk(num_microbatches)], list(y.chunk(num_microbatches))
+
+
+def profile_sleep_layer(
+    forward_ms: float, backward_ms: float, weight_ms: float, repeats: int = 21
+) -> "LayerProfile":
+    """What one sleep layer really costs here: F, B, W and the full backward, measured alone by
+    `pipeflow.profile` (medians of `repeats`), for a layer whose input requires grad.
+
+    ``time.sleep`` wakes late (on a small VM by a few hundred µs), so these exceed the nominal
+    times; the simulator fed them (`sleep_costs`) predicts what the runtime can at best achieve.
+    """
+    from pipeflow.profile import profile_layers
+
+    spec = build_sleep(2, forward_ms, backward_ms, weight_ms)
+    # the second layer's profile: its input requires grad, as with `sleep_batch` on stage 0
+    return profile_layers(spec, torch.randn(2, 8), repeats=repeats, split_backward=True)[1]
+
+
+def sleep_costs(schedule: "PipelineSchedule", profile: "LayerProfile") -> Callable[["Action"], float]:
+    """The simulator's action costs of sleep-stages (one layer per stage) from one layer's profile."""
+    from pipeflow.profile import action_costs
+
+    S = schedule.num_stages
+    return action_costs([range(s, s + 1) for s in range(S)], [profile] * S, schedule)
 
 
 def sleep_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
