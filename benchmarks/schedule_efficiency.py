@@ -36,6 +36,7 @@ from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.sleep import build_sleep, profile_sleep_layer, sleep_batch, sleep_costs  # noqa: E402
 from pipeflow.partition import partition_layers  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
+from pipeflow.recv_policy import AheadTuner  # noqa: E402
 from pipeflow.profile import LayerProfile  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.stage import build_stages  # noqa: E402
@@ -185,7 +186,8 @@ def main() -> None:
     parser.add_argument("--backward-ms", type=float, default=10.0)
     parser.add_argument("--weight-ms", type=float, default=10.0)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=AheadTuner().steps_to_decide,
+                        help="untimed steps first (default: until comm.recvs_ahead=auto has chosen)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="measure every schedule this many times, round robin; report medians and range")
     parser.add_argument("--profile-repeats", type=int, default=21,

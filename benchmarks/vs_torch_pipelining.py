@@ -41,6 +41,7 @@ from results import append_result, microbatches, mse  # noqa: E402  (benchmarks/
 from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
 from pipeflow.models.sleep import SleepLayer, profile_sleep_layer, sleep_costs  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
+from pipeflow.recv_policy import AheadTuner  # noqa: E402
 from pipeflow.schedules import PipelineSchedule, build_schedule, simulate  # noqa: E402
 from pipeflow.stage import Stage  # noqa: E402
 
@@ -78,8 +79,10 @@ def make_batch(args: argparse.Namespace, hidden: int, device: torch.device) -> t
 class Runner:
     """One framework's step on this rank: ``step()`` runs it and returns the loss (last stage)."""
 
-    def __init__(self, step: Callable[[], torch.Tensor | None], params: list[nn.Parameter]) -> None:
-        self._step, self.params = step, params
+    def __init__(
+        self, step: Callable[[], torch.Tensor | None], params: list[nn.Parameter], pipeline: Pipeline | None = None
+    ) -> None:
+        self._step, self.params, self.pipeline = step, params, pipeline
 
     def step(self) -> torch.Tensor | None:
         """One training step (forward and backward of every micro-batch), grads then cleared."""
@@ -99,7 +102,7 @@ def pipeflow_runner(schedule: PipelineSchedule, layers: dict[int, list[nn.Module
     def step() -> torch.Tensor | None:
         return pipe.run(*microbatches(x, y, m, stages, S))
 
-    return Runner(step, [p for st in stages.values() for p in st.parameters()])
+    return Runner(step, [p for st in stages.values() for p in st.parameters()], pipe)
 
 
 def torch_runner(name: str, schedule: PipelineSchedule, layers: dict[int, list[nn.Module]], batch, device, m: int) -> Runner:
@@ -171,6 +174,7 @@ def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.devi
         "pipeflow": statistics.median(times["pipeflow"]), "torch": statistics.median(times["torch"]),
         "ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
         "loss_diff": max((d for d in gathered if d == d), default=float("nan")),
+        "recvs": {True: "ahead", False: "at step", None: "-"}[runners["pipeflow"].pipeline.ahead_tuner.choice],
     }
     if args.model == "sleep":
         costs = {"F": args.sleep_ms / 1e3, "B": args.sleep_ms / 1e3, "W": args.sleep_ms / 1e3}
@@ -182,7 +186,8 @@ def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.devi
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     """The results as a Markdown table."""
     sleep = args.model == "sleep"
-    head = "| model | width | ranks | schedule | pipeflow step (ms) | torch step (ms) | pipeflow / torch (median) | IQR of the ratio | loss rel. diff |"
+    head = ("| model | width | ranks | schedule | pipeflow step (ms) | torch step (ms) | pipeflow / torch (median) "
+            "| IQR of the ratio | loss rel. diff | pipeflow recvs (comm.recvs_ahead=auto) |")
     if sleep:
         head += (" simulated makespan (ms) | pipeflow / makespan | torch / makespan "
                  "| makespan, profiled costs (ms) | pipeflow / that | torch / that |")
@@ -196,7 +201,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     for r in rows:
         line = (
             f"| {r['model']} | {r['hidden'] if not sleep else '-'} | {r['p']} | {r['schedule']} | {r['pipeflow'] * 1e3:.1f} "
-            f"| {r['torch'] * 1e3:.1f} | {r['ratio']:.3f} | {r['q1']:.3f}-{r['q3']:.3f} | {r['loss_diff']:.1e} |"
+            f"| {r['torch'] * 1e3:.1f} | {r['ratio']:.3f} | {r['q1']:.3f}-{r['q3']:.3f} | {r['loss_diff']:.1e} | {r['recvs']} |"
         )
         if sleep:
             for key in ("makespan", "profiled_makespan"):
@@ -216,7 +221,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence (gpt)")
     parser.add_argument("--sleep-ms", type=float, default=10.0, help="F = B = W cost (sleep)")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=AheadTuner().steps_to_decide,
+                        help="untimed rounds first (default: until comm.recvs_ahead=auto has chosen)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()

@@ -157,7 +157,9 @@ class CommConfig:
     timeout_s: float = 300.0
     first_step_timeout_s: float = 900.0
     dynamic_shapes: bool = False
-    recvs_ahead: bool = True  # gloo: post the next step's recvs before computing (Pipeline.recvs_ahead)
+    # gloo: post the next step's recvs before computing (true), at their own step (false), or
+    # time both over the first training steps and keep the faster (auto); Pipeline.recvs_ahead
+    recvs_ahead: Any = "auto"
 
 
 @dataclass
@@ -294,6 +296,8 @@ def check_comm(comm: Any) -> None:
     Raises:
         ConfigError: naming the key and a value that works.
     """
+    if comm.recvs_ahead not in (True, False, "auto"):
+        raise ConfigError(f"comm.recvs_ahead={comm.recvs_ahead!r} must be true, false or auto (default auto)")
     if not comm.timeout_s > 0:
         raise ConfigError(f"comm.timeout_s={comm.timeout_s} must be > 0 seconds (default 300)")
     if comm.first_step_timeout_s < comm.timeout_s:

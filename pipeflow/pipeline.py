@@ -20,6 +20,7 @@ import torch.distributed as dist
 from pipeflow.comm import META_LEN, P2PComm, TensorMeta, encode_metas
 from pipeflow import guard
 from pipeflow.errors import CommError, PipeflowError, ScheduleError, ShapeMismatchError
+from pipeflow.recv_policy import AheadTuner
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
@@ -106,9 +107,23 @@ class Pipeline:
         self.strict_rendezvous = False
         # gloo (eager runtime) only: post the next step's recvs with this step's sends (True) or
         # each step's recvs with its own sends (False); either way a recv is waited on by the
-        # action that consumes it.  Ahead was faster in 3 of 4 MLP cases measured, slower for
-        # 1F1B on 2 ranks with tiny layers (docs/performance.md).
-        self.recvs_ahead = True
+        # action that consumes it.  "auto" times both over the first training steps and keeps
+        # the faster (pipeflow.recv_policy): ahead hides transfers behind compute, but with tiny
+        # layers its early recv-ready messages cost more than they hide (docs/performance.md).
+        self.recvs_ahead: bool | str = "auto"
+        self.ahead_tuner = AheadTuner()
+
+    def _tuning(self) -> bool:
+        """True while ``recvs_ahead="auto"`` is still timing both settings (eager runtime only)."""
+        eager = self.comm.independent_ops and not self.strict_rendezvous
+        return eager and self.recvs_ahead == "auto" and self.ahead_tuner.choice is None
+
+    def _ahead(self) -> bool:
+        """The recvs-ahead setting outside the timed trials: as set, or auto's choice (ahead
+        until it is made)."""
+        if self.recvs_ahead == "auto":
+            return self.ahead_tuner.choice is not False
+        return bool(self.recvs_ahead)
 
     def _checked_program(self, schedule: PipelineSchedule) -> Program:
         programs = lower(schedule)
@@ -132,7 +147,12 @@ class Pipeline:
         """
         self._negotiate_shapes(inputs)
         m = self.schedule.num_microbatches
-        self._execute(self.program, inputs, targets, loss_scale=1.0 / m, train=True)
+        tuning = self._tuning()
+        ahead = self.ahead_tuner.next_setting() if tuning else self._ahead()
+        start = time.perf_counter()
+        self._execute(self.program, inputs, targets, loss_scale=1.0 / m, train=True, ahead=ahead)
+        if tuning:
+            self.ahead_tuner.record(ahead, time.perf_counter() - start, self.comm.group, self.comm.device)
         self._timeout = self.comm.timeout_s
         return self._take_loss()
 
@@ -158,7 +178,8 @@ class Pipeline:
         for stage in self.stages.values():
             stage.module.train(False)  # BatchNorm uses running statistics, dropout is off
         try:
-            self._execute(self._eval_programs[count], inputs, targets, loss_scale=1.0 / count, train=False)
+            self._execute(self._eval_programs[count], inputs, targets, loss_scale=1.0 / count, train=False,
+                          ahead=self._ahead())
         finally:
             for mod, mode in modes:
                 mod.training = mode
@@ -227,13 +248,15 @@ class Pipeline:
         targets: Sequence[torch.Tensor] | None,
         loss_scale: float,
         train: bool,
+        ahead: bool = True,
     ) -> None:
         """Run `program`: per step post its batched call, wait for what the action needs, compute.
 
         Sends are waited on lazily, after the step's action rather than before it (the sent
         tensors are held until then, then freed).  Where the backend completes ops one by one
         (gloo), the recvs of the next step are posted with this step's sends, before this step
-        computes, so data lands while the rank computes; and each recv is waited on only by the
+        computes, so data lands while the rank computes (with `ahead`; else each step's recvs go
+        with its own sends, see ``recvs_ahead``); and each recv is waited on only by the
         action that consumes it, so a recv that lowering placed before an unrelated action (a W,
         say) never holds that action up.  This is the runtime ``simulate(..., eager_sends=True)``
         proves and times: every op is posted no later than under rendezvous and each wait is for
@@ -246,15 +269,15 @@ class Pipeline:
         events, clock, comm = self.events, time.perf_counter, self.comm
         eager = comm.independent_ops and not self.strict_rendezvous
         in_flight: dict[Key, _InFlight] = {}  # eager: posted recvs not waited on yet
-        ahead = 1 if self.recvs_ahead else 0
-        if eager and program and ahead:
+        lead = 1 if ahead else 0  # how many steps before its own a step's recvs are posted
+        if eager and program and lead:
             self._post_recvs([], program[0], in_flight)
         last = len(program) - 1
         for k, step in enumerate(program):
             t0 = clock()
             sends = self._sends(step, outbox)
             if eager:
-                send_works = self._post_recvs(sends, program[k + ahead] if k + ahead <= last else None, in_flight)
+                send_works = self._post_recvs(sends, program[k + lead] if k + lead <= last else None, in_flight)
             else:  # the step's own recvs, all waited on before its action (one group with NCCL)
                 send_works = self._post_recvs(sends, step, in_flight)
                 if self.strict_rendezvous and send_works:

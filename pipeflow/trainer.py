@@ -211,6 +211,7 @@ class Trainer:
         self.pipeline.recvs_ahead = cfg.comm.recvs_ahead
         self.faults = install_from_env(self.stages, self.rank)  # PIPEFLOW_FAULT_INJECT (tests)
         self._first_step_done = False
+        self._ahead_reported = False  # comm.recvs_ahead=auto's choice, logged once
         self.finite = FiniteCheck(self.stages, self.schedule.num_stages, device) if cfg.train.check_finite else None
         self.params = unique_parameters(st.parameters() for st in self.stages.values())
         self.reducer = GradReducer(self.stages, self.mesh.dp_group, self.dp) if self.dp > 1 else None
@@ -329,6 +330,13 @@ class Trainer:
             log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f",
                         step, scale, self.scaler.scale)
         self.optimizer.zero_grad(set_to_none=True)
+        tuner = self.pipeline.ahead_tuner
+        if tuner.medians is not None and not self._ahead_reported:
+            self._ahead_reported = True
+            if self.is_main:
+                log.info("comm.recvs_ahead=auto: recvs posted %s (median step %.2f ms a step ahead, %.2f ms at "
+                         "their step, slowest rank)", "a step ahead" if tuner.choice else "at their step",
+                         *(1e3 * t for t in tuner.medians))
         if not self._first_step_done:  # later collectives get the steady-state deadline
             guard.set_collective_timeout(self.cfg.comm.timeout_s)
             self._first_step_done = True

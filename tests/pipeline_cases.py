@@ -17,6 +17,7 @@ from pipeflow.errors import PipeflowError
 from pipeflow.models.spec import LayerSpec, ModelSpec, run_layers
 from pipeflow.partition import partition_layers
 from pipeflow.pipeline import Pipeline
+from pipeflow.recv_policy import AheadTuner
 from pipeflow.schedules import PipelineSchedule, build_schedule
 from pipeflow.models import build_gpt
 from pipeflow.models.resnet import build_resnet
@@ -103,6 +104,7 @@ def equivalence(
 
     `runtime`: ``default`` (gloo: recvs posted a step ahead, each waited on by its consumer,
     sends waited after the action), ``at-step`` (the same, recvs posted at their own step),
+    ``auto`` (the default runtime timing both postings, one step each, then keeping the faster),
     ``grouped`` (one post per step as with NCCL: recvs waited before the action, sends after)
     or ``strict`` (every op of a step completes before its action: the simulated semantics).
 
@@ -117,8 +119,9 @@ def equivalence(
         plan = build_schedule(schedule, p, m, stage_to_rank=[p - 1 - r for r in plan.stage_to_rank])
     pipe, ranges, tied = build_pipeline(spec, plan)
     pipe.strict_rendezvous = runtime == "strict"
-    pipe.comm.independent_ops = runtime in ("default", "at-step")
-    pipe.recvs_ahead = runtime != "at-step"
+    pipe.comm.independent_ops = runtime in ("default", "at-step", "auto")
+    pipe.recvs_ahead = {"at-step": False, "auto": "auto"}.get(runtime, True)
+    pipe.ahead_tuner = AheadTuner(trials=1, warmup=1)  # auto decides after step 3
     reference = spec.build_all(dtype=DTYPE)
     tie_in_place(spec, dict(enumerate(reference)))
     freeze_batchnorm(reference)
@@ -153,6 +156,8 @@ def equivalence(
         opt_pipe.zero_grad(), opt_ref.zero_grad()
         for mine, ref in pairs:
             worst["param"] = max(worst["param"], rel_diff(mine.detach(), ref.detach()))
+    if runtime == "auto":
+        worst["ahead_choice"] = pipe.ahead_tuner.choice
     return worst
 
 

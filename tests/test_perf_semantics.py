@@ -104,3 +104,31 @@ def test_eager_action_waits_only_for_its_own_inputs(name: str) -> None:
             if not recvs_needed(action, schedule):
                 assert start == pytest.approx(previous_end[rank]), (p, rank, action)
             previous_end[rank] = end
+
+
+def test_ahead_tuner_times_both_settings_then_keeps_the_faster(tmp_path) -> None:
+    """comm.recvs_ahead=auto: untimed warm-up, alternating trials, then the faster setting on
+    every rank (the slowest rank's medians); ahead stays unless at-step wins by the margin."""
+    import torch
+    import torch.distributed as dist
+
+    from pipeflow.recv_policy import AheadTuner
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cpu = torch.device("cpu")
+        for ahead_s, at_step_s, expected in ((1.0, 0.9, False), (1.0, 0.99, True), (0.8, 1.0, True)):
+            tuner = AheadTuner(trials=3, warmup=2, margin=0.03)
+            settings = []
+            while tuner.choice is None:
+                ahead = tuner.next_setting()
+                settings.append(ahead)
+                tuner.record(ahead, ahead_s if ahead else at_step_s, None, cpu)
+            assert settings[:2] == [True, True]  # warm-up, untimed
+            assert settings[2:] == [True, False] * 3  # alternating trials
+            assert tuner.choice is expected and tuner.medians == (ahead_s, at_step_s)
+            assert tuner.next_setting() is expected
+            tuner.record(not expected, 99.0, None, cpu)  # after the choice nothing changes it
+            assert tuner.choice is expected
+    finally:
+        dist.destroy_process_group()

@@ -55,6 +55,8 @@ def _equivalence_cases() -> list[tuple[str, object]]:
         ("eq-masked_mlp-gpipe-m3-grouped", functools.partial(cases.equivalence, "masked_mlp", "gpipe", 3, runtime="grouped")),
         ("eq-masked_mlp-1f1b-m8-strict", functools.partial(cases.equivalence, "masked_mlp", "1f1b", 8, runtime="strict")),
         ("eq-gpt8-dualpipev-m8-at-step", functools.partial(cases.equivalence, "gpt8", "dualpipev", 8, runtime="at-step")),
+        # comm.recvs_ahead=auto: one step ahead, one at-step, then the choice (4 steps)
+        ("eq-masked_mlp-1f1b-m4-auto", functools.partial(cases.equivalence, "masked_mlp", "1f1b", 4, steps=4, runtime="auto")),
     ]
     return plain + tied + chunked + tied_v + own + resnet + clipped + runtimes
 
@@ -86,9 +88,11 @@ def _values(results: list[CaseResult]) -> list:
 def test_pipelined_training_equals_unsplit_model(world, name: str) -> None:
     p, results = world
     values = _values(results[name])
-    steps = 2 if "resnet" in name else 3
+    steps = 2 if "resnet" in name else 4 if "auto" in name else 3
     assert sum(v["losses_compared"] for v in values) == steps  # last stage, every step
     assert all(v["params_compared"] > 0 for v in values)  # every rank holds parameters
+    if "auto" in name:  # every rank of the pipeline made the same choice, after step 3
+        assert len({v["ahead_choice"] for v in values}) == 1 and values[0]["ahead_choice"] in (True, False)
     if "clipped" in name:  # the clip must really bite, or the test proves nothing
         assert all(v["norm_before_clip"] > 2 * CLIP for v in values)
     if "count" in name:
