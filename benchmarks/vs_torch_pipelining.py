@@ -15,7 +15,10 @@ Models: ``mlp`` (Linear + GELU layers of width --hidden, --layers-per-stage per 
 (pre-LN transformer blocks of width --hidden, sequences of --seq tokens), ``sleep`` (one sleep
 layer per stage: F, B, W cost --sleep-ms each without using the CPU; the table then also gives
 each framework's step over the simulator's makespan, for the nominal costs and for the costs one
-sleep layer has when profiled alone, since ``time.sleep`` wakes late).  Loss: mean square against a random
+sleep layer has when profiled alone, since ``time.sleep`` wakes late; the sleep input requires
+grad in both frameworks, so stage 0 computes its input gradient in both, torch's split schedules
+inside stage 0's W rather than its B: the same work in another slot than the simulated
+makespan puts it).  Loss: mean square against a random
 target.  gloo on CPU by default; ``--device cuda`` uses NCCL on cuda:LOCAL_RANK.  With
 ``--out FILE`` rank 0 appends the table to FILE with the command, machine, torch and date.
 """

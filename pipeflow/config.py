@@ -296,7 +296,7 @@ def check_comm(comm: Any) -> None:
     Raises:
         ConfigError: naming the key and a value that works.
     """
-    if comm.recvs_ahead not in (True, False, "auto"):
+    if not (isinstance(comm.recvs_ahead, bool) or comm.recvs_ahead == "auto"):
         raise ConfigError(f"comm.recvs_ahead={comm.recvs_ahead!r} must be true, false or auto (default auto)")
     if not comm.timeout_s > 0:
         raise ConfigError(f"comm.timeout_s={comm.timeout_s} must be > 0 seconds (default 300)")

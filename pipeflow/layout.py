@@ -60,7 +60,9 @@ def choose_layout(
     needs_profile = method in ("time", "memory") and pipeline_cfg.split_points is None
     profiles = None
     if needs_profile or pipeline_cfg.profile:
-        box = [profile_layers(spec, sample_input, device, dtype) if dist.get_rank() == 0 else None]
+        # the B and W halves too where the schedule splits backwards, as the planner profiles them
+        splits = any(a.kind == WEIGHT for acts in schedule.actions for a in acts)
+        box = [profile_layers(spec, sample_input, device, dtype, split_backward=splits) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         profiles = box[0]
     source = profiles if needs_profile or (method == "params" and profiles is not None) else spec

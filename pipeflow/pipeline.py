@@ -112,11 +112,19 @@ class Pipeline:
         # layers its early recv-ready messages cost more than they hide (docs/performance.md).
         self.recvs_ahead: bool | str = "auto"
         self.ahead_tuner = AheadTuner()
+        # The ranks that agree on auto's choice: this pipeline's (comm.group) by default; the
+        # trainer passes the world so that every data-parallel replica makes the same choice.
+        self.tuning_group: dist.ProcessGroup | None = comm.group
+
+    @property
+    def _eager(self) -> bool:
+        """The gloo runtime: ops complete one by one, so recvs are posted ahead and waited on by
+        their consumers (not with NCCL's one group per step, nor under strict rendezvous)."""
+        return self.comm.independent_ops and not self.strict_rendezvous
 
     def _tuning(self) -> bool:
         """True while ``recvs_ahead="auto"`` is still timing both settings (eager runtime only)."""
-        eager = self.comm.independent_ops and not self.strict_rendezvous
-        return eager and self.recvs_ahead == "auto" and self.ahead_tuner.choice is None
+        return self._eager and self.recvs_ahead == "auto" and self.ahead_tuner.choice is None
 
     def _ahead(self) -> bool:
         """The recvs-ahead setting outside the timed trials: as set, or auto's choice (ahead
@@ -152,7 +160,7 @@ class Pipeline:
         start = time.perf_counter()
         self._execute(self.program, inputs, targets, loss_scale=1.0 / m, train=True, ahead=ahead)
         if tuning:
-            self.ahead_tuner.record(ahead, time.perf_counter() - start, self.comm.group, self.comm.device)
+            self.ahead_tuner.record(ahead, time.perf_counter() - start, self.tuning_group, self.comm.device)
         self._timeout = self.comm.timeout_s
         return self._take_loss()
 
@@ -266,8 +274,8 @@ class Pipeline:
         inbox: dict[Key, Tensors] = {}
         outbox: dict[Key, Tensors] = {}
         self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
-        events, clock, comm = self.events, time.perf_counter, self.comm
-        eager = comm.independent_ops and not self.strict_rendezvous
+        events, clock = self.events, time.perf_counter
+        eager = self._eager
         in_flight: dict[Key, _InFlight] = {}  # eager: posted recvs not waited on yet
         lead = 1 if ahead else 0  # how many steps before its own a step's recvs are posted
         if eager and program and lead:

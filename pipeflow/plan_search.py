@@ -240,7 +240,7 @@ def _evaluate(
     """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
     schedule's `_weighted` set, computed once per schedule by the caller)."""
     comm_s, action_s = overheads
-    sim = simulate(schedule, programs, action_costs(ranges, profiles, schedule, action_s), comm_s)
+    sim = simulate(schedule, programs, action_costs(ranges, profiles, schedule, action_s, weighted), comm_s)
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     return Candidate(

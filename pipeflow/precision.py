@@ -90,8 +90,8 @@ class LossScaler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        if self.enabled:
-            self.scale = float(state["scale"])
+        if self.enabled:  # a checkpoint from before the floor may hold a lower scale
+            self.scale = max(float(state["scale"]), self.min_scale)
             self._good_steps = int(state["good_steps"])
 
 

@@ -59,7 +59,7 @@ class LayerProfile:
 
 def action_costs(
     ranges: Sequence[range], profiles: Sequence[LayerProfile], schedule: PipelineSchedule,
-    action_overhead_s: float = 0.0,
+    action_overhead_s: float = 0.0, split: set[tuple[int, int]] | None = None,
 ) -> Callable[[Action], float]:
     """Seconds of each of `schedule`'s actions for the simulator, summed over the stage's layers.
 
@@ -67,16 +67,19 @@ def action_costs(
     costs the stage's forward.  Where the schedule splits a backward (its W is scheduled), B
     costs the input-grad half and W the weight-grad half, as profiled with
     ``split_backward=True``, or half the backward each when the halves were not profiled.  A
-    full backward costs the profiled backward (the simulator charges it B + W, so its B is that
-    less W).  `action_overhead_s` is added once to every action.
+    full backward costs the profiled backward, one action (the simulator charges a full B as
+    cost(B) + cost(W), so that W costs nothing).  `action_overhead_s` is added once to every
+    action.  A schedule may mix both (DualPipeV).
 
     Args:
         ranges: the layers of each stage.
         profiles: one profile per layer (`profile_layers`).
         schedule: the schedule whose actions are costed.
         action_overhead_s: fixed seconds each action costs beyond its layers (runtime overhead).
+        split: (stage, micro-batch) of every W the schedule runs, when the caller has it.
     """
-    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
+    if split is None:
+        split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
     halves_profiled = any(p.input_grad_s > 0 or p.weight_grad_s > 0 for p in profiles)
     extra = action_overhead_s
     forward = [math.fsum(profiles[i].forward_s for i in r) for r in ranges]
@@ -91,13 +94,11 @@ def action_costs(
         s = action.stage
         if action.kind == FORWARD:
             return forward[s] + extra
-        if action.kind == WEIGHT:
-            return weight_half[s] + extra
-        if action.kind == BACKWARD:
-            if (s, action.microbatch) in split:
-                return input_half[s] + extra
-            return max(full[s] - weight_half[s], 0.0)  # + the W the simulator adds: full + extra
-        raise ValueError(f"unknown action kind {action.kind!r}")
+        if action.kind not in (BACKWARD, WEIGHT):
+            raise ValueError(f"unknown action kind {action.kind!r}")
+        if (s, action.microbatch) not in split:  # a full backward: all in B
+            return full[s] + extra if action.kind == BACKWARD else 0.0
+        return (input_half[s] if action.kind == BACKWARD else weight_half[s]) + extra
 
     return cost
 

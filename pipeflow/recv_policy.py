@@ -9,8 +9,9 @@ as ``torch.backends.cudnn.benchmark`` does for kernels:
 
 - The first `warmup` training steps are not timed (shape negotiation, allocator warm-up).
 - The next 2 x `trials` steps alternate the two settings.
-- Then every rank of the pipeline adopts the setting whose median step time is lower on the
-  slowest rank. This takes one all-reduce, once.
+- Then every rank of the group adopts the setting whose median step time is lower on the
+  slowest rank. This takes one all-reduce, once. The group is the pipeline's by default; the
+  trainer uses the world, so every data-parallel replica makes the same choice.
 - Ahead is kept unless at-step is faster by more than `margin`.
 
 The setting changes only when recvs are posted, never what is computed, so results are

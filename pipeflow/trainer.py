@@ -30,6 +30,7 @@ from pipeflow.layout import choose_layout, describe_layout
 from pipeflow.mesh import GradReducer, build_mesh
 from pipeflow.metrics import RunMetrics, predicted_bubble
 from pipeflow.pipeline import Pipeline
+from pipeflow.recv_policy import AheadTuner
 from pipeflow.precision import LossScaler, configure_stages
 from pipeflow.schedules import build_schedule
 from pipeflow.stage import Tensors, build_stages, layers_by_index
@@ -209,6 +210,11 @@ class Trainer:
         self.tied.sync_initial_values()
         self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
         self.pipeline.recvs_ahead = cfg.comm.recvs_ahead
+        # auto's choice is made by the whole world (every replica alike, so no replica waits on a
+        # slower setting) and by a quarter of the run at the latest, so short runs and sweeps
+        # measure the chosen setting for most of their steps
+        self.pipeline.tuning_group = None
+        self.pipeline.ahead_tuner = AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8)))
         self.faults = install_from_env(self.stages, self.rank)  # PIPEFLOW_FAULT_INJECT (tests)
         self._first_step_done = False
         self._ahead_reported = False  # comm.recvs_ahead=auto's choice, logged once

@@ -43,6 +43,8 @@ def test_torchrun_two_processes_trains_and_loss_falls(tmp_path: Path) -> None:
     assert last < first - 0.5 and val_last < val_first - 0.5
     assert (tmp_path / "config.yaml").read_text().count("num_microbatches: 4") == 1
     assert "schedule=gpipe" in run.stdout and "predicted bubble" in run.stdout
+    # comm.recvs_ahead=auto decides within the first quarter of a run, on every rank alike
+    assert re.search(r"comm.recvs_ahead=auto: recvs posted (a step ahead|at their step)", run.stdout)
 
 
 def test_custom_model_example_runs_under_torchrun_with_balance_and_placement(tmp_path: Path) -> None:

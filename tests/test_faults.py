@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["schedule=custom", "schedule.path=/no/such/schedule.txt"], r"schedule.path='/no/such/schedule.txt' is not a file"),
         (["dist.backend=ncll"], r"dist.backend='ncll' is unknown; valid: nccl, gloo"),
         (["comm.recvs_ahead=sometimes"], r"comm.recvs_ahead='sometimes' must be true, false or auto"),
+        (["comm.recvs_ahead=1"], r"comm.recvs_ahead=1 must be true, false or auto"),
     ],
 )
 def test_config_errors_say_what_to_change(overrides: list[str], message: str) -> None:

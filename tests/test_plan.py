@@ -195,7 +195,20 @@ def test_action_costs_one_model_for_planner_and_run_report() -> None:
     unsplit = [LayerProfile(p.name, 0, 0, p.forward_s, p.backward_s, 0) for p in profiles]
     cost = action_costs(ranges, unsplit, split)  # halves not profiled: half the backward each
     assert cost(Action(BACKWARD, 0, 1)) == cost(Action(WEIGHT, 0, 1)) == pytest.approx(2.0 * MS)
-    for schedule in (split, full):
-        planned = _evaluate(schedule, lower(schedule), ranges, profiles, 2.0, (0.0, 0.0), False, _weighted(schedule))
-        reported = simulate(schedule, costs=predicted_costs(Layout(ranges, profiles, [1] * 4), schedule))
+    mixed = build_schedule("dualpipev", 4, 8)  # split and full backwards in one schedule
+    weighted = _weighted(mixed)
+    kinds = {(a.stage, a.microbatch) in weighted for acts in mixed.actions for a in acts if a.kind == BACKWARD}
+    assert kinds == {True, False}
+    cost = action_costs(partition_layers(8, 8), profiles * 2, mixed, action_overhead_s=0.5 * MS)
+    for a in (a for acts in mixed.actions for a in acts if a.kind == BACKWARD):
+        w = cost(Action(WEIGHT, a.microbatch, a.stage))
+        if (a.stage, a.microbatch) in weighted:  # B and W, each one action
+            assert (cost(a), w) == (pytest.approx(1.5 * MS), pytest.approx(3.5 * MS))
+        else:  # one full backward, one action's overhead
+            assert (cost(a), w) == (pytest.approx(4.5 * MS), 0.0)
+    for schedule in (split, full, mixed):
+        profiles_s = profiles * (schedule.num_stages // 4)
+        ranges = partition_layers(len(profiles_s), schedule.num_stages)
+        planned = _evaluate(schedule, lower(schedule), ranges, profiles_s, 2.0, (0.0, 0.0), False, _weighted(schedule))
+        reported = simulate(schedule, costs=predicted_costs(Layout(ranges, profiles_s, [1] * 4), schedule))
         assert planned.step_s == pytest.approx(reported.makespan)

@@ -61,6 +61,10 @@ def test_loss_scale_stops_at_its_minimum() -> None:
         scaler.update(found_inf=True)
         scales.append(scaler.scale)
     assert scales == [2.0, 1.0, 1.0, 1.0] and scaler.at_minimum
+    scaler.load_state_dict({"scale": 0.25, "good_steps": 0})  # saved before the floor existed
+    assert scaler.scale == 1.0
+    scaler.update(found_inf=True)
+    assert scaler.scale == 1.0  # an overflow never raises the scale
 
 
 def test_check_finite_leaves_gradient_overflow_to_the_fp16_loss_scaler() -> None:
