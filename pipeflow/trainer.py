@@ -211,7 +211,7 @@ class Trainer:
         self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
         self.pipeline.recvs_ahead = cfg.comm.recvs_ahead
         # auto's choice is made by the whole world (every replica alike, so no replica waits on a
-        # slower setting) and by a quarter of the run at the latest, so short runs and sweeps
+        # slower setting) and within about a quarter of the run, so short runs and sweeps
         # measure the chosen setting for most of their steps
         self.pipeline.tuning_group = None
         self.pipeline.ahead_tuner = AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8)))
