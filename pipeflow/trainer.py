@@ -333,8 +333,10 @@ class Trainer:
             self.optimizer.step()
         self.scaler.update(overflow)
         if overflow and self.is_main:
-            log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f",
-                        step, scale, self.scaler.scale)
+            floor = (" - the scale is at its minimum, so a lower one cannot cure this: look for NaN/Inf in the "
+                     "model, or use train.precision=bf16 (train.check_finite=true stops here)") if scale <= self.scaler.min_scale else ""
+            log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f%s",
+                        step, scale, self.scaler.scale, floor)
         self.optimizer.zero_grad(set_to_none=True)
         tuner = self.pipeline.ahead_tuner
         if tuner.medians is not None and not self._ahead_reported:
