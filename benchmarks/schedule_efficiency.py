@@ -32,8 +32,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
-from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
-from pipeflow.models.sleep import build_sleep, profile_sleep_layer, sleep_batch, sleep_costs  # noqa: E402
+from results import report, shared_sleep_profile, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from pipeflow.models.sleep import build_sleep, sleep_batch, sleep_costs  # noqa: E402
 from pipeflow.partition import partition_layers  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.recv_policy import AheadTuner  # noqa: E402
@@ -95,21 +95,11 @@ def measure(
     return result + ((statistics.median(times[True]),) if args.compare_strict else ())
 
 
-def shared_profile(args: argparse.Namespace) -> LayerProfile:
-    """The sleep layer's profile, measured on rank 0 while the other ranks wait, for every rank."""
-    box: list[LayerProfile | None] = [None]
-    if dist.get_rank() == 0:
-        box = [profile_sleep_layer(args.forward_ms, args.backward_ms, args.weight_ms, args.profile_repeats)]
-    dist.broadcast_object_list(box, src=0)
-    assert box[0] is not None
-    return box[0]
-
-
 def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     P2PComm(None, torch.device("cpu")).warmup()
-    profiled = shared_profile(args)
+    profiled = shared_sleep_profile(args.forward_ms, args.backward_ms, args.weight_ms, args.profile_repeats)
     runs: dict[tuple[str, int], list[tuple[float, ...]]] = {}
     for _ in range(args.repeats):  # each repeat measures every schedule once, so drift hits all alike
         for m in args.microbatches:

@@ -40,9 +40,9 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.comm import P2PComm  # noqa: E402
-from results import append_result, microbatches, mse  # noqa: E402  (benchmarks/results.py)
+from results import append_result, microbatches, mse, shared_sleep_profile  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
-from pipeflow.models.sleep import SleepLayer, profile_sleep_layer, sleep_costs  # noqa: E402
+from pipeflow.models.sleep import SleepLayer, sleep_costs  # noqa: E402
 from pipeflow.pipeline import Pipeline  # noqa: E402
 from pipeflow.recv_policy import AheadTuner  # noqa: E402
 from pipeflow.schedules import PipelineSchedule, build_schedule, simulate  # noqa: E402
@@ -242,9 +242,7 @@ def main() -> None:
     try:
         P2PComm(None, device).warmup()
         if args.model == "sleep":  # what one sleep layer really costs, measured on rank 0 alone
-            box = [profile_sleep_layer(args.sleep_ms, args.sleep_ms, args.sleep_ms) if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            args.sleep_profile = box[0]
+            args.sleep_profile = shared_sleep_profile(args.sleep_ms, args.sleep_ms, args.sleep_ms)
         rows = []
         for hidden in args.hidden:
             for name in args.schedules:

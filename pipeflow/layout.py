@@ -61,7 +61,7 @@ def choose_layout(
     profiles = None
     if needs_profile or pipeline_cfg.profile:
         # the B and W halves too where the schedule splits backwards, as the planner profiles them
-        splits = any(a.kind == WEIGHT for acts in schedule.actions for a in acts)
+        splits = bool(schedule.split_backwards())
         box = [profile_layers(spec, sample_input, device, dtype, split_backward=splits) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         profiles = box[0]

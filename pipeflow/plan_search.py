@@ -160,7 +160,7 @@ def search(
         except (ScheduleError, PartitionError) as err:
             _count(result, f"{name}: {str(err).splitlines()[0]}")
             continue
-        weighted = _weighted(schedule)
+        weighted = schedule.split_backwards()
         for ranges in splits:
             cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, (latency, action_overhead_s),
                              takes_chunks, weighted)
@@ -238,7 +238,7 @@ def _evaluate(
     weighted: set[tuple[int, int]],
 ) -> Candidate:
     """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
-    schedule's `_weighted` set, computed once per schedule by the caller)."""
+    schedule's `split_backwards()`, computed once per schedule by the caller)."""
     comm_s, action_s = overheads
     sim = simulate(schedule, programs, action_costs(ranges, profiles, schedule, action_s, weighted), comm_s)
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
@@ -258,8 +258,8 @@ def rank_memory(
 ) -> list[float]:
     """Peak bytes of each rank: its stages' parameters, grads and optimizer state, plus the most
     activation bytes held at once in its action order (see the module docstring).  `weighted`:
-    ``_weighted(schedule)`` when the caller already has it."""
-    split = _weighted(schedule) if weighted is None else weighted
+    ``schedule.split_backwards()`` when the caller already has it."""
+    split = schedule.split_backwards() if weighted is None else weighted
     memory = []
     for r, acts in enumerate(schedule.actions):
         held = peak = 0.0
@@ -273,7 +273,3 @@ def rank_memory(
         memory.append(math.fsum(param_bytes[s] for s in mine) * (2.0 + optimizer_factor) + peak)
     return memory
 
-
-def _weighted(schedule: PipelineSchedule) -> set[tuple[int, int]]:
-    """(stage, micro-batch) of every W action: the backwards the schedule splits (none: it does not)."""
-    return {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}

@@ -79,7 +79,7 @@ def action_costs(
         split: (stage, micro-batch) of every W the schedule runs, when the caller has it.
     """
     if split is None:
-        split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
+        split = schedule.split_backwards()
     halves_profiled = any(p.input_grad_s > 0 or p.weight_grad_s > 0 for p in profiles)
     extra = action_overhead_s
     forward = [math.fsum(profiles[i].forward_s for i in r) for r in ranges]

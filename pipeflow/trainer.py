@@ -328,13 +328,13 @@ class Trainer:
         with guard.context(f"training step {step}"):
             loss, norm = self.forward_backward(step)
         overflow = self.scaler.enabled and not math.isfinite(norm)
-        scale = self.scaler.scale
+        scale, at_floor = self.scaler.scale, self.scaler.at_minimum
         if not overflow:
             self.optimizer.step()
         self.scaler.update(overflow)
         if overflow and self.is_main:
             floor = (" - the scale is at its minimum, so a lower one cannot cure this: look for NaN/Inf in the "
-                     "model, or use train.precision=bf16 (train.check_finite=true stops here)") if scale <= self.scaler.min_scale else ""
+                     "model, or use train.precision=bf16 (train.check_finite=true stops here)") if at_floor else ""
             log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f%s",
                         step, scale, self.scaler.scale, floor)
         self.optimizer.zero_grad(set_to_none=True)

@@ -178,7 +178,7 @@ def test_action_costs_one_model_for_planner_and_run_report() -> None:
     planner's step for a split schedule equals the start-of-run report's (the report used to
     split every backward evenly, the planner the profiled halves, so they disagreed)."""
     from pipeflow.layout import Layout, predicted_costs
-    from pipeflow.plan_search import _evaluate, _weighted
+    from pipeflow.plan_search import _evaluate
     from pipeflow.profile import action_costs
     from pipeflow.schedules import lower
     from pipeflow.schedules.ir import Action
@@ -196,7 +196,7 @@ def test_action_costs_one_model_for_planner_and_run_report() -> None:
     cost = action_costs(ranges, unsplit, split)  # halves not profiled: half the backward each
     assert cost(Action(BACKWARD, 0, 1)) == cost(Action(WEIGHT, 0, 1)) == pytest.approx(2.0 * MS)
     mixed = build_schedule("dualpipev", 4, 8)  # split and full backwards in one schedule
-    weighted = _weighted(mixed)
+    weighted = mixed.split_backwards()
     kinds = {(a.stage, a.microbatch) in weighted for acts in mixed.actions for a in acts if a.kind == BACKWARD}
     assert kinds == {True, False}
     cost = action_costs(partition_layers(8, 8), profiles * 2, mixed, action_overhead_s=0.5 * MS)
@@ -209,6 +209,6 @@ def test_action_costs_one_model_for_planner_and_run_report() -> None:
     for schedule in (split, full, mixed):
         profiles_s = profiles * (schedule.num_stages // 4)
         ranges = partition_layers(len(profiles_s), schedule.num_stages)
-        planned = _evaluate(schedule, lower(schedule), ranges, profiles_s, 2.0, (0.0, 0.0), False, _weighted(schedule))
+        planned = _evaluate(schedule, lower(schedule), ranges, profiles_s, 2.0, (0.0, 0.0), False, schedule.split_backwards())
         reported = simulate(schedule, costs=predicted_costs(Layout(ranges, profiles_s, [1] * 4), schedule))
         assert planned.step_s == pytest.approx(reported.makespan)

@@ -156,6 +156,11 @@ class PipelineSchedule:
         """The stages held by `rank`, in increasing order."""
         return [s for s, r in enumerate(self.stage_to_rank) if r == rank]
 
+    def split_backwards(self) -> set[tuple[int, int]]:
+        """(stage, micro-batch) of every backward the schedule splits into B and W (its W actions);
+        empty when it runs full backwards only."""
+        return {(a.stage, a.microbatch) for acts in self.actions for a in acts if a.kind == WEIGHT}
+
     def table(self) -> str:
         """The schedule as text: one line per rank of actions, e.g. ``0F0 0F1 0B0 ...``."""
         return "\n".join(" ".join(str(a) for a in acts) for acts in self.actions)

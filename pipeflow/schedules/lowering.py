@@ -40,7 +40,6 @@ from pipeflow.schedules.ir import (
     BACKWARD,
     FORWARD,
     GRADIENT,
-    WEIGHT,
     Action,
     CommOp,
     PipelineSchedule,
@@ -79,7 +78,7 @@ def lower(schedule: PipelineSchedule) -> list[Program]:
         stall a rank), every recv in the step of its consuming action or an earlier one; the
         sends and recvs of a channel are posted in the same order (see the module docstring).
     """
-    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
+    split = schedule.split_backwards()
     sends = [[_safe(sends_produced, a, schedule) for a in acts] for acts in schedule.actions]
     placed = _placements(schedule, sends, split)
     programs: list[Program] = []

@@ -11,7 +11,7 @@ def stage_inflight(schedule: PipelineSchedule) -> list[int]:
     1F1B gives ``S - s`` (at most m), GPipe m on every stage; this is what balancing by memory
     and the partition table's memory estimate charge each stage for.
     """
-    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == WEIGHT}
+    split = schedule.split_backwards()
     held = [0] * schedule.num_stages
     peak = [0] * schedule.num_stages
     for acts in schedule.actions:
