@@ -17,12 +17,12 @@ import hydra
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from pipeflow import guard
-from pipeflow.config import register_configs
-from pipeflow.console import setup_logging
-from pipeflow.distributed import choose_device, init_distributed
-from pipeflow.sweep import is_multirun, run_sweep_job
-from pipeflow.trainer import Trainer
+from pipeflow.run import guard
+from pipeflow.run.config import register_configs
+from pipeflow.observability.console import setup_logging
+from pipeflow.runtime.distributed import choose_device, init_distributed
+from pipeflow.run.sweep import is_multirun, run_sweep_job
+from pipeflow.run.trainer import Trainer
 
 register_configs()
 

@@ -21,10 +21,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from pipeflow.comm import P2PComm  # noqa: E402
-from pipeflow.pipeline import Pipeline  # noqa: E402
+from pipeflow.runtime.transport import P2PComm  # noqa: E402
+from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule  # noqa: E402
-from pipeflow.stage import Stage  # noqa: E402
+from pipeflow.runtime.stage import Stage  # noqa: E402
 from results import microbatches, mse  # noqa: E402  (benchmarks/results.py)
 
 

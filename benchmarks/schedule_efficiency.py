@@ -4,7 +4,7 @@ Each stage is one sleep layer whose F, B and W cost fixed wall time without usin
 the ratio measured / simulated is the runtime's overhead (communication, Python, waits) plus
 the layers' own overshoot of their nominal time (``time.sleep`` wakes late).  Two more ratios
 take that overshoot out: against the makespan simulated with the layer's costs as
-`pipeflow.profile` measures them on one rank alone before the run (what the planner would
+`pipeflow.planning.profile` measures them on one rank alone before the run (what the planner would
 predict), and against the makespan simulated with each action's time measured in the run:
 
     python benchmarks/schedule_efficiency.py --ranks 4 --microbatches 8 16
@@ -31,15 +31,15 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from pipeflow.comm import P2PComm  # noqa: E402
+from pipeflow.runtime.transport import P2PComm  # noqa: E402
 from results import report, shared_sleep_profile, spawn_ranks  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.sleep import build_sleep, sleep_batch, sleep_costs  # noqa: E402
-from pipeflow.partition import partition_layers  # noqa: E402
-from pipeflow.pipeline import Pipeline  # noqa: E402
-from pipeflow.recv_policy import AheadTuner  # noqa: E402
-from pipeflow.profile import LayerProfile  # noqa: E402
+from pipeflow.planning.partition import partition_layers  # noqa: E402
+from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
+from pipeflow.runtime.recv_policy import AheadTuner  # noqa: E402
+from pipeflow.planning.profile import LayerProfile  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
-from pipeflow.stage import build_stages  # noqa: E402
+from pipeflow.runtime.stage import build_stages  # noqa: E402
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
 
@@ -131,7 +131,7 @@ def table(result: tuple[LayerProfile, list[tuple]], args: argparse.Namespace) ->
         + (f"; medians of {args.repeats} repeats (every schedule measured once per repeat), "
            f"lowest-highest ratio in brackets" if args.repeats > 1 else ""),
         "",
-        f"One sleep layer profiled alone (`pipeflow.profile`, median of {args.profile_repeats}): "
+        f"One sleep layer profiled alone (`pipeflow.planning.profile`, median of {args.profile_repeats}): "
         f"F {ms(profiled.forward_s)} ms, B {ms(profiled.input_grad_s)} ms, W {ms(profiled.weight_grad_s)} ms, "
         f"full backward {ms(profiled.backward_s)} ms.",
         "",

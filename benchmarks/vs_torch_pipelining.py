@@ -39,14 +39,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from pipeflow.comm import P2PComm  # noqa: E402
+from pipeflow.runtime.transport import P2PComm  # noqa: E402
 from results import append_result, microbatches, mse, shared_sleep_profile  # noqa: E402  (benchmarks/results.py)
 from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
 from pipeflow.models.sleep import SleepLayer, sleep_costs  # noqa: E402
-from pipeflow.pipeline import Pipeline  # noqa: E402
-from pipeflow.recv_policy import AheadTuner  # noqa: E402
+from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
+from pipeflow.runtime.recv_policy import AheadTuner  # noqa: E402
 from pipeflow.schedules import PipelineSchedule, build_schedule, simulate  # noqa: E402
-from pipeflow.stage import Stage  # noqa: E402
+from pipeflow.runtime.stage import Stage  # noqa: E402
 
 TORCH_SCHEDULES = {  # pipeflow name -> torch.distributed.pipelining.schedules class name
     "gpipe": "ScheduleGPipe",

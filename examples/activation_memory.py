@@ -35,8 +35,8 @@ def measure(setting: str, device: str, args: argparse.Namespace) -> dict[str, fl
     import torch
 
     from pipeflow.models.gpt import build_gpt
-    from pipeflow.precision import checkpoint_every
-    from pipeflow.stage import Stage
+    from pipeflow.runtime.precision import checkpoint_every
+    from pipeflow.runtime.stage import Stage
 
     torch.manual_seed(0)
     spec = build_gpt(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width)

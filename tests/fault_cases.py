@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from pipeflow import guard
-from pipeflow.comm import P2PComm
-from pipeflow.config import Config, MLPModelConfig
-from pipeflow.faults import FaultInjector, FaultSpec
-from pipeflow.finite import FiniteCheck
-from pipeflow.partition import partition_layers
-from pipeflow.pipeline import Pipeline
+from pipeflow.run import guard
+from pipeflow.runtime.transport import P2PComm
+from pipeflow.run.config import Config, MLPModelConfig
+from pipeflow.run.faults import FaultInjector, FaultSpec
+from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.planning.partition import partition_layers
+from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.schedules import build_schedule
-from pipeflow.stage import build_stages
+from pipeflow.runtime.stage import build_stages
 from toy_models import build_toy, random_batch
 
 BATCH = 8

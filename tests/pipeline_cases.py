@@ -12,18 +12,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.comm import P2PComm, send_recv
+from pipeflow.runtime.transport import P2PComm, send_recv
 from pipeflow.errors import PipeflowError
 from pipeflow.models.spec import LayerSpec, ModelSpec, run_layers
-from pipeflow.partition import partition_layers
-from pipeflow.pipeline import Pipeline
-from pipeflow.recv_policy import AheadTuner
+from pipeflow.planning.partition import partition_layers
+from pipeflow.runtime.pipeline import Pipeline
+from pipeflow.runtime.recv_policy import AheadTuner
 from pipeflow.schedules import PipelineSchedule, build_schedule
 from pipeflow.models import build_gpt
 from pipeflow.models.resnet import build_resnet
-from pipeflow.stage import as_tuple, build_stages, layers_by_index
-from pipeflow.tied import TiedWeights, tie_in_place
-from pipeflow.trainer import clip_grad_norm_global, unique_parameters
+from pipeflow.runtime.stage import as_tuple, build_stages, layers_by_index
+from pipeflow.runtime.tied import TiedWeights, tie_in_place
+from pipeflow.run.trainer import clip_grad_norm_global, unique_parameters
 from toy_models import build_toy, random_batch
 
 DTYPE = torch.float64

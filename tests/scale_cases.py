@@ -17,10 +17,11 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from pipeflow.config import Config, GPTModelConfig
+from pipeflow.run.config import Config, GPTModelConfig
 from pipeflow.models.spec import run_layers
-from pipeflow.tied import tie_in_place
-from pipeflow.trainer import Trainer, build_batches, lr_at, unique_parameters
+from pipeflow.runtime.tied import tie_in_place
+from pipeflow.data import build_batches
+from pipeflow.run.trainer import Trainer, lr_at, unique_parameters
 
 BATCH = 24
 TMP_ENV = "PIPEFLOW_TEST_TMP"  # where run directories go (the test's tmp dir; inherited by the workers)
@@ -201,7 +202,7 @@ def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: st
 
 
 def _exported(path: str) -> dict[str, torch.Tensor]:
-    from pipeflow.checkpoint import export
+    from pipeflow.run.checkpoint import export
 
     out = path.rstrip("/") + ".export.pt"
     export(path, out)
@@ -212,7 +213,7 @@ def resume_across_layouts() -> dict[str, Any] | None:
     """6 steps straight (dp1 x pp4) vs 3 steps then resume for 3: same layout (bit for bit in
     float32), dp2 x pp2 and dp4 x pp1 (to float64 rounding).  The step-6 checkpoints are compared through their
     one-file exports, which must also load into the unsplit model.  Rank 0 returns the figures."""
-    from pipeflow.checkpoint import find_latest
+    from pipeflow.run.checkpoint import find_latest
 
     straight = {dtype: _fit(1, _shared_dir("pf-straight-"), dtype=dtype) for dtype in ("float32", "float64")}
     step3 = {dtype: f"{trainer.checkpoint_root}/step_00000003" for dtype, trainer in straight.items()}

@@ -1,4 +1,4 @@
-"""Tests for pipeflow.balance, pipeflow.profile and plan_partition: optimality, errors, profiling."""
+"""Tests for pipeflow.planning.balance, pipeflow.planning.profile and plan_partition: optimality, errors, profiling."""
 from __future__ import annotations
 
 import itertools
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeflow.balance import (
+from pipeflow.planning.balance import (
     balance_by_memory,
     balance_contiguous,
     balance_profiles,
@@ -21,8 +21,8 @@ from pipeflow.balance import (
 )
 from pipeflow.errors import PartitionError
 from pipeflow.models import LayerSpec, ModelSpec
-from pipeflow.partition import format_partition, partition_layers, plan_partition
-from pipeflow.profile import LayerProfile, count_layer_params, profile_layers
+from pipeflow.planning.partition import format_partition, partition_layers, plan_partition
+from pipeflow.planning.profile import LayerProfile, count_layer_params, profile_layers
 from toy_models import build_toy, random_batch
 
 StageCost = Callable[[int, range], float]  # (stage s, its layers) -> cost

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from pipeflow.checkpoint import find_latest, resolve
+from pipeflow.run.checkpoint import find_latest, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,8 +23,8 @@ CHILD = textwrap.dedent("""
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
     import scale_cases
-    import pipeflow.checkpoint as ck
-    from pipeflow.trainer import Trainer
+    import pipeflow.run.checkpoint as ck
+    from pipeflow.run.trainer import Trainer
     cfg = scale_cases.make_config(1, "1f1b", 2, train__dtype="float32", train__max_steps={steps},
                                   train__save_every=2, train__run_dir={run_dir!r}, train__resume="auto")
     trainer = Trainer(cfg, torch.device("cpu"))

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from pipeflow.config import check_config, register_configs
+from pipeflow.run.config import check_config, register_configs
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
-from pipeflow.partition import partition_layers
+from pipeflow.planning.partition import partition_layers
 from pipeflow.schedules import build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]

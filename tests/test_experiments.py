@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from hydra.utils import instantiate
 
-from pipeflow.config import check_config
-from pipeflow.partition import plan_partition
-from pipeflow.plan import compose_config
+from pipeflow.run.config import check_config
+from pipeflow.planning.partition import plan_partition
+from pipeflow.run.plan import compose_config
 from pipeflow.schedules import build_schedule, simulate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,12 +18,13 @@ from omegaconf import OmegaConf
 
 import fault_cases as cases
 from mp_harness import CaseResult, run_cases
-from pipeflow import guard
-from pipeflow.config import check_config
+from pipeflow.run import guard
+from pipeflow.runtime import failures
+from pipeflow.run.config import check_config
 from pipeflow.errors import ConfigError, ScheduleError, StageError, StageOutOfMemoryError
-from pipeflow.faults import FaultSpec
+from pipeflow.run.faults import FaultSpec
 from pipeflow.schedules import build_schedule, lower, one_f_one_b
-from pipeflow.trainer import build_batches
+from pipeflow.data import build_batches
 from test_cli import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,8 +101,8 @@ def test_fault_spec_parses_and_rejects_bad_text() -> None:
 
 def test_progress_note_lists_the_last_actions_done() -> None:
     program = lower(one_f_one_b(2, 4))[1]  # rank 1: every step computes, 1F0 1B0 1F1 1B1 ...
-    assert guard.progress_note(program, 0) == "this rank had not run any action of this pass yet"
-    note = guard.progress_note(program, 5)
+    assert failures.progress_note(program, 0) == "this rank had not run any action of this pass yet"
+    note = failures.progress_note(program, 5)
     assert note.startswith(f"this rank had completed 5 of {len(program)} program steps")
     assert note.endswith("last actions: 1B0, 1F1, 1B1, 1F2")
 
@@ -122,7 +123,7 @@ class _FakeStage:
 def test_out_of_memory_becomes_a_named_error_with_memory_and_hints(monkeypatch: pytest.MonkeyPatch) -> None:
     stages = {2: _FakeStage(3), 5: _FakeStage(1)}
     where = "pipeline rank 1, stage 2, micro-batch 4, action 2F4"
-    error = guard.stage_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), where, stages, torch.device("cpu"))
+    error = failures.stage_failure(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), where, stages, torch.device("cpu"))
     assert isinstance(error, StageOutOfMemoryError) and isinstance(error, StageError)
     text = str(error)
     assert text.startswith(f"out of memory at {where}: OutOfMemoryError: CUDA out of memory")
@@ -136,16 +137,16 @@ def test_out_of_memory_becomes_a_named_error_with_memory_and_hints(monkeypatch: 
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 38 * gib)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 31 * gib)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (gib // 2, 40 * gib))
-    report = guard.memory_report(stages, torch.device("cuda:1"))
+    report = failures.memory_report(stages, torch.device("cuda:1"))
     assert "cuda:1: 30.00 GiB allocated, of which 30.00 GiB beyond parameters and gradients" in report
     assert "38.00 GiB reserved, peak 31.00 GiB, 0.50 GiB free of 40.00 GiB" in report
 
 
 def test_only_memory_errors_are_treated_as_out_of_memory() -> None:
-    assert guard.is_out_of_memory(RuntimeError("CUDA error: out of memory"))
-    assert guard.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
-    assert not guard.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    error = guard.stage_failure(ValueError("bad"), "pipeline rank 0, stage 0, micro-batch 1, action 0F1", {}, torch.device("cpu"))
+    assert failures.is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert failures.is_out_of_memory(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB"))
+    assert not failures.is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    error = failures.stage_failure(ValueError("bad"), "pipeline rank 0, stage 0, micro-batch 1, action 0F1", {}, torch.device("cpu"))
     assert type(error) is StageError and str(error) == "pipeline rank 0, stage 0, micro-batch 1, action 0F1: ValueError: bad"
 
 

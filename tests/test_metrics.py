@@ -9,11 +9,11 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from pipeflow.console import setup_logging, step_line, summary_line
-from pipeflow.metrics import RankFigures, pipeline_bubble, predicted_bubble, rank_bubble, step_figures
-from pipeflow.pipeline import TimedEvent
+from pipeflow.observability.console import setup_logging, step_line, summary_line
+from pipeflow.observability.metrics import RankFigures, pipeline_bubble, predicted_bubble, rank_bubble, step_figures
+from pipeflow.runtime.pipeline import TimedEvent
 from pipeflow.schedules import build_schedule, simulate
-from pipeflow.trace import RankStep, chrome_trace, draw_step
+from pipeflow.observability.trace import RankStep, chrome_trace, draw_step
 
 
 def ev(kind: str, name: str, start: float, end: float) -> TimedEvent:
@@ -134,7 +134,7 @@ def test_non_zero_ranks_log_only_warnings_tagged_with_their_rank(monkeypatch: py
 
 
 def test_clock_offsets_are_zero_on_rank_0s_host_and_a_median_per_other_host() -> None:
-    from pipeflow.trace import host_offsets
+    from pipeflow.observability.trace import host_offsets
 
     hosts = ["a", "a", "b", "b"]
     rounds = [[10.0, 10.1, 15.0, 15.2], [20.0, 19.9, 25.1, 25.0], [30.0, 30.0, 34.0, 35.0]]
@@ -145,7 +145,7 @@ def test_clock_offsets_are_zero_on_rank_0s_host_and_a_median_per_other_host() ->
 def test_progress_bar_of_a_resumed_run_starts_at_the_resumed_step() -> None:
     from types import SimpleNamespace
 
-    from pipeflow.metrics import RunMetrics
+    from pipeflow.observability.metrics import RunMetrics
 
     fake = SimpleNamespace(show_bar=True, bar=None, first_step=None, max_steps=10, pipeline=SimpleNamespace(events=None))
     RunMetrics.begin_step(fake, 6)  # the first step this process runs after resuming at step 6

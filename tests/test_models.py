@@ -1,4 +1,4 @@
-"""Tests for pipeflow.models (lazy, deterministic layers; run_layers) and pipeflow.data."""
+"""Tests for pipeflow.models (lazy, deterministic layers; run_layers) and pipeflow.data.synthetic."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeflow.data import (
+from pipeflow.data.synthetic import (
     ClassificationBatches,
     TokenBatches,
     markov_entropy_rate,
@@ -248,7 +248,7 @@ def test_sleep_stage_zero_costs_b_with_sleep_batch() -> None:
     import time
 
     from pipeflow.models.sleep import build_sleep, sleep_batch
-    from pipeflow.stage import build_stages
+    from pipeflow.runtime.stage import build_stages
 
     stage = build_stages(build_sleep(1, 1.0, 8.0, 1.0), [range(1)], [0])[0]
     inputs, _ = sleep_batch(2)

@@ -1,10 +1,10 @@
-"""Tests for pipeflow.partition: coverage, remainder placement, split points, every error."""
+"""Tests for pipeflow.planning.partition: coverage, remainder placement, split points, every error."""
 from __future__ import annotations
 
 import pytest
 
 from pipeflow.errors import PartitionError
-from pipeflow.partition import check_coverage, format_partition, partition_layers
+from pipeflow.planning.partition import check_coverage, format_partition, partition_layers
 
 NAMES = ["embedding", *(f"block.{k}" for k in range(6)), "head"]  # 8 layers
 

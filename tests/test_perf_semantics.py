@@ -11,7 +11,7 @@ from torch import nn
 from pipeflow.errors import DeadlockError
 from pipeflow.schedules import GENERATORS, Action, build_schedule, one_f_one_b, simulate
 from pipeflow.schedules.lowering import recvs_needed
-from pipeflow.stage import Stage, run_backward
+from pipeflow.runtime.stage import Stage, run_backward
 
 COSTS = {"F": 1.0, "B": 2.0, "W": 1.0}
 
@@ -112,7 +112,7 @@ def test_ahead_tuner_times_both_settings_then_keeps_the_faster(tmp_path) -> None
     import torch
     import torch.distributed as dist
 
-    from pipeflow.recv_policy import AheadTuner
+    from pipeflow.runtime.recv_policy import AheadTuner
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from pipeflow.config import check_config
+from pipeflow.run.config import check_config
 from pipeflow.errors import ScheduleError
-from pipeflow.partition import partition_layers
-from pipeflow.plan import compose_config, interpolate
-from pipeflow.plan_search import SearchSpace, rank_memory, search
-from pipeflow.profile import LayerProfile
+from pipeflow.planning.partition import partition_layers
+from pipeflow.run.plan import compose_config, interpolate
+from pipeflow.planning.search import SearchSpace, rank_memory, search
+from pipeflow.planning.profile import LayerProfile
 from pipeflow.schedules import GENERATORS, LAYOUTS, build_schedule, simulate
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
 
@@ -177,9 +177,9 @@ def test_action_costs_one_model_for_planner_and_run_report() -> None:
     """F, the split halves and a full backward cost what the profiles say, in every caller: the
     planner's step for a split schedule equals the start-of-run report's (the report used to
     split every backward evenly, the planner the profiled halves, so they disagreed)."""
-    from pipeflow.layout import Layout, predicted_costs
-    from pipeflow.plan_search import _evaluate
-    from pipeflow.profile import action_costs
+    from pipeflow.planning.layout import Layout, predicted_costs
+    from pipeflow.planning.search import _evaluate
+    from pipeflow.planning.profile import action_costs
     from pipeflow.schedules import lower
     from pipeflow.schedules.ir import Action
 

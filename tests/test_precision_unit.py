@@ -6,11 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeflow.config import check_config
+from pipeflow.run.config import check_config
 from pipeflow.errors import ConfigError, NonFiniteError
-from pipeflow.finite import FiniteCheck
-from pipeflow.mesh import _buckets
-from pipeflow.precision import LossScaler, checkpoint_every, compute_dtype
+from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.runtime.mesh import _buckets
+from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
 from test_cli import compose_config
 
 

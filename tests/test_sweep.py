@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from mp_harness import run_cases
-from pipeflow.sweep import JobRecord, SweepState, format_table, job_label, swept_keys
+from pipeflow.run.sweep import JobRecord, SweepState, format_table, job_label, swept_keys
 from test_cli import SMALL, torchrun
 
 FIGURES = ("samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms", "bubble_measured",
@@ -83,7 +83,7 @@ def _fails_on_rank_1_only() -> tuple:
     import torch.distributed as dist
 
     from pipeflow.errors import ConfigError
-    from pipeflow.sweep import _build_agreed
+    from pipeflow.run.sweep import _build_agreed
 
     def build() -> str:
         if dist.get_rank() == 1:
@@ -96,7 +96,7 @@ def _fails_on_rank_1_only() -> tuple:
 def _builds_everywhere() -> tuple:
     import torch.distributed as dist
 
-    from pipeflow.sweep import _build_agreed
+    from pipeflow.run.sweep import _build_agreed
 
     return _build_agreed(lambda: f"built on {dist.get_rank()}")
 

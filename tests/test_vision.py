@@ -1,4 +1,4 @@
-"""Tests for pipeflow.models.resnet (a flattened torchvision ResNet) and pipeflow.vision_data."""
+"""Tests for pipeflow.models.resnet (a flattened torchvision ResNet) and pipeflow.data.vision."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from torchvision.models.resnet import BasicBlock
 from pipeflow.errors import ConfigError
 from pipeflow.models import get_model_builder, run_layers
 from pipeflow.models.resnet import build_resnet, merge_state_dicts, split_state_dict
-from pipeflow.vision_data import IMAGE_DATASETS, build_image_batches
+from pipeflow.data.vision import IMAGE_DATASETS, build_image_batches
 
 try:  # pytest puts tests/ on sys.path when tests/ is not a package
     import vision_fixtures as fx

@@ -9,7 +9,7 @@ import time
 import torch.multiprocessing as mp
 
 from mp_harness import _free_port
-from pipeflow.comm import DeadlineWatchdog
+from pipeflow.runtime.transport import DeadlineWatchdog
 from pipeflow.errors import PipelineTimeoutError
 
 
@@ -61,7 +61,7 @@ def _stuck_rank(rank: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from pipeflow.comm import P2PComm
+    from pipeflow.runtime.transport import P2PComm
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     if rank == 1:

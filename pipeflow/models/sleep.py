@@ -16,7 +16,7 @@ from torch import nn
 from pipeflow.models.spec import LayerSpec, ModelSpec
 
 if TYPE_CHECKING:
-    from pipeflow.profile import LayerProfile
+    from pipeflow.planning.profile import LayerProfile
     from pipeflow.schedules.ir import Action, PipelineSchedule
 
 
@@ -113,12 +113,12 @@ def profile_sleep_layer(
     forward_ms: float, backward_ms: float, weight_ms: float, repeats: int = 21
 ) -> "LayerProfile":
     """What one sleep layer really costs here: F, B, W and the full backward, measured alone by
-    `pipeflow.profile` (medians of `repeats`), for a layer whose input requires grad.
+    `pipeflow.planning.profile` (medians of `repeats`), for a layer whose input requires grad.
 
     ``time.sleep`` wakes late (on a small VM by a few hundred µs), so these exceed the nominal
     times; the simulator fed them (`sleep_costs`) predicts what the runtime can at best achieve.
     """
-    from pipeflow.profile import profile_layers
+    from pipeflow.planning.profile import profile_layers
 
     spec = build_sleep(2, forward_ms, backward_ms, weight_ms)
     # the second layer's profile: its input requires grad, as with `sleep_batch` on stage 0
@@ -127,7 +127,7 @@ def profile_sleep_layer(
 
 def sleep_costs(schedule: "PipelineSchedule", profile: "LayerProfile") -> Callable[["Action"], float]:
     """The simulator's action costs of sleep-stages (one layer per stage) from one layer's profile."""
-    from pipeflow.profile import action_costs
+    from pipeflow.planning.profile import action_costs
 
     S = schedule.num_stages
     return action_costs([range(s, s + 1) for s in range(S)], [profile] * S, schedule)

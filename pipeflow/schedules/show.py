@@ -71,7 +71,7 @@ def draw_timeline(
         title: the picture's title.
         out_path: where to write (format from the suffix, e.g. ``.png``, ``.svg``).
         waits: ``(rank, start, end)`` of communication calls, drawn as thin grey bars
-            (a measured timeline, see ``pipeflow.trace``).
+            (a measured timeline, see ``pipeflow.observability.trace``).
         xlabel: the unit of the time axis.
         unit: the time of a typical action; the figure is as wide as the span in such units
             (1 for unit costs; a measured timeline passes its median action time).

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import NonFiniteError
-from pipeflow.precision import LossScaler
+from pipeflow.runtime.precision import LossScaler
 
 
 class FiniteCheck:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from pipeflow.errors import PartitionError
 
 if TYPE_CHECKING:  # profiles are only read here; importing them at run time would pull in torch
-    from pipeflow.profile import LayerProfile
+    from pipeflow.planning.profile import LayerProfile
 
 SegmentCost = Callable[[int, int, int], float]  # (stage s, first layer i, stop j) -> cost
 
@@ -127,7 +127,7 @@ def balance_profiles(
     """Balance measured layers by ``params``, ``time`` (forward + backward) or ``memory``.
 
     Args:
-        profiles: per-layer profiles (`pipeflow.profile.profile_layers`).
+        profiles: per-layer profiles (`pipeflow.planning.profile.profile_layers`).
         method: "params", "time" or "memory".
         num_stages: S.
         inflight: for memory, micro-batches stage s holds; default `default_inflight(S)`.

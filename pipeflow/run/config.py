@@ -272,7 +272,7 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
         )
     if cfg.train.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={cfg.train.dtype!r} is not one of {', '.join(DTYPES)}")
-    from pipeflow.precision import checkpoint_every, compute_dtype  # torch-heavy: only when checking
+    from pipeflow.runtime.precision import checkpoint_every, compute_dtype  # torch-heavy: only when checking
 
     compute_dtype(cfg.train.precision)
     checkpoint_every(cfg.pipeline.checkpoint_activations)

@@ -122,8 +122,8 @@ def write_traces(
 ) -> None:
     """Gather every rank's traced steps to rank 0 (clocks aligned) and write ``trace.json`` and
     ``timeline_step<N>.png`` into `run_dir` (and the pictures into TensorBoard).  Collective."""
-    from pipeflow.metrics import pipeline_bubble, step_figures
-    from pipeflow.pipeline import TimedEvent
+    from pipeflow.observability.metrics import pipeline_bubble, step_figures
+    from pipeflow.runtime.pipeline import TimedEvent
 
     offset = clock_offsets(device)[dist.get_rank()]
     mine = {

@@ -8,7 +8,7 @@ divided by it before clipping, and a step whose gradients hold an inf or nan any
 on every rank: the check rides in the single all-reduce of the global grad norm (a non-finite
 norm on one stage makes the all-reduced norm non-finite everywhere).  The scale never falls
 below ``min_scale`` (1, as Megatron-LM's and DeepSpeed's default): an overflow there is not one
-a lower scale can cure, and ``train.check_finite`` raises on it (see pipeflow.finite).
+a lower scale can cure, and ``train.check_finite`` raises on it (see pipeflow.runtime.finite).
 """
 from __future__ import annotations
 

@@ -17,14 +17,14 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from pipeflow.comm import META_LEN, P2PComm, TensorMeta, encode_metas
-from pipeflow import guard
+from pipeflow.runtime.transport import META_LEN, P2PComm, TensorMeta, encode_metas
+from pipeflow.runtime import failures
 from pipeflow.errors import CommError, PipeflowError, ScheduleError, ShapeMismatchError
-from pipeflow.recv_policy import AheadTuner
+from pipeflow.runtime.recv_policy import AheadTuner
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
-from pipeflow.stage import Stage, Tensors
+from pipeflow.runtime.stage import Stage, Tensors
 
 class TimedEvent(NamedTuple):
     """One recorded interval on this rank: a batched call (kind ``comm``, post to completion)
@@ -108,7 +108,7 @@ class Pipeline:
         # gloo (eager runtime) only: post the next step's recvs with this step's sends (True) or
         # each step's recvs with its own sends (False); either way a recv is waited on by the
         # action that consumes it.  "auto" times both over the first training steps and keeps
-        # the faster (pipeflow.recv_policy): ahead hides transfers behind compute, but with tiny
+        # the faster (pipeflow.runtime.recv_policy): ahead hides transfers behind compute, but with tiny
         # layers its early recv-ready messages cost more than they hide (docs/performance.md).
         self.recvs_ahead: bool | str = "auto"
         self.ahead_tuner = AheadTuner()
@@ -363,7 +363,7 @@ class Pipeline:
         try:
             self.comm.wait(works, lambda: self._describe(k, program[k], op), self._timeout)
         except CommError as exc:
-            raise guard.with_progress(exc, program, k)
+            raise failures.with_progress(exc, program, k)
 
     def _recv_buffers(self, op: CommOp) -> Tensors:
         metas = self._recv_metas.get((op.payload, op.src_stage))
@@ -419,7 +419,7 @@ class Pipeline:
             raise
         except Exception as exc:  # a user's layer failed: say where
             where = f"pipeline rank {self.rank}, stage {s}, micro-batch {i}, action {action}"
-            raise guard.stage_failure(exc, where, self.stages, self.comm.device) from exc
+            raise failures.stage_failure(exc, where, self.stages, self.comm.device) from exc
 
     def _weights_done(self, s: int) -> None:
         """One more micro-batch's weight gradients of stage s are in; tell the hook after the last."""

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from pipeflow.errors import PartitionError
 from pipeflow.models.spec import ModelSpec
-from pipeflow.partition import BALANCE_METHODS, format_partition, plan_partition
-from pipeflow.profile import LayerProfile, action_costs, count_layer_params, profile_layers
+from pipeflow.planning.partition import BALANCE_METHODS, format_partition, plan_partition
+from pipeflow.planning.profile import LayerProfile, action_costs, count_layer_params, profile_layers
 from pipeflow.schedules import PipelineSchedule, simulate
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action
 from pipeflow.schedules.memory import stage_inflight

@@ -218,7 +218,7 @@ def _run_split(module: nn.Module, inputs: tuple, device: torch.device) -> tuple[
     """One forward, then the backward in two halves; return the (input-grad, weight-grad) seconds.
 
     B takes the gradients of the inputs (keeping the graph), W those of the parameters, as a
-    stage does for the zero-bubble schedules (`pipeflow.stage.Stage.backward_weight`).
+    stage does for the zero-bubble schedules (`pipeflow.runtime.stage.Stage.backward_weight`).
     """
     outputs = _as_tuple(module(*inputs))
     roots = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]

@@ -9,10 +9,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from pipeflow.balance import balance_contiguous, balance_profiles, estimate_stages
+from pipeflow.planning.balance import balance_contiguous, balance_profiles, estimate_stages
 from pipeflow.errors import PartitionError
 from pipeflow.models.spec import ModelSpec
-from pipeflow.profile import LayerProfile, count_layer_params, profile_layers
+from pipeflow.planning.profile import LayerProfile, count_layer_params, profile_layers
 
 SplitPoint = int | str
 BALANCE_METHODS = ("uniform", "params", "time", "memory")
@@ -173,9 +173,9 @@ def plan_partition(
     - ``uniform``: layer counts differ by at most one (`partition_layers`).
     - ``params``: balance parameter counts (`count_layer_params`: one layer built at a time).
     - ``time``: balance forward + backward time measured by `profile_layers`.
-    - ``memory``: balance `pipeflow.balance.stage_memory` (params, grads, optimizer state and
+    - ``memory``: balance `pipeflow.planning.balance.stage_memory` (params, grads, optimizer state and
       ``inflight[s]`` micro-batches of activations).
-    Balanced splits are optimal for the bottleneck (`pipeflow.balance`).  Measure once and pass
+    Balanced splits are optimal for the bottleneck (`pipeflow.planning.balance`).  Measure once and pass
     the profiles as `model` to reuse them (and, on many ranks, so that all ranks agree).
 
     Args:
@@ -274,7 +274,7 @@ def format_partition(
     """Render a partition as a text table: stage | rank | layers (first..last) | count [| ...].
 
     With `layer_params` or `profiles` a ``parameters`` column follows; with `profiles` also
-    ``fwd+bwd (ms)`` (per micro-batch) and ``memory (MB)`` (`pipeflow.balance.stage_memory`,
+    ``fwd+bwd (ms)`` (per micro-batch) and ``memory (MB)`` (`pipeflow.planning.balance.stage_memory`,
     1 MB = 10^6 bytes).
 
     Args:

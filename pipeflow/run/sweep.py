@@ -108,7 +108,7 @@ def _state(cfg: DictConfig) -> SweepState:
 
 def _teardown() -> None:
     """At a normal exit: wait for every rank, then destroy the process group (a failed rank has
-    left through `pipeflow.guard.fail`, which skips this)."""
+    left through `pipeflow.run.guard.fail`, which skips this)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -120,7 +120,7 @@ def run_sweep_job(cfg: DictConfig, device: torch.device) -> JobRecord | None:
     Returns:
         The job's record (on every rank), or None when the job was skipped.
 
-    Any other failure ends the whole sweep (`pipeflow.guard.fail`: logged, exit 1 at once; torchrun
+    Any other failure ends the whole sweep (`pipeflow.run.guard.fail`: logged, exit 1 at once; torchrun
     stops the peers), since the ranks could no longer walk the sweep together.
     """
     state = _state(cfg)
@@ -134,7 +134,7 @@ def run_sweep_job(cfg: DictConfig, device: torch.device) -> JobRecord | None:
         record = _run_job(cfg, device, index, text, run_dir, state)
         dist.barrier()
     except Exception as exc:
-        from pipeflow import guard
+        from pipeflow.run import guard
 
         log.error("rank %d: sweep job %d (%s) failed; stopping the sweep", dist.get_rank(), index, text)
         guard.fail(exc, dist.get_rank())
@@ -145,7 +145,7 @@ def run_sweep_job(cfg: DictConfig, device: torch.device) -> JobRecord | None:
 
 def _run_job(cfg: DictConfig, device: torch.device, index: int, text: str, run_dir: str,
              state: SweepState) -> JobRecord | None:
-    from pipeflow.trainer import Trainer
+    from pipeflow.run.trainer import Trainer
 
     trainer, why = _build_agreed(lambda: Trainer(cfg, device))
     if trainer is None:
@@ -184,7 +184,7 @@ def _build_agreed(build: Any) -> tuple[Any, str]:
 
 
 def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> JobRecord:
-    """The job's figures, from the fit() result (`pipeflow.metrics.RunMetrics.close`: every key is
+    """The job's figures, from the fit() result (`pipeflow.observability.metrics.RunMetrics.close`: every key is
     always there; ``tokens_per_s`` is None for non-token data) and the simulator's predictions."""
     step_s, memory = _predictions(trainer)
     tokens = result["tokens_per_s"]
@@ -203,8 +203,8 @@ def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> 
 def _predictions(trainer: Any) -> tuple[float, list[float]]:
     """(compute step seconds, MB per rank) the simulator predicts from the run's profiles
     (NaN and none without profiles)."""
-    from pipeflow.layout import predicted_costs
-    from pipeflow.plan_search import rank_memory
+    from pipeflow.planning.layout import predicted_costs
+    from pipeflow.planning.search import rank_memory
     from pipeflow.schedules import simulate
 
     layout, schedule = trainer.layout, trainer.schedule

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow import console
+from pipeflow.observability import console
 from pipeflow.errors import ConfigError
 from pipeflow.schedules import PipelineSchedule, simulate
 from pipeflow.schedules.ir import BACKWARD, FORWARD, KINDS, WEIGHT
@@ -81,8 +81,8 @@ def pipeline_bubble(compute_s: Sequence[float], span_s: Sequence[float]) -> floa
 
 def predicted_bubble(layout: Any, schedule: PipelineSchedule) -> float:
     """The simulator's bubble for the run, from profiled layer costs or else F = B = W
-    (the same prediction as the start-of-run table, ``pipeflow.layout.describe_layout``)."""
-    from pipeflow.layout import predicted_costs
+    (the same prediction as the start-of-run table, ``pipeflow.planning.layout.describe_layout``)."""
+    from pipeflow.planning.layout import predicted_costs
 
     if layout is not None and layout.profiles is not None:
         return simulate(schedule, costs=predicted_costs(layout, schedule)).bubble
@@ -223,7 +223,7 @@ class RunMetrics:
         """Write the traces, close the writer and the bar; returns the run's figures on every rank:
         ``samples_per_s``, ``tokens_per_s`` (None for non-token data), ``step_time_s`` (median),
         ``bubble_measured``, ``bubble_predicted``, ``peak_memory_mb`` (one per pipeline rank)."""
-        from pipeflow import trace  # imports this module
+        from pipeflow.observability import trace  # imports this module
 
         if self.bar is not None:
             self.bar.close()

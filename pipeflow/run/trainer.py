@@ -9,7 +9,6 @@ import datetime
 import logging
 import math
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,103 +16,26 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow import checkpoint
-from pipeflow import data as datasets
-from pipeflow import guard
-from pipeflow.comm import DeadlineWatchdog, P2PComm
-from pipeflow.config import check_config
-from pipeflow.errors import ConfigError
-from pipeflow.faults import install_from_env
-from pipeflow.finite import FiniteCheck
+from pipeflow.run import checkpoint
+from pipeflow.data import TOKEN_DATA, build_batches, shard, split_microbatches
+from pipeflow.run import guard
+from pipeflow.runtime import failures
+from pipeflow.runtime.transport import DeadlineWatchdog, P2PComm
+from pipeflow.run.config import check_config
+from pipeflow.run.faults import install_from_env
+from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.models.spec import ModelSpec
-from pipeflow.layout import choose_layout, describe_layout
-from pipeflow.mesh import GradReducer, build_mesh
-from pipeflow.metrics import RunMetrics, predicted_bubble
-from pipeflow.pipeline import Pipeline
-from pipeflow.recv_policy import AheadTuner
-from pipeflow.precision import LossScaler, configure_stages
+from pipeflow.planning.layout import choose_layout, describe_layout
+from pipeflow.runtime.mesh import GradReducer, build_mesh
+from pipeflow.observability.metrics import RunMetrics, predicted_bubble
+from pipeflow.runtime.pipeline import Pipeline
+from pipeflow.runtime.recv_policy import AheadTuner
+from pipeflow.runtime.precision import LossScaler, configure_stages
 from pipeflow.schedules import build_schedule
-from pipeflow.stage import Tensors, build_stages, layers_by_index
-from pipeflow.tied import TiedWeights
+from pipeflow.runtime.stage import Tensors, build_stages, layers_by_index
+from pipeflow.runtime.tied import TiedWeights
 
 log = logging.getLogger("pipeflow")
-
-
-@dataclass
-class Batches:
-    """Train and validation batch sources (each with ``get(step) -> (inputs, targets)``)."""
-
-    train: Any
-    val: Any
-    best_loss: float | None = None  # lowest achievable loss, where the data knows it
-
-
-IMAGE_DATA = ("cifar10", "mnist", "imagefolder", "fakedata")
-TOKEN_DATA = ("markov", "text")
-
-
-def build_batches(cfg: Any, model_cfg: Any) -> Batches:
-    """The data sources named by ``data.name`` (identical on every rank).
-
-    Raises:
-        ConfigError: unknown data name, or a vocabulary larger than the model's.
-    """
-    name = cfg.name
-    if name in IMAGE_DATA:
-        from pipeflow.vision_data import build_image_batches  # torchvision costs seconds to import
-
-        make = lambda seed, train: build_image_batches(  # noqa: E731
-            name, cfg.root, cfg.batch_size, seed, cfg.download, train, cfg.image_size, cfg.num_classes, cfg.fake_size
-        )
-        return Batches(make(cfg.seed, True), make(cfg.seed + 1, False))
-    if name == "gaussian":
-        make = lambda split: datasets.ClassificationBatches(  # noqa: E731
-            cfg.in_features, cfg.num_classes, cfg.batch_size, cfg.seed, noise=4.0, split=split
-        )
-        return Batches(make("train"), make("val"))
-    if name == "markov":
-        tokens = datasets.markov_tokens(cfg.num_tokens, cfg.vocab_size, cfg.seed)
-        vocab, best = cfg.vocab_size, datasets.markov_entropy_rate(cfg.vocab_size, cfg.seed)
-    elif name == "text":
-        if cfg.path is None:
-            raise ConfigError("data=text needs data.path=<a local text file>")
-        tokens, chars = datasets.text_file_tokens(cfg.path, cfg.level)
-        vocab, best = (256 if chars is None else len(chars)), None
-    else:
-        raise ConfigError(f"unknown data.name={name!r}; valid: markov, text, gaussian, {', '.join(IMAGE_DATA)}")
-    model_vocab = getattr(model_cfg, "vocab_size", vocab)
-    if vocab > model_vocab:
-        raise ConfigError(
-            f"the data has a vocabulary of {vocab} tokens but model.vocab_size={model_vocab}; "
-            f"set model.vocab_size={vocab}"
-        )
-    train, val = datasets.split_tokens(tokens, cfg.val_fraction)
-    return Batches(
-        datasets.TokenBatches(train, cfg.seq_len, cfg.batch_size, cfg.seed),
-        datasets.TokenBatches(val, cfg.seq_len, cfg.batch_size, cfg.seed + 1),
-        best,
-    )
-
-
-def split_microbatches(tensor: torch.Tensor, m: int) -> list[torch.Tensor]:
-    """Split a batch along dim 0 into m equal micro-batches."""
-    if tensor.shape[0] % m:
-        raise ConfigError(f"batch of {tensor.shape[0]} cannot be split into {m} equal micro-batches")
-    return list(tensor.chunk(m))
-
-
-def shard(batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Data-parallel rank `dp_rank`'s contiguous 1/dp of the global batch (``data.batch_size`` rows).
-
-    Every replica slices the same global batch, so the data stream does not depend on dp: a
-    run resumed with another dp sees the same samples, and the dp run equals one replica on the
-    whole batch.
-    """
-    if dp == 1:
-        return batch
-    x, y = batch
-    rows = x.shape[0] // dp
-    return x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
 
 
 def lr_at(step: int, cfg: Any, max_steps: int) -> float:
@@ -263,7 +185,7 @@ class Trainer:
         return int(meta["step"])
 
     def describe(self) -> str:
-        """The schedule, its predicted bubble and the partition table (see pipeflow.layout)."""
+        """The schedule, its predicted bubble and the partition table (see pipeflow.planning.layout)."""
         return describe_layout(self.layout, self.spec, self.schedule)
 
     def _local_batch(self, source: Any, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -325,7 +247,7 @@ class Trainer:
             group["lr"] = lr
         if self.faults is not None:
             self.faults.step = step
-        with guard.context(f"training step {step}"):
+        with failures.context(f"training step {step}"):
             loss, norm = self.forward_backward(step)
         overflow = self.scaler.enabled and not math.isfinite(norm)
         scale, at_floor = self.scaler.scale, self.scaler.at_minimum
@@ -355,7 +277,7 @@ class Trainer:
         total = torch.zeros(1, device=self.device, dtype=torch.float64)
         for k in range(self.cfg.train.eval_batches):
             inputs, targets = self._microbatches(self._local_batch(self.batches.val, k))
-            with guard.context("evaluation"):
+            with failures.context("evaluation"):
                 loss = self.pipeline.eval(inputs, targets)
             if loss is not None:
                 total += loss.double()
@@ -365,7 +287,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train for ``train.max_steps`` steps; returns first/last loss, final held-out loss and the
         run's figures (``samples_per_s``, ``tokens_per_s``, ``step_time_s``, ``bubble_measured``,
-        ``bubble_predicted``, ``peak_memory_mb``; see ``pipeflow.metrics.RunMetrics.close``)."""
+        ``bubble_predicted``, ``peak_memory_mb``; see ``pipeflow.observability.metrics.RunMetrics.close``)."""
         cfg = self.cfg.train
         if self.is_main:
             log.info(self.describe())

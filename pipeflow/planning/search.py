@@ -18,16 +18,16 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
-from pipeflow.balance import balance_by_memory, balance_contiguous
+from pipeflow.planning.balance import balance_by_memory, balance_contiguous
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
-from pipeflow.partition import partition_layers
-from pipeflow.profile import action_costs
+from pipeflow.planning.partition import partition_layers
+from pipeflow.planning.profile import action_costs
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, build_schedule, lower, simulate
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
 from pipeflow.schedules.memory import stage_inflight
 
 if TYPE_CHECKING:
-    from pipeflow.profile import LayerProfile
+    from pipeflow.planning.profile import LayerProfile
 
 CostModel = Callable[[int], Sequence["LayerProfile"]]  # micro-batch size b -> per-layer costs
 SPLIT_SEARCHES = ("balanced", "all")

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeflow.comm import send_recv
-from pipeflow.distributed import _free_port
+from pipeflow.runtime.transport import send_recv
+from pipeflow.runtime.distributed import _free_port
 
 _WARMUP = 5
 

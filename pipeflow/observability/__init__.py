@@ -1,0 +1,1 @@
+"""Observability: events recorded during a step, per-stage figures, TensorBoard, traces, console."""

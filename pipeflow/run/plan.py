@@ -1,0 +1,207 @@
+"""Predict the best pipeline layout before running: ``python -m pipeflow.plan model=gpt parallel.pp=4``.
+
+The same Hydra overrides as train.py (composed from the same ``configs/``), no torchrun.  Every
+layer is profiled on this machine's device (forward, the backward split into input-grad B and
+weight-grad W, activation bytes) at the smallest and the largest micro-batch size tried; costs
+in between are interpolated linearly (per-call overhead included).  Then every (schedule x
+micro-batch count x chunks per rank x balanced split) is simulated (`pipeflow.planning.search`) and
+the fastest that fit ``plan.memory_limit_gb`` are printed with ready-to-paste overrides:
+
+    python -m pipeflow.plan model=gpt parallel.pp=4 plan.memory_limit_gb=2 plan.top=5
+    torchrun --nproc-per-node 4 train.py <overrides of the pick>
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from pipeflow.data import build_batches
+from pipeflow.run.config import register_configs, resolve_layout
+from pipeflow.runtime.distributed import choose_device
+from pipeflow.errors import ConfigError
+from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, search
+from pipeflow.planning.profile import LayerProfile, profile_layers
+from pipeflow.schedules import GENERATORS
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+_PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points"}
+_SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes")
+
+
+def compose_config(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> DictConfig:
+    """The job config train.py would get for these overrides."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def interpolate(low: Sequence[LayerProfile], b_low: int, high: Sequence[LayerProfile], b_high: int) -> CostModel:
+    """Per-layer costs at any micro-batch size b, linear through the two profiled sizes.
+
+    Times and activation bytes are ``x(b) = x_low + (x_high - x_low) (b - b_low) / (b_high - b_low)``,
+    never below 0; with one profiled size (b_low == b_high) they are used as they are.
+    """
+    def at(b: int) -> list[LayerProfile]:
+        if b_high == b_low:
+            return list(low)
+        t = (b - b_low) / (b_high - b_low)
+        return [
+            dataclasses.replace(lo, **{k: _lerp(getattr(lo, k), getattr(hi, k), t) for k in _SCALED})
+            for lo, hi in zip(low, high)
+        ]
+    return at
+
+
+def _lerp(low: float, high: float, t: float) -> Any:
+    value = max(0.0, low + (high - low) * t)
+    return int(round(value)) if isinstance(low, int) else value
+
+
+def profile_costs(cfg: DictConfig, sizes: Sequence[int], device: torch.device) -> CostModel:
+    """Profile the model's layers at the smallest and largest micro-batch size of `sizes`."""
+
+    spec = instantiate(cfg.model)
+    sample = build_batches(cfg.data, cfg.model).train.get(0)[0]
+    dtype = getattr(torch, cfg.train.dtype)
+    b_low, b_high = min(sizes), max(sizes)
+    low = profile_layers(spec, sample[:b_low], device, dtype, cfg.plan.repeats, split_backward=True)
+    high = low if b_high == b_low else profile_layers(
+        spec, sample[:b_high], device, dtype, cfg.plan.repeats, split_backward=True
+    )
+    return interpolate(low, b_low, high, b_high)
+
+
+def search_space(cfg: DictConfig, batch_size: int) -> SearchSpace:
+    """The planner's search space from the ``plan`` config."""
+    plan = cfg.plan
+    names = tuple(plan.schedules) if plan.schedules is not None else tuple(GENERATORS)
+    unknown = [n for n in names if n not in GENERATORS]
+    if unknown:
+        raise ConfigError(f"plan.schedules has unknown {unknown}; valid: {', '.join(GENERATORS)}")
+    counts = plan.microbatches or [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    if plan.max_chunks < 1:
+        raise ConfigError(f"plan.max_chunks={plan.max_chunks} must be at least 1")
+    return SearchSpace(names, tuple(int(m) for m in counts), tuple(range(1, plan.max_chunks + 1)), plan.splits)
+
+
+def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequence[str] = ()) -> tuple[PlanResult, str]:
+    """Profile (unless `costs` are given), search and format; returns the result and the report.
+
+    `overrides` (the planner's command line) are repeated in the printed train.py command,
+    except the ``plan.*`` ones and those the pick sets.
+
+    Raises:
+        ConfigError: ``parallel.pp`` missing or inconsistent, a bad ``plan`` setting.
+    """
+    if cfg.parallel.pp is None:
+        raise ConfigError("the planner needs the pipeline size: add parallel.pp=<ranks>")
+    dp, pp = resolve_layout(cfg.parallel, cfg.parallel.dp * cfg.parallel.pp)
+    batch = cfg.data.batch_size // dp
+    space = search_space(cfg, batch)
+    sizes = [batch // m for m in space.microbatches if batch % m == 0]
+    if not sizes:
+        raise ConfigError(f"no count in plan.microbatches={list(space.microbatches)} divides data.batch_size={batch}")
+    device = choose_device(cfg.dist.backend, cfg.dist.device)[1]
+    costs = costs or profile_costs(cfg, sizes, device)
+    latency, comm = comm_model(cfg, costs, sizes, device, pp)
+    limit = None if cfg.plan.memory_limit_gb is None else cfg.plan.memory_limit_gb * 1e9
+    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency,
+                    cfg.plan.action_overhead_ms / 1e3)
+    if cfg.plan.csv:
+        write_csv(result, cfg.plan.csv)
+    replicas = f" x {dp} data-parallel replicas, batch {batch} per replica" if dp > 1 else f", batch {batch}"
+    header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}) "
+              f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; "
+              f"{cfg.plan.action_overhead_ms:g} ms per action (plan.action_overhead_ms)")
+    return result, header + "\n" + format_plan(result, cfg.plan.top, dp * pp, limit, overrides)
+
+
+def comm_model(cfg: DictConfig, costs: CostModel, sizes: Sequence[int], device: torch.device,
+               num_ranks: int) -> tuple[Any, str]:
+    """The simulated cost of a communicating step: ``plan.comm_latency_ms``, or when that is null,
+    an exchange of the largest layer output measured between two local processes at the smallest
+    and the largest micro-batch size (linear in between); and a line saying which."""
+    if cfg.plan.comm_latency_ms is not None or num_ranks == 1:
+        ms = cfg.plan.comm_latency_ms or 0.0
+        return ms / 1e3, f"comm {ms:g} ms per step (plan.comm_latency_ms)"
+    from pipeflow.planning.comm_cost import measure_exchange_s
+
+    b_low, b_high = min(sizes), max(sizes)
+    payload = [max(p.output_bytes for p in costs(b)) for b in (b_low, b_high)]
+    use_cuda = device.type == "cuda" and torch.cuda.device_count() >= 2
+    low, high = measure_exchange_s(payload, use_cuda=use_cuda)
+
+    def latency(b: int) -> float:
+        return low if b_high == b_low else max(0.0, low + (high - low) * (b - b_low) / (b_high - b_low))
+
+    how = "nccl" if use_cuda else "gloo"
+    return latency, (f"comm measured ({how}): {1e3 * low:.3f} ms per step at {payload[0] / 1e6:.2f} MB, "
+                     f"{1e3 * high:.3f} ms at {payload[1] / 1e6:.2f} MB")
+
+
+def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float | None,
+                overrides: Sequence[str] = ()) -> str:
+    """The top layouts as a table (rank, predicted step, bubble, memory, overrides) and a summary;
+    `num_ranks` is the world size the pick is launched with."""
+    rows = [("#", "schedule", "m", "v", "step (ms)", "bubble", "peak mem/rank (MB)", "overrides")]
+    for k, c in enumerate(result.candidates[:top], 1):
+        rows.append((str(k), c.schedule, str(c.num_microbatches), str(c.stages_per_rank), f"{1e3 * c.step_s:.2f}",
+                     f"{c.bubble:.1%}", f"{c.peak_bytes / 1e6:.1f}", c.overrides()))
+    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]) - 1)]
+    lines = [" | ".join([cell.ljust(w) for cell, w in zip(r, widths)] + [r[-1]]) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * 9)
+    simulated = len(result.candidates) + len(result.over_memory)
+    limit = "no memory limit" if limit_bytes is None else f"{len(result.over_memory)} over the memory limit {limit_bytes / 1e9:g} GB"
+    by_schedule: dict[str, int] = {}
+    for reason, n in result.skipped.items():
+        name = reason.split(":")[0]
+        by_schedule[name] = by_schedule.get(name, 0) + n
+    skipped = ", ".join(f"{name} {n}" for name, n in sorted(by_schedule.items())) or "none"
+    lines.append(f"{simulated} layouts simulated ({limit}); invalid combinations skipped: {skipped}")
+    if result.candidates:
+        keep = [shlex.quote(o) for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _PICK_KEYS
+                and not o.startswith("plan.")]
+        command = " ".join(["train.py", *keep, result.candidates[0].overrides()])
+        lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks} {command}")
+    else:
+        lines.append("no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches)")
+    return "\n".join(lines)
+
+
+def write_csv(result: PlanResult, path: str) -> None:
+    """Every simulated layout, fastest first, with whether it fits the memory limit."""
+    rows = [(c, True) for c in result.candidates] + [(c, False) for c in result.over_memory]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["schedule", "num_microbatches", "stages_per_rank", "split_points", "step_ms", "bubble",
+                         "peak_memory_mb", "fits", "overrides"])
+        for c, fits in sorted(rows, key=lambda row: row[0].step_s):
+            writer.writerow([c.schedule, c.num_microbatches, c.stages_per_rank, " ".join(map(str, c.split_points)),
+                             f"{1e3 * c.step_s:.4f}", f"{c.bubble:.4f}", f"{c.peak_bytes / 1e6:.3f}", fits,
+                             c.overrides()])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Compose the config from the command line's overrides, plan, print; returns the exit code
+    (0, 1 when no layout fits the memory limit, 2 for a bad config)."""
+    cfg = compose_config(sys.argv[1:] if argv is None else argv)
+    try:
+        result, report = run_plan(cfg, overrides=sys.argv[1:] if argv is None else argv)
+    except ConfigError as err:
+        print(f"pipeflow.plan: {err}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0 if result.candidates else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
