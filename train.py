@@ -22,7 +22,7 @@ from pipeflow.run.config import register_configs
 from pipeflow.observability.console import setup_logging
 from pipeflow.runtime.distributed import choose_device, init_distributed
 from pipeflow.run.sweep import is_multirun, run_sweep_job
-from pipeflow.run.trainer import Trainer
+from pipeflow.run.builder import build_run
 
 register_configs()
 
@@ -37,7 +37,7 @@ def main(cfg: DictConfig) -> None:
         run_sweep_job(cfg, device)
         return
     try:
-        Trainer(cfg, device).fit()
+        build_run(cfg, device).fit()
         # Tear down only once every rank is done: destroying a gloo group while a peer
         # still talks to it aborts that peer ("terminate called without an active exception").
         dist.barrier()

@@ -98,7 +98,9 @@ def measure(name: str, p: int, args: argparse.Namespace, free: bool) -> tuple[in
     torch.manual_seed(rank)
     stages = {s: Stage(s, S, make_layers(args), mse) for s in schedule.stages_of(rank)}
     pipe = Pipeline(stages, schedule, P2PComm(None, torch.device("cpu"), timeout_s=300))
-    pipe.free_sent_activations = free
+    if not free:  # the "before": sent activations keep their storage until backward
+        for stage in stages.values():
+            stage.deallocate_outputs = lambda i: None  # type: ignore[method-assign]
     tracker = HeldBytes(stages)
     compute = pipe._compute
 

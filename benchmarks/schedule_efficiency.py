@@ -36,7 +36,7 @@ from results import report, shared_sleep_profile, spawn_ranks  # noqa: E402  (be
 from pipeflow.models.sleep import build_sleep, sleep_batch, sleep_costs  # noqa: E402
 from pipeflow.planning.partition import partition_layers  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
-from pipeflow.runtime.recv_policy import AheadTuner  # noqa: E402
+from pipeflow.runtime.posting import AheadTuner, Posting  # noqa: E402
 from pipeflow.planning.profile import LayerProfile  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.runtime.stage import build_stages  # noqa: E402
@@ -62,7 +62,9 @@ def measure(
     ranges = partition_layers(S, S)
     stages = build_stages(spec, ranges, schedule.stages_of(dist.get_rank()))
     comm = P2PComm(None, torch.device("cpu"), timeout_s=120)
-    pipe = Pipeline(stages, schedule, comm)
+    # the default runtime, and strict rendezvous (every op of a step done before its action)
+    pipes = {strict: Pipeline(stages, schedule, comm, posting=Posting(lowering="rendezvous") if strict else None)
+             for strict in (False, True)}
     inputs, targets = sleep_batch(m)  # inputs that require grad: stage 0's B costs B too
     inputs = inputs if 0 in stages else None
     targets = targets if S - 1 in stages else None
@@ -71,8 +73,8 @@ def measure(
     spans = defaultdict(list)
     for step in range(args.warmup + args.steps):
         for strict in modes:
-            pipe.strict_rendezvous = strict
-            pipe.events = []
+            pipe = pipes[strict]
+            pipe.recorder.start()
             dist.barrier()
             start = time.perf_counter()
             pipe.run(inputs, targets)
@@ -80,7 +82,7 @@ def measure(
             dist.all_reduce(end, op=dist.ReduceOp.MAX)
             if step >= args.warmup:
                 times[strict].append(float(end))
-                for event in pipe.events if not strict else ():
+                for event in pipe.recorder.stop() if not strict else ():
                     if event.kind != "comm":
                         spans[event.name].append(event.end - event.start)
     costs = {"F": args.forward_ms / 1e3, "B": args.backward_ms / 1e3, "W": args.weight_ms / 1e3}
@@ -88,7 +90,7 @@ def measure(
     dist.all_gather_object(gathered, {a: statistics.median(v) for a, v in spans.items()})
     measured = {a: t for rank_spans in gathered for a, t in rank_spans.items()}
     # A full backward's event covers B and W; the simulator adds cost(W), absent here: 0.
-    actual = simulate(schedule, costs=lambda action: measured.get(str(action), 0.0), eager_sends=True).makespan
+    actual = simulate(schedule, costs=lambda action: measured.get(str(action), 0.0), posting="ahead").makespan
     nominal = simulate(schedule, costs=costs).makespan
     predicted = simulate(schedule, costs=sleep_costs(schedule, profiled)).makespan
     result = (statistics.median(times[False]), nominal, predicted, actual)
@@ -160,7 +162,7 @@ def table(result: tuple[LayerProfile, list[tuple]], args: argparse.Namespace) ->
         "action times (each action's median time in the run fed to the simulator) also what the "
         "four ranks sharing the CPU add to the actions, leaving what the runtime adds between "
         "actions: communication, waits and Python."
-        + (" Strict rendezvous (`Pipeline.strict_rendezvous`: every op of a step completes before "
+        + (" Strict rendezvous (`Posting(lowering="rendezvous")`: every op of a step completes before "
            "its action, nothing posted ahead; the runtime before the optimisations) ran in "
            "alternation with the default runtime, step by step." if args.compare_strict else ""),
     ]

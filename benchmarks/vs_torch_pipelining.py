@@ -44,7 +44,7 @@ from results import append_result, microbatches, mse, shared_sleep_profile  # no
 from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
 from pipeflow.models.sleep import SleepLayer, sleep_costs  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
-from pipeflow.runtime.recv_policy import AheadTuner  # noqa: E402
+from pipeflow.runtime.posting import AheadTuner  # noqa: E402
 from pipeflow.schedules import PipelineSchedule, build_schedule, simulate  # noqa: E402
 from pipeflow.runtime.stage import Stage  # noqa: E402
 
@@ -177,7 +177,7 @@ def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.devi
         "pipeflow": statistics.median(times["pipeflow"]), "torch": statistics.median(times["torch"]),
         "ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
         "loss_diff": max((d for d in gathered if d == d), default=float("nan")),
-        "recvs": {True: "ahead", False: "at step", None: "-"}[runners["pipeflow"].pipeline.ahead_tuner.choice],
+        "recvs": {True: "ahead", False: "at step", None: "-"}[runners["pipeflow"].pipeline.posting.tuner.choice],
     }
     if args.model == "sleep":
         costs = {"F": args.sleep_ms / 1e3, "B": args.sleep_ms / 1e3, "W": args.sleep_ms / 1e3}

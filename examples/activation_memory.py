@@ -40,8 +40,7 @@ def measure(setting: str, device: str, args: argparse.Namespace) -> dict[str, fl
 
     torch.manual_seed(0)
     spec = build_gpt(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width)
-    stage = Stage(0, 1, spec.build_all(device=device), spec.loss_fn)
-    stage.checkpoint_every = checkpoint_every(setting)
+    stage = Stage(0, 1, spec.build_all(device=device), spec.loss_fn, checkpoint_every=checkpoint_every(setting))
     batches = [torch.randint(256, (args.micro, args.seq), device=device) for _ in range(args.m)]
 
     def step(after_forwards: Callable[[], float] = lambda: 0.0) -> float:

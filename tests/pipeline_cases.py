@@ -17,7 +17,7 @@ from pipeflow.errors import PipeflowError
 from pipeflow.models.spec import LayerSpec, ModelSpec, run_layers
 from pipeflow.planning.partition import partition_layers
 from pipeflow.runtime.pipeline import Pipeline
-from pipeflow.runtime.recv_policy import AheadTuner
+from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.schedules import PipelineSchedule, build_schedule
 from pipeflow.models import build_gpt
 from pipeflow.models.resnet import build_resnet
@@ -117,11 +117,12 @@ def equivalence(
     plan = build_schedule(schedule, p, m)
     if reversed_placement:  # rank r's stages move to rank p-1-r
         plan = build_schedule(schedule, p, m, stage_to_rank=[p - 1 - r for r in plan.stage_to_rank])
-    pipe, ranges, tied = build_pipeline(spec, plan)
-    pipe.strict_rendezvous = runtime == "strict"
-    pipe.comm.independent_ops = runtime in ("default", "at-step", "auto")
-    pipe.recvs_ahead = {"at-step": False, "auto": "auto"}.get(runtime, True)
-    pipe.ahead_tuner = AheadTuner(trials=1, warmup=1)  # auto decides after step 3
+    postings = {
+        "default": Posting(True), "at-step": Posting(False),
+        "auto": Posting("auto", tuner=AheadTuner(trials=1, warmup=1)),  # auto decides after step 3
+        "grouped": Posting(lowering="group"), "strict": Posting(lowering="rendezvous"),
+    }
+    pipe, ranges, tied = build_pipeline(spec, plan, posting=postings[runtime])
     reference = spec.build_all(dtype=DTYPE)
     tie_in_place(spec, dict(enumerate(reference)))
     freeze_batchnorm(reference)
@@ -157,7 +158,7 @@ def equivalence(
         for mine, ref in pairs:
             worst["param"] = max(worst["param"], rel_diff(mine.detach(), ref.detach()))
     if runtime == "auto":
-        worst["ahead_choice"] = pipe.ahead_tuner.choice
+        worst["ahead_choice"] = pipe.posting.tuner.choice
     return worst
 
 
@@ -231,15 +232,15 @@ def shape_change_is_an_error(model: str = "masked_mlp", m: int = 2) -> str:
 
 
 def events_recorded(model: str = "masked_mlp", m: int = 4, schedule: str = "1f1b", **sizes: Any) -> dict[str, int]:
-    """With ``Pipeline.events`` a list, one run records every compute action and batched call,
+    """With the pipeline's recorder on, one run records every compute action and batched call,
     each comm event named by what it posted or, posting nothing, by the recv it waited for."""
     spec = build_toy(model, **sizes)
     pipe, _, _ = build_pipeline(spec, build_schedule(schedule, dist.get_world_size(), m))
-    pipe.events = []
+    pipe.recorder.start()
     x, y = random_batch(model, BATCH, seed=3)
     pipe.run(*split_batch(pipe, x, y, m))
     counts: dict[str, int] = {}
-    for event in pipe.events:
+    for event in pipe.recorder.stop():
         if event.end < event.start:
             raise AssertionError(f"event {event} ends before it starts")
         if not event.name:

@@ -21,6 +21,7 @@ from pipeflow.run.config import Config, GPTModelConfig
 from pipeflow.models.spec import run_layers
 from pipeflow.runtime.tied import tie_in_place
 from pipeflow.data import build_batches
+from pipeflow.run.builder import build_run
 from pipeflow.run.trainer import Trainer, lr_at, unique_parameters
 
 BATCH = 24
@@ -98,8 +99,8 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
     """Train `steps` steps on the dp x pp mesh and unsplit; worst relative differences of loss,
     every gradient (after dp reduction and clipping) and every parameter."""
     cfg = make_config(dp, schedule, m, **overrides)
-    trainer, reference = Trainer(cfg, torch.device("cpu")), Reference(cfg)
-    assert trainer.pipeline.recvs_ahead == cfg.comm.recvs_ahead
+    trainer, reference = build_run(cfg, torch.device("cpu")), Reference(cfg)
+    assert trainer.pipeline.posting.recvs_ahead == cfg.comm.recvs_ahead
     both = pairs(trainer, reference)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0}
     for step in range(steps):
@@ -124,7 +125,7 @@ def precision_vs_fp32(precision: str, dp: int = 1, schedule: str = "1f1b") -> di
     grads = {}
     for prec in ("fp32", precision):
         cfg = make_config(dp, schedule, 2, train__dtype="float32", train__precision=prec)
-        trainer = Trainer(cfg, torch.device("cpu"))
+        trainer = build_run(cfg, torch.device("cpu"))
         trainer.forward_backward(0)
         grads[prec] = [p.grad.clone() for p in trainer.params]
         out[f"edge_dtypes_{prec}"] = sorted({str(m.dtype) for metas in trainer.pipeline._edge_meta.values() for m in metas})
@@ -136,7 +137,7 @@ def precision_trains(precision: str, steps: int = 30) -> dict[str, float]:
     """The loss falls under `precision` (float32 master weights)."""
     cfg = make_config(1, "1f1b", 2, train__dtype="float32", train__precision=precision, train__max_steps=steps,
                       optim__lr=3e-2, optim__grad_clip=1.0)
-    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer = build_run(cfg, torch.device("cpu"))
     losses = [trainer.train_step(step)[0] for step in range(steps)]
     return {"first": sum(losses[:3]) / 3, "last": sum(losses[-3:]) / 3,
             "dtypes": sorted({str(p.dtype) for p in trainer.params})}
@@ -147,7 +148,7 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: boo
     (with `check_finite` too: an overflow is the loss scaler's, not a NonFiniteError)."""
     cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
                       train__dtype="float32", train__precision="fp16", train__check_finite=check_finite)
-    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer = build_run(cfg, torch.device("cpu"))
     armed = [True]
     if trainer.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
         trainer.params[0].register_hook(lambda g: torch.full_like(g, float("inf")) if armed[0] else g)
@@ -170,7 +171,7 @@ def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1) 
     the forward output is non-finite).  Returns the error's text, the same on every rank."""
     cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
                       train__dtype="float32", train__precision=precision, train__check_finite=True)
-    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer = build_run(cfg, torch.device("cpu"))
     if precision == "fp16" and fault == "inf-grad":
         trainer.scaler.scale = trainer.scaler.min_scale
     if trainer.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:
@@ -196,7 +197,7 @@ def _shared_dir(prefix: str) -> str:
 def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: str = "float32") -> Trainer:
     cfg = make_config(dp, "1f1b", m, train__dtype=dtype, train__max_steps=6, train__save_every=3,
                       train__run_dir=run_dir, train__resume=resume, optim__grad_clip=1.0)
-    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer = build_run(cfg, torch.device("cpu"))
     trainer.fit()
     return trainer
 
@@ -250,7 +251,7 @@ def resume_into_another_model_is_refused() -> str:
     _fit(1, run_dir)
     cfg = make_config(1, "1f1b", 2, train__dtype="float32", train__resume=f"{run_dir}/checkpoints", model__n_layer=6)
     try:
-        Trainer(cfg, torch.device("cpu")).fit()
+        build_run(cfg, torch.device("cpu")).fit()
     except Exception as exc:  # noqa: BLE001 - the test asserts the type
         return f"{type(exc).__name__}: {exc}"
     return "no error"
@@ -259,16 +260,17 @@ def resume_into_another_model_is_refused() -> str:
 def reduction_overlaps_cooldown(schedule: str = "interleaved_1f1b", m: int = 2) -> dict[str, Any]:
     """With two stages per rank, the dp all-reduce of the stage that finishes first is posted
     before the rank's last compute action (while the cooldown still runs)."""
-    trainer = Trainer(make_config(2, schedule, m), torch.device("cpu"))
-    trainer.pipeline.events = []
+    trainer = build_run(make_config(2, schedule, m), torch.device("cpu"))
+    recorder = trainer.pipeline.recorder
+    recorder.start()
     posted: list[tuple[int, int]] = []
     ready = trainer.pipeline.on_stage_grads_ready
 
     def record(s: int) -> None:
-        posted.append((s, sum(1 for e in trainer.pipeline.events if e.kind != "comm")))
+        posted.append((s, sum(1 for e in recorder.events if e.kind != "comm")))
         ready(s)
 
-    trainer.pipeline.on_stage_grads_ready = record
+    trainer.pipeline.on_stage_grads_ready = record  # the test listens in on the builder's hook
     trainer.forward_backward(0)
-    actions = sum(1 for e in trainer.pipeline.events if e.kind != "comm")
+    actions = sum(1 for e in recorder.stop() if e.kind != "comm")
     return {"posted": posted, "actions": actions, "stages": sorted(trainer.stages)}

@@ -24,10 +24,10 @@ CHILD = textwrap.dedent("""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
     import scale_cases
     import pipeflow.run.checkpoint as ck
-    from pipeflow.run.trainer import Trainer
+    from pipeflow.run.builder import build_run
     cfg = scale_cases.make_config(1, "1f1b", 2, train__dtype="float32", train__max_steps={steps},
                                   train__save_every=2, train__run_dir={run_dir!r}, train__resume="auto")
-    trainer = Trainer(cfg, torch.device("cpu"))
+    trainer = build_run(cfg, torch.device("cpu"))
     trainer.fit()
     print("RESUMED_AT", {steps} - len(trainer.history), flush=True)
     if {crash}:

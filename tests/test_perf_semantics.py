@@ -10,7 +10,7 @@ from torch import nn
 
 from pipeflow.errors import DeadlockError
 from pipeflow.schedules import GENERATORS, Action, build_schedule, one_f_one_b, simulate
-from pipeflow.schedules.lowering import recvs_needed
+from pipeflow.schedules.lowering import lower, recvs_needed
 from pipeflow.runtime.stage import Stage, run_backward
 
 COSTS = {"F": 1.0, "B": 2.0, "W": 1.0}
@@ -23,7 +23,7 @@ def test_eager_sends_never_slower_and_still_proven(name: str) -> None:
         for m in (2 * p, 3 * p):
             schedule = build_schedule(name, p, m)
             strict = simulate(schedule, costs=COSTS, comm_latency=0.1)
-            eager = simulate(schedule, costs=COSTS, comm_latency=0.1, eager_sends=True)
+            eager = simulate(schedule, costs=COSTS, comm_latency=0.1, posting="ahead")
             assert eager.makespan <= strict.makespan + 1e-9, (p, m)
             assert len(eager.timeline) == len(strict.timeline)
 
@@ -32,7 +32,7 @@ def test_eager_sends_still_catch_a_deadlock() -> None:
     schedule = one_f_one_b(4, 4)
     schedule.actions[1] = [Action.parse(w) for w in "1F0 1B0 1F1 1F2 1F3 1B1 1B2 1B3".split()]
     with pytest.raises(DeadlockError):
-        simulate(schedule, eager_sends=True)
+        simulate(schedule, posting="ahead")
 
 
 def _stage(last: bool) -> Stage:
@@ -89,8 +89,9 @@ def test_run_backward_returns_input_grads_without_accumulating() -> None:
 @pytest.mark.parametrize("name", sorted(GENERATORS))
 def test_eager_action_waits_only_for_its_own_inputs(name: str) -> None:
     """On gloo a recv is waited on by the action that consumes it: an action with no remote
-    input (a W, stage 0's F, a local hand-off) starts as soon as its rank's previous action ends,
-    even when lowering placed a recv for a later action before it and that sender is slow."""
+    input (a W, stage 0's F, a local hand-off) waits for no recv, even when lowering placed a
+    recv for a later action before it and that sender is slow; it starts as soon as its rank's
+    previous step is done (its action, and the sends that step waits for after it)."""
     for p in (2, 4):
         schedule = build_schedule(name, p, 2 * p)
         slow_stage = schedule.num_stages // 2  # its F is late, so recvs of its output are too
@@ -98,12 +99,21 @@ def test_eager_action_waits_only_for_its_own_inputs(name: str) -> None:
         def costs(action: Action) -> float:
             return 5.0 if action.kind == "F" and action.stage == slow_stage else 1.0
 
-        result = simulate(schedule, costs=costs, comm_latency=0.1, eager_sends=True)
-        previous_end = [0.0] * p
-        for rank, action, start, end in sorted(result.timeline, key=lambda entry: (entry[0], entry[2])):
-            if not recvs_needed(action, schedule):
-                assert start == pytest.approx(previous_end[rank]), (p, rank, action)
-            previous_end[rank] = end
+        for posting in ("at_step", "ahead"):
+            programs = lower(schedule, posting)
+            for program in programs:
+                for step in program:
+                    needed = set(recvs_needed(step.action, schedule)) if step.action is not None else set()
+                    assert set(step.waits) == needed, (p, posting, step)
+                    assert all(op.is_send for op in step.after), (p, posting, step)
+            result = simulate(schedule, programs, costs=costs, comm_latency=0.1)
+            previous_end = [0.0] * p
+            sends_after = {(r, step.action): bool(step.after) for r, program in enumerate(programs) for step in program}
+            previous_sent = [False] * p
+            for rank, action, start, end in sorted(result.timeline, key=lambda entry: (entry[0], entry[2])):
+                if not recvs_needed(action, schedule) and not previous_sent[rank]:
+                    assert start == pytest.approx(previous_end[rank]), (p, posting, rank, action)
+                previous_end[rank], previous_sent[rank] = end, sends_after[rank, action]
 
 
 def test_ahead_tuner_times_both_settings_then_keeps_the_faster(tmp_path) -> None:
@@ -112,7 +122,7 @@ def test_ahead_tuner_times_both_settings_then_keeps_the_faster(tmp_path) -> None
     import torch
     import torch.distributed as dist
 
-    from pipeflow.runtime.recv_policy import AheadTuner
+    from pipeflow.runtime.posting import AheadTuner
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

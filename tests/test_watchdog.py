@@ -67,14 +67,13 @@ def _stuck_rank(rank: int, port: int) -> None:
     if rank == 1:
         time.sleep(20)  # alive but silent: the recv on rank 0 neither completes nor fails
         os._exit(0)
-    comm = P2PComm(None, torch.device("cpu"), timeout_s=1.0, host_blocking=False)
-
     def on_timeout(exc: PipelineTimeoutError) -> None:
         print(f"TIMEOUT {exc}", flush=True)
         os._exit(3)
 
-    comm.watchdog = DeadlineWatchdog(on_timeout, poll_s=0.1)
-    _, works = comm.post([], [(1, torch.empty(4))])
+    comm = P2PComm(None, torch.device("cpu"), timeout_s=1.0, host_blocking=False,
+                   watchdog=DeadlineWatchdog(on_timeout, poll_s=0.1))
+    works = comm.post([], [(1, torch.empty(4))])
     comm.wait(works, "recv activation of micro-batch 0 from stage 1 (rank 1)")  # blocks: gloo wait
     os._exit(0)
 

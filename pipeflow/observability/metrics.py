@@ -127,7 +127,7 @@ class RunMetrics:
 
     Args:
         cfg: the whole config (``metrics``, ``train``, ``data`` groups are read).
-        pipeline: this rank's Pipeline (its ``events`` list is filled during steps).
+        recorder: the recorder the pipeline records into (on during each step).
         pp_rank, num_pp: this rank's pipeline rank and the pipeline size p.
         device: this rank's device (collectives and memory).
         run_dir: the run directory every rank agreed on.
@@ -136,7 +136,7 @@ class RunMetrics:
     """
 
     def __init__(
-        self, cfg: Any, pipeline: Any, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
+        self, cfg: Any, recorder: Any, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
         predicted: float, items: tuple[int, int | None],
     ) -> None:
         mc = cfg.metrics
@@ -148,7 +148,7 @@ class RunMetrics:
         self.is_main = dist.get_rank() == 0
         if self.is_main and any(s < 0 or s >= self.max_steps for s in self.trace_steps):
             log.warning("metrics.trace_steps=%s: steps outside 0..%d are not traced", sorted(self.trace_steps), self.max_steps - 1)
-        self.pipeline, self.pp_rank, self.num_pp, self.device = pipeline, pp_rank, num_pp, device
+        self.recorder, self.pp_rank, self.num_pp, self.device = recorder, pp_rank, num_pp, device
         self.run_dir, self.predicted, self.items = run_dir, predicted, items
         self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
         self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
@@ -170,13 +170,13 @@ class RunMetrics:
             self.first_step = step
             if self.show_bar:
                 self.bar = console.progress_bar(self.max_steps, True, initial=step)
-        self.pipeline.events = []
+        self.recorder.start()
         self._start = time.perf_counter()
 
     def end_step(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
         """Finish step `step`: add up its figures; at a log step gather them and report."""
         end = time.perf_counter()
-        events, self.pipeline.events = self.pipeline.events or [], None
+        events = self.recorder.stop()
         figures = step_figures(events, self._start, end)
         self.interval += figures
         self.interval_steps += 1

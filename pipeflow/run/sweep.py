@@ -145,9 +145,9 @@ def run_sweep_job(cfg: DictConfig, device: torch.device) -> JobRecord | None:
 
 def _run_job(cfg: DictConfig, device: torch.device, index: int, text: str, run_dir: str,
              state: SweepState) -> JobRecord | None:
-    from pipeflow.run.trainer import Trainer
+    from pipeflow.run.builder import build_run
 
-    trainer, why = _build_agreed(lambda: Trainer(cfg, device))
+    trainer, why = _build_agreed(lambda: build_run(cfg, device))
     if trainer is None:
         if dist.get_rank() == 0:
             log.warning("sweep job %d (%s) skipped: %s", index, text, why)

@@ -1,39 +1,37 @@
-"""The training loop: data, optimizer, lr schedule, global grad-norm clipping, evaluation, logging.
+"""The training loop: lr schedule, global grad-norm clipping, the optimizer step, evaluation, logging.
 
-How a step is scheduled is the Pipeline's business; the Trainer splits batches into
+How a step is scheduled is the Pipeline's business and how the run is put together the
+builder's (:func:`pipeflow.run.builder.build_run`); the Trainer splits batches into
 micro-batches, hands them over, then finishes the step (clip, optimizer, log) on every rank.
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from pipeflow.run import checkpoint
-from pipeflow.data import TOKEN_DATA, build_batches, shard, split_microbatches
-from pipeflow.run import guard
-from pipeflow.runtime import failures
-from pipeflow.runtime.transport import DeadlineWatchdog, P2PComm
-from pipeflow.run.config import check_config
-from pipeflow.run.faults import install_from_env
-from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.data import Batches, shard, split_microbatches
 from pipeflow.models.spec import ModelSpec
-from pipeflow.planning.layout import choose_layout, describe_layout
-from pipeflow.runtime.mesh import GradReducer, build_mesh
-from pipeflow.observability.metrics import RunMetrics, predicted_bubble
+from pipeflow.observability.metrics import RunMetrics
+from pipeflow.planning.layout import Layout, describe_layout
+from pipeflow.run import checkpoint
+from pipeflow.run.faults import FaultInjector
+from pipeflow.runtime import failures
+from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.runtime.mesh import GradReducer, Mesh
 from pipeflow.runtime.pipeline import Pipeline
-from pipeflow.runtime.recv_policy import AheadTuner
-from pipeflow.runtime.precision import LossScaler, configure_stages
-from pipeflow.schedules import build_schedule
-from pipeflow.runtime.stage import Tensors, build_stages, layers_by_index
+from pipeflow.runtime.posting import Posting
+from pipeflow.runtime.precision import LossScaler
+from pipeflow.runtime.stage import Stage, Tensors, layers_by_index
 from pipeflow.runtime.tied import TiedWeights
+from pipeflow.runtime.transport import Deadlines
+from pipeflow.schedules import PipelineSchedule
 
 log = logging.getLogger("pipeflow")
 
@@ -87,90 +85,71 @@ def clip_grad_norm_global(
     return total, packed[1:]
 
 
+@dataclass
 class Trainer:
-    """Builds this rank's part of the pipeline from the config and trains it.
+    """Trains this rank's part of the pipeline: the loop over what :func:`~pipeflow.run.builder.build_run` built.
 
-    Args:
-        cfg: the resolved Hydra config (see ``configs/`` and ``pipeflow/config.py``).
+    Attributes:
+        cfg: the resolved config (``train``, ``optim`` and ``data`` settings are read).
         device: this rank's device.
+        config_hash: the digest every rank agreed on.
+        mesh: the dp x pp process mesh.
+        spec, schedule, layout: the model, the schedule, the partition (and its prediction).
+        batches: the train and validation batch sources.
+        stages, pipeline: this rank's stages and the interpreter of its program.
+        posting: which lowering the pipeline runs (its auto choice is logged once).
+        deadlines: switched to the steady deadline after the first training step.
+        tied, reducer: tied-weight and data-parallel gradient reduction (reducer None at dp = 1).
+        scaler, finite, faults: the fp16 loss scaler, the optional non-finite check and fault injector.
+        params, optimizer, metrics, run_dir: what is optimized, how, measured, and where written.
     """
 
-    def __init__(self, cfg: DictConfig, device: torch.device) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.world_size = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.is_main = self.rank == 0
-        self.config_hash = guard.check_same_config(cfg)  # before anything a rank could disagree on
-        self.dp, self.pp = check_config(cfg, self.world_size)
-        self.mesh = build_mesh(self.dp, self.pp, device)
-        self.pp_rank = self.mesh.pp_rank
-        self.dtype = getattr(torch, cfg.train.dtype)
-        self.spec: ModelSpec = instantiate(cfg.model)
-        self.m = cfg.pipeline.num_microbatches
-        self.schedule = build_schedule(
-            cfg.schedule.name, self.pp, self.m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
-            cfg.schedule.path, cfg.pipeline.stage_to_rank,
-        )
-        self.batches = build_batches(cfg.data, cfg.model)
-        sample = split_microbatches(shard(self.batches.train.get(0), 0, self.dp)[0], self.m)[0]
-        self.layout = choose_layout(self.spec, self.schedule, cfg.pipeline, sample, device, self.dtype)
-        self.ranges = self.layout.ranges
-        guard.check_same_program(self.schedule, self.ranges)
-        self.stages = build_stages(self.spec, self.ranges, self.schedule.stages_of(self.pp_rank), device, self.dtype)
-        configure_stages(self.stages.values(), cfg.train.precision, cfg.pipeline.checkpoint_activations)
-        self.scaler = LossScaler(cfg.train.precision == "fp16")
-        comm = P2PComm(self.mesh.pp_group, device, cfg.comm.first_step_timeout_s)
-        comm.warmup()  # ranks may still be building their stages: the first-step deadline
-        comm.timeout_s = cfg.comm.timeout_s
-        if not comm.host_blocking:  # CUDA: waits order streams; a thread keeps their deadlines
-            comm.watchdog = DeadlineWatchdog(lambda exc: guard.fail(exc, self.rank))
-        self.tied = TiedWeights(
-            self.spec, self.ranges, self.schedule.stage_to_rank, layers_by_index(self.stages, self.ranges),
-            [comm.global_rank(r) for r in range(comm.size)], comm.rank, self.mesh.replicas,
-        )
-        self.tied.sync_initial_values()
-        self.pipeline = Pipeline(self.stages, self.schedule, comm, cfg.comm.dynamic_shapes, cfg.comm.first_step_timeout_s)
-        self.pipeline.recvs_ahead = cfg.comm.recvs_ahead
-        # auto's choice is made by the whole world (every replica alike, so no replica waits on a
-        # slower setting) and within about a quarter of the run, so short runs and sweeps
-        # measure the chosen setting for most of their steps
-        self.pipeline.tuning_group = None
-        self.pipeline.ahead_tuner = AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8)))
-        self.faults = install_from_env(self.stages, self.rank)  # PIPEFLOW_FAULT_INJECT (tests)
-        self._first_step_done = False
-        self._ahead_reported = False  # comm.recvs_ahead=auto's choice, logged once
-        self.finite = FiniteCheck(self.stages, self.schedule.num_stages, device) if cfg.train.check_finite else None
-        self.params = unique_parameters(st.parameters() for st in self.stages.values())
-        self.reducer = GradReducer(self.stages, self.mesh.dp_group, self.dp) if self.dp > 1 else None
-        if self.reducer is not None:
-            self.pipeline.on_stage_grads_ready = self.reducer.stage_ready
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
-        )
-        self.run_dir = self._agree_run_dir()
-        per_sample = cfg.data.seq_len if cfg.data.name in TOKEN_DATA else None
-        self.metrics = RunMetrics(
-            cfg, self.pipeline, comm.rank, self.pp, device, self.run_dir, predicted_bubble(self.layout, self.schedule),
-            (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
-        )
-        self.checkpoint_root = os.path.join(self.run_dir, "checkpoints")
-        self.history: list[float] = []  # the loss of every step this run trained
+    cfg: DictConfig
+    device: torch.device
+    config_hash: str
+    mesh: Mesh
+    spec: ModelSpec
+    schedule: PipelineSchedule
+    layout: Layout
+    batches: Batches
+    stages: dict[int, Stage]
+    pipeline: Pipeline
+    posting: Posting
+    deadlines: Deadlines
+    tied: TiedWeights
+    reducer: GradReducer | None
+    scaler: LossScaler
+    finite: FiniteCheck | None
+    faults: FaultInjector | None
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    metrics: RunMetrics
+    run_dir: str
+    history: list[float] = field(default_factory=list)  # the loss of every step this run trained
 
-    def _agree_run_dir(self) -> str:
-        """Rank 0 picks the run directory, every rank receives it; rank 0 writes the config there."""
-        choice = [self.cfg.train.run_dir or os.path.join("outputs", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))]
-        dist.broadcast_object_list(choice, src=0)
-        run_dir = choice[0]
-        if self.is_main:
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-                f.write(OmegaConf.to_yaml(self.cfg, resolve=True))
-        return run_dir
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0, which logs and writes."""
+        return dist.get_rank() == 0
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel replicas."""
+        return self.mesh.dp
+
+    @property
+    def ranges(self) -> list[range]:
+        """The layers of every stage."""
+        return self.layout.ranges
+
+    @property
+    def checkpoint_root(self) -> str:
+        """Where checkpoints go: ``<run_dir>/checkpoints``."""
+        return os.path.join(self.run_dir, "checkpoints")
 
     def save_checkpoint(self, step: int) -> str:
         """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.checkpoint)."""
-        meta = {"dp": self.dp, "pp": self.pp, "scaler": self.scaler.state_dict()}
+        meta = {"dp": self.dp, "pp": self.mesh.pp, "scaler": self.scaler.state_dict()}
         return checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer, meta)
 
     def resume(self) -> int:
@@ -201,10 +180,10 @@ class Trainer:
         x, y = batch
         if 0 in self.stages:
             xs = x.to(self.device)
-            xs = xs.to(self.dtype) if xs.is_floating_point() else xs
-            inputs = [(mb,) for mb in split_microbatches(xs, self.m)]
+            xs = xs.to(getattr(torch, self.cfg.train.dtype)) if xs.is_floating_point() else xs
+            inputs = [(mb,) for mb in split_microbatches(xs, self.schedule.num_microbatches)]
         if self.schedule.num_stages - 1 in self.stages:
-            targets = split_microbatches(y.to(self.device), self.m)
+            targets = split_microbatches(y.to(self.device), self.schedule.num_microbatches)
         return inputs, targets
 
     def forward_backward(self, step: int) -> tuple[float, float]:
@@ -218,9 +197,7 @@ class Trainer:
             NonFiniteError: ``train.check_finite`` and NaN/Inf the loss scaler does not explain.
         """
         inputs, targets = self._microbatches(self._local_batch(self.batches.train, step))
-        for stage in self.stages.values():
-            stage.grad_scale = self.scaler.scale
-        loss = self.pipeline.run(inputs, targets)
+        loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale)
         extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
         if self.finite is not None:  # before the dp and tie sums, which would spread a NaN to other stages
             extra = torch.cat([extra, self.finite.local_flags().to(extra.dtype)])
@@ -260,16 +237,10 @@ class Trainer:
             log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f%s",
                         step, scale, self.scaler.scale, floor)
         self.optimizer.zero_grad(set_to_none=True)
-        tuner = self.pipeline.ahead_tuner
-        if tuner.medians is not None and not self._ahead_reported:
-            self._ahead_reported = True
-            if self.is_main:
-                log.info("comm.recvs_ahead=auto: recvs posted %s (median step %.2f ms a step ahead, %.2f ms at "
-                         "their step, slowest rank)", "a step ahead" if tuner.choice else "at their step",
-                         *(1e3 * t for t in tuner.medians))
-        if not self._first_step_done:  # later collectives get the steady-state deadline
-            guard.set_collective_timeout(self.cfg.comm.timeout_s)
-            self._first_step_done = True
+        note = self.posting.choice_note()
+        if note is not None and self.is_main:
+            log.info(note)
+        self.deadlines.first_step_done()  # later waits and collectives get the steady deadline
         return loss, norm
 
     def evaluate(self) -> float:
@@ -292,7 +263,7 @@ class Trainer:
         if self.is_main:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
-            log.info("mesh: dp=%d x pp=%d, precision=%s, activation checkpointing=%s", self.dp, self.pp,
+            log.info("mesh: dp=%d x pp=%d, precision=%s, activation checkpointing=%s", self.dp, self.mesh.pp,
                      self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
         start = self.resume()
         first_val = self.evaluate()

@@ -1,12 +1,12 @@
-"""Executing one rank's lowered program: the only place where communication and compute meet.
+"""Interpreting one rank's lowered program: the only place where communication and compute meet.
 
-For every step of the program: post one batched call (sends of tensors produced by earlier
-actions, recvs of tensors needed by this action or a later one; lowering decides which step
-carries each transfer), wait for what the action needs, then run the compute action on the
-local Stage.  With NCCL that wait is the whole step's group; with gloo, whose ops complete one
-by one, it is only the recv of the action's own input.  Arrivals wait in an inbox keyed by
-(payload, micro-batch, stage).
-Which schedule produced the program is unknown here; the simulator has checked it before.
+For every step of the program: post its one batched call (``step.ops``), wait for the posted
+ops it names (``step.waits``), run its compute action on the local Stage, then wait for the ops
+it names after (``step.after``: sends whose tensors are freed then).  Lowering wrote all of that
+into the steps; which lowering runs (rendezvous, NCCL's group, gloo's at_step or ahead) is the
+:class:`~pipeflow.runtime.posting.Posting`'s choice, and the simulator has proved each program
+before it runs.  Arrivals wait in an inbox keyed by (payload, micro-batch, stage).  Which
+schedule produced the program is unknown here.
 """
 from __future__ import annotations
 
@@ -17,34 +17,23 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from pipeflow.runtime.transport import META_LEN, P2PComm, TensorMeta, encode_metas
-from pipeflow.runtime import failures
 from pipeflow.errors import CommError, PipeflowError, ScheduleError, ShapeMismatchError
-from pipeflow.runtime.recv_policy import AheadTuner
+from pipeflow.runtime import failures
+from pipeflow.runtime.events import EventRecorder
+from pipeflow.runtime.posting import Posting
+from pipeflow.runtime.stage import Stage, Tensors
+from pipeflow.runtime.transport import META_LEN, P2PComm, TensorMeta, encode_metas
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
-from pipeflow.runtime.stage import Stage, Tensors
-
-class TimedEvent(NamedTuple):
-    """One recorded interval on this rank: a batched call (kind ``comm``, post to completion)
-    or a compute action (kind ``F``, ``B`` or ``W``; name such as ``1F0``); seconds from
-    ``time.perf_counter``."""
-
-    kind: str
-    name: str
-    start: float
-    end: float
-
 
 # inbox/outbox keys: (payload, micro-batch, stage) with stage = receiver (inbox) or sender (outbox)
 Key = tuple[str, int, int]
 
 
-class _InFlight(NamedTuple):
-    """A posted recv: its op, the buffers it fills, and the works to wait for."""
+class _Posted(NamedTuple):
+    """A posted op not waited for yet: the tensors it sends or fills, and its works."""
 
-    op: CommOp
     tensors: Tensors
     works: list[dist.Work]
 
@@ -55,10 +44,14 @@ class Pipeline:
     Args:
         stages: this rank's stages, by stage index.
         schedule: the schedule every rank of the pipeline runs (validated by the simulator).
-        comm: the batched P2P communicator of the pipeline group.
+        comm: the batched P2P communicator of the pipeline group (and its deadlines).
         dynamic_shapes: renegotiate shapes whenever the input shape changes (one small
             broadcast per step); otherwise shapes are negotiated once and a change is an error.
-        first_timeout_s: deadline for the calls of the first step (shape negotiation included).
+        posting: which lowering each pass runs (default: ``Posting()``, gloo's ``auto``).
+        recorder: where compute actions and batched calls are recorded while it is on.
+        on_stage_grads_ready: called with a stage index as soon as that stage's weight
+            gradients of the training step are complete (its last full backward or W), e.g. to
+            start its data-parallel all-reduce while the cooldown still runs.
     """
 
     def __init__(
@@ -67,14 +60,18 @@ class Pipeline:
         schedule: PipelineSchedule,
         comm: P2PComm,
         dynamic_shapes: bool = False,
-        first_timeout_s: float | None = None,
+        posting: Posting | None = None,
+        recorder: EventRecorder | None = None,
+        on_stage_grads_ready: Callable[[int], None] | None = None,
     ) -> None:
         self.stages = stages
         self.schedule = schedule
         self.comm = comm
         self.rank = comm.rank
         self.dynamic_shapes = dynamic_shapes
-        self.first_timeout_s = first_timeout_s
+        self.posting = posting if posting is not None else Posting()
+        self.recorder = recorder if recorder is not None else EventRecorder()
+        self.on_stage_grads_ready = on_stage_grads_ready
         if comm.size != schedule.num_ranks:
             raise ScheduleError(
                 f"schedule {schedule.name!r} is for {schedule.num_ranks} pipeline ranks but the "
@@ -85,56 +82,16 @@ class Pipeline:
                 f"rank {self.rank} holds stages {sorted(stages)} but schedule places "
                 f"{schedule.stages_of(self.rank)} on it"
             )
-        self.program = self._checked_program(schedule)
-        self._eval_programs: dict[int, Program] = {}
+        self._coalescing = not comm.independent_ops
+        self.programs = {option: self._checked_program(schedule, option) for option in self.posting.options(self._coalescing)}
+        self._eval_programs: dict[tuple[int, str], Program] = {}
         self._edge_meta: dict[int, tuple[TensorMeta, ...]] = {}  # outputs of stage s (edge s -> s+1)
         self._recv_metas: dict[tuple[str, int], tuple[TensorMeta, ...]] = {}  # by (payload, src stage)
         self._input_signature: torch.Tensor | None = None
-        self._timeout = first_timeout_s if first_timeout_s is not None else comm.timeout_s
-        # When a list, every batched call and compute action of run()/eval() appends a
-        # TimedEvent (what observability and the benchmarks read); None records nothing.
-        self.events: list[TimedEvent] | None = None
-        # Called with a stage index as soon as that stage's weight gradients of the training step
-        # are complete (its last full backward or W), e.g. to start its data-parallel all-reduce
-        # while the cooldown still runs; None: no call.
-        self.on_stage_grads_ready: Callable[[int], None] | None = None
         self._weights_left: dict[int, int] = {}
-        # Free a sent activation's storage once sent, keeping its autograd node (the memory
-        # benchmark turns it off to show the difference).
-        self.free_sent_activations = True
-        # True: run exactly the simulator's rendezvous semantics (each step's ops all complete
-        # before its action, nothing posted ahead); for debugging and the before/after benchmark.
-        self.strict_rendezvous = False
-        # gloo (eager runtime) only: post the next step's recvs with this step's sends (True) or
-        # each step's recvs with its own sends (False); either way a recv is waited on by the
-        # action that consumes it.  "auto" times both over the first training steps and keeps
-        # the faster (pipeflow.runtime.recv_policy): ahead hides transfers behind compute, but with tiny
-        # layers its early recv-ready messages cost more than they hide (docs/performance.md).
-        self.recvs_ahead: bool | str = "auto"
-        self.ahead_tuner = AheadTuner()
-        # The ranks that agree on auto's choice: this pipeline's (comm.group) by default; the
-        # trainer passes the world so that every data-parallel replica makes the same choice.
-        self.tuning_group: dist.ProcessGroup | None = comm.group
 
-    @property
-    def _eager(self) -> bool:
-        """The gloo runtime: ops complete one by one, so recvs are posted ahead and waited on by
-        their consumers (not with NCCL's one group per step, nor under strict rendezvous)."""
-        return self.comm.independent_ops and not self.strict_rendezvous
-
-    def _tuning(self) -> bool:
-        """True while ``recvs_ahead="auto"`` is still timing both settings (eager runtime only)."""
-        return self._eager and self.recvs_ahead == "auto" and self.ahead_tuner.choice is None
-
-    def _ahead(self) -> bool:
-        """The recvs-ahead setting outside the timed trials: as set, or auto's choice (ahead
-        until it is made)."""
-        if self.recvs_ahead == "auto":
-            return self.ahead_tuner.choice is not False
-        return bool(self.recvs_ahead)
-
-    def _checked_program(self, schedule: PipelineSchedule) -> Program:
-        programs = lower(schedule)
+    def _checked_program(self, schedule: PipelineSchedule, posting: str) -> Program:
+        programs = lower(schedule, posting)
         validate(schedule, programs)
         return programs[self.rank]
 
@@ -142,26 +99,27 @@ class Pipeline:
         return self.schedule.stage_to_rank[stage]
 
     # ----------------------------------------------------------------------------- public API
-    def run(self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None) -> torch.Tensor | None:
+    def run(
+        self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None, grad_scale: float = 1.0
+    ) -> torch.Tensor | None:
         """One training step: forward and backward of every micro-batch, grads accumulated.
 
         Args:
             inputs: the m micro-batch inputs (tuples), needed on the rank holding stage 0.
             targets: the m micro-batch targets, needed on the rank holding the last stage.
+            grad_scale: the loss scale (fp16): multiplies the loss that backward starts from,
+                not the returned loss.
 
         Returns:
             On the rank holding the last stage, the full-batch loss (the micro-batch losses
             each scaled by 1/m and summed); None elsewhere.
         """
         self._negotiate_shapes(inputs)
-        m = self.schedule.num_microbatches
-        tuning = self._tuning()
-        ahead = self.ahead_tuner.next_setting() if tuning else self._ahead()
+        option = self.posting.for_training(self._coalescing)
         start = time.perf_counter()
-        self._execute(self.program, inputs, targets, loss_scale=1.0 / m, train=True, ahead=ahead)
-        if tuning:
-            self.ahead_tuner.record(ahead, time.perf_counter() - start, self.tuning_group, self.comm.device)
-        self._timeout = self.comm.timeout_s
+        m = self.schedule.num_microbatches
+        self._execute(self.programs[option], inputs, targets, train=True, loss_weight=1.0 / m, grad_scale=grad_scale)
+        self.posting.record(option, time.perf_counter() - start, self._coalescing, self.comm.group, self.comm.device)
         return self._take_loss()
 
     def eval(
@@ -178,16 +136,16 @@ class Pipeline:
                 schedule's m); all ranks must pass the same number.
         """
         count = num_microbatches or self.schedule.num_microbatches
-        if count not in self._eval_programs:
+        key = (count, self.posting.for_eval(self._coalescing))
+        if key not in self._eval_programs:
             schedule = forward_only(self.schedule.num_ranks, count, self.schedule.stage_to_rank)
-            self._eval_programs[count] = self._checked_program(schedule)
+            self._eval_programs[key] = self._checked_program(schedule, key[1])
         self._negotiate_shapes(inputs)
         modes = [(mod, mod.training) for stage in self.stages.values() for mod in stage.module.modules()]
         for stage in self.stages.values():
             stage.module.train(False)  # BatchNorm uses running statistics, dropout is off
         try:
-            self._execute(self._eval_programs[count], inputs, targets, loss_scale=1.0 / count, train=False,
-                          ahead=self._ahead())
+            self._execute(self._eval_programs[key], inputs, targets, train=False, loss_weight=1.0 / count)
         finally:
             for mod, mode in modes:
                 mod.training = mode
@@ -254,116 +212,84 @@ class Pipeline:
         program: Program,
         inputs: Sequence[Tensors] | None,
         targets: Sequence[torch.Tensor] | None,
-        loss_scale: float,
         train: bool,
-        ahead: bool = True,
+        loss_weight: float,
+        grad_scale: float = 1.0,
     ) -> None:
-        """Run `program`: per step post its batched call, wait for what the action needs, compute.
+        """Interpret `program`: per step post its ops, wait for its waits, compute, wait for its after.
 
-        Sends are waited on lazily, after the step's action rather than before it (the sent
-        tensors are held until then, then freed).  Where the backend completes ops one by one
-        (gloo), the recvs of the next step are posted with this step's sends, before this step
-        computes, so data lands while the rank computes (with `ahead`; else each step's recvs go
-        with its own sends, see ``recvs_ahead``); and each recv is waited on only by the
-        action that consumes it, so a recv that lowering placed before an unrelated action (a W,
-        say) never holds that action up.  This is the runtime ``simulate(..., eager_sends=True)``
-        proves and times: every op is posted no later than under rendezvous and each wait is for
-        a subset of what rendezvous waits for, so nothing can wait longer than in the proven run.
-        With NCCL each step is one group on the comm stream, as the simulator runs it.
+        Every micro-batch loss is weighted by `loss_weight` (1/m), so the summed loss and
+        gradients are those of the full batch.
         """
         inbox: dict[Key, Tensors] = {}
         outbox: dict[Key, Tensors] = {}
+        posted: dict[CommOp, _Posted] = {}
         self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
-        events, clock = self.events, time.perf_counter
-        eager = self._eager
-        in_flight: dict[Key, _InFlight] = {}  # eager: posted recvs not waited on yet
-        lead = 1 if ahead else 0  # how many steps before its own a step's recvs are posted
-        if eager and program and lead:
-            self._post_recvs([], program[0], in_flight)
-        last = len(program) - 1
+        record, clock = (self.recorder.record if self.recorder.on else None), time.perf_counter
         for k, step in enumerate(program):
             t0 = clock()
-            sends = self._sends(step, outbox)
-            if eager:
-                send_works = self._post_recvs(sends, program[k + lead] if k + lead <= last else None, in_flight)
-            else:  # the step's own recvs, all waited on before its action (one group with NCCL)
-                send_works = self._post_recvs(sends, step, in_flight)
-                if self.strict_rendezvous and send_works:
-                    self._wait(send_works, program, k)
-                    send_works = []
-            landed = self._needed(step, in_flight, everything=not eager or k == last)
-            for op, tensors, works in landed:
-                if works:
-                    self._wait(works, program, k, op)
-                if op.payload == ACTIVATION:
-                    for b, meta in zip(tensors, self._edge_meta[op.src_stage]):
-                        b.requires_grad_(meta.requires_grad)
-                inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
-            if events is not None and (step.ops or landed):  # a step without ops names what it waited for
-                name = step.ops_text or "; ".join(str(entry.op) for entry in landed)
-                events.append(TimedEvent("comm", name, t0, clock()))
+            self._post(step, outbox, posted)
+            self._wait(step.waits, posted, inbox, program, k)
+            if record is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
+                record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, clock())
             if step.action is not None:
                 t1 = clock()
-                self._compute(step, inbox, outbox, inputs, targets, loss_scale, train)
-                if events is not None:
-                    events.append(TimedEvent(step.action.kind, str(step.action), t1, clock()))
-            if send_works:  # by now the peer has long posted its recvs; `sends` are freed after
+                self._compute(step, inbox, outbox, inputs, targets, loss_weight, train, grad_scale)
+                if record is not None:
+                    record(step.action.kind, str(step.action), t1, clock())
+            if step.after:  # by now the peer has long posted its recvs; the sent tensors are freed
                 t0 = clock()
-                self._wait(send_works, program, k)
-                if events is not None:
-                    events.append(TimedEvent("comm", "sends of the step done", t0, clock()))
-        if inbox or outbox or in_flight:
-            left = sorted(inbox) + sorted(outbox) + sorted(in_flight)
+                self._wait(step.after, posted, inbox, program, k, after=True)
+                if record is not None:
+                    record("comm", "sends of the step done", t0, clock())
+        if inbox or outbox or posted:
+            left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
 
-    def _post_recvs(
-        self, sends: list[tuple[int, torch.Tensor]], step: Step | None, in_flight: dict[Key, _InFlight]
-    ) -> list[dist.Work]:
-        """Post `sends` with the recvs of `step` (None: none) in one batched call, into fresh
-        buffers; the recvs join `in_flight` by the inbox key they will fill (with NCCL the
-        group's one work goes to the first).  Returns the send works."""
-        buffers = [(op, self._recv_buffers(op)) for op in step.ops if not op.is_send] if step is not None else []
-        send_works, recv_works = self.comm.post(sends, [(op.peer, b) for op, bs in buffers for b in bs])
-        at = 0
-        for op, tensors in buffers:
-            in_flight[(op.payload, op.microbatch, op.dst_stage)] = _InFlight(op, tensors, recv_works[at : at + len(tensors)])
-            at += len(tensors)
-        return send_works
-
-    @staticmethod
-    def _needed(step: Step, in_flight: dict[Key, _InFlight], everything: bool) -> list[_InFlight]:
-        """The in-flight recvs the step's action consumes, or all of them with `everything`."""
-        if everything:
-            landed = list(in_flight.values())
-            in_flight.clear()
-            return landed
-        action = step.action
-        if action is None or action.kind not in (FORWARD, BACKWARD):
-            return []
-        payload = ACTIVATION if action.kind == FORWARD else GRADIENT
-        recv = in_flight.pop((payload, action.microbatch, action.stage), None)
-        return [recv] if recv is not None else []
-
-    @staticmethod
-    def _describe(k: int, step: Step, op: CommOp | None = None) -> str:
-        action = f"before {step.action}" if step.action is not None else "after the last action"
-        ops = op.describe() if op is not None else "; ".join(o.describe() for o in step.ops)
-        return ops + f" (program step {k}, {action})"
-
-    @staticmethod
-    def _sends(step: Step, outbox: dict[Key, Tensors]) -> list[tuple[int, torch.Tensor]]:
-        """(peer, tensor) of every send of `step`, taken from the outbox in the step's order."""
-        return [
-            (op.peer, t) for op in step.ops if op.is_send for t in outbox.pop((op.payload, op.microbatch, op.src_stage))
+    def _post(self, step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted]) -> None:
+        """Post the step's ops in one batched call: sends from the outbox, recvs into fresh buffers."""
+        if not step.ops:
+            return
+        tensors = [
+            outbox.pop((op.payload, op.microbatch, op.src_stage)) if op.is_send else self._recv_buffers(op)
+            for op in step.ops
         ]
+        sends = [(op.peer, t) for op, ts in zip(step.ops, tensors) if op.is_send for t in ts]
+        recvs = [(op.peer, t) for op, ts in zip(step.ops, tensors) if not op.is_send for t in ts]
+        works = self.comm.post(sends, recvs)
+        sent_works, recv_works = works[: len(sends)], works[len(sends):]
+        for op, ts in zip(step.ops, tensors):
+            pool = sent_works if op.is_send else recv_works
+            posted[op] = _Posted(ts, pool[: len(ts)])
+            del pool[: len(ts)]
 
-    def _wait(self, works: list[dist.Work], program: Program, k: int, op: CommOp | None = None) -> None:
-        """Wait for `works` at program step k (those of `op`, or of the step's ops) under the
-        deadline; a timeout says what this rank had done before it got stuck."""
+    def _wait(
+        self, ops: tuple[CommOp, ...], posted: dict[CommOp, _Posted], inbox: dict[Key, Tensors], program: Program,
+        k: int, after: bool = False,
+    ) -> None:
+        """Wait for posted `ops` under the deadline; received tensors go to the inbox."""
+        if not ops:
+            return
+        entries = [posted.pop(op) for op in ops]
         try:
-            self.comm.wait(works, lambda: self._describe(k, program[k], op), self._timeout)
+            self.comm.wait([w for entry in entries for w in entry.works], lambda: self._describe(k, program[k], ops, after))
         except CommError as exc:
             raise failures.with_progress(exc, program, k)
+        for op, entry in zip(ops, entries):
+            if op.is_send:
+                continue
+            if op.payload == ACTIVATION:
+                for b, meta in zip(entry.tensors, self._edge_meta[op.src_stage]):
+                    b.requires_grad_(meta.requires_grad)
+            inbox[(op.payload, op.microbatch, op.dst_stage)] = entry.tensors
+
+    @staticmethod
+    def _describe(k: int, step: Step, ops: tuple[CommOp, ...], after: bool) -> str:
+        if step.action is None:
+            when = "after the last action"
+        else:
+            when = f"{'after' if after else 'before'} {step.action}"
+        return "; ".join(op.describe() for op in ops) + f" (program step {k}, {when})"
 
     def _recv_buffers(self, op: CommOp) -> Tensors:
         metas = self._recv_metas.get((op.payload, op.src_stage))
@@ -383,8 +309,9 @@ class Pipeline:
         outbox: dict[Key, Tensors],
         inputs: Sequence[Tensors] | None,
         targets: Sequence[torch.Tensor] | None,
-        loss_scale: float,
+        loss_weight: float,
         train: bool,
+        grad_scale: float,
     ) -> None:
         action = step.action
         assert action is not None
@@ -394,11 +321,11 @@ class Pipeline:
             if action.kind == FORWARD:
                 x = inputs[i] if s == 0 and inputs is not None else inbox.pop((ACTIVATION, i, s))
                 target = targets[i] if stage.is_last and targets is not None else None
-                out = stage.forward(i, x, target, loss_scale, keep_for_backward=train)
+                out = stage.forward(i, x, target, loss_weight, keep_for_backward=train, grad_scale=grad_scale)
                 if not stage.is_last:
                     self._check_outputs(s, i, out, train)
                     self._deliver(ACTIVATION, i, s, s + 1, tuple(t.detach() for t in out), inbox, outbox)
-                    if train and self.free_sent_activations and self._owner(s + 1) != self.rank:
+                    if train and self._owner(s + 1) != self.rank:
                         stage.deallocate_outputs(i)  # the sent copy holds the storage until sent
             elif action.kind == BACKWARD:
                 grads = None if stage.is_last else inbox.pop((GRADIENT, i, s))

@@ -95,25 +95,6 @@ class LossScaler:
             self._good_steps = int(state["good_steps"])
 
 
-def configure_stages(stages: Iterable[Any], precision: str, checkpoint_activations: Any) -> None:
-    """Set the compute dtype and activation checkpointing of every stage.
-
-    Args:
-        stages: this rank's Stages.
-        precision: ``train.precision``.
-        checkpoint_activations: ``pipeline.checkpoint_activations``: true (every layer), false,
-            or an int n (every n-th layer of a stage: its layers 0, n, 2n, ...).
-
-    Raises:
-        ConfigError: an unknown precision or a negative n.
-    """
-    dtype = compute_dtype(precision)
-    every = checkpoint_every(checkpoint_activations)
-    for stage in stages:
-        stage.compute_dtype = dtype
-        stage.checkpoint_every = every
-
-
 def checkpoint_every(value: Any) -> int:
     """``pipeline.checkpoint_activations`` as n (0: off, 1: every layer).
 

@@ -69,6 +69,8 @@ class Stage:
         num_stages: S, the total number of stages.
         layers: this stage's layers, in order.
         loss_fn: (last layer output, targets) -> mean loss; used on the last stage only.
+        compute_dtype: the autocast dtype (``train.precision``); None: autocast off.
+        checkpoint_every: recompute layers 0, n, 2n, ... in backward; 0: off.
     """
 
     def __init__(
@@ -77,6 +79,8 @@ class Stage:
         num_stages: int,
         layers: Sequence[nn.Module],
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+        compute_dtype: torch.dtype | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         self.index = index
         self.num_stages = num_stages
@@ -87,9 +91,8 @@ class Stage:
         self._boundaries: dict[int, list[Tensors]] = {}  # each layer's outputs, for a split backward
         self._pending_weight: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
         self.losses: dict[int, torch.Tensor] = {}
-        self.compute_dtype: torch.dtype | None = None  # autocast dtype (train.precision); None: off
-        self.grad_scale: float = 1.0  # fp16 loss scale, applied to the loss sent backward only
-        self.checkpoint_every: int = 0  # recompute layers 0, n, 2n, ... in backward; 0: off
+        self.compute_dtype = compute_dtype
+        self.checkpoint_every = checkpoint_every
         # Training forwards only: called as hook(stage, i) before micro-batch i runs, and as
         # outputs = hook(stage, i, outputs) on what it hands to the pipeline (guards, drills).
         self.pre_forward_hooks: list[Callable[[Stage, int], None]] = []
@@ -120,6 +123,7 @@ class Stage:
         target: torch.Tensor | None = None,
         loss_scale: float = 1.0,
         keep_for_backward: bool = True,
+        grad_scale: float = 1.0,
     ) -> Tensors:
         """Run micro-batch `i` through the stage.
 
@@ -132,6 +136,7 @@ class Stage:
             target: the micro-batch targets (last stage, training or evaluation with loss).
             loss_scale: factor that makes the sum over micro-batches equal the full-batch loss.
             keep_for_backward: False for evaluation (no graph is built or kept, no hooks run).
+            grad_scale: the fp16 loss scale, applied to the loss backward starts from only.
         """
         if keep_for_backward:
             for pre_hook in self.pre_forward_hooks:
@@ -145,7 +150,7 @@ class Stage:
             if self.is_last and target is not None and self.loss_fn is not None:
                 loss = self.loss_fn(output, target) * loss_scale
                 self.losses[i] = loss.detach()
-                outputs = (loss * self.grad_scale if self.grad_scale != 1.0 else loss,)
+                outputs = (loss * grad_scale if grad_scale != 1.0 else loss,)
         if keep_for_backward:
             self._inputs[i] = inputs
             self._outputs[i] = outputs
@@ -284,10 +289,16 @@ def build_stages(
     stage_ids: Sequence[int],
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    compute_dtype: torch.dtype | None = None,
+    checkpoint_every: int = 0,
 ) -> dict[int, Stage]:
-    """Build the stages `stage_ids` of `spec` split by `ranges`; only their layers are built."""
+    """Build the stages `stage_ids` of `spec` split by `ranges`; only their layers are built.
+
+    `compute_dtype` and `checkpoint_every` are every stage's (see :class:`Stage`).
+    """
     return {
-        s: Stage(s, len(ranges), spec.build_layers(ranges[s], device, dtype), spec.loss_fn) for s in stage_ids
+        s: Stage(s, len(ranges), spec.build_layers(ranges[s], device, dtype), spec.loss_fn, compute_dtype, checkpoint_every)
+        for s in stage_ids
     }
 
 

@@ -126,52 +126,83 @@ class DeadlineWatchdog:
                 ))
 
 
+class Deadlines:
+    """The deadline of every wait of a run: `first_step_s` until the first training step is done
+    (lazy start-up, shape negotiation, ranks still building), `steady_s` after; one switch for
+    the P2P waits and, with `collectives`, the process groups' collectives too.
+
+    Args:
+        first_step_s: the deadline until :meth:`first_step_done` (None: wait forever).
+        steady_s: the deadline after it (default: `first_step_s`).
+        collectives: also set the default process group's timeout at the switch.
+    """
+
+    def __init__(self, first_step_s: float | None, steady_s: float | None = None, collectives: bool = False) -> None:
+        self.first_step_s = first_step_s
+        self.steady_s = first_step_s if steady_s is None else steady_s
+        self.collectives = collectives
+        self.current = first_step_s
+
+    def first_step_done(self) -> None:
+        """Switch to the steady deadline (idempotent)."""
+        if self.current == self.steady_s:
+            return
+        self.current = self.steady_s
+        if self.collectives and self.steady_s is not None:
+            dist.set_timeout(datetime.timedelta(seconds=self.steady_s))
+
+
 class P2PComm:
     """Batched point-to-point exchange inside one pipeline process group.
 
     Args:
         group: the pipeline process group (None = the default group).
         device: where receive buffers live (``cuda:LOCAL_RANK`` with NCCL, CPU with gloo).
-        timeout_s: deadline for each batched call's completion (None: wait forever).
+        timeout_s: a fixed deadline for each batched call's completion (None: wait forever);
+            ignored when `deadlines` is given.
         host_blocking: whether :meth:`wait` blocks the host with the deadline (gloo, CPU);
             default: everywhere but CUDA, where a wait only orders the streams and the deadline
-            is kept by :attr:`watchdog` when one is set.
+            is kept by `watchdog` when one is given.
+        deadlines: deadlines that switch after the first training step (the run's).
+        watchdog: keeps the deadline of waits that do not block the host (CUDA).
     """
 
     def __init__(
         self, group: dist.ProcessGroup | None, device: torch.device, timeout_s: float | None = None,
-        host_blocking: bool | None = None,
+        host_blocking: bool | None = None, deadlines: Deadlines | None = None, watchdog: DeadlineWatchdog | None = None,
     ) -> None:
         self.group = group
         self.device = torch.device(device)
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.timeout_s = timeout_s
+        self.deadlines = deadlines if deadlines is not None else Deadlines(timeout_s)
         self._global = [dist.get_global_rank(group, r) if group is not None else r for r in range(self.size)]
         self.independent_ops = not _coalesces(group, self.device)
         self.host_blocking = self.device.type != "cuda" if host_blocking is None else host_blocking
-        self.watchdog: DeadlineWatchdog | None = None  # keeps the deadline of non-blocking waits
+        self.watchdog = watchdog
 
-    def post(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
-    ) -> tuple[list[dist.Work], list[dist.Work]]:
-        """Post `sends` and `recvs` as one batched call without waiting: (send works, recv works).
+    @property
+    def timeout_s(self) -> float | None:
+        """The deadline a wait gets now (see :class:`Deadlines`)."""
+        return self.deadlines.current
 
-        With a backend whose ops complete one by one (gloo: one Work per op) the recvs can be
-        waited on alone and the sends later.  Every transfer goes through
-        ``dist.batch_isend_irecv``, whatever the backend.  With a coalescing backend (NCCL) the
-        batch is one group on the communicator's own stream that completes as a whole: its single Work is returned with the recvs (as a send work when
-        there are no recvs); waiting on it makes the current stream wait for the group (an
-        event, not a device-wide sync).
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> list[dist.Work]:
+        """Post `sends` and `recvs` as one batched call without waiting; returns one Work per
+        transfer, sends first.
+
+        Every transfer goes through ``dist.batch_isend_irecv``, whatever the backend.  With a
+        backend whose ops complete one by one (gloo: one Work per op) each can be waited on
+        alone.  With a coalescing backend (NCCL) the batch is one group on the communicator's
+        own stream that completes as a whole: its single Work stands for every transfer, and
+        waiting on it makes the current stream wait for the group (an event, not a device-wide
+        sync).
         """
         ops = [dist.P2POp(dist.isend, t, self._global[peer], self.group) for peer, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self._global[peer], self.group) for peer, t in recvs]
         if not ops:
-            return [], []
+            return []
         works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
-        if len(works) == len(ops):
-            return works[: len(sends)], works[len(sends):]
-        return ([], works) if recvs else (works, [])
+        return works if len(works) == len(ops) else works[:1] * len(ops)
 
     def wait(
         self, works: Sequence[dist.Work], what: str | Callable[[], str] = "", timeout_s: float | None = None
@@ -179,7 +210,7 @@ class P2PComm:
         """Wait for `works` posted by :meth:`post`.
 
         Args:
-            works: the works to complete.
+            works: the works to complete (a work listed twice, one group's, is waited once).
             what: description for error messages, or a function making it (built on failure only).
             timeout_s: overrides the communicator's deadline.  On CUDA the wait only orders the
                 current stream after the comm stream (a host-side timed wait would block the CPU
@@ -190,6 +221,7 @@ class P2PComm:
             PipelineTimeoutError, CommError: as for :meth:`exchange`.
         """
         deadline = timeout_s if timeout_s is not None else self.timeout_s
+        works = _unique(works)
         if self.host_blocking:
             self._wait_all(works, deadline, what)
             return
@@ -249,10 +281,10 @@ class P2PComm:
         """
         deadline = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            send_works, recv_works = self.post(sends, recvs)
+            works = self.post(sends, recvs)
         except RuntimeError as exc:
             raise self._failure(exc, what, deadline) from exc
-        self._wait_all(send_works + recv_works, deadline, what)
+        self._wait_all(_unique(works), deadline, what)
 
     def _where(self) -> str:
         return f"pipeline rank {self.rank} (global rank {self._global[self.rank]})"
@@ -277,6 +309,11 @@ class P2PComm:
         buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
         self.exchange([], [(peer, buf)], what=f"recv shapes {what}")
         return decode_metas(buf.cpu())
+
+
+def _unique(works: Sequence[dist.Work]) -> list[dist.Work]:
+    """`works` with each Work once, in order (a coalesced group's Work stands for several ops)."""
+    return list({id(w): w for w in works}.values())
 
 
 def _coalesces(group: dist.ProcessGroup | None, device: torch.device) -> bool:

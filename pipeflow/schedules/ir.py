@@ -1,15 +1,16 @@
-"""The schedule IR: actions, schedules (actions per rank) and lowered programs (steps with comm ops).
+"""The schedule IR: actions, schedules (actions per rank) and lowered programs (explicit steps).
 
 Index letters used throughout the schedules package:
     p = number of pipeline ranks, S = number of stages, m = number of micro-batches,
     r = a rank, s = a stage, i = a micro-batch.
 
 A schedule says, for every rank, the order of its compute actions.  Lowering turns it into a
-*program*: a list of steps, each one batched communication call followed by one compute action.
-A send sits in a step after the action that produced it and a recv in the step of the action
-that consumes it or an earlier one (for GPipe and 1F1B exactly: the sends of the previous action
-plus the recvs of this one); see :mod:`~pipeflow.schedules.lowering` for where and why.  The
-runtime and the simulator execute the very same program.
+*program*: a list of explicit steps, each saying what its one batched call posts, which posted
+ops it waits for before its compute action, and which after it.  A send sits in a step after
+the action that produced it and a recv in the step of the action that consumes it or an
+earlier one; see :mod:`~pipeflow.schedules.lowering` for where and why, and for the posting
+options (rendezvous, group, at_step, ahead).  The runtime and the simulator interpret the very
+same steps.
 """
 from __future__ import annotations
 
@@ -100,6 +101,16 @@ class CommOp:
             f"(rank {self.peer})"
         )
 
+    @property
+    def producer(self) -> Action:
+        """The action that computes the transferred tensors (F for activations, B for gradients)."""
+        return Action(FORWARD if self.payload == ACTIVATION else BACKWARD, self.microbatch, self.src_stage)
+
+    @property
+    def consumer(self) -> Action:
+        """The action that consumes the transferred tensors (F of the next stage, B of the previous)."""
+        return Action(FORWARD if self.payload == ACTIVATION else BACKWARD, self.microbatch, self.dst_stage)
+
     def __str__(self) -> str:
         arrow = "->" if self.is_send else "<-"
         return f"{self.op}:{self.payload}{self.microbatch}[{self.src_stage}>{self.dst_stage}]{arrow}r{self.peer}"
@@ -107,7 +118,13 @@ class CommOp:
 
 @dataclass(frozen=True)
 class Step:
-    """One step of a rank's program: one batched comm call, then (optionally) one compute action.
+    """One step of a rank's program, explicit about its communication.
+
+    The step posts `ops` in one batched call, waits for the posted ops in `waits` (ops of this
+    step or of earlier ones), runs its compute action (if any), then waits for the ops in
+    `after` (sends whose tensors can be freed then).  Every posted op is waited exactly once.
+    Left out, `waits` is every op of the step and `after` nothing: rendezvous, the step's batch
+    completes before its action.
 
     `backward_weights` only matters for B actions: True when this B must also accumulate the
     weight gradients (no W action follows for the same stage and micro-batch).
@@ -116,6 +133,12 @@ class Step:
     ops: tuple[CommOp, ...]
     action: Action | None
     backward_weights: bool = True
+    waits: tuple[CommOp, ...] | None = None
+    after: tuple[CommOp, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.waits is None:
+            object.__setattr__(self, "waits", self.ops)
 
     @cached_property
     def ops_text(self) -> str:

@@ -29,12 +29,27 @@ step <= C posted by start(X); both inequalities still hold.)  Per directed rank 
 transfers are ordered by (t, producer), and X and Y grow with t, so the k-th send meets the
 k-th recv.  Channels with a transfer the timing cannot place (an action off its stage's rank,
 a dependency cycle in the schedule) keep the plain pairing, and the simulator names the fault.
+
+Posting options.  Where each transfer goes is fixed above; *when* its ops are posted and
+waited for is a lowering option, written into every step (``Step.ops``, ``waits``, ``after``):
+
+- ``rendezvous``: each step posts its ops and waits for all of them before its action (what
+  the placement argument above proves; strict, for debugging and before/after benchmarks).
+- ``group``: one group per step that completes as a whole (NCCL's coalesced batch): waited
+  before the action when it holds a recv, after it otherwise.
+- ``at_step`` and ``ahead`` (backends whose ops complete one by one, gloo): each recv is waited
+  for by the action that consumes it, each send after its step's action; ``ahead`` posts the
+  recvs of step k + 1 in step k's call, so data lands while the rank computes.
+
+Each only delays waits and advances posts relative to ``rendezvous``, so the proof carries
+over; the simulator checks every option's programs anyway.
 """
 from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
 
+from pipeflow.errors import ScheduleError
 from pipeflow.schedules.ir import (
     ACTIVATION,
     BACKWARD,
@@ -69,8 +84,15 @@ def sends_produced(action: Action, schedule: PipelineSchedule) -> tuple[CommOp, 
     return ()
 
 
-def lower(schedule: PipelineSchedule) -> list[Program]:
-    """Lower every rank's actions into its program of steps.
+POSTINGS = ("rendezvous", "group", "at_step", "ahead")
+
+
+def lower(schedule: PipelineSchedule, posting: str = "rendezvous") -> list[Program]:
+    """Lower every rank's actions into its program of explicit steps.
+
+    Args:
+        schedule: the schedule.
+        posting: when ops are posted and waited for, one of :data:`POSTINGS` (module docstring).
 
     Returns:
         ``programs[r]``: rank r's steps, the last one flushing the sends of its last action.
@@ -78,6 +100,8 @@ def lower(schedule: PipelineSchedule) -> list[Program]:
         stall a rank), every recv in the step of its consuming action or an earlier one; the
         sends and recvs of a channel are posted in the same order (see the module docstring).
     """
+    if posting not in POSTINGS:
+        raise ScheduleError(f"unknown posting {posting!r}; valid: {', '.join(POSTINGS)}")
     split = schedule.split_backwards()
     sends = [[_safe(sends_produced, a, schedule) for a in acts] for acts in schedule.actions]
     placed = _placements(schedule, sends, split)
@@ -96,7 +120,28 @@ def lower(schedule: PipelineSchedule) -> list[Program]:
             for k, action in enumerate(actions)
         ]
         programs.append(steps + ([Step(_sorted_ops(ops[-1]), None)] if ops[-1] else []))
-    return programs
+    if posting == "rendezvous":
+        return programs
+    return [_repost(program, posting) for program in programs]
+
+
+def _repost(program: Program, posting: str) -> Program:
+    """A rendezvous program with the posts and waits of `posting` (same transfers, same steps)."""
+    sends = [tuple(op for op in step.ops if op.is_send) for step in program]
+    recvs = [tuple(op for op in step.ops if not op.is_send) for step in program]
+    if posting == "group":
+        return [Step(step.ops, step.action, step.backward_weights, step.ops if recvs[k] else (), () if recvs[k] else step.ops)
+                for k, step in enumerate(program)]
+    lead = 1 if posting == "ahead" else 0
+    posts = [sends[k] + (recvs[0] if lead and k == 0 else ()) + (recvs[k + lead] if k + lead < len(program) else ())
+             for k in range(len(program))]
+    consumed_at = {step.action: k for k, step in enumerate(program) if step.action is not None}
+    waits: list[list[CommOp]] = [[] for _ in program]
+    for k, ops in enumerate(recvs):
+        for op in ops:  # waited by its consumer; by the last step if it has none here (the simulator names that)
+            waits[consumed_at.get(op.consumer, len(program) - 1)].append(op)
+    return [Step(posts[k], step.action, step.backward_weights, tuple(waits[k]), sends[k])
+            for k, step in enumerate(program)]
 
 
 def _sorted_ops(keyed: list[tuple[tuple, CommOp]]) -> tuple[CommOp, ...]:
@@ -147,7 +192,7 @@ def _place(
     for a_rank, rank_sends in enumerate(sends):
         for a, ops in enumerate(rank_sends):
             for send in ops:
-                b_rank, c = where.get(_consumer(send), (None, 0))
+                b_rank, c = where.get(send.consumer, (None, 0))
                 timed = b_rank == send.peer and a + 1 < len(windows[a_rank])
                 timed = timed and c < len(windows[send.peer])
                 channels[a_rank, send.peer].append((send, a, c) if timed else None)
@@ -167,11 +212,6 @@ def _place(
 def _key(rank: int, op: CommOp) -> tuple:
     """(rank, is_send, payload, micro-batch, source stage): names one end of one transfer."""
     return (rank, op.is_send, op.payload, op.microbatch, op.src_stage)
-
-
-def _consumer(send: CommOp) -> tuple[str, int, int]:
-    """The consuming action, as a plain tuple (equal to the Action, cheaper to make)."""
-    return (FORWARD if send.payload == ACTIVATION else BACKWARD, send.microbatch, send.dst_stage)
 
 
 def _windows(rank_times: list[tuple[float, float] | None]) -> Windows:

@@ -1,4 +1,6 @@
-"""Rendezvous simulator: runs the lowered programs, proves them correct, measures time, memory."""
+"""The simulator: interprets the lowered programs step by step, exactly as the runtime does
+(post a step's ops, wait for its ``waits``, compute, wait for its ``after``), proves them correct
+and measures time and memory."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -45,27 +47,25 @@ def simulate(
     programs: list[Program] | None = None,
     costs: Costs | None = None,
     comm_latency: float = 0.0,
-    eager_sends: bool = False,
+    posting: str = "rendezvous",
 ) -> SimResult:
-    """Execute the per-rank programs under rendezvous semantics, checking and measuring them.
+    """Interpret the per-rank programs as the runtime does, checking and measuring them.
 
-    A rank posts a step's ops together, waits until each meets its counterpart (the k-th send on
-    a directed rank pair meets the k-th recv there), then computes.  A batch posted at t is done
-    at max(t, counterparts' post times), plus `comm_latency` if it has ops.
+    Each step of a rank posts its ops together, waits for its ``waits`` (each op meets its
+    counterpart: the k-th send on a directed rank pair meets the k-th recv there), computes,
+    then waits for its ``after``.  An op posted at t whose counterpart is posted at t' completes
+    at max(t, t') + `comm_latency`; a wait ends when its last op completes.
 
     Args:
         schedule: the schedule (placement, sizes, training or not).
-        programs: per-rank programs; ``lower(schedule)`` when None.
+        programs: per-rank programs; ``lower(schedule, posting)`` when None.
         costs: time per kind (``{"F": 1, "B": 1, "W": 1}`` by default, missing kinds default too)
             or a function of the Action.  A B with ``backward_weights`` costs B + W.
-        comm_latency: added to the completion of every batch that has ops.
-        eager_sends: what the runtime does on backends whose ops complete one by one (gloo):
-            a step's sends complete whenever the peer posts the recv, and a recv is waited on
-            only by the action that consumes its tensors (a recv that lowering placed in an
-            earlier step, or before an action that does not need it, stays in flight; the last
-            step waits for whatever is left).  This only relaxes rendezvous: every op is posted
-            no later and each wait is for a subset of what rendezvous waits for, so a program
-            that runs under rendezvous runs here too, never later.
+        comm_latency: added to the completion of every op.
+        posting: the lowering option when `programs` is None (``rendezvous``, ``group``,
+            ``at_step``, ``ahead``; see :mod:`~pipeflow.schedules.lowering`).  The relaxed
+            options only post earlier and wait later than rendezvous, so a program that runs
+            under rendezvous runs under them too, never later.
 
     Returns:
         The :class:`SimResult`.
@@ -77,20 +77,20 @@ def simulate(
     """
     if comm_latency < 0:
         raise ScheduleError(f"comm_latency must be >= 0, got {comm_latency}")
-    programs = lower(schedule) if programs is None else programs
+    programs = lower(schedule, posting) if programs is None else programs
     _check_programs(schedule, programs)
     _check_channel_counts(programs)
-    return _Simulation(schedule, programs, _cost_function(costs), comm_latency, eager_sends).run()
+    return _Simulation(schedule, programs, _cost_function(costs), comm_latency).run()
 
 
-def validate(schedule: PipelineSchedule, programs: list[Program] | None = None) -> SimResult:
-    """Prove `programs` (default ``lower(schedule)``) run each action once, in order, no deadlock.
+def validate(schedule: PipelineSchedule, programs: list[Program] | None = None, posting: str = "rendezvous") -> SimResult:
+    """Prove `programs` (default ``lower(schedule, posting)``) run each action once, in order, no deadlock.
 
     Raises:
         ScheduleError: on any problem found (see :func:`simulate`).
         DeadlockError: when the programs cannot make progress.
     """
-    return simulate(schedule, programs)
+    return simulate(schedule, programs, posting=posting)
 
 
 def _cost_function(costs: Costs | None) -> CostFn:
@@ -132,6 +132,7 @@ def _check_programs(schedule: PipelineSchedule, programs: list[Program]) -> None
     _raise_problems(f"invalid programs for schedule {name}", [p for p in problems if p])
     _raise_problems(f"incomplete schedule {name}", _completeness_problems(schedule, where))
     _raise_problems(f"inconsistent backward steps in {name}", _split_problems(programs, where))
+    _raise_problems(f"inconsistent waits in {name}", [p for r, program in enumerate(programs) for p in _wait_problems(r, program)])
 
 
 def _action_problem(schedule: PipelineSchedule, r: int, k: int, action: Action) -> str:
@@ -157,6 +158,21 @@ def _op_problem(schedule: PipelineSchedule, r: int, k: int, op: CommOp) -> str:
     if owner[mine] != r or owner[theirs] != op.peer or op.peer == r:
         return f"{at}: stage {mine} is on rank {owner[mine]}, {theirs} on rank {owner[theirs]}"
     return ""
+
+
+def _wait_problems(r: int, program: Program) -> list[str]:
+    """Every op waited exactly once, at or after the step that posts it, sends in their own step."""
+    problems, posted = [], {}
+    for k, step in enumerate(program):
+        posted.update((op, k) for op in step.ops)
+        for op in step.waits + step.after:
+            if op not in posted:
+                problems.append(f"rank {r} step {k}: waits for '{op.describe()}', which is not posted by then or waited twice")
+            elif op.is_send and posted[op] != k:
+                problems.append(f"rank {r} step {k}: waits for '{op.describe()}', posted at step {posted[op]}")
+            posted.pop(op, None)
+    problems += [f"rank {r} step {k}: '{op.describe()}' is posted but never waited for" for op, k in posted.items()]
+    return problems
 
 
 def _range_problem(schedule: PipelineSchedule, stages: tuple[int, ...], microbatch: int) -> str:
@@ -227,6 +243,7 @@ class _Posted(NamedTuple):
 
 
 _Slot = tuple[_Posted, list[_Posted], int]  # (this op, the counterpart queue, index in it)
+_POST, _WAIT, _AFTER = range(3)  # the phases of a step
 
 
 def _counterpart(slot: _Slot) -> _Posted | None:
@@ -245,26 +262,22 @@ def _dependencies(action: Action, num_stages: int) -> list[Action]:
     return [Action(BACKWARD, i, s)]
 
 
-def _producer(op: CommOp) -> Action:
-    kind = FORWARD if op.payload == ACTIVATION else BACKWARD
-    return Action(kind, op.microbatch, op.src_stage)
-
-
 class _Simulation:
-    """The state of every rank while the programs execute."""
+    """The state of every rank while the programs execute.
 
-    def __init__(
-        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float, eager: bool = False
-    ) -> None:
+    A rank's step goes through three phases: post its ops, wait for ``waits`` and compute, wait
+    for ``after``.  Each phase either completes (advancing the rank's clock) or blocks on ops
+    whose counterparts are not posted yet.
+    """
+
+    def __init__(self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float) -> None:
         p = schedule.num_ranks
         self.schedule, self.programs, self.cost, self.latency = schedule, programs, cost, latency
-        self.eager = eager
         self.queues: dict[tuple[Channel, bool], list[_Posted]] = defaultdict(list)  # by is_send
-        self.next_step, self.clock, self.busy = [0] * p, [0.0] * p, [0.0] * p
+        self.next_step, self.phase, self.clock, self.busy = [0] * p, [_POST] * p, [0.0] * p, [0.0] * p
         self.live, self.peak = [0] * p, [0] * p
-        self.slots: list[list[_Slot] | None] = [None] * p  # posted ops of each rank's current step
+        self.posted: list[dict[CommOp, _Slot]] = [{} for _ in range(p)]  # posted, not waited for yet
         self.received: list[set[CommOp]] = [set() for _ in range(p)]
-        self.in_flight: list[dict[CommOp, _Slot]] = [{} for _ in range(p)]  # eager: posted recvs not waited on
         self.finished_at: dict[Action, float] = {}
         self.timeline: list[tuple[int, Action, float, float]] = []
 
@@ -287,45 +300,48 @@ class _Simulation:
         k = self.next_step[r]
         if k >= len(self.programs[r]):
             return False
-        step = self.programs[r][k]
-        if self.slots[r] is None:
-            self.slots[r] = [self._post(_Posted(r, k, op, self.clock[r])) for op in step.ops]
-            if self.eager:
-                self.in_flight[r].update((slot[0].op, slot) for slot in self.slots[r] if not slot[0].op.is_send)
+        step, phase = self.programs[r][k], self.phase[r]
+        if phase == _POST:
+            for op in step.ops:
+                self.posted[r][op] = self._post(_Posted(r, k, op, self.clock[r]))
+            self.phase[r] = _WAIT
             return True
-        waited = self._waited(r, k, step)
-        others = [_counterpart(slot) for slot in waited]
-        if any(other is None for other in others):
+        done = self._wait(r, step.waits if phase == _WAIT else step.after)
+        if done is None:
             return False
-        if self.eager:  # each recv completes `latency` after both sides posted it
-            start = max([self.clock[r]] + [max(s[0].time, o.time) + self.latency for s, o in zip(waited, others) if o])
-        else:  # the step's batch completes `latency` after every counterpart is posted
-            start = max([self.clock[r]] + [o.time for o in others if o]) + (self.latency if step.ops else 0.0)
-        received = [slot[0].op for slot in waited if not slot[0].op.is_send]
-        self.received[r].update(received)
-        for op in received:
-            self.in_flight[r].pop(op, None)
-        self._compute(r, k, step, start)
-        self.next_step[r], self.slots[r] = k + 1, None
+        if phase == _WAIT:
+            self._compute(r, k, step, done)
+            self.phase[r] = _AFTER
+        else:
+            self.clock[r] = done
+            self.next_step[r], self.phase[r] = k + 1, _POST
         return True
 
-    def _waited(self, r: int, k: int, step: Step) -> list[_Slot]:
-        """The posted ops rank r waits for before the action of its step k."""
-        if not self.eager:
-            return self.slots[r] or []
-        if k == len(self.programs[r]) - 1:  # as the runtime: the last step waits for the rest
-            return list(self.in_flight[r].values())
-        if step.action is None:
+    def _wait(self, r: int, ops: tuple[CommOp, ...]) -> float | None:
+        """When rank r's wait for `ops` ends, or None while a counterpart is not posted."""
+        slots = [self.posted[r][op] for op in ops]
+        others = [_counterpart(slot) for slot in slots]
+        if any(other is None for other in others):
+            return None
+        for op in ops:
+            del self.posted[r][op]
+            if not op.is_send:
+                self.received[r].add(op)
+        return max([self.clock[r]] + [max(s[0].time, o.time) + self.latency for s, o in zip(slots, others) if o])
+
+    def _waiting_on(self, r: int, k: int) -> list[_Slot]:
+        """The posted ops rank r waits for in its current phase of step k."""
+        if self.phase[r] == _POST:
             return []
-        needed = recvs_needed(step.action, self.schedule)
-        return [self.in_flight[r][op] for op in needed if op in self.in_flight[r]]
+        step = self.programs[r][k]
+        return [self.posted[r][op] for op in (step.waits if self.phase[r] == _WAIT else step.after)]
 
     def _post(self, posted: _Posted) -> _Slot:
         """Queue one op on its channel; the k-th send there meets the k-th recv."""
         r, op = posted.rank, posted.op
-        if op.is_send and _producer(op) not in self.finished_at:
+        if op.is_send and op.producer not in self.finished_at:
             at = f"rank {r} step {posted.step}"
-            raise ScheduleError(f"{at}: {op.describe()} before {_producer(op)} has run")
+            raise ScheduleError(f"{at}: {op.describe()} before {op.producer} has run")
         channel = (r, op.peer) if op.is_send else (op.peer, r)
         mine, theirs = self.queues[channel, op.is_send], self.queues[channel, not op.is_send]
         slot = (posted, theirs, len(mine))
@@ -371,7 +387,7 @@ class _Simulation:
         stuck = {r: k for r, k in enumerate(self.next_step) if k < len(self.programs[r])}
         waiting = []
         for r, k in stuck.items():
-            slots = self._waited(r, k, self.programs[r][k]) if self.slots[r] is not None else []
+            slots = self._waiting_on(r, k)
             ops = "; ".join(s[0].op.describe() for s in slots if _counterpart(s) is None)
             waiting.append(f"rank {r} step {k} ({_cell(self.programs[r][k])}) waits on: {ops}")
         where = ", ".join(f"rank {r} at step {k}" for r, k in stuck.items())

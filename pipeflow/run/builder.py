@@ -1,0 +1,116 @@
+"""The one place a run is built: every object constructed from the config with its settings.
+
+:func:`build_run` turns the resolved config into this rank's part of the pipeline (mesh,
+schedule, layout, stages, transport with its deadlines, the pipeline with its posting policy,
+recorder and gradient hook, tied weights, data-parallel reducer, precision, optimizer, metrics)
+and hands them to the :class:`~pipeflow.run.trainer.Trainer`, which only runs the loop.
+Nothing is configured by assigning attributes from outside after construction.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from pipeflow.data import TOKEN_DATA, build_batches, shard, split_microbatches
+from pipeflow.models.spec import ModelSpec
+from pipeflow.observability.metrics import RunMetrics, predicted_bubble
+from pipeflow.planning.layout import choose_layout
+from pipeflow.run import guard
+from pipeflow.run.config import check_config
+from pipeflow.run.faults import install_from_env
+from pipeflow.run.trainer import Trainer, unique_parameters
+from pipeflow.runtime.events import EventRecorder
+from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.runtime.mesh import GradReducer, build_mesh
+from pipeflow.runtime.pipeline import Pipeline
+from pipeflow.runtime.posting import AheadTuner, Posting
+from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
+from pipeflow.runtime.stage import build_stages, layers_by_index
+from pipeflow.runtime.tied import TiedWeights
+from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
+from pipeflow.schedules import build_schedule
+
+
+def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
+    """Build this rank's part of the run the config describes (collective: every rank calls it).
+
+    Args:
+        cfg: the resolved Hydra config (see ``configs/`` and :mod:`pipeflow.run.config`).
+        device: this rank's device.
+
+    Returns:
+        The training loop over everything built here.
+
+    Raises:
+        ConfigMismatchError: the ranks resolved different configs.
+        ConfigError, ScheduleError, PartitionError: a config the run cannot use.
+    """
+    rank = dist.get_rank()
+    config_hash = guard.check_same_config(cfg)  # before anything a rank could disagree on
+    dp, pp = check_config(cfg, dist.get_world_size())
+    mesh = build_mesh(dp, pp, device)
+    dtype = getattr(torch, cfg.train.dtype)
+    spec: ModelSpec = instantiate(cfg.model)
+    m = cfg.pipeline.num_microbatches
+    schedule = build_schedule(cfg.schedule.name, pp, m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
+                              cfg.schedule.path, cfg.pipeline.stage_to_rank)
+    batches = build_batches(cfg.data, cfg.model)
+    sample = split_microbatches(shard(batches.train.get(0), 0, dp)[0], m)[0]
+    layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype)
+    guard.check_same_program(schedule, layout.ranges)
+    stages = build_stages(spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
+                          compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
+    deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
+    comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, rank))
+    comm.warmup()  # ranks may still be building their stages: the first-step deadline
+    tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
+                       [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
+    tied.sync_initial_values()
+    reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 else None
+    # auto's choice is made by the whole world (every replica alike, so no replica waits on a
+    # slower setting) and within about a quarter of the run, so short runs and sweeps measure
+    # the chosen setting for most of their steps
+    posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
+                      agree_over_world=True)
+    recorder = EventRecorder()
+    pipeline = Pipeline(stages, schedule, comm, cfg.comm.dynamic_shapes, posting, recorder,
+                        reducer.stage_ready if reducer is not None else None)
+    params = unique_parameters(stage.parameters() for stage in stages.values())
+    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                  weight_decay=cfg.optim.weight_decay)
+    run_dir = agree_run_dir(cfg)
+    per_sample = cfg.data.seq_len if cfg.data.name in TOKEN_DATA else None
+    metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, predicted_bubble(layout, schedule),
+                         (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample))
+    return Trainer(
+        cfg=cfg, device=device, config_hash=config_hash, mesh=mesh, spec=spec, schedule=schedule, layout=layout,
+        batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,
+        reducer=reducer, scaler=LossScaler(cfg.train.precision == "fp16"),
+        finite=FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None,
+        faults=install_from_env(stages, rank),  # PIPEFLOW_FAULT_INJECT (tests, drills)
+        params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
+    )
+
+
+def _watchdog(device: torch.device, rank: int) -> DeadlineWatchdog | None:
+    """On CUDA, where a P2P wait only orders streams, a thread that keeps the waits' deadlines."""
+    if torch.device(device).type != "cuda":
+        return None
+    return DeadlineWatchdog(lambda exc: guard.fail(exc, rank))
+
+
+def agree_run_dir(cfg: DictConfig) -> str:
+    """Rank 0 picks the run directory, every rank receives it; rank 0 writes the config there."""
+    choice = [cfg.train.run_dir or os.path.join("outputs", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))]
+    dist.broadcast_object_list(choice, src=0)
+    run_dir = choice[0]
+    if dist.get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(cfg, resolve=True))
+    return run_dir
