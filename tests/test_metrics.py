@@ -10,7 +10,8 @@ import matplotlib.image
 import pytest
 
 from pipeflow.observability.console import setup_logging, step_line, summary_line
-from pipeflow.observability.metrics import RankFigures, pipeline_bubble, predicted_bubble, rank_bubble, step_figures
+from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures
+from pipeflow.observability.metrics import predicted_bubble
 from pipeflow.runtime.pipeline import TimedEvent
 from pipeflow.schedules import build_schedule, simulate
 from pipeflow.observability.trace import RankStep, chrome_trace, draw_step
