@@ -1,9 +1,10 @@
 """Measuring what the pipeline does: per-rank compute, comm-wait and idle time, the measured
 bubble beside the simulator's prediction, peak memory; TensorBoard on rank 0; traces of chosen steps.
 
-Every rank turns its ``Pipeline.events`` of a step into
+Every rank turns the events its ``EventRecorder`` collected during a step into
 :class:`~pipeflow.observability.figures.RankFigures` (definitions there); once per log interval
-one all-gather brings every rank's sums to rank 0, which writes them to TensorBoard.
+one all-gather brings every rank's sums to rank 0, which writes them to TensorBoard.  The
+predicted figures are the layout's one ``Prediction`` (``pipeflow.planning.layout``).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import statistics
 import sys
 import time
 from dataclasses import astuple, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,20 +23,13 @@ import torch.distributed as dist
 from pipeflow.errors import ConfigError
 from pipeflow.observability import console, trace
 from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures
-from pipeflow.schedules import PipelineSchedule, simulate
-from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
+from pipeflow.runtime.events import EventRecorder
+from pipeflow.schedules import PipelineSchedule
+
+if TYPE_CHECKING:
+    from pipeflow.planning.layout import Prediction
 
 log = logging.getLogger("pipeflow")
-
-
-def predicted_bubble(layout: Any, schedule: PipelineSchedule) -> float:
-    """The simulator's bubble for the run, from profiled layer costs or else F = B = W
-    (the same prediction as the start-of-run table, ``pipeflow.planning.layout.describe_layout``)."""
-    from pipeflow.planning.layout import predicted_costs
-
-    if layout is not None and layout.profiles is not None:
-        return simulate(schedule, costs=predicted_costs(layout, schedule)).bubble
-    return simulate(schedule, costs={FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}).bubble
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -76,17 +70,17 @@ class RunMetrics:
 
     Args:
         cfg: the whole config (``metrics``, ``train``, ``data`` groups are read).
-        pipeline: this rank's Pipeline (its ``events`` list is filled during steps).
+        recorder: the recorder this rank's pipeline records into; switched on for each step.
         pp_rank, num_pp: this rank's pipeline rank and the pipeline size p.
         device: this rank's device (collectives and memory).
         run_dir: the run directory every rank agreed on.
-        predicted: the simulator's predicted bubble for the run.
+        prediction: the layout's prediction (its bubble is shown beside the measured one).
         items: (samples per step, tokens per step or None for non-token data).
     """
 
     def __init__(
-        self, cfg: Any, pipeline: Any, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
-        predicted: float, items: tuple[int, int | None],
+        self, cfg: Any, recorder: EventRecorder, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
+        prediction: Prediction, items: tuple[int, int | None],
     ) -> None:
         mc = cfg.metrics
         self.log_every = mc.log_every if mc.log_every is not None else cfg.train.log_every
@@ -97,8 +91,8 @@ class RunMetrics:
         self.is_main = dist.get_rank() == 0
         if self.is_main and any(s < 0 or s >= self.max_steps for s in self.trace_steps):
             log.warning("metrics.trace_steps=%s: steps outside 0..%d are not traced", sorted(self.trace_steps), self.max_steps - 1)
-        self.pipeline, self.pp_rank, self.num_pp, self.device = pipeline, pp_rank, num_pp, device
-        self.run_dir, self.predicted, self.items = run_dir, predicted, items
+        self.recorder, self.pp_rank, self.num_pp, self.device = recorder, pp_rank, num_pp, device
+        self.run_dir, self.predicted, self.items = run_dir, prediction.bubble, items
         self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
         self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
         self.interval, self.interval_steps = RankFigures(), 0
@@ -114,18 +108,18 @@ class RunMetrics:
         return SummaryWriter(os.path.join(self.run_dir, "tb"))
 
     def begin_step(self, step: int) -> None:
-        """Start measuring step `step` (records the pipeline's events from now on)."""
+        """Start measuring step `step` (switches the recorder on)."""
         if self.first_step is None:
             self.first_step = step
             if self.show_bar:
                 self.bar = console.progress_bar(self.max_steps, True, initial=step)
-        self.pipeline.events = []
+        self.recorder.start()
         self._start = time.perf_counter()
 
     def end_step(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
         """Finish step `step`: add up its figures; at a log step gather them and report."""
         end = time.perf_counter()
-        events, self.pipeline.events = self.pipeline.events or [], None
+        events = self.recorder.stop()
         figures = step_figures(events, self._start, end)
         self.interval += figures
         self.interval_steps += 1

@@ -27,7 +27,7 @@ from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.layout import choose_layout, describe_layout
 from pipeflow.runtime.mesh import GradReducer, build_mesh
-from pipeflow.observability.metrics import RunMetrics, predicted_bubble
+from pipeflow.observability.metrics import RunMetrics
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.recv_policy import AheadTuner
 from pipeflow.runtime.precision import LossScaler, configure_stages
@@ -151,7 +151,7 @@ class Trainer:
         self.run_dir = self._agree_run_dir()
         per_sample = cfg.data.seq_len if cfg.data.name in TOKEN_DATA else None
         self.metrics = RunMetrics(
-            cfg, self.pipeline, comm.rank, self.pp, device, self.run_dir, predicted_bubble(self.layout, self.schedule),
+            cfg, _pipeline_recorder(self.pipeline), comm.rank, self.pp, device, self.run_dir, self.layout.prediction,
             (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
         )
         self.checkpoint_root = os.path.join(self.run_dir, "checkpoints")
@@ -317,3 +317,20 @@ class Trainer:
             best = f" (best achievable {self.batches.best_loss:.4f})" if self.batches.best_loss is not None else ""
             log.info("loss %.4f -> %.4f | held-out loss %.4f -> %.4f%s", first_loss, last_loss, first_val, final_val, best)
         return result
+
+
+def _pipeline_recorder(pipeline: Pipeline) -> Any:
+    """TEMPORARY (branch obs, until Pipeline records into the EventRecorder it is constructed
+    with): a recorder that points ``pipeline.events`` at what it collects while on."""
+    from pipeflow.runtime.events import EventRecorder
+
+    class _Bridge(EventRecorder):
+        def start(self) -> None:
+            super().start()
+            pipeline.events = self.events
+
+        def stop(self) -> list:
+            pipeline.events = None
+            return super().stop()
+
+    return _Bridge()
