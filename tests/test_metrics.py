@@ -10,10 +10,11 @@ import matplotlib.image
 import pytest
 
 from pipeflow.observability.console import setup_logging, step_line, summary_line
-from pipeflow.observability.metrics import RankFigures, pipeline_bubble, predicted_bubble, rank_bubble, step_figures
-from pipeflow.runtime.pipeline import TimedEvent
-from pipeflow.schedules import build_schedule, simulate
+from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures
 from pipeflow.observability.trace import RankStep, chrome_trace, draw_step
+from pipeflow.planning.layout import predict
+from pipeflow.runtime.events import EventRecorder, TimedEvent
+from pipeflow.schedules import build_schedule, simulate
 
 
 def ev(kind: str, name: str, start: float, end: float) -> TimedEvent:
@@ -102,8 +103,9 @@ def test_timeline_picture_of_a_step_decodes_and_is_not_blank(tmp_path: Path) -> 
 
 def test_predicted_bubble_without_profiles_is_the_simulators_with_equal_costs() -> None:
     schedule = build_schedule("1f1b", 4, 8)
-    assert predicted_bubble(None, schedule) == pytest.approx(simulate(schedule, costs={"F": 1, "B": 1, "W": 1}).bubble)
-    assert predicted_bubble(None, schedule) == pytest.approx(3 / 11)  # B costs B + W: (p-1)/(m+p-1)
+    prediction = predict(schedule, [range(s, s + 1) for s in range(4)], None)
+    assert prediction.bubble == pytest.approx(simulate(schedule, costs={"F": 1, "B": 1, "W": 1}).bubble)
+    assert prediction.bubble == pytest.approx(3 / 11)  # B costs B + W: (p-1)/(m+p-1)
 
 
 def test_console_lines_name_the_figures() -> None:
@@ -147,7 +149,33 @@ def test_progress_bar_of_a_resumed_run_starts_at_the_resumed_step() -> None:
 
     from pipeflow.observability.metrics import RunMetrics
 
-    fake = SimpleNamespace(show_bar=True, bar=None, first_step=None, max_steps=10, pipeline=SimpleNamespace(events=None))
+    fake = SimpleNamespace(show_bar=True, bar=None, first_step=None, max_steps=10, recorder=EventRecorder())
     RunMetrics.begin_step(fake, 6)  # the first step this process runs after resuming at step 6
     assert (fake.bar.n, fake.bar.total) == (6, 10)
     fake.bar.close()
+
+
+def test_run_metrics_measure_what_the_recorder_collected_during_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """begin_step switches the recorder on, end_step takes its events off and adds up their figures."""
+    from types import SimpleNamespace
+
+    from pipeflow.observability import metrics
+
+    monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
+    cfg = SimpleNamespace(
+        metrics=SimpleNamespace(log_every=100, trace_steps=[2], tensorboard=False, progress_bar=False),
+        train=SimpleNamespace(log_every=100, max_steps=10),
+    )
+    recorder = EventRecorder()
+    schedule = build_schedule("1f1b", 2, 2)
+    prediction = predict(schedule, [range(0, 1), range(1, 2)], None)
+    run = metrics.RunMetrics(cfg, recorder, 0, 2, None, "unused", prediction, (8, None))
+    assert run.predicted == prediction.bubble
+    run.begin_step(2)  # not a log step: nothing is gathered
+    assert recorder.on
+    recorder.record("comm", "recv", run._start + 1.0, run._start + 2.0)  # filled by hand, as the pipeline would
+    recorder.record("F", "0F0", run._start + 2.0, run._start + 3.0)
+    run.end_step(2, loss=1.0, grad_norm=1.0, lr=0.1)
+    assert not recorder.on
+    assert (run.interval.compute_s, run.interval.comm_wait_s, run.interval.span_s) == pytest.approx((1.0, 1.0, 2.0))
+    assert [kind for kind, *_ in run.traced[2][2]] == ["comm", "F"]

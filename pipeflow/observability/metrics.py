@@ -1,17 +1,10 @@
 """Measuring what the pipeline does: per-rank compute, comm-wait and idle time, the measured
 bubble beside the simulator's prediction, peak memory; TensorBoard on rank 0; traces of chosen steps.
 
-Every rank turns its ``Pipeline.events`` of a step into :class:`RankFigures`; once per log
-interval one all-gather brings every rank's sums to rank 0, which writes them to TensorBoard.
-Definitions (r = a pipeline rank):
-
-    compute_r   time in F / B / W actions
-    comm_r      time in batched calls, post to completion (waiting on peers included)
-    idle_r      the rest of the training step (gaps between actions, grad clipping, optimizer)
-    span_r      first to last event of the rank's pipeline program (the simulator's makespan
-                counts only the program, not the optimizer)
-    bubble_r    1 - compute_r / span_r
-    bubble      1 - sum_r compute_r / (p * max_r span_r), as ``SimResult.bubble``
+Every rank turns the events its ``EventRecorder`` collected during a step into
+:class:`~pipeflow.observability.figures.RankFigures` (definitions there); once per log interval
+one all-gather brings every rank's sums to rank 0, which writes them to TensorBoard.  The
+predicted figures are the layout's one ``Prediction`` (``pipeflow.planning.layout``).
 """
 from __future__ import annotations
 
@@ -21,72 +14,22 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import astuple, dataclass, fields
-from typing import Any
+from dataclasses import astuple, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from pipeflow.observability import console
 from pipeflow.errors import ConfigError
-from pipeflow.schedules import PipelineSchedule, simulate
-from pipeflow.schedules.ir import BACKWARD, FORWARD, KINDS, WEIGHT
+from pipeflow.observability import console, trace
+from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures
+from pipeflow.runtime.events import EventRecorder
+from pipeflow.schedules import PipelineSchedule
+
+if TYPE_CHECKING:
+    from pipeflow.planning.layout import Prediction
 
 log = logging.getLogger("pipeflow")
-
-
-@dataclass
-class RankFigures:
-    """Seconds one rank spent in one step (or summed over several steps)."""
-
-    compute_s: float = 0.0
-    comm_wait_s: float = 0.0
-    idle_s: float = 0.0
-    step_s: float = 0.0
-    span_s: float = 0.0
-
-    def __iadd__(self, other: RankFigures) -> RankFigures:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-        return self
-
-
-def step_figures(events: Sequence[Any], step_start: float, step_end: float) -> RankFigures:
-    """Compute, comm-wait and idle time of one rank's step from its ``TimedEvent``s.
-
-    Idle time is the part of [step_start, step_end] that no event covers.
-    """
-    compute = sum(e.end - e.start for e in events if e.kind in KINDS)
-    comm = sum(e.end - e.start for e in events if e.kind == "comm")
-    idle, cursor = 0.0, step_start
-    for e in sorted(events, key=lambda e: e.start):
-        idle += max(0.0, e.start - cursor)
-        cursor = max(cursor, e.end)
-    idle += max(0.0, step_end - cursor)
-    span = max(e.end for e in events) - min(e.start for e in events) if events else 0.0
-    return RankFigures(compute, comm, idle, step_end - step_start, span)
-
-
-def rank_bubble(compute_s: float, span_s: float) -> float:
-    """Idle fraction of one rank's pipeline program, ``1 - compute / span``."""
-    return min(1.0, max(0.0, 1.0 - compute_s / span_s)) if span_s > 0 else 0.0
-
-
-def pipeline_bubble(compute_s: Sequence[float], span_s: Sequence[float]) -> float:
-    """Idle fraction of the pipeline, ``1 - sum(compute) / (p * max(span))`` (as the simulator)."""
-    longest = max(span_s, default=0.0)
-    return min(1.0, max(0.0, 1.0 - sum(compute_s) / (len(span_s) * longest))) if longest > 0 else 0.0
-
-
-def predicted_bubble(layout: Any, schedule: PipelineSchedule) -> float:
-    """The simulator's bubble for the run, from profiled layer costs or else F = B = W
-    (the same prediction as the start-of-run table, ``pipeflow.planning.layout.describe_layout``)."""
-    from pipeflow.planning.layout import predicted_costs
-
-    if layout is not None and layout.profiles is not None:
-        return simulate(schedule, costs=predicted_costs(layout, schedule)).bubble
-    return simulate(schedule, costs={FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}).bubble
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -127,17 +70,17 @@ class RunMetrics:
 
     Args:
         cfg: the whole config (``metrics``, ``train``, ``data`` groups are read).
-        recorder: the recorder the pipeline records into (on during each step).
+        recorder: the recorder this rank's pipeline records into; switched on for each step.
         pp_rank, num_pp: this rank's pipeline rank and the pipeline size p.
         device: this rank's device (collectives and memory).
         run_dir: the run directory every rank agreed on.
-        predicted: the simulator's predicted bubble for the run.
+        prediction: the layout's prediction (its bubble is shown beside the measured one).
         items: (samples per step, tokens per step or None for non-token data).
     """
 
     def __init__(
-        self, cfg: Any, recorder: Any, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
-        predicted: float, items: tuple[int, int | None],
+        self, cfg: Any, recorder: EventRecorder, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
+        prediction: Prediction, items: tuple[int, int | None],
     ) -> None:
         mc = cfg.metrics
         self.log_every = mc.log_every if mc.log_every is not None else cfg.train.log_every
@@ -149,7 +92,7 @@ class RunMetrics:
         if self.is_main and any(s < 0 or s >= self.max_steps for s in self.trace_steps):
             log.warning("metrics.trace_steps=%s: steps outside 0..%d are not traced", sorted(self.trace_steps), self.max_steps - 1)
         self.recorder, self.pp_rank, self.num_pp, self.device = recorder, pp_rank, num_pp, device
-        self.run_dir, self.predicted, self.items = run_dir, predicted, items
+        self.run_dir, self.predicted, self.items = run_dir, prediction.bubble, items
         self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
         self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
         self.interval, self.interval_steps = RankFigures(), 0
@@ -165,7 +108,7 @@ class RunMetrics:
         return SummaryWriter(os.path.join(self.run_dir, "tb"))
 
     def begin_step(self, step: int) -> None:
-        """Start measuring step `step` (records the pipeline's events from now on)."""
+        """Start measuring step `step` (switches the recorder on)."""
         if self.first_step is None:
             self.first_step = step
             if self.show_bar:
@@ -223,8 +166,6 @@ class RunMetrics:
         """Write the traces, close the writer and the bar; returns the run's figures on every rank:
         ``samples_per_s``, ``tokens_per_s`` (None for non-token data), ``step_time_s`` (median),
         ``bubble_measured``, ``bubble_predicted``, ``peak_memory_mb`` (one per pipeline rank)."""
-        from pipeflow.observability import trace  # imports this module
-
         if self.bar is not None:
             self.bar.close()
         means, peaks = gather_figures(self.steady, self.steady_steps, self.pp_rank, self.num_pp, self.device)

@@ -17,8 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeflow.observability.figures import pipeline_bubble, step_figures
+from pipeflow.runtime.events import TimedEvent
 from pipeflow.schedules import PipelineSchedule
 from pipeflow.schedules.ir import KINDS, Action
+from pipeflow.schedules.pictures import draw_timeline
 
 # One traced step of one rank: (pipeline rank, step start, step end, [(kind, name, start, end)])
 RankStep = tuple[int, float, float, list[tuple[str, str, float, float]]]
@@ -92,8 +95,6 @@ def chrome_trace(steps: dict[int, list[RankStep]]) -> dict[str, Any]:
 def draw_step(per_rank: Sequence[RankStep], num_pp: int, title: str, out_path: str) -> str:
     """Draw one measured step like the schedule pictures: F/B/W boxes per pipeline rank, comm
     waits as grey bars, time in ms from the step's first event."""
-    from pipeflow.schedules.show import draw_timeline
-
     origin = min((s for _, _, _, timed in per_rank for _, _, s, _ in timed), default=0.0)
     boxes, waits, seen = [], [], set()
     for pp, _, _, timed in per_rank:
@@ -122,9 +123,6 @@ def write_traces(
 ) -> None:
     """Gather every rank's traced steps to rank 0 (clocks aligned) and write ``trace.json`` and
     ``timeline_step<N>.png`` into `run_dir` (and the pictures into TensorBoard).  Collective."""
-    from pipeflow.observability.metrics import pipeline_bubble, step_figures
-    from pipeflow.runtime.pipeline import TimedEvent
-
     offset = clock_offsets(device)[dist.get_rank()]
     mine = {
         step: (pp_rank, start - offset, end - offset, [(k, n, s - offset, e - offset) for k, n, s, e in timed])

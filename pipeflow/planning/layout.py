@@ -1,13 +1,17 @@
 """Where the layers go for a run: the partition (``pipeline.balance`` / ``split_points``), the
-layer profiles behind it, and the table printed at start.
+layer profiles behind it, what the simulator predicts for it, and the table printed at start.
+
+The prediction is made once, when the layout is chosen (:class:`Prediction`); the start-of-run
+report, the run's metrics and the sweep table all read that one.
 
 Timings differ between processes, so the profile is measured once, on rank 0, and broadcast:
 every rank then derives the same partition from the same numbers.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,23 +21,58 @@ from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.partition import BALANCE_METHODS, format_partition, plan_partition
 from pipeflow.planning.profile import LayerProfile, action_costs, count_layer_params, profile_layers
 from pipeflow.schedules import PipelineSchedule, simulate
-from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action
+from pipeflow.planning.search import rank_memory
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
 from pipeflow.schedules.memory import stage_inflight
 
+PROFILED, UNIT_COSTS = "profiled layer costs", "F = B = W"
 
-@dataclass
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator predicts for a layout under its schedule.
+
+    Attributes:
+        basis: the costs simulated: ``"profiled layer costs"`` or, without profiles, ``"F = B = W"``.
+        bubble: the simulated bubble (``SimResult.bubble``).
+        step_s: the simulated step, seconds of compute (NaN without profiles: unit costs have no seconds).
+        memory_bytes: peak bytes per pipeline rank, parameters with grads and optimizer state plus
+            activations held (``pipeflow.planning.search.rank_memory``; empty without profiles).
+    """
+
+    basis: str
+    bubble: float
+    step_s: float
+    memory_bytes: tuple[float, ...]
+
+
+def predict(schedule: PipelineSchedule, ranges: list[range], profiles: list[LayerProfile] | None) -> Prediction:
+    """Simulate `schedule` with the stages' profiled costs (``action_costs``), or with F = B = W
+    when there are no profiles, and estimate each rank's memory from the profiles."""
+    if profiles is None:
+        sim = simulate(schedule, costs={FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0})
+        return Prediction(UNIT_COSTS, sim.bubble, math.nan, ())
+    sim = simulate(schedule, costs=action_costs(ranges, profiles, schedule))
+    param = [sum(profiles[i].param_bytes for i in r) for r in ranges]
+    act = [sum(profiles[i].activation_bytes for i in r) for r in ranges]
+    return Prediction(PROFILED, sim.bubble, sim.makespan, tuple(rank_memory(schedule, param, act)))
+
+
+@dataclass(frozen=True)
 class Layout:
-    """The partition of a run and what it was derived from.
+    """The partition of a run, what it was derived from and what it is predicted to cost.
 
     Attributes:
         ranges: ``ranges[s]``, the layers of stage s.
         profiles: per-layer profiles of one micro-batch (None when not profiled).
         inflight: micro-batches each stage holds at most under the schedule.
+        prediction: the simulator's prediction for this partition under the run's schedule.
     """
 
     ranges: list[range]
     profiles: list[LayerProfile] | None
     inflight: list[int]
+    prediction: Prediction
 
 
 def choose_layout(
@@ -67,31 +106,23 @@ def choose_layout(
         profiles = box[0]
     source = profiles if needs_profile or (method == "params" and profiles is not None) else spec
     ranges = plan_partition(source, schedule.num_stages, method, pipeline_cfg.split_points, inflight=inflight)
-    return Layout(ranges, profiles, inflight)
-
-
-def predicted_costs(layout: Layout, schedule: PipelineSchedule) -> Callable[[Action], float]:
-    """Per-action seconds for the simulator from the layout's profiles (`action_costs`)."""
-    assert layout.profiles is not None
-    return action_costs(layout.ranges, layout.profiles, schedule)
+    return Layout(ranges, profiles, inflight, predict(schedule, ranges, profiles))
 
 
 def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule) -> str:
     """The start-of-run report: schedule, predicted bubble and the partition table (stage, rank,
     layers, parameters, and with profiles the time per micro-batch and estimated memory)."""
     names = spec.layer_names()
+    prediction = layout.prediction
     if layout.profiles is not None:
-        sim = simulate(schedule, costs=predicted_costs(layout, schedule))
-        basis = "profiled layer costs"
         table = format_partition(layout.ranges, names, schedule.stage_to_rank, profiles=layout.profiles,
                                  inflight=layout.inflight)
-        step = f", predicted step {1e3 * sim.makespan:.1f} ms of compute"
+        step = f", predicted step {1e3 * prediction.step_s:.1f} ms of compute"
     else:
-        sim = simulate(schedule, costs={FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0})
-        basis = "F = B = W"
         table = format_partition(layout.ranges, names, schedule.stage_to_rank, layer_params=count_layer_params(spec))
         step = ""
     return (
         f"pipeline: {schedule.num_ranks} ranks, {schedule.num_stages} stages, schedule={schedule.name}, "
-        f"{schedule.num_microbatches} micro-batches, predicted bubble {sim.bubble:.1%} ({basis}){step}\n{table}"
+        f"{schedule.num_microbatches} micro-batches, predicted bubble {prediction.bubble:.1%} "
+        f"({prediction.basis}){step}\n{table}"
     )

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.data import TOKEN_DATA, build_batches, shard, split_microbatches
 from pipeflow.models.spec import ModelSpec
-from pipeflow.observability.metrics import RunMetrics, predicted_bubble
+from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import choose_layout
 from pipeflow.run import guard
 from pipeflow.run.config import check_config
@@ -85,7 +85,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                                   weight_decay=cfg.optim.weight_decay)
     run_dir = agree_run_dir(cfg)
     per_sample = cfg.data.seq_len if cfg.data.name in TOKEN_DATA else None
-    metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, predicted_bubble(layout, schedule),
+    metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
                          (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample))
     return Trainer(
         cfg=cfg, device=device, config_hash=config_hash, mesh=mesh, spec=spec, schedule=schedule, layout=layout,

@@ -185,8 +185,9 @@ def _build_agreed(build: Any) -> tuple[Any, str]:
 
 def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> JobRecord:
     """The job's figures, from the fit() result (`pipeflow.observability.metrics.RunMetrics.close`: every key is
-    always there; ``tokens_per_s`` is None for non-token data) and the simulator's predictions."""
-    step_s, memory = _predictions(trainer)
+    always there; ``tokens_per_s`` is None for non-token data) and the layout's prediction
+    (`pipeflow.planning.layout.Prediction`: step NaN and no memory without profiles)."""
+    prediction = trainer.layout.prediction
     tokens = result["tokens_per_s"]
     return JobRecord(
         job=index, overrides=text, run_dir=run_dir,
@@ -195,25 +196,9 @@ def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> 
         step_time_ms=1e3 * float(result["step_time_s"]),
         bubble_measured=float(result["bubble_measured"]),
         bubble_predicted=float(result["bubble_predicted"]),
-        predicted_step_ms=1e3 * step_s, peak_memory_mb=[float(x) for x in result["peak_memory_mb"]],
-        predicted_memory_mb=memory, final_loss=float(result["last_loss"]),
+        predicted_step_ms=1e3 * prediction.step_s, peak_memory_mb=[float(x) for x in result["peak_memory_mb"]],
+        predicted_memory_mb=[b / 1e6 for b in prediction.memory_bytes], final_loss=float(result["last_loss"]),
     )
-
-
-def _predictions(trainer: Any) -> tuple[float, list[float]]:
-    """(compute step seconds, MB per rank) the simulator predicts from the run's profiles
-    (NaN and none without profiles)."""
-    from pipeflow.planning.layout import predicted_costs
-    from pipeflow.planning.search import rank_memory
-    from pipeflow.schedules import simulate
-
-    layout, schedule = trainer.layout, trainer.schedule
-    if layout.profiles is None:
-        return math.nan, []
-    sim = simulate(schedule, costs=predicted_costs(layout, schedule))
-    param = [sum(layout.profiles[i].param_bytes for i in r) for r in layout.ranges]
-    act = [sum(layout.profiles[i].activation_bytes for i in r) for r in layout.ranges]
-    return sim.makespan, [b / 1e6 for b in rank_memory(schedule, param, act)]
 
 
 COLUMNS = ("job", "overrides", "samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms",

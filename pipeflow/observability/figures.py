@@ -1,0 +1,63 @@
+"""Per-rank figures of a step from its timed events: compute, comm-wait, idle time and bubbles.
+
+Pure arithmetic on ``TimedEvent``-like records (kind, name, start, end), shared by the metrics
+of every step and the traces of chosen steps.  Definitions (r = a pipeline rank):
+
+    compute_r   time in F / B / W actions
+    comm_r      time in batched calls, post to completion (waiting on peers included)
+    idle_r      the rest of the training step (gaps between actions, grad clipping, optimizer)
+    span_r      first to last event of the rank's pipeline program (the simulator's makespan
+                counts only the program, not the optimizer)
+    bubble_r    1 - compute_r / span_r
+    bubble      1 - sum_r compute_r / (p * max_r span_r), as ``SimResult.bubble``
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pipeflow.schedules.ir import KINDS
+
+
+@dataclass
+class RankFigures:
+    """Seconds one rank spent in one step (or summed over several steps)."""
+
+    compute_s: float = 0.0
+    comm_wait_s: float = 0.0
+    idle_s: float = 0.0
+    step_s: float = 0.0
+    span_s: float = 0.0
+
+    def __iadd__(self, other: RankFigures) -> RankFigures:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        return self
+
+
+def step_figures(events: Sequence[Any], step_start: float, step_end: float) -> RankFigures:
+    """Compute, comm-wait and idle time of one rank's step from its ``TimedEvent``s.
+
+    Idle time is the part of [step_start, step_end] that no event covers.
+    """
+    compute = sum(e.end - e.start for e in events if e.kind in KINDS)
+    comm = sum(e.end - e.start for e in events if e.kind == "comm")
+    idle, cursor = 0.0, step_start
+    for e in sorted(events, key=lambda e: e.start):
+        idle += max(0.0, e.start - cursor)
+        cursor = max(cursor, e.end)
+    idle += max(0.0, step_end - cursor)
+    span = max(e.end for e in events) - min(e.start for e in events) if events else 0.0
+    return RankFigures(compute, comm, idle, step_end - step_start, span)
+
+
+def rank_bubble(compute_s: float, span_s: float) -> float:
+    """Idle fraction of one rank's pipeline program, ``1 - compute / span``."""
+    return min(1.0, max(0.0, 1.0 - compute_s / span_s)) if span_s > 0 else 0.0
+
+
+def pipeline_bubble(compute_s: Sequence[float], span_s: Sequence[float]) -> float:
+    """Idle fraction of the pipeline, ``1 - sum(compute) / (p * max(span))`` (as the simulator)."""
+    longest = max(span_s, default=0.0)
+    return min(1.0, max(0.0, 1.0 - sum(compute_s) / (len(span_s) * longest))) if longest > 0 else 0.0
