@@ -150,7 +150,7 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: boo
                       train__dtype="float32", train__precision="fp16", train__check_finite=check_finite)
     trainer = build_run(cfg, torch.device("cpu"))
     armed = [True]
-    if trainer.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
+    if trainer.mesh.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
         trainer.params[0].register_hook(lambda g: torch.full_like(g, float("inf")) if armed[0] else g)
     before = [p.detach().clone() for p in trainer.params]
     scale0 = trainer.scaler.scale
@@ -174,7 +174,7 @@ def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1) 
     trainer = build_run(cfg, torch.device("cpu"))
     if precision == "fp16" and fault == "inf-grad":
         trainer.scaler.scale = trainer.scaler.min_scale
-    if trainer.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:
+    if trainer.mesh.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:
         if fault == "inf-grad":
             trainer.params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
         else:

@@ -83,6 +83,9 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     params = unique_parameters(stage.parameters() for stage in stages.values())
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   weight_decay=cfg.optim.weight_decay)
+    faults = install_from_env(stages, rank)  # PIPEFLOW_FAULT_INJECT (tests, drills)
+    # after the injector: its forward hook must see what the injected fault did
+    finite = FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None
     run_dir = agree_run_dir(cfg)
     per_sample = cfg.data.seq_len if cfg.data.name in TOKEN_DATA else None
     metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
@@ -91,9 +94,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         cfg=cfg, device=device, config_hash=config_hash, mesh=mesh, spec=spec, schedule=schedule, layout=layout,
         batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,
         reducer=reducer, scaler=LossScaler(cfg.train.precision == "fp16"),
-        finite=FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None,
-        faults=install_from_env(stages, rank),  # PIPEFLOW_FAULT_INJECT (tests, drills)
-        params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
+        finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
     )
 
 
