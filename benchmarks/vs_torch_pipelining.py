@@ -40,9 +40,10 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
-from results import append_result, microbatches, mse, shared_sleep_profile  # noqa: E402  (benchmarks/results.py)
+from results import append_result, microbatches, mse  # noqa: E402  (benchmarks/results.py)
+from sleep_tools import shared_sleep_profile, sleep_costs  # noqa: E402  (benchmarks/sleep_tools.py)
 from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
-from pipeflow.models.sleep import SleepLayer, sleep_costs  # noqa: E402
+from pipeflow.models.sleep import SleepLayer  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
 from pipeflow.runtime.recv_policy import AheadTuner  # noqa: E402
 from pipeflow.schedules import PipelineSchedule, build_schedule, simulate  # noqa: E402

@@ -240,24 +240,3 @@ def test_classification_batches() -> None:
     x2, y2 = ClassificationBatches(32, 10, 6, seed=1).get(2)
     assert torch.equal(x, x2) and torch.equal(y, y2)
     assert not torch.equal(data.get(3)[0], x)
-
-
-def test_sleep_stage_zero_costs_b_with_sleep_batch() -> None:
-    """Stage 0 of sleep-stages pays B as every stage does (its input gradient is computed), in a
-    full and in a split backward; with plain inputs its B would cost nothing."""
-    import time
-
-    from pipeflow.models.sleep import build_sleep, sleep_batch
-    from pipeflow.runtime.stage import build_stages
-
-    stage = build_stages(build_sleep(1, 1.0, 8.0, 1.0), [range(1)], [0])[0]
-    inputs, _ = sleep_batch(2)
-    took = []
-    for i, weights in enumerate((True, False)):
-        out = stage.forward(i, inputs[i])
-        start = time.perf_counter()
-        grads = stage.backward(i, (torch.ones_like(out[0]),), weights=weights)
-        took.append(time.perf_counter() - start)
-        assert grads[0] is not None
-    stage.backward_weight(1)
-    assert took[0] >= 9e-3 and took[1] >= 8e-3  # full: B + W; split: B
