@@ -65,7 +65,8 @@ def make_layers(args: argparse.Namespace, hidden: int, stage: int) -> list[nn.Mo
     if args.model == "sleep":
         return [SleepLayer(args.sleep_ms, args.sleep_ms, args.sleep_ms)]
     if args.model == "gpt":
-        cfg = GPTConfig(block_size=args.seq, n_layer=args.layers_per_stage, n_head=4, n_embd=hidden)
+        cfg = GPTConfig(vocab_size=64, block_size=args.seq, n_layer=args.layers_per_stage, n_head=4,
+                        n_embd=hidden, dropout=0.0, bias=True)
         return [Block(cfg) for _ in range(args.layers_per_stage)]
     return [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(args.layers_per_stage)]
 

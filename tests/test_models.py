@@ -18,14 +18,8 @@ from pipeflow.data.synthetic import (
     text_file_tokens,
 )
 from pipeflow.errors import ConfigError
-from pipeflow.models import (
-    MODEL_BUILDERS,
-    LayerSpec,
-    ModelSpec,
-    get_model_builder,
-    register_model,
-    run_layers,
-)
+import pipeflow.models
+from pipeflow.models import LayerSpec, ModelSpec, build_gpt, get_model_builder, run_layers
 
 try:  # pytest puts tests/ on sys.path when tests/ is not a package
     from toy_models import build_toy, random_batch
@@ -162,22 +156,18 @@ def test_layer_spec_is_lazy() -> None:
     assert calls == [1]
 
 
-def test_registry() -> None:
-    assert get_model_builder("gpt") is MODEL_BUILDERS["gpt"]
-    with pytest.raises(ConfigError) as err:
-        get_model_builder("nope")
-    assert "'nope'" in str(err.value) and "gpt" in str(err.value) and "mlp" in str(err.value)
-
-    @register_model("toy_test_model")
-    def build_toy_test() -> ModelSpec:
-        return build_toy("mlp")
-
-    try:
-        assert get_model_builder("toy_test_model") is build_toy_test
-        with pytest.raises(ConfigError, match="already registered"):
-            register_model("toy_test_model", lambda: build_toy("mlp"))
-    finally:
-        MODEL_BUILDERS.pop("toy_test_model")
+def test_a_model_is_named_by_its_builder_import_path() -> None:
+    """One registry: the import path a config's ``model._target_`` holds (a built-in's short name
+    is shorthand for ``pipeflow.models.build_<name>``); no name table to register into."""
+    assert get_model_builder("gpt") is build_gpt
+    assert get_model_builder("pipeflow.models.gpt.build_gpt") is build_gpt
+    assert get_model_builder("toy_models.build_masked_mlp") is build_toy.__globals__["build_masked_mlp"]
+    assert {"gpt", "mlp", "resnet", "resnet18", "resnet50", "sleep"} <= set(pipeflow.models.builtin_models())
+    for name in ("nope", "pipeflow.models.gpt.no_such_builder", "no_such_package.build_x"):
+        with pytest.raises(ConfigError) as err:
+            get_model_builder(name)
+        assert repr(name) in str(err.value) and "gpt, mlp" in str(err.value)
+    assert not hasattr(pipeflow.models, "MODEL_BUILDERS") and not hasattr(pipeflow.models, "register_model")
 
 
 # ---- data ----------------------------------------------------------------------------------

@@ -78,7 +78,6 @@ def build_sleep(
     forward_ms: float = 10.0,
     backward_ms: float = 10.0,
     weight_ms: float = 10.0,
-    width: int = 8,
     seed: int = 0,
 ) -> ModelSpec:
     """A model of `num_layers` sleep layers on (B, width) float inputs; loss = mean square.
@@ -86,7 +85,6 @@ def build_sleep(
     With one layer per stage, stage costs are exactly F = forward_ms, B = backward_ms,
     W = weight_ms (a full backward costs B + W).
     """
-    del width  # the input width is the data's; kept for config symmetry
     layers = [LayerSpec(f"sleep.{k}", SleepLayer, (forward_ms, backward_ms, weight_ms)) for k in range(num_layers)]
     return ModelSpec("sleep", layers, loss_fn=sleep_loss, seed=seed)
 
