@@ -8,9 +8,7 @@ no name table to register into. The builder receives the keys of the `model` con
 keyword arguments (here those of `model=mlp`) and returns a ModelSpec: lazily built layers plus
 the loss. Its signature's defaults are the only defaults: for a typed config group of your own,
 store ``pipeflow.run.config.model_schema(build_residual_mlp)`` in Hydra's ConfigStore, or keep a
-YAML that sets `_target_` (examples/configs/model/residual_mlp.yaml). In Python,
-``pipeflow.models.get_model_builder("examples.custom_model.build_residual_mlp")`` resolves the
-same name.
+YAML that sets `_target_` (examples/configs/model/residual_mlp.yaml).
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import get_method
 
 from pipeflow.errors import ConfigError
-from pipeflow.models import ModelSpec, get_model_builder
+from pipeflow.models import ModelSpec
 from pipeflow.run import config
 from pipeflow.run.config import model_schema, register_configs
 
@@ -63,7 +63,7 @@ def test_every_model_group_names_its_builder_by_import_path(name: str) -> None:
     """`model=<name>` names its model by `_target_` alone, and every key is the builder's argument."""
     cfg = _compose(f"model={name}")
     keys = dict(cfg.model)
-    builder = get_model_builder(keys.pop("_target_"))
+    builder = get_method(keys.pop("_target_"))
     assert set(keys) <= set(_builder_defaults(builder))
 
 

@@ -3,11 +3,11 @@
 A model is named by its builder's import path, the one way a config names a model
 (``model._target_=pkg.module.build_mine``; the built-in groups ``model=gpt|mlp|resnet18|...`` set
 it for you). There is no name table to register into: write a function that returns a
-`ModelSpec` and point ``_target_`` at it. `get_model_builder` resolves the same names in Python.
+`ModelSpec` and point ``_target_`` at it. In Python, import the builder; `get_model_builder`
+looks up a built-in one by its short name (``gpt`` is ``pipeflow.models.build_gpt``).
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 from pipeflow.errors import ConfigError
@@ -41,28 +41,22 @@ def builtin_models() -> list[str]:
 
 
 def get_model_builder(name: str) -> ModelBuilder:
-    """The builder a model name stands for, resolved as a config's ``_target_`` is.
+    """A built-in builder by its short name: ``gpt`` is ``pipeflow.models.build_gpt`` (no table:
+    the names are those of the ``build_<name>`` functions here).
 
     Args:
-        name: an import path ``pkg.module.function`` (what ``model._target_`` holds), or the short
-            name of a built-in builder (``gpt`` for ``pipeflow.models.build_gpt``).
+        name: a built-in model's short name (see `builtin_models`).
 
     Returns:
         The builder function.
 
     Raises:
-        ConfigError: `name` names no function; the message lists the built-in names.
+        ConfigError: no built-in builder has that name; the message lists them and how to name
+            a model of your own (its import path in ``model._target_``).
     """
-    module_name, _, attr = name.rpartition(".")
-    if not module_name and name in builtin_models():
-        return globals()[f"build_{name}"]
-    try:
-        builder = getattr(importlib.import_module(module_name), attr) if module_name else None
-    except (ImportError, AttributeError):
-        builder = None
-    if not callable(builder):
+    if name not in builtin_models():
         raise ConfigError(
-            f"unknown model {name!r}; give the import path of a builder (pkg.module.build_mine) "
-            f"or a built-in name: {', '.join(builtin_models())}"
+            f"unknown model {name!r}; built-in: {', '.join(builtin_models())}; a model of your own "
+            f"is named by its builder's import path: model._target_=pkg.module.build_mine"
         )
-    return builder
+    return globals()[f"build_{name}"]
