@@ -75,3 +75,22 @@ def test_train_seed_is_gone_and_the_effective_seeds_are_unchanged() -> None:
     assert "seed" not in cfg.train
     with pytest.raises(ConfigCompositionException, match="seed"):
         _compose("train.seed=3")
+
+
+@pytest.mark.parametrize("group", ["model", "optim", "pipeline", "metrics", "plan"])
+def test_a_group_file_restates_no_default(group: str) -> None:
+    """The schema (for models: the builder) is the one source of a default; a group's YAML sets
+    only values that differ from it, so the two cannot drift. (What a preset is, ``arch:
+    resnet18``, is stated whatever the default; data presets are exempt for the same reason: a
+    dataset's facts, such as CIFAR-10's 10 classes.)"""
+    import yaml
+    from hydra.core.config_store import ConfigStore
+
+    register_configs()
+    for path in sorted((ROOT / "configs" / group).glob("*.yaml")):
+        values = yaml.safe_load(path.read_text()) or {}
+        (base,) = [d for d in values.pop("defaults") if isinstance(d, str) and d.startswith("base_")]
+        schema = ConfigStore.instance().load(f"{group}/{base}.yaml").node
+        restated = [key for key, value in values.items()
+                    if key not in ("_target_", "arch") and key in schema and schema[key] == value]
+        assert not restated, f"{path.relative_to(ROOT)} restates the defaults of {restated}"

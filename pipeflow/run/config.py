@@ -164,9 +164,9 @@ class MetricsConfig:
     """What is measured and written: TensorBoard under ``<run_dir>/tb``, traces of chosen steps
     (``<run_dir>/trace.json``, ``timeline_step<N>.png``), the console progress bar."""
 
-    tensorboard: bool = True
-    log_every: int | None = None  # steps per log interval; None: train.log_every
-    trace_steps: list[int] = field(default_factory=list)  # steps whose every action is traced
+    tensorboard: bool = True  # <run_dir>/tb: loss, lr, grad norm, throughput, per-stage times, bubble, memory
+    log_every: int | None = None  # steps per log interval (console line + TensorBoard points); None: train.log_every
+    trace_steps: list[int] = field(default_factory=list)  # e.g. [5]: every action of step 5 -> trace.json, timeline_step5.png
     progress_bar: bool = True  # tqdm bar on rank 0 (only when stderr is a terminal)
 
 
