@@ -31,18 +31,6 @@ def microbatches(
     return inputs, targets
 
 
-def shared_sleep_profile(forward_ms: float, backward_ms: float, weight_ms: float, repeats: int = 21) -> Any:
-    """One sleep layer's `LayerProfile` (`pipeflow.models.sleep.profile_sleep_layer`), measured on
-    rank 0 while the other ranks wait, for every rank (collective)."""
-    import torch.distributed as dist
-
-    from pipeflow.models.sleep import profile_sleep_layer
-
-    box = [profile_sleep_layer(forward_ms, backward_ms, weight_ms, repeats) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace) -> Any:
     """Run ``worker(rank, args.ranks, port, args, queue)`` in `args.ranks` spawned processes on a
     free local port; returns the one object rank 0 puts on the queue."""

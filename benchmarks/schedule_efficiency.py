@@ -32,8 +32,9 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
-from results import report, shared_sleep_profile, spawn_ranks  # noqa: E402  (benchmarks/results.py)
-from pipeflow.models.sleep import build_sleep, sleep_batch, sleep_costs  # noqa: E402
+from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from sleep_tools import shared_sleep_profile, sleep_batch, sleep_costs  # noqa: E402  (benchmarks/sleep_tools.py)
+from pipeflow.models.sleep import build_sleep  # noqa: E402
 from pipeflow.planning.partition import partition_layers  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
 from pipeflow.runtime.posting import AheadTuner, Posting  # noqa: E402

@@ -40,9 +40,10 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
-from results import append_result, microbatches, mse, shared_sleep_profile  # noqa: E402  (benchmarks/results.py)
+from results import append_result, microbatches, mse  # noqa: E402  (benchmarks/results.py)
+from sleep_tools import shared_sleep_profile, sleep_costs  # noqa: E402  (benchmarks/sleep_tools.py)
 from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
-from pipeflow.models.sleep import SleepLayer, sleep_costs  # noqa: E402
+from pipeflow.models.sleep import SleepLayer  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
 from pipeflow.runtime.posting import AheadTuner  # noqa: E402
 from pipeflow.schedules import PipelineSchedule, build_schedule, simulate  # noqa: E402
@@ -64,7 +65,8 @@ def make_layers(args: argparse.Namespace, hidden: int, stage: int) -> list[nn.Mo
     if args.model == "sleep":
         return [SleepLayer(args.sleep_ms, args.sleep_ms, args.sleep_ms)]
     if args.model == "gpt":
-        cfg = GPTConfig(block_size=args.seq, n_layer=args.layers_per_stage, n_head=4, n_embd=hidden)
+        cfg = GPTConfig(vocab_size=64, block_size=args.seq, n_layer=args.layers_per_stage, n_head=4,
+                        n_embd=hidden, dropout=0.0, bias=True)
         return [Block(cfg) for _ in range(args.layers_per_stage)]
     return [nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(args.layers_per_stage)]
 

@@ -18,14 +18,8 @@ from pipeflow.data.synthetic import (
     text_file_tokens,
 )
 from pipeflow.errors import ConfigError
-from pipeflow.models import (
-    MODEL_BUILDERS,
-    LayerSpec,
-    ModelSpec,
-    get_model_builder,
-    register_model,
-    run_layers,
-)
+import pipeflow.models
+from pipeflow.models import LayerSpec, ModelSpec, build_gpt, get_model_builder, run_layers
 
 try:  # pytest puts tests/ on sys.path when tests/ is not a package
     from toy_models import build_toy, random_batch
@@ -162,22 +156,16 @@ def test_layer_spec_is_lazy() -> None:
     assert calls == [1]
 
 
-def test_registry() -> None:
-    assert get_model_builder("gpt") is MODEL_BUILDERS["gpt"]
-    with pytest.raises(ConfigError) as err:
-        get_model_builder("nope")
-    assert "'nope'" in str(err.value) and "gpt" in str(err.value) and "mlp" in str(err.value)
-
-    @register_model("toy_test_model")
-    def build_toy_test() -> ModelSpec:
-        return build_toy("mlp")
-
-    try:
-        assert get_model_builder("toy_test_model") is build_toy_test
-        with pytest.raises(ConfigError, match="already registered"):
-            register_model("toy_test_model", lambda: build_toy("mlp"))
-    finally:
-        MODEL_BUILDERS.pop("toy_test_model")
+def test_a_model_is_named_by_its_builder_import_path() -> None:
+    """One registry: the import path a config's ``model._target_`` holds; a built-in's short name
+    is ``pipeflow.models.build_<name>``, not an entry of a table to register into."""
+    assert get_model_builder("gpt") is build_gpt
+    assert set(pipeflow.models.builtin_models()) == {"gpt", "mlp", "resnet", "resnet18", "resnet50", "sleep"}
+    for name in ("nope", "pipeflow.models.gpt.build_gpt"):
+        with pytest.raises(ConfigError) as err:
+            get_model_builder(name)
+        assert repr(name) in str(err.value) and "gpt, mlp" in str(err.value) and "model._target_" in str(err.value)
+    assert not hasattr(pipeflow.models, "MODEL_BUILDERS") and not hasattr(pipeflow.models, "register_model")
 
 
 # ---- data ----------------------------------------------------------------------------------
@@ -240,24 +228,3 @@ def test_classification_batches() -> None:
     x2, y2 = ClassificationBatches(32, 10, 6, seed=1).get(2)
     assert torch.equal(x, x2) and torch.equal(y, y2)
     assert not torch.equal(data.get(3)[0], x)
-
-
-def test_sleep_stage_zero_costs_b_with_sleep_batch() -> None:
-    """Stage 0 of sleep-stages pays B as every stage does (its input gradient is computed), in a
-    full and in a split backward; with plain inputs its B would cost nothing."""
-    import time
-
-    from pipeflow.models.sleep import build_sleep, sleep_batch
-    from pipeflow.runtime.stage import build_stages
-
-    stage = build_stages(build_sleep(1, 1.0, 8.0, 1.0), [range(1)], [0])[0]
-    inputs, _ = sleep_batch(2)
-    took = []
-    for i, weights in enumerate((True, False)):
-        out = stage.forward(i, inputs[i])
-        start = time.perf_counter()
-        grads = stage.backward(i, (torch.ones_like(out[0]),), weights=weights)
-        took.append(time.perf_counter() - start)
-        assert grads[0] is not None
-    stage.backward_weight(1)
-    assert took[0] >= 9e-3 and took[1] >= 8e-3  # full: B + W; split: B

@@ -452,3 +452,27 @@ def test_compare_table_matches_the_closed_forms() -> None:
     assert {r.name for r in rows} == set(GENERATORS)
     assert all(r.makespan == r.closed_form for r in rows)
     assert "| `zbv` | 4 | 2 | 8 | 51 |" in markdown(rows)
+
+
+def test_a_schedule_registered_without_a_closed_form_is_compared_with_none() -> None:
+    """A schedule declares its closed form (or none) where it is registered; compare needs no
+    table of its own, shows "-" for none and reports no mismatch for it."""
+    from pipeflow.schedules import LAYOUTS, SCHEDULES, register_schedule
+    from pipeflow.schedules.compare import main
+
+    @register_schedule("gpipe_unproven", stages_per_rank=1)
+    def gpipe_unproven(num_ranks: int, num_microbatches: int):
+        return GENERATORS["gpipe"](num_ranks, num_microbatches)
+
+    try:
+        assert GENERATORS["gpipe_unproven"] is gpipe_unproven and LAYOUTS["gpipe_unproven"] == (1, ("loop",))
+        assert build_schedule("gpipe_unproven", 2, 4).num_stages == 2
+        rows = [r for r in compare(4, [8]) if r.name == "gpipe_unproven"]
+        assert len(rows) == 1 and rows[0].closed_form is None and rows[0].formula == "-"
+        assert "| `gpipe_unproven` | 4 | 1 | 8 | 33 | - | 1.375 |" in markdown(rows)
+        assert main(["--ranks", "4", "--microbatches", "8"]) == 0
+        with pytest.raises(ScheduleError, match="already registered"):
+            register_schedule("gpipe_unproven", stages_per_rank=1)(lambda p, m: None)
+    finally:
+        SCHEDULES.pop("gpipe_unproven")
+    assert "gpipe_unproven" not in GENERATORS

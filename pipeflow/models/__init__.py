@@ -1,84 +1,62 @@
-"""Built-in models as ordered layer lists, and the registry for a user's own."""
+"""Built-in models as ordered layer lists.
+
+A model is named by its builder's import path, the one way a config names a model
+(``model._target_=pkg.module.build_mine``; the built-in groups ``model=gpt|mlp|resnet18|...`` set
+it for you). There is no name table to register into: write a function that returns a
+`ModelSpec` and point ``_target_`` at it. In Python, import the builder; `get_model_builder`
+looks up a built-in one by its short name (``gpt`` is ``pipeflow.models.build_gpt``).
+"""
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.mlp import build_mlp
 from pipeflow.models.resnet import build_resnet, build_resnet18, build_resnet50
+from pipeflow.models.sleep import build_sleep
 from pipeflow.models.spec import LayerSpec, ModelSpec, derive_seed, run_layers
 
 __all__ = [
-    "MODEL_BUILDERS",
     "LayerSpec",
     "ModelSpec",
     "build_gpt",
     "build_mlp",
     "build_resnet",
+    "build_resnet18",
+    "build_resnet50",
+    "build_sleep",
+    "builtin_models",
     "derive_seed",
     "get_model_builder",
-    "register_model",
     "run_layers",
 ]
 
 ModelBuilder = Callable[..., ModelSpec]
-B = TypeVar("B", bound=ModelBuilder)
-
-MODEL_BUILDERS: dict[str, ModelBuilder] = {
-    "gpt": build_gpt,
-    "mlp": build_mlp,
-    "resnet": build_resnet,
-    "resnet18": build_resnet18,
-    "resnet50": build_resnet50,
-}
 
 
-def register_model(
-    name: str, builder: B | None = None, *, overwrite: bool = False
-) -> B | Callable[[B], B]:
-    """Register a function that returns a ModelSpec under `name`.
-
-    Use directly, ``register_model("mine", build_mine)``, or as a decorator,
-    ``@register_model("mine")``.
-
-    Args:
-        name: the name configs use (``model.name``).
-        builder: the function; omit it to get a decorator.
-        overwrite: allow replacing an existing entry.
-
-    Returns:
-        The builder itself, or a decorator that registers and returns it.
-
-    Raises:
-        ConfigError: `name` is already registered and overwrite is False.
-    """
-
-    def register(fn: B) -> B:
-        if name in MODEL_BUILDERS and not overwrite and MODEL_BUILDERS[name] is not fn:
-            raise ConfigError(
-                f"model {name!r} is already registered; pass overwrite=True to replace it"
-            )
-        MODEL_BUILDERS[name] = fn
-        return fn
-
-    return register if builder is None else register(builder)
+def builtin_models() -> list[str]:
+    """The short names of the built-in builders: ``<name>`` for each ``pipeflow.models.build_<name>``."""
+    return sorted(key.removeprefix("build_") for key in __all__ if key.startswith("build_"))
 
 
 def get_model_builder(name: str) -> ModelBuilder:
-    """Look up a registered model builder.
+    """A built-in builder by its short name: ``gpt`` is ``pipeflow.models.build_gpt`` (no table:
+    the names are those of the ``build_<name>`` functions here).
 
     Args:
-        name: a registered model name.
+        name: a built-in model's short name (see `builtin_models`).
 
     Returns:
         The builder function.
 
     Raises:
-        ConfigError: no model is registered under `name`; the message lists the valid names.
+        ConfigError: no built-in builder has that name; the message lists them and how to name
+            a model of your own (its import path in ``model._target_``).
     """
-    try:
-        return MODEL_BUILDERS[name]
-    except KeyError:
-        valid = ", ".join(sorted(MODEL_BUILDERS))
-        raise ConfigError(f"unknown model {name!r}; valid names: {valid}") from None
+    if name not in builtin_models():
+        raise ConfigError(
+            f"unknown model {name!r}; built-in: {', '.join(builtin_models())}; a model of your own "
+            f"is named by its builder's import path: model._target_=pkg.module.build_mine"
+        )
+    return globals()[f"build_{name}"]

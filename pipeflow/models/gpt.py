@@ -22,15 +22,15 @@ INIT_STD = 0.02  # GPT-2 init: weights ~ N(0, 0.02), biases 0
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Hyper-parameters shared by every GPT layer."""
+    """Hyper-parameters shared by every GPT layer (their defaults are `build_gpt`'s)."""
 
-    vocab_size: int = 64
-    block_size: int = 64  # the longest sequence T the position embedding covers
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 64
-    dropout: float = 0.0
-    bias: bool = True
+    vocab_size: int
+    block_size: int  # the longest sequence T the position embedding covers
+    n_layer: int
+    n_head: int
+    n_embd: int
+    dropout: float
+    bias: bool
 
 
 def _init_weights(module: nn.Module, n_layer: int) -> None:

@@ -8,16 +8,11 @@ both. The two gradient paths are separate autograd nodes, so a split backward ru
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
 
 from pipeflow.models.spec import LayerSpec, ModelSpec
-
-if TYPE_CHECKING:
-    from pipeflow.planning.profile import LayerProfile
-    from pipeflow.schedules.ir import Action, PipelineSchedule
 
 
 def _sleep_until(deadline: float) -> None:
@@ -83,7 +78,6 @@ def build_sleep(
     forward_ms: float = 10.0,
     backward_ms: float = 10.0,
     weight_ms: float = 10.0,
-    width: int = 8,
     seed: int = 0,
 ) -> ModelSpec:
     """A model of `num_layers` sleep layers on (B, width) float inputs; loss = mean square.
@@ -91,46 +85,8 @@ def build_sleep(
     With one layer per stage, stage costs are exactly F = forward_ms, B = backward_ms,
     W = weight_ms (a full backward costs B + W).
     """
-    del width  # the input width is the data's; kept for config symmetry
     layers = [LayerSpec(f"sleep.{k}", SleepLayer, (forward_ms, backward_ms, weight_ms)) for k in range(num_layers)]
     return ModelSpec("sleep", layers, loss_fn=sleep_loss, seed=seed)
-
-
-def sleep_batch(num_microbatches: int, rows: int = 2, width: int = 8, seed: int = 0) -> tuple[list[tuple[torch.Tensor]], list[torch.Tensor]]:
-    """Micro-batch inputs and targets for sleep-stages, the inputs requiring grad.
-
-    A stage computes the gradient of its input only where that input requires grad, so with
-    plain data stage 0's B would cost nothing; with these inputs every stage costs F, B and W
-    as the simulator charges them (the input gradient is computed and dropped).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_microbatches * rows, width, generator=gen)
-    y = torch.randn(num_microbatches * rows, width, generator=gen)
-    return [(mb.requires_grad_(),) for mb in x.chunk(num_microbatches)], list(y.chunk(num_microbatches))
-
-
-def profile_sleep_layer(
-    forward_ms: float, backward_ms: float, weight_ms: float, repeats: int = 21
-) -> "LayerProfile":
-    """What one sleep layer really costs here: F, B, W and the full backward, measured alone by
-    `pipeflow.planning.profile` (medians of `repeats`), for a layer whose input requires grad.
-
-    ``time.sleep`` wakes late (on a small VM by a few hundred µs), so these exceed the nominal
-    times; the simulator fed them (`sleep_costs`) predicts what the runtime can at best achieve.
-    """
-    from pipeflow.planning.profile import profile_layers
-
-    spec = build_sleep(2, forward_ms, backward_ms, weight_ms)
-    # the second layer's profile: its input requires grad, as with `sleep_batch` on stage 0
-    return profile_layers(spec, torch.randn(2, 8), repeats=repeats, split_backward=True)[1]
-
-
-def sleep_costs(schedule: "PipelineSchedule", profile: "LayerProfile") -> Callable[["Action"], float]:
-    """The simulator's action costs of sleep-stages (one layer per stage) from one layer's profile."""
-    from pipeflow.planning.profile import action_costs
-
-    S = schedule.num_stages
-    return action_costs([range(s, s + 1) for s in range(S)], [profile] * S, schedule)
 
 
 def sleep_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -5,67 +5,57 @@ defaults), so a typo in an override (``pipeline.num_microbatch=4``) fails at onc
 """
 from __future__ import annotations
 
+import inspect
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Callable, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from pipeflow.errors import ConfigError
+from pipeflow.models.gpt import build_gpt
+from pipeflow.models.mlp import build_mlp
+from pipeflow.models.resnet import build_resnet
+from pipeflow.models.sleep import build_sleep
 
 
-@dataclass
-class GPTModelConfig:
-    """The built-in GPT-style decoder (``model=gpt``)."""
+def model_schema(builder: Callable[..., Any], name: str | None = None) -> type:
+    """The config schema of a model: ``_target_`` naming `builder`, then one field per keyword
+    argument of its signature, typed by its annotation, defaulting to the builder's default.
 
-    _target_: str = "pipeflow.models.gpt.build_gpt"
-    vocab_size: int = 64
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 64
-    dropout: float = 0.0
-    bias: bool = True
-    seed: int = 0
-    tie_embeddings: bool = False
+    The builder is the one source of a model's defaults; the schema only reads them. A user's
+    model gets a typed config group the same way:
+    ``ConfigStore.instance().store(group="model", name="base_mine", node=model_schema(build_mine))``.
 
+    Args:
+        builder: a function returning a ModelSpec, every parameter a keyword with a default.
+        name: the schema's class name; default ``<Builder>Config``.
 
-@dataclass
-class MLPModelConfig:
-    """The built-in MLP classifier (``model=mlp``)."""
+    Returns:
+        A dataclass type for Hydra's ConfigStore.
 
-    _target_: str = "pipeflow.models.mlp.build_mlp"
-    in_features: int = 32
-    hidden: int = 64
-    num_layers: int = 4
-    num_classes: int = 10
-    seed: int = 0
-
-
-@dataclass
-class ResNetModelConfig:
-    """A torchvision ResNet flattened into stem, residual blocks, head (``model=resnet18``)."""
-
-    _target_: str = "pipeflow.models.resnet.build_resnet"
-    arch: str = "resnet18"
-    num_classes: int = 10
-    small_input: bool = True
-    in_channels: int = 3
-    zero_init_residual: bool = False
-    seed: int = 0
+    Raises:
+        ConfigError: a parameter has no default (the schema could not default it).
+    """
+    hints = get_type_hints(builder)
+    fields: list[tuple[str, Any, Any]] = [("_target_", str, field(default=f"{builder.__module__}.{builder.__qualname__}"))]
+    for param in inspect.signature(builder).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.default is param.empty:
+            raise ConfigError(f"{builder.__qualname__}({param.name}) has no default; a model schema needs one")
+        fields.append((param.name, hints.get(param.name, Any), field(default=param.default)))
+    doc = (builder.__doc__ or "").strip().splitlines()
+    cls_name = name or "".join(part.title() for part in builder.__name__.split("_")) + "Config"
+    return make_dataclass(cls_name, fields, namespace={"__doc__": doc[0] if doc else None, "__module__": __name__})
 
 
-@dataclass
-class SleepModelConfig:
-    """Sleep-stages whose F, B and W cost fixed wall time (``model=sleep``, with ``data=gaussian``)."""
-
-    _target_: str = "pipeflow.models.sleep.build_sleep"
-    num_layers: int = 4
-    forward_ms: float = 10.0
-    backward_ms: float = 10.0
-    weight_ms: float = 10.0
-    seed: int = 0
+# The built-in models' schemas (``model=gpt|mlp|resnet18|resnet50|sleep``): their defaults are the builders'.
+GPTModelConfig = model_schema(build_gpt, "GPTModelConfig")
+MLPModelConfig = model_schema(build_mlp, "MLPModelConfig")
+ResNetModelConfig = model_schema(build_resnet, "ResNetModelConfig")
+SleepModelConfig = model_schema(build_sleep, "SleepModelConfig")
 
 
 @dataclass
@@ -133,7 +123,6 @@ class TrainConfig:
     log_every: int = 25
     eval_every: int = 100
     eval_batches: int = 4
-    seed: int = 0
     dtype: str = "float32"
     run_dir: str | None = None  # default: outputs/<timestamp>, chosen by rank 0
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast compute dtype; weights stay in train.dtype
@@ -175,9 +164,9 @@ class MetricsConfig:
     """What is measured and written: TensorBoard under ``<run_dir>/tb``, traces of chosen steps
     (``<run_dir>/trace.json``, ``timeline_step<N>.png``), the console progress bar."""
 
-    tensorboard: bool = True
-    log_every: int | None = None  # steps per log interval; None: train.log_every
-    trace_steps: list[int] = field(default_factory=list)  # steps whose every action is traced
+    tensorboard: bool = True  # <run_dir>/tb: loss, lr, grad norm, throughput, per-stage times, bubble, memory
+    log_every: int | None = None  # steps per log interval (console line + TensorBoard points); None: train.log_every
+    trace_steps: list[int] = field(default_factory=list)  # e.g. [5]: every action of step 5 -> trace.json, timeline_step5.png
     progress_bar: bool = True  # tqdm bar on rank 0 (only when stderr is a terminal)
 
 

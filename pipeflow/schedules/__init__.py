@@ -1,4 +1,8 @@
-"""Schedules as data: the IR, pure generators, lowering and the simulator (no torch here)."""
+"""Schedules as data: the IR, pure generators, lowering and the simulator (no torch here).
+
+A generator registers itself where it is defined (``@register_schedule(name, stages_per_rank=...,
+placements=..., closed_form=...)``, see registry.py); importing this package registers the built-in ones.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -18,34 +22,15 @@ from pipeflow.schedules.generators import (
 )
 from pipeflow.schedules.ir import Action, CommOp, PipelineSchedule, Program, Step
 from pipeflow.schedules.lowering import lower
+from pipeflow.schedules.registry import GENERATORS, LAYOUTS, SCHEDULES, ClosedForm, ScheduleEntry, register_schedule
 from pipeflow.schedules.simulator import SimResult, simulate, validate
 from pipeflow.schedules.zero_bubble import dualpipev, zb_h1, zbv
-
-GENERATORS: dict[str, Callable[..., PipelineSchedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved_1f1b": interleaved_1f1b,
-    "looped_bfs": looped_bfs,
-    "zb_h1": zb_h1,
-    "zbv": zbv,
-    "dualpipev": dualpipev,
-}
 
 PLACEMENTS: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "loop": loop_placement,
     "v": v_placement,
 }
 
-# name: (stages per rank it needs, None if any count; placements it can use, default first)
-LAYOUTS: dict[str, tuple[int | None, tuple[str, ...]]] = {
-    "gpipe": (1, ("loop",)),
-    "1f1b": (1, ("loop",)),
-    "interleaved_1f1b": (None, ("loop",)),
-    "looped_bfs": (None, ("loop",)),
-    "zb_h1": (1, ("loop",)),
-    "zbv": (2, ("v",)),
-    "dualpipev": (2, ("v",)),
-}
 DEFAULT_STAGES_PER_RANK = 2  # for the schedules that take any count
 CUSTOM = "custom"
 
@@ -91,21 +76,22 @@ def _generate(
 ) -> PipelineSchedule:
     if name == CUSTOM:
         return _custom(path, num_ranks, num_microbatches, stages_per_rank, placement)
-    if name not in GENERATORS:
-        valid = ", ".join(sorted(GENERATORS) + [CUSTOM])
+    if name not in SCHEDULES:
+        valid = ", ".join(sorted(SCHEDULES) + [CUSTOM])
         raise ScheduleError(f"unknown schedule {name!r}; valid schedules: {valid} (schedule=<name>)")
-    needed, placements = LAYOUTS[name]
+    entry = SCHEDULES[name]
+    needed, placements = entry.stages_per_rank, entry.placements
     if placement is not None:
         _check_placement(name, placement, placements)
     if needed is None:
         count = DEFAULT_STAGES_PER_RANK if stages_per_rank is None else stages_per_rank
-        return GENERATORS[name](num_ranks, num_microbatches, count)
+        return entry.generator(num_ranks, num_microbatches, count)
     if stages_per_rank is not None and stages_per_rank != needed:
         raise ScheduleError(
             f"schedule {name!r} needs pipeline.stages_per_rank={needed} "
             f"({placements[0]} placement), got {stages_per_rank}"
         )
-    return GENERATORS[name](num_ranks, num_microbatches)
+    return entry.generator(num_ranks, num_microbatches)
 
 
 def _check_placement(name: str, placement: str, usable: tuple[str, ...]) -> None:
@@ -151,12 +137,15 @@ def _custom(
 
 __all__ = [
     "Action",
+    "ClosedForm",
     "CommOp",
     "GENERATORS",
     "LAYOUTS",
     "PLACEMENTS",
     "PipelineSchedule",
     "Program",
+    "SCHEDULES",
+    "ScheduleEntry",
     "SimResult",
     "Step",
     "build_schedule",
@@ -169,6 +158,7 @@ __all__ = [
     "looped_bfs",
     "lower",
     "one_f_one_b",
+    "register_schedule",
     "relabel_ranks",
     "simulate",
     "v_placement",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pipeflow.errors import ScheduleError
 from pipeflow.schedules.ir import BACKWARD, FORWARD, Action, PipelineSchedule
+from pipeflow.schedules.registry import ClosedForm, register_schedule
 
 
 def loop_placement(num_ranks: int, stages_per_rank: int = 1) -> tuple[int, ...]:
@@ -39,6 +40,7 @@ def _check(num_ranks: int, num_microbatches: int) -> None:
         )
 
 
+@register_schedule("gpipe", stages_per_rank=1, closed_form=ClosedForm("3(m+p-1)", lambda p, m, v: 3 * (m + p - 1)))
 def gpipe(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     """GPipe: every rank runs all forwards, then all backwards (holds m micro-batches)."""
     _check(num_ranks, num_microbatches)
@@ -50,6 +52,7 @@ def gpipe(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     return PipelineSchedule("gpipe", num_ranks, num_ranks, m, loop_placement(num_ranks), actions)
 
 
+@register_schedule("1f1b", stages_per_rank=1, closed_form=ClosedForm("3(m+p-1)", lambda p, m, v: 3 * (m + p - 1)))
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     """1F1B (PipeDream-flush): p-r-1 warm-up forwards, then alternate F and B, then drain.
 
@@ -91,6 +94,9 @@ def _check_chunks(name: str, stages_per_rank: int) -> None:
         )
 
 
+@register_schedule(
+    "interleaved_1f1b", stages_per_rank=None, closed_form=ClosedForm("3(vm+p-1)", lambda p, m, v: 3 * (v * m + p - 1))
+)
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> PipelineSchedule:
     """Megatron-LM's interleaved 1F1B: v = stages_per_rank chunks per rank, loop placement.
 
@@ -138,6 +144,13 @@ def _interleaved(kind: str, k: int, p: int, v: int, r: int) -> Action:
     return Action(kind, (k // (p * v)) * p + k % p, chunk * p + r)
 
 
+@register_schedule(
+    "looped_bfs",
+    stages_per_rank=None,
+    closed_form=ClosedForm(
+        "3(vm+p-1)+3(v-1)max(0,p-m)", lambda p, m, v: 3 * (v * m + p - 1) + 3 * (v - 1) * max(0, p - m)
+    ),
+)
 def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> PipelineSchedule:
     """Looped BFS (torch.distributed.pipelining's ScheduleLoopedBFS), loop placement.
 

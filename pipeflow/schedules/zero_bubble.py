@@ -9,8 +9,14 @@ from __future__ import annotations
 from pipeflow.errors import ScheduleError
 from pipeflow.schedules.generators import _check, loop_placement, v_placement
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
+from pipeflow.schedules.registry import ClosedForm, register_schedule
 
 
+@register_schedule(
+    "zb_h1",
+    stages_per_rank=1,
+    closed_form=ClosedForm("3m+p-1 (m>=p)", lambda p, m, v: 3 * m + p - 1 if m >= p else 2 * (m + p) - 1),
+)
 def zb_h1(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     """ZB-H1: 1F1B whose weight-grad passes are deferred to fill the cool-down bubble.
 
@@ -60,6 +66,12 @@ class _Counter:
         return self.next.get((kind, stage), 0)
 
 
+@register_schedule(
+    "zbv",
+    stages_per_rank=2,
+    placements=("v",),
+    closed_form=ClosedForm("max(6m+p-1, 4m+4p-2)", lambda p, m, v: max(6 * m + p - 1, 4 * m + 4 * p - 2)),
+)
 def zbv(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     """ZB-V: V placement (rank r holds stages r and 2p-1-r), B/W split, as torch's ScheduleZBVZeroBubble.
 
@@ -111,6 +123,14 @@ def zbv(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     return PipelineSchedule("zbv", p, 2 * p, m, v_placement(p), actions)
 
 
+@register_schedule(
+    "dualpipev",
+    stages_per_rank=2,
+    placements=("v",),
+    closed_form=ClosedForm(
+        "6m+p-1+min(p-1,(m-p)//2)", lambda p, m, v: 6 * m + p - 1 + min(p - 1, (m - p) // 2)
+    ),
+)
 def dualpipev(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     """DeepSeek's DualPipeV: V placement, 2 stages per rank, overlapped forward-backward pairs.
 
