@@ -32,7 +32,7 @@ from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, search
 from pipeflow.planning.profile import LayerProfile, profile_layers
 from pipeflow.schedules import GENERATORS
 
-CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 _PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points"}
 _SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes")
 
