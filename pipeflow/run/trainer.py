@@ -5,7 +5,6 @@ micro-batches, hands them over, then finishes the step (clip, optimizer, log) on
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
@@ -23,6 +22,7 @@ from pipeflow.runtime import failures
 from pipeflow.runtime.transport import DeadlineWatchdog, P2PComm
 from pipeflow.run.config import check_config
 from pipeflow.run.faults import install_from_env
+from pipeflow.run.run_dir import agree_run_dir
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.layout import choose_layout, describe_layout
@@ -158,10 +158,9 @@ class Trainer:
         self.history: list[float] = []  # the loss of every step this run trained
 
     def _agree_run_dir(self) -> str:
-        """Rank 0 picks the run directory, every rank receives it; rank 0 writes the config there."""
-        choice = [self.cfg.train.run_dir or os.path.join("outputs", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))]
-        dist.broadcast_object_list(choice, src=0)
-        run_dir = choice[0]
+        """Rank 0 picks the run directory (`pipeflow.run.run_dir.agree_run_dir`), every rank
+        receives it; rank 0 writes the config there."""
+        run_dir = agree_run_dir(self.cfg.train.run_dir)
         if self.is_main:
             os.makedirs(run_dir, exist_ok=True)
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
