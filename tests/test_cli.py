@@ -49,11 +49,14 @@ def test_torchrun_two_processes_trains_and_loss_falls(tmp_path: Path) -> None:
 
 def test_custom_model_example_runs_under_torchrun_with_balance_and_placement(tmp_path: Path) -> None:
     """examples/custom_model.py selected by its own config outside pipeflow (Hydra search path),
-    balanced by profiled time, stages placed by hand (stage 0 on rank 1)."""
+    balanced by profiled time, stages placed by hand (stage 0 on rank 1); an explicit
+    hydra.run.dir is the run directory (pipeflow.run.run_dir)."""
     run = torchrun(2, "hydra.searchpath=[file://examples/configs]", "model=residual_mlp", "data=gaussian",
                    "train.max_steps=40", "train.eval_every=0", "pipeline.balance=time",
-                   "pipeline.stage_to_rank=[1,0]", f"train.run_dir={tmp_path}")
+                   "pipeline.stage_to_rank=[1,0]", f"hydra.run.dir={tmp_path / 'run'}")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"run directory: {tmp_path / 'run'}" in run.stdout
+    assert "residual_mlp" in (tmp_path / "run" / "config.yaml").read_text()
     assert "fwd+bwd (ms)" in run.stdout and "memory (MB)" in run.stdout and "predicted bubble" in run.stdout
     rows = re.findall(r"^(\d) +\| (\d) +\| (\S+) ", run.stdout, re.M)
     assert [(stage, rank) for stage, rank, _ in rows] == [("0", "1"), ("1", "0")], run.stdout

@@ -17,12 +17,14 @@ FIGURES = ("samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms",
 
 def test_a_2x2_sweep_on_two_processes_runs_four_jobs_and_skips_the_invalid_ones(tmp_path: Path) -> None:
     """schedule x m x stages_per_rank: the four jobs with stages_per_rank=3 are invalid for 1f1b and
-    zbv (ScheduleError on every rank); the other four run, each in its own sub-directory."""
+    zbv (ScheduleError on every rank); the other four run, each in its own sub-directory of the
+    explicit hydra.sweep.dir (pipeflow.run.run_dir), beside Hydra's multirun.yaml."""
     run = torchrun(2, "-m", *SMALL, "train.max_steps=4", "train.eval_every=0", "schedule=1f1b,zbv",
-                   "pipeline.num_microbatches=2,4", "pipeline.stages_per_rank=null,3", f"train.run_dir={tmp_path}",
+                   "pipeline.num_microbatches=2,4", "pipeline.stages_per_rank=null,3", f"hydra.sweep.dir={tmp_path}",
                    timeout=420)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
+    assert (tmp_path / "multirun.yaml").is_file()
     jobs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert jobs == [
         "0_schedule=1f1b,pipeline.num_microbatches=2,pipeline.stages_per_rank=null",

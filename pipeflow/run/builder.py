@@ -8,7 +8,6 @@ Nothing is configured by assigning attributes from outside after construction.
 """
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
@@ -21,6 +20,7 @@ from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import choose_layout
 from pipeflow.run import guard
+from pipeflow.run import run_dir as run_dirs
 from pipeflow.run.config import check_config
 from pipeflow.run.faults import install_from_env
 from pipeflow.run.trainer import Trainer, unique_parameters
@@ -106,10 +106,9 @@ def _watchdog(device: torch.device, rank: int) -> DeadlineWatchdog | None:
 
 
 def agree_run_dir(cfg: DictConfig) -> str:
-    """Rank 0 picks the run directory, every rank receives it; rank 0 writes the config there."""
-    choice = [cfg.train.run_dir or os.path.join("outputs", datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))]
-    dist.broadcast_object_list(choice, src=0)
-    run_dir = choice[0]
+    """The run directory every rank agrees on (:mod:`pipeflow.run.run_dir`); rank 0 writes the
+    config there."""
+    run_dir = run_dirs.agree_run_dir(cfg.train.run_dir)
     if dist.get_rank() == 0:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:

@@ -239,9 +239,14 @@ def export(path: str, out: str) -> int:
     return len(model)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m pipeflow.checkpoint export <checkpoint> <out.pt>``."""
-    parser = argparse.ArgumentParser(prog="python -m pipeflow.checkpoint")
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pipeflow.checkpoint export <checkpoint> <out.pt>``; returns the exit status
+    (``--help`` prints the usage and exits 0)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeflow.checkpoint", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Work with the checkpoints train.py writes (train.save_every) under <run_dir>/checkpoints.",
+        epilog="example: python -m pipeflow.checkpoint export outputs/<time>/checkpoints model.pt",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser("export", help="one-file state dict for the unsplit model")
     exp.add_argument("checkpoint", help="a step_<n> directory or a checkpoints root (its newest)")
@@ -249,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     count = export(args.checkpoint, args.out)
     print(f"wrote {count} tensors to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
@@ -34,6 +35,8 @@ from pipeflow.schedules import GENERATORS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 _PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points"}
+_HELP_FLAGS = ("-h", "--help")
+USAGE = "usage: python -m pipeflow.plan [key=value ...]"
 _SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes")
 
 
@@ -190,12 +193,45 @@ def write_csv(result: PlanResult, path: str) -> None:
                              c.overrides()])
 
 
+def help_text() -> str:
+    """What ``python -m pipeflow.plan --help`` prints: the usage line, what the planner does, the
+    config groups (as Hydra's ``--help`` lists them) and the ``plan.*`` keys with their defaults."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        hydra_app = GlobalHydra.instance().hydra
+        assert hydra_app is not None
+        groups = hydra_app.format_config_groups(lambda group: not group.startswith("hydra"))
+    plan_keys = [line for line in (CONFIG_DIR / "plan" / "default.yaml").read_text().splitlines()
+                 if line and not line.startswith(("#", "defaults:", "  -"))]
+    return "\n".join([
+        USAGE, "",
+        "Predict the best pipeline layout before running: profile every layer on this machine, simulate",
+        "every (schedule x micro-batch count x stages per rank x split), print the fastest that fit",
+        "plan.memory_limit_gb with the train.py overrides that run them.  Takes the same key=value",
+        "overrides as train.py (configs/); parallel.pp (the pipeline ranks) is required.", "",
+        "== Config groups (group=option) ==", groups,
+        "== The planner's keys (plan.<key>=value, defaults) ==", *plan_keys, "",
+        "example: python -m pipeflow.plan model=gpt parallel.pp=4 plan.memory_limit_gb=2 plan.top=5",
+        "exit status: 0 a layout fits, 1 none fits the memory limit, 2 a bad command line or config",
+    ])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Compose the config from the command line's overrides, plan, print; returns the exit code
-    (0, 1 when no layout fits the memory limit, 2 for a bad config)."""
-    cfg = compose_config(sys.argv[1:] if argv is None else argv)
+    (0, 1 when no layout fits the memory limit, 2 for a bad command line or config).
+    ``-h``/``--help`` prints `help_text` and returns 0."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in _HELP_FLAGS for a in args):
+        print(help_text())
+        return 0
+    flags = [a for a in args if a.startswith("-")]
+    if flags:
+        print(f"{USAGE}\npipeflow.plan: unknown option {flags[0]!r}; it takes key=value overrides only "
+              f"(see --help)", file=sys.stderr)
+        return 2
+    cfg = compose_config(args)
     try:
-        result, report = run_plan(cfg, overrides=sys.argv[1:] if argv is None else argv)
+        result, report = run_plan(cfg, overrides=args)
     except ConfigError as err:
         print(f"pipeflow.plan: {err}", file=sys.stderr)
         return 2

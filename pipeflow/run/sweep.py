@@ -6,7 +6,8 @@
 Hydra's basic launcher runs the jobs one after another inside each process, in the same order
 on every rank (the command lines are identical).  The process group is created by the first
 job and reused by the others; it is torn down once, at exit (barrier, then destroy).  Rank 0
-picks the sweep directory once (``train.run_dir``, else ``outputs/sweep_<time>``) and job k
+picks the sweep directory once (``train.run_dir``, else an explicit ``hydra.sweep.dir``, else
+``outputs/sweep_<time>``; `pipeflow.run.run_dir`) and job k
 writes into ``<sweep dir>/<k>_<swept overrides>``, so each job has its own config, TensorBoard
 run and checkpoints.  A job whose combination the schedule or the config cannot run (a
 ConfigError or ScheduleError while building, on any rank) is skipped on every rank with a
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import csv
-import datetime
 import gc
 import logging
 import math
@@ -35,6 +35,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict, read_write
 
 from pipeflow.errors import ConfigError, ScheduleError
+from pipeflow.run.run_dir import agree_sweep_dir
 
 log = logging.getLogger("pipeflow")
 
@@ -95,13 +96,11 @@ def job_label(index: int, overrides: list[str], keys: set[str]) -> tuple[str, st
 
 
 def _state(cfg: DictConfig) -> SweepState:
-    """The sweep's state; on the first job rank 0 picks the directory and every rank receives it."""
+    """The sweep's state; on the first job rank 0 picks the directory (`pipeflow.run.run_dir.agree_sweep_dir`)
+    and every rank receives it."""
     global _STATE
     if _STATE is None:
-        default = os.path.join("outputs", "sweep_" + datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
-        choice = [cfg.train.run_dir or default]
-        dist.broadcast_object_list(choice, src=0)
-        _STATE = SweepState(choice[0])
+        _STATE = SweepState(agree_sweep_dir(cfg.train.run_dir))
         atexit.register(_teardown)
     return _STATE
 
