@@ -149,11 +149,6 @@ def check_same_program(schedule: Any, ranges: Sequence[range], group: dist.Proce
     return digest
 
 
-def set_collective_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
-    """Set the deadline of later collectives of `group` (after the first step: ``comm.timeout_s``)."""
-    dist.set_timeout(datetime.timedelta(seconds=seconds), group)
-
-
 # ----------------------------------------------------------------------------- failing fast
 def failure_summary(exc: BaseException, rank: int, limit: int = 2000) -> str:
     """``rank R: Type: message`` (the message cut to `limit` characters)."""

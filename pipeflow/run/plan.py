@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import inspect
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -26,7 +28,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from pipeflow.data import build_batches
-from pipeflow.run.config import register_configs, resolve_layout
+from pipeflow.run.config import PlanConfig, register_configs, resolve_layout
 from pipeflow.runtime.distributed import choose_device
 from pipeflow.errors import ConfigError
 from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, search
@@ -193,6 +195,17 @@ def write_csv(result: PlanResult, path: str) -> None:
                              c.overrides()])
 
 
+def _schema_keys(schema: type) -> list[str]:
+    """``key: default  # comment`` for every field of a config dataclass: its defaults and the
+    comments beside them in its source, the one place they are written."""
+    comments = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(schema), re.MULTILINE))
+    lines = []
+    for f in dataclasses.fields(schema):
+        default = "null" if f.default is None else f.default
+        lines.append(f"{f.name}: {default}" + (f"  # {comments[f.name]}" if f.name in comments else ""))
+    return lines
+
+
 def help_text() -> str:
     """What ``python -m pipeflow.plan --help`` prints: the usage line, what the planner does, the
     config groups (as Hydra's ``--help`` lists them) and the ``plan.*`` keys with their defaults."""
@@ -201,8 +214,7 @@ def help_text() -> str:
         hydra_app = GlobalHydra.instance().hydra
         assert hydra_app is not None
         groups = hydra_app.format_config_groups(lambda group: not group.startswith("hydra"))
-    plan_keys = [line for line in (CONFIG_DIR / "plan" / "default.yaml").read_text().splitlines()
-                 if line and not line.startswith(("#", "defaults:", "  -"))]
+    plan_keys = _schema_keys(PlanConfig)
     return "\n".join([
         USAGE, "",
         "Predict the best pipeline layout before running: profile every layer on this machine, simulate",
