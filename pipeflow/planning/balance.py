@@ -191,11 +191,8 @@ def estimate_stages(
     return estimates
 
 
-def _check_inputs(what: str, costs: Sequence[float], num_stages: int) -> None:
-    """Raise PartitionError unless 1 <= S <= L and every cost is finite and >= 0."""
-    num_layers = len(costs)
-    if num_layers < 1:
-        raise PartitionError(f"{what} is empty: the model needs at least 1 layer")
+def check_stage_count(num_layers: int, num_stages: int) -> None:
+    """Raise PartitionError unless 1 <= S <= L: every stage needs at least one layer."""
     if num_stages < 1:
         raise PartitionError(f"the pipeline has {num_stages} stages; it needs at least 1")
     if num_stages > num_layers:
@@ -203,6 +200,14 @@ def _check_inputs(what: str, costs: Sequence[float], num_stages: int) -> None:
             f"the pipeline has {num_stages} stages but the model has only {num_layers} layers: "
             f"every stage needs at least one layer; use at most {num_layers} stages"
         )
+
+
+def _check_inputs(what: str, costs: Sequence[float], num_stages: int) -> None:
+    """Raise PartitionError unless 1 <= S <= L and every cost is finite and >= 0."""
+    num_layers = len(costs)
+    if num_layers < 1:
+        raise PartitionError(f"{what} is empty: the model needs at least 1 layer")
+    check_stage_count(num_layers, num_stages)
     bad = {i: c for i, c in enumerate(costs) if not (math.isfinite(c) and c >= 0)}
     if bad:
         raise PartitionError(

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from pipeflow.planning.balance import balance_contiguous, balance_profiles, estimate_stages
+from pipeflow.planning.balance import balance_contiguous, balance_profiles, check_stage_count, estimate_stages
 from pipeflow.errors import PartitionError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.profile import LayerProfile, count_layer_params, profile_layers
@@ -62,13 +62,7 @@ def _check_counts(num_layers: int, num_stages: int, names: Sequence[str] | None)
     """Raise PartitionError unless 1 <= S <= L (and len(names) == L when names are given)."""
     if num_layers < 1:
         raise PartitionError(f"the model has {num_layers} layers; it needs at least 1")
-    if num_stages < 1:
-        raise PartitionError(f"the pipeline has {num_stages} stages; it needs at least 1")
-    if num_stages > num_layers:
-        raise PartitionError(
-            f"the pipeline has {num_stages} stages but the model has only {num_layers} layers: "
-            f"every stage needs at least one layer; use at most {num_layers} stages"
-        )
+    check_stage_count(num_layers, num_stages)
     if names is not None and len(names) != num_layers:
         raise PartitionError(f"got {len(names)} layer names for {num_layers} layers")
 

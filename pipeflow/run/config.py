@@ -124,7 +124,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 4
     dtype: str = "float32"
-    run_dir: str | None = None  # default: outputs/<timestamp>, chosen by rank 0
+    run_dir: str | None = None  # default: an explicit hydra.run.dir, else outputs/<timestamp>; chosen by rank 0
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast compute dtype; weights stay in train.dtype
     save_every: int = 0  # write a checkpoint every n steps (and at the end); 0: never
     resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
