@@ -162,6 +162,61 @@ def equivalence(
     return worst
 
 
+def ragged_batch(model: str, m: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """m micro-batches that differ in shape: BATCH + 1 rows split as evenly as they go (so the last
+    ones are a row short) and, for the GPT, each its own sequence length (16 down to 5)."""
+    x, y = make_batch(model, BATCH + 1, seed)
+    xs, ys = list(x.tensor_split(m)), list(y.tensor_split(m))
+    if model.startswith("gpt"):
+        lengths = [16 - (5 * i) % 12 for i in range(m)]
+        xs, ys = [t[:, :n] for t, n in zip(xs, lengths)], [t[:, :n] for t, n in zip(ys, lengths)]
+    return xs, ys
+
+
+def variable_equivalence(model: str, schedule: str, m: int, steps: int = 3) -> dict[str, float]:
+    """Micro-batches of different shapes in one step (``per_microbatch`` shapes: rows that do not
+    split evenly, GPT sequence lengths that differ): pipelined training equals the unsplit model
+    on the batch's element-weighted mean loss (each micro-batch's mean loss weighted n_i / N);
+    worst relative differences of loss, gradients and parameters, and the receive buffers the
+    pool made after the first step (steady state: none)."""
+    spec = make_spec(model)
+    plan = build_schedule(schedule, dist.get_world_size(), m)
+    pipe, ranges, tied = build_pipeline(spec, plan, shapes="per_microbatch")
+    reference = spec.build_all(dtype=DTYPE)
+    tie_in_place(spec, dict(enumerate(reference)))
+    pairs = [
+        (mine, ref)
+        for s, stage in pipe.stages.items()
+        for layer, idx in zip(stage.module, ranges[s])
+        for mine, ref in zip(layer.parameters(), reference[idx].parameters())
+    ]
+    mine_params = unique_parameters([[a for a, _ in pairs]])
+    ref_params = unique_parameters(layer.parameters() for layer in reference)
+    opt_pipe, opt_ref = torch.optim.AdamW(mine_params, lr=1e-2), torch.optim.AdamW(ref_params, lr=1e-2)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses_compared": 0, "params_compared": len(pairs)}
+    last = plan.num_stages - 1
+    for step in range(steps):
+        xs, ys = ragged_batch(model, m, seed=step)
+        total = sum(y.numel() for y in ys)
+        weights = [y.numel() / total for y in ys]
+        loss_ref = sum(w * spec.loss_fn(run_layers(reference, x), y) for w, x, y in zip(weights, xs, ys))
+        loss_ref.backward()
+        inputs = [as_tuple(x) for x in xs] if 0 in pipe.stages else None
+        loss = pipe.run(inputs, list(ys) if last in pipe.stages else None, loss_weights=weights)
+        tied.reduce_grads()
+        if loss is not None:
+            worst["loss"] = max(worst["loss"], rel_diff(loss, loss_ref.detach()))
+            worst["losses_compared"] += 1
+        worst["grad"] = max([worst["grad"]] + [rel_diff(a.grad, b.grad) for a, b in pairs])
+        opt_pipe.step(), opt_ref.step()
+        opt_pipe.zero_grad(), opt_ref.zero_grad()
+        worst["param"] = max([worst["param"]] + [rel_diff(a.detach(), b.detach()) for a, b in pairs])
+        if step == 0:
+            allocated = pipe.buffers.allocated
+    worst["buffers_after_first_step"] = pipe.buffers.allocated - allocated
+    return worst
+
+
 def chunked_microbatch_counts(schedule: str, p: int) -> tuple[int, int, int]:
     """Three micro-batch counts `schedule` accepts on p ranks with 2 chunks each, the smallest
     first (all divide BATCH)."""
@@ -195,7 +250,7 @@ def eval_matches(model: str, m: int) -> float:
 def dynamic_shapes(model: str = "masked_mlp", m: int = 2) -> float:
     """With comm.dynamic_shapes, a smaller batch mid-run renegotiates and stays exact."""
     spec = build_toy(model)
-    pipe, _, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), dynamic_shapes=True)
+    pipe, _, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), shapes="dynamic")
     reference = spec.build_all(dtype=DTYPE)
     worst = 0.0
     for step, batch in enumerate((BATCH, BATCH // 2, BATCH)):

@@ -128,7 +128,7 @@ def precision_vs_fp32(precision: str, dp: int = 1, schedule: str = "1f1b") -> di
         trainer = build_run(cfg, torch.device("cpu"))
         trainer.forward_backward(0)
         grads[prec] = [p.grad.clone() for p in trainer.params]
-        out[f"edge_dtypes_{prec}"] = sorted({str(m.dtype) for metas in trainer.pipeline._edge_meta.values() for m in metas})
+        out[f"edge_dtypes_{prec}"] = sorted({str(m.dtype) for plan in trainer.pipeline.shapes.edges.values() for metas in plan for m in metas})
     out["grad"] = max(rel_diff(a, b) for a, b in zip(grads[precision], grads["fp32"]))
     return out
 

@@ -77,9 +77,12 @@ def test_world_size_must_equal_dp_times_pp() -> None:
         check_config(cfg, world_size=4)
 
 
-def test_batch_must_split_into_equal_microbatches() -> None:
-    cfg = compose_config("data.batch_size=30", "pipeline.num_microbatches=4")
-    with pytest.raises(ConfigError, match=r"data.batch_size=30.*pipeline.num_microbatches=4.*multiple of 4"):
+def test_batch_needs_a_row_for_every_microbatch_and_may_split_unevenly() -> None:
+    """A batch that does not divide into m equal micro-batches is split into sizes that differ by
+    at most one row (issue 23; it used to be refused); fewer rows than micro-batches is refused."""
+    assert check_config(compose_config("data.batch_size=30", "pipeline.num_microbatches=4"), world_size=4) == (1, 4)
+    cfg = compose_config("data.batch_size=6", "pipeline.num_microbatches=4", "parallel.dp=2")
+    with pytest.raises(ConfigError, match=r"data.batch_size=6.*pipeline.num_microbatches=4.*parallel.dp=2.*at least 8"):
         check_config(cfg, world_size=4)
 
 

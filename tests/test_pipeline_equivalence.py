@@ -61,8 +61,31 @@ def _equivalence_cases() -> list[tuple[str, object]]:
     return plain + tied + chunked + tied_v + own + resnet + clipped + runtimes
 
 
+VARIABLE_SCHEDULES = ("gpipe", "1f1b") + CHUNKED_SCHEDULES
+
+
+def _variable_cases() -> list[tuple[str, object]]:
+    """Micro-batches of different shapes in one step: every built-in schedule (GPT, lengths and
+    rows differ; 8 layers for the chunked ones) at its smallest accepted count, and uneven rows
+    alone for the masked MLP."""
+    def counted(schedule: str) -> functools.partial:
+        model = "gpt" if schedule in ("gpipe", "1f1b") else "gpt8"
+        return functools.partial(_variable_nth_count, model, schedule)
+    return [(f"var-{schedule}", counted(schedule)) for schedule in VARIABLE_SCHEDULES] + [
+        ("var-masked_mlp-1f1b-m3", functools.partial(cases.variable_equivalence, "masked_mlp", "1f1b", 3)),
+        ("var-gpt-1f1b-m8", functools.partial(cases.variable_equivalence, "gpt", "1f1b", 8)),
+    ]
+
+
+def _variable_nth_count(model: str, schedule: str) -> dict:
+    """:func:`cases.variable_equivalence` at the schedule's middle count for this world (3 shapes at least)."""
+    import torch.distributed as dist
+
+    return cases.variable_equivalence(model, schedule, cases.chunked_microbatch_counts(schedule, dist.get_world_size())[1])
+
+
 def _all_cases() -> list[tuple[str, object]]:
-    return _equivalence_cases() + [
+    return _equivalence_cases() + _variable_cases() + [
         ("eval-gpt", functools.partial(cases.eval_matches, "gpt", 4)),
         ("dynamic-shapes", cases.dynamic_shapes),
         ("send-recv", cases.send_recv_ring),
@@ -102,6 +125,17 @@ def test_pipelined_training_equals_unsplit_model(world, name: str) -> None:
     for rank, v in enumerate(values):
         for key in ("loss", "grad", "param"):
             assert v[key] <= TOLERANCE, f"p={p} rank {rank}: {key} differs by {v[key]:.3e}"
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _variable_cases()])
+def test_microbatches_of_different_shapes_equal_unsplit_model(world, name: str) -> None:
+    p, results = world
+    values = _values(results[name])
+    assert sum(v["losses_compared"] for v in values) == 3
+    for rank, v in enumerate(values):
+        for key in ("loss", "grad", "param"):
+            assert v[key] <= TOLERANCE, f"p={p} rank {rank}: {key} differs by {v[key]:.3e}"
+        assert v["buffers_after_first_step"] == 0, f"p={p} rank {rank}: the pool allocated after step 0"
 
 
 def test_forward_only_eval_equals_unsplit_loss(world) -> None:

@@ -24,8 +24,14 @@ IMAGE_DATA = ("cifar10", "mnist", "imagefolder", "fakedata")
 TOKEN_DATA = ("markov", "text")
 
 
-def build_batches(cfg: Any, model_cfg: Any) -> Batches:
+def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
     """The data sources named by ``data.name`` (identical on every rank).
+
+    Args:
+        cfg: the ``data`` config.
+        model_cfg: the ``model`` config (its vocabulary, checked against the data's).
+        chunks: micro-batches in a global batch (dp x m); with ``data.variable_lengths`` each
+            gets its own sequence length.
 
     Raises:
         ConfigError: unknown data name, or a vocabulary larger than the model's.
@@ -60,22 +66,52 @@ def build_batches(cfg: Any, model_cfg: Any) -> Batches:
             f"set model.vocab_size={vocab}"
         )
     train, val = datasets.split_tokens(tokens, cfg.val_fraction)
+    lengths = sequence_lengths(cfg)
     return Batches(
-        datasets.TokenBatches(train, cfg.seq_len, cfg.batch_size, cfg.seed),
-        datasets.TokenBatches(val, cfg.seq_len, cfg.batch_size, cfg.seed + 1),
+        datasets.TokenBatches(train, cfg.seq_len, cfg.batch_size, cfg.seed, lengths, chunks),
+        datasets.TokenBatches(val, cfg.seq_len, cfg.batch_size, cfg.seed + 1, lengths, chunks),
         best,
     )
 
 
-def split_microbatches(tensor: torch.Tensor, m: int) -> list[torch.Tensor]:
-    """Split a batch along dim 0 into m equal micro-batches."""
-    if tensor.shape[0] % m:
-        raise ConfigError(f"batch of {tensor.shape[0]} cannot be split into {m} equal micro-batches")
-    return list(tensor.chunk(m))
+def sequence_lengths(cfg: Any) -> tuple[int, int] | None:
+    """``data.variable_lengths``: the range each micro-batch's sequence length is drawn from
+    (``data.min_seq_len`` .. ``data.seq_len``); None for fixed lengths."""
+    if not cfg.variable_lengths:
+        return None
+    if cfg.name not in TOKEN_DATA:
+        raise ConfigError(f"data.variable_lengths=true needs token data ({', '.join(TOKEN_DATA)}), not data={cfg.name}")
+    return (cfg.min_seq_len if cfg.min_seq_len is not None else max(1, cfg.seq_len // 4), cfg.seq_len)
 
 
-def shard(batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Data-parallel rank `dp_rank`'s contiguous 1/dp of the global batch (``data.batch_size`` rows).
+def varies(cfg: Any, chunks: int) -> bool:
+    """True when the micro-batches of a step can differ in shape: variable lengths, or a batch of
+    rows that does not split into `chunks` equal micro-batches."""
+    return bool(cfg.variable_lengths) or cfg.batch_size % chunks != 0
+
+
+def split_microbatches(batch: torch.Tensor | list[torch.Tensor], m: int) -> list[torch.Tensor]:
+    """A batch as m micro-batches: a tensor split along dim 0 into sizes that differ by at most
+    one row (the first ones larger); a list, already one entry per micro-batch, as it is.
+
+    Raises:
+        ConfigError: fewer rows than micro-batches, or a list of another length.
+    """
+    if isinstance(batch, list):
+        if len(batch) != m:
+            raise ConfigError(f"a batch of {len(batch)} micro-batches cannot be run as {m}")
+        return batch
+    if batch.shape[0] < m:
+        raise ConfigError(f"a batch of {batch.shape[0]} rows cannot be split into {m} micro-batches of at least one row")
+    return list(batch.tensor_split(m))
+
+
+Batch = tuple[torch.Tensor, torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+def shard(batch: Batch, dp_rank: int, dp: int) -> Batch:
+    """Data-parallel rank `dp_rank`'s contiguous share of the global batch (``data.batch_size``
+    rows; sizes differ by at most one row, or, for a batch given as micro-batches, 1/dp of them).
 
     Every replica slices the same global batch, so the data stream does not depend on dp: a
     run resumed with another dp sees the same samples, and the dp run equals one replica on the
@@ -83,6 +119,17 @@ def shard(batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int) -> tu
     """
     if dp == 1:
         return batch
-    x, y = batch
-    rows = x.shape[0] // dp
-    return x[dp_rank * rows : (dp_rank + 1) * rows], y[dp_rank * rows : (dp_rank + 1) * rows]
+    return tuple(_share(part, dp_rank, dp) for part in batch)  # type: ignore[return-value]
+
+
+def _share(part: torch.Tensor | list[torch.Tensor], dp_rank: int, dp: int) -> torch.Tensor | list[torch.Tensor]:
+    if isinstance(part, list):
+        per = len(part) // dp
+        return part[dp_rank * per : (dp_rank + 1) * per]
+    return part.tensor_split(dp)[dp_rank]
+
+
+def loss_counts(targets: torch.Tensor | list[torch.Tensor]) -> int:
+    """How many elements the loss averages over in `targets` (tokens, or rows): what weighs a
+    micro-batch's mean loss in the batch's."""
+    return sum(t.numel() for t in targets) if isinstance(targets, list) else targets.numel()

@@ -175,13 +175,22 @@ def split_tokens(tokens: Tensor, val_fraction: float) -> tuple[Tensor, Tensor]:
 
 
 class TokenBatches:
-    """Random windows of a token stream: batch `step` is (x, y) with y = x shifted by one."""
+    """Random windows of a token stream: batch `step` is (x, y) with y = x shifted by one.
 
-    def __init__(self, tokens: Tensor, seq_len: int, batch_size: int, seed: int) -> None:
-        """Args: tokens (1-D long), seq_len T, batch_size B, seed.
+    With `lengths` = (shortest, longest) the batch comes as `chunks` micro-batches (rows split as
+    evenly as they go, sizes differing by at most one), each its own sequence length drawn
+    uniformly from that range: ``([x_0, x_1, ...], [y_0, y_1, ...])``; deterministic per step.
+    """
+
+    def __init__(
+        self, tokens: Tensor, seq_len: int, batch_size: int, seed: int, lengths: tuple[int, int] | None = None,
+        chunks: int = 1,
+    ) -> None:
+        """Args: tokens (1-D long), seq_len T, batch_size B, seed, lengths (variable lengths), chunks.
 
         Raises:
-            ConfigError: T or B < 1, or the stream is shorter than T + 1 tokens.
+            ConfigError: T or B < 1, the stream is shorter than T + 1 tokens, or the lengths
+                are not 1 <= shortest <= longest <= T.
         """
         if seq_len < 1 or batch_size < 1:
             raise ConfigError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
@@ -190,19 +199,30 @@ class TokenBatches:
                 f"token stream of shape {tuple(tokens.shape)} is too short for seq_len={seq_len}; "
                 f"need a 1-D stream of at least {seq_len + 1} tokens"
             )
+        if lengths is not None and not 1 <= lengths[0] <= lengths[1] <= seq_len:
+            raise ConfigError(f"sequence lengths {lengths[0]}..{lengths[1]} must lie in 1..data.seq_len={seq_len}")
+        if not 1 <= chunks <= batch_size:
+            raise ConfigError(f"{batch_size} rows cannot make {chunks} micro-batches of at least one row each")
         self.tokens = tokens.long()
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
+        self.lengths, self.chunks = lengths, chunks
 
-    def get(self, step: int) -> tuple[Tensor, Tensor]:
-        """Return batch `step`: x (B, T) long and y (B, T) long, the same on every call and rank."""
+    def get(self, step: int) -> tuple[Tensor, Tensor] | tuple[list[Tensor], list[Tensor]]:
+        """Return batch `step`: x (B, T) long and y (B, T) long, the same on every call and rank;
+        with variable lengths, lists of `chunks` such pairs' halves, micro-batch k of shape (B_k, T_k)."""
         gen = _generator("token-batch", self.seed, step)
         num_starts = len(self.tokens) - self.seq_len  # start s needs tokens s .. s + T
         starts = torch.randint(num_starts, (self.batch_size,), generator=gen)  # (B,)
         idx = starts[:, None] + torch.arange(self.seq_len + 1)  # (B, T + 1)
         window = self.tokens[idx]
-        return window[:, :-1], window[:, 1:]
+        if self.lengths is None:
+            return window[:, :-1], window[:, 1:]
+        low, high = self.lengths
+        sizes = torch.randint(low, high + 1, (self.chunks,), generator=_generator("token-lengths", self.seed, step))
+        parts = [w[:, : int(t) + 1] for w, t in zip(window.tensor_split(self.chunks), sizes)]
+        return [w[:, :-1] for w in parts], [w[:, 1:] for w in parts]
 
 
 class ClassificationBatches:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.data import TOKEN_DATA, build_batches, shard, split_microbatches
+from pipeflow.data import TOKEN_DATA, build_batches, shard, split_microbatches, varies
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import choose_layout
@@ -59,7 +59,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     m = cfg.pipeline.num_microbatches
     schedule = build_schedule(cfg.schedule.name, pp, m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
                               cfg.schedule.path, cfg.pipeline.stage_to_rank)
-    batches = build_batches(cfg.data, cfg.model)
+    batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
     sample = split_microbatches(shard(batches.train.get(0), 0, dp)[0], m)[0]
     layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype)
     guard.check_same_program(schedule, layout.ranges)
@@ -78,7 +78,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
                       agree_over_world=True)
     recorder = EventRecorder()
-    pipeline = Pipeline(stages, schedule, comm, cfg.comm.dynamic_shapes, posting, recorder,
+    pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None)
     params = unique_parameters(stage.parameters() for stage in stages.values())
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
@@ -96,6 +96,15 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         reducer=reducer, scaler=LossScaler(cfg.train.precision == "fp16"),
         finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
     )
+
+
+def shape_mode(cfg: DictConfig, chunks: int) -> str:
+    """How the pipeline learns shapes (:mod:`pipeflow.runtime.shapes`): every micro-batch its own
+    when they can differ (``comm.variable_shapes``, variable lengths, a batch that does not split
+    into `chunks` equal micro-batches), else ``dynamic`` or ``static`` (``comm.dynamic_shapes``)."""
+    if cfg.comm.variable_shapes or varies(cfg.data, chunks):
+        return "per_microbatch"
+    return "dynamic" if cfg.comm.dynamic_shapes else "static"
 
 
 def _watchdog(device: torch.device, rank: int) -> DeadlineWatchdog | None:

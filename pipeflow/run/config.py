@@ -100,6 +100,8 @@ class DataConfig:
     image_size: int | None = None
     fake_size: int = 1024
     seed: int = 1234
+    variable_lengths: bool = False  # token data: each micro-batch its own sequence length
+    min_seq_len: int | None = None  # with variable_lengths: lengths drawn from min_seq_len..seq_len (null: seq_len // 4)
 
 
 @dataclass
@@ -145,7 +147,10 @@ class CommConfig:
 
     timeout_s: float = 300.0
     first_step_timeout_s: float = 900.0
-    dynamic_shapes: bool = False
+    dynamic_shapes: bool = False  # relearn shapes when stage 0's input shape changes (one broadcast per step)
+    # every micro-batch its own shapes (one small message per stage boundary per step); on by
+    # itself with data.variable_lengths or a batch that does not split into equal micro-batches
+    variable_shapes: bool = False
     # gloo: post the next step's recvs before computing (true), at their own step (false), or
     # time both over the first training steps and keep the faster (auto); Pipeline.recvs_ahead
     recvs_ahead: Any = "auto"
@@ -254,10 +259,10 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
     m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
     if m < 1:
         raise ConfigError(f"pipeline.num_microbatches={m} must be at least 1")
-    if batch % (dp * m):
+    if batch < dp * m:
         raise ConfigError(
-            f"data.batch_size={batch} cannot be split into pipeline.num_microbatches={m} equal "
-            f"micro-batches (x parallel.dp={dp}); make the batch size a multiple of {dp * m}"
+            f"data.batch_size={batch} cannot be split into pipeline.num_microbatches={m} micro-batches "
+            f"(x parallel.dp={dp}) of at least one row each; make the batch size at least {dp * m}"
         )
     if cfg.train.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={cfg.train.dtype!r} is not one of {', '.join(DTYPES)}")
@@ -287,6 +292,9 @@ def check_comm(comm: Any) -> None:
     """
     if not (isinstance(comm.recvs_ahead, bool) or comm.recvs_ahead == "auto"):
         raise ConfigError(f"comm.recvs_ahead={comm.recvs_ahead!r} must be true, false or auto (default auto)")
+    if comm.dynamic_shapes and comm.variable_shapes:
+        raise ConfigError("comm.dynamic_shapes and comm.variable_shapes are both true; variable_shapes already "
+                          "learns every micro-batch's shapes at every step: set comm.dynamic_shapes=false")
     if not comm.timeout_s > 0:
         raise ConfigError(f"comm.timeout_s={comm.timeout_s} must be > 0 seconds (default 300)")
     if comm.first_step_timeout_s < comm.timeout_s:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from pipeflow.data import Batches, shard, split_microbatches
+from pipeflow.data import Batches, loss_counts, shard, split_microbatches
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout, describe_layout
@@ -167,24 +167,32 @@ class Trainer:
         """The schedule, its predicted bubble and the partition table (see pipeflow.planning.layout)."""
         return describe_layout(self.layout, self.spec, self.schedule)
 
-    def _local_batch(self, source: Any, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """This dp rank's shard of batch `step`; None on ranks without the first or last stage."""
-        if 0 not in self.stages and self.schedule.num_stages - 1 not in self.stages:
-            return None
-        return shard(source.get(step), self.mesh.dp_rank, self.dp)
+    def _microbatches(
+        self, source: Any, step: int
+    ) -> tuple[list[Tensors] | None, list[torch.Tensor] | None, list[float] | None]:
+        """This dp rank's micro-batches of batch `step`: the inputs on stage 0's rank, the targets
+        and each micro-batch's loss weight on the last stage's (None elsewhere).
 
-    def _microbatches(self, batch: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[list[Tensors] | None, list[torch.Tensor] | None]:
-        inputs = targets = None
-        if batch is None:
-            return inputs, targets
-        x, y = batch
-        if 0 in self.stages:
-            xs = x.to(self.device)
-            xs = xs.to(getattr(torch, self.cfg.train.dtype)) if xs.is_floating_point() else xs
-            inputs = [(mb,) for mb in split_microbatches(xs, self.schedule.num_microbatches)]
-        if self.schedule.num_stages - 1 in self.stages:
-            targets = split_microbatches(y.to(self.device), self.schedule.num_microbatches)
-        return inputs, targets
+        A micro-batch's weight is dp x its loss elements (tokens or rows) over the global batch's,
+        so that summed over micro-batches and averaged over replicas, loss and gradients are the
+        global batch's mean however the micro-batches differ in size (1/m when they are alike).
+        """
+        first, last = 0 in self.stages, self.schedule.num_stages - 1 in self.stages
+        if not (first or last):
+            return None, None, None
+        batch = source.get(step)
+        x, y = shard(batch, self.mesh.dp_rank, self.dp)
+        m = self.schedule.num_microbatches
+        inputs = targets = weights = None
+        if first:
+            dtype = getattr(torch, self.cfg.train.dtype)
+            inputs = [(mb.to(self.device, dtype) if mb.is_floating_point() else mb.to(self.device),)
+                      for mb in split_microbatches(x, m)]
+        if last:
+            targets = [mb.to(self.device) for mb in split_microbatches(y, m)]
+            total = loss_counts(batch[1])
+            weights = [self.dp * t.numel() / total for t in targets]
+        return inputs, targets, weights
 
     def forward_backward(self, step: int) -> tuple[float, float]:
         """Gradients of batch `step`, reduced over ties and dp, unscaled and clipped, left in
@@ -196,8 +204,8 @@ class Trainer:
         Raises:
             NonFiniteError: ``train.check_finite`` and NaN/Inf the loss scaler does not explain.
         """
-        inputs, targets = self._microbatches(self._local_batch(self.batches.train, step))
-        loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale)
+        inputs, targets, weights = self._microbatches(self.batches.train, step)
+        loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights)
         extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
         if self.finite is not None:  # before the dp and tie sums, which would spread a NaN to other stages
             extra = torch.cat([extra, self.finite.local_flags().to(extra.dtype)])
@@ -247,9 +255,9 @@ class Trainer:
         """Mean loss over ``train.eval_batches`` held-out batches (forward only)."""
         total = torch.zeros(1, device=self.device, dtype=torch.float64)
         for k in range(self.cfg.train.eval_batches):
-            inputs, targets = self._microbatches(self._local_batch(self.batches.val, k))
+            inputs, targets, weights = self._microbatches(self.batches.val, k)
             with failures.context("evaluation"):
-                loss = self.pipeline.eval(inputs, targets)
+                loss = self.pipeline.eval(inputs, targets, loss_weights=weights)
             if loss is not None:
                 total += loss.double()
         dist.all_reduce(total)  # the last stage of every replica holds its shard's mean loss

@@ -17,12 +17,14 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from pipeflow.errors import CommError, PipeflowError, ScheduleError, ShapeMismatchError
+from pipeflow.errors import CommError, PipeflowError, ScheduleError
 from pipeflow.runtime import failures
+from pipeflow.runtime.buffers import BufferPool
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.runtime.posting import Posting
+from pipeflow.runtime.shapes import ShapePlan
 from pipeflow.runtime.stage import Stage, Tensors
-from pipeflow.runtime.transport import META_LEN, P2PComm, TensorMeta, encode_metas
+from pipeflow.runtime.transport import P2PComm
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
@@ -45,8 +47,9 @@ class Pipeline:
         stages: this rank's stages, by stage index.
         schedule: the schedule every rank of the pipeline runs (validated by the simulator).
         comm: the batched P2P communicator of the pipeline group (and its deadlines).
-        dynamic_shapes: renegotiate shapes whenever the input shape changes (one small
-            broadcast per step); otherwise shapes are negotiated once and a change is an error.
+        shapes: how the shapes crossing stage boundaries are learned: ``static`` (once; a change
+            is an error), ``dynamic`` (again whenever stage 0's input shape changes) or
+            ``per_microbatch`` (every pass, each micro-batch its own; see :mod:`~pipeflow.runtime.shapes`).
         posting: which lowering each pass runs (default: ``Posting()``, gloo's ``auto``).
         recorder: where compute actions and batched calls are recorded while it is on.
         on_stage_grads_ready: called with a stage index as soon as that stage's weight
@@ -59,7 +62,7 @@ class Pipeline:
         stages: dict[int, Stage],
         schedule: PipelineSchedule,
         comm: P2PComm,
-        dynamic_shapes: bool = False,
+        shapes: str = "static",
         posting: Posting | None = None,
         recorder: EventRecorder | None = None,
         on_stage_grads_ready: Callable[[int], None] | None = None,
@@ -68,7 +71,6 @@ class Pipeline:
         self.schedule = schedule
         self.comm = comm
         self.rank = comm.rank
-        self.dynamic_shapes = dynamic_shapes
         self.posting = posting if posting is not None else Posting()
         self.recorder = recorder if recorder is not None else EventRecorder()
         self.on_stage_grads_ready = on_stage_grads_ready
@@ -85,9 +87,9 @@ class Pipeline:
         self._coalescing = not comm.independent_ops
         self.programs = {option: self._checked_program(schedule, option) for option in self.posting.options(self._coalescing)}
         self._eval_programs: dict[tuple[int, str], Program] = {}
-        self._edge_meta: dict[int, tuple[TensorMeta, ...]] = {}  # outputs of stage s (edge s -> s+1)
-        self._recv_metas: dict[tuple[str, int], tuple[TensorMeta, ...]] = {}  # by (payload, src stage)
-        self._input_signature: torch.Tensor | None = None
+        self.shapes = ShapePlan(shapes, stages, schedule, comm, self._stage_failure)
+        self.buffers = BufferPool(comm.device)
+        self._lent: dict[tuple[int, int], list[torch.Tensor]] = {}  # receive buffers by (stage, micro-batch)
         self._weights_left: dict[int, int] = {}
 
     def _checked_program(self, schedule: PipelineSchedule, posting: str) -> Program:
@@ -100,7 +102,8 @@ class Pipeline:
 
     # ----------------------------------------------------------------------------- public API
     def run(
-        self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None, grad_scale: float = 1.0
+        self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None, grad_scale: float = 1.0,
+        loss_weights: Sequence[float] | None = None,
     ) -> torch.Tensor | None:
         """One training step: forward and backward of every micro-batch, grads accumulated.
 
@@ -109,16 +112,19 @@ class Pipeline:
             targets: the m micro-batch targets, needed on the rank holding the last stage.
             grad_scale: the loss scale (fp16): multiplies the loss that backward starts from,
                 not the returned loss.
+            loss_weights: what each micro-batch's mean loss is weighted by in the batch's (on
+                the last stage's rank): its share of the batch's loss elements, ``n_i / N``;
+                default ``1/m`` each (micro-batches alike).
 
         Returns:
             On the rank holding the last stage, the full-batch loss (the micro-batch losses
-            each scaled by 1/m and summed); None elsewhere.
+            each weighted and summed); None elsewhere.
         """
-        self._negotiate_shapes(inputs)
+        self.shapes.prepare(inputs, self.schedule.num_microbatches)
         option = self.posting.for_training(self._coalescing)
         start = time.perf_counter()
         m = self.schedule.num_microbatches
-        self._execute(self.programs[option], inputs, targets, train=True, loss_weight=1.0 / m, grad_scale=grad_scale)
+        self._execute(self.programs[option], inputs, targets, True, loss_weights or [1.0 / m] * m, grad_scale)
         self.posting.record(option, time.perf_counter() - start, self._coalescing, self.comm.group, self.comm.device)
         return self._take_loss()
 
@@ -127,11 +133,12 @@ class Pipeline:
         inputs: Sequence[Tensors] | None,
         targets: Sequence[torch.Tensor] | None,
         num_microbatches: int | None = None,
+        loss_weights: Sequence[float] | None = None,
     ) -> torch.Tensor | None:
         """Forward-only pass over the micro-batches (no activations kept); returns the loss.
 
         Args:
-            inputs, targets: as for :meth:`run`.
+            inputs, targets, loss_weights: as for :meth:`run`.
             num_microbatches: how many micro-batches every rank runs (default: the training
                 schedule's m); all ranks must pass the same number.
         """
@@ -140,12 +147,12 @@ class Pipeline:
         if key not in self._eval_programs:
             schedule = forward_only(self.schedule.num_ranks, count, self.schedule.stage_to_rank)
             self._eval_programs[key] = self._checked_program(schedule, key[1])
-        self._negotiate_shapes(inputs)
+        self.shapes.prepare(inputs, count)
         modes = [(mod, mod.training) for stage in self.stages.values() for mod in stage.module.modules()]
         for stage in self.stages.values():
             stage.module.train(False)  # BatchNorm uses running statistics, dropout is off
         try:
-            self._execute(self._eval_programs[key], inputs, targets, train=False, loss_weight=1.0 / count)
+            self._execute(self._eval_programs[key], inputs, targets, False, loss_weights or [1.0 / count] * count)
         finally:
             for mod, mode in modes:
                 mod.training = mode
@@ -155,57 +162,6 @@ class Pipeline:
         last = self.stages.get(self.schedule.num_stages - 1)
         return None if last is None else last.take_loss()
 
-    # ----------------------------------------------------------------------- shape negotiation
-    def _negotiate_shapes(self, inputs: Sequence[Tensors] | None) -> None:
-        """Learn the shapes/dtypes crossing every stage boundary (once, or when they change)."""
-        if self._edge_meta and not self.dynamic_shapes:
-            return
-        if self._edge_meta and not self._input_changed(inputs):
-            return
-        self._edge_meta.clear()
-        self._recv_metas.clear()
-        S = self.schedule.num_stages
-        for s in sorted(self.stages):
-            if s == 0:
-                in_metas = tuple(TensorMeta.of(t) for t in self._first_input(inputs))
-            elif self._owner(s - 1) == self.rank:
-                in_metas = self._edge_meta[s - 1]
-            else:
-                in_metas = self.comm.recv_metas(self._owner(s - 1), f"of stage {s - 1} output")
-                self._edge_meta[s - 1] = in_metas
-            if s < S - 1:
-                self._edge_meta[s] = self._infer_output(self.stages[s], in_metas)
-                if self._owner(s + 1) != self.rank:
-                    self.comm.send_metas(self._owner(s + 1), self._edge_meta[s], f"of stage {s} output")
-
-    def _first_input(self, inputs: Sequence[Tensors] | None) -> Tensors:
-        if not inputs:
-            raise ScheduleError(f"rank {self.rank} holds stage 0 but was given no micro-batch inputs")
-        return inputs[0]
-
-    def _input_changed(self, inputs: Sequence[Tensors] | None) -> bool:
-        """Dynamic shapes: broadcast stage 0's input signature; True if it differs from before."""
-        if 0 in self.stages:
-            signature = encode_metas([TensorMeta.of(t) for t in self._first_input(inputs)])
-        else:
-            signature = torch.empty(META_LEN, dtype=torch.int64)
-        device_sig = signature.to(self.comm.device)
-        dist.broadcast(device_sig, self.comm.global_rank(self._owner(0)), group=self.comm.group)
-        signature = device_sig.cpu()
-        changed = self._input_signature is None or not torch.equal(signature, self._input_signature)
-        self._input_signature = signature
-        return changed
-
-    @staticmethod
-    def _infer_output(stage: Stage, in_metas: tuple[TensorMeta, ...]) -> tuple[TensorMeta, ...]:
-        """The output metadata of `stage` for inputs described by `in_metas`."""
-        device = next((p.device for p in stage.parameters()), torch.device("cpu"))
-        dummies = tuple(
-            torch.zeros(m.shape, dtype=m.dtype, device=device).requires_grad_(m.requires_grad)
-            for m in in_metas
-        )
-        return tuple(TensorMeta.of(t) for t in stage.trial_forward(dummies))
-
     # -------------------------------------------------------------------------------- execution
     def _execute(
         self,
@@ -213,13 +169,13 @@ class Pipeline:
         inputs: Sequence[Tensors] | None,
         targets: Sequence[torch.Tensor] | None,
         train: bool,
-        loss_weight: float,
+        loss_weights: Sequence[float],
         grad_scale: float = 1.0,
     ) -> None:
         """Interpret `program`: per step post its ops, wait for its waits, compute, wait for its after.
 
-        Every micro-batch loss is weighted by `loss_weight` (1/m), so the summed loss and
-        gradients are those of the full batch.
+        Micro-batch i's loss is weighted by ``loss_weights[i]``, so the summed loss and gradients
+        are those of the full batch.
         """
         inbox: dict[Key, Tensors] = {}
         outbox: dict[Key, Tensors] = {}
@@ -234,7 +190,7 @@ class Pipeline:
                 record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, clock())
             if step.action is not None:
                 t1 = clock()
-                self._compute(step, inbox, outbox, inputs, targets, loss_weight, train, grad_scale)
+                self._compute(step, inbox, outbox, inputs, targets, loss_weights, train, grad_scale)
                 if record is not None:
                     record(step.action.kind, str(step.action), t1, clock())
             if step.after:  # by now the peer has long posted its recvs; the sent tensors are freed
@@ -242,6 +198,9 @@ class Pipeline:
                 self._wait(step.after, posted, inbox, program, k, after=True)
                 if record is not None:
                     record("comm", "sends of the step done", t0, clock())
+        for key in list(self._lent):  # evaluation's, and any a pass left
+            self.buffers.give(self._lent.pop(key))
+        self.buffers.end_pass()
         if inbox or outbox or posted:
             left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
@@ -279,7 +238,7 @@ class Pipeline:
             if op.is_send:
                 continue
             if op.payload == ACTIVATION:
-                for b, meta in zip(entry.tensors, self._edge_meta[op.src_stage]):
+                for b, meta in zip(entry.tensors, self.shapes.metas(op.src_stage, op.microbatch)):
                     b.requires_grad_(meta.requires_grad)
             inbox[(op.payload, op.microbatch, op.dst_stage)] = entry.tensors
 
@@ -292,15 +251,17 @@ class Pipeline:
         return "; ".join(op.describe() for op in ops) + f" (program step {k}, {when})"
 
     def _recv_buffers(self, op: CommOp) -> Tensors:
-        metas = self._recv_metas.get((op.payload, op.src_stage))
-        if metas is None:
-            if op.payload == ACTIVATION:
-                metas = self._edge_meta[op.src_stage]
-            else:  # gradients of stage dst_stage's outputs that require grad
-                metas = tuple(m for m in self._edge_meta[op.dst_stage] if m.requires_grad)
-            self._recv_metas[(op.payload, op.src_stage)] = metas
-        device = self.comm.device
-        return tuple(torch.empty(m.shape, dtype=m.dtype, device=device) for m in metas)
+        """Pooled buffers for what `op` receives, lent to its stage and micro-batch until released."""
+        if op.payload == ACTIVATION:
+            metas = self.shapes.metas(op.src_stage, op.microbatch)
+        else:  # gradients of stage dst_stage's outputs that require grad
+            metas = self.shapes.grad_metas(op.dst_stage, op.microbatch)
+        tensors = tuple(self.buffers.take(m) for m in metas)
+        self._lent.setdefault((op.dst_stage, op.microbatch), []).extend(tensors)
+        return tensors
+
+    def _stage_failure(self, exc: BaseException, where: str) -> Exception:
+        return failures.stage_failure(exc, where, self.stages, self.comm.device)
 
     def _compute(
         self,
@@ -309,7 +270,7 @@ class Pipeline:
         outbox: dict[Key, Tensors],
         inputs: Sequence[Tensors] | None,
         targets: Sequence[torch.Tensor] | None,
-        loss_weight: float,
+        loss_weights: Sequence[float],
         train: bool,
         grad_scale: float,
     ) -> None:
@@ -321,9 +282,9 @@ class Pipeline:
             if action.kind == FORWARD:
                 x = inputs[i] if s == 0 and inputs is not None else inbox.pop((ACTIVATION, i, s))
                 target = targets[i] if stage.is_last and targets is not None else None
-                out = stage.forward(i, x, target, loss_weight, keep_for_backward=train, grad_scale=grad_scale)
+                out = stage.forward(i, x, target, loss_weights[i], keep_for_backward=train, grad_scale=grad_scale)
                 if not stage.is_last:
-                    self._check_outputs(s, i, out, train)
+                    self.shapes.check(s, i, out, train)
                     self._deliver(ACTIVATION, i, s, s + 1, tuple(t.detach() for t in out), inbox, outbox)
                     if train and self._owner(s + 1) != self.rank:
                         stage.deallocate_outputs(i)  # the sent copy holds the storage until sent
@@ -331,10 +292,9 @@ class Pipeline:
                 grads = None if stage.is_last else inbox.pop((GRADIENT, i, s))
                 grads_in = stage.backward(i, grads, weights=step.backward_weights)
                 if s > 0:
-                    metas = self._edge_meta[s - 1]
                     sent = tuple(
                         g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=self.comm.device)
-                        for g, m in zip(grads_in, metas)
+                        for g, m in zip(grads_in, self.shapes.metas(s - 1, i))
                         if m.requires_grad
                     )
                     self._deliver(GRADIENT, i, s, s - 1, sent, inbox, outbox)
@@ -342,11 +302,12 @@ class Pipeline:
                 stage.backward_weight(i)
             if action.kind != FORWARD and (action.kind != BACKWARD or step.backward_weights):
                 self._weights_done(s)
+                self.buffers.give(self._lent.pop((s, i), ()))  # its last backward: nothing reads them now
         except PipeflowError:
             raise
         except Exception as exc:  # a user's layer failed: say where
             where = f"pipeline rank {self.rank}, stage {s}, micro-batch {i}, action {action}"
-            raise failures.stage_failure(exc, where, self.stages, self.comm.device) from exc
+            raise self._stage_failure(exc, where) from exc
 
     def _weights_done(self, s: int) -> None:
         """One more micro-batch's weight gradients of stage s are in; tell the hook after the last."""
@@ -362,24 +323,8 @@ class Pipeline:
         """Hand tensors to stage `dst`: directly when it is local, else queue them for sending."""
         if self._owner(dst) == self.rank:
             if payload == ACTIVATION:
-                metas = self._edge_meta[src]
+                metas = self.shapes.metas(src, i)
                 tensors = tuple(t.requires_grad_(m.requires_grad) for t, m in zip(tensors, metas))
             inbox[(payload, i, dst)] = tensors
         else:
             outbox[(payload, i, src)] = tuple(t.contiguous() for t in tensors)
-
-    def _check_outputs(self, s: int, i: int, outputs: Tensors, train: bool) -> None:
-        expected = self._edge_meta[s]
-        actual = tuple(TensorMeta.of(t) for t in outputs)
-        same = len(actual) == len(expected) and all(
-            a.shape == e.shape and a.dtype == e.dtype and (a.requires_grad == e.requires_grad or not train)
-            for a, e in zip(actual, expected)
-        )
-        if not same:
-            raise ShapeMismatchError(
-                f"stage {s} (rank {self.rank}) produced outputs {[str(a) for a in actual]} for "
-                f"micro-batch {i}, but stage {s + 1} (rank {self._owner(s + 1)}) expects "
-                f"{[str(e) for e in expected]} as negotiated at the first step. Keep every batch "
-                f"the same shape (e.g. drop the last partial batch) or set comm.dynamic_shapes=true "
-                f"to renegotiate shapes when the input shape changes."
-            )

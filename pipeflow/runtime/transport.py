@@ -300,15 +300,17 @@ class P2PComm:
             )
         return CommError(f"{where}: batched P2P call failed while trying to {what}: {text}")
 
-    def send_metas(self, peer: int, metas: Sequence[TensorMeta], what: str = "") -> None:
-        """Send tensor metadata to `peer` (one small batched send)."""
-        self.exchange([(peer, encode_metas(metas).to(self.device))], [], what=f"send shapes {what}")
+    def send_metas(self, peer: int, plan: Sequence[Sequence[TensorMeta]], what: str = "") -> None:
+        """Send the tensor metadata of one or more micro-batches to `peer` (one small batched send
+        of ``len(plan) x META_LEN`` int64)."""
+        packed = torch.stack([encode_metas(metas) for metas in plan]).to(self.device)
+        self.exchange([(peer, packed)], [], what=f"send shapes {what}")
 
-    def recv_metas(self, peer: int, what: str = "") -> tuple[TensorMeta, ...]:
-        """Receive tensor metadata from `peer`."""
-        buf = torch.empty(META_LEN, dtype=torch.int64, device=self.device)
+    def recv_metas(self, peer: int, count: int = 1, what: str = "") -> list[tuple[TensorMeta, ...]]:
+        """Receive the tensor metadata of `count` micro-batches from `peer` (see :meth:`send_metas`)."""
+        buf = torch.empty(count, META_LEN, dtype=torch.int64, device=self.device)
         self.exchange([], [(peer, buf)], what=f"recv shapes {what}")
-        return decode_metas(buf.cpu())
+        return [decode_metas(row) for row in buf.cpu()]
 
 
 def _unique(works: Sequence[dist.Work]) -> list[dist.Work]:
