@@ -66,12 +66,18 @@ class Reference:
         self.params = unique_parameters(layer.parameters() for layer in self.layers)
         o = cfg.optim
         self.opt = torch.optim.AdamW(self.params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
-        self.batches = build_batches(cfg.data, cfg.model)
+        self.batches = build_batches(cfg.data, cfg.model, chunks=cfg.parallel.dp * cfg.pipeline.num_microbatches)
 
     def grads(self, step: int) -> float:
-        """Loss and (clipped) grads of batch `step`; returns the loss."""
+        """Loss and (clipped) grads of batch `step`; returns the loss.  A batch given as
+        micro-batches of different shapes (data.variable_lengths) counts every token alike: the
+        mean of its micro-batches' mean losses, each weighted by its share of the tokens."""
         x, y = self.batches.train.get(step)
-        loss = self.spec.loss_fn(run_layers(self.layers, x), y)
+        if isinstance(x, list):
+            total = sum(t.numel() for t in y)
+            loss = sum(t.numel() / total * self.spec.loss_fn(run_layers(self.layers, a), t) for a, t in zip(x, y))
+        else:
+            loss = self.spec.loss_fn(run_layers(self.layers, x), y)
         loss.backward()
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
@@ -102,7 +108,8 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
     trainer, reference = build_run(cfg, torch.device("cpu")), Reference(cfg)
     assert trainer.pipeline.posting.recvs_ahead == cfg.comm.recvs_ahead
     both = pairs(trainer, reference)
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0}
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0,
+             "shapes": trainer.pipeline.shapes.mode}
     for step in range(steps):
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optim, cfg.train.max_steps)

@@ -29,6 +29,11 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-actckpt": (2, "1f1b", 2, {"pipeline__checkpoint_activations": True}),
     "dp1xpp4-zb_h1-actckpt": (1, "zb_h1", 2, {"pipeline__checkpoint_activations": True}),
     "dp2xpp2-zb_h1-actckpt2": (2, "zb_h1", 2, {"pipeline__checkpoint_activations": 2}),
+    # micro-batches of different shapes: a batch that does not split evenly over dp x m, and
+    # data.variable_lengths (each micro-batch its own sequence length), through the Trainer
+    "dp2xpp2-uneven-rows": (2, "1f1b", 2, {"data__batch_size": 27}),
+    "dp2xpp2-zbv-variable-lengths": (2, "zbv", 3, {"data__variable_lengths": True, "data__min_seq_len": 3}),
+    "dp1xpp4-variable-lengths-uneven": (1, "1f1b", 3, {"data__variable_lengths": True, "data__batch_size": 25}),
 }
 
 
@@ -71,6 +76,8 @@ def test_mesh_training_equals_unsplit_model_on_global_batch(world, name: str) ->
     assert all(v["params_compared"] > 0 for v in values)
     if "clipped" in name:  # the clip must bite, or the test proves nothing
         assert all(v["norm"] > 2 * CLIP for v in values)
+    if "uneven" in name or "variable" in name:  # the builder chose every micro-batch its own shapes
+        assert all(v["shapes"] == "per_microbatch" for v in values)
     for rank, v in enumerate(values):
         for key in ("loss", "grad", "param"):
             assert v[key] <= TOLERANCE, f"{name} rank {rank}: {key} differs by {v[key]:.3e}"

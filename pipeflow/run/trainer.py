@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from pipeflow.data import Batches, loss_counts, shard, split_microbatches
+from pipeflow.data import Batches, loss_counts, sequence_lengths, shard, split_microbatches
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout, describe_layout
@@ -273,6 +273,10 @@ class Trainer:
             log.info("run directory: %s", self.run_dir)
             log.info("mesh: dp=%d x pp=%d, precision=%s, activation checkpointing=%s", self.dp, self.mesh.pp,
                      self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
+            lengths = sequence_lengths(self.cfg.data)
+            if lengths is not None or self.pipeline.shapes.mode == "per_microbatch":
+                drawn = f"; sequence lengths drawn from {lengths[0]}..{lengths[1]}" if lengths is not None else ""
+                log.info("micro-batches of a step may differ in shape (each learned per step)%s", drawn)
         start = self.resume()
         first_val = self.evaluate()
         trained = len(self.history)
