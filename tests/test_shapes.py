@@ -113,3 +113,17 @@ def test_variable_length_token_batches_are_deterministic_micro_batches() -> None
     assert [len(s) for s in shard((xs, ys), 1, 2)[0]] == [2, 2]  # replica 1: micro-batches 2 and 3
     with pytest.raises(ConfigError, match="sequence lengths 0..16"):
         TokenBatches(tokens, 16, 10, 3, lengths=(0, 16), chunks=4)
+
+
+def test_peak_memory_weighs_the_microbatches_in_flight_by_their_size() -> None:
+    """1F1B on 2 ranks, m = 4: rank 0 runs 0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3, so micro-batches 2 and
+    3 are in flight together at its peak (sizes 3 + 4), not the first two."""
+    from pipeflow.planning.search import rank_memory
+    from pipeflow.schedules import one_f_one_b, simulate
+
+    schedule = one_f_one_b(2, 4)
+    sizes = [1.0, 2.0, 3.0, 4.0]
+    result = simulate(schedule, microbatch_sizes=sizes)
+    assert result.peak_memory == [7.0, 4.0] and result.peak_activations == [2, 1]
+    assert simulate(schedule).peak_memory == [2.0, 1.0]  # sizes of 1: the pair counts
+    assert rank_memory(schedule, [0.0, 0.0], [10.0, 10.0], microbatch_sizes=sizes) == [70.0, 40.0]

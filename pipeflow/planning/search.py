@@ -255,20 +255,24 @@ def _evaluate(
 def rank_memory(
     schedule: PipelineSchedule, param_bytes: Sequence[float], act_bytes: Sequence[float],
     optimizer_factor: float = 2.0, weighted: set[tuple[int, int]] | None = None,
+    microbatch_sizes: Sequence[float] | None = None,
 ) -> list[float]:
     """Peak bytes of each rank: its stages' parameters, grads and optimizer state, plus the most
     activation bytes held at once in its action order (see the module docstring).  `weighted`:
-    ``schedule.split_backwards()`` when the caller already has it."""
+    ``schedule.split_backwards()`` when the caller already has it.  `microbatch_sizes`: each
+    micro-batch's size relative to the one `act_bytes` was profiled on (variable lengths: its
+    tokens over the sample's); which micro-batches are in flight together then matters."""
     split = schedule.split_backwards() if weighted is None else weighted
+    sizes = microbatch_sizes or [1.0] * schedule.num_microbatches
     memory = []
     for r, acts in enumerate(schedule.actions):
         held = peak = 0.0
         for a in acts:
             if a.kind == FORWARD:
-                held += act_bytes[a.stage]
+                held += act_bytes[a.stage] * sizes[a.microbatch]
                 peak = max(peak, held)
             elif a.kind == WEIGHT or (a.kind == BACKWARD and (a.stage, a.microbatch) not in split):
-                held -= act_bytes[a.stage]
+                held -= act_bytes[a.stage] * sizes[a.microbatch]
         mine = [s for s, owner in enumerate(schedule.stage_to_rank) if owner == r]
         memory.append(math.fsum(param_bytes[s] for s in mine) * (2.0 + optimizer_factor) + peak)
     return memory

@@ -4,7 +4,7 @@ and measures time and memory."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,6 +32,8 @@ class SimResult:
         bubble: idle fraction, ``1 - sum(busy) / (p * makespan)``.
         peak_activations: ``peak_activations[r]``, most (stage, micro-batch) pairs on rank r
             whose F has run and last backward (W, or B if no W follows) has not; 0 forward-only.
+        peak_memory: ``peak_memory[r]``, the same pairs weighted by their micro-batch's size
+            (``microbatch_sizes``; with sizes of 1, ``peak_activations``).
         timeline: ``(rank, action, start, end)`` of every compute action, by start time then rank.
     """
 
@@ -40,6 +42,7 @@ class SimResult:
     bubble: float
     peak_activations: list[int]
     timeline: list[tuple[int, Action, float, float]]
+    peak_memory: list[float]
 
 
 def simulate(
@@ -48,6 +51,7 @@ def simulate(
     costs: Costs | None = None,
     comm_latency: float = 0.0,
     posting: str = "rendezvous",
+    microbatch_sizes: Sequence[float] | None = None,
 ) -> SimResult:
     """Interpret the per-rank programs as the runtime does, checking and measuring them.
 
@@ -66,6 +70,8 @@ def simulate(
             ``at_step``, ``ahead``; see :mod:`~pipeflow.schedules.lowering`).  The relaxed
             options only post earlier and wait later than rendezvous, so a program that runs
             under rendezvous runs under them too, never later.
+        microbatch_sizes: each micro-batch's activation size (variable lengths: its tokens),
+            weighing it in ``peak_memory``; default 1 each.
 
     Returns:
         The :class:`SimResult`.
@@ -80,7 +86,10 @@ def simulate(
     programs = lower(schedule, posting) if programs is None else programs
     _check_programs(schedule, programs)
     _check_channel_counts(programs)
-    return _Simulation(schedule, programs, _cost_function(costs), comm_latency).run()
+    sizes = list(microbatch_sizes) if microbatch_sizes is not None else [1.0] * schedule.num_microbatches
+    if len(sizes) != schedule.num_microbatches:
+        raise ScheduleError(f"got {len(sizes)} micro-batch sizes for {schedule.num_microbatches} micro-batches")
+    return _Simulation(schedule, programs, _cost_function(costs), comm_latency, sizes).run()
 
 
 def validate(schedule: PipelineSchedule, programs: list[Program] | None = None, posting: str = "rendezvous") -> SimResult:
@@ -270,12 +279,15 @@ class _Simulation:
     whose counterparts are not posted yet.
     """
 
-    def __init__(self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float) -> None:
+    def __init__(
+        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float, sizes: list[float]
+    ) -> None:
         p = schedule.num_ranks
-        self.schedule, self.programs, self.cost, self.latency = schedule, programs, cost, latency
+        self.schedule, self.programs, self.cost, self.latency, self.sizes = schedule, programs, cost, latency, sizes
         self.queues: dict[tuple[Channel, bool], list[_Posted]] = defaultdict(list)  # by is_send
         self.next_step, self.phase, self.clock, self.busy = [0] * p, [_POST] * p, [0.0] * p, [0.0] * p
         self.live, self.peak = [0] * p, [0] * p
+        self.held, self.peak_memory = [0.0] * p, [0.0] * p  # the same, weighted by micro-batch size
         self.posted: list[dict[CommOp, _Slot]] = [{} for _ in range(p)]  # posted, not waited for yet
         self.received: list[set[CommOp]] = [set() for _ in range(p)]
         self.finished_at: dict[Action, float] = {}
@@ -294,7 +306,7 @@ class _Simulation:
         makespan = max(self.clock, default=0.0)
         bubble = 1.0 - sum(self.busy) / (p * makespan) if makespan > 0 else 0.0
         self.timeline.sort(key=lambda entry: (entry[2], entry[0]))
-        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline)
+        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory)
 
     def _advance(self, r: int) -> bool:
         k = self.next_step[r]
@@ -367,11 +379,15 @@ class _Simulation:
         self.timeline.append((r, action, start, end))
         if not self.schedule.training:
             return
+        size = self.sizes[action.microbatch]
         if action.kind == FORWARD:
             self.live[r] += 1
+            self.held[r] += size
             self.peak[r] = max(self.peak[r], self.live[r])
+            self.peak_memory[r] = max(self.peak_memory[r], self.held[r])
         elif action.kind == WEIGHT or step.backward_weights:
             self.live[r] -= 1
+            self.held[r] -= size
 
     def _check_inputs(self, r: int, k: int, action: Action, start: float) -> None:
         for need in _dependencies(action, self.schedule.num_stages):
