@@ -66,6 +66,8 @@ def make_spec(model: str) -> ModelSpec:
         return build_residual_mlp(in_features=32, hidden=16, num_layers=4, num_classes=10)
     if model == "gpt8":  # 8 layers: two chunks on each of 4 ranks
         return build_toy("gpt", n_layer=6)
+    if model == "gpt_packed":  # fed (tokens, document ids): packed documents
+        return build_toy("gpt")
     if model == "masked_mlp8":
         return build_toy("masked_mlp", num_layers=8)
     return build_toy(model)
@@ -164,12 +166,17 @@ def equivalence(
 
 def ragged_batch(model: str, m: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """m micro-batches that differ in shape: BATCH + 1 rows split as evenly as they go (so the last
-    ones are a row short) and, for the GPT, each its own sequence length (16 down to 5)."""
-    x, y = make_batch(model, BATCH + 1, seed)
+    ones are a row short) and, for the GPT, each its own sequence length (16 down to 5);
+    ``gpt_packed`` inputs are (tokens, document ids)."""
+    x, y = make_batch(model.removesuffix("_packed"), BATCH + 1, seed)
     xs, ys = list(x.tensor_split(m)), list(y.tensor_split(m))
     if model.startswith("gpt"):
         lengths = [16 - (5 * i) % 12 for i in range(m)]
         xs, ys = [t[:, :n] for t, n in zip(xs, lengths)], [t[:, :n] for t, n in zip(ys, lengths)]
+    if model == "gpt_packed":  # documents of 1..4 tokens packed into each sequence
+        gen = torch.Generator().manual_seed(seed)
+        docs = [torch.randint(4, x.shape, generator=gen).eq(0).long().cumsum(1) for x in xs]
+        return [(x, d) for x, d in zip(xs, docs)], ys  # type: ignore[misc]
     return xs, ys
 
 

@@ -228,3 +228,24 @@ def test_classification_batches() -> None:
     x2, y2 = ClassificationBatches(32, 10, 6, seed=1).get(2)
     assert torch.equal(x, x2) and torch.equal(y, y2)
     assert not torch.equal(data.get(3)[0], x)
+
+
+def test_gpt_packed_documents_attend_only_within_their_document() -> None:
+    """Fed (tokens, document ids), each document's logits equal those of the document alone:
+    attention is block-diagonal causal and positions restart at each document."""
+    from pipeflow.models.gpt import document_positions
+
+    assert document_positions(torch.tensor([[0, 0, 0, 1, 1, 2]])).tolist() == [[0, 1, 2, 0, 1, 0]]
+    spec = build_gpt(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    layers = spec.build_all(dtype=torch.float64)
+    idx = torch.randint(16, (2, 8), generator=torch.Generator().manual_seed(0))
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 2, 2, 2]])
+    packed = run_layers(layers, (idx, doc))
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:  # float64 rounding of other matmul shapes
+        return float((a - b).abs().max()) <= 1e-12
+
+    assert same(packed[0, 3:], run_layers(layers, idx[:1, 3:])[0])
+    assert same(packed[1, :5], run_layers(layers, idx[1:, :5])[0])
+    assert same(packed[1, 5:], run_layers(layers, idx[1:, 5:])[0])
+    assert not same(packed[0, 3:], run_layers(layers, idx[:1])[0, 3:])  # unpacked: it sees document 0

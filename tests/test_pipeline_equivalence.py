@@ -74,6 +74,8 @@ def _variable_cases() -> list[tuple[str, object]]:
     return [(f"var-{schedule}", counted(schedule)) for schedule in VARIABLE_SCHEDULES] + [
         ("var-masked_mlp-1f1b-m3", functools.partial(cases.variable_equivalence, "masked_mlp", "1f1b", 3)),
         ("var-gpt-1f1b-m8", functools.partial(cases.variable_equivalence, "gpt", "1f1b", 8)),
+        # packed documents: (tokens, document ids) through every layer, block-diagonal attention
+        ("var-gpt_packed-1f1b-m3", functools.partial(cases.variable_equivalence, "gpt_packed", "1f1b", 3)),
     ]
 
 

@@ -3,7 +3,11 @@
 Layers: ``embedding`` (token + learned position), ``block.0`` .. ``block.{n_layer-1}`` (pre-LN
 causal self-attention and MLP, each residual), ``head`` (final LayerNorm + Linear to the vocab).
 Shapes: B = batch, T = time (sequence), C = n_embd, V = vocab_size, H = n_head.
-The LM head is not tied to the token embedding: tying would share a weight across stages.
+
+Packed documents: the input may be ``(idx, doc)`` with ``doc`` (B, T) long, the document id of
+every position (several documents packed into one sequence). Each layer then passes ``doc`` on
+beside its activations, attention is block-diagonal causal (a position attends to the earlier
+positions of its own document only) and positions count from each document's start.
 """
 from __future__ import annotations
 
@@ -58,13 +62,16 @@ class Embedding(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         _init_weights(self, cfg.n_layer)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        """Embed tokens (B, T) into activations (B, T, C)."""
+    def forward(self, idx: Tensor, doc: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Embed tokens (B, T) into activations (B, T, C); with document ids ``doc`` (B, T),
+        positions restart at each document and ``(activations, doc)`` is returned."""
         T = idx.size(1)
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+        if doc is None:
+            pos = torch.arange(T, device=idx.device)  # (T,)
+            return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
+        return self.drop(self.wte(idx) + self.wpe(document_positions(doc))), doc  # (B, T, C), (B, T)
 
 
 class CausalSelfAttention(nn.Module):
@@ -82,8 +89,8 @@ class CausalSelfAttention(nn.Module):
         mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
         self.register_buffer("mask", mask, persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Attend over the past: (B, T, C) -> (B, T, C)."""
+    def forward(self, x: Tensor, doc: Tensor | None = None) -> Tensor:
+        """Attend over the past (of the same document, with ``doc``): (B, T, C) -> (B, T, C)."""
         B, T, C = x.shape
         hs = C // self.n_head  # head size
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
@@ -91,7 +98,10 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, H, T, T)
-        att = att.masked_fill(~self.mask[:T, :T], float("-inf"))  # no looking ahead
+        allowed = self.mask[:T, :T]  # no looking ahead
+        if doc is not None:  # nor across documents: (B, 1, T, T)
+            allowed = allowed & (doc[:, :, None] == doc[:, None, :])[:, None]
+        att = att.masked_fill(~allowed, float("-inf"))
         att = self.attn_drop(F.softmax(att, dim=-1))
         y = att @ v  # (B, H, T, T) @ (B, H, T, hs) -> (B, H, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
@@ -124,10 +134,11 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         _init_weights(self, cfg.n_layer)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Run attention then the MLP, each on the residual stream."""
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+    def forward(self, x: Tensor, doc: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Run attention then the MLP, each on the residual stream (``doc`` passed on beside it)."""
+        x = x + self.attn(self.ln_1(x), doc)
+        x = x + self.mlp(self.ln_2(x))
+        return x if doc is None else (x, doc)
 
 
 class Head(nn.Module):
@@ -139,9 +150,18 @@ class Head(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         _init_weights(self, cfg.n_layer)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Turn activations (B, T, C) into logits (B, T, V)."""
+    def forward(self, x: Tensor, doc: Tensor | None = None) -> Tensor:
+        """Turn activations (B, T, C) into logits (B, T, V) (document ids are not needed here)."""
         return self.lm_head(self.ln_f(x))
+
+
+def document_positions(doc: Tensor) -> Tensor:
+    """Each position's index within its document: doc (B, T) ids -> (B, T) long, 0 where a document starts."""
+    T = doc.size(1)
+    t = torch.arange(T, device=doc.device).expand_as(doc)  # (B, T)
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    return t - torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
 
 
 def gpt_loss(logits: Tensor, targets: Tensor) -> Tensor:
