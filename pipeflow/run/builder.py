@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.data import TOKEN_DATA, build_batches, shard, split_microbatches, varies
+from pipeflow.data import TOKEN_DATA, build_batches, sequence_lengths, shard, split_microbatches, varies
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import choose_layout
@@ -87,7 +87,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     # after the injector: its forward hook must see what the injected fault did
     finite = FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None
     run_dir = agree_run_dir(cfg)
-    per_sample = cfg.data.seq_len if cfg.data.name in TOKEN_DATA else None
+    lengths = sequence_lengths(cfg.data)  # variable lengths: tokens/s counts the lengths' expected mean
+    per_sample = None if cfg.data.name not in TOKEN_DATA else cfg.data.seq_len if lengths is None else sum(lengths) / 2
     metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
                          (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample))
     return Trainer(
