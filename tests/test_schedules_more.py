@@ -56,9 +56,7 @@ def accepts(name: str, p: int, v: int, m: int) -> bool:
         return v == 2 and m >= 2 * p
     if name == "zbv":
         return v == 2
-    if name == "interleaved_1f1b":
-        return v == 1 or m % p == 0
-    return name == "looped_bfs" or v == 1
+    return name in ("looped_bfs", "interleaved_1f1b") or v == 1
 
 
 def idle(result: SimResult) -> float:
@@ -105,8 +103,6 @@ def test_rejections_name_the_valid_values(name: str) -> None:
 
 
 def test_specific_rejections() -> None:
-    with pytest.raises(ScheduleError, match=r"multiple of the 4 pipeline ranks.*valid: 4, 8, 12"):
-        build_schedule("interleaved_1f1b", 4, 6, stages_per_rank=2)
     with pytest.raises(ScheduleError, match=r"at least 2p = 8 micro-batches.*valid.*8, 9"):
         build_schedule("dualpipev", 4, 7)
     with pytest.raises(ScheduleError, match="cannot use pipeline.placement=v; it needs: loop"):
@@ -181,14 +177,30 @@ def test_peak_activations_gpipe_1f1b() -> None:
 
 
 def test_interleaved_bubble() -> None:
-    """Megatron's (p - 1) / (v m + p - 1): makespan 3 (v m + p - 1), for every valid m."""
+    """Megatron's (p - 1) / (v m + p - 1): makespan 3 (v m + p - 1), for every m >= p, a
+    multiple of p or not; below p, 3 (v - 1)(p - m) more (each chunk waits for the pipe)."""
     for p in RANKS:
         for v in CHUNKS:
             for m in MICRO:
                 result = run("interleaved_1f1b", p, v, m)
-                if result is not None:
-                    assert result.makespan == 3 * (v * m + p - 1), (p, v, m)
+                assert result.makespan == 3 * (v * m + p - 1) + 3 * (v - 1) * max(0, p - m), (p, v, m)
+                if m >= p:
                     assert math.isclose(result.bubble, (p - 1) / (v * m + p - 1))
+
+
+def test_interleaved_takes_every_count_torch_takes() -> None:
+    """torch's flexible interleaving takes m with m % max(1, m // p) == 0 (p = 4: 1..8, 10, 12,
+    ...); pipeflow takes those and every other m (uneven groups, larger first)."""
+    from pipeflow.schedules.interleaved import group_sizes
+
+    torch_counts = [m for m in MICRO if m % max(1, m // 4) == 0]
+    assert torch_counts[:10] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12]
+    for m in torch_counts:  # where torch takes it, the same groups as torch's rounds
+        assert group_sizes(4, m) == [m // max(1, m // 4)] * max(1, m // 4)
+    assert group_sizes(4, 9) == [5, 4] and group_sizes(4, 14) == [5, 5, 4]
+    assert build_schedule("interleaved_1f1b", 4, 3).table().splitlines()[3] == (
+        "3F0 3F1 3F2 7F0 7B0 7F1 7B1 7F2 7B2 3B0 3B1 3B2"
+    )
 
 
 def test_interleaved_with_one_chunk_is_1f1b() -> None:
@@ -335,7 +347,7 @@ def test_no_rank_ever_stalls_on_a_transfer(name: str) -> None:
         for m in (p, 2 * p, 2 * p + 1):
             try:
                 schedule = build_schedule(name, p, m)
-            except ScheduleError:  # interleaved: m must be a multiple of p
+            except ScheduleError:  # dualpipev: m >= 2p
                 continue
             assert simulate(schedule).makespan == asap_makespan(schedule), (p, m)
 
