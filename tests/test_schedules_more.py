@@ -56,7 +56,7 @@ def accepts(name: str, p: int, v: int, m: int) -> bool:
         return v == 2 and m >= 2 * p
     if name == "zbv":
         return v == 2
-    return name in ("looped_bfs", "interleaved_1f1b") or v == 1
+    return name in ("looped_bfs", "interleaved_1f1b", "interleaved_zb") or v == 1
 
 
 def idle(result: SimResult) -> float:
@@ -87,7 +87,7 @@ def test_sweep_every_accepted_combination_is_valid(name: str) -> None:
                 result = run(name, p, v, m)
                 assert (result is not None) == accepts(name, p, v, m), (name, p, v, m)
                 if result is not None:  # simulate() raised on anything incomplete or stuck
-                    split = name in ("zb_h1", "zbv")  # every backward split from its W
+                    split = name in ("zb_h1", "zbv", "interleaved_zb")  # every backward split from its W
                     assert len(result.timeline) >= (3 if split else 2) * p * v * m
                     assert result.busy == [3.0 * v * m] * p
 
@@ -131,6 +131,10 @@ def test_build_schedule_defaults_and_old_positional_calls() -> None:
             "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
         ]),
         ("looped_bfs", 2, 2, ["0F0 0F1 2F0 2F1 2B1 2B0 0B1 0B0", "1F0 1F1 3F0 3F1 3B1 3B0 1B1 1B0"]),
+        ("interleaved_zb", 2, 2, [  # torch's ScheduleInterleavedZeroBubble order (ZB1P)
+            "0F0 0F1 2F0 2F1 2B0 2W0 2B1 2W1 0B0 0W0 0B1 0W1",
+            "1F0 1F1 3F0 3B0 3F1 3B1 3W0 1B0 3W1 1B1 1W0 1W1",
+        ]),
         ("zb_h1", 3, 4, [  # rank r holds back its first r Ws
             "0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3",
             "1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3",
@@ -206,6 +210,22 @@ def test_interleaved_takes_every_count_torch_takes() -> None:
 def test_interleaved_with_one_chunk_is_1f1b() -> None:
     for p, m in [(1, 3), (4, 8), (3, 7)]:
         assert interleaved_1f1b(p, m, 1).table() == one_f_one_b(p, m).table()
+
+
+def test_interleaved_zb_makespan_and_memory() -> None:
+    """3vm + p - 1 for every m >= p: ZB-H1's p - 1 idle units per rank beside v times the work,
+    v - 1 times fewer than interleaved 1F1B's; with one chunk it is ZB-H1 itself."""
+    from pipeflow.schedules import interleaved_zb, zb_h1
+
+    for p in RANKS:
+        for v in CHUNKS:
+            for m in range(p, 25):
+                result = run("interleaved_zb", p, v, m)
+                assert result.makespan == 3 * v * m + p - 1, (p, v, m)
+                if m % p == 0:  # 1F1B's p micro-batches of a rank's share on rank 0
+                    assert result.peak_activations[0] == p * v, (p, v, m)
+    for p, m in [(1, 3), (3, 4), (4, 9)]:
+        assert interleaved_zb(p, m, 1).table() == zb_h1(p, m).table()
 
 
 def test_looped_bfs_makespan() -> None:
@@ -340,7 +360,7 @@ def test_lowering_places_sends_after_producers_and_recvs_before_consumers(name: 
                 assert all(a.matches(b) for a, b in zip(ops, channels[src, dst, "recv"]))
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "interleaved_zb"])
 def test_no_rank_ever_stalls_on_a_transfer(name: str) -> None:
     """The rendezvous makespan equals the asap one (sends that never wait) for these."""
     for p in range(1, 6):

@@ -24,7 +24,7 @@ from pipeflow.schedules.ir import Action, CommOp, PipelineSchedule, Program, Ste
 from pipeflow.schedules.lowering import lower
 from pipeflow.schedules.registry import GENERATORS, LAYOUTS, SCHEDULES, ClosedForm, ScheduleEntry, register_schedule
 from pipeflow.schedules.simulator import SimResult, simulate, validate
-from pipeflow.schedules.zero_bubble import dualpipev, zb_h1, zbv
+from pipeflow.schedules.zero_bubble import dualpipev, interleaved_zb, zb_h1, zbv
 
 PLACEMENTS: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "loop": loop_placement,
@@ -51,7 +51,8 @@ def build_schedule(
         num_ranks: p, pipeline ranks.
         num_microbatches: m.
         stages_per_rank: model chunks per rank; None picks the schedule's own (1 for gpipe,
-            1f1b, zb_h1; 2 for zbv, dualpipev and, by default, interleaved_1f1b, looped_bfs).
+            1f1b, zb_h1; 2 for zbv, dualpipev and, by default, interleaved_1f1b, interleaved_zb,
+            looped_bfs).
         placement: ``loop`` or ``v``; None picks the schedule's own.
         path: the schedule file for ``custom`` (see :func:`load_schedule`).
         stage_to_rank: an explicit placement (``pipeline.stage_to_rank``); it must rename the
@@ -153,6 +154,7 @@ __all__ = [
     "forward_only",
     "gpipe",
     "interleaved_1f1b",
+    "interleaved_zb",
     "load_schedule",
     "loop_placement",
     "looped_bfs",
