@@ -54,7 +54,7 @@ def accepts(name: str, p: int, v: int, m: int) -> bool:
     """Which combinations each schedule is meant to take."""
     if name == "dualpipev":
         return v == 2 and m >= 2 * p
-    if name == "zbv":
+    if name in ("zbv", "v_half", "v_min"):
         return v == 2
     return name in ("looped_bfs", "interleaved_1f1b", "interleaved_zb") or v == 1
 
@@ -87,7 +87,7 @@ def test_sweep_every_accepted_combination_is_valid(name: str) -> None:
                 result = run(name, p, v, m)
                 assert (result is not None) == accepts(name, p, v, m), (name, p, v, m)
                 if result is not None:  # simulate() raised on anything incomplete or stuck
-                    split = name in ("zb_h1", "zbv", "interleaved_zb")  # every backward split from its W
+                    split = name in ("zb_h1", "zb_h2", "zbv", "interleaved_zb", "v_half", "v_min")  # all split
                     assert len(result.timeline) >= (3 if split else 2) * p * v * m
                     assert result.busy == [3.0 * v * m] * p
 
@@ -226,6 +226,36 @@ def test_interleaved_zb_makespan_and_memory() -> None:
                     assert result.peak_activations[0] == p * v, (p, v, m)
     for p, m in [(1, 3), (3, 4), (4, 9)]:
         assert interleaved_zb(p, m, 1).table() == zb_h1(p, m).table()
+
+
+def test_zb_h2_memory_and_makespan() -> None:
+    """At most 2p micro-batches on every rank; 3m + p - 1 (the loop bound) for m >= p with unit
+    costs, like ZB-H1; below ZB-H1 where B costs more than W (F = B = 1, W = 0.5), m > p."""
+    uneven = {"F": 1.0, "B": 1.0, "W": 0.5}
+    for p in RANKS:
+        for m in MICRO:
+            result = run("zb_h2", p, 1, m)
+            assert max(result.peak_activations) <= 2 * p, (p, m)
+            if m >= p:
+                assert result.makespan == 3 * m + p - 1, (p, m)
+            if m > p > 1:
+                h2 = simulate(build_schedule("zb_h2", p, m), costs=uneven).makespan
+                assert h2 < simulate(build_schedule("zb_h1", p, m), costs=uneven).makespan, (p, m)
+    assert max(run("zb_h2", 4, 1, 12).peak_activations) == 8  # the bound bites at m >= 3p
+
+
+@pytest.mark.parametrize("name, bound", [("v_half", lambda p: p / 2 + 1), ("v_min", lambda p: math.ceil(p / 3) + 1)])
+def test_controllable_memory_bounds(name: str, bound) -> None:
+    """V-Half holds at most p/2 + 1, V-Min ceil(p/3) + 1 micro-batches of a rank's share (pairs / 2)
+    on every rank, unit costs; V-Half within 1F1B's time once m >= 2p (V-Min pays a steady-state
+    bubble where p is a multiple of 3, docs/schedules.md has its figures)."""
+    for p in RANKS:
+        for m in MICRO:
+            result = run(name, p, 2, m)
+            assert max(result.peak_activations) / 2 <= bound(p), (name, p, m, result.peak_activations)
+            if m >= 2 * p and name == "v_half":  # 1F1B on the same work (a V stage is half a share)
+                assert result.makespan <= 6 * (m + p - 1), (name, p, m)
+    assert max(run("v_min", 8, 2, 24).peak_activations) / 2 == 4 < run("zbv", 8, 2, 24).peak_activations[0] / 2
 
 
 def test_looped_bfs_makespan() -> None:

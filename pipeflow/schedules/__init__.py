@@ -25,6 +25,7 @@ from pipeflow.schedules.lowering import lower
 from pipeflow.schedules.registry import GENERATORS, LAYOUTS, SCHEDULES, ClosedForm, ScheduleEntry, register_schedule
 from pipeflow.schedules.simulator import SimResult, simulate, validate
 from pipeflow.schedules.zero_bubble import dualpipev, interleaved_zb, zb_h1, zbv
+from pipeflow.schedules.controllable import v_half, v_min, zb_h2
 
 PLACEMENTS: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "loop": loop_placement,
@@ -163,8 +164,11 @@ __all__ = [
     "register_schedule",
     "relabel_ranks",
     "simulate",
+    "v_half",
+    "v_min",
     "v_placement",
     "validate",
     "zb_h1",
+    "zb_h2",
     "zbv",
 ]
