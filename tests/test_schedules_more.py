@@ -512,7 +512,8 @@ def teardown_module() -> None:
 def test_compare_table_matches_the_closed_forms() -> None:
     rows = compare(4, [4, 8, 16])
     assert {r.name for r in rows} == set(GENERATORS)
-    assert all(r.makespan == r.closed_form for r in rows)
+    assert all(r.makespan == r.closed_form for r in rows if r.closed_form is not None)
+    assert {r.name for r in rows if r.closed_form is None} == {"v_half", "v_min"}  # no closed form known
     assert "| `zbv` | 4 | 2 | 8 | 51 |" in markdown(rows)
 
 
