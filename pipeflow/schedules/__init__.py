@@ -26,6 +26,7 @@ from pipeflow.schedules.registry import GENERATORS, LAYOUTS, SCHEDULES, ClosedFo
 from pipeflow.schedules.simulator import SimResult, simulate, validate
 from pipeflow.schedules.zero_bubble import dualpipev, interleaved_zb, zb_h1, zbv
 from pipeflow.schedules.controllable import v_half, v_min, zb_h2
+from pipeflow.schedules.auto import StageCosts, Synthesis, auto, synthesize
 
 PLACEMENTS: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "loop": loop_placement,
@@ -139,6 +140,9 @@ def _custom(
 
 __all__ = [
     "Action",
+    "StageCosts",
+    "Synthesis",
+    "auto",
     "ClosedForm",
     "CommOp",
     "GENERATORS",
@@ -164,6 +168,7 @@ __all__ = [
     "register_schedule",
     "relabel_ranks",
     "simulate",
+    "synthesize",
     "v_half",
     "v_min",
     "v_placement",

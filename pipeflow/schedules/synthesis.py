@@ -38,11 +38,14 @@ class Policy:
             (None: only when no F may run).
         late_stage_first: among ready Fs (and Bs) prefer the higher stage (depth first) rather
             than the earlier micro-batch.
+        backward_first: a ready B before a ready F (the critical path first); False: F first
+            (more in flight, for stages whose forwards are the bottleneck).
     """
 
     limit: tuple[int, ...]
     w_first: int | None = None
     late_stage_first: bool = True
+    backward_first: bool = True
 
 
 def unit_stage_cost(kind: str, stage: int) -> float:
@@ -127,7 +130,7 @@ class _ListScheduler:
         pending_w = [a for s in self.stages[r] if (a := self._candidate(WEIGHT, s, t))]
         if pending_w and self.policy.w_first is not None and self.live[r] >= self.policy.w_first:
             return min(pending_w, key=lambda a: a.microbatch)
-        for kind in (BACKWARD, FORWARD):
+        for kind in (BACKWARD, FORWARD) if self.policy.backward_first else (FORWARD, BACKWARD):
             ready = [a for s in order if (a := self._candidate(kind, s, t)) and self._fits(r, a)]
             if ready:
                 return ready[0] if self.policy.late_stage_first else min(ready, key=lambda a: a.microbatch)
@@ -177,3 +180,41 @@ class _ListScheduler:
             return
         self.ready_at[consumer] = latest
         heapq.heappush(self.events, latest)
+
+
+
+def refill_weights(
+    schedule: PipelineSchedule, limit: Sequence[int], cost: StageCost = unit_stage_cost, comm: float = 0.0
+) -> PipelineSchedule:
+    """`schedule` with every backward split and its Ws moved to where they cost least.
+
+    Each rank keeps its order of Fs and Bs; in time, whenever its next F or B cannot start yet
+    (its input has not arrived), or it holds `limit[r]` pairs or more, it runs its oldest ready
+    W instead.  Fixed patterns put Ws at fixed points, which costs time where stages are uneven;
+    this keeps their F/B order (which runs: it is the pattern's) and fills the gaps.  The memory
+    limit is a preference here, not a guarantee: measure the result.
+    """
+    order = [[a for a in acts if a.kind != WEIGHT] for acts in schedule.actions]
+    policy = Policy(tuple(limit), w_first=None)
+    return _FixedOrder(schedule.name, schedule.num_microbatches, schedule.stage_to_rank, policy, cost, comm,
+                       order).run()
+
+
+class _FixedOrder(_ListScheduler):
+    """The list scheduler with each rank's Fs and Bs in a given order; only the Ws move."""
+
+    def __init__(self, name: str, m: int, owner: tuple[int, ...], policy: Policy, cost: StageCost, comm: float,
+                 order: list[list[Action]]) -> None:
+        super().__init__(name, m, owner, policy, cost, comm)
+        self.order, self.position = order, [0] * self.p
+
+    def _choose(self, r: int, t: float) -> Action | None:
+        ready_w = [a for s in self.stages[r] if (a := self._candidate(WEIGHT, s, t))]
+        oldest_w = min(ready_w, key=lambda a: a.microbatch, default=None)
+        if oldest_w is not None and self.live[r] >= self.policy.limit[r]:
+            return oldest_w
+        k = self.position[r]
+        if k < len(self.order[r]) and self.ready_at.get(self.order[r][k], float("inf")) <= t:
+            self.position[r] += 1
+            return self.order[r][k]
+        return oldest_w
