@@ -18,6 +18,7 @@ MODELS = ("gpt", "masked_mlp")
 SCHEDULES = ("gpipe", "1f1b")
 MICROBATCHES = (1, 3, 4, 8)  # below, equal to and above the stage counts 2 and 4
 CHUNKED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zb_h1", "zbv", "dualpipev")
+NEW_SCHEDULES = ("interleaved_zb", "zb_h2", "v_half", "v_min", "auto")  # issue 21: one model, three counts
 
 
 CLIP = 0.05
@@ -37,6 +38,14 @@ def _equivalence_cases() -> list[tuple[str, object]]:
     chunked = [
         (f"eq-{model}-{schedule}-count{k}", functools.partial(cases.equivalence_nth_count, model, schedule, k))
         for schedule, model, k in itertools.product(CHUNKED_SCHEDULES, ("gpt8", "masked_mlp8"), range(3))
+    ]
+    new = [
+        (f"eq-gpt8-{schedule}-count{k}", functools.partial(cases.equivalence_nth_count, "gpt8", schedule, k))
+        for schedule, k in itertools.product(NEW_SCHEDULES, range(3))
+    ]
+    flexible = [  # interleaved 1F1B at counts that are not multiples of p (m < p included)
+        (f"eq-gpt8-interleaved_1f1b-m{m}", functools.partial(cases.equivalence, "gpt8", "interleaved_1f1b", m))
+        for m in (1, 3)
     ]
     tied_v = [  # V placement puts the first and last stage, so both tied copies, on rank 0
         ("eq-gpt_tied8-zbv-m4", functools.partial(cases.equivalence, "gpt_tied8", "zbv", 4)),
@@ -58,7 +67,7 @@ def _equivalence_cases() -> list[tuple[str, object]]:
         # comm.recvs_ahead=auto: one step ahead, one at-step, then the choice (4 steps)
         ("eq-masked_mlp-1f1b-m4-auto", functools.partial(cases.equivalence, "masked_mlp", "1f1b", 4, steps=4, runtime="auto")),
     ]
-    return plain + tied + chunked + tied_v + own + resnet + clipped + runtimes
+    return plain + tied + chunked + new + flexible + tied_v + own + resnet + clipped + runtimes
 
 
 VARIABLE_SCHEDULES = ("gpipe", "1f1b") + CHUNKED_SCHEDULES

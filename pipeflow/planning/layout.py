@@ -67,12 +67,14 @@ class Layout:
         profiles: per-layer profiles of one micro-batch (None when not profiled).
         inflight: micro-batches each stage holds at most under the schedule.
         prediction: the simulator's prediction for this partition under the run's schedule.
+        note: lines added to the start-of-run report (``schedule=auto``: its synthesis).
     """
 
     ranges: list[range]
     profiles: list[LayerProfile] | None
     inflight: list[int]
     prediction: Prediction
+    note: str = ""
 
 
 def choose_layout(
@@ -121,8 +123,9 @@ def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule)
     else:
         table = format_partition(layout.ranges, names, schedule.stage_to_rank, layer_params=count_layer_params(spec))
         step = ""
+    note = f"\n{layout.note}" if layout.note else ""
     return (
         f"pipeline: {schedule.num_ranks} ranks, {schedule.num_stages} stages, schedule={schedule.name}, "
         f"{schedule.num_microbatches} micro-batches, predicted bubble {prediction.bubble:.1%} "
-        f"({prediction.basis}){step}\n{table}"
+        f"({prediction.basis}){step}{note}\n{table}"
     )

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeflow.models.spec import ModelSpec
+from pipeflow.schedules.auto import StageCosts
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
 
 
@@ -101,6 +102,23 @@ def action_costs(
         return (input_half[s] if action.kind == BACKWARD else weight_half[s]) + extra
 
     return cost
+
+
+def stage_costs(ranges: Sequence[range], profiles: Sequence[LayerProfile]) -> StageCosts:
+    """F, B (input grad) and W (weight grad) seconds of one micro-batch on each stage, summed over
+    its layers; half the backward each where the halves were not profiled (as ``action_costs``)."""
+    halves = any(p.input_grad_s > 0 or p.weight_grad_s > 0 for p in profiles)
+
+    def total(r: range, pick) -> float:
+        return math.fsum(pick(profiles[i]) for i in r)
+
+    forward = tuple(total(r, lambda p: p.forward_s) for r in ranges)
+    if halves:
+        backward = tuple(total(r, lambda p: p.input_grad_s) for r in ranges)
+        weight = tuple(total(r, lambda p: p.weight_grad_s) for r in ranges)
+    else:
+        backward = weight = tuple(total(r, lambda p: p.backward_s / 2) for r in ranges)
+    return StageCosts(forward, backward, weight)
 
 
 def count_layer_params(spec: ModelSpec) -> list[int]:

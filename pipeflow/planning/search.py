@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 from pipeflow.planning.balance import balance_by_memory, balance_contiguous
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.partition import partition_layers
-from pipeflow.planning.profile import action_costs
-from pipeflow.schedules import LAYOUTS, PipelineSchedule, build_schedule, lower, simulate
+from pipeflow.planning.profile import action_costs, stage_costs
+from pipeflow.schedules import LAYOUTS, PipelineSchedule, build_schedule, lower, simulate, synthesize
+from pipeflow.schedules.auto import AUTO
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
 from pipeflow.schedules.memory import stage_inflight
 
@@ -77,6 +78,7 @@ class Candidate:
     bubble: float
     rank_bytes: tuple[float, ...]
     takes_chunks: bool = False
+    max_activations: float | None = None  # schedule=auto: the limit it was synthesised for
 
     @property
     def peak_bytes(self) -> float:
@@ -88,6 +90,8 @@ class Candidate:
         parts = [f"schedule={self.schedule}", f"pipeline.num_microbatches={self.num_microbatches}"]
         if self.takes_chunks:
             parts.append(f"pipeline.stages_per_rank={self.stages_per_rank}")
+        if self.max_activations is not None:
+            parts.append(f"pipeline.max_activations={self.max_activations:g}")
         points = ",".join(str(i) for i in self.split_points)
         parts.append(f"'pipeline.split_points=[{points}]'")
         return " ".join(parts)
@@ -162,10 +166,14 @@ def search(
             continue
         weighted = schedule.split_backwards()
         for ranges in splits:
-            cand = _evaluate(schedule, programs, ranges, profiles, optimizer_factor, (latency, action_overhead_s),
-                             takes_chunks, weighted)
-            fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
-            (result.candidates if fits else result.over_memory).append(cand)
+            if name == AUTO:  # synthesised for this split's costs, at a few memory limits
+                cands = _auto_candidates(num_ranks, m, v, ranges, profiles, optimizer_factor, (latency, action_overhead_s))
+            else:
+                cands = [_evaluate(schedule, programs, ranges, profiles, optimizer_factor,
+                                   (latency, action_overhead_s), takes_chunks, weighted)]
+            for cand in cands:
+                fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
+                (result.candidates if fits else result.over_memory).append(cand)
     result.candidates.sort(key=_rank_key)
     result.over_memory.sort(key=_rank_key)
     return result
@@ -230,6 +238,27 @@ def _backward_s(profile: LayerProfile) -> float:
     """Backward seconds of a layer: B + W when measured split, else the full backward."""
     halves = profile.input_grad_s + profile.weight_grad_s
     return halves if halves > 0 else profile.backward_s
+
+
+def auto_limits(num_ranks: int) -> list[float]:
+    """The ``pipeline.max_activations`` the planner synthesises ``auto`` for: from a third of
+    1F1B's p micro-batches (at least 1) to twice it; ``plan.memory_limit_gb`` then keeps those that fit."""
+    p = num_ranks
+    return sorted({max(1.0, math.ceil(p / 3)), max(1.0, float(p // 2)), float(p), 2.0 * p})
+
+
+def _auto_candidates(
+    p: int, m: int, v: int, ranges: list[range], profiles: Sequence[LayerProfile], optimizer_factor: float,
+    overheads: tuple[float, float],
+) -> list[Candidate]:
+    costs = stage_costs(ranges, profiles)
+    out = []
+    for limit in auto_limits(p):
+        schedule = synthesize(p, m, v, costs, overheads[0], limit).chosen.schedule
+        cand = _evaluate(schedule, lower(schedule), ranges, profiles, optimizer_factor, overheads, True,
+                         schedule.split_backwards())
+        out.append(replace(cand, max_activations=limit))
+    return out
 
 
 def _evaluate(

@@ -33,7 +33,9 @@ from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dty
 from pipeflow.runtime.stage import build_stages, layers_by_index
 from pipeflow.runtime.tied import TiedWeights
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
-from pipeflow.schedules import build_schedule
+from pipeflow.planning.auto import auto_for_layout
+from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
+from pipeflow.schedules.auto import AUTO, write_schedule
 
 
 def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
@@ -62,6 +64,12 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
     sample = split_microbatches(shard(batches.train.get(0), 0, dp)[0], m)[0]
     layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype)
+    synthesis = None
+    if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
+        schedule, layout, synthesis = auto_for_layout(schedule, layout, cfg.pipeline.max_activations,
+                                                      cfg.pipeline.placement)
+        if cfg.pipeline.stage_to_rank is not None:
+            schedule = relabel_ranks(schedule, cfg.pipeline.stage_to_rank)
     guard.check_same_program(schedule, layout.ranges)
     stages = build_stages(spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
                           compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
@@ -87,6 +95,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     # after the injector: its forward hook must see what the injected fault did
     finite = FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None
     run_dir = agree_run_dir(cfg)
+    if synthesis is not None and rank == 0:
+        write_auto_schedule(schedule, synthesis, run_dir)
     lengths = sequence_lengths(cfg.data)  # variable lengths: tokens/s counts the lengths' expected mean
     per_sample = None if cfg.data.name not in TOKEN_DATA else cfg.data.seq_len if lengths is None else sum(lengths) / 2
     metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
@@ -106,6 +116,18 @@ def shape_mode(cfg: DictConfig, chunks: int) -> str:
     if cfg.comm.variable_shapes or varies(cfg.data, chunks):
         return "per_microbatch"
     return "dynamic" if cfg.comm.dynamic_shapes else "static"
+
+
+def write_auto_schedule(schedule: PipelineSchedule, synthesis: Synthesis, run_dir: str) -> str:
+    """Write ``schedule=auto``'s result to ``<run_dir>/schedule_auto.txt`` (loadable with
+    ``schedule=custom schedule.path=<that file>``), its predictions as comments; returns the path."""
+    path = os.path.join(run_dir, "schedule_auto.txt")
+    header = [f"schedule=auto: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+              f"{schedule.num_microbatches} micro-batches ({synthesis.chosen.label})",
+              *synthesis.report().splitlines(),
+              f"run it again with: schedule=custom schedule.path={path}"]
+    write_schedule(schedule, path, header)
+    return path
 
 
 def _watchdog(device: torch.device, rank: int) -> DeadlineWatchdog | None:

@@ -75,6 +75,7 @@ class PipelineConfig:
     stages_per_rank: int | None = None  # model chunks per rank; None: the schedule's own
     placement: str | None = None  # loop | v; None: the schedule's own
     stage_to_rank: list[int] | None = None  # explicit placement: pipeline rank of each stage
+    max_activations: float | None = None  # schedule=auto: micro-batches of a rank's share a rank may hold; null: p
     balance: str = "uniform"  # uniform | params | time | memory (ignored with split_points)
     profile: bool = True  # profile layers (on pipeline rank 0) for the partition table
     checkpoint_activations: Any = False  # true | false | n: recompute every n-th layer in backward
@@ -264,6 +265,10 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
             f"data.batch_size={batch} cannot be split into pipeline.num_microbatches={m} micro-batches "
             f"(x parallel.dp={dp}) of at least one row each; make the batch size at least {dp * m}"
         )
+    limit = cfg.pipeline.max_activations
+    if limit is not None and limit < 1:
+        raise ConfigError(f"pipeline.max_activations={limit} must be at least 1 (micro-batches of a rank's share), "
+                          "or null for 1F1B's p")
     if cfg.train.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={cfg.train.dtype!r} is not one of {', '.join(DTYPES)}")
     from pipeflow.runtime.precision import checkpoint_every, compute_dtype  # torch-heavy: only when checking

@@ -24,7 +24,9 @@ from pipeflow.schedules.ir import Action, CommOp, PipelineSchedule, Program, Ste
 from pipeflow.schedules.lowering import lower
 from pipeflow.schedules.registry import GENERATORS, LAYOUTS, SCHEDULES, ClosedForm, ScheduleEntry, register_schedule
 from pipeflow.schedules.simulator import SimResult, simulate, validate
-from pipeflow.schedules.zero_bubble import dualpipev, zb_h1, zbv
+from pipeflow.schedules.zero_bubble import dualpipev, interleaved_zb, zb_h1, zbv
+from pipeflow.schedules.controllable import v_half, v_min, zb_h2
+from pipeflow.schedules.auto import StageCosts, Synthesis, auto, synthesize
 
 PLACEMENTS: dict[str, Callable[[int, int], tuple[int, ...]]] = {
     "loop": loop_placement,
@@ -51,7 +53,8 @@ def build_schedule(
         num_ranks: p, pipeline ranks.
         num_microbatches: m.
         stages_per_rank: model chunks per rank; None picks the schedule's own (1 for gpipe,
-            1f1b, zb_h1; 2 for zbv, dualpipev and, by default, interleaved_1f1b, looped_bfs).
+            1f1b, zb_h1; 2 for zbv, dualpipev and, by default, interleaved_1f1b, interleaved_zb,
+            looped_bfs).
         placement: ``loop`` or ``v``; None picks the schedule's own.
         path: the schedule file for ``custom`` (see :func:`load_schedule`).
         stage_to_rank: an explicit placement (``pipeline.stage_to_rank``); it must rename the
@@ -137,6 +140,9 @@ def _custom(
 
 __all__ = [
     "Action",
+    "StageCosts",
+    "Synthesis",
+    "auto",
     "ClosedForm",
     "CommOp",
     "GENERATORS",
@@ -153,6 +159,7 @@ __all__ = [
     "forward_only",
     "gpipe",
     "interleaved_1f1b",
+    "interleaved_zb",
     "load_schedule",
     "loop_placement",
     "looped_bfs",
@@ -161,8 +168,12 @@ __all__ = [
     "register_schedule",
     "relabel_ranks",
     "simulate",
+    "synthesize",
+    "v_half",
+    "v_min",
     "v_placement",
     "validate",
     "zb_h1",
+    "zb_h2",
     "zbv",
 ]

@@ -6,7 +6,10 @@ Costs are one unit per F, B and W of one stage (a full backward, where a schedul
 split it, costs B + W = 2); with v chunks per rank a stage is 1/v of a rank's share of the model,
 so compare schedules by "step time / ideal" (makespan over one rank's busy time) and by the bubble.  The closed forms are the ones the simulator tests prove for every accepted
 (p, v, m) up to 8 ranks and 24 micro-batches (tests/test_schedules*.py); each schedule declares
-its own where it is registered (``register_schedule(..., closed_form=...)``), "-" where it has none.
+its own where it is registered (``register_schedule(..., closed_form=...)``), "-" where it has none
+(or m is outside the formula's range).  Memory is in micro-batches of a rank's share: (stage,
+micro-batch) pairs held from F until W (or a full B), divided by the stages per rank.  ``auto``
+here is synthesised for these unit costs with 1F1B's memory (p micro-batches).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class Row:
     bubble: float
     peak_rank0: int
     busy_per_rank: float
+    peak_any: int = 0  # most (stage, micro-batch) pairs held on any rank
 
 
 def compare(num_ranks: int, microbatch_counts: Sequence[int], stages_per_rank: int = 2) -> list[Row]:
@@ -48,7 +52,7 @@ def compare(num_ranks: int, microbatch_counts: Sequence[int], stages_per_rank: i
             form = entry.closed_form
             closed = None if form is None else form.makespan(num_ranks, m, v)
             rows.append(Row(name, num_ranks, v, m, result.makespan, closed, "-" if form is None else form.text,
-                            result.bubble, result.peak_activations[0], result.busy[0]))
+                            result.bubble, result.peak_activations[0], result.busy[0], max(result.peak_activations)))
     return rows
 
 
@@ -56,14 +60,15 @@ def markdown(rows: Sequence[Row]) -> str:
     """The rows as a Markdown table."""
     lines = [
         "| schedule | p | chunks v | m | makespan (simulated) | closed form | step time / ideal | bubble "
-        "| activations held on rank 0 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| activations held on rank 0 | on the busiest rank |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         closed = "-" if r.closed_form is None else f"{r.formula} = {r.closed_form:g}"
         lines.append(
             f"| `{r.name}` | {r.p} | {r.v} | {r.m} | {r.makespan:g} | {closed} | "
-            f"{r.makespan / r.busy_per_rank:.3f} | {r.bubble:.1%} | {r.peak_rank0 / r.v:g} micro-batches |"
+            f"{r.makespan / r.busy_per_rank:.3f} | {r.bubble:.1%} | {r.peak_rank0 / r.v:g} micro-batches | "
+            f"{r.peak_any / r.v:g} |"
         )
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ per rank, loop placement).  The zero-bubble family (B split from W) is in ``zero
 from __future__ import annotations
 
 from pipeflow.errors import ScheduleError
+from pipeflow.schedules.interleaved import group_sizes, interleaved_order, one_f_one_b_order
 from pipeflow.schedules.ir import BACKWARD, FORWARD, Action, PipelineSchedule
 from pipeflow.schedules.registry import ClosedForm, register_schedule
 
@@ -95,22 +96,26 @@ def _check_chunks(name: str, stages_per_rank: int) -> None:
 
 
 @register_schedule(
-    "interleaved_1f1b", stages_per_rank=None, closed_form=ClosedForm("3(vm+p-1)", lambda p, m, v: 3 * (v * m + p - 1))
+    "interleaved_1f1b",
+    stages_per_rank=None,
+    closed_form=ClosedForm(
+        "3(vm+p-1)+3(v-1)max(0,p-m)", lambda p, m, v: 3 * (v * m + p - 1) + 3 * (v - 1) * max(0, p - m)
+    ),
 )
 def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> PipelineSchedule:
     """Megatron-LM's interleaved 1F1B: v = stages_per_rank chunks per rank, loop placement.
 
-    The k-th forward of a rank runs chunk (k // p) mod v on micro-batch (k // pv) p + k mod p
-    (micro-batches go in groups of p through each chunk in turn); the k-th backward walks the
-    chunks in reverse.  Rank r warms up with 2(p - r - 1) + (v - 1) p forwards (all of them
-    when m = p), then alternates F and B.  With v = 1 this is exactly :func:`one_f_one_b`.
+    Micro-batches go through the chunks in groups (of p when p divides m, else as
+    :func:`~pipeflow.schedules.interleaved.group_sizes` says, so any m >= 1 works, m < p
+    included); the k-th backward walks the chunks in reverse.  Rank r warms up with
+    2(p - r - 1) + (v - 1) g forwards, g the first group's size (all of them when m = p), then
+    alternates F and B.  With v = 1 this is exactly :func:`one_f_one_b`.  Makespan with unit
+    costs 3(vm + p - 1), for every m >= p (multiple of p or not); below p each chunk waits for
+    the pipe, 3(v - 1)(p - m) more, as in looped BFS.
     p = 2, v = 2, m = 4 (stages 0, 2 on rank 0; 1, 3 on rank 1):
 
         rank 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
         rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
-
-    Raises:
-        ScheduleError: when v > 1 and m is not a multiple of p (Megatron's requirement).
     """
     _check(num_ranks, num_microbatches)
     _check_chunks("interleaved_1f1b", stages_per_rank)
@@ -118,30 +123,13 @@ def interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: int
     if v == 1:
         plain = one_f_one_b(p, m)
         return PipelineSchedule("interleaved_1f1b", p, p, m, plain.stage_to_rank, plain.actions)
-    if m % p:
-        valid = ", ".join(str(p * k) for k in range(1, 4))
-        raise ScheduleError(
-            f"interleaved_1f1b with stages_per_rank={v} needs pipeline.num_microbatches to be a "
-            f"multiple of the {p} pipeline ranks (micro-batches go in groups of p); "
-            f"got {m}, valid: {valid}, ..."
-        )
-    total = m * v
+    total, first_group = m * v, group_sizes(p, m)[0]
     actions = []
     for r in range(p):
-        warmup = total if m == p else min(2 * (p - r - 1) + (v - 1) * p, total)
-        acts = [_interleaved(FORWARD, k, p, v, r) for k in range(warmup)]
-        for k in range(total - warmup):
-            acts += [_interleaved(FORWARD, warmup + k, p, v, r), _interleaved(BACKWARD, k, p, v, r)]
-        acts += [_interleaved(BACKWARD, k, p, v, r) for k in range(total - warmup, total)]
-        actions.append(acts)
+        warmup = total if m == p else min(2 * (p - r - 1) + (v - 1) * first_group, total)
+        forwards = interleaved_order(FORWARD, p, m, v, r)
+        actions.append(one_f_one_b_order(forwards, interleaved_order(BACKWARD, p, m, v, r), warmup))
     return PipelineSchedule("interleaved_1f1b", p, p * v, m, loop_placement(p, v), actions)
-
-
-def _interleaved(kind: str, k: int, p: int, v: int, r: int) -> Action:
-    """The k-th forward (or backward) of rank r in Megatron's interleaved order."""
-    chunk = (k // p) % v
-    chunk = chunk if kind == FORWARD else v - 1 - chunk
-    return Action(kind, (k // (p * v)) * p + k % p, chunk * p + r)
 
 
 @register_schedule(

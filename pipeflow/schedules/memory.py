@@ -22,3 +22,20 @@ def stage_inflight(schedule: PipelineSchedule) -> list[int]:
             elif a.kind == WEIGHT or (a.kind == BACKWARD and (a.stage, a.microbatch) not in split):
                 held[a.stage] -= 1
     return peak
+
+
+def rank_peaks(schedule: PipelineSchedule) -> list[int]:
+    """``peaks[r]``: the most (stage, micro-batch) pairs rank r holds at once, walking its action
+    order; the same as the simulator's ``peak_activations``, without timing anything."""
+    split = schedule.split_backwards()
+    peaks = []
+    for acts in schedule.actions:
+        held = peak = 0
+        for a in acts:
+            if a.kind == FORWARD and schedule.training:
+                held += 1
+                peak = max(peak, held)
+            elif a.kind == WEIGHT or (a.kind == BACKWARD and (a.stage, a.microbatch) not in split):
+                held -= 1
+        peaks.append(peak)
+    return peaks

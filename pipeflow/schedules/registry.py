@@ -22,10 +22,11 @@ V = TypeVar("V")
 @dataclass(frozen=True)
 class ClosedForm:
     """A schedule's makespan with unit costs (F = B = W = 1; a full backward 2) for p ranks,
-    m micro-batches and v stages per rank, and the formula as printed."""
+    m micro-batches and v stages per rank (None outside the range the formula covers, e.g.
+    m < p), and the formula as printed."""
 
     text: str
-    makespan: Callable[[int, int, int], float]
+    makespan: Callable[[int, int, int], float | None]
 
 
 @dataclass(frozen=True)

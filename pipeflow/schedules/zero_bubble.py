@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pipeflow.errors import ScheduleError
 from pipeflow.schedules.generators import _check, loop_placement, v_placement
+from pipeflow.schedules.interleaved import group_sizes, interleaved_order
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
 from pipeflow.schedules.registry import ClosedForm, register_schedule
 
@@ -203,3 +204,46 @@ def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
     while deferred:
         weight()
     return ops.actions
+
+
+@register_schedule(
+    "interleaved_zb",
+    stages_per_rank=None,
+    closed_form=ClosedForm("3vm+p-1 (m>=p)", lambda p, m, v: 3 * v * m + p - 1 if m >= p else None),
+)
+def interleaved_zb(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> PipelineSchedule:
+    """Interleaved zero bubble (ZB1P on v chunks; torch's ScheduleInterleavedZeroBubble), loop placement.
+
+    Megatron's interleaved order (:mod:`~pipeflow.schedules.interleaved`, any m) with each
+    backward split into B and W: rank r warms up with (v - 1) g + p - r - 1 forwards (g the
+    first group's size), then alternates F and B; its first r Ws are held back and every later
+    B is followed by the oldest pending W, the held-back ones fill the tail.  With v = 1 this is
+    exactly :func:`zb_h1`.  p = 2, v = 2, m = 2 (stages 0, 2 on rank 0; 1, 3 on rank 1):
+
+        rank 0: 0F0 0F1 2F0 2F1 2B0 2W0 2B1 2W1 0B0 0W0 0B1 0W1
+        rank 1: 1F0 1F1 3F0 3B0 3F1 3B1 3W0 1B0 3W1 1B1 1W0 1W1
+
+    With unit costs the makespan is 3vm + p - 1 for every m >= p (ZB-H1's idle p - 1 per rank,
+    now beside v times the work); peak about p micro-batches of a rank's share, as 1F1B.
+    """
+    _check(num_ranks, num_microbatches)
+    if stages_per_rank < 1:
+        raise ScheduleError(
+            f"interleaved_zb needs at least 1 stage per rank, got pipeline.stages_per_rank={stages_per_rank}"
+        )
+    p, m, v = num_ranks, num_microbatches, stages_per_rank
+    total, first_group = m * v, group_sizes(p, m)[0]
+    actions = []
+    for r in range(p):
+        forwards, backwards = interleaved_order(FORWARD, p, m, v, r), interleaved_order(BACKWARD, p, m, v, r)
+        warmup = min((v - 1) * first_group + p - r - 1, total)
+        acts, pending = forwards[:warmup], []
+        for k, b in enumerate(backwards):
+            if warmup + k < total:
+                acts.append(forwards[warmup + k])
+            acts.append(b)
+            pending.append(Action(WEIGHT, b.microbatch, b.stage))
+            if k >= r:
+                acts.append(pending.pop(0))
+        actions.append(acts + pending)
+    return PipelineSchedule("interleaved_zb", p, p * v, m, loop_placement(p, v), actions)

@@ -1,0 +1,43 @@
+"""``schedule=auto`` for a run's layout: the stages' profiled F, B, W costs into the synthesis
+(:func:`pipeflow.schedules.synthesize`), and the layout re-predicted for the result.
+
+Every rank derives the same schedule: the profiles are measured on rank 0 and broadcast
+(:func:`~pipeflow.planning.layout.choose_layout`), and the synthesis is deterministic.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from pipeflow.planning.layout import Layout, predict
+from pipeflow.planning.profile import stage_costs
+from pipeflow.schedules import PipelineSchedule, Synthesis, synthesize
+from pipeflow.schedules.memory import stage_inflight
+
+
+def auto_for_layout(
+    schedule: PipelineSchedule, layout: Layout, max_activations: float | None, placement: str | None,
+    comm_s: float = 0.0,
+) -> tuple[PipelineSchedule, Layout, Synthesis]:
+    """Synthesise ``auto`` for `layout`'s stages (profiled costs, or F = B = W without profiles).
+
+    Args:
+        schedule: the provisional ``auto`` schedule the layout was chosen for (its sizes).
+        layout: the run's layout.
+        max_activations: ``pipeline.max_activations`` (None: p micro-batches, 1F1B's).
+        placement: ``pipeline.placement`` (None: either).
+        comm_s: seconds of one transfer between neighbouring ranks.
+
+    Returns:
+        The schedule, the layout re-predicted for it (its report holds the synthesis's lines),
+        and the synthesis itself.
+    """
+    p, m = schedule.num_ranks, schedule.num_microbatches
+    v = schedule.num_stages // p
+    costs = None if layout.profiles is None else stage_costs(layout.ranges, layout.profiles)
+    synthesis = synthesize(p, m, v, costs, comm_s, max_activations, placement)
+    chosen = synthesis.chosen.schedule
+    basis = "profiled stage costs" if costs is not None else "F = B = W (pipeline.profile=false)"
+    note = f"schedule=auto from {basis} ({synthesis.chosen.label}):\n{synthesis.report()}"
+    new_layout = replace(layout, inflight=stage_inflight(chosen), prediction=predict(chosen, layout.ranges, layout.profiles),
+                         note=note)
+    return chosen, new_layout, synthesis
