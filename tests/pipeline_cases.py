@@ -270,6 +270,14 @@ def dynamic_shapes(model: str = "masked_mlp", m: int = 2) -> float:
     return worst
 
 
+def transfer_time() -> float:
+    """schedule=auto's transfer cost, measured on the live pipeline group: every rank the same."""
+    from pipeflow.planning.comm_cost import measure_transfer_s
+
+    comm = P2PComm(None, torch.device("cpu"), timeout_s=60.0)
+    return measure_transfer_s(comm, 64 * 1024, repeats=5)
+
+
 def send_recv_ring() -> list[float]:
     """send_recv to the next rank and from the previous one in one batched call."""
     rank, size = dist.get_rank(), dist.get_world_size()

@@ -100,6 +100,7 @@ def _all_cases() -> list[tuple[str, object]]:
         ("eval-gpt", functools.partial(cases.eval_matches, "gpt", 4)),
         ("dynamic-shapes", cases.dynamic_shapes),
         ("send-recv", cases.send_recv_ring),
+        ("transfer-time", cases.transfer_time),
         ("events", cases.events_recorded),
         ("events-zbv", functools.partial(cases.events_recorded, "gpt", 8, "zbv", n_layer=6)),
         ("only-own-layers", cases.only_own_layers),
@@ -171,6 +172,11 @@ def test_events_record_every_action(world) -> None:
 def test_each_rank_builds_only_its_own_layers(world) -> None:
     for rank, text in enumerate(_values(world[1]["only-own-layers"])):
         assert text.startswith("built only own layers; foreign build raised: layer"), f"rank {rank}: {text}"
+
+
+def test_auto_measures_one_transfer_cost_for_every_rank(world) -> None:
+    values = _values(world[1]["transfer-time"])
+    assert len(set(values)) == 1 and 0 < values[0] < 10, values
 
 
 def test_send_recv_is_a_ring_exchange(world) -> None:

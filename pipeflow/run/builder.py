@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.data import TOKEN_DATA, build_batches, sequence_lengths, shard, split_microbatches, varies
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
-from pipeflow.planning.layout import choose_layout
+from pipeflow.planning.layout import Layout, choose_layout
 from pipeflow.run import guard
 from pipeflow.run import run_dir as run_dirs
 from pipeflow.run.config import check_config
@@ -34,6 +34,7 @@ from pipeflow.runtime.stage import build_stages, layers_by_index
 from pipeflow.runtime.tied import TiedWeights
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.planning.auto import auto_for_layout
+from pipeflow.planning.comm_cost import measure_transfer_s
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
 from pipeflow.schedules.auto import AUTO, write_schedule
 
@@ -61,21 +62,22 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     m = cfg.pipeline.num_microbatches
     schedule = build_schedule(cfg.schedule.name, pp, m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
                               cfg.schedule.path, cfg.pipeline.stage_to_rank)
+    deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
+    comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, rank))
+    comm.warmup()  # ranks may still be starting: the first-step deadline
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
     sample = split_microbatches(shard(batches.train.get(0), 0, dp)[0], m)[0]
     layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype)
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
+        transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))
         schedule, layout, synthesis = auto_for_layout(schedule, layout, cfg.pipeline.max_activations,
-                                                      cfg.pipeline.placement)
+                                                      cfg.pipeline.placement, transfer_s)
         if cfg.pipeline.stage_to_rank is not None:
             schedule = relabel_ranks(schedule, cfg.pipeline.stage_to_rank)
     guard.check_same_program(schedule, layout.ranges)
     stages = build_stages(spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
                           compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
-    deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
-    comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, rank))
-    comm.warmup()  # ranks may still be building their stages: the first-step deadline
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
     tied.sync_initial_values()
@@ -116,6 +118,13 @@ def shape_mode(cfg: DictConfig, chunks: int) -> str:
     if cfg.comm.variable_shapes or varies(cfg.data, chunks):
         return "per_microbatch"
     return "dynamic" if cfg.comm.dynamic_shapes else "static"
+
+
+def _boundary_bytes(layout: Layout) -> int:
+    """The largest activation crossing a stage boundary (profiled), or 4 KiB without profiles."""
+    if layout.profiles is None:
+        return 4096
+    return max((layout.profiles[r.stop - 1].output_bytes for r in layout.ranges[:-1]), default=4096)
 
 
 def write_auto_schedule(schedule: PipelineSchedule, synthesis: Synthesis, run_dir: str) -> str:
