@@ -263,6 +263,11 @@ class Trainer:
         dist.all_reduce(total)  # the last stage of every replica holds its shard's mean loss
         return float(total) / (self.cfg.train.eval_batches * self.dp)
 
+    def close(self) -> None:
+        """Stop what runs beside the loop (the P2P watchdog's thread, joined); called at the end of
+        :meth:`fit`, so every run and every sweep job ends with it (idempotent)."""
+        self.pipeline.comm.close()
+
     def fit(self) -> dict[str, Any]:
         """Train for ``train.max_steps`` steps; returns first/last loss, final held-out loss and the
         run's figures (``samples_per_s``, ``tokens_per_s``, ``step_time_s``, ``bubble_measured``,
@@ -296,6 +301,7 @@ class Trainer:
         first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val}
         result.update(self.metrics.close(self.schedule))
+        self.close()
         if self.is_main:
             best = f" (best achievable {self.batches.best_loss:.4f})" if self.batches.best_loss is not None else ""
             log.info("loss %.4f -> %.4f | held-out loss %.4f -> %.4f%s", first_loss, last_loss, first_val, final_val, best)
