@@ -72,7 +72,10 @@ def clip_grad_norm_global(
     grads = [p.grad for p in params if p.grad is not None]
     counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     device = extra.device
-    local = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), dtype=torch.float64)
+    # one norm per tensor (in its own dtype, half types accumulated in float32), squared and summed
+    # in float64: no float64 copy of any gradient
+    local = (torch.stack([_norm(g.detach()) for g in counted]).double().pow(2).sum() if counted
+             else torch.zeros((), dtype=torch.float64))
     local = local / replicas if replicas > 1 else local
     packed = torch.cat([local.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
     dist.all_reduce(packed, group=group)
@@ -83,6 +86,12 @@ def clip_grad_norm_global(
             for g in grads:
                 g.mul_(coef)
     return total, packed[1:]
+
+
+def _norm(grad: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of one gradient; float16/bfloat16 reduced in float32 (no copy on CUDA)."""
+    half = grad.dtype in (torch.float16, torch.bfloat16)
+    return torch.linalg.vector_norm(grad, dtype=torch.float32 if half else None)
 
 
 @dataclass

@@ -17,13 +17,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeflow.errors import CommError, PipelineTimeoutError
+from pipeflow.errors import CommError, PipelineTimeoutError, UnsendableDtypeError
 from pipeflow.runtime import timeouts
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )
+# dtypes that metadata can describe but no rank may send: NCCL has no 16-bit integer type
+# (refused on every backend, so that a CPU run finds what would fail on GPUs)
+UNSENDABLE: dict[torch.dtype, str] = {torch.int16: "int32"}
 _MAX_DIMS = 8
 _FIELDS = 3 + _MAX_DIMS  # dtype code, requires_grad, ndim, dims...
 META_LEN = 1 + 24 * _FIELDS  # up to 24 tensors per transfer
@@ -356,7 +359,19 @@ class P2PComm:
 
     def send_metas(self, peer: int, plan: Sequence[Sequence[TensorMeta]], what: str = "") -> None:
         """Send the tensor metadata of one or more micro-batches to `peer` (one small batched send
-        of ``len(plan) x META_LEN`` int64)."""
+        of ``len(plan) x META_LEN`` int64).
+
+        Raises:
+            UnsendableDtypeError: a tensor of a dtype NCCL cannot send would follow (before
+                anything is sent).
+        """
+        for meta in (m for metas in plan for m in metas):
+            if meta.dtype in UNSENDABLE:
+                raise UnsendableDtypeError(
+                    f"{self._where()}: the tensor {meta} {what} would be sent to pipeline rank {peer}, but NCCL "
+                    f"cannot send {str(meta.dtype).removeprefix('torch.')} (refused on every backend); cast it to "
+                    f"{UNSENDABLE[meta.dtype]} in the stage that makes it, or keep both stages on one rank"
+                )
         packed = torch.stack([encode_metas(metas) for metas in plan]).to(self.device)
         self.exchange([(peer, packed)], [], what=f"send shapes {what}")
 
