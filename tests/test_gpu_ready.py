@@ -151,3 +151,19 @@ def test_the_side_by_side_benchmark_drains_the_gpu_and_reduces_a_cuda_tensor(mon
     assert calls == [("barrier",), ("synchronize", cuda), ("step",), ("synchronize", cuda), ("tensor", cuda),
                      ("all_reduce", torch.float64)]
     assert took >= 0
+
+
+def test_the_overflow_fault_keeps_the_forward_finite_and_makes_the_gradient_inf() -> None:
+    from pipeflow.run.faults import FaultInjector, FaultSpec
+
+    injector = FaultInjector(FaultSpec.parse("overflow:rank=0:step=4"), 0)
+    injector.step = 4
+    x = torch.ones(3, requires_grad=True)
+    (out,) = injector._post_forward(SimpleStage(), 0, (x * 2,))
+    assert torch.isfinite(out).all()  # the loss stays finite...
+    out.sum().backward()
+    assert torch.isinf(x.grad).all()  # ...its gradient overflows, as an fp16 backward can
+
+
+class SimpleStage:
+    index = 0

@@ -25,7 +25,7 @@ from pipeflow.run import run_dir as run_dirs
 from pipeflow.run.config import check_config
 from pipeflow.run.faults import install_from_env
 from pipeflow.run.trainer import Trainer, unique_parameters
-from pipeflow.runtime.events import EventRecorder
+from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.mesh import GradReducer, build_mesh
 from pipeflow.runtime.pipeline import Pipeline
@@ -93,7 +93,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     # the chosen setting for most of their steps
     posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
                       agree_over_world=True)
-    recorder = EventRecorder()
+    recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None)
     params = unique_parameters(stage.parameters() for stage in stages.values())
