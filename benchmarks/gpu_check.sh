@@ -78,7 +78,8 @@ finish() {  # finish <exit status>: the summary table, then exit
 {
   echo "## GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo
-  echo "    $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)"
+  gpu_line=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+  echo "    ${gpu_line:-nvidia-smi lists no GPU}"
   echo "    $($PY -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda)')"
   echo
 } > "$report"

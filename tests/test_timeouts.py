@@ -87,6 +87,7 @@ def test_without_a_deadline_groups_keep_their_own_timeouts(monkeypatch) -> None:
     assert seen == [] and deadlines.collective_s is None
 
 
+@pytest.mark.filterwarnings("ignore:.*_set_pg_timeout.*:FutureWarning")  # the fallback of older torch, on purpose
 @pytest.mark.parametrize("drop", [(), ("set_timeout",), ("set_timeout", "_set_pg_timeout")])
 def test_a_real_gloo_group_gets_the_timeout_on_every_path(monkeypatch, drop: tuple[str, ...]) -> None:
     """In-process 1-rank gloo group; each fallback really changes the group's timeout."""
