@@ -1,51 +1,139 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a lent machine; runs in under 8 minutes and writes to $OUT.
+# The prepared GPU check for a lent machine, unattended: one markdown report, every step's exit status.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_check.sh
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_check.sh        # on the GPU machine (about 3 min on one GPU)
+#   OUT=/tmp/dry bash benchmarks/gpu_check.sh            # here, without CUDA: a dry run, exit 2
 #
-# One GPU (NCCL will not put two ranks on one GPU): the CUDA paths one GPU can exercise
-# (benchmarks/gpu_single.py: stage compute and activations on CUDA, bf16, freed outputs,
-# peak-memory accounting, comm waits as stream waits).  Two or more GPUs: also the pipelined
-# equivalence on NCCL (float32, TF32 off) for every schedule and the side-by-side benchmark
-# against torch.distributed.pipelining on 2 (and 4) GPUs.  $OUT/gpu_check.md says what ran;
-# $OUT/RESULTS.md holds the benchmark tables, to be appended to benchmarks/RESULTS.md.
+# The GPU machine has its own torch (2.11) but no hydra-core, omegaconf or antlr4 and no network:
+# their pure-Python wheels travel in benchmarks/wheels/ (ignored by git; fetch them with
+#   pip download hydra-core==1.3.8 omegaconf==2.3.0 --no-deps -d benchmarks/wheels
+#   pip wheel antlr4-python3-runtime==4.9.3 --no-deps -w benchmarks/wheels
+# and carry the folder) and are installed into $SITE without an index when python3 lacks them
+# (PIPEFLOW_FORCE_WHEELS=1 installs them anyway, to prove they suffice).  gpu_single.py and the
+# benchmarks need none of them.
+#
+# One GPU: gpu_single.py (stage compute, bf16, freed outputs, peak memory, stream waits, a batched
+# send to self on a one-rank NCCL group while the compute stream is busy, CUDA-event timing), then
+# a one-rank `python train.py` on CUDA with bf16 and a traced step (CUDA-event figures checked by
+# gpu_run_check.py), and one with fp16, a forced gradient overflow and train.check_finite=true
+# (the step is skipped, the run goes on).  Two or more GPUs: also the NCCL equivalence, a 2-rank
+# traced train.py and the side-by-side with torch.distributed.pipelining (4 GPUs: more of each).
+# $OUT/gpu_check.md is the report (each step: exit status, seconds, the end of its output) and
+# $OUT/RESULTS.md the benchmark tables, for benchmarks/RESULTS.md.  Full logs stay in $LOGS.
+# Exit: 0 all passed, 1 a step failed, 2 no CUDA device (nothing on a GPU was checked).
 set -u
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 OUT=${OUT:-/tmp/pipeflow_gpu_check}
-mkdir -p "$OUT"
-log="$OUT/gpu_check.md"
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+LOGS=${LOGS:-/tmp/pipeflow_gpu_logs}
+SITE=${SITE:-/tmp/pipeflow_site}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" "$LOGS"
+report="$OUT/gpu_check.md"
+summary=()
+status=0
+
+step() {  # step <seconds> <log name> <description> <command...>: run it, keep its exit status, report it
+  local limit=$1 log="$LOGS/$2.log" what=$3
+  shift 3
+  local rc start took
+  start=$(date +%s%N)
+  timeout "$limit" "$@" > "$log" 2>&1
+  rc=$?  # the command's status, read before anything else runs
+  took=$(( ($(date +%s%N) - start) / 1000000 ))
+  {
+    echo "### $what"
+    echo
+    echo "exit status $rc after $((took / 1000)).$(printf '%03d' $((took % 1000))) s: \`$*\`"
+    echo
+    echo '```'
+    tail -n 30 "$log"
+    echo '```'
+    echo
+  } >> "$report"
+  summary+=("| $what | $rc | $((took / 1000)).$(printf '%03d' $((took % 1000))) |")
+  if [ "$rc" -eq 0 ]; then
+    echo "ok: $what"
+  else
+    echo "FAILED (exit status $rc): $what"
+    status=1
+  fi
+  return "$rc"
+}
+
+finish() {  # finish <exit status>: the summary table, then exit
+  {
+    echo "### Summary"
+    echo
+    echo "| step | exit status | seconds |"
+    echo "| --- | --- | --- |"
+    printf '%s\n' "${summary[@]}"
+    echo
+    echo "overall exit status: $1"
+  } >> "$report"
+  echo "report: $report"
+  exit "$1"
+}
+
 {
   echo "## GPU check, $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
   echo
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | sed 's/^/    /'
-  echo "    torch $(python3 -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)'), $gpus GPU(s)"
+  gpu_line=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+  echo "    ${gpu_line:-nvidia-smi lists no GPU}"
+  echo "    $($PY -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda)')"
   echo
-} > "$log"
-status=0
-run() {  # run <seconds> <description> <command...>: log the outcome, keep going on failure
-  local limit=$1 what=$2
-  shift 2
-  echo "### $what" >> "$log"
-  echo '```' >> "$log"
-  if timeout "$limit" "$@" >> "$log" 2> "$OUT/stderr_$(echo "$what" | tr -c 'a-z0-9' '_').txt"; then
-    echo '```' >> "$log"; echo "ok: $what" | tee -a "$log"
-  else
-    echo '```' >> "$log"; echo "FAILED ($?): $what" | tee -a "$log"; status=1
-  fi
-}
-run 120 "single-GPU CUDA paths" python3 benchmarks/gpu_single.py
+} > "$report"
+
+# hydra-core, omegaconf, antlr4 for train.py: from the carried wheels, without a network
+if [ "${PIPEFLOW_FORCE_WHEELS:-0}" = 1 ] || ! $PY -c "import hydra, omegaconf" 2>/dev/null; then
+  step 120 wheels "install the carried wheels (hydra-core, omegaconf, antlr4) into $SITE" \
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+    benchmarks/wheels/*.whl || finish 1
+  export PYTHONPATH="$SITE"
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+step 120 imports "train.py's imports with this torch" $PY -c "
+import hydra, omegaconf, torch
+import pipeflow.run.builder, pipeflow.run.sweep
+print('hydra', hydra.__version__, 'from', hydra.__file__)
+print('omegaconf', omegaconf.__version__, '| torch', torch.__version__)" || finish 1
+
+gpus=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+echo "CUDA devices: $gpus" >> "$report"
+if [ "$gpus" -lt 1 ]; then
+  echo "no CUDA device here: stopping before the GPU checks (a dry run; nothing on a GPU was checked)" | tee -a "$report"
+  finish 2
+fi
+
+SMALL=(model.n_layer=4 model.n_embd=256 model.n_head=4 data.batch_size=32 data.num_tokens=200000
+       train.eval_batches=2 train.log_every=5 metrics.tensorboard=false metrics.progress_bar=false dist.device=cuda)
+step 300 gpu_single "single-GPU CUDA paths (gpu_single.py)" $PY benchmarks/gpu_single.py
+step 240 train_bf16 "train.py on one GPU: bf16, a traced step" $PY train.py "${SMALL[@]}" train.precision=bf16 \
+  train.max_steps=30 "metrics.trace_steps=[10]" train.run_dir="$LOGS/run_bf16"
+step 60 check_bf16 "bf16 run: CUDA-event figures (compute > 0, bubble in [0, 1))" $PY benchmarks/gpu_run_check.py \
+  "$LOGS/run_bf16" "$LOGS/train_bf16.log"
+step 240 train_fp16 "train.py on one GPU: fp16, a forced overflow, check_finite" \
+  env PIPEFLOW_FAULT_INJECT=overflow:rank=0:step=4 $PY train.py "${SMALL[@]}" train.precision=fp16 train.check_finite=true train.max_steps=20 \
+  "metrics.trace_steps=[8]" train.run_dir="$LOGS/run_fp16"
+step 60 check_fp16 "fp16 run: the overflow skipped, figures sane" $PY benchmarks/gpu_run_check.py "$LOGS/run_fp16" \
+  "$LOGS/train_fp16.log" \
+  --expect "step 4: inf/nan gradients (fp16 overflow); step skipped"
 if [ "$gpus" -ge 2 ]; then
-  run 90 "NCCL equivalence, 2 GPUs" torchrun --nproc-per-node 2 benchmarks/nccl_equivalence.py
-  run 100 "vs torch.distributed.pipelining, MLP, 2 GPUs" torchrun --nproc-per-node 2 \
+  step 150 nccl_eq_2 "NCCL equivalence, 2 GPUs" $PY -m torch.distributed.run --nproc-per-node 2 benchmarks/nccl_equivalence.py
+  step 240 train_2gpu "train.py on 2 GPUs: bf16, a traced step" $PY -m torch.distributed.run --nproc-per-node 2 train.py \
+    "${SMALL[@]}" train.precision=bf16 train.max_steps=30 "metrics.trace_steps=[10]" train.run_dir="$LOGS/run_2gpu"
+  step 60 check_2gpu "2-GPU run: CUDA-event figures" $PY benchmarks/gpu_run_check.py "$LOGS/run_2gpu" \
+    "$LOGS/train_2gpu.log"
+  step 200 vs_torch_2 "vs torch.distributed.pipelining, MLP, 2 GPUs" $PY -m torch.distributed.run --nproc-per-node 2 \
     benchmarks/vs_torch_pipelining.py --device cuda --hidden 512 64 --schedules gpipe 1f1b --rounds 20 --out "$OUT/RESULTS.md"
 fi
 if [ "$gpus" -ge 4 ]; then
-  run 90 "NCCL equivalence, 4 GPUs" torchrun --nproc-per-node 4 benchmarks/nccl_equivalence.py
-  run 100 "vs torch.distributed.pipelining, GPT blocks, 4 GPUs" torchrun --nproc-per-node 4 \
-    benchmarks/vs_torch_pipelining.py --device cuda --model gpt --hidden 256 --schedules gpipe 1f1b interleaved_1f1b zbv --rounds 10 --out "$OUT/RESULTS.md"
+  step 150 nccl_eq_4 "NCCL equivalence, 4 GPUs" $PY -m torch.distributed.run --nproc-per-node 4 benchmarks/nccl_equivalence.py
+  step 200 vs_torch_4 "vs torch.distributed.pipelining, GPT blocks, 4 GPUs" $PY -m torch.distributed.run --nproc-per-node 4 \
+    benchmarks/vs_torch_pipelining.py --device cuda --model gpt --hidden 256 --schedules gpipe 1f1b interleaved_1f1b zbv \
+    --rounds 10 --out "$OUT/RESULTS.md"
 fi
 if [ "$gpus" -lt 2 ]; then
-  echo "one GPU: NCCL between ranks needs two GPUs, so only the single-GPU checks ran" | tee -a "$log"
+  echo "one GPU: NCCL between ranks needs two, so the equivalence and the side-by-side did not run" | tee -a "$report"
 fi
-exit $status
+finish "$status"

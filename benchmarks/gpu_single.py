@@ -12,11 +12,18 @@ Checks, each printed as one line ``PASS|FAIL name: detail`` and written to --out
 4. peak memory: ``torch.cuda.max_memory_allocated`` over k held micro-batches grows by k times
    one micro-batch's activations (what the simulator's peak count multiplies);
 5. comm stream: ``P2PComm.wait`` on CUDA only orders the current stream after the NCCL stream
-   (no host sync, even with a deadline set): a one-rank group cannot send, so this waits on an
-   all-reduce whose input comes from a long kernel chain; the host must return long before the
-   GPU is done.
+   (no host sync, even with a deadline set): this waits on an all-reduce whose input comes from
+   a long kernel chain; the host must return long before the GPU is done;
+6. batched send to self: one ``batch_isend_irecv`` (isend to rank 0 and irecv from it, on the
+   one-rank NCCL group) posted while the compute stream is still busy with the kernels that
+   make the sent tensor: the host does not block, the received values are the sent ones, and
+   the sent tensor, freed at once and its memory handed to a new tensor that is overwritten,
+   still arrives intact (the NCCL work holds it until the transfer is done); the deadline
+   watchdog, on this GPU, watches the wait and does not fire; it stops and joins;
+7. CUDA-event timing: ``CudaEventClock`` times a kernel chain as the GPU ran it (within 20 % of
+   the synchronised wall time), while the host clock sees only its launch.
 
-Exits non-zero if any check fails.
+Exits non-zero if any check fails; without CUDA it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -31,7 +38,8 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from pipeflow.runtime.transport import P2PComm  # noqa: E402
+from pipeflow.runtime.events import CudaEventClock, EventRecorder, HostClock  # noqa: E402
+from pipeflow.runtime.transport import DeadlineWatchdog, P2PComm  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule  # noqa: E402
 from pipeflow.runtime.stage import Stage  # noqa: E402
@@ -139,10 +147,72 @@ def check_stream_wait() -> str:
     return f"wait returned after {host * 1e3:.2f} ms, the GPU work after {gpu * 1e3:.1f} ms"
 
 
+def busy_chain(n: int = 4096, links: int = 40) -> torch.Tensor:
+    """A long chain of matrix products queued on the current stream (the host returns at once)."""
+    a = torch.randn(n, n, device=DEVICE)
+    for _ in range(links):
+        a = a @ a / n
+    return a
+
+
+def check_self_exchange() -> str:
+    fired: list[Exception] = []
+    watchdog = DeadlineWatchdog(fired.append, poll_s=0.05, device=DEVICE)
+    comm = P2PComm(None, DEVICE, timeout_s=60, watchdog=watchdog)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    chain = busy_chain()
+    send = chain[:256, :256].contiguous() + 1.0  # made by the chain: NCCL must wait for it
+    expected = send.clone()  # queued on the compute stream too
+    recv = torch.empty_like(send)
+    posted = time.perf_counter()
+    works = comm.post([(0, send)], [(0, recv)])
+    comm.wait(works, "send to self and receive from self")
+    host = time.perf_counter() - posted
+    del send, chain  # freed while the transfer may still be queued...
+    reuse = torch.empty(256, 256, device=DEVICE).fill_(-7.0)  # ...and its memory handed out again
+    result = recv * 1.0  # ordered after the recv by the wait
+    torch.cuda.synchronize()
+    gpu = time.perf_counter() - start
+    time.sleep(0.2)  # the watchdog polls the completed works and drops them
+    watchdog.stop()
+    assert host < gpu / 4, f"the host blocked: post+wait took {host * 1e3:.1f} ms of {gpu * 1e3:.1f} ms"
+    assert torch.equal(result, expected), f"received values differ, max {float((result - expected).abs().max())}"
+    assert not fired and not watchdog.alive, (fired, watchdog.alive)
+    del reuse
+    return (f"post+wait returned after {host * 1e3:.2f} ms, the GPU after {gpu * 1e3:.1f} ms; values equal; "
+            f"watchdog quiet, stopped")
+
+
+def check_event_timing() -> str:
+    torch.cuda.synchronize()
+    times = {}
+    for name, clock in (("events", CudaEventClock(DEVICE)), ("host", HostClock())):
+        recorder = EventRecorder(clock)
+        recorder.start()
+        t0 = recorder.mark()
+        busy_chain()
+        recorder.record("F", "0F0", t0, recorder.mark())
+        (event,) = recorder.stop()
+        times[name] = event.end - event.start
+    torch.cuda.synchronize()
+    wall_start = time.perf_counter()
+    busy_chain()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - wall_start
+    assert abs(times["events"] - wall) <= 0.2 * wall, (times, wall)
+    assert times["host"] < wall / 4, (times, wall)
+    return (f"chain: CUDA events {times['events'] * 1e3:.1f} ms, synchronised wall {wall * 1e3:.1f} ms, "
+            f"host clock (launch only) {times['host'] * 1e3:.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_single.py needs a CUDA device; none here, nothing checked", flush=True)
+        sys.exit(2)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.cuda.set_device(DEVICE)
@@ -152,7 +222,9 @@ def main() -> None:
     lines, failed = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}"], 0
     checks = [("stage compute on CUDA", check_stage_compute), ("bf16", check_bf16),
               ("freed outputs on CUDA", check_freed_outputs), ("peak memory", check_peak_memory),
-              ("comm wait is a stream wait", check_stream_wait)]
+              ("comm wait is a stream wait", check_stream_wait),
+              ("batched send to self while the compute stream is busy", check_self_exchange),
+              ("CUDA-event timing", check_event_timing)]
     for name, check in checks:
         try:
             lines.append(f"PASS {name}: {check()}")

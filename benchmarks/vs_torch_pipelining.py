@@ -133,14 +133,25 @@ def torch_runner(name: str, schedule: PipelineSchedule, layers: dict[int, list[n
     return Runner(step, [p for mod in mods.values() for p in mod.parameters()])
 
 
-def timed(runner: Runner) -> tuple[float, torch.Tensor | None]:
-    """(slowest rank's seconds, loss) of one step, all ranks starting together."""
+def timed(runner: Runner, device: torch.device) -> tuple[float, torch.Tensor | None]:
+    """(slowest rank's seconds, loss) of one step, all ranks starting together.
+
+    On CUDA the GPU is drained before the clock starts and again before it stops (a step's
+    host code returns once its kernels are queued), and the time travels in a tensor on the
+    GPU (NCCL reduces only CUDA tensors)."""
     dist.barrier()
+    _synchronize(device)
     start = time.perf_counter()
     loss = runner.step()
-    took = torch.tensor([time.perf_counter() - start])
+    _synchronize(device)
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took), loss
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.device) -> dict:
@@ -161,7 +172,7 @@ def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.devi
     losses: dict[str, torch.Tensor | None] = {}
     for k in range(args.warmup + args.rounds):
         for fw, runner in runners.items():
-            took, loss = timed(runner)
+            took, loss = timed(runner, device)
             if k == 0:
                 losses[fw] = loss
             if k >= args.warmup:
@@ -240,7 +251,8 @@ def main() -> None:
         device, backend = torch.device("cuda", local), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10),
+                            **({"device_id": device} if device.type == "cuda" else {}))
     try:
         P2PComm(None, device).warmup()
         if args.model == "sleep":  # what one sleep layer really costs, measured on rank 0 alone

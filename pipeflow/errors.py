@@ -41,6 +41,10 @@ class PipelineTimeoutError(CommError):
     """A batched P2P call did not complete within `comm.timeout_s`."""
 
 
+class UnsendableDtypeError(CommError):
+    """A tensor that must cross between ranks has a dtype NCCL cannot send (int16, ...)."""
+
+
 class ShapeMismatchError(PipeflowError, RuntimeError):
     """A stage produced tensors whose shapes or dtypes differ from what was negotiated."""
 

@@ -7,9 +7,12 @@ schedule, clipping and AdamW.
 """
 from __future__ import annotations
 
+import functools
+import gc
 import math
 import os
 import tempfile
+import weakref
 from typing import Any
 
 import torch
@@ -281,3 +284,35 @@ def reduction_overlaps_cooldown(schedule: str = "interleaved_1f1b", m: int = 2) 
     trainer.forward_backward(0)
     actions = sum(1 for e in recorder.stop() if e.kind != "comm")
     return {"posted": posted, "actions": actions, "stages": sorted(trainer.stages)}
+
+
+def owned_timeouts_and_watchdog_lifecycle() -> dict[str, Any]:
+    """A dp2 x pp2 tied GPT run: the timeout of every group it uses (world, the mesh's pp and dp
+    groups, the tie group) before its first step and after its last; and a watchdog built as on
+    CUDA (here on the CPU) that ``fit`` stops and joins, after which the Trainer can be freed."""
+    from unittest import mock
+
+    from pipeflow.run import builder, guard
+    from pipeflow.runtime.timeouts import group_timeout_s
+    from pipeflow.runtime.transport import DeadlineWatchdog
+
+    cfg = make_config(2, "1f1b", 2, comm__timeout_s=40.0, comm__first_step_timeout_s=100.0, train__max_steps=2)
+    made: list[DeadlineWatchdog] = []
+
+    def watchdog(device: torch.device, rank: int) -> DeadlineWatchdog:
+        made.append(DeadlineWatchdog(functools.partial(guard.fail, rank=rank), device=device))
+        return made[-1]
+
+    with mock.patch.object(builder, "_watchdog", watchdog):
+        trainer = build_run(cfg, torch.device("cpu"))
+    groups = {"world": None, "pp": trainer.mesh.pp_group, "dp": trainer.mesh.dp_group}
+    groups.update({f"tie {t.name}": t.group for t in trainer.tied.ties if t.group is not None})
+    first = {name: group_timeout_s(g) for name, g in groups.items()}
+    alive = made[0].alive and trainer.pipeline.comm.watchdog is made[0]
+    trainer.fit()
+    steady = {name: group_timeout_s(g) for name, g in groups.items()}
+    ref = weakref.ref(trainer)
+    del trainer
+    gc.collect()
+    return {"first": first, "steady": steady, "alive_while_built": alive, "alive_after_fit": made[0].alive,
+            "trainer_freed": ref() is None}

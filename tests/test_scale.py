@@ -53,6 +53,7 @@ def _cases() -> list[tuple[str, object]]:
         ("fp32-inf-grad-checked", functools.partial(cases.check_finite_raises, "fp32", "inf-grad")),
         ("resume", cases.resume_across_layouts),
         ("overlap", cases.reduction_overlaps_cooldown),
+        ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
         ("wrong-model", cases.resume_into_another_model_is_refused),
     ]
 
@@ -151,3 +152,17 @@ def test_dp_reduction_of_an_early_stage_starts_before_the_cooldown_ends(world) -
         assert sorted(s for s, _ in v["posted"]) == v["stages"]  # each stage once per step
         first_done = min(at for _, at in v["posted"])
         assert first_done < v["actions"], f"rank {rank}: every reduction waited for the flush: {v}"
+
+
+def test_every_group_the_run_uses_times_out_a_margin_after_pipeflows_deadline(world) -> None:
+    """comm.first_step_timeout_s=100 then comm.timeout_s=40: each group 15 s later (timeouts.margin_s)."""
+    for rank, v in enumerate(_values(world["timeouts-watchdog"])):
+        assert sorted(v["first"]) == ["dp", "pp", "tie wte", "world"], f"rank {rank}: {v}"
+        assert set(v["first"].values()) == {115.0}, f"rank {rank}: {v['first']}"
+        assert set(v["steady"].values()) == {55.0}, f"rank {rank}: {v['steady']}"
+
+
+def test_fit_stops_and_joins_the_watchdog_and_the_trainer_can_be_freed(world) -> None:
+    for rank, v in enumerate(_values(world["timeouts-watchdog"])):
+        assert v["alive_while_built"] and not v["alive_after_fit"], f"rank {rank}: {v}"
+        assert v["trainer_freed"], f"rank {rank}: something still holds the Trainer after fit"

@@ -1,11 +1,14 @@
 """The P2P watchdog that keeps the deadline of waits which do not block the host (CUDA streams)."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
 import time
+import weakref
 
+import torch
 import torch.multiprocessing as mp
 
 from mp_harness import _free_port
@@ -30,6 +33,79 @@ def _collect() -> tuple[list[PipelineTimeoutError], threading.Event, DeadlineWat
         fired.set()
 
     return errors, fired, DeadlineWatchdog(on_timeout, poll_s=0.01)
+
+
+class ThreadRecordingWork(FakeWork):
+    """A work that notes which thread queries it, and that thread's device then."""
+
+    def __init__(self, devices: dict[str, object]) -> None:
+        super().__init__(done=False)
+        self.devices = devices
+        self.queried_by: list[tuple[str, object]] = []
+
+    def is_completed(self) -> bool:
+        name = threading.current_thread().name
+        self.queried_by.append((name, self.devices.get(name)))
+        return self.done
+
+
+def _fake_set_device(monkeypatch) -> dict[str, object]:
+    """Replace torch.cuda.set_device (no GPU here) by a note of the device each thread set."""
+    devices: dict[str, object] = {}
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: devices.__setitem__(threading.current_thread().name, d))
+    return devices
+
+
+def test_the_thread_queries_works_with_the_ranks_cuda_device_current(monkeypatch) -> None:
+    devices = _fake_set_device(monkeypatch)
+    watchdog = DeadlineWatchdog(lambda exc: None, poll_s=0.01, device=torch.device("cuda", 3))
+    work = ThreadRecordingWork(devices)
+    watchdog.watch([work], 60.0, "pipeline rank 3", "recv activation")
+    deadline = time.monotonic() + 5
+    while not work.queried_by and time.monotonic() < deadline:
+        time.sleep(0.01)
+    watchdog.stop()
+    assert work.queried_by, "the watchdog never polled"
+    assert set(work.queried_by) == {("pipeflow-p2p-watchdog", torch.device("cuda", 3))}
+    assert threading.current_thread().name not in devices  # the caller's device is left alone
+
+
+def test_a_cpu_watchdog_sets_no_cuda_device(monkeypatch) -> None:
+    devices = _fake_set_device(monkeypatch)
+    watchdog = DeadlineWatchdog(lambda exc: None, poll_s=0.01, device=torch.device("cpu"))
+    time.sleep(0.05)
+    watchdog.stop()
+    assert devices == {}
+
+
+def test_stop_ends_and_joins_the_thread_and_lets_go_of_its_works() -> None:
+    errors, fired, watchdog = _collect()
+    work = FakeWork(done=False)
+    ref = weakref.ref(work)
+    watchdog.watch([work], 60.0, "pipeline rank 0", "send activation")
+    assert watchdog.alive
+    del work
+    watchdog.stop()
+    assert not watchdog.alive  # joined: the thread has ended
+    gc.collect()
+    assert ref() is None  # the pending wait was dropped with the thread
+    watchdog.stop()  # idempotent
+    assert errors == [] and not fired.is_set()
+
+
+def test_the_runs_watchdog_holds_only_the_rank_and_runs_on_its_device(monkeypatch) -> None:
+    from pipeflow.run import builder, guard
+
+    devices = _fake_set_device(monkeypatch)
+    assert builder._watchdog(torch.device("cpu"), 0) is None  # gloo waits block the host themselves
+    watchdog = builder._watchdog(torch.device("cuda", 1), 5)
+    try:
+        assert watchdog.device == torch.device("cuda", 1)
+        assert watchdog.on_timeout.func is guard.fail and watchdog.on_timeout.args == ()
+        assert watchdog.on_timeout.keywords == {"rank": 5}  # nothing of the Trainer
+    finally:
+        watchdog.stop()
+    assert devices == {"pipeflow-p2p-watchdog": torch.device("cuda", 1)}
 
 
 def test_completed_waits_never_fire() -> None:

@@ -13,7 +13,6 @@ import os
 import resource
 import statistics
 import sys
-import time
 from dataclasses import astuple, fields
 from typing import TYPE_CHECKING, Any
 
@@ -113,13 +112,12 @@ class RunMetrics:
             self.first_step = step
             if self.show_bar:
                 self.bar = console.progress_bar(self.max_steps, True, initial=step)
-        self.recorder.start()
-        self._start = time.perf_counter()
+        self._start = self.recorder.start()  # on CUDA: the device drained, a step-start event recorded
 
     def end_step(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
         """Finish step `step`: add up its figures; at a log step gather them and report."""
-        end = time.perf_counter()
-        events = self.recorder.stop()
+        events = self.recorder.stop()  # on CUDA: the device drained, every event read back
+        end = self.recorder.stopped_at
         figures = step_figures(events, self._start, end)
         self.interval += figures
         self.interval_steps += 1

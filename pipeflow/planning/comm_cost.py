@@ -96,9 +96,14 @@ def _await(results: Any, procs: list, timeout_s: float) -> list[float]:
 def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool, results: Any) -> None:
     """One side of the exchange: time `repeats` batched send+recv pairs per size; rank 0 reports."""
     torch.set_num_threads(1)
-    device = torch.device(f"cuda:{rank}") if use_cuda else torch.device("cpu")
+    device = torch.device("cpu")
+    extra: dict[str, Any] = {}
+    if use_cuda:  # this process's GPU is its current device before NCCL creates a context
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        extra["device_id"] = device
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=2)
+                            rank=rank, world_size=2, **extra)
     try:
         times = [_time_exchange(1 - rank, max(1, n // 4), repeats, device) for n in sizes]
         if rank == 0:

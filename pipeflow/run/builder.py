@@ -8,6 +8,7 @@ Nothing is configured by assigning attributes from outside after construction.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,7 +25,7 @@ from pipeflow.run import run_dir as run_dirs
 from pipeflow.run.config import check_config
 from pipeflow.run.faults import install_from_env
 from pipeflow.run.trainer import Trainer, unique_parameters
-from pipeflow.runtime.events import EventRecorder
+from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.mesh import GradReducer, build_mesh
 from pipeflow.runtime.pipeline import Pipeline
@@ -56,13 +57,16 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     rank = dist.get_rank()
     config_hash = guard.check_same_config(cfg)  # before anything a rank could disagree on
     dp, pp = check_config(cfg, dist.get_world_size())
+    # every group the run uses times out a margin after pipeflow's own deadline (runtime/timeouts.py)
+    deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
     mesh = build_mesh(dp, pp, device)
+    deadlines.own(mesh.pp_group)
+    deadlines.own(mesh.dp_group)
     dtype = getattr(torch, cfg.train.dtype)
     spec: ModelSpec = instantiate(cfg.model)
     m = cfg.pipeline.num_microbatches
     schedule = build_schedule(cfg.schedule.name, pp, m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
                               cfg.schedule.path, cfg.pipeline.stage_to_rank)
-    deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
     comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, rank))
     comm.warmup()  # ranks may still be starting: the first-step deadline
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
@@ -80,6 +84,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                           compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
+    for group in tied.groups():
+        deadlines.own(group)
     tied.sync_initial_values()
     reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 else None
     # auto's choice is made by the whole world (every replica alike, so no replica waits on a
@@ -87,7 +93,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     # the chosen setting for most of their steps
     posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
                       agree_over_world=True)
-    recorder = EventRecorder()
+    recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None)
     params = unique_parameters(stage.parameters() for stage in stages.values())
@@ -140,10 +146,13 @@ def write_auto_schedule(schedule: PipelineSchedule, synthesis: Synthesis, run_di
 
 
 def _watchdog(device: torch.device, rank: int) -> DeadlineWatchdog | None:
-    """On CUDA, where a P2P wait only orders streams, a thread that keeps the waits' deadlines."""
+    """On CUDA, where a P2P wait only orders streams, a thread that keeps the waits' deadlines.
+
+    It runs on this rank's GPU and holds nothing of the run but the rank (the Trainer stops it
+    at the end of ``fit``, so a sweep frees every job's model, optimizer and communicators)."""
     if torch.device(device).type != "cuda":
         return None
-    return DeadlineWatchdog(lambda exc: guard.fail(exc, rank))
+    return DeadlineWatchdog(functools.partial(guard.fail, rank=rank), device=device)
 
 
 def agree_run_dir(cfg: DictConfig) -> str:

@@ -12,6 +12,8 @@ oom        raises torch.OutOfMemoryError (CUDA out of memory)
 shape      returns outputs whose first dimension is halved
 dtype      returns outputs in another floating dtype
 nan        returns outputs filled with NaN (floating ones)
+overflow   leaves the outputs finite but makes their gradient inf in backward (an
+           fp16 gradient overflow: the loss scaler skips the step, the loss stays finite)
 =========  =====================================================================
 
 Each injection prints ``[pipeflow fault injection] ... t=<unix time>`` to stderr first, so a
@@ -31,7 +33,7 @@ import torch
 from pipeflow.errors import ConfigError
 
 ENV_VAR = "PIPEFLOW_FAULT_INJECT"
-KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan")
+KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan", "overflow")
 STALL_S = 3600.0
 
 
@@ -117,6 +119,10 @@ class FaultInjector:
             return tuple(t.to(torch.float32 if t.dtype == torch.float64 else torch.float64) for t in outputs)
         if self.spec.kind == "nan":
             return tuple(t * float("nan") if t.is_floating_point() else t for t in outputs)
+        if self.spec.kind == "overflow":
+            for t in outputs:
+                if t.requires_grad:
+                    t.register_hook(lambda g: torch.full_like(g, float("inf")))
         return outputs
 
 

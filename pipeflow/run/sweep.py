@@ -154,8 +154,9 @@ def _run_job(cfg: DictConfig, device: torch.device, index: int, text: str, run_d
         return None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    result = trainer.fit()
+    result = trainer.fit()  # ends with trainer.close(): the watchdog thread stopped and joined
     record = _record(trainer, result, index, text, run_dir)
+    trainer.close()  # (idempotent) nothing of this job may outlive it
     del trainer
     gc.collect()  # free this job's stages before the next job builds its own
     if device.type == "cuda":

@@ -72,7 +72,10 @@ def clip_grad_norm_global(
     grads = [p.grad for p in params if p.grad is not None]
     counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     device = extra.device
-    local = torch.stack([g.detach().double().pow(2).sum() for g in counted]).sum() if counted else torch.zeros((), dtype=torch.float64)
+    # one norm per tensor (in its own dtype, half types accumulated in float32), squared and summed
+    # in float64: no float64 copy of any gradient
+    local = (torch.stack([_norm(g.detach()) for g in counted]).double().pow(2).sum() if counted
+             else torch.zeros((), dtype=torch.float64))
     local = local / replicas if replicas > 1 else local
     packed = torch.cat([local.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
     dist.all_reduce(packed, group=group)
@@ -83,6 +86,12 @@ def clip_grad_norm_global(
             for g in grads:
                 g.mul_(coef)
     return total, packed[1:]
+
+
+def _norm(grad: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of one gradient; float16/bfloat16 reduced in float32 (no copy on CUDA)."""
+    half = grad.dtype in (torch.float16, torch.bfloat16)
+    return torch.linalg.vector_norm(grad, dtype=torch.float32 if half else None)
 
 
 @dataclass
@@ -263,6 +272,11 @@ class Trainer:
         dist.all_reduce(total)  # the last stage of every replica holds its shard's mean loss
         return float(total) / (self.cfg.train.eval_batches * self.dp)
 
+    def close(self) -> None:
+        """Stop what runs beside the loop (the P2P watchdog's thread, joined); called at the end of
+        :meth:`fit`, so every run and every sweep job ends with it (idempotent)."""
+        self.pipeline.comm.close()
+
     def fit(self) -> dict[str, Any]:
         """Train for ``train.max_steps`` steps; returns first/last loss, final held-out loss and the
         run's figures (``samples_per_s``, ``tokens_per_s``, ``step_time_s``, ``bubble_measured``,
@@ -296,6 +310,7 @@ class Trainer:
         first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val}
         result.update(self.metrics.close(self.schedule))
+        self.close()
         if self.is_main:
             best = f" (best achievable {self.batches.best_loss:.4f})" if self.batches.best_loss is not None else ""
             log.info("loss %.4f -> %.4f | held-out loss %.4f -> %.4f%s", first_loss, last_loss, first_val, final_val, best)

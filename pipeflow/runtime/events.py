@@ -2,21 +2,118 @@
 
 The runtime knows only this interface; observability (per-stage figures, traces, TensorBoard)
 and the benchmarks read what a recorder collected, so nothing below the run imports them.
+
+Timing goes through a clock that hands out *marks* and turns them into seconds when the step is
+over.  On the CPU (:class:`HostClock`) a mark is a ``time.perf_counter()`` reading: the work is
+done when the host returns.  On CUDA (:class:`CudaEventClock`) the host only queues kernels, so a
+host reading would time their launch; a mark there is a CUDA event recorded on the current
+(compute) stream, and the seconds are each event's GPU time after a step-start event, read back
+once the step is over (the step's readback of the loss and grad norm has synchronised the
+device by then).  Both put their seconds on the host's ``perf_counter`` axis, so step times,
+figures, traces and timeline pictures read one kind of event whatever the device.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+import time
+from typing import Any, NamedTuple, Protocol
+
+import torch
 
 
 class TimedEvent(NamedTuple):
     """One recorded interval on this rank: a batched call (kind ``comm``, post to completion)
-    or a compute action (kind ``F``, ``B`` or ``W``; name such as ``1F0``); seconds from
-    ``time.perf_counter``."""
+    or a compute action (kind ``F``, ``B`` or ``W``; name such as ``1F0``); seconds on the host's
+    ``time.perf_counter`` axis (while recording, `start` and `end` are the clock's marks)."""
 
     kind: str
     name: str
-    start: float
-    end: float
+    start: Any
+    end: Any
+
+
+class Clock(Protocol):
+    """Hands out marks during a step and resolves them to seconds after it."""
+
+    def begin(self) -> float:
+        """Start a step; returns its start on the host's perf_counter axis."""
+
+    def mark(self) -> Any:
+        """A mark of now, as the device sees it."""
+
+    def end(self) -> float:
+        """End a step (its work complete); returns its end on the host's perf_counter axis."""
+
+    def seconds(self, marks: list[Any]) -> list[float]:
+        """The marks of this step as perf_counter seconds (after :meth:`end`)."""
+
+
+class HostClock:
+    """CPU timing: a mark is a ``time.perf_counter()`` reading."""
+
+    def begin(self) -> float:
+        """The host's now."""
+        return time.perf_counter()
+
+    def mark(self) -> float:
+        """The host's now."""
+        return time.perf_counter()
+
+    def end(self) -> float:
+        """The host's now."""
+        return time.perf_counter()
+
+    def seconds(self, marks: list[Any]) -> list[float]:
+        """The readings themselves."""
+        return [float(m) for m in marks]
+
+
+class CudaEventClock:
+    """CUDA timing: a mark is a ``torch.cuda.Event`` recorded on the current stream of `device`.
+
+    :meth:`begin` drains the device, records the step-start event and reads the host clock, so
+    that event stands at the host's step start; a mark resolves to that start plus its GPU time
+    after the step-start event.  :meth:`end` drains the device too, so the step's time includes
+    the kernels (the optimizer's) queued after the last mark.
+
+    Args:
+        device: the rank's CUDA device.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._origin: Any = None
+        self._origin_s = 0.0
+
+    def begin(self) -> float:
+        """Drain the device, record the step-start event; the host's now."""
+        torch.cuda.synchronize(self.device)
+        self._origin = self.mark()
+        self._origin_s = time.perf_counter()
+        return self._origin_s
+
+    def mark(self) -> Any:
+        """An event recorded on the current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def end(self) -> float:
+        """Drain the device; the host's now."""
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def seconds(self, marks: list[Any]) -> list[float]:
+        """Each event's GPU milliseconds after the step-start event, as host seconds."""
+        if marks:
+            marks[-1].synchronize()  # events on one stream complete in order; a no-op after end()
+        return [self._origin_s + self._origin.elapsed_time(m) / 1e3 for m in marks]
+
+
+def clock_for(device: torch.device | str | None) -> Clock:
+    """CUDA events on a CUDA device, the host clock elsewhere."""
+    if device is not None and torch.device(device).type == "cuda":
+        return CudaEventClock(torch.device(device))
+    return HostClock()
 
 
 class EventRecorder:
@@ -24,26 +121,41 @@ class EventRecorder:
 
     The run builds one and hands it to the pipeline (which records) and to its metrics (which
     turn it on around a step and take what it collected).
+
+    Args:
+        clock: how intervals are timed (default: the host clock; :func:`clock_for` picks one).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock if clock is not None else HostClock()
         self.events: list[TimedEvent] | None = None
+        self.started_at = 0.0
+        self.stopped_at = 0.0
 
     @property
     def on(self) -> bool:
         """True while events are being collected."""
         return self.events is not None
 
-    def start(self) -> None:
-        """Start collecting (drops anything collected before)."""
+    def start(self) -> float:
+        """Start collecting (drops anything collected before); returns the start (perf_counter s)."""
+        self.started_at = self.clock.begin()
         self.events = []
+        return self.started_at
+
+    def mark(self) -> Any:
+        """A mark of now, to pass to :meth:`record`."""
+        return self.clock.mark()
 
     def stop(self) -> list[TimedEvent]:
-        """Stop collecting; returns what was collected since :meth:`start`."""
+        """Stop collecting; returns what was collected since :meth:`start`, in perf_counter
+        seconds (:attr:`stopped_at` is the end)."""
         events, self.events = self.events or [], None
-        return events
+        self.stopped_at = self.clock.end()
+        seconds = self.clock.seconds([m for e in events for m in (e.start, e.end)])
+        return [TimedEvent(e.kind, e.name, seconds[2 * k], seconds[2 * k + 1]) for k, e in enumerate(events)]
 
-    def record(self, kind: str, name: str, start: float, end: float) -> None:
-        """Add one event, when on."""
+    def record(self, kind: str, name: str, start: Any, end: Any) -> None:
+        """Add one event between two marks, when on."""
         if self.events is not None:
             self.events.append(TimedEvent(kind, name, start, end))

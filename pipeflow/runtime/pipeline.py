@@ -181,23 +181,23 @@ class Pipeline:
         outbox: dict[Key, Tensors] = {}
         posted: dict[CommOp, _Posted] = {}
         self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
-        record, clock = (self.recorder.record if self.recorder.on else None), time.perf_counter
+        recorder = self.recorder if self.recorder.on else None  # marks: perf_counter, or CUDA events
         for k, step in enumerate(program):
-            t0 = clock()
+            t0 = recorder.mark() if recorder is not None else None
             self._post(step, outbox, posted)
             self._wait(step.waits, posted, inbox, program, k)
-            if record is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
-                record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, clock())
+            if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
+                recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
             if step.action is not None:
-                t1 = clock()
+                t1 = recorder.mark() if recorder is not None else None
                 self._compute(step, inbox, outbox, inputs, targets, loss_weights, train, grad_scale)
-                if record is not None:
-                    record(step.action.kind, str(step.action), t1, clock())
+                if recorder is not None:
+                    recorder.record(step.action.kind, str(step.action), t1, recorder.mark())
             if step.after:  # by now the peer has long posted its recvs; the sent tensors are freed
-                t0 = clock()
+                t0 = recorder.mark() if recorder is not None else None
                 self._wait(step.after, posted, inbox, program, k, after=True)
-                if record is not None:
-                    record("comm", "sends of the step done", t0, clock())
+                if recorder is not None:
+                    recorder.record("comm", "sends of the step done", t0, recorder.mark())
         for key in list(self._lent):  # evaluation's, and any a pass left
             self.buffers.give(self._lent.pop(key))
         self.buffers.end_pass()

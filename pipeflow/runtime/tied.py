@@ -99,6 +99,10 @@ class TiedWeights:
                 tie = _Tie(name, param, ranks, group, global_ranks[first_rank], first_rank == my_rank)
                 self.ties.append(tie)
 
+    def groups(self) -> list[dist.ProcessGroup]:
+        """This rank's tie groups (one per tie spanning ranks), e.g. to set their timeouts."""
+        return [t.group for t in self.ties if t.group is not None]
+
     def sync_initial_values(self) -> None:
         """Copy the first member's initial value to every copy (broadcast within each tie)."""
         for tie in self.ties:

@@ -17,12 +17,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pipeflow.errors import CommError, PipelineTimeoutError
+from pipeflow.errors import CommError, PipelineTimeoutError, UnsendableDtypeError
+from pipeflow.runtime import timeouts
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
 )
+# dtypes that metadata can describe but no rank may send: NCCL has no 16-bit integer type
+# (refused on every backend, so that a CPU run finds what would fail on GPUs)
+UNSENDABLE: dict[torch.dtype, str] = {torch.int16: "int32"}
 _MAX_DIMS = 8
 _FIELDS = 3 + _MAX_DIMS  # dtype code, requires_grad, ndim, dims...
 META_LEN = 1 + 24 * _FIELDS  # up to 24 tensors per transfer
@@ -80,7 +84,7 @@ def decode_metas(packed: torch.Tensor) -> tuple[TensorMeta, ...]:
 
 
 class DeadlineWatchdog:
-    """A daemon thread that holds waits which do not block the host to their deadline.
+    """A thread that holds waits which do not block the host to their deadline.
 
     On CUDA, waiting for a batched call only makes the compute stream wait for the comm stream;
     the host runs on and would only block later, deep inside an unrelated sync.  Each such wait
@@ -89,18 +93,33 @@ class DeadlineWatchdog:
     :class:`PipelineTimeoutError` naming the transfer to `on_timeout` (which ends the process:
     the main thread may be stuck in a CUDA sync it cannot leave).
 
+    The thread makes `device` its current CUDA device before its first query, so querying the
+    events of rank r's GPU creates no context on GPU 0.  It holds only `on_timeout` and the
+    works being watched; :meth:`stop` ends and joins it (at the end of every run and sweep job).
+
     Args:
         on_timeout: called once, from the watchdog thread, with the error.
         poll_s: how often the pending waits are checked.
+        device: the rank's device; a CUDA device becomes the thread's current device.
     """
 
-    def __init__(self, on_timeout: Callable[[PipelineTimeoutError], None], poll_s: float = 0.2) -> None:
+    def __init__(
+        self, on_timeout: Callable[[PipelineTimeoutError], None], poll_s: float = 0.2,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.on_timeout = on_timeout
         self.poll_s = poll_s
+        self.device = None if device is None else torch.device(device)
         self._pending: list[tuple[float, float, Sequence[dist.Work], str, str | Callable[[], str]]] = []
         self._lock = threading.Lock()
-        self._fired = False
-        threading.Thread(target=self._run, name="pipeflow-p2p-watchdog", daemon=True).start()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pipeflow-p2p-watchdog", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        """True while the thread runs."""
+        return self._thread.is_alive()
 
     def watch(self, works: Sequence[dist.Work], deadline_s: float, where: str, what: str | Callable[[], str]) -> None:
         """Hold `works` to `deadline_s` seconds from now; `where` and `what` name the rank and the
@@ -108,15 +127,24 @@ class DeadlineWatchdog:
         with self._lock:
             self._pending.append((time.monotonic() + deadline_s, deadline_s, works, where, what))
 
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End the thread and join it; forget the pending waits (idempotent)."""
+        self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        with self._lock:
+            self._pending.clear()
+
     def _run(self) -> None:
-        while not self._fired:
-            time.sleep(self.poll_s)
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the thread's current device starts as GPU 0
+        while not self._stopped.wait(self.poll_s):
             now = time.monotonic()
             with self._lock:
                 self._pending = [p for p in self._pending if not all(w.is_completed() for w in p[2])]
                 overdue = next((p for p in self._pending if p[0] < now), None)
             if overdue is not None:
-                self._fired = True
+                self._stopped.set()
                 _, deadline_s, _, where, what = overdue
                 self.on_timeout(PipelineTimeoutError(
                     f"{where}: no progress within {deadline_s} s (comm.timeout_s; comm.first_step_timeout_s in the first "
@@ -129,12 +157,18 @@ class DeadlineWatchdog:
 class Deadlines:
     """The deadline of every wait of a run: `first_step_s` until the first training step is done
     (lazy start-up, shape negotiation, ranks still building), `steady_s` after; one switch for
-    the P2P waits and, with `collectives`, the process groups' collectives too.
+    the P2P waits and the timeouts of the process groups the run owns.
+
+    A group handed to :meth:`own` gets the collective timeout that goes with the current
+    deadline (the deadline plus a margin, :mod:`pipeflow.runtime.timeouts`), now and again at
+    the switch, so a P2P wait always reaches pipeflow's deadline (and its named error) before
+    the backend gives up on the group (NCCL aborts without naming a transfer).
 
     Args:
-        first_step_s: the deadline until :meth:`first_step_done` (None: wait forever).
+        first_step_s: the deadline until :meth:`first_step_done` (None: wait forever, and the
+            groups keep the timeouts they were created with).
         steady_s: the deadline after it (default: `first_step_s`).
-        collectives: also set the default process group's timeout at the switch.
+        collectives: own the default process group from the start.
     """
 
     def __init__(self, first_step_s: float | None, steady_s: float | None = None, collectives: bool = False) -> None:
@@ -142,14 +176,32 @@ class Deadlines:
         self.steady_s = first_step_s if steady_s is None else steady_s
         self.collectives = collectives
         self.current = first_step_s
+        self._groups: list[dist.ProcessGroup | None] = []
+        if collectives:
+            self.own(None)
+
+    @property
+    def collective_s(self) -> float | None:
+        """The timeout the owned groups have now (None: left as created)."""
+        return timeouts.collective_timeout_s(self.current)
+
+    def own(self, group: dist.ProcessGroup | None) -> None:
+        """Give `group` (None: the default group) the current collective timeout, and switch it
+        with the deadlines from now on (a group owned twice is set once)."""
+        if any(g is group for g in self._groups):
+            return
+        self._groups.append(group)
+        if self.collective_s is not None:
+            timeouts.set_group_timeout(group, self.collective_s)
 
     def first_step_done(self) -> None:
-        """Switch to the steady deadline (idempotent)."""
+        """Switch to the steady deadline, and every owned group to its timeout (idempotent)."""
         if self.current == self.steady_s:
             return
         self.current = self.steady_s
-        if self.collectives and self.steady_s is not None:
-            dist.set_timeout(datetime.timedelta(seconds=self.steady_s))
+        if self.collective_s is not None:
+            for group in self._groups:
+                timeouts.set_group_timeout(group, self.collective_s)
 
 
 class P2PComm:
@@ -185,6 +237,11 @@ class P2PComm:
     def timeout_s(self) -> float | None:
         """The deadline a wait gets now (see :class:`Deadlines`)."""
         return self.deadlines.current
+
+    def close(self) -> None:
+        """Stop the watchdog, if any (its thread ends and is joined); the group stays usable."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
 
     def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> list[dist.Work]:
         """Post `sends` and `recvs` as one batched call without waiting; returns one Work per
@@ -302,7 +359,19 @@ class P2PComm:
 
     def send_metas(self, peer: int, plan: Sequence[Sequence[TensorMeta]], what: str = "") -> None:
         """Send the tensor metadata of one or more micro-batches to `peer` (one small batched send
-        of ``len(plan) x META_LEN`` int64)."""
+        of ``len(plan) x META_LEN`` int64).
+
+        Raises:
+            UnsendableDtypeError: a tensor of a dtype NCCL cannot send would follow (before
+                anything is sent).
+        """
+        for meta in (m for metas in plan for m in metas):
+            if meta.dtype in UNSENDABLE:
+                raise UnsendableDtypeError(
+                    f"{self._where()}: the tensor {meta} {what} would be sent to pipeline rank {peer}, but NCCL "
+                    f"cannot send {str(meta.dtype).removeprefix('torch.')} (refused on every backend); cast it to "
+                    f"{UNSENDABLE[meta.dtype]} in the stage that makes it, or keep both stages on one rank"
+                )
         packed = torch.stack([encode_metas(metas) for metas in plan]).to(self.device)
         self.exchange([(peer, packed)], [], what=f"send shapes {what}")
 

@@ -1,0 +1,113 @@
+"""The timing abstraction (pipeflow/runtime/events.py): marks resolved to perf_counter seconds
+after the step; the host clock on the CPU, CUDA events (faked here) on a GPU."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeflow.runtime.events import CudaEventClock, EventRecorder, HostClock, TimedEvent, clock_for
+
+
+def test_the_host_clock_records_perf_counter_seconds() -> None:
+    recorder = EventRecorder()
+    before = time.perf_counter()
+    start = recorder.start()
+    a = recorder.mark()
+    b = recorder.mark()
+    recorder.record("F", "0F0", a, b)
+    got = recorder.stop()
+    assert before <= start <= a <= b <= recorder.stopped_at <= time.perf_counter()
+    assert got == [TimedEvent("F", "0F0", a, b)] and not recorder.on
+
+
+class FakeGPU:
+    """A device whose timeline the test moves by hand: events fire at the GPU's time."""
+
+    def __init__(self) -> None:
+        self.now_s = 100.0  # GPU clock, unrelated to the host's
+        self.synchronized = 0
+
+    def event(self, enable_timing: bool = False) -> "FakeEvent":
+        assert enable_timing
+        return FakeEvent(self)
+
+
+class FakeEvent:
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu, self.at = gpu, None
+
+    def record(self) -> None:
+        self.at = self.gpu.now_s
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: "FakeEvent") -> float:  # milliseconds, as torch.cuda.Event's
+        return 1e3 * (other.at - self.at)
+
+
+@pytest.fixture
+def gpu(monkeypatch) -> FakeGPU:
+    fake = FakeGPU()
+    monkeypatch.setattr(torch.cuda, "Event", fake.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: setattr(fake, "synchronized", fake.synchronized + 1))
+    return fake
+
+
+def test_cuda_marks_resolve_to_gpu_time_after_the_step_start_on_the_host_axis(gpu) -> None:
+    recorder = EventRecorder(CudaEventClock(torch.device("cuda", 0)))
+    start = recorder.start()
+    assert gpu.synchronized == 1  # drained, so the step-start event stands at the host's start
+    t0 = recorder.mark()  # the host queues an action in no time...
+    gpu.now_s += 0.004  # ...that runs 4 ms on the GPU
+    t1 = recorder.mark()
+    recorder.record("F", "0F0", t0, t1)
+    w0 = recorder.mark()
+    gpu.now_s += 0.010  # the compute stream waits 10 ms for a recv
+    recorder.record("comm", "recv", w0, recorder.mark())
+    got = recorder.stop()
+    assert gpu.synchronized == 2  # drained again: the step's time includes its last kernels
+    assert [(e.kind, e.name) for e in got] == [("F", "0F0"), ("comm", "recv")]
+    assert got[0].start == pytest.approx(start) and got[0].end - got[0].start == pytest.approx(0.004)
+    assert got[1].end - got[1].start == pytest.approx(0.010) and got[1].end == pytest.approx(start + 0.014)
+    assert all(isinstance(v, float) for e in got for v in (e.start, e.end))
+
+
+def test_clock_for_picks_cuda_events_only_on_a_cuda_device() -> None:
+    assert isinstance(clock_for(torch.device("cpu")), HostClock)
+    assert isinstance(clock_for(None), HostClock)
+    clock = clock_for("cuda:1")  # built without touching CUDA
+    assert isinstance(clock, CudaEventClock) and clock.device == torch.device("cuda", 1)
+
+
+class ScriptedClock(HostClock):
+    """Begin at 10 s, end at 13 s (a CUDA step whose kernels ran past the host's return)."""
+
+    def begin(self) -> float:
+        return 10.0
+
+    def end(self) -> float:
+        return 13.0
+
+
+def test_run_metrics_time_the_step_by_the_recorders_clock(monkeypatch) -> None:
+    from pipeflow.observability import metrics
+    from pipeflow.planning.layout import predict
+    from pipeflow.schedules import build_schedule
+
+    monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
+    cfg = SimpleNamespace(metrics=SimpleNamespace(log_every=100, trace_steps=[], tensorboard=False, progress_bar=False),
+                          train=SimpleNamespace(log_every=100, max_steps=10))
+    recorder = EventRecorder(ScriptedClock())
+    schedule = build_schedule("1f1b", 2, 2)
+    run = metrics.RunMetrics(cfg, recorder, 0, 2, None, "unused", predict(schedule, [range(0, 1), range(1, 2)], None),
+                             (8, None))
+    run.begin_step(1)
+    recorder.record("F", "0F0", 10.5, 12.0)
+    run.end_step(1, loss=1.0, grad_norm=1.0, lr=0.1)
+    assert run.step_times == [3.0]
+    assert (run.interval.compute_s, run.interval.idle_s) == pytest.approx((1.5, 1.5))
+

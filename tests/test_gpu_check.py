@@ -1,0 +1,43 @@
+"""benchmarks/gpu_check.sh without a GPU: it parses, a dry run stops where CUDA is needed and says
+so (exit 2), and a failing step's own exit status reaches the report (not the status of an echo)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+def _run(tmp_path: Path, python: str) -> tuple[subprocess.CompletedProcess, str]:
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "LOGS": str(tmp_path / "logs"), "PYTHON": python,
+           "PIPEFLOW_FORCE_WHEELS": "0", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    return done, (tmp_path / "out" / "gpu_check.md").read_text()
+
+
+def test_the_gpu_check_parses() -> None:
+    assert subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True).returncode == 0
+
+
+def test_a_dry_run_without_cuda_stops_where_it_needs_cuda_and_says_so(tmp_path: Path) -> None:
+    done, report = _run(tmp_path, sys.executable)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no CUDA device here: stopping before the GPU checks" in done.stdout
+    assert "| train.py's imports with this torch | 0 |" in report
+    assert "CUDA devices: 0" in report and "overall exit status: 2" in report
+    assert "single-GPU" not in report  # nothing on a GPU was claimed
+
+
+def test_a_failing_step_reports_its_own_exit_status(tmp_path: Path) -> None:
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/bash\ncase "$*" in *pipeflow.run.builder*) echo broken >&2; exit 3;; esac\n'
+                       f'exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    done, report = _run(tmp_path, str(wrapper))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAILED (exit status 3): train.py's imports with this torch" in done.stdout
+    assert "exit status 3 after" in report and "| train.py's imports with this torch | 3 |" in report
+    assert "broken" in report and "overall exit status: 1" in report
