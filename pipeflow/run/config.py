@@ -145,6 +145,7 @@ class CommConfig:
 
     timeout_s: float = 300.0
     first_step_timeout_s: float = 900.0
+    join_timeout_s: float = 120.0  # every rank must have joined the process group by then (ranks missing are named)
     dynamic_shapes: bool = False
     # gloo: post the next step's recvs before computing (true), at their own step (false), or
     # time both over the first training steps and keep the faster (auto); Pipeline.recvs_ahead
@@ -265,6 +266,8 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
 
     compute_dtype(cfg.train.precision)
     checkpoint_every(cfg.pipeline.checkpoint_activations)
+    if cfg.train.max_steps < 1:
+        raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be at least 1 (the steps to train)")
     if cfg.train.save_every < 0:
         raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0: never save)")
     check_comm(cfg.comm)
@@ -289,6 +292,9 @@ def check_comm(comm: Any) -> None:
         raise ConfigError(f"comm.recvs_ahead={comm.recvs_ahead!r} must be true, false or auto (default auto)")
     if not comm.timeout_s > 0:
         raise ConfigError(f"comm.timeout_s={comm.timeout_s} must be > 0 seconds (default 300)")
+    join = getattr(comm, "join_timeout_s", 120.0)
+    if not join > 0:
+        raise ConfigError(f"comm.join_timeout_s={join} must be > 0 seconds (default 120)")
     if comm.first_step_timeout_s < comm.timeout_s:
         raise ConfigError(
             f"comm.first_step_timeout_s={comm.first_step_timeout_s} is shorter than "

@@ -21,7 +21,9 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from pipeflow.errors import ConfigError, ConfigMismatchError, ScheduleError
+from pipeflow.errors import (
+    CheckpointError, ConfigError, ConfigMismatchError, JoinTimeoutError, RunDirLockedError, ScheduleError,
+)
 
 log = logging.getLogger("pipeflow")
 
@@ -150,6 +152,9 @@ def check_same_program(schedule: Any, ranges: Sequence[range], group: dist.Proce
 
 
 # ----------------------------------------------------------------------------- failing fast
+# errors whose message says everything (no traceback logged)
+MESSAGE_SAYS_ALL = (ConfigError, ScheduleError, CheckpointError, RunDirLockedError, JoinTimeoutError)
+
 def failure_summary(exc: BaseException, rank: int, limit: int = 2000) -> str:
     """``rank R: Type: message`` (the message cut to `limit` characters)."""
     text = str(exc)
@@ -183,7 +188,7 @@ def fail(exc: BaseException, rank: int) -> NoReturn:
     ``os._exit`` closes this rank's connections, so peers fail fast, and torchrun stops the rest.
     """
     first = record_failure(exc, rank)
-    if isinstance(exc, (ConfigError, ScheduleError)):  # the message says everything
+    if isinstance(exc, MESSAGE_SAYS_ALL):
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
     else:
         log.error("rank %d failed with %s; its traceback ends with the message:", rank, type(exc).__name__, exc_info=exc)

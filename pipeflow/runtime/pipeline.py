@@ -174,7 +174,7 @@ class Pipeline:
                 in_metas = self.comm.recv_metas(self._owner(s - 1), f"of stage {s - 1} output")
                 self._edge_meta[s - 1] = in_metas
             if s < S - 1:
-                self._edge_meta[s] = self._infer_output(self.stages[s], in_metas)
+                self._edge_meta[s] = self._infer_output(self.stages[s], in_metas, self.rank)
                 if self._owner(s + 1) != self.rank:
                     self.comm.send_metas(self._owner(s + 1), self._edge_meta[s], f"of stage {s} output")
 
@@ -197,14 +197,22 @@ class Pipeline:
         return changed
 
     @staticmethod
-    def _infer_output(stage: Stage, in_metas: tuple[TensorMeta, ...]) -> tuple[TensorMeta, ...]:
+    def _infer_output(stage: Stage, in_metas: tuple[TensorMeta, ...], rank: int = 0) -> tuple[TensorMeta, ...]:
         """The output metadata of `stage` for inputs described by `in_metas`."""
         device = next((p.device for p in stage.parameters()), torch.device("cpu"))
         dummies = tuple(
             torch.zeros(m.shape, dtype=m.dtype, device=device).requires_grad_(m.requires_grad)
             for m in in_metas
         )
-        return tuple(TensorMeta.of(t) for t in stage.trial_forward(dummies))
+        try:
+            outputs = stage.trial_forward(dummies)
+        except PipeflowError:
+            raise
+        except Exception as exc:  # a user's layer failed on the shapes of the first batch: say where
+            where = (f"pipeline rank {rank}, stage {stage.index}, shape negotiation (a trial forward on zeros "
+                     f"shaped like micro-batch 0: {[str(m) for m in in_metas]})")
+            raise failures.stage_failure(exc, where, {stage.index: stage}, device) from exc
+        return tuple(TensorMeta.of(t) for t in outputs)
 
     # -------------------------------------------------------------------------------- execution
     def _execute(
@@ -228,7 +236,7 @@ class Pipeline:
         record, clock = (self.recorder.record if self.recorder.on else None), time.perf_counter
         for k, step in enumerate(program):
             t0 = clock()
-            self._post(step, outbox, posted)
+            self._post(step, outbox, posted, program, k)
             self._wait(step.waits, posted, inbox, program, k)
             if record is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
                 record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, clock())
@@ -246,8 +254,11 @@ class Pipeline:
             left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
 
-    def _post(self, step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted]) -> None:
-        """Post the step's ops in one batched call: sends from the outbox, recvs into fresh buffers."""
+    def _post(
+        self, step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted], program: Program, k: int
+    ) -> None:
+        """Post the step's ops in one batched call: sends from the outbox, recvs into fresh buffers
+        (a peer found dead while posting is a CommError naming the ops and this rank's progress)."""
         if not step.ops:
             return
         tensors = [
@@ -256,7 +267,10 @@ class Pipeline:
         ]
         sends = [(op.peer, t) for op, ts in zip(step.ops, tensors) if op.is_send for t in ts]
         recvs = [(op.peer, t) for op, ts in zip(step.ops, tensors) if not op.is_send for t in ts]
-        works = self.comm.post(sends, recvs)
+        try:
+            works = self.comm.post(sends, recvs, lambda: self._describe(k, step, step.ops, False) + " (posting)")
+        except CommError as exc:
+            raise failures.with_progress(exc, program, k)
         sent_works, recv_works = works[: len(sends)], works[len(sends):]
         for op, ts in zip(step.ops, tensors):
             pool = sent_works if op.is_send else recv_works
@@ -283,13 +297,15 @@ class Pipeline:
                     b.requires_grad_(meta.requires_grad)
             inbox[(op.payload, op.microbatch, op.dst_stage)] = entry.tensors
 
-    @staticmethod
-    def _describe(k: int, step: Step, ops: tuple[CommOp, ...], after: bool) -> str:
+    def _describe(self, k: int, step: Step, ops: tuple[CommOp, ...], after: bool) -> str:
         if step.action is None:
             when = "after the last action"
         else:
             when = f"{'after' if after else 'before'} {step.action}"
-        return "; ".join(op.describe() for op in ops) + f" (program step {k}, {when})"
+        # with dp > 1 a peer's pipeline rank is not its global rank: say both
+        peers = sorted({op.peer for op in ops if self.comm.global_rank(op.peer) != op.peer})
+        named = "".join(f"; pipeline rank {p} is global rank {self.comm.global_rank(p)}" for p in peers)
+        return "; ".join(op.describe() for op in ops) + f" (program step {k}, {when}{named})"
 
     def _recv_buffers(self, op: CommOp) -> Tensors:
         metas = self._recv_metas.get((op.payload, op.src_stage))
