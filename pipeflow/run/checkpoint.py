@@ -44,7 +44,7 @@ from torch import nn
 from pipeflow.errors import CheckpointError, ConfigError
 from pipeflow.run import integrity
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
-    LATEST, META, candidates, checkpoints_of, find_latest, is_checkpoint, read_meta, resolve, verify,
+    LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
 )
 
 log = logging.getLogger("pipeflow")

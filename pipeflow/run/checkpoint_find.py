@@ -10,6 +10,8 @@ import logging
 import os
 from typing import Any
 
+import torch.distributed as dist
+
 from pipeflow.errors import CheckpointError, ConfigError
 from pipeflow.run import integrity
 
@@ -109,3 +111,33 @@ def verify(path: str, collective: bool = True) -> str | None:
     except CheckpointError as exc:
         return str(exc)
     return integrity.first_problem(path, meta.get("files"), collective)
+
+
+def choose(resume: str | None, root: str) -> str | None:
+    """The checkpoint to resume from (collective: every rank verifies a share of its files).
+
+    ``auto``: the newest good checkpoint under `root`; a damaged one is skipped with a warning
+    naming the bad file; None (start fresh, logged) when there is none.  A path (checkpoint, run
+    directory or checkpoints folder): its newest checkpoint, which must be intact.
+
+    Raises:
+        CheckpointError: the checkpoint a path names is damaged (naming the file).
+        ConfigError: a path that holds no complete checkpoint.
+    """
+    if not resume:
+        return None
+    auto = resume == "auto"
+    found = candidates(root) if auto else [resolve(resume, root)]
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    for path in found:
+        problem = verify(path)
+        if problem is None:
+            return path
+        if not auto:
+            raise CheckpointError(f"train.resume={resume!r}: {problem}")
+        if main:
+            log.warning("train.resume=auto: skipping damaged checkpoint %s: %s; trying the previous one", path, problem)
+    if main:
+        why = "every checkpoint there is damaged" if found else "it holds no complete checkpoint"
+        log.info("train.resume=auto: starting fresh from step 0 in %s: %s", root, why)
+    return None

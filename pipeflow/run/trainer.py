@@ -17,7 +17,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from pipeflow.data import Batches, shard, split_microbatches
-from pipeflow.errors import CheckpointError, NonFiniteError
+from pipeflow.errors import NonFiniteError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout, describe_layout
@@ -180,25 +180,9 @@ class Trainer:
         Raises:
             CheckpointError: an explicitly named checkpoint is damaged (naming the file).
         """
-        resume = self.cfg.train.resume
-        if not resume:
+        path = checkpoint.choose(self.cfg.train.resume, self.checkpoint_root)
+        if path is None:
             return 0
-        auto = resume == "auto"
-        found = checkpoint.candidates(self.checkpoint_root) if auto else checkpoint.checkpoints_of(resume)
-        for path in found:
-            problem = checkpoint.verify(path)
-            if problem is None:
-                return self._load(path)
-            if not auto:
-                raise CheckpointError(f"train.resume={resume!r}: {problem}")
-            if self.is_main:
-                log.warning("train.resume=auto: skipping damaged checkpoint %s: %s; trying the previous one", path, problem)
-        if self.is_main and auto:
-            why = "every checkpoint there is damaged" if found else "it holds no complete checkpoint"
-            log.info("train.resume=auto: starting fresh from step 0 in %s: %s", self.checkpoint_root, why)
-        return 0
-
-    def _load(self, path: str) -> int:
         meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer)
         self.scaler.load_state_dict(meta["scaler"])
         if self.is_main:

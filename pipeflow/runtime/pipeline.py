@@ -268,7 +268,7 @@ class Pipeline:
         sends = [(op.peer, t) for op, ts in zip(step.ops, tensors) if op.is_send for t in ts]
         recvs = [(op.peer, t) for op, ts in zip(step.ops, tensors) if not op.is_send for t in ts]
         try:
-            works = self.comm.post(sends, recvs, lambda: self._describe(k, step, step.ops, False) + " (posting)")
+            works = self.comm.post(sends, recvs, lambda: self._describe(k, step, step.ops, False) + ", when posting them")
         except CommError as exc:
             raise failures.with_progress(exc, program, k)
         sent_works, recv_works = works[: len(sends)], works[len(sends):]
