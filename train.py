@@ -37,6 +37,8 @@ def main(cfg: DictConfig) -> None:
         init_distributed(backend, device, cfg.comm.first_step_timeout_s, cfg.comm.join_timeout_s)
     except BaseException as exc:  # noqa: BLE001 - every failure is named and ends the process
         guard.fail(exc, int(os.environ.get("RANK", "0")))
+    if dist.get_world_size() > 1:  # a rank that is not in a transfer leaves when another has failed
+        guard.watch_for_failures(dist.get_rank())
     if is_multirun():  # train.py -m: the jobs of a sweep share one process group (pipeflow/sweep.py)
         run_sweep_job(cfg, device)
         return

@@ -236,3 +236,23 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0]
     except OSError:
         return "Z"
+
+
+WATCHED = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    import torch.distributed as dist
+    from pipeflow.run import guard
+    store = dist.HashStore()
+    guard.watch_for_failures(1, poll_s=0.1, store=store)
+    store.set(guard.FIRST_FAILURE_KEY, "rank 0: StageError: boom")  # rank 0 failed; this rank is busy
+    time.sleep(60)
+""")
+
+
+def test_a_busy_rank_leaves_once_another_rank_has_failed() -> None:
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", WATCHED.format(root=str(ROOT))], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and time.monotonic() - started < 30, proc.stderr[-2000:]
+    assert "rank 1: leaving because the job failed elsewhere; the first failure in this job was rank 0: StageError: boom" \
+        in proc.stderr, proc.stderr[-2000:]

@@ -3,6 +3,7 @@ reports the job's first failure and leaves at once instead of hanging.
 
 * :func:`check_same_config` / :func:`check_same_program`: one small all-gather each at start-up.
 * :func:`fail`: log, record the first failure in the rendezvous store, ``os._exit(1)``.
+* :func:`watch_for_failures`: a rank that is not in a transfer leaves once another has failed.
 
 Naming where a failure happened (stage, micro-batch, transfer) is the runtime's
 (:mod:`pipeflow.runtime.failures`).
@@ -15,6 +16,8 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -180,6 +183,42 @@ def record_failure(exc: BaseException, rank: int, store: Any = None, wait_s: flo
         return None
 
 
+def watch_for_failures(rank: int, poll_s: float = 1.0, store: Any = None) -> threading.Thread:
+    """Leave (exit 1) within about `poll_s` once another rank has recorded the job's first failure.
+
+    A rank that is not waiting on a transfer (stuck in a long computation, or hand-launched
+    without torchrun to stop it) would otherwise outlive the failed job.  A daemon thread polls
+    the rendezvous store; if the store is gone (its host ended, also at a normal end) it stops.
+    """
+    store = store if store is not None else dist.distributed_c10d._get_default_store()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            try:
+                if not store.check([FIRST_FAILURE_KEY]):
+                    continue
+                first = store.get(FIRST_FAILURE_KEY).decode()
+            except Exception:  # noqa: BLE001 - the store's host is gone: nothing left to watch
+                return
+            if first.startswith(f"rank {rank}:"):  # this rank's own failure: fail() is ending it
+                return
+            log.error("rank %d: leaving because the job failed elsewhere; the first failure in this job was %s", rank, first)
+            _flush()
+            os._exit(1)
+
+    thread = threading.Thread(target=watch, name="pipeflow-failure-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _flush() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
 def fail(exc: BaseException, rank: int) -> NoReturn:
     """Log `exc`, share it as the job's first failure if it is, and end this process with status 1.
 
@@ -194,8 +233,5 @@ def fail(exc: BaseException, rank: int) -> NoReturn:
         log.error("rank %d failed with %s; its traceback ends with the message:", rank, type(exc).__name__, exc_info=exc)
     if first is not None:
         log.error("rank %d: the first failure in this job was %s", rank, first)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     os._exit(1)
