@@ -13,6 +13,7 @@ A sweep, every combination in one launch, compared in <sweep dir>/sweep.md (pipe
 from __future__ import annotations
 
 import os
+import threading
 
 import hydra
 import torch.distributed as dist
@@ -37,13 +38,15 @@ def main(cfg: DictConfig) -> None:
         init_distributed(backend, device, cfg.comm.first_step_timeout_s, cfg.comm.join_timeout_s)
     except BaseException as exc:  # noqa: BLE001 - every failure is named and ends the process
         guard.fail(exc, int(os.environ.get("RANK", "0")))
-    if dist.get_world_size() > 1:  # a rank that is not in a transfer leaves when another has failed
-        guard.watch_for_failures(dist.get_rank())
     if is_multirun():  # train.py -m: the jobs of a sweep share one process group (pipeflow/sweep.py)
         run_sweep_job(cfg, device)
         return
+    training = threading.Event()
+    if dist.get_world_size() > 1:  # a rank that is not in a transfer leaves when another has failed
+        guard.watch_for_failures(dist.get_rank(), stop=training)
     try:
         build_run(cfg, device).fit()
+        training.set()  # from here the store may go away with a rank that is done
         # Tear down only once every rank is done: destroying a gloo group while a peer
         # still talks to it aborts that peer ("terminate called without an active exception").
         dist.barrier()

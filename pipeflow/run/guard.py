@@ -183,24 +183,29 @@ def record_failure(exc: BaseException, rank: int, store: Any = None, wait_s: flo
         return None
 
 
-def watch_for_failures(rank: int, poll_s: float = 1.0, store: Any = None) -> threading.Thread:
-    """Leave (exit 1) within about `poll_s` once another rank has recorded the job's first failure.
+def watch_for_failures(
+    rank: int, poll_s: float = 1.0, store: Any = None, stop: threading.Event | None = None
+) -> threading.Thread:
+    """Leave (exit 1) within about `poll_s` once another rank has recorded the job's first
+    failure, or once the rendezvous store is gone (its host, rank 0 or the launcher, died), until
+    `stop` is set (set it when training is over: at a normal end the store goes away too).
 
     A rank that is not waiting on a transfer (stuck in a long computation, or hand-launched
-    without torchrun to stop it) would otherwise outlive the failed job.  A daemon thread polls
-    the rendezvous store; if the store is gone (its host ended, also at a normal end) it stops.
+    without torchrun to stop it) would otherwise outlive the failed job.
     """
     store = store if store is not None else dist.distributed_c10d._get_default_store()
+    stop = stop if stop is not None else threading.Event()
 
     def watch() -> None:
-        while True:
-            time.sleep(poll_s)
+        while not stop.wait(poll_s):
             try:
                 if not store.check([FIRST_FAILURE_KEY]):
                     continue
                 first = store.get(FIRST_FAILURE_KEY).decode()
-            except Exception:  # noqa: BLE001 - the store's host is gone: nothing left to watch
-                return
+            except Exception as exc:  # noqa: BLE001 - the store's host is gone: so is the job
+                if stop.is_set():
+                    return
+                first = f"unknown: the rendezvous store is gone ({type(exc).__name__}); its host (rank 0 or the launcher) ended"
             if first.startswith(f"rank {rank}:"):  # this rank's own failure: fail() is ending it
                 return
             log.error("rank %d: leaving because the job failed elsewhere; the first failure in this job was %s", rank, first)
