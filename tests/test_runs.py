@@ -256,3 +256,43 @@ def test_a_busy_rank_leaves_once_another_rank_has_failed() -> None:
     assert proc.returncode == 1 and time.monotonic() - started < 30, proc.stderr[-2000:]
     assert "rank 1: leaving because the job failed elsewhere; the first failure in this job was rank 0: StageError: boom" \
         in proc.stderr, proc.stderr[-2000:]
+
+
+def test_explicit_resume_paths_name_a_step_a_checkpoints_folder_or_a_run_dir(tmp_path: Path) -> None:
+    from pipeflow.run.checkpoint import checkpoints_of, resolve
+
+    run = _run(tmp_path, "run", compose_config())
+    step = str(run / "checkpoints" / "step_00000004")
+    for path in (run, run / "checkpoints", step):
+        assert checkpoints_of(str(path)) == [step]
+        assert resolve(str(path), "unused") == step
+
+
+SECOND_JOB = textwrap.dedent("""
+    import os, socket, sys
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import torch.distributed as dist
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
+    from test_cli import compose_config
+    from pipeflow.run.workspace import prepare
+    try:
+        prepare(compose_config("train.run_dir={run}"))
+    except Exception as exc:
+        print(type(exc).__name__, exc)
+""")
+
+
+def test_a_second_job_is_refused_before_it_writes_anything(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("the first job's config\n")
+    (run / "checkpoints" / "step_00000002.theirs.tmp").mkdir(parents=True)  # the first job's save in progress
+    _write_lock(run, socket.gethostname(), os.getpid())  # the first job: this (live) process
+    code = SECOND_JOB.format(root=str(ROOT), tests=str(ROOT / "tests"), run=str(run))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert f"RunDirLockedError run directory {run} is in use by another live job: pid {os.getpid()}" in proc.stdout, \
+        proc.stdout + proc.stderr[-2000:]
+    assert (run / "config.yaml").read_text() == "the first job's config\n"
+    assert (run / "checkpoints" / "step_00000002.theirs.tmp").is_dir()
