@@ -220,8 +220,10 @@ def _lost(text: str, run_dir: Path) -> str:
     steps = [int(s) for s in re.findall(r"step\s+(\d+)/\d+", text)]
     done = max(steps) + 1 if steps else 0
     latest = run_dir / "checkpoints" / "latest"
-    saved = int(json.loads((run_dir / "checkpoints" / latest.read_text().strip() / "meta.json").read_text())["step"]) \
-        if latest.is_file() else 0
+    try:
+        saved = int(json.loads((run_dir / "checkpoints" / latest.read_text().strip() / "meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):  # no checkpoint, or the fault garbled it
+        saved = 0
     return str(max(0, done - saved))
 
 

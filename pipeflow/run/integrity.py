@@ -19,6 +19,7 @@ from pipeflow.errors import CheckpointError, PipeflowError
 log = logging.getLogger("pipeflow")
 
 CHUNK = 1 << 22
+PEER_SIGNS = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe")
 META = "meta.json"
 _warned_no_digests = False
 
@@ -97,4 +98,8 @@ def call_named(call: Callable[[], object], what: str) -> object:
         raise
     except BaseException as exc:  # noqa: BLE001 - CheckpointException derives from BaseException
         first = str(exc).strip().splitlines()
-        raise CheckpointError(f"{what}: {type(exc).__name__}: {first[0] if first else ''}"[:2000]) from exc
+        text = f"{what}: {type(exc).__name__}: {first[0] if first else ''}"[:2000]
+        if any(sign in str(exc) for sign in PEER_SIGNS):
+            text += (" - a peer stopped taking part in this collective save or load (dead, stuck, or its launcher "
+                     "is gone); the checkpoint before it is intact")
+        raise CheckpointError(text) from exc
