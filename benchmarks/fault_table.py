@@ -152,8 +152,10 @@ def measure(fault: Fault, launch: str, work: Path) -> dict[str, object]:
     run_dir = work / f"{fault.name}-{launch}"
     log = work / f"{fault.name}-{launch}.log"
     log.write_text("")
-    overrides = [o.replace("@FILE", str(work / "a_file")) for o in fault.overrides] + _prepare(fault, run_dir, log)
     (work / "a_file").write_text("x")
+    if "train.run_dir=@FILE" in fault.overrides:  # the run directory is a file
+        run_dir = work / "a_file"
+    overrides = [o for o in fault.overrides if "@FILE" not in o] + _prepare(fault, run_dir, log)
     started = time.time()
     procs = _start(launch, run_dir, overrides, fault.env, fault.nproc, log)
     marker = str(run_dir)
