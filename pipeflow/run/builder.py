@@ -52,7 +52,6 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     rank = dist.get_rank()
     config_hash = guard.check_same_config(cfg)  # before anything a rank could disagree on
     dp, pp = check_config(cfg, dist.get_world_size())
-    workspace = prepare_workspace(cfg)  # the run directory, locked for this job (before the long build)
     mesh = build_mesh(dp, pp, device)
     dtype = getattr(torch, cfg.train.dtype)
     spec = build_spec(cfg.model)
@@ -86,6 +85,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     faults = install_from_env(stages, rank, dist.get_world_size())  # PIPEFLOW_FAULT_INJECT (tests, drills)
     # after the injector: its forward hook must see what the injected fault did
     finite = FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None
+    # after everything a config can fail on (a sweep's invalid job leaves no directory behind)
+    workspace = prepare_workspace(cfg)  # the run directory, locked for this job, its config.yaml
     run_dir = workspace.run_dir
     per_sample = cfg.data.seq_len if cfg.data.name in TOKEN_DATA else None
     metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
