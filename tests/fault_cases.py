@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -189,6 +190,7 @@ def checkpoint_integrity() -> dict[str, Any]:
         out["dcp_failure"] = _error(lambda: ck.load(old, layers, opt))
     finally:
         logging.getLogger("pipeflow").removeHandler(logged)
+        _on_rank0(lambda: shutil.rmtree(root, ignore_errors=True))
     out["root"] = root
     return out
 
