@@ -12,6 +12,8 @@ A sweep, every combination in one launch, compared in <sweep dir>/sweep.md (pipe
 """
 from __future__ import annotations
 
+import os
+import threading
 
 import hydra
 import torch.distributed as dist
@@ -31,17 +33,24 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     """Set up the process group, train, tear the group down; on any failure exit 1 at once (guard.fail)."""
     backend, device = choose_device(cfg.dist.backend, cfg.dist.device)
-    init_distributed(backend, device, cfg.comm.first_step_timeout_s)  # a deadline on every collective
-    setup_logging(dist.get_rank())
+    setup_logging(int(os.environ.get("RANK", "0")))
+    try:  # a rank that never joins is named (comm.join_timeout_s), not waited for
+        init_distributed(backend, device, cfg.comm.first_step_timeout_s, cfg.comm.join_timeout_s)
+    except BaseException as exc:  # noqa: BLE001 - every failure is named and ends the process
+        guard.fail(exc, int(os.environ.get("RANK", "0")))
     if is_multirun():  # train.py -m: the jobs of a sweep share one process group (pipeflow/sweep.py)
         run_sweep_job(cfg, device)
         return
+    training = threading.Event()
+    if dist.get_world_size() > 1:  # a rank that is not in a transfer leaves when another has failed
+        guard.watch_for_failures(dist.get_rank(), stop=training)
     try:
         build_run(cfg, device).fit()
+        training.set()  # from here the store may go away with a rank that is done
         # Tear down only once every rank is done: destroying a gloo group while a peer
         # still talks to it aborts that peer ("terminate called without an active exception").
         dist.barrier()
-    except Exception as exc:
+    except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
         guard.fail(exc, dist.get_rank())  # logs, names the job's first failure, exits 1 at once
     dist.destroy_process_group()
 

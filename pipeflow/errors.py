@@ -62,4 +62,17 @@ class StageOutOfMemoryError(StageError):
 
 
 class NonFiniteError(PipeflowError, FloatingPointError):
-    """NaN or Inf in a loss or gradient (``train.check_finite``); names the stage where it appeared first."""
+    """NaN or Inf in a loss or gradient (always checked; ``train.check_finite`` adds per-layer checks); names the stage and step."""
+
+
+class CheckpointError(PipeflowError, RuntimeError):
+    """A checkpoint cannot be used: damaged (digest mismatch), incomplete, unreadable or outside
+    its folder; the message names the file and how to go on."""
+
+
+class RunDirLockedError(PipeflowError, RuntimeError):
+    """Another live job holds the run directory; the message names its host and pid."""
+
+
+class JoinTimeoutError(CommError):
+    """Not every rank joined the process group within ``comm.join_timeout_s``; names the missing ranks."""

@@ -6,6 +6,11 @@ faults stay local and the shared group stays usable for the cases after them.
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -19,7 +24,7 @@ from pipeflow.run.faults import FaultInjector, FaultSpec
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.planning.partition import partition_layers
 from pipeflow.runtime.pipeline import Pipeline
-from pipeflow.schedules import build_schedule
+from pipeflow.schedules import build_schedule, lower
 from pipeflow.runtime.stage import build_stages
 from toy_models import build_toy, random_batch
 
@@ -98,3 +103,152 @@ def first_failure_is_shared() -> list[str | None]:
             seen.append(guard.record_failure(RuntimeError(f"boom on rank {rank}"), rank))
         dist.barrier()
     return seen
+
+
+# ------------------------------------------------------------------------------- checkpoints
+def _shared_dir() -> str:
+    """A fresh directory made by rank 0, its path on every rank."""
+    box = [tempfile.mkdtemp(prefix="pf-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class _Logged(logging.Handler):
+    """Collects the pipeflow logger's messages while a case runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _on_rank0(action: Any) -> None:
+    if dist.get_rank() == 0:
+        action()
+    dist.barrier()
+
+
+def _flip_a_byte(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+
+def checkpoint_integrity() -> dict[str, Any]:
+    """Digests at save and load: a flipped bit, a garbled meta.json, a missing file, ``latest``
+    pointing outside its folder, an older checkpoint without digests, another job's leftover.
+    Rank r holds layer r (a Linear) with AdamW state.  Returns what every rank saw."""
+    from pipeflow.run import checkpoint as ck, integrity
+
+    rank, root = dist.get_rank(), _shared_dir()
+    torch.manual_seed(rank)
+    layers = {rank: torch.nn.Linear(4, 4)}
+    opt = torch.optim.AdamW(layers[rank].parameters(), lr=0.1)
+    layers[rank](torch.ones(2, 4)).sum().backward()
+    opt.step()
+    logged = _Logged()
+    logging.getLogger("pipeflow").addHandler(logged)
+    out: dict[str, Any] = {}
+    try:
+        steps = {k: ck.save(root, k, layers, opt, {"scaler": {}}, job="jobA") for k in (1, 2)}
+        out["digested"] = sorted(ck.read_meta(steps[2])["files"])
+        other = os.path.join(root, "step_00000009.jobB.tmp")
+        _on_rank0(lambda: os.makedirs(other))
+        steps[3] = ck.save(root, 3, layers, opt, {"scaler": {}}, job="jobA")
+        out["other_jobs_tmp_kept"] = os.path.isdir(other)
+        out["latest"] = os.path.basename(ck.find_latest(root))
+        damaged = os.path.join(steps[3], "__1_0.distcp")
+        _on_rank0(lambda: _flip_a_byte(damaged))
+        out["auto"] = os.path.basename(ck.choose("auto", root))
+        out["auto_warned"] = any(f"skipping damaged checkpoint {steps[3]}" in line and damaged in line for line in logged.lines)
+        out["explicit"] = _error(lambda: ck.choose(steps[3], root))
+        _on_rank0(lambda: open(os.path.join(steps[2], "meta.json"), "w").write("{not json"))
+        out["garbled"] = _error(lambda: ck.choose(steps[2], root))
+        out["garbled_skipped"] = os.path.basename(ck.choose("auto", root))  # 3 and 2 damaged: step 1
+        rng = os.path.join(steps[1], "rng", "rank1.pt")
+        _on_rank0(lambda: os.remove(rng))
+        out["missing"] = _error(lambda: ck.choose(steps[1], root))
+        _on_rank0(lambda: open(os.path.join(root, "latest"), "w").write("../elsewhere/step_00000001"))
+        out["outside_ignored"] = os.path.basename(ck.find_latest(root))
+        out["outside_warned"] = any("is not inside" in line for line in logged.lines)
+        # an older checkpoint: no digests; its rank-1 RNG file is gone too; its data file as well
+        old = ck.save(root, 4, layers, opt, {"scaler": {}}, job="jobA")
+
+        def strip() -> None:
+            meta = ck.read_meta(old)
+            del meta["files"]
+            open(os.path.join(old, "meta.json"), "w").write(json.dumps(meta))
+            os.remove(os.path.join(old, "rng", "rank1.pt"))
+
+        _on_rank0(strip)
+        integrity._warned_no_digests = False
+        out["old_loads"] = _error(lambda: ck.load(ck.choose(old, root), layers, opt))
+        out["old_warned"] = [line for line in logged.lines if "no file digests" in line or "rank1.pt is missing" in line]
+        _on_rank0(lambda: os.remove(os.path.join(old, "__0_0.distcp")))
+        out["dcp_failure"] = _error(lambda: ck.load(old, layers, opt))
+    finally:
+        logging.getLogger("pipeflow").removeHandler(logged)
+        _on_rank0(lambda: shutil.rmtree(root, ignore_errors=True))
+    out["root"] = root
+    return out
+
+
+def trial_forward_fault() -> str:
+    """A user's layer that raises on the shapes of the first batch: a StageError from the
+    shape negotiation (this rank's own two-stage pipeline)."""
+    spec = build_toy("mlp")
+    schedule = build_schedule("interleaved_1f1b", 1, 2, stages_per_rank=2)
+    ranges = partition_layers(len(spec.layers), 2)
+    stages = build_stages(spec, ranges, [0, 1], dtype=torch.float64)
+    pipe = Pipeline(stages, schedule, P2PComm(_own_group(), torch.device("cpu"), timeout_s=10.0))
+
+    def broken(*args: Any) -> Any:
+        raise ValueError("mat1 and mat2 shapes cannot be multiplied (4x16 and 8x16)")
+
+    stages[0].module[0].forward = broken
+    x, y = random_batch("mlp", BATCH, seed=0)
+    return _error(lambda: pipe.run([(mb,) for mb in x.chunk(2)], list(y.chunk(2))))
+
+
+def post_failure() -> dict[str, str]:
+    """A backend failure while posting (a peer already gone) is a named CommError, from the
+    transport and from the interpreter (with this rank's progress); both ranks fail alike."""
+    from pipeflow.runtime import transport
+
+    p = dist.get_world_size()
+    spec = build_toy("mlp")
+    schedule = build_schedule("1f1b", p, 2)
+    stages = build_stages(spec, partition_layers(len(spec.layers), p), [dist.get_rank()], dtype=torch.float64)
+    comm = P2PComm(None, torch.device("cpu"), timeout_s=20.0)
+    pipe = Pipeline(stages, schedule, comm)
+    x, y = random_batch("mlp", BATCH, seed=0)
+    inputs = [(mb,) for mb in x.chunk(2)] if 0 in stages else None
+    targets = list(y.chunk(2)) if p - 1 in stages else None
+    pipe.run(inputs, targets)  # step 0 clean: shapes negotiated
+    real = transport.dist.batch_isend_irecv
+
+    def closed(ops: Any) -> Any:
+        raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+
+    transport.dist.batch_isend_irecv = closed
+    try:
+        out = {"comm": _error(lambda: comm.post([(1 - dist.get_rank(), torch.zeros(1))], [], what="send a test tensor")),
+               "pipeline": _error(lambda: pipe.run(inputs, targets))}
+    finally:
+        transport.dist.batch_isend_irecv = real
+    dist.barrier()
+    return out
+
+
+def peers_named_by_global_rank() -> str:
+    """On global rank 1, inside a one-rank group, pipeline rank 0 is global rank 1: a transfer's
+    description names both."""
+    spec = build_toy("mlp")
+    schedule = build_schedule("interleaved_1f1b", 1, 2, stages_per_rank=2)
+    stages = build_stages(spec, partition_layers(len(spec.layers), 2), [0, 1], dtype=torch.float64)
+    pipe = Pipeline(stages, schedule, P2PComm(_own_group(), torch.device("cpu"), timeout_s=10.0))
+    program = build_schedule("1f1b", 2, 2)
+    step = next(st for st in lower(program)[1] if st.ops)
+    return pipe._describe(0, step, step.ops, False)

@@ -174,13 +174,14 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: boo
             "stepped_after": changed, "finite1": math.isfinite(norm1)}
 
 
-def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1) -> str:
+def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1, checked: bool = True) -> str:
     """``train.check_finite=true`` through the Trainer on one replica of one pipeline rank:
     `fault` "inf-grad" (an inf in a parameter gradient at step 0; with fp16 the loss scale is
     set to its minimum first, where a lower scale cannot help) or "nan-param" (a NaN weight, so
-    the forward output is non-finite).  Returns the error's text, the same on every rank."""
+    the forward output is non-finite).  Without `checked` (``train.check_finite=false``) the check
+    that always runs must stop it too.  Returns the error's text, the same on every rank."""
     cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
-                      train__dtype="float32", train__precision=precision, train__check_finite=True)
+                      train__dtype="float32", train__precision=precision, train__check_finite=checked)
     trainer = build_run(cfg, torch.device("cpu"))
     if precision == "fp16" and fault == "inf-grad":
         trainer.scaler.scale = trainer.scaler.min_scale
@@ -195,6 +196,41 @@ def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1) 
     except Exception as exc:  # noqa: BLE001 - the test compares the type and text on every rank
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def diverging_run_saves_nothing_non_finite(lr: float) -> dict[str, Any]:
+    """``optim.lr`` huge, a checkpoint every step, ``train.check_finite=false``: the run stops with a
+    NonFiniteError and ``latest`` names a checkpoint whose every tensor is finite (or none)."""
+    from pipeflow.run.checkpoint import find_latest
+
+    cfg = make_config(1, "1f1b", 2, train__dtype="float32", train__max_steps=6, train__save_every=1, optim__lr=lr)
+    trainer = build_run(cfg, torch.device("cpu"))
+    try:
+        trainer.fit()
+        error = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test compares the type and text on every rank
+        error = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    latest = find_latest(trainer.checkpoint_root)
+    finite = None if latest is None or dist.get_rank() else all(torch.isfinite(v).all() for v in _exported(latest).values())
+    return {"error": error, "latest": None if latest is None else os.path.basename(latest), "finite": finite}
+
+
+def non_finite_weights_are_not_saved() -> dict[str, Any]:
+    """An inf weight on pipeline rank 1 (what a huge learning rate can make of finite
+    gradients): the save is refused on every rank and nothing is written."""
+    from pipeflow.run.checkpoint import find_latest
+
+    trainer = build_run(make_config(1, "1f1b", 2, train__dtype="float32"), torch.device("cpu"))
+    if trainer.mesh.pp_rank == 1:
+        with torch.no_grad():
+            trainer.params[0].fill_(float("inf"))
+    try:
+        trainer.save_checkpoint(1)
+        error = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test compares the type and text on every rank
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "latest": find_latest(trainer.checkpoint_root)}
 
 
 def _shared_dir(prefix: str) -> str:

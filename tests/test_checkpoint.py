@@ -33,7 +33,7 @@ CHILD = textwrap.dedent("""
     if {crash}:
         rename = os.rename
         def stuck(src, dst):  # the save hangs after its data and meta.json, before the rename
-            if str(src).endswith("step_00000004.tmp"):
+            if os.path.basename(str(src)).startswith("step_00000004.") and str(src).endswith(".tmp"):
                 print("SAVING", flush=True)
                 time.sleep(120)
             rename(src, dst)
@@ -61,7 +61,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     child.wait(timeout=60)
     assert child.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
     root = run_dir / "checkpoints"
-    assert (root / "step_00000004.tmp" / "meta.json").is_file()  # the interrupted save, all but renamed
+    interrupted = list(root.glob("step_00000004.*.tmp"))  # step_<n>.<job token>.tmp
+    assert len(interrupted) == 1 and (interrupted[0] / "meta.json").is_file()  # the interrupted save, all but renamed
     assert find_latest(str(root)) == str(root / "step_00000002")
     assert resolve("auto", str(root)) == str(root / "step_00000002")
     cli = subprocess.run([sys.executable, "-m", "pipeflow.checkpoint", "export", str(root), str(tmp_path / "model.pt")],
@@ -76,4 +77,4 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     assert resumed.returncode == 0, out[-3000:]
     assert "RESUMED_AT 2" in out, out[-3000:]
     assert find_latest(str(root)) == str(root / "step_00000004")
-    assert not (root / "step_00000004.tmp").exists()
+    assert not list(root.glob("*.tmp"))  # the dead job's leftover, removed when its stale lock was taken over

@@ -168,6 +168,10 @@ def _world_cases() -> list[tuple[str, object]]:
         ("fault-dtype", functools.partial(cases.stage_fault, "dtype")),
         ("fault-shape", functools.partial(cases.stage_fault, "shape")),
         ("first-failure", cases.first_failure_is_shared),
+        ("checkpoint-integrity", cases.checkpoint_integrity),
+        ("trial-forward", cases.trial_forward_fault),
+        ("post-failure", cases.post_failure),
+        ("global-rank-named", cases.peers_named_by_global_rank),
         ("nan-forward", functools.partial(cases.stage_fault, "nan", check_finite=True)),
         ("nan-backward", functools.partial(cases.stage_fault, "none", check_finite=True, nan_grad_stage=1)),
         ("nan-unchecked", functools.partial(cases.stage_fault, "nan")),
@@ -249,6 +253,55 @@ def test_later_failures_read_the_first_one_from_the_store(world) -> None:
     rank0, rank1 = _values(world["first-failure"])
     assert rank1 == [None]  # rank 1 failed first
     assert rank0 == ["rank 1: RuntimeError: boom on rank 1"]
+
+
+def test_checkpoints_carry_digests_and_damage_is_named(world) -> None:
+    out0, out1 = _values(world["checkpoint-integrity"])
+    root = out0["root"]
+    for out in (out0, out1):  # every rank sees the same
+        assert "__0_0.distcp" in out["digested"] and "__1_0.distcp" in out["digested"] and ".metadata" in out["digested"]
+        assert "rng/rank0.pt" in out["digested"] and "rng/rank1.pt" in out["digested"]
+        assert out["other_jobs_tmp_kept"]  # a save removes only its own job's leftovers
+        assert out["latest"] == "step_00000003"
+        assert out["auto"] == "step_00000002"  # the damaged newest is skipped for the previous good one
+        bad = f"{root}/step_00000003/__1_0.distcp"
+        assert out["explicit"].startswith(f"CheckpointError: train.resume='{root}/step_00000003': {bad} does not "
+                                          f"match its digest in {root}/step_00000003/meta.json"), out["explicit"]
+        assert out["garbled"].startswith(f"CheckpointError: train.resume='{root}/step_00000002': "
+                                         f"{root}/step_00000002/meta.json cannot be read (JSONDecodeError"), out["garbled"]
+        assert out["garbled_skipped"] == "step_00000001"
+        assert f"{root}/step_00000001/rng/rank1.pt is missing" in out["missing"] and out["missing"].startswith("CheckpointError")
+        assert out["outside_ignored"] == "step_00000003" and out["outside_warned"]  # `latest` is not followed outside
+        assert out["old_loads"] == "no error"  # an older checkpoint (no digests) loads, with a warning
+    assert out0["auto_warned"]
+    assert any("has no file digests" in line for line in out0["old_warned"])
+    assert any("rng/rank1.pt is missing" in line for line in out1["old_warned"])  # rank 1 says its RNG is not restored
+    for out in (out0, out1):  # torch's CheckpointException (a BaseException) becomes a named error with the path
+        assert out["dcp_failure"].startswith(f"CheckpointError: loading checkpoint {root}/step_00000004: CheckpointException"), out["dcp_failure"]
+
+
+def test_a_layer_failing_in_the_shape_negotiation_is_a_stage_error(world) -> None:
+    for text in _values(world["trial-forward"]):
+        assert text.startswith("StageError: pipeline rank 0, stage 0, shape negotiation (a trial forward on zeros "
+                               "shaped like micro-batch 0: ['[4, "), text
+        assert "]): ValueError: mat1 and mat2 shapes cannot be multiplied" in text, text
+
+
+def test_a_dead_peer_noticed_while_posting_is_a_named_comm_error(world) -> None:
+    for rank, out in enumerate(_values(world["post-failure"])):
+        assert out["comm"].startswith(f"CommError: pipeline rank {rank} (global rank {rank}): batched P2P call failed "
+                                      f"while trying to send a test tensor: [/pytorch"), out["comm"]
+        assert "Connection closed by peer" in out["comm"]
+        text = out["pipeline"]
+        assert text.startswith(f"CommError: pipeline rank {rank} (global rank {rank}): batched P2P call failed while "
+                               f"trying to "), text
+        assert "), when posting them: " in text and "\n  this rank had " in text and "program step" in text, text
+
+
+def test_peers_are_named_by_pipeline_and_global_rank(world) -> None:
+    rank0, rank1 = _values(world["global-rank-named"])
+    assert "pipeline rank 0 is global rank" not in rank0  # the same numbers: said once
+    assert rank1.endswith("; pipeline rank 0 is global rank 1)"), rank1
 
 
 # ------------------------------------------------------------------------ torchrun with faults

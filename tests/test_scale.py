@@ -51,6 +51,10 @@ def _cases() -> list[tuple[str, object]]:
         ("fp16-min-scale-checked", functools.partial(cases.check_finite_raises, "fp16", "inf-grad")),
         ("fp16-nan-forward-checked", functools.partial(cases.check_finite_raises, "fp16", "nan-param")),
         ("fp32-inf-grad-checked", functools.partial(cases.check_finite_raises, "fp32", "inf-grad")),
+        ("fp32-inf-grad-unchecked", functools.partial(cases.check_finite_raises, "fp32", "inf-grad", checked=False)),
+        ("fp32-nan-param-unchecked", functools.partial(cases.check_finite_raises, "fp32", "nan-param", checked=False)),
+        ("diverge-loss", functools.partial(cases.diverging_run_saves_nothing_non_finite, 1e30)),
+        ("inf-weights", cases.non_finite_weights_are_not_saved),
         ("resume", cases.resume_across_layouts),
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
@@ -120,6 +124,26 @@ def test_check_finite_raises_what_the_loss_scaler_cannot_explain(world) -> None:
     for text in _values(world["fp16-nan-forward-checked"]):  # a NaN forward is never the scaler's
         assert text.startswith("NonFiniteError: training step 0: non-finite values (NaN or Inf) first appeared "
                                "in the forward output of stage 1 (rank 1) - the loss"), text
+
+
+def test_non_finite_gradients_or_loss_always_stop_every_rank(world) -> None:
+    for text in _values(world["fp32-inf-grad-unchecked"]):  # train.check_finite=false: the always-on check
+        assert text.startswith("NonFiniteError: training step 0: the parameter gradients of stage 1 (pipeline rank 1) "
+                               "hold NaN or Inf, so the run stops here on every rank before the optimizer step and "
+                               "before any save"), text
+    for text in _values(world["fp32-nan-param-unchecked"]):
+        assert text.startswith("NonFiniteError: training step 0: the loss (computed on stage 1, pipeline rank 1) and "
+                               "the parameter gradients of stage 0 (pipeline rank 0), stage 1 (pipeline rank 1) hold"), text
+
+
+def test_a_diverging_run_never_saves_non_finite_weights(world) -> None:
+    out = _values(world["diverge-loss"])  # lr 1e30: the weights stay finite, the next loss does not
+    assert all(v["error"].startswith("NonFiniteError: training step ") for v in out), out[0]
+    assert out[0]["latest"] is not None and out[0]["finite"], out[0]
+    for v in _values(world["inf-weights"]):  # finite gradients, inf weights: the save itself refuses
+        assert v["error"].startswith("NonFiniteError: checkpoint of step 1 not written: the weights of stage(s) [1] "
+                                     "hold NaN or Inf"), v
+        assert v["latest"] is None, v
 
 
 def test_resume_equals_training_straight_through_and_survives_a_layout_change(world) -> None:

@@ -70,7 +70,7 @@ def test_a_value_dependent_output_shape_is_a_named_error() -> None:
 
 def test_a_failing_layer_in_the_trial_forward_is_a_stage_error() -> None:
     plan = _plan([Explode, lambda: nn.Identity()])
-    with pytest.raises(StageError, match=r"stage 0, trial forward for inputs \['\[2, 3\] float32'\]: boom"):
+    with pytest.raises(StageError, match=r"stage 0, shape negotiation \(a trial forward on zeros shaped like micro-batch 0: \['\[2, 3\] float32'\]\): boom"):
         plan.prepare([(torch.ones(2, 3),), (torch.ones(2, 3),)], 2)
 
 

@@ -17,14 +17,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.data import TOKEN_DATA, build_batches, sequence_lengths, shard, split_microbatches, varies
+from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout, choose_layout
 from pipeflow.run import guard
-from pipeflow.run import run_dir as run_dirs
 from pipeflow.run.config import check_config
 from pipeflow.run.faults import install_from_env
 from pipeflow.run.trainer import Trainer, unique_parameters
+from pipeflow.run.workspace import prepare as prepare_workspace
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.mesh import GradReducer, build_mesh
@@ -63,7 +64,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     deadlines.own(mesh.pp_group)
     deadlines.own(mesh.dp_group)
     dtype = getattr(torch, cfg.train.dtype)
-    spec: ModelSpec = instantiate(cfg.model)
+    spec = build_spec(cfg.model)
     m = cfg.pipeline.num_microbatches
     schedule = build_schedule(cfg.schedule.name, pp, m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
                               cfg.schedule.path, cfg.pipeline.stage_to_rank)
@@ -99,10 +100,12 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     params = unique_parameters(stage.parameters() for stage in stages.values())
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   weight_decay=cfg.optim.weight_decay)
-    faults = install_from_env(stages, rank)  # PIPEFLOW_FAULT_INJECT (tests, drills)
+    faults = install_from_env(stages, rank, dist.get_world_size())  # PIPEFLOW_FAULT_INJECT (tests, drills)
     # after the injector: its forward hook must see what the injected fault did
     finite = FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None
-    run_dir = agree_run_dir(cfg)
+    # after everything a config can fail on (a sweep's invalid job leaves no directory behind)
+    workspace = prepare_workspace(cfg)  # the run directory, locked for this job, its config.yaml
+    run_dir = workspace.run_dir
     if synthesis is not None and rank == 0:
         write_auto_schedule(schedule, synthesis, run_dir)
     lengths = sequence_lengths(cfg.data)  # variable lengths: tokens/s counts the lengths' expected mean
@@ -114,6 +117,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,
         reducer=reducer, scaler=LossScaler(cfg.train.precision == "fp16"),
         finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
+        workspace=workspace,
     )
 
 
@@ -155,12 +159,17 @@ def _watchdog(device: torch.device, rank: int) -> DeadlineWatchdog | None:
     return DeadlineWatchdog(functools.partial(guard.fail, rank=rank), device=device)
 
 
-def agree_run_dir(cfg: DictConfig) -> str:
-    """The run directory every rank agrees on (:mod:`pipeflow.run.run_dir`); rank 0 writes the
-    config there."""
-    run_dir = run_dirs.agree_run_dir(cfg.train.run_dir)
-    if dist.get_rank() == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(OmegaConf.to_yaml(cfg, resolve=True))
-    return run_dir
+def build_spec(model_cfg: DictConfig) -> ModelSpec:
+    """The model the ``model`` config's builder (``_target_``) returns.
+
+    Raises:
+        ConfigError: the builder returned something else than a ModelSpec.
+    """
+    spec = instantiate(model_cfg)
+    if not isinstance(spec, ModelSpec):
+        target = OmegaConf.select(model_cfg, "_target_")
+        raise ConfigError(
+            f"model._target_={target!r} returned a {type(spec).__name__}, not a pipeflow ModelSpec; a model "
+            f"builder must return ModelSpec(layers=[LayerSpec(...), ...], loss_fn=...): see docs/models.md"
+        )
+    return spec

@@ -8,11 +8,20 @@ twice) and loads the layers it holds now, whatever the layout was, so a pp=4 run
 pp=2 or pp=1 and another dp.  Beside them: ``meta.json`` (step, loss scale, layout) and each
 rank's RNG states.  The data position is the step: batch k is a pure function of k.
 
-Atomicity: every rank writes into ``step_<n>.tmp``; after a barrier rank 0 writes ``meta.json``
+Atomicity: every rank writes into ``step_<n>.<job>.tmp`` (``<job>``: the token of the job that
+holds the run directory's lock, :mod:`pipeflow.run.lock`); after a barrier the ranks hash every
+file together, rank 0 writes ``meta.json`` (with the digests, :mod:`pipeflow.run.integrity`)
 last and renames the directory to ``step_<n>``, then points ``latest`` at it.  A complete
 checkpoint is a ``step_<n>`` directory (it always holds ``meta.json``); a crash mid-save leaves
-only a ``.tmp`` directory, which loading ignores and the next save removes.  Needs a file
-system that every rank sees (a shared one across nodes).
+only a ``.tmp`` directory, which loading ignores.  A save removes only its own job's leftovers;
+those of dead jobs are removed when the run directory's lock is taken (:func:`remove_leftovers`).
+The Trainer saves only after a step whose loss and gradients were finite and checks the weights
+themselves before the save (:class:`~pipeflow.errors.NonFiniteError`), so ``latest`` only ever
+points at a finite, complete checkpoint.  Needs a file system that every rank sees (a shared
+one across nodes).
+
+Loading verifies the digests first (:func:`verify`); ``latest`` is followed only inside its
+checkpoints folder; the RNG files load with ``weights_only=True``.
 
 Export to one file that loads into the plain unsplit model::
 
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 from typing import Any
@@ -31,10 +41,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from pipeflow.errors import ConfigError
+from pipeflow.errors import CheckpointError, ConfigError
+from pipeflow.run import integrity
+from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
+    LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
+)
 
-META = "meta.json"
-LATEST = "latest"
+log = logging.getLogger("pipeflow")
+
 ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
 
 
@@ -82,7 +96,8 @@ def _rng_state() -> dict[str, Any]:
 
 
 def save(
-    root: str, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer, meta: dict[str, Any]
+    root: str, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer, meta: dict[str, Any],
+    job: str = "",
 ) -> str:
     """Write checkpoint ``<root>/step_<step>`` atomically (collective: every rank calls it).
 
@@ -92,25 +107,30 @@ def save(
         layers: this rank's layers by global index.
         optimizer: the AdamW over their parameters.
         meta: JSON-able extras written by rank 0 (layout, loss scale).
+        job: the token of the job saving (in the temporary directory's name, so that a save
+            removes only its own leftovers).
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        CheckpointError: the write failed (naming the directory).
     """
     rank = dist.get_rank()
     final = os.path.join(root, f"step_{step:08d}")
-    tmp = final + ".tmp"
+    tmp = f"{final}.{job}.tmp" if job else f"{final}.tmp"
     if rank == 0:
         os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of an interrupted save
-            if name.endswith((".tmp", ".old")):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # this job's own leftover of an interrupted save of this step
     dist.barrier()
-    dcp.save({**model_state(layers), **optimizer_state(optimizer, layers, fill=False)}, checkpoint_id=tmp)
+    state = {**model_state(layers), **optimizer_state(optimizer, layers, fill=False)}
+    integrity.call_named(lambda: dcp.save(state, checkpoint_id=tmp), f"writing checkpoint {tmp}")
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
     dist.barrier()
+    files = integrity.digest_files(tmp)
     if rank == 0:
-        _commit(root, tmp, final, {**meta, "step": step, "world_size": dist.get_world_size()})
+        _commit(root, tmp, final, {**meta, "step": step, "world_size": dist.get_world_size(), "files": files})
     dist.barrier()
     return final
 
@@ -126,78 +146,61 @@ def _write_atomic(path: str, text: str) -> None:
 def _commit(root: str, tmp: str, final: str, meta: dict[str, Any]) -> None:
     """Rank 0: meta.json last, then the rename that makes the checkpoint visible."""
     _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=1))
+    old = tmp.removesuffix(".tmp") + ".old"
     if os.path.exists(final):  # saving the same step again: keep the old one until the swap
-        os.rename(final, final + ".old")
+        os.rename(final, old)
     os.rename(tmp, final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
     _write_atomic(os.path.join(root, LATEST), os.path.basename(final))
 
 
-def is_checkpoint(path: str) -> bool:
-    """True for a complete checkpoint directory."""
-    return os.path.isfile(os.path.join(path, META)) and not path.rstrip("/").endswith((".tmp", ".old"))
-
-
-def find_latest(root: str) -> str | None:
-    """The newest complete checkpoint under `root` (``latest`` first, else the highest step)."""
+def remove_leftovers(root: str) -> list[str]:
+    """Remove the ``.tmp``/``.old`` directories of interrupted saves under `root`; returns their
+    names.  Only for the holder of the run directory's lock: no other live job saves there."""
     if not os.path.isdir(root):
-        return None
-    pointer = os.path.join(root, LATEST)
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            candidate = os.path.join(root, f.read().strip())
-        if is_checkpoint(candidate):
-            return candidate
-    done = sorted(n for n in os.listdir(root) if n.startswith("step_") and is_checkpoint(os.path.join(root, n)))
-    return os.path.join(root, done[-1]) if done else None
-
-
-def resolve(resume: str | None, default_root: str) -> str | None:
-    """The checkpoint ``train.resume`` names: None, ``auto`` (newest under `default_root`, or
-    None for a fresh start), a checkpoint directory, or a checkpoints root (its newest).
-
-    Raises:
-        ConfigError: a path that holds no complete checkpoint.
-    """
-    if not resume:
-        return None
-    if resume == "auto":
-        return find_latest(default_root)
-    if is_checkpoint(resume):
-        return resume
-    found = find_latest(resume)
-    if found is None:
-        raise ConfigError(
-            f"train.resume={resume!r} holds no complete checkpoint (a step_<n> directory with {META}); "
-            f"use a checkpoint directory, its parent, or train.resume=auto"
-        )
-    return found
+        return []
+    gone = [n for n in os.listdir(root) if n.endswith((".tmp", ".old"))]
+    for name in gone:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return gone
 
 
 def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Load this rank's layers and their optimizer state from checkpoint `path` (collective);
-    restores this rank's RNG states when the checkpoint had the same world size.
+    restores this rank's RNG states when the checkpoint had the same world size.  Verify it
+    first (:func:`verify`).
 
     Returns:
         The checkpoint's meta (``step``, layout, loss scale).
+
+    Raises:
+        CheckpointError: unreadable files (naming the path).
     """
-    with open(os.path.join(path, META)) as f:
-        meta = json.load(f)
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = read_meta(path)
+    reader = integrity.call_named(lambda: dcp.FileSystemReader(path).read_metadata(), f"reading checkpoint {path}")
+    saved = reader.state_dict_metadata
     model = model_state(layers)
     _check_model(path, model, saved)
     optim = optimizer_state(optimizer, layers, fill=True)
     if any(key not in saved for key in optim):  # saved before any optimizer step (e.g. all fp16 steps skipped)
         optimizer.state.clear()
         optim = {}
-    dcp.load({**model, **optim}, checkpoint_id=path)
-    rng = os.path.join(path, "rng", f"rank{dist.get_rank()}.pt")
-    if meta.get("world_size") == dist.get_world_size() and os.path.isfile(rng):
-        saved = torch.load(rng, weights_only=False)
-        torch.set_rng_state(saved["cpu"])
-        if "cuda" in saved and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(saved["cuda"])
+    integrity.call_named(lambda: dcp.load({**model, **optim}, checkpoint_id=path), f"loading checkpoint {path}")
+    if meta.get("world_size") == dist.get_world_size():
+        _load_rng(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"))
     return meta
+
+
+def _load_rng(file: str) -> None:
+    """Restore the RNG states saved in `file` (tensors only: ``weights_only=True``)."""
+    if not os.path.isfile(file):
+        log.warning("%s is missing: this rank's random state is not restored (dropout and other "
+                    "random layers will draw other numbers than an uninterrupted run)", file)
+        return
+    saved = integrity.call_named(lambda: torch.load(file, weights_only=True), f"reading RNG state {file}")
+    torch.set_rng_state(saved["cpu"])
+    if "cuda" in saved and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(saved["cuda"])
 
 
 def _check_model(path: str, model: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
@@ -225,6 +228,9 @@ def export(path: str, out: str) -> int:
         The number of entries written.
     """
     path = resolve(path, path)  # a checkpoint, or the newest under a root
+    problem = verify(path, collective=False)
+    if problem is not None:
+        raise CheckpointError(problem)
     reader = dcp.FileSystemReader(path)
     entries = reader.read_metadata().state_dict_metadata
     state = {

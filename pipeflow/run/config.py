@@ -148,6 +148,7 @@ class CommConfig:
 
     timeout_s: float = 300.0
     first_step_timeout_s: float = 900.0
+    join_timeout_s: float = 120.0  # every rank must have joined the process group by then (ranks missing are named)
     dynamic_shapes: bool = False  # relearn shapes when stage 0's input shape changes (one broadcast per step)
     # every micro-batch its own shapes (one small message per stage boundary per step); on by
     # itself with data.variable_lengths or a batch that does not split into equal micro-batches
@@ -275,6 +276,8 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
 
     compute_dtype(cfg.train.precision)
     checkpoint_every(cfg.pipeline.checkpoint_activations)
+    if cfg.train.max_steps < 1:
+        raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be at least 1 (the steps to train)")
     if cfg.train.save_every < 0:
         raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0: never save)")
     check_comm(cfg.comm)
@@ -302,6 +305,9 @@ def check_comm(comm: Any) -> None:
                           "learns every micro-batch's shapes at every step: set comm.dynamic_shapes=false")
     if not comm.timeout_s > 0:
         raise ConfigError(f"comm.timeout_s={comm.timeout_s} must be > 0 seconds (default 300)")
+    join = getattr(comm, "join_timeout_s", 120.0)
+    if not join > 0:
+        raise ConfigError(f"comm.join_timeout_s={join} must be > 0 seconds (default 120)")
     if comm.first_step_timeout_s < comm.timeout_s:
         raise ConfigError(
             f"comm.first_step_timeout_s={comm.first_step_timeout_s} is shorter than "

@@ -1,4 +1,4 @@
-"""Fault injection for tests and drills: ``PIPEFLOW_FAULT_INJECT=<kind>:rank=R:step=K[:microbatch=I][:stage=S]``.
+"""Fault injection for tests and drills: ``PIPEFLOW_FAULT_INJECT=<kind>:rank=R:step=K[:microbatch=I][:stage=S][:attempt=A]``.
 
 The variable is read in one place (:func:`install_from_env`, called by the Trainer); unset,
 nothing is installed.  On global rank R, the forward of micro-batch I (default 0) of training
@@ -15,6 +15,10 @@ nan        returns outputs filled with NaN (floating ones)
 overflow   leaves the outputs finite but makes their gradient inf in backward (an
            fp16 gradient overflow: the loss scaler skips the step, the loss stays finite)
 =========  =====================================================================
+
+With ``attempt=A`` the fault fires only in launch A of a relaunch loop (``PIPEFLOW_ATTEMPT``,
+which examples/relaunch.sh sets: 0, 1, ...; unset counts as 0), so that a drill's restart can
+get past it.  A rank R that the job does not have is a ConfigError.
 
 Each injection prints ``[pipeflow fault injection] ... t=<unix time>`` to stderr first, so a
 test can measure how long the job took to stop.
@@ -33,6 +37,7 @@ import torch
 from pipeflow.errors import ConfigError
 
 ENV_VAR = "PIPEFLOW_FAULT_INJECT"
+ATTEMPT_VAR = "PIPEFLOW_ATTEMPT"
 KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan", "overflow")
 STALL_S = 3600.0
 
@@ -46,10 +51,11 @@ class FaultSpec:
     step: int
     microbatch: int = 0
     stage: int | None = None
+    attempt: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
-        """Parse ``kind:rank=R:step=K[:microbatch=I][:stage=S]``.
+        """Parse ``kind:rank=R:step=K[:microbatch=I][:stage=S][:attempt=A]``.
 
         Raises:
             ConfigError: an unknown kind or field, or a missing rank or step.
@@ -60,8 +66,9 @@ class FaultSpec:
         values: dict[str, int] = {}
         for field in fields:
             key, _, value = field.partition("=")
-            if key not in ("rank", "step", "microbatch", "stage") or not value.lstrip("-").isdigit():
-                raise ConfigError(f"{ENV_VAR}={text!r}: cannot read {field!r}; expected rank=R, step=K, microbatch=I or stage=S")
+            if key not in ("rank", "step", "microbatch", "stage", "attempt") or not value.lstrip("-").isdigit():
+                raise ConfigError(f"{ENV_VAR}={text!r}: cannot read {field!r}; expected rank=R, step=K, microbatch=I, "
+                                  f"stage=S or attempt=A")
             values[key] = int(value)
         if "rank" not in values or "step" not in values:
             raise ConfigError(f"{ENV_VAR}={text!r}: needs rank=R and step=K, e.g. stall:rank=1:step=2")
@@ -126,14 +133,21 @@ class FaultInjector:
         return outputs
 
 
-def install_from_env(stages: dict[int, Any], rank: int) -> FaultInjector | None:
+def install_from_env(stages: dict[int, Any], rank: int, world_size: int | None = None) -> FaultInjector | None:
     """The injector described by ``PIPEFLOW_FAULT_INJECT``, installed on `stages` when it targets
-    `rank`; None when the variable is unset or names another rank."""
+    `rank` (and this launch, ``attempt=A``); None when the variable is unset or names another rank.
+
+    Raises:
+        ConfigError: the text cannot be read, or names a rank outside ``0..world_size-1``.
+    """
     text = os.environ.get(ENV_VAR)
     if not text:
         return None
     spec = FaultSpec.parse(text)
-    if spec.rank != rank:
+    if world_size is not None and not 0 <= spec.rank < world_size:
+        raise ConfigError(f"{ENV_VAR}={text!r} names rank {spec.rank}, but this job has ranks 0..{world_size - 1}; "
+                          f"name one of them (the global rank)")
+    if spec.rank != rank or spec.attempt not in (None, int(os.environ.get(ATTEMPT_VAR, "0"))):
         return None
     injector = FaultInjector(spec, rank)
     injector.install(stages)

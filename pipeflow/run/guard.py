@@ -3,6 +3,7 @@ reports the job's first failure and leaves at once instead of hanging.
 
 * :func:`check_same_config` / :func:`check_same_program`: one small all-gather each at start-up.
 * :func:`fail`: log, record the first failure in the rendezvous store, ``os._exit(1)``.
+* :func:`watch_for_failures`: a rank that is not in a transfer leaves once another has failed.
 
 Naming where a failure happened (stage, micro-batch, transfer) is the runtime's
 (:mod:`pipeflow.runtime.failures`).
@@ -15,13 +16,17 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from pipeflow.errors import ConfigError, ConfigMismatchError, ScheduleError
+from pipeflow.errors import (
+    CheckpointError, ConfigError, ConfigMismatchError, JoinTimeoutError, RunDirLockedError, ScheduleError,
+)
 
 log = logging.getLogger("pipeflow")
 
@@ -150,6 +155,9 @@ def check_same_program(schedule: Any, ranges: Sequence[range], group: dist.Proce
 
 
 # ----------------------------------------------------------------------------- failing fast
+# errors whose message says everything (no traceback logged)
+MESSAGE_SAYS_ALL = (ConfigError, ScheduleError, CheckpointError, RunDirLockedError, JoinTimeoutError)
+
 def failure_summary(exc: BaseException, rank: int, limit: int = 2000) -> str:
     """``rank R: Type: message`` (the message cut to `limit` characters)."""
     text = str(exc)
@@ -175,6 +183,47 @@ def record_failure(exc: BaseException, rank: int, store: Any = None, wait_s: flo
         return None
 
 
+def watch_for_failures(
+    rank: int, poll_s: float = 1.0, store: Any = None, stop: threading.Event | None = None
+) -> threading.Thread:
+    """Leave (exit 1) within about `poll_s` once another rank has recorded the job's first
+    failure, or once the rendezvous store is gone (its host, rank 0 or the launcher, died), until
+    `stop` is set (set it when training is over: at a normal end the store goes away too).
+
+    A rank that is not waiting on a transfer (stuck in a long computation, or hand-launched
+    without torchrun to stop it) would otherwise outlive the failed job.
+    """
+    store = store if store is not None else dist.distributed_c10d._get_default_store()
+    stop = stop if stop is not None else threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            try:
+                if not store.check([FIRST_FAILURE_KEY]):
+                    continue
+                first = store.get(FIRST_FAILURE_KEY).decode()
+            except Exception as exc:  # noqa: BLE001 - the store's host is gone: so is the job
+                if stop.is_set():
+                    return
+                first = f"unknown: the rendezvous store is gone ({type(exc).__name__}); its host (rank 0 or the launcher) ended"
+            if first.startswith(f"rank {rank}:"):  # this rank's own failure: fail() is ending it
+                return
+            log.error("rank %d: leaving because the job failed elsewhere; the first failure in this job was %s", rank, first)
+            _flush()
+            os._exit(1)
+
+    thread = threading.Thread(target=watch, name="pipeflow-failure-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _flush() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
 def fail(exc: BaseException, rank: int) -> NoReturn:
     """Log `exc`, share it as the job's first failure if it is, and end this process with status 1.
 
@@ -183,14 +232,11 @@ def fail(exc: BaseException, rank: int) -> NoReturn:
     ``os._exit`` closes this rank's connections, so peers fail fast, and torchrun stops the rest.
     """
     first = record_failure(exc, rank)
-    if isinstance(exc, (ConfigError, ScheduleError)):  # the message says everything
+    if isinstance(exc, MESSAGE_SAYS_ALL):
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
     else:
         log.error("rank %d failed with %s; its traceback ends with the message:", rank, type(exc).__name__, exc_info=exc)
     if first is not None:
         log.error("rank %d: the first failure in this job was %s", rank, first)
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush()
     os._exit(1)

@@ -17,12 +17,15 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from pipeflow.data import Batches, loss_counts, sequence_lengths, shard, split_microbatches
+from pipeflow.errors import NonFiniteError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout, describe_layout
 from pipeflow.run import checkpoint
 from pipeflow.run.faults import FaultInjector
+from pipeflow.run.workspace import Workspace
 from pipeflow.runtime import failures
+from pipeflow.runtime import finite as nonfinite
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.mesh import GradReducer, Mesh
 from pipeflow.runtime.pipeline import Pipeline
@@ -111,6 +114,7 @@ class Trainer:
         tied, reducer: tied-weight and data-parallel gradient reduction (reducer None at dp = 1).
         scaler, finite, faults: the fp16 loss scaler, the optional non-finite check and fault injector.
         params, optimizer, metrics, run_dir: what is optimized, how, measured, and where written.
+        workspace: the run directory's lock (released at the end of :meth:`fit`) and job token.
     """
 
     cfg: DictConfig
@@ -134,6 +138,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     metrics: RunMetrics
     run_dir: str
+    workspace: Workspace | None = None  # the run directory's lock and this job's token
     history: list[float] = field(default_factory=list)  # the loss of every step this run trained
 
     @property
@@ -157,19 +162,40 @@ class Trainer:
         return os.path.join(self.run_dir, "checkpoints")
 
     def save_checkpoint(self, step: int) -> str:
-        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.checkpoint)."""
+        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.checkpoint).
+
+        Raises:
+            NonFiniteError: a weight holds NaN or Inf (nothing is written; ``latest`` stays).
+        """
+        flags = nonfinite.stage_flags(self.stages, self.schedule.num_stages, self.device, what="params")
+        dist.all_reduce(flags)
+        bad = [s for s, flag in enumerate(flags.tolist()) if flag > 0]
+        if bad:
+            raise NonFiniteError(
+                f"checkpoint of step {step} not written: the weights of stage(s) {bad} hold NaN or Inf after the "
+                f"optimizer step (optim.lr={self.cfg.optim.lr} too large?); latest still names the last good checkpoint"
+            )
         meta = {"dp": self.dp, "pp": self.mesh.pp, "scaler": self.scaler.state_dict()}
-        return checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer, meta)
+        job = self.workspace.token if self.workspace is not None else ""
+        return checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer,
+                               meta, job=job)
 
     def resume(self) -> int:
-        """Load the checkpoint ``train.resume`` names, if any; returns the step to start from."""
-        path = checkpoint.resolve(self.cfg.train.resume, self.checkpoint_root)
+        """Load the checkpoint ``train.resume`` names, if any; returns the step to start from.
+
+        Every candidate is verified first (digests).  With ``auto`` a damaged checkpoint is
+        skipped, with a warning naming the bad file, for the previous good one.
+
+        Raises:
+            CheckpointError: an explicitly named checkpoint is damaged (naming the file).
+        """
+        path = checkpoint.choose(self.cfg.train.resume, self.checkpoint_root)
         if path is None:
             return 0
         meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer)
         self.scaler.load_state_dict(meta["scaler"])
         if self.is_main:
-            log.info("resumed from %s at step %d (saved with dp=%s, pp=%s)", path, meta["step"], meta["dp"], meta["pp"])
+            log.info("resumed from checkpoint %s at step %d (saved with dp=%s, pp=%s)", path, meta["step"], meta["dp"], meta["pp"])
         return int(meta["step"])
 
     def describe(self) -> str:
@@ -207,11 +233,13 @@ class Trainer:
         """Gradients of batch `step`, reduced over ties and dp, unscaled and clipped, left in
         ``p.grad``; returns (loss, grad norm before clipping), the same on every rank.
 
-        A non-finite norm means an inf/nan gradient somewhere (fp16 overflow).  With
-        ``train.check_finite`` the finite flags ride in the grad-norm all-reduce.
+        A non-finite norm means an inf/nan gradient somewhere.  A non-finite loss or norm that is
+        not an fp16 overflow (finite loss, the loss scaler on) always stops the run here, on every
+        rank (the norm is all-reduced), naming the stages.  With ``train.check_finite`` the
+        per-layer flags ride in the grad-norm all-reduce and name where NaN first appeared.
 
         Raises:
-            NonFiniteError: ``train.check_finite`` and NaN/Inf the loss scaler does not explain.
+            NonFiniteError: NaN/Inf that the loss scaler does not explain.
         """
         inputs, targets, weights = self._microbatches(self.batches.train, step)
         loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights)
@@ -228,6 +256,12 @@ class Trainer:
         reduced = reduced.tolist()
         if self.finite is not None:
             self.finite.raise_if_non_finite(reduced[1:], step, self.schedule.stage_to_rank, self.scaler)
+        loss_finite = math.isfinite(reduced[0])
+        if not (loss_finite and math.isfinite(norm)) and not (loss_finite and self.scaler.enabled):
+            flags = nonfinite.stage_flags(self.stages, self.schedule.num_stages, self.device)
+            dist.all_reduce(flags)  # only now, to name the stages: every rank saw the same norm
+            stages = [s for s, flag in enumerate(flags.tolist()) if flag > 0]
+            raise nonfinite.non_finite_step_error(step, loss_finite, stages, self.schedule.stage_to_rank)
         return reduced[0], norm
 
     def train_step(self, step: int) -> tuple[float, float]:
@@ -273,9 +307,12 @@ class Trainer:
         return float(total) / (self.cfg.train.eval_batches * self.dp)
 
     def close(self) -> None:
-        """Stop what runs beside the loop (the P2P watchdog's thread, joined); called at the end of
-        :meth:`fit`, so every run and every sweep job ends with it (idempotent)."""
+        """Stop what runs beside the loop (the P2P watchdog's thread, joined) and release the run
+        directory's lock; called at the end of :meth:`fit`, so every run and every sweep job ends
+        with it (idempotent)."""
         self.pipeline.comm.close()
+        if self.workspace is not None:
+            self.workspace.release()
 
     def fit(self) -> dict[str, Any]:
         """Train for ``train.max_steps`` steps; returns first/last loss, final held-out loss and the

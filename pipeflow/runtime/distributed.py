@@ -1,12 +1,28 @@
-"""Process-group setup: backend and device from the environment torchrun sets (or a single process)."""
+"""Process-group setup: backend and device from the environment torchrun sets (or a single process).
+
+Joining is bounded and named: every rank announces itself in the rendezvous store and waits at
+most ``comm.join_timeout_s`` for the others (:func:`join_store`), so a rank that died before
+joining is a :class:`~pipeflow.errors.JoinTimeoutError` naming it, not a hang for the
+process-group deadline.  A rank started by a launcher leaves when the launcher dies
+(:func:`watch_parent`), so ``kill -9`` of torchrun leaves no workers behind.
+"""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+import sys
+import threading
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pipeflow.errors import JoinTimeoutError
+
+PARENT_POLL_S = 1.0
+JOIN_POLL_S = 0.2
 
 
 def choose_device(backend: str | None, device: str | None) -> tuple[str, torch.device]:
@@ -33,21 +49,100 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(backend: str, device: torch.device, timeout_s: float | None = None) -> None:
-    """Initialise the default process group (from torchrun's env, or as a 1-process group)."""
+def init_distributed(backend: str, device: torch.device, timeout_s: float | None = None,
+                     join_timeout_s: float | None = None) -> None:
+    """Initialise the default process group (from torchrun's env, or as a 1-process group).
+
+    Args:
+        backend, device: from :func:`choose_device`.
+        timeout_s: the process group's deadline for collectives (``comm.first_step_timeout_s``).
+        join_timeout_s: how long to wait for every rank to join (``comm.join_timeout_s``).
+
+    Raises:
+        JoinTimeoutError: a rank never joined, naming the ranks missing.
+    """
     if dist.is_initialized():
         return
     kwargs: dict[str, Any] = {}
     if timeout_s is not None:
-        import datetime
-
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, **kwargs)
+        watch_parent()
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = join_store(rank, world, join_timeout_s if join_timeout_s is not None else timeout_s)
+        if timeout_s is not None:
+            store.set_timeout(kwargs["timeout"])
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
+                                **kwargs)
     else:  # plain `python train.py`: a pipeline of one rank
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kwargs
         )
+
+
+def _agent_serves(addr: str, port: int) -> bool:
+    """Whether torchrun's agent hosts the store at addr:port (then every rank is a client)."""
+    from torch.distributed import rendezvous
+
+    serves = getattr(rendezvous, "_agent_store_serves", None)
+    if serves is not None:
+        return bool(serves(addr, port))
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+
+
+def join_store(rank: int, world: int, timeout_s: float | None) -> dist.Store:
+    """The rendezvous store at ``MASTER_ADDR:MASTER_PORT`` (rank 0 hosts it unless torchrun's
+    agent does), once every rank has announced itself there within `timeout_s`.
+
+    Raises:
+        JoinTimeoutError: the store cannot be reached, or some ranks never announced themselves.
+    """
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+    timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else 900.0)
+    where = f"the rendezvous store at {addr}:{port}"
+    try:
+        store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not _agent_serves(addr, port),
+                              timeout=timeout, wait_for_workers=False, multi_tenant=True)
+    except (RuntimeError, ValueError) as exc:
+        raise JoinTimeoutError(
+            f"rank {rank}: could not reach {where} within comm.join_timeout_s={timeout.total_seconds():g} s: rank 0, "
+            f"which hosts it, never arrived (not started, or died first): {str(exc).splitlines()[0] if str(exc) else exc}"
+        ) from exc
+    prefix = f"pipeflow/join/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    store.set(f"{prefix}{rank}", f"{socket.gethostname()}:{os.getpid()}")
+    deadline = time.monotonic() + timeout.total_seconds()
+    missing = list(range(world))
+    while True:
+        missing = [r for r in missing if not store.check([f"{prefix}{r}"])]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(JOIN_POLL_S)
+    if missing:
+        raise JoinTimeoutError(
+            f"rank {rank}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {world} never joined "
+            f"the process group within comm.join_timeout_s={timeout.total_seconds():g} s ({where}); start every rank "
+            f"with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and look at why those ranks died or did not start"
+        )
+    return store
+
+
+def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
+    """Leave (exit 1) within about `poll_s` once the process that started this one is gone (a
+    daemon thread watching the parent pid); None when there is no parent to watch (pid 1)."""
+    parent = os.getppid()
+    if parent <= 1:
+        return None
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"[pipeflow] rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher (pid {parent}) is "
+              f"gone; exiting so that no worker is left behind", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="pipeflow-parent-watch", daemon=True)
+    thread.start()
+    return thread

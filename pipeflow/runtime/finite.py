@@ -1,4 +1,11 @@
-"""``train.check_finite``: stop at the first non-finite value, naming the stage where it appeared.
+"""Non-finite losses and gradients stop the run, naming the stage.
+
+Always: the Trainer's grad-norm all-reduce (every step) is non-finite exactly when some loss or
+gradient is; then :func:`stage_flags` (one more all-reduce, only then) names the stages and
+:func:`non_finite_step_error` is raised on every rank, before the optimizer step and any save.
+
+``train.check_finite`` adds :class:`FiniteCheck`: stop at the first non-finite value, naming the
+stage where it appeared.
 
 Forward outputs (the loss on the last stage, before the fp16 loss scale) and parameter gradients
 are checked on the device without a host sync per micro-batch; 2 x S flags summed over the world
@@ -109,3 +116,34 @@ class FiniteCheck:
             f"{backward or 'none'}. Check that stage's layers and inputs, lower optim.lr, keep "
             f"optim.grad_clip on, or train in train.dtype=float32."
         )
+
+
+def stage_flags(stages: dict[int, Any], num_stages: int, device: torch.device, what: str = "grads") -> torch.Tensor:
+    """S flags, 1 at each of this rank's stages whose parameter gradients (`what` = ``grads``) or
+    parameters (``params``) hold a NaN or Inf; summed over the world they name every such stage."""
+    flags = torch.zeros(num_stages, device=device)
+    for s, stage in stages.items():
+        tensors = [p.grad if what == "grads" else p for p in stage.parameters()]
+        tensors = [t.detach() for t in tensors if t is not None]
+        if tensors:
+            flags[s] = torch.stack([~torch.isfinite(t).all() for t in tensors]).any().to(flags.dtype)
+    return flags
+
+
+def non_finite_step_error(
+    step: int, loss_finite: bool, grad_stages: Sequence[int], stage_to_rank: Sequence[int]
+) -> NonFiniteError:
+    """The error of a training step whose all-reduced loss or grad norm is NaN/Inf (the check that
+    always runs), naming the stages with non-finite gradients."""
+    last = len(stage_to_rank) - 1
+    parts = [] if loss_finite else [f"the loss (computed on stage {last}, pipeline rank {stage_to_rank[last]})"]
+    if grad_stages:
+        named = ", ".join(f"stage {s} (pipeline rank {stage_to_rank[s]})" for s in grad_stages)
+        parts.append(f"the parameter gradients of {named}")
+    where = " and ".join(parts) or "the gradient norm"
+    return NonFiniteError(
+        f"training step {step}: {where} hold NaN or Inf, so the run stops here on every rank before the "
+        f"optimizer step and before any save: the last checkpoint is from before this step. Lower optim.lr, "
+        f"keep optim.grad_clip on, train in train.dtype=float32, or set train.check_finite=true to name the "
+        f"stage whose forward output first went non-finite."
+    )

@@ -184,7 +184,7 @@ class Pipeline:
         recorder = self.recorder if self.recorder.on else None  # marks: perf_counter, or CUDA events
         for k, step in enumerate(program):
             t0 = recorder.mark() if recorder is not None else None
-            self._post(step, outbox, posted)
+            self._post(step, outbox, posted, program, k)
             self._wait(step.waits, posted, inbox, program, k)
             if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
                 recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
@@ -205,8 +205,11 @@ class Pipeline:
             left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
 
-    def _post(self, step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted]) -> None:
-        """Post the step's ops in one batched call: sends from the outbox, recvs into fresh buffers."""
+    def _post(
+        self, step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted], program: Program, k: int
+    ) -> None:
+        """Post the step's ops in one batched call: sends from the outbox, recvs into fresh buffers
+        (a peer found dead while posting is a CommError naming the ops and this rank's progress)."""
         if not step.ops:
             return
         tensors = [
@@ -215,7 +218,10 @@ class Pipeline:
         ]
         sends = [(op.peer, t) for op, ts in zip(step.ops, tensors) if op.is_send for t in ts]
         recvs = [(op.peer, t) for op, ts in zip(step.ops, tensors) if not op.is_send for t in ts]
-        works = self.comm.post(sends, recvs)
+        try:
+            works = self.comm.post(sends, recvs, lambda: self._describe(k, step, step.ops, False) + ", when posting them")
+        except CommError as exc:
+            raise failures.with_progress(exc, program, k)
         sent_works, recv_works = works[: len(sends)], works[len(sends):]
         for op, ts in zip(step.ops, tensors):
             pool = sent_works if op.is_send else recv_works
@@ -242,13 +248,15 @@ class Pipeline:
                     b.requires_grad_(meta.requires_grad)
             inbox[(op.payload, op.microbatch, op.dst_stage)] = entry.tensors
 
-    @staticmethod
-    def _describe(k: int, step: Step, ops: tuple[CommOp, ...], after: bool) -> str:
+    def _describe(self, k: int, step: Step, ops: tuple[CommOp, ...], after: bool) -> str:
         if step.action is None:
             when = "after the last action"
         else:
             when = f"{'after' if after else 'before'} {step.action}"
-        return "; ".join(op.describe() for op in ops) + f" (program step {k}, {when})"
+        # with dp > 1 a peer's pipeline rank is not its global rank: say both
+        peers = sorted({op.peer for op in ops if self.comm.global_rank(op.peer) != op.peer})
+        named = "".join(f"; pipeline rank {p} is global rank {self.comm.global_rank(p)}" for p in peers)
+        return "; ".join(op.describe() for op in ops) + f" (program step {k}, {when}{named})"
 
     def _recv_buffers(self, op: CommOp) -> Tensors:
         """Pooled buffers for what `op` receives, lent to its stage and micro-batch until released."""

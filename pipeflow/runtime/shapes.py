@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from pipeflow.errors import ConfigError, ScheduleError, ShapeMismatchError
+from pipeflow.errors import ConfigError, PipeflowError, ScheduleError, ShapeMismatchError
 from pipeflow.runtime.stage import Stage, Tensors
 from pipeflow.runtime.transport import META_LEN, P2PComm, TensorMeta, encode_metas
 from pipeflow.schedules import PipelineSchedule
@@ -109,7 +109,7 @@ class ShapePlan:
                 plan = self.comm.recv_metas(self._owner(s - 1), count, f"of stage {s - 1} output")
                 self.edges[s - 1] = plan
             if s < last:
-                self.edges[s] = [self._output(s, metas) for metas in plan]
+                self.edges[s] = [self._output(s, metas, i) for i, metas in enumerate(plan)]
                 if self._owner(s + 1) != self.rank:
                     self.comm.send_metas(self._owner(s + 1), self.edges[s], f"of stage {s} output")
 
@@ -119,8 +119,9 @@ class ShapePlan:
             raise ScheduleError(f"rank {self.rank} holds stage 0 but was given {got} micro-batch inputs, not {count}")
         return inputs[:count]
 
-    def _output(self, s: int, in_metas: Metas) -> Metas:
-        """Stage s's output metadata for inputs described by `in_metas` (one trial forward per signature)."""
+    def _output(self, s: int, in_metas: Metas, i: int) -> Metas:
+        """Stage s's output metadata for inputs described by `in_metas`, those of micro-batch `i`
+        (one trial forward per signature)."""
         key = (s, in_metas)
         if key not in self._outputs:
             stage = self.stages[s]
@@ -130,8 +131,11 @@ class ShapePlan:
             )
             try:
                 outputs = stage.trial_forward(dummies)
-            except Exception as exc:  # a user's layer failed: say where
-                where = f"pipeline rank {self.rank}, stage {s}, trial forward for inputs {[str(m) for m in in_metas]}"
+            except PipeflowError:
+                raise
+            except Exception as exc:  # a user's layer failed on these shapes: say where
+                where = (f"pipeline rank {self.rank}, stage {s}, shape negotiation (a trial forward on zeros "
+                         f"shaped like micro-batch {i}: {[str(m) for m in in_metas]})")
                 raise self.failure(exc, where) from exc
             self._outputs[key] = tuple(TensorMeta.of(t) for t in outputs)
         return self._outputs[key]

@@ -243,7 +243,10 @@ class P2PComm:
         if self.watchdog is not None:
             self.watchdog.stop()
 
-    def post(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> list[dist.Work]:
+    def post(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+        what: str | Callable[[], str] = "",
+    ) -> list[dist.Work]:
         """Post `sends` and `recvs` as one batched call without waiting; returns one Work per
         transfer, sends first.
 
@@ -252,13 +255,17 @@ class P2PComm:
         alone.  With a coalescing backend (NCCL) the batch is one group on the communicator's
         own stream that completes as a whole: its single Work stands for every transfer, and
         waiting on it makes the current stream wait for the group (an event, not a device-wide
-        sync).
+        sync).  A backend failure while posting (a peer already gone) is a named CommError, as
+        in :meth:`exchange`; `what` describes the ops (or a function making the text on failure).
         """
         ops = [dist.P2POp(dist.isend, t, self._global[peer], self.group) for peer, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self._global[peer], self.group) for peer, t in recvs]
         if not ops:
             return []
-        works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+        try:
+            works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
+        except RuntimeError as exc:
+            raise self._failure(exc, what() if callable(what) else what, self.timeout_s) from exc
         return works if len(works) == len(ops) else works[:1] * len(ops)
 
     def wait(
@@ -337,10 +344,7 @@ class P2PComm:
             CommError: the backend reported a failure (e.g. a dead peer).
         """
         deadline = timeout_s if timeout_s is not None else self.timeout_s
-        try:
-            works = self.post(sends, recvs)
-        except RuntimeError as exc:
-            raise self._failure(exc, what, deadline) from exc
+        works = self.post(sends, recvs, what)
         self._wait_all(_unique(works), deadline, what)
 
     def _where(self) -> str:

@@ -1,0 +1,162 @@
+"""One job per run directory: ``<run_dir>/pipeflow.lock``, taken by rank 0 at start.
+
+The lock file holds the holder's host, pid and job token; its modification time is a lease that
+a thread renews every ``lease_s / 4`` seconds while the job lives.  A second job is refused with
+a :class:`~pipeflow.errors.RunDirLockedError` naming the holder while the holder is live: on
+this host, while its pid exists; on another host, while its lease is fresher than ``lease_s``.
+A stale lock (its job died, on any host) is taken over.  Taking the lock is atomic
+(``O_CREAT | O_EXCL``); a take-over first renames the stale file away, which only one
+contender can do.  The same process may take its own lock again (a sweep's jobs, tests).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from pipeflow.errors import RunDirLockedError
+
+log = logging.getLogger("pipeflow")
+
+LOCK_FILE = "pipeflow.lock"
+LEASE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock, and how long ago it was last renewed."""
+
+    host: str
+    pid: int
+    token: str
+    age_s: float
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on host {self.host} (lease renewed {self.age_s:.0f} s ago)"
+
+
+def read_holder(path: str) -> Holder | None:
+    """The holder recorded in lock file `path`; None if there is none.  An unreadable file counts
+    as held by nobody known (host ``?``), live only while its lease is fresh."""
+    try:
+        age = time.time() - os.stat(path).st_mtime
+        with open(path) as f:
+            data = json.load(f)
+        return Holder(str(data["host"]), int(data["pid"]), str(data["token"]), age)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        with contextlib.suppress(OSError):
+            return Holder("?", -1, "", time.time() - os.stat(path).st_mtime)
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def is_live(holder: Holder, lease_s: float = LEASE_S) -> bool:
+    """Whether `holder`'s job still runs: on this host, its pid exists; elsewhere, a fresh lease."""
+    if holder.host == socket.gethostname():
+        return _pid_alive(holder.pid)
+    return holder.age_s < lease_s
+
+
+def live_holder(run_dir: str, lease_s: float = LEASE_S) -> Holder | None:
+    """The live job holding `run_dir`, if any (this process does not count)."""
+    holder = read_holder(os.path.join(run_dir, LOCK_FILE))
+    if holder is None or _is_me(holder) or not is_live(holder, lease_s):
+        return None
+    return holder
+
+
+def _is_me(holder: Holder) -> bool:
+    return holder.host == socket.gethostname() and holder.pid == os.getpid()
+
+
+class RunLock:
+    """The lock of one run directory, held by this process until :meth:`release`.
+
+    Args:
+        run_dir: the run directory (it must exist).
+        lease_s: how long a lock on another host stays live without renewal.
+    """
+
+    def __init__(self, run_dir: str, lease_s: float = LEASE_S) -> None:
+        self.path = os.path.join(run_dir, LOCK_FILE)
+        self.lease_s = lease_s
+        self.token = uuid.uuid4().hex[:12]
+        self.taken_over: Holder | None = None  # the dead job whose stale lock was taken over
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> str:
+        """Take the lock (taking over a stale one); returns this job's token.
+
+        Raises:
+            RunDirLockedError: a live job holds it (naming its host and pid).
+        """
+        for _ in range(5):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                self._clear_stale()
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
+                           "started": time.time()}, f)
+            self._thread = threading.Thread(target=self._renew, name="pipeflow-lock-lease", daemon=True)
+            self._thread.start()
+            return self.token
+        raise RunDirLockedError(f"{self.path}: could not take the lock (other jobs keep taking it); try again")
+
+    def _clear_stale(self) -> None:
+        """Move a stale lock away (or raise if its holder is live)."""
+        holder = read_holder(self.path)
+        if holder is None:
+            return
+        if not _is_me(holder) and is_live(holder, self.lease_s):
+            raise RunDirLockedError(
+                f"run directory {os.path.dirname(self.path)} is in use by another live job: {holder} "
+                f"({self.path}). Wait for it to end, stop it, or give this job another train.run_dir; "
+                f"a lock left by a job that died is taken over by itself (at once on the same host, "
+                f"{self.lease_s:.0f} s after its last renewal from another host)"
+            )
+        stale = f"{self.path}.stale.{self.token}"
+        try:
+            os.rename(self.path, stale)  # only one contender wins the rename
+        except FileNotFoundError:
+            return
+        os.remove(stale)
+        if not _is_me(holder):
+            self.taken_over = holder
+            log.warning("took over the stale lock of a job that is gone: %s", holder)
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease_s / 4):
+            holder = read_holder(self.path)
+            if holder is None or holder.token != self.token:
+                log.warning("%s is no longer this job's lock (now: %s)", self.path, holder)
+                return
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        """Stop renewing and remove the lock file if it is still this job's."""
+        self._stop.set()
+        holder = read_holder(self.path)
+        if holder is not None and holder.token == self.token:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
