@@ -19,12 +19,12 @@ from pipeflow.planning.partition import partition_layers
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.schedules import PipelineSchedule, build_schedule
-from pipeflow.models import build_gpt
+from pipeflow.models import build_gpt, from_module
 from pipeflow.models.resnet import build_resnet
 from pipeflow.runtime.stage import as_tuple, build_stages, layers_by_index
 from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.run.trainer import clip_grad_norm_global, unique_parameters
-from toy_models import build_toy, random_batch
+from toy_models import SKIP_SPLIT_POINTS, SkipNet, build_toy, mlp_sequential, random_batch
 
 DTYPE = torch.float64
 BATCH = 24  # divisible by every micro-batch count tested: 1, 2, 3, 4, 6, 8, 12, 24
@@ -64,6 +64,8 @@ def make_spec(model: str) -> ModelSpec:
         from examples.custom_model import build_residual_mlp
 
         return build_residual_mlp(in_features=32, hidden=16, num_layers=4, num_classes=10)
+    if model.startswith("module_"):  # an existing nn.Module split by from_module (tests/toy_models.py)
+        return module_spec(model)
     if model == "gpt8":  # 8 layers: two chunks on each of 4 ranks
         return build_toy("gpt", n_layer=6)
     if model == "gpt_packed":  # fed (tokens, document ids): packed documents
@@ -73,11 +75,29 @@ def make_spec(model: str) -> ModelSpec:
     return build_toy(model)
 
 
+def module_spec(model: str) -> ModelSpec:
+    """from_module's three forms, each given a constructor: ``module_seq`` (an nn.Sequential, a
+    child per layer), ``module_gpt_tied`` (examples/your_module.py's GPT, blocks form: an adapter
+    before the blocks, the head tied to the token embedding, GPT-2 init per layer) and
+    ``module_traced_skip`` (SkipNet traced, its first activation skipping three split points)."""
+    if model == "module_seq":
+        return from_module(mlp_sequential)
+    if model == "module_gpt_tied":
+        from examples.your_module import split_gpt
+
+        return split_gpt(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16)
+    if model == "module_traced_skip":
+        return from_module(SkipNet, split_points=SKIP_SPLIT_POINTS)
+    raise ValueError(f"unknown from_module case {model!r}")
+
+
 def make_batch(model: str, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets for `model` (images are 3 x 8 x 8)."""
     if model == "resnet18":
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(batch, 3, 8, 8, generator=gen, dtype=DTYPE), torch.randint(10, (batch,), generator=gen)
+    if model.startswith("module_"):
+        return random_batch("gpt" if model == "module_gpt_tied" else "mlp", batch, seed=seed)
     kind = "mlp" if model == "residual_mlp" else model.removesuffix("8").removesuffix("_tied")
     return random_batch(kind, batch, seed=seed)
 

@@ -67,7 +67,12 @@ def _equivalence_cases() -> list[tuple[str, object]]:
         # comm.recvs_ahead=auto: one step ahead, one at-step, then the choice (4 steps)
         ("eq-masked_mlp-1f1b-m4-auto", functools.partial(cases.equivalence, "masked_mlp", "1f1b", 4, steps=4, runtime="auto")),
     ]
-    return plain + tied + chunked + new + flexible + tied_v + own + resnet + clipped + runtimes
+    modules = [  # pipeflow.models.from_module: an nn.Sequential, the blocks form (tied), the traced form (a skip)
+        (f"eq-{model}-{schedule}-m{m}", functools.partial(cases.equivalence, model, schedule, m))
+        for model in ("module_seq", "module_gpt_tied", "module_traced_skip")
+        for schedule, m in (("1f1b", 4), ("gpipe", 3))
+    ]
+    return plain + tied + chunked + new + flexible + tied_v + own + resnet + clipped + runtimes + modules
 
 
 VARIABLE_SCHEDULES = ("gpipe", "1f1b") + CHUNKED_SCHEDULES

@@ -13,6 +13,7 @@ from typing import Callable
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.mlp import build_mlp
+from pipeflow.models.module_spec import from_module
 from pipeflow.models.resnet import build_resnet, build_resnet18, build_resnet50
 from pipeflow.models.sleep import build_sleep
 from pipeflow.models.spec import LayerSpec, ModelSpec, derive_seed, run_layers
@@ -28,6 +29,7 @@ __all__ = [
     "build_sleep",
     "builtin_models",
     "derive_seed",
+    "from_module",
     "get_model_builder",
     "run_layers",
 ]
