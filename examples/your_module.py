@@ -26,7 +26,7 @@ from torch import Tensor, nn
 class Block(nn.Module):
     """Pre-LN transformer block: causal self-attention and an MLP, each on the residual stream."""
 
-    def __init__(self, n_embd: int, n_head: int, block_size: int) -> None:
+    def __init__(self, n_embd: int, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
         self.ln_1 = nn.LayerNorm(n_embd)
@@ -35,16 +35,14 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(n_embd)
         self.c_fc = nn.Linear(n_embd, 4 * n_embd)
         self.c_proj = nn.Linear(4 * n_embd, n_embd)
-        self.register_buffer("mask", torch.tril(torch.ones(block_size, block_size, dtype=torch.bool)), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, C)."""
         B, T, C = x.size()
         q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.n_head)
-        att = F.softmax(att.masked_fill(~self.mask[:T, :T], float("-inf")), dim=-1)
-        x = x + self.attn_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, C / H)
+        x = x + self.attn_proj(y.transpose(1, 2).reshape(B, T, C))
         return x + self.c_proj(F.gelu(self.c_fc(self.ln_2(x))))
 
 
@@ -65,7 +63,7 @@ class GPT(nn.Module):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, block_size) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied

@@ -363,3 +363,19 @@ def only_own_layers(m: int = 4) -> str:
     except RuntimeError as exc:
         return f"built only own layers; foreign build raised: {exc}"
     return "foreign build did not raise"
+
+
+def module_own_bytes(model: str = "module_gpt_tied", m: int = 4) -> dict[str, int]:
+    """from_module on this rank, under tensor accounting: the spec (the model built on meta) and
+    this rank's layers; returns the bytes allocated, its layers' bytes and the whole model's."""
+    from tensor_accounting import AllocatedBytes, held_bytes
+
+    schedule = build_schedule("1f1b", dist.get_world_size(), m)
+    with AllocatedBytes() as acc:
+        spec = make_spec(model)
+        ranges = partition_layers(len(spec.layers), schedule.num_stages, names=spec.layer_names())
+        own = [i for s in schedule.stages_of(dist.get_rank()) for i in ranges[s]]
+        layers = spec.build_layers(own)
+    with torch.device("meta"):
+        whole = held_bytes(spec.build_all())
+    return {"allocated": acc.total, "own": held_bytes(layers), "whole": whole}

@@ -32,7 +32,7 @@ from pipeflow.errors import ConfigError
 from pipeflow.models import traced
 from pipeflow.models.materialise import (InitHook, StateDictFile, _real_parameters, copy_buffers, is_meta, materialise,
                                          meta_buffers, skeleton)
-from pipeflow.models.pieces import Adapter, claims, cut, expand
+from pipeflow.models.pieces import Adapter, claims, cut, expand, resolve
 from pipeflow.models.spec import LayerSpec, LossFn, ModelSpec
 
 Source = nn.Module | Callable[[], nn.Module]
@@ -125,7 +125,10 @@ def _sequential_plans(root: nn.Module, groups: Sequence[Sequence[str]] | None) -
 
 
 def _check_claims(root: nn.Module, plans: list[_Plan]) -> None:
-    """Every parameter and buffer of the model belongs to exactly one layer (ties: one per path)."""
+    """Every path names something, and every parameter and buffer belongs to exactly one layer."""
+    for plan in plans:
+        for path in plan.paths:
+            resolve(root, path)
     keys = [k for k, _ in root.named_parameters(remove_duplicate=False)] + [k for k, _ in root.named_buffers()]
     for key in keys:
         owners = [p.name for p in plans if any(claims(path, key) for path in p.paths)]
