@@ -20,7 +20,7 @@ from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.schedules import PipelineSchedule, build_schedule
 from pipeflow.models import build_gpt, from_module
-from pipeflow.models.resnet import build_resnet
+from pipeflow.models.zoo import build_resnet
 from pipeflow.runtime.stage import as_tuple, build_stages, layers_by_index
 from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.run.trainer import clip_grad_norm_global, unique_parameters

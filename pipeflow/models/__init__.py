@@ -13,20 +13,22 @@ from typing import Callable
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.mlp import build_mlp
-from pipeflow.models.module_spec import from_module
-from pipeflow.models.resnet import build_resnet, build_resnet18, build_resnet50
+from pipeflow.models.module_spec import build_module, from_module
 from pipeflow.models.sleep import build_sleep
 from pipeflow.models.spec import LayerSpec, ModelSpec, derive_seed, run_layers
+from pipeflow.models.zoo import build_resnet, build_resnet18, build_resnet50, build_torchvision
 
 __all__ = [
     "LayerSpec",
     "ModelSpec",
     "build_gpt",
     "build_mlp",
+    "build_module",
     "build_resnet",
     "build_resnet18",
     "build_resnet50",
     "build_sleep",
+    "build_torchvision",
     "builtin_models",
     "derive_seed",
     "from_module",

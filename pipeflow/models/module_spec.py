@@ -226,3 +226,45 @@ def from_module(
     layers = _Layers(module, root, plans, init, init_from)
     specs = [LayerSpec(plan.name, layers.build, (k,)) for k, plan in enumerate(plans)]
     return ModelSpec(name or type(root).__name__.lower(), specs, loss_fn=loss_fn, seed=seed, tied=_ties(root, plans))
+
+
+def build_module(
+    module: Any = None,
+    before: Any = None,
+    blocks: Any = None,
+    after: Any = None,
+    split_points: Any = None,
+    before_fn: Any = None,
+    after_fn: Any = None,
+    loss_fn: Any = None,
+    init: Any = None,
+    init_from: str | None = None,
+    seed: int = 0,
+) -> ModelSpec:
+    """A user's own nn.Module from the config (``model=module``): `from_module` with its keys.
+
+    ``model.module._target_=<constructor>`` names the model's class or builder (the group sets
+    ``_partial_: true``, so Hydra hands over a constructor and the model is built on meta);
+    its arguments go beside it (``+model.module.n_layer=4``). Adapters, the loss and the init
+    hook are given the same way (``model.before_fn={_target_: pkg.fn, _partial_: true}``).
+
+    Args:
+        module: the constructor (Hydra: a partial of ``model.module._target_``).
+        before, blocks, after: the blocks form's paths (`from_module`).
+        split_points: the traced form's split points.
+        before_fn, after_fn: the blocks form's adapters.
+        loss_fn: (output, targets) -> loss; default cross entropy over the last dimension.
+        init: the per-layer init hook.
+        init_from: a state dict file of the unsplit model.
+        seed: the model seed.
+
+    Raises:
+        ConfigError: model.module is not set.
+    """
+    if module is None:
+        raise ConfigError("model=module needs model.module._target_=<your model's class or constructor>")
+    return from_module(
+        module, before=list(before or []), blocks=blocks if isinstance(blocks, (str, type(None))) else list(blocks),
+        after=list(after or []), split_points=list(split_points) if split_points else None,
+        before_fn=before_fn, after_fn=after_fn, loss_fn=loss_fn or cross_entropy, init=init, init_from=init_from,
+        seed=seed)
