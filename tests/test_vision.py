@@ -266,6 +266,15 @@ def test_fake_data_is_deterministic_and_leaves_the_global_rng() -> None:
     assert val.num_samples == 4 and not torch.equal(val.get(0)[0], source.get(0)[0][:3])
 
 
+def test_going_back_to_an_earlier_epoch_keeps_its_order() -> None:
+    """Evaluation restarts at batch 0 each time: with a val split smaller than a few batches the
+    epoch it asks for is older than the two cached ones, and must not be evicted on arrival."""
+    source = build_image_batches("fakedata", "unused", batch_size=8, seed=0, train=False, fake_size=16)
+    first = source.indices(0)
+    source.indices(3)  # epochs 6 and 7
+    assert torch.equal(source.indices(0), first)
+
+
 def test_resnet_trains_on_a_cifar_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = fx.write_cifar10(tmp_path)
     fx.use_tiny_cifar10_checksums(monkeypatch, root)
