@@ -107,7 +107,12 @@ def split_gpt(vocab_size: int = 64, block_size: int = 64, n_layer: int = 4, n_he
 
 def main() -> None:
     """Train the split GPT on the Markov corpus with 1F1B, as train.py would."""
+    import sys
+    from pathlib import Path
+
     import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # model._target_ names examples.your_module
 
     from pipeflow.observability.console import setup_logging
     from pipeflow.run.builder import build_run
@@ -116,7 +121,7 @@ def main() -> None:
 
     cfg = compose_config(["model=gpt", "model._target_=examples.your_module.split_gpt", "model.n_layer=4",
                           "model.n_embd=64", "data.seq_len=32", "data.batch_size=16", "pipeline.num_microbatches=4",
-                          "train.max_steps=80", "train.eval_every=40", "train.eval_batches=2", "train.log_every=20",
+                          "train.max_steps=150", "train.eval_every=75", "train.eval_batches=2", "train.log_every=20",
                           "metrics.tensorboard=false", "pipeline.profile=false"])
     backend, device = choose_device(cfg.dist.backend, cfg.dist.device)
     init_distributed(backend, device, cfg.comm.first_step_timeout_s)
