@@ -95,7 +95,7 @@ def is_meta(module: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in module.parameters())
 
 
-def _real_parameters(module: nn.Module, device: torch.device) -> None:
+def zero_parameters(module: nn.Module, device: torch.device) -> None:
     """Replace every meta parameter and buffer by zeros on `device` (tied copies stay one)."""
     made: dict[int, nn.Parameter] = {}
     for sub in module.modules():
@@ -148,7 +148,7 @@ def materialise(
     Returns:
         `piece`, changed in place.
     """
-    _real_parameters(piece, torch.device(device))
+    zero_parameters(piece, torch.device(device))
     with torch.no_grad():
         reset_all(piece)
         if init is not None:

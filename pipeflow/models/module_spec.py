@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from pipeflow.errors import ConfigError
 from pipeflow.models import traced
-from pipeflow.models.materialise import (InitHook, StateDictFile, _real_parameters, copy_buffers, is_meta, materialise,
-                                         meta_buffers, skeleton)
+from pipeflow.models.materialise import (InitHook, StateDictFile, copy_buffers, is_meta, materialise, meta_buffers,
+                                         skeleton, zero_parameters)
 from pipeflow.models.pieces import Adapter, claims, cut, expand, resolve
 from pipeflow.models.spec import LayerSpec, LossFn, ModelSpec
 
@@ -83,7 +83,7 @@ class _Layers:
             return piece
         lost = meta_buffers(piece)
         if self.file is not None:
-            _real_parameters(piece, torch.device("cpu"))
+            zero_parameters(piece, torch.device("cpu"))
             self.file.load_into(piece, {}, plan.name)
             needed = [name for name, persistent, resets in lost if not persistent and not resets]
         else:
