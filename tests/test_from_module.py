@@ -214,3 +214,19 @@ def test_a_meta_device_pass_counts_parameters_without_materialising() -> None:
     with torch.device("meta"):  # as planning.profile.count_layer_params builds a layer
         layer = spec.layers[0].build()
     assert layer.get_parameter("0.weight").device.type == "meta"
+
+
+def test_init_from_reads_a_distributed_checkpoint_directory(tmp_path: Path) -> None:
+    """model.init_from=<torch.distributed.checkpoint directory>: each layer loads its own keys."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(11)
+    model = GPT(**GPT_SIZES)
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    spec = from_module(functools.partial(GPT, **GPT_SIZES), before=["tok_emb", "pos_emb"], blocks="blocks",
+                       after=["ln_f", "head"], before_fn=split_gpt.__globals__["embed"], init_from=str(tmp_path / "dcp"))
+    x = torch.randint(64, (3, 16))
+    torch.testing.assert_close(run_layers(_layers(spec), x), model.to(F64)(x), rtol=0, atol=0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"is a directory but not a torch.distributed.checkpoint"):
+        from_module(mlp_sequential, init_from=str(tmp_path / "empty")).build_layers([0])

@@ -158,50 +158,81 @@ def materialise(
 
 
 class StateDictFile:
-    """A state dict of the unsplit model on disk, memory-mapped: a rank reads only what it copies.
+    """The unsplit model's weights on disk, read a layer at a time: each rank reads only its own.
+
+    Either a file written by ``torch.save(model.state_dict(), path)`` (memory-mapped: only the
+    tensors a layer copies are read) or a directory written by
+    ``torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=path)`` (DCP: each
+    layer loads its own keys, without collectives).
 
     Args:
-        path: a file written by ``torch.save(model.state_dict(), path)``.
-
-    Raises:
-        ConfigError: the file does not exist or is not a state dict.
+        path: the file or the DCP directory.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._tensors: Mapping[str, Tensor] | None = None
+        self._shapes: dict[str, list[int]] | None = None  # a DCP checkpoint's keys and shapes
 
-    def tensors(self) -> Mapping[str, Tensor]:
-        """The file's tensors by key (memory-mapped; loaded on first use)."""
-        if self._tensors is None:
-            try:
-                loaded: Any = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
-            except FileNotFoundError:
-                raise ConfigError(f"model.init_from={self.path!r} does not exist; give a file written by "
-                                  f"torch.save(model.state_dict(), path)") from None
-            except Exception as exc:  # not a zip checkpoint, or pickled objects beyond tensors
-                raise ConfigError(f"model.init_from={self.path!r} could not be read as a state dict: {exc}") from exc
-            if not isinstance(loaded, Mapping):
-                raise ConfigError(f"model.init_from={self.path!r} holds a {type(loaded).__name__}, "
-                                  f"expected a state dict (torch.save(model.state_dict(), path))")
-            self._tensors = loaded
-        return self._tensors
+    def _open(self) -> None:
+        """Map the file, or read the DCP checkpoint's metadata (once)."""
+        if self._tensors is not None or self._shapes is not None:
+            return
+        try:
+            loaded: Any = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+        except FileNotFoundError:
+            raise ConfigError(f"model.init_from={self.path!r} does not exist; give a file written by "
+                              f"torch.save(model.state_dict(), path) or a torch.distributed.checkpoint directory") from None
+        except IsADirectoryError:
+            self._shapes = self._dcp_shapes()
+            return
+        except Exception as exc:  # not a zip checkpoint, or pickled objects beyond tensors
+            raise ConfigError(f"model.init_from={self.path!r} could not be read as a state dict: {exc}") from exc
+        if not isinstance(loaded, Mapping):
+            raise ConfigError(f"model.init_from={self.path!r} holds a {type(loaded).__name__}, "
+                              f"expected a state dict (torch.save(model.state_dict(), path))")
+        self._tensors = loaded
 
-    def load_into(self, piece: nn.Module, keys: Mapping[str, str], layer: str) -> None:
-        """Copy the file's tensors into `piece`: ``keys[<key in piece>]`` is the file's key.
+    def _dcp_shapes(self) -> dict[str, list[int]]:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            metadata = FileSystemReader(self.path).read_metadata()
+        except Exception as exc:
+            raise ConfigError(f"model.init_from={self.path!r} is a directory but not a torch.distributed.checkpoint "
+                              f"checkpoint: {exc}") from exc
+        return {key: list(getattr(meta, "size", [])) for key, meta in metadata.state_dict_metadata.items()}
+
+    def shapes(self) -> dict[str, list[int]]:
+        """Every key of the unsplit model's state dict on disk, with its shape."""
+        self._open()
+        if self._tensors is not None:
+            return {key: list(value.shape) for key, value in self._tensors.items()}
+        return dict(self._shapes or {})
+
+    def load_into(self, piece: nn.Module, layer: str) -> None:
+        """Copy the piece's own tensors (its state dict keys are the model's) from disk.
 
         Raises:
-            ConfigError: a key of the piece is missing from the file, or its shape differs.
+            ConfigError: a key of the piece is missing on disk, or its shape differs.
         """
-        tensors = self.tensors()
+        self._open()
+        targets = piece.state_dict(keep_vars=True)
+        shapes = self.shapes() if self._tensors is None else None
+        for key, target in targets.items():
+            shape = list(self._tensors[key].shape) if self._tensors is not None and key in self._tensors else (
+                shapes.get(key) if shapes is not None else None)
+            if shape is None:
+                raise ConfigError(f"layer {layer!r}: model.init_from={self.path!r} has no {key!r}; "
+                                  f"it must hold the state dict of the unsplit model")
+            if shape != list(target.shape):
+                raise ConfigError(f"layer {layer!r}: {key!r} in model.init_from={self.path!r} has shape "
+                                  f"{shape}, the model's is {list(target.shape)}")
         with torch.no_grad():
-            for key, target in piece.state_dict(keep_vars=True).items():
-                source = keys.get(key, key)
-                if source not in tensors:
-                    raise ConfigError(f"layer {layer!r}: model.init_from={self.path!r} has no {source!r}; "
-                                      f"the file must be the state dict of the unsplit model")
-                value = tensors[source]
-                if value.shape != target.shape:
-                    raise ConfigError(f"layer {layer!r}: {source!r} in model.init_from={self.path!r} has shape "
-                                      f"{list(value.shape)}, the model's is {list(target.shape)}")
-                target.copy_(value)
+            if self._tensors is not None:
+                for key, target in targets.items():
+                    target.copy_(self._tensors[key])
+            elif targets:
+                from torch.distributed.checkpoint import load
+
+                load({key: t.data for key, t in targets.items()}, checkpoint_id=self.path, no_dist=True)

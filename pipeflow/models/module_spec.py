@@ -84,7 +84,7 @@ class _Layers:
         lost = meta_buffers(piece)
         if self.file is not None:
             zero_parameters(piece, torch.device("cpu"))
-            self.file.load_into(piece, {}, plan.name)
+            self.file.load_into(piece, plan.name)
             needed = [name for name, persistent, resets in lost if not persistent and not resets]
         else:
             if is_meta(piece) or lost:
