@@ -18,7 +18,7 @@ from pipeflow.errors import ConfigError
 from pipeflow.models import from_module, run_layers
 from pipeflow.models.traced import UntraceableModelError
 from pipeflow.runtime.tied import tie_in_place
-from toy_models import SEQUENTIAL_GROUPS, SKIP_SPLIT_POINTS, DataDependent, SkipNet, mlp_sequential
+from toy_models import SEQUENTIAL_GROUPS, SKIP_SPLIT_POINTS, DataDependent, SizeAcross, SkipNet, mlp_sequential
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.your_module import GPT, split_gpt  # noqa: E402
@@ -178,6 +178,12 @@ def test_untraceable_forward_names_the_construct_and_the_other_forms() -> None:
         from_module(SkipNet, split_points=["nowhere"])
     with pytest.raises(ConfigError, match=r"list split_points in forward order"):
         from_module(SkipNet, split_points=["b2", "b1"])
+
+
+def test_a_non_tensor_crossing_a_split_point_is_refused_by_name() -> None:
+    layers = from_module(SizeAcross, split_points=["b"]).build_all()
+    with pytest.raises(ConfigError, match=r"traced value 'size' \(a int, not a tensor\) is made before split point 'b'"):
+        run_layers(layers, torch.randn(2, 4))
 
 
 # ----------------------------------------------------------------- init_from

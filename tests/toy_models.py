@@ -176,3 +176,17 @@ class DataDependent(nn.Module):
         if h.sum() > 0:
             return self.b(h)
         return h
+
+
+class SizeAcross(nn.Module):
+    """A forward whose int (x.size(1)) is made before a split point and used after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """b(a(x)) viewed as (B, 2, width / 2)."""
+        width = x.size(1)
+        return self.b(self.a(x)).view(-1, 2, width // 2)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch.fx as fx
-from torch import nn
+from torch import Tensor, nn
 
 from pipeflow.errors import ConfigError
 
@@ -73,6 +73,21 @@ def trace(root: nn.Module) -> fx.Graph:
             f"from_module(model, before=[...], blocks='<path of the ModuleList>', after=[...], before_fn=..., "
             f"after_fn=...) (model.before / model.blocks / model.after), or pass an nn.Sequential"
         ) from exc
+
+
+def crossing(value: Any, name: str, point: str) -> Any:
+    """`value`, checked to be a tensor: only tensors travel between pipeline stages.
+
+    Raises:
+        ConfigError: naming the value, where it crosses and what to do.
+    """
+    if not isinstance(value, Tensor):
+        raise ConfigError(
+            f"the traced value {name!r} (a {type(value).__name__}, not a tensor) is made before split point "
+            f"{point!r} and used after it: only tensors travel between stages. Compute it after the split point "
+            f"(e.g. take x.size(1) inside the later module), move the split point, or use the blocks form")
+    return value
+
 
 
 def _scopes(node: fx.Node) -> list[str]:
@@ -146,7 +161,10 @@ def split_graph(graph: fx.Graph, split_points: Sequence[str], names: Sequence[st
         else:
             # a value only passed through (a skip connection) leaves as a view: the stage frees the
             # storage of its outputs after sending them, and this one is still an input of the part
-            outs = [g.call_method("view_as", (env[v], env[v])) if v in live_in[k] else env[v] for v in live_in[k + 1]]
+            outs = []
+            for v in live_in[k + 1]:
+                out = g.call_function(crossing, (env[v], v.name, split_points[k]))
+                outs.append(g.call_method("view_as", (out, out)) if v in live_in[k] else out)
             g.output(outs[0] if len(outs) == 1 else tuple(outs))
         paths = sorted({str(n.target) for n in g.nodes if n.op in ("call_module", "get_attr")})
         parts.append(TracedPart(names[k], g, paths))
