@@ -6,6 +6,7 @@ differences of loss, gradients and parameters seen on this rank.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -91,6 +92,17 @@ def module_spec(model: str) -> ModelSpec:
     raise ValueError(f"unknown from_module case {model!r}")
 
 
+def unsplit_module(model: str) -> torch.nn.Module:
+    """The nn.Module that `module_spec(model)` splits, built whole (the reference)."""
+    if model == "module_seq":
+        return mlp_sequential()
+    if model == "module_gpt_tied":
+        from examples.your_module import GPT
+
+        return GPT(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16)
+    return SkipNet()
+
+
 def make_batch(model: str, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets for `model` (images are 3 x 8 x 8)."""
     if model == "resnet18":
@@ -120,7 +132,7 @@ def split_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, m: int) -> tup
 
 def equivalence(
     model: str, schedule: str, m: int, steps: int = 3, batch: int = BATCH, clip: float = 0.0,
-    reversed_placement: bool = False, runtime: str = "default",
+    reversed_placement: bool = False, runtime: str = "default", against_module: bool = False,
 ) -> dict[str, float]:
     """Train `steps` AdamW steps pipelined and unsplit; return worst relative differences.
 
@@ -133,6 +145,8 @@ def equivalence(
     With `clip` > 0, gradients are clipped by the global norm on both sides (pipelined: one
     all-reduce over the stages; unsplit: torch.nn.utils.clip_grad_norm_) before the step.
     With `reversed_placement`, rank r's stages run on rank p-1-r (``pipeline.stage_to_rank``).
+    With `against_module` (from_module's models), the reference is the user's own nn.Module, its
+    forward unchanged, loaded with the weights from_module made; parameters pair by name.
     """
     p = dist.get_world_size()
     spec = make_spec(model)
@@ -155,14 +169,21 @@ def equivalence(
         for layer, idx in zip(stage.module, ranges[s])
         for mine, ref in zip(layer.parameters(), reference[idx].parameters())
     ]
-    mine_params = unique_parameters([[a for a, _ in pairs]])
     ref_params = unique_parameters(layer.parameters() for layer in reference)
+    forward = functools.partial(run_layers, reference)
+    if against_module:
+        module = unsplit_module(model).to(DTYPE)
+        module.load_state_dict({k: v for layer in reference for k, v in layer.state_dict().items()})
+        pairs = [(mine, module.get_parameter(name)) for stage in pipe.stages.values()
+                 for layer in stage.module for name, mine in layer.named_parameters()]
+        ref_params, forward = list(module.parameters()), module
+    mine_params = unique_parameters([[a for a, _ in pairs]])
     opt_pipe = torch.optim.AdamW(mine_params, lr=1e-2)
     opt_ref = torch.optim.AdamW(ref_params, lr=1e-2)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses_compared": 0, "params_compared": len(pairs)}
     for step in range(steps):
         x, y = make_batch(model, batch, seed=step)
-        loss_ref = spec.loss_fn(run_layers(reference, x), y)
+        loss_ref = spec.loss_fn(forward(x), y)
         loss_ref.backward()
         loss = pipe.run(*split_batch(pipe, x, y, m))
         tied.reduce_grads()

@@ -67,8 +67,9 @@ def _equivalence_cases() -> list[tuple[str, object]]:
         # comm.recvs_ahead=auto: one step ahead, one at-step, then the choice (4 steps)
         ("eq-masked_mlp-1f1b-m4-auto", functools.partial(cases.equivalence, "masked_mlp", "1f1b", 4, steps=4, runtime="auto")),
     ]
-    modules = [  # pipeflow.models.from_module: an nn.Sequential, the blocks form (tied), the traced form (a skip)
-        (f"eq-{model}-{schedule}-m{m}", functools.partial(cases.equivalence, model, schedule, m))
+    modules = [  # pipeflow.models.from_module: an nn.Sequential, the blocks form (tied), the traced form (a skip),
+        # each against the user's own nn.Module (its forward unchanged) with the weights from_module made
+        (f"eq-{model}-{schedule}-m{m}", functools.partial(cases.equivalence, model, schedule, m, against_module=True))
         for model in ("module_seq", "module_gpt_tied", "module_traced_skip")
         for schedule, m in (("1f1b", 4), ("gpipe", 3))
     ]
