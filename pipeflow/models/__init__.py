@@ -5,6 +5,9 @@ A model is named by its builder's import path, the one way a config names a mode
 it for you). There is no name table to register into: write a function that returns a
 `ModelSpec` and point ``_target_`` at it. In Python, import the builder; `get_model_builder`
 looks up a built-in one by its short name (``gpt`` is ``pipeflow.models.build_gpt``).
+
+An ``nn.Module`` you already have needs no rewriting: `from_module` splits it into layers
+(``model=module`` / ``model=torchvision`` from the config; see docs/models.md).
 """
 from __future__ import annotations
 

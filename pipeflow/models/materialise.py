@@ -128,20 +128,16 @@ def copy_buffers(piece: nn.Module, source: nn.Module, names: list[str]) -> None:
             target._buffers[leaf] = value.detach().clone()
 
 
-def materialise(
-    piece: nn.Module, names: Mapping[str, str] | None = None, init: InitHook | None = None,
-    device: torch.device | str = "cpu",
-) -> nn.Module:
+def materialise(piece: nn.Module, init: InitHook | None = None, device: torch.device | str = "cpu") -> nn.Module:
     """Give `piece` real parameters on `device`, initialised as its modules initialise themselves.
 
     Parameters start at zero (so one that no module resets is deterministic), then every
-    submodule's ``reset_parameters`` runs, then ``init(name, module)`` for every submodule, where
-    `name` is its qualified name in the whole model (``names[<name in piece>]``; default: the
-    name in the piece). Call it under a seeded RNG for reproducible weights.
+    submodule's ``reset_parameters`` runs, then ``init(name, module)`` for every submodule, `name`
+    being its path in the piece, which is its path in the whole model (`pieces.Piece` and traced
+    parts keep the model's paths). Call it under a seeded RNG for reproducible weights.
 
     Args:
         piece: a module whose parameters are on the meta device (buffers may be real).
-        names: name in `piece` -> name in the whole model, for the init hook.
         init: the per-layer init hook (e.g. GPT-2's scaled init of residual projections).
         device: where the parameters go.
 
@@ -153,7 +149,7 @@ def materialise(
         reset_all(piece)
         if init is not None:
             for name, sub in piece.named_modules():
-                init(names.get(name, name) if names else name, sub)
+                init(name, sub)
     return piece
 
 
