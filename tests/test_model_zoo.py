@@ -97,7 +97,8 @@ def test_convnext_split_equals_torchvision_and_is_initialised_like_it() -> None:
     spec = _recipe_spec(_small_convnext, zoo.CONVNEXT)
     layers = _equals_reference(spec, _small_convnext(), _images())
     blocks = [m for layer in layers for m in layer.modules() if isinstance(m, CNBlock)]
-    assert len(blocks) == 5 and all(torch.all(b.layer_scale == torch.tensor(1e-6, dtype=torch.float32).double()) for b in blocks)
+    scale = torch.tensor(1e-6, dtype=torch.float32).double()  # built in float32, then cast
+    assert len(blocks) == 5 and all(torch.all(b.layer_scale == scale) for b in blocks)
     assert all(b.stochastic_depth.p == 0.0 for b in blocks)  # off: runs are reproducible
 
 

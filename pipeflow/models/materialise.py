@@ -178,7 +178,8 @@ class StateDictFile:
             loaded: Any = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
         except FileNotFoundError:
             raise ConfigError(f"model.init_from={self.path!r} does not exist; give a file written by "
-                              f"torch.save(model.state_dict(), path) or a torch.distributed.checkpoint directory") from None
+                              f"torch.save(model.state_dict(), path) or a torch.distributed.checkpoint "
+                              f"directory") from None
         except IsADirectoryError:
             self._shapes = self._dcp_shapes()
             return

@@ -78,7 +78,10 @@ class _Layers:
     def build(self, k: int) -> nn.Module:
         """Build layer `k` (called by ModelSpec under the layer's seeded RNG)."""
         plan = self.plans[k]
-        piece = traced.build_part(self.root, plan.part) if plan.part is not None else cut(self.root, plan.paths, plan.adapter)
+        if plan.part is not None:
+            piece: nn.Module = traced.build_part(self.root, plan.part)
+        else:
+            piece = cut(self.root, plan.paths, plan.adapter)
         if torch.get_default_device().type == "meta":  # counting parameters: keep it on meta
             return piece
         lost = meta_buffers(piece)

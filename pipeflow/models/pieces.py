@@ -31,7 +31,7 @@ def resolve(root: nn.Module, path: str) -> Any:
             obj = getattr(obj, part)
         else:
             parent = path.rpartition(".")[0] or "<the model>"
-            known = sorted(obj._modules) + sorted(obj._parameters) + sorted(obj._buffers) if isinstance(obj, nn.Module) else []
+            known = [*obj._modules, *obj._parameters, *obj._buffers] if isinstance(obj, nn.Module) else []
             raise ConfigError(f"{type(root).__name__} has no submodule, parameter or buffer {path!r}; "
                               f"{parent} holds {known}")
     return obj

@@ -111,6 +111,42 @@ class TracedPart:
     paths: list[str]
 
 
+def _starts(nodes: list[fx.Node], split_points: Sequence[str]) -> list[int]:
+    """The index of the first node inside each split point, checked to increase."""
+    starts: list[int] = []
+    for point in split_points:
+        first = next((i for i, n in enumerate(nodes) if _inside(n, point)), None)
+        if first is None:
+            raise ConfigError(f"split point {point!r} is not called in the traced forward; name a submodule "
+                              f"that forward runs (model.split_points)")
+        if starts and first <= starts[-1]:
+            raise ConfigError(f"split point {point!r} runs before the split point listed ahead of it; list "
+                              f"split_points in forward order: {list(split_points)}")
+        starts.append(first)
+    return starts
+
+
+def _part_graph(body: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node] | None, result: Any,
+                point: str | None) -> fx.Graph:
+    """A graph taking `inputs`, running `body`, returning `outputs` (or `result`, the last part's)."""
+    g, env = fx.Graph(), {}
+    for v in inputs:
+        env[v] = g.placeholder(v.name)
+    for n in body:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    if outputs is None:
+        g.output(fx.map_arg(result, lambda a: env[a]))
+        return g
+    outs = []
+    for v in outputs:
+        out = g.call_function(crossing, (env[v], v.name, point))
+        # a value only passed through (a skip connection) leaves as a view: the stage frees the
+        # storage of its outputs after sending them, and this one is still an input of the part
+        outs.append(g.call_method("view_as", (out, out)) if v in inputs else out)
+    g.output(outs[0] if len(outs) == 1 else tuple(outs))
+    return g
+
+
 def split_graph(graph: fx.Graph, split_points: Sequence[str], names: Sequence[str]) -> list[TracedPart]:
     """Cut `graph` before the first node inside each split point (see the module docstring).
 
@@ -123,26 +159,12 @@ def split_graph(graph: fx.Graph, split_points: Sequence[str], names: Sequence[st
         ConfigError: a split point never runs in the forward, or the points are out of order.
     """
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    starts = []
-    for point in split_points:
-        first = next((i for i, n in enumerate(nodes) if _inside(n, point)), None)
-        if first is None:
-            raise ConfigError(f"split point {point!r} is not called in the traced forward; name a submodule "
-                              f"that forward runs (model.split_points)")
-        if starts and first <= starts[-1]:
-            raise ConfigError(f"split point {point!r} runs before the split point listed ahead of it; list "
-                              f"split_points in forward order: {list(split_points)}")
-        starts.append(first)
-    part_of = {}
-    bounds = [0, *starts, len(nodes)]
-    for k in range(len(bounds) - 1):
-        for n in nodes[bounds[k]:bounds[k + 1]]:
-            part_of[n] = k
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output = next(n for n in graph.nodes if n.op == "output")
+    bounds = [0, *_starts(nodes, split_points), len(nodes)]
     last = len(bounds) - 2
-    for n in placeholders:
-        part_of[n] = -1
+    part_of = {n: k for k in range(last + 1) for n in nodes[bounds[k]:bounds[k + 1]]}
+    part_of.update({n: -1 for n in placeholders})
     part_of[output] = last
     defined = placeholders + nodes
     # live_in[k]: values made before part k and used by part k or later, in order of definition
@@ -151,21 +173,9 @@ def split_graph(graph: fx.Graph, split_points: Sequence[str], names: Sequence[st
     ]
     parts = []
     for k in range(last + 1):
-        g, env = fx.Graph(), {}
-        for v in live_in[k]:
-            env[v] = g.placeholder(v.name)
-        for n in nodes[bounds[k]:bounds[k + 1]]:
-            env[n] = g.node_copy(n, lambda a: env[a])
-        if k == last:
-            g.output(fx.map_arg(output.args[0], lambda a: env[a]))
-        else:
-            # a value only passed through (a skip connection) leaves as a view: the stage frees the
-            # storage of its outputs after sending them, and this one is still an input of the part
-            outs = []
-            for v in live_in[k + 1]:
-                out = g.call_function(crossing, (env[v], v.name, split_points[k]))
-                outs.append(g.call_method("view_as", (out, out)) if v in live_in[k] else out)
-            g.output(outs[0] if len(outs) == 1 else tuple(outs))
+        outputs = None if k == last else live_in[k + 1]
+        g = _part_graph(nodes[bounds[k]:bounds[k + 1]], live_in[k], outputs, output.args[0],
+                        None if k == last else split_points[k])
         paths = sorted({str(n.target) for n in g.nodes if n.op in ("call_module", "get_attr")})
         parts.append(TracedPart(names[k], g, paths))
     return parts
