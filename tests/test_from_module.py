@@ -237,3 +237,28 @@ def test_init_from_reads_a_distributed_checkpoint_directory(tmp_path: Path) -> N
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"is a directory but not a torch.distributed.checkpoint"):
         from_module(mlp_sequential, init_from=str(tmp_path / "empty")).build_layers([0])
+
+
+class SizedByABuffer(nn.Module):
+    """A constructor that reads a tensor's value (.item()): it cannot run on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("width", torch.tensor(3))
+        self.blocks = nn.ModuleList([nn.Linear(int(self.width.item()), 3), nn.Linear(3, 2)])
+
+
+def test_a_constructor_that_needs_values_runs_with_real_buffers() -> None:
+    spec = from_module(SizedByABuffer, before=["width"], before_fn=lambda m, x: x * m.width, blocks="blocks")
+    layers = spec.build_all()
+    assert torch.equal(layers[0].get_buffer("width"), torch.tensor(3))
+    assert run_layers(layers, torch.ones(1, 3)).shape == (1, 2)
+
+
+def test_a_meta_module_whose_buffers_cannot_be_recomputed_is_refused() -> None:
+    with torch.device("meta"):
+        model = WithBuffer()
+    spec = from_module(model, before=["inp"], blocks="blocks")
+    spec.build_layers([0])  # nn.Linear resets itself
+    with pytest.raises(ConfigError, match=r"\['blocks.0.scale'\] were made on the meta device.*pass the model's constructor"):
+        spec.build_layers([1])
