@@ -140,9 +140,10 @@ def _part_graph(body: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Nod
     outs = []
     for v in outputs:
         out = g.call_function(crossing, (env[v], v.name, point))
-        # a value only passed through (a skip connection) leaves as a view: the stage frees the
-        # storage of its outputs after sending them, and this one is still an input of the part
-        outs.append(g.call_method("view_as", (out, out)) if v in inputs else out)
+        # a value only passed through (a skip connection) leaves as a copy: an output must not share
+        # storage with an input, which the stage keeps for backward and the runtime may receive
+        # into a pooled buffer, nor be freed after its send while this part's backward needs it
+        outs.append(g.call_method("clone", (out,)) if v in inputs else out)
     g.output(outs[0] if len(outs) == 1 else tuple(outs))
     return g
 
