@@ -6,6 +6,7 @@ differences of loss, gradients and parameters seen on this rank.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -19,12 +20,12 @@ from pipeflow.planning.partition import partition_layers
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.schedules import PipelineSchedule, build_schedule
-from pipeflow.models import build_gpt
-from pipeflow.models.resnet import build_resnet
+from pipeflow.models import build_gpt, from_module
+from pipeflow.models.zoo import build_resnet
 from pipeflow.runtime.stage import as_tuple, build_stages, layers_by_index
 from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.run.trainer import clip_grad_norm_global, unique_parameters
-from toy_models import build_toy, random_batch
+from toy_models import SKIP_SPLIT_POINTS, SkipNet, build_toy, mlp_sequential, random_batch
 
 DTYPE = torch.float64
 BATCH = 24  # divisible by every micro-batch count tested: 1, 2, 3, 4, 6, 8, 12, 24
@@ -64,6 +65,8 @@ def make_spec(model: str) -> ModelSpec:
         from examples.custom_model import build_residual_mlp
 
         return build_residual_mlp(in_features=32, hidden=16, num_layers=4, num_classes=10)
+    if model.startswith("module_"):  # an existing nn.Module split by from_module (tests/toy_models.py)
+        return module_spec(model)
     if model == "gpt8":  # 8 layers: two chunks on each of 4 ranks
         return build_toy("gpt", n_layer=6)
     if model == "gpt_packed":  # fed (tokens, document ids): packed documents
@@ -73,11 +76,40 @@ def make_spec(model: str) -> ModelSpec:
     return build_toy(model)
 
 
+def module_spec(model: str) -> ModelSpec:
+    """from_module's three forms, each given a constructor: ``module_seq`` (an nn.Sequential, a
+    child per layer), ``module_gpt_tied`` (examples/your_module.py's GPT, blocks form: an adapter
+    before the blocks, the head tied to the token embedding, GPT-2 init per layer) and
+    ``module_traced_skip`` (SkipNet traced, its first activation skipping three split points)."""
+    if model == "module_seq":
+        return from_module(mlp_sequential)
+    if model == "module_gpt_tied":
+        from examples.your_module import split_gpt
+
+        return split_gpt(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16)
+    if model == "module_traced_skip":
+        return from_module(SkipNet, split_points=SKIP_SPLIT_POINTS)
+    raise ValueError(f"unknown from_module case {model!r}")
+
+
+def unsplit_module(model: str) -> torch.nn.Module:
+    """The nn.Module that `module_spec(model)` splits, built whole (the reference)."""
+    if model == "module_seq":
+        return mlp_sequential()
+    if model == "module_gpt_tied":
+        from examples.your_module import GPT
+
+        return GPT(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16)
+    return SkipNet()
+
+
 def make_batch(model: str, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets for `model` (images are 3 x 8 x 8)."""
     if model == "resnet18":
         gen = torch.Generator().manual_seed(seed)
         return torch.randn(batch, 3, 8, 8, generator=gen, dtype=DTYPE), torch.randint(10, (batch,), generator=gen)
+    if model.startswith("module_"):
+        return random_batch("gpt" if model == "module_gpt_tied" else "mlp", batch, seed=seed)
     kind = "mlp" if model == "residual_mlp" else model.removesuffix("8").removesuffix("_tied")
     return random_batch(kind, batch, seed=seed)
 
@@ -100,7 +132,7 @@ def split_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, m: int) -> tup
 
 def equivalence(
     model: str, schedule: str, m: int, steps: int = 3, batch: int = BATCH, clip: float = 0.0,
-    reversed_placement: bool = False, runtime: str = "default",
+    reversed_placement: bool = False, runtime: str = "default", against_module: bool = False,
 ) -> dict[str, float]:
     """Train `steps` AdamW steps pipelined and unsplit; return worst relative differences.
 
@@ -113,6 +145,8 @@ def equivalence(
     With `clip` > 0, gradients are clipped by the global norm on both sides (pipelined: one
     all-reduce over the stages; unsplit: torch.nn.utils.clip_grad_norm_) before the step.
     With `reversed_placement`, rank r's stages run on rank p-1-r (``pipeline.stage_to_rank``).
+    With `against_module` (from_module's models), the reference is the user's own nn.Module, its
+    forward unchanged, loaded with the weights from_module made; parameters pair by name.
     """
     p = dist.get_world_size()
     spec = make_spec(model)
@@ -135,14 +169,21 @@ def equivalence(
         for layer, idx in zip(stage.module, ranges[s])
         for mine, ref in zip(layer.parameters(), reference[idx].parameters())
     ]
-    mine_params = unique_parameters([[a for a, _ in pairs]])
     ref_params = unique_parameters(layer.parameters() for layer in reference)
+    forward = functools.partial(run_layers, reference)
+    if against_module:
+        module = unsplit_module(model).to(DTYPE)
+        module.load_state_dict({k: v for layer in reference for k, v in layer.state_dict().items()})
+        pairs = [(mine, module.get_parameter(name)) for stage in pipe.stages.values()
+                 for layer in stage.module for name, mine in layer.named_parameters()]
+        ref_params, forward = list(module.parameters()), module
+    mine_params = unique_parameters([[a for a, _ in pairs]])
     opt_pipe = torch.optim.AdamW(mine_params, lr=1e-2)
     opt_ref = torch.optim.AdamW(ref_params, lr=1e-2)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "losses_compared": 0, "params_compared": len(pairs)}
     for step in range(steps):
         x, y = make_batch(model, batch, seed=step)
-        loss_ref = spec.loss_fn(run_layers(reference, x), y)
+        loss_ref = spec.loss_fn(forward(x), y)
         loss_ref.backward()
         loss = pipe.run(*split_batch(pipe, x, y, m))
         tied.reduce_grads()
@@ -343,3 +384,19 @@ def only_own_layers(m: int = 4) -> str:
     except RuntimeError as exc:
         return f"built only own layers; foreign build raised: {exc}"
     return "foreign build did not raise"
+
+
+def module_own_bytes(model: str = "module_gpt_tied", m: int = 4) -> dict[str, int]:
+    """from_module on this rank, under tensor accounting: the spec (the model built on meta) and
+    this rank's layers; returns the bytes allocated, its layers' bytes and the whole model's."""
+    from tensor_accounting import AllocatedBytes, held_bytes
+
+    schedule = build_schedule("1f1b", dist.get_world_size(), m)
+    with AllocatedBytes() as acc:
+        spec = make_spec(model)
+        ranges = partition_layers(len(spec.layers), schedule.num_stages, names=spec.layer_names())
+        own = [i for s in schedule.stages_of(dist.get_rank()) for i in ranges[s]]
+        layers = spec.build_layers(own)
+    with torch.device("meta"):
+        whole = held_bytes(spec.build_all())
+    return {"allocated": acc.total, "own": held_bytes(layers), "whole": whole}

@@ -65,6 +65,33 @@ def test_custom_model_example_runs_under_torchrun_with_balance_and_placement(tmp
     assert last < first / 2
 
 
+def test_a_torchvision_model_through_the_config_group_trains_under_torchrun(tmp_path: Path) -> None:
+    """model=torchvision: torchvision's resnet18, unmodified, split by from_module, each rank
+    materialising only its own layers."""
+    run = torchrun(2, "model=torchvision", "model.name=resnet18", "data=fakedata", "data.fake_size=16",
+                   "data.batch_size=8", "pipeline.num_microbatches=2", "train.max_steps=16", "train.eval_every=0",
+                   "train.log_every=5", "optim.warmup_steps=3", "pipeline.profile=false", "metrics.tensorboard=false",
+                   f"train.run_dir={tmp_path}")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^0 +\| 0 +\| stem\.\.", run.stdout, re.M) and re.search(r"\.\.head +\|", run.stdout), run.stdout
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", run.stdout).groups())
+    assert last < first / 2
+
+
+def test_your_module_example_trains_under_torchrun_with_no_arguments(tmp_path: Path) -> None:
+    """examples/your_module.py: a plain GPT nn.Module split by from_module, no arguments."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           str(ROOT / "examples" / "your_module.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^0 +\| 0 +\| before\.\.blocks\.1 ", run.stdout, re.M), run.stdout  # the partition table
+    assert re.search(r"^1 +\| 1 +\| blocks\.2\.\.after ", run.stdout, re.M), run.stdout
+    first, last, val_first, val_last = map(float, re.search(
+        r"loss ([\d.]+) -> ([\d.]+) \| held-out loss ([\d.]+) -> ([\d.]+)", run.stdout).groups())
+    assert last < first - 1.5 and val_last < val_first - 1.5
+
+
 def test_torchrun_with_a_world_size_that_does_not_fit_exits_with_a_clear_error(tmp_path: Path) -> None:
     run = torchrun(2, *SMALL, "parallel.pp=4", f"train.run_dir={tmp_path}", timeout=120)
     assert run.returncode != 0

@@ -17,7 +17,8 @@ from pipeflow.run import config
 from pipeflow.run.config import model_schema, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMAS = [config.GPTModelConfig, config.MLPModelConfig, config.ResNetModelConfig, config.SleepModelConfig]
+SCHEMAS = [config.GPTModelConfig, config.MLPModelConfig, config.ResNetModelConfig, config.SleepModelConfig,
+           config.TorchvisionModelConfig, config.ModuleModelConfig]
 
 
 def _compose(*overrides: str):

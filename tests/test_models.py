@@ -160,7 +160,8 @@ def test_a_model_is_named_by_its_builder_import_path() -> None:
     """One registry: the import path a config's ``model._target_`` holds; a built-in's short name
     is ``pipeflow.models.build_<name>``, not an entry of a table to register into."""
     assert get_model_builder("gpt") is build_gpt
-    assert set(pipeflow.models.builtin_models()) == {"gpt", "mlp", "resnet", "resnet18", "resnet50", "sleep"}
+    assert set(pipeflow.models.builtin_models()) == {"gpt", "mlp", "module", "resnet", "resnet18", "resnet50", "sleep",
+                                                     "torchvision"}
     for name in ("nope", "pipeflow.models.gpt.build_gpt"):
         with pytest.raises(ConfigError) as err:
             get_model_builder(name)

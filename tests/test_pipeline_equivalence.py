@@ -67,7 +67,13 @@ def _equivalence_cases() -> list[tuple[str, object]]:
         # comm.recvs_ahead=auto: one step ahead, one at-step, then the choice (4 steps)
         ("eq-masked_mlp-1f1b-m4-auto", functools.partial(cases.equivalence, "masked_mlp", "1f1b", 4, steps=4, runtime="auto")),
     ]
-    return plain + tied + chunked + new + flexible + tied_v + own + resnet + clipped + runtimes
+    modules = [  # pipeflow.models.from_module: an nn.Sequential, the blocks form (tied), the traced form (a skip),
+        # each against the user's own nn.Module (its forward unchanged) with the weights from_module made
+        (f"eq-{model}-{schedule}-m{m}", functools.partial(cases.equivalence, model, schedule, m, against_module=True))
+        for model in ("module_seq", "module_gpt_tied", "module_traced_skip")
+        for schedule, m in (("1f1b", 4), ("gpipe", 3))
+    ]
+    return plain + tied + chunked + new + flexible + tied_v + own + resnet + clipped + runtimes + modules
 
 
 VARIABLE_SCHEDULES = ("gpipe", "1f1b") + CHUNKED_SCHEDULES
@@ -104,6 +110,7 @@ def _all_cases() -> list[tuple[str, object]]:
         ("events", cases.events_recorded),
         ("events-zbv", functools.partial(cases.events_recorded, "gpt", 8, "zbv", n_layer=6)),
         ("only-own-layers", cases.only_own_layers),
+        ("module-own-bytes", cases.module_own_bytes),
         ("shape-change-error", cases.shape_change_is_an_error),  # breaks the group: last
     ]
 
@@ -178,6 +185,14 @@ def test_each_rank_builds_only_its_own_layers(world) -> None:
 def test_auto_measures_one_transfer_cost_for_every_rank(world) -> None:
     values = _values(world[1]["transfer-time"])
     assert len(set(values)) == 1 and 0 < values[0] < 10, values
+
+
+def test_from_module_materialises_only_this_ranks_layers(world) -> None:
+    """Built from a constructor, the model exists whole only on the meta device: the bytes a rank
+    allocates while building the spec and its layers stay within 1.1x of its own layers'."""
+    for rank, v in enumerate(_values(world[1]["module-own-bytes"])):
+        assert 0 < v["own"] < 0.7 * v["whole"], f"rank {rank}: {v}"  # a rank holds a part: the bound bites
+        assert v["allocated"] <= 1.1 * v["own"], f"rank {rank}: allocated {v['allocated']} B, own layers {v['own']} B"
 
 
 def test_send_recv_is_a_ring_exchange(world) -> None:

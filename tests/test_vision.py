@@ -1,4 +1,4 @@
-"""Tests for pipeflow.models.resnet (a flattened torchvision ResNet) and pipeflow.data.vision."""
+"""Tests for pipeflow.models.zoo (torchvision models split by from_module) and pipeflow.data.vision."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +12,7 @@ from torchvision.models.resnet import BasicBlock
 
 from pipeflow.errors import ConfigError
 from pipeflow.models import get_model_builder, run_layers
-from pipeflow.models.resnet import build_resnet, merge_state_dicts, split_state_dict
+from pipeflow.models.zoo import build_resnet, build_torchvision
 from pipeflow.data.vision import IMAGE_DATASETS, build_image_batches
 
 try:  # pytest puts tests/ on sys.path when tests/ is not a package
@@ -56,9 +56,17 @@ def test_chain_equals_one_sequential_of_the_same_modules() -> None:
     assert torch.equal(run_layers(layers, x), nn.Sequential(*layers)(x))
 
 
+def _merged(layers) -> dict:
+    merged = {}
+    for layer in layers:
+        merged.update(layer.state_dict())
+    return merged
+
+
 @pytest.mark.parametrize("small_input", [True, False])
 def test_equals_torchvision_resnet18(small_input: bool) -> None:
-    """Same parameter count, same state dict keys, and with copied weights the same logits."""
+    """Same parameter count, the layers' state dict keys are torchvision's, and with copied
+    weights the same logits."""
     spec = build_resnet("resnet18", num_classes=10, small_input=small_input)
     layers = spec.build_all(dtype=F64)
     ref = _cifar_torchvision_resnet18() if small_input else torchvision.models.resnet18(
@@ -66,8 +74,8 @@ def test_equals_torchvision_resnet18(small_input: bool) -> None:
     )
     ref = ref.to(F64)
     assert _num_params(layers) == _num_params([ref])
-    ours = merge_state_dicts(dict(zip(spec.layer_names(), layers)))
-    assert list(ours) == list(ref.state_dict())
+    ours = _merged(layers)
+    assert sorted(ours) == sorted(ref.state_dict())
     ref.load_state_dict(ours)
     for module in (*layers, ref):
         module.eval()
@@ -78,19 +86,22 @@ def test_equals_torchvision_resnet18(small_input: bool) -> None:
     torch.testing.assert_close(out, ref(x), rtol=0, atol=1e-12)
 
 
-def test_torchvision_weights_load_into_layers() -> None:
-    """The other way: split torchvision's state dict and load each part into its own layer."""
-    spec = build_resnet("resnet18")
+def test_torchvision_weights_load_into_layers(tmp_path: Path) -> None:
+    """The other way: model.init_from=<torchvision state dict>, each layer reading its own keys."""
     ref = _cifar_torchvision_resnet18().to(F64).eval()
-    parts = split_state_dict(ref.state_dict(), spec.layer_names())
+    torch.save(ref.state_dict(), tmp_path / "resnet18.pt")
+    spec = build_resnet("resnet18", init_from=str(tmp_path / "resnet18.pt"))
     layers = spec.build_all(dtype=F64)
-    for name, layer in zip(spec.layer_names(), layers):
-        layer.load_state_dict(parts[name])
+    for layer in layers:
         layer.eval()
     x = _images((2, 3, 32, 32), seed=1)
-    torch.testing.assert_close(run_layers(layers, x), ref(x), rtol=0, atol=1e-12)
-    with pytest.raises(ConfigError, match="'layer9.0.conv1.weight' belongs to no layer"):
-        split_state_dict({"layer9.0.conv1.weight": torch.zeros(1)}, spec.layer_names())
+    torch.testing.assert_close(run_layers(layers, x), ref(x), rtol=0, atol=0)
+    stem = {k: v for k, v in ref.state_dict().items() if k.startswith(("conv1.", "bn1."))}
+    torch.save(stem, tmp_path / "stem_only.pt")
+    partial = build_resnet("resnet18", init_from=str(tmp_path / "stem_only.pt"))
+    partial.build_layers([0])  # the stem reads only its own tensors
+    with pytest.raises(ConfigError, match="layer 'layer1.0': model.init_from=.* has no 'layer1.0.conv1.weight'"):
+        partial.build_layers([1])
 
 
 def test_resnet50_forward() -> None:
@@ -106,19 +117,20 @@ def test_building_one_layer_builds_only_that_block() -> None:
     assert _num_params(spec.build_layers([1])) == _num_params([BasicBlock(64, 64)])
     (down,) = spec.build_layers([spec.layer_names().index("layer2.0")])  # has a downsample
     assert _num_params([down]) == _num_params([ref.layer2[0]])
-    assert isinstance(down, BasicBlock) and down.downsample is not None
+    block = down.get_submodule("layer2.0")
+    assert isinstance(block, BasicBlock) and block.downsample is not None
 
 
 def test_init_like_torchvision_and_deterministic() -> None:
     spec = build_resnet("resnet18")
-    block = spec.build_layers([1])[0]
+    block = spec.build_layers([1])[0].get_submodule("layer1.0")
     assert torch.equal(block.bn1.weight, torch.ones(64))
     assert torch.equal(block.bn1.bias, torch.zeros(64))
     fan_out = 64 * 3 * 3  # kaiming normal, mode fan_out: std = sqrt(2 / fan_out)
     assert abs(block.conv1.weight.std().item() - (2 / fan_out) ** 0.5) < 0.005
-    again = spec.build_layers([1])[0]
+    again = spec.build_layers([1])[0].get_submodule("layer1.0")
     assert torch.equal(block.conv1.weight, again.conv1.weight)
-    zero = build_resnet("resnet50", zero_init_residual=True).build_layers([1])[0]
+    zero = build_resnet("resnet50", zero_init_residual=True).build_layers([1])[0].get_submodule("layer1.0")
     assert torch.equal(zero.bn3.weight, torch.zeros(256))
 
 
@@ -252,6 +264,15 @@ def test_fake_data_is_deterministic_and_leaves_the_global_rng() -> None:
     assert torch.equal(source.get(2)[0], x)
     val = build_image_batches("fakedata", "unused", batch_size=3, seed=0, train=False, fake_size=16)
     assert val.num_samples == 4 and not torch.equal(val.get(0)[0], source.get(0)[0][:3])
+
+
+def test_going_back_to_an_earlier_epoch_keeps_its_order() -> None:
+    """Evaluation restarts at batch 0 each time: with a val split smaller than a few batches the
+    epoch it asks for is older than the two cached ones, and must not be evicted on arrival."""
+    source = build_image_batches("fakedata", "unused", batch_size=8, seed=0, train=False, fake_size=16)
+    first = source.indices(0)
+    source.indices(3)  # epochs 6 and 7
+    assert torch.equal(source.indices(0), first)
 
 
 def test_resnet_trains_on_a_cifar_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

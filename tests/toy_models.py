@@ -127,3 +127,66 @@ def build_toy(kind: str, seed: int = 0, **sizes: Any) -> ModelSpec:
         dim, num_layers = sizes.get("dim", 16), sizes.get("num_layers", 4)
         return build_masked_mlp(dim=dim, num_layers=num_layers, seed=seed)
     raise ValueError(f"unknown kind {kind!r}; use 'gpt', 'mlp' or 'masked_mlp'")
+
+
+# ----------------------------------------------------------------- plain nn.Modules for from_module
+
+
+def mlp_sequential(in_features: int = 32, hidden: int = 16, num_classes: int = 10) -> nn.Sequential:
+    """A plain nn.Sequential classifier: children 0..6 (Linear, GELU, ..., Linear)."""
+    return nn.Sequential(nn.Linear(in_features, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                         nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, num_classes))
+
+
+SEQUENTIAL_GROUPS = [["0", "1"], ["2", "3"], ["4", "5"], ["6"]]
+
+
+class SkipNet(nn.Module):
+    """x -> h0 = inp(x) -> b1 -> b2 -> b3 -> out(h3 + h0): h0 skips over three split points."""
+
+    def __init__(self, in_features: int = 32, hidden: int = 16, num_classes: int = 10) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, hidden)
+        self.b1 = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+        self.b2 = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+        self.b3 = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits (B, num_classes)."""
+        h0 = F.gelu(self.inp(x))
+        h3 = self.b3(self.b2(self.b1(h0)))
+        return self.out(h3 + h0)
+
+
+SKIP_SPLIT_POINTS = ["b1", "b2", "b3"]
+
+
+class DataDependent(nn.Module):
+    """A forward that branches on a tensor's value: untraceable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """b(a(x)), or a(x) when its sum is negative."""
+        h = self.a(x)
+        if h.sum() > 0:
+            return self.b(h)
+        return h
+
+
+class SizeAcross(nn.Module):
+    """A forward whose int (x.size(1)) is made before a split point and used after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """b(a(x)) viewed as (B, 2, width / 2)."""
+        width = x.size(1)
+        return self.b(self.a(x)).view(-1, 2, width // 2)

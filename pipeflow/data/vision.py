@@ -121,8 +121,8 @@ class ImageBatches:
                 derive_seed("image-epoch", self.split, self.seed, epoch)
             )
             self._perms[epoch] = torch.randperm(self.num_samples, generator=gen)
-            while len(self._perms) > 2:
-                del self._perms[min(self._perms)]
+            while len(self._perms) > 2:  # the oldest other epoch (going back to epoch 0 must not evict it)
+                del self._perms[next(e for e in self._perms if e != epoch)]
         return self._perms[epoch]
 
 

@@ -5,6 +5,9 @@ A model is named by its builder's import path, the one way a config names a mode
 it for you). There is no name table to register into: write a function that returns a
 `ModelSpec` and point ``_target_`` at it. In Python, import the builder; `get_model_builder`
 looks up a built-in one by its short name (``gpt`` is ``pipeflow.models.build_gpt``).
+
+An ``nn.Module`` you already have needs no rewriting: `from_module` splits it into layers
+(``model=module`` / ``model=torchvision`` from the config; see docs/models.md).
 """
 from __future__ import annotations
 
@@ -13,21 +16,25 @@ from typing import Callable
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.mlp import build_mlp
-from pipeflow.models.resnet import build_resnet, build_resnet18, build_resnet50
+from pipeflow.models.module_spec import build_module, from_module
 from pipeflow.models.sleep import build_sleep
 from pipeflow.models.spec import LayerSpec, ModelSpec, derive_seed, run_layers
+from pipeflow.models.zoo import build_resnet, build_resnet18, build_resnet50, build_torchvision
 
 __all__ = [
     "LayerSpec",
     "ModelSpec",
     "build_gpt",
     "build_mlp",
+    "build_module",
     "build_resnet",
     "build_resnet18",
     "build_resnet50",
     "build_sleep",
+    "build_torchvision",
     "builtin_models",
     "derive_seed",
+    "from_module",
     "get_model_builder",
     "run_layers",
 ]

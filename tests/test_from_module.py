@@ -1,0 +1,264 @@
+"""pipeflow.models.from_module: an existing nn.Module as pipeline layers, in one process.
+
+Each form's layers, chained, equal the module's own forward with the same weights (the
+multi-rank float64 equivalence is in test_pipeline_equivalence.py); weights come from each
+layer's seed and its modules' own init, or from a state dict file of the unsplit model.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipeflow.errors import ConfigError
+from pipeflow.models import from_module, run_layers
+from pipeflow.models.traced import UntraceableModelError
+from pipeflow.runtime.tied import tie_in_place
+from toy_models import SEQUENTIAL_GROUPS, SKIP_SPLIT_POINTS, DataDependent, SizeAcross, SkipNet, mlp_sequential
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples.your_module import GPT, embed, split_gpt  # noqa: E402
+
+F64 = torch.float64
+GPT_SIZES = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16)
+
+
+def _layers(spec, dtype=F64):
+    layers = spec.build_all(dtype=dtype)
+    tie_in_place(spec, dict(enumerate(layers)))
+    return layers
+
+
+def _merged(layers) -> dict:
+    merged = {}
+    for layer in layers:
+        merged.update(layer.state_dict())
+    return merged
+
+
+def _same_as_module(layers, module: nn.Module, x) -> None:
+    """The chained layers equal `module` loaded with their weights (state dict keys are its own)."""
+    module = module.to(F64)
+    merged = _merged(layers)
+    assert set(merged) == set(module.state_dict())
+    module.load_state_dict(merged)
+    torch.testing.assert_close(run_layers(layers, x), module(x), rtol=0, atol=0)
+
+
+def _x(*shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=F64)
+
+
+# ----------------------------------------------------------------- nn.Sequential
+
+
+def test_a_sequential_is_a_layer_per_child_or_per_group() -> None:
+    spec = from_module(mlp_sequential)
+    assert spec.layer_names() == [str(k) for k in range(7)]
+    _same_as_module(_layers(spec), mlp_sequential(), _x(3, 32))
+    grouped = from_module(mlp_sequential, groups=SEQUENTIAL_GROUPS)
+    assert grouped.layer_names() == ["0+1", "2+3", "4+5", "6"]
+    _same_as_module(_layers(grouped), mlp_sequential(), _x(3, 32))
+    with pytest.raises(ConfigError, match=r"must list every child of the nn.Sequential once, in order"):
+        from_module(mlp_sequential, groups=[["0", "2"], ["1", "3", "4", "5", "6"]])
+
+
+def test_a_built_module_keeps_its_weights() -> None:
+    model = mlp_sequential().to(F64)
+    layers = from_module(model).build_all(dtype=F64)
+    x = _x(3, 32)
+    torch.testing.assert_close(run_layers(layers, x), model(x), rtol=0, atol=0)
+
+
+def test_weights_come_from_each_layers_seed() -> None:
+    a, b = from_module(mlp_sequential).build_layers([2])[0], from_module(mlp_sequential).build_layers([2])[0]
+    other = from_module(mlp_sequential, seed=1).build_layers([2])[0]
+    assert torch.equal(a.get_parameter("2.weight"), b.get_parameter("2.weight"))
+    assert not torch.equal(a.get_parameter("2.weight"), other.get_parameter("2.weight"))
+    assert a.get_parameter("2.weight").abs().sum() > 0  # nn.Linear's own reset_parameters ran
+
+
+def test_a_model_that_is_not_a_sequential_needs_a_form() -> None:
+    with pytest.raises(ConfigError, match=r"say how to split SkipNet: before=\[...\], blocks="):
+        from_module(SkipNet)
+
+
+# ----------------------------------------------------------------- the blocks form
+
+
+def test_blocks_form_equals_the_module_with_the_head_tied() -> None:
+    spec = split_gpt(**GPT_SIZES)
+    assert spec.layer_names() == ["before", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "after"]
+    assert spec.tied == {"tok_emb.weight": [("before", "tok_emb.weight"), ("after", "head.weight")]}
+    layers = _layers(spec)
+    assert layers[-1].get_parameter("head.weight") is layers[0].get_parameter("tok_emb.weight")
+    x = torch.randint(64, (3, 16))
+    _same_as_module(layers, GPT(**GPT_SIZES), x)
+
+
+def test_the_init_hook_repeats_the_constructors_own_init() -> None:
+    """GPT-2's init by name (N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer)) runs
+    per layer; without the hook each module keeps its own reset_parameters init."""
+    (block,) = split_gpt(**GPT_SIZES, seed=3).build_layers([1])
+    c_proj = block.get_submodule("blocks.0.c_proj")
+    assert abs(c_proj.weight.std().item() - 0.02 / (2 * 4) ** 0.5) < 0.002
+    assert torch.equal(c_proj.bias, torch.zeros_like(c_proj.bias))
+    (plain,) = from_module(functools.partial(GPT, **GPT_SIZES), before=["tok_emb", "pos_emb"], blocks="blocks",
+                           after=["ln_f", "head"], before_fn=lambda m, i: m.tok_emb(i)).build_layers([1])
+    assert not torch.equal(plain.get_submodule("blocks.0.c_proj").bias, torch.zeros(16))
+
+
+def test_blocks_form_errors_say_what_to_add() -> None:
+    gpt = functools.partial(GPT, **GPT_SIZES)
+    with pytest.raises(ConfigError, match=r"GPT.pos_emb.weight belongs to no layer: add the path"):
+        from_module(gpt, before=["tok_emb"], blocks="blocks", after=["ln_f", "head"])
+    with pytest.raises(ConfigError, match=r"has no submodule, parameter or buffer 'ln_final'"):
+        from_module(gpt, before=["tok_emb", "pos_emb"], blocks="blocks", after=["ln_final", "head"])
+    with pytest.raises(ConfigError, match=r"GPT.ln_f.weight is held by several layers"):
+        from_module(gpt, before=["tok_emb", "pos_emb", "ln_f"], blocks="blocks", after=["ln_f", "head"])
+    with pytest.raises(ConfigError, match=r"blocks='tok_emb' must name a module whose children are the blocks"):
+        from_module(gpt, before=["pos_emb"], blocks="tok_emb", after=[])
+
+
+class WithBuffer(nn.Module):
+    """A buffer computed in __init__ (no reset_parameters recomputes it) and a plain parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList(Scaled(k) for k in range(2))
+
+
+class Scaled(nn.Module):
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.arange(4.0) + k, persistent=False)
+        self.gain = nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, x):
+        return x * self.scale * self.gain
+
+
+def test_buffers_made_by_the_constructor_are_kept_parameters_without_init_start_at_zero() -> None:
+    spec = from_module(WithBuffer, before=["inp"], blocks="blocks")
+    layers = spec.build_all()
+    assert torch.equal(layers[2].get_buffer("blocks.1.scale"), torch.arange(4.0) + 1)
+    assert torch.equal(layers[1].get_parameter("blocks.0.gain"), torch.zeros(4))  # documented: init hook
+
+
+# ----------------------------------------------------------------- the traced form
+
+
+def test_traced_form_with_a_skip_across_split_points_equals_the_module() -> None:
+    spec = from_module(SkipNet, split_points=SKIP_SPLIT_POINTS)
+    assert len(spec) == 4
+    layers = _layers(spec)
+    x = _x(3, 32)
+    _same_as_module(layers, SkipNet(), x)
+    assert isinstance(run_layers(layers[:2], x), tuple)  # the skip travels beside the activation
+
+
+def test_traced_form_ties_a_shared_parameter() -> None:
+    spec = from_module(functools.partial(GPT, **GPT_SIZES), split_points=["blocks.2", "ln_f"])
+    assert [m[0] for m in spec.tied["tok_emb.weight"]] == ["part0", "part2"]
+    _same_as_module(_layers(spec), GPT(**GPT_SIZES), torch.randint(64, (2, 16)))
+
+
+def test_untraceable_forward_names_the_construct_and_the_other_forms() -> None:
+    with pytest.raises(UntraceableModelError) as err:
+        from_module(DataDependent, split_points=["b"])
+    text = str(err.value)
+    assert "toy_models.py" in text and "symbolically traced variables cannot be used as inputs to control flow" in text
+    assert "blocks form" in text and "nn.Sequential" in text
+    with pytest.raises(ConfigError, match=r"split point 'nowhere' is not called"):
+        from_module(SkipNet, split_points=["nowhere"])
+    with pytest.raises(ConfigError, match=r"list split_points in forward order"):
+        from_module(SkipNet, split_points=["b2", "b1"])
+
+
+def test_a_non_tensor_crossing_a_split_point_is_refused_by_name() -> None:
+    layers = from_module(SizeAcross, split_points=["b"]).build_all()
+    with pytest.raises(ConfigError, match=r"traced value 'size' \(a int, not a tensor\) is made before split point"):
+        run_layers(layers, torch.randn(2, 4))
+
+
+# ----------------------------------------------------------------- init_from
+
+
+def test_init_from_reproduces_the_unsplit_model(tmp_path: Path) -> None:
+    torch.manual_seed(7)
+    model = GPT(**GPT_SIZES)
+    path = tmp_path / "gpt.pt"
+    torch.save(model.state_dict(), path)
+    spec = from_module(functools.partial(GPT, **GPT_SIZES), before=["tok_emb", "pos_emb"], blocks="blocks",
+                       after=["ln_f", "head"], before_fn=embed, init_from=str(path))
+    layers = _layers(spec)
+    x = torch.randint(64, (3, 16))
+    torch.testing.assert_close(run_layers(layers, x), model.to(F64)(x), rtol=0, atol=0)
+
+
+def test_init_from_reads_only_the_layers_own_tensors(tmp_path: Path) -> None:
+    state = GPT(**GPT_SIZES).state_dict()
+    del state["blocks.3.c_fc.weight"]
+    torch.save(state, tmp_path / "partial.pt")
+    spec = from_module(functools.partial(GPT, **GPT_SIZES), before=["tok_emb", "pos_emb"], blocks="blocks",
+                       after=["ln_f", "head"], before_fn=embed,
+                       init_from=str(tmp_path / "partial.pt"))
+    spec.build_layers([0, 1, 2, 3, 5])  # the layers that do not need the missing tensor
+    with pytest.raises(ConfigError, match=r"layer 'blocks.3': model.init_from=.* has no 'blocks.3.c_fc.weight'"):
+        spec.build_layers([4])
+    with pytest.raises(ConfigError, match=r"model.init_from='nowhere.pt' does not exist"):
+        from_module(mlp_sequential, init_from="nowhere.pt").build_layers([0])
+
+
+def test_a_meta_device_pass_counts_parameters_without_materialising() -> None:
+    spec = from_module(mlp_sequential)
+    with torch.device("meta"):  # as planning.profile.count_layer_params builds a layer
+        layer = spec.layers[0].build()
+    assert layer.get_parameter("0.weight").device.type == "meta"
+
+
+def test_init_from_reads_a_distributed_checkpoint_directory(tmp_path: Path) -> None:
+    """model.init_from=<torch.distributed.checkpoint directory>: each layer loads its own keys."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(11)
+    model = GPT(**GPT_SIZES)
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    spec = from_module(functools.partial(GPT, **GPT_SIZES), before=["tok_emb", "pos_emb"], blocks="blocks",
+                       after=["ln_f", "head"], before_fn=embed,
+                       init_from=str(tmp_path / "dcp"))
+    x = torch.randint(64, (3, 16))
+    torch.testing.assert_close(run_layers(_layers(spec), x), model.to(F64)(x), rtol=0, atol=0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"is a directory but not a torch.distributed.checkpoint"):
+        from_module(mlp_sequential, init_from=str(tmp_path / "empty")).build_layers([0])
+
+
+class SizedByABuffer(nn.Module):
+    """A constructor that reads a tensor's value (.item()): it cannot run on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("width", torch.tensor(3))
+        self.blocks = nn.ModuleList([nn.Linear(int(self.width.item()), 3), nn.Linear(3, 2)])
+
+
+def test_a_constructor_that_needs_values_runs_with_real_buffers() -> None:
+    spec = from_module(SizedByABuffer, before=["width"], before_fn=lambda m, x: x * m.width, blocks="blocks")
+    layers = spec.build_all()
+    assert torch.equal(layers[0].get_buffer("width"), torch.tensor(3))
+    assert run_layers(layers, torch.ones(1, 3)).shape == (1, 2)
+
+
+def test_a_meta_module_whose_buffers_cannot_be_recomputed_is_refused() -> None:
+    with torch.device("meta"):
+        model = WithBuffer()
+    spec = from_module(model, before=["inp"], blocks="blocks")
+    spec.build_layers([0])  # nn.Linear resets itself
+    with pytest.raises(ConfigError, match=r"\['blocks.0.scale'\] were made on the meta device.*pass the model's constructor"):
+        spec.build_layers([1])
