@@ -127,3 +127,15 @@ def test_peak_memory_weighs_the_microbatches_in_flight_by_their_size() -> None:
     assert result.peak_memory == [7.0, 4.0] and result.peak_activations == [2, 1]
     assert simulate(schedule).peak_memory == [2.0, 1.0]  # sizes of 1: the pair counts
     assert rank_memory(schedule, [0.0, 0.0], [10.0, 10.0], microbatch_sizes=sizes) == [70.0, 40.0]
+
+
+def test_pool_leaves_a_buffer_something_else_still_shares() -> None:
+    """A stage that passes its input on sends a view of the buffer (and returns the received
+    gradient as its input gradient): until that is sent, the buffer must not be reused."""
+    pool = BufferPool(torch.device("cpu"))
+    meta = TensorMeta((2, 3), torch.float32, False)
+    a = pool.take(meta)
+    on_its_way = a.detach()  # what the outbox holds
+    pool.give([a])
+    assert pool.take(meta) is not a and pool.allocated == 2
+    del on_its_way

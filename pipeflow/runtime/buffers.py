@@ -4,8 +4,11 @@ A buffer a recv fills stays lent while anything of its micro-batch may still rea
 activation is a stage's input (kept by autograd until the micro-batch's last backward, W for a
 split one), a gradient starts that backward (and a split B keeps it for W).  The pipeline gives a
 stage's buffers of micro-batch i back after that last backward in training, and at the end of an
-evaluation pass.  Keys not taken during a pass are dropped at its end, so micro-batches of ever
-new shapes do not accumulate memory.
+evaluation pass.  A buffer whose storage something else still shares is not reused but left to
+the allocator: a stage that passes its input on (an identity, a skip connection) sends a view of
+the buffer, and its backward returns the received gradient itself as its input gradient, both
+still on their way to a peer.  Keys not taken during a pass are dropped at its end, so
+micro-batches of ever new shapes do not accumulate memory.
 """
 from __future__ import annotations
 
@@ -17,6 +20,22 @@ import torch
 from pipeflow.runtime.transport import TensorMeta
 
 _Key = tuple[tuple[int, ...], torch.dtype]
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """How many tensors hold `t`'s storage (views included), as torch counts them."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+try:
+    _ALONE = _storage_uses(torch.empty(1))  # the count of a tensor nothing else shares
+except (AttributeError, RuntimeError):  # a torch without the counter: never reuse a buffer
+    _ALONE = -1
+
+
+def _shared(t: torch.Tensor) -> bool:
+    """True unless `t` is the only tensor on its storage (or that cannot be told)."""
+    return _ALONE < 0 or _storage_uses(t) > _ALONE
 
 
 class BufferPool:
@@ -43,8 +62,11 @@ class BufferPool:
         return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
 
     def give(self, buffers: Iterable[torch.Tensor]) -> None:
-        """Return buffers nothing reads any more (autograd state cleared for their next use)."""
+        """Take back the buffers of a micro-batch done with them; each is reused (its autograd
+        state cleared) unless another tensor still shares its storage."""
         for t in buffers:
+            if _shared(t):
+                continue
             t.grad = None
             t.requires_grad_(False)
             self._free[(tuple(t.shape), t.dtype)].append(t)
