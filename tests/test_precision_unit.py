@@ -17,8 +17,10 @@ from test_cli import compose_config
 def test_dp_times_pp_layouts_are_accepted_and_precision_is_checked() -> None:
     assert check_config(compose_config("parallel.dp=2", "data.batch_size=32"), world_size=4) == (2, 2)
     assert check_config(compose_config("parallel.dp=4", "data.batch_size=32"), world_size=4) == (4, 1)
-    with pytest.raises(ConfigError, match=r"data.batch_size=24.*parallel.dp=2.*multiple of 16"):
-        check_config(compose_config("parallel.dp=2", "data.batch_size=24"), world_size=4)
+    # 24 rows over dp 2 x m 8: micro-batches of 2 and 1 rows (issue 23); fewer rows than 16 cannot be split
+    assert check_config(compose_config("parallel.dp=2", "data.batch_size=24"), world_size=4) == (2, 2)
+    with pytest.raises(ConfigError, match=r"data.batch_size=12.*parallel.dp=2.*at least 16"):
+        check_config(compose_config("parallel.dp=2", "data.batch_size=12"), world_size=4)
     with pytest.raises(ConfigError, match=r"train.precision='fp8' is not one of fp32, bf16, fp16"):
         check_config(compose_config("train.precision=fp8"), world_size=4)
     with pytest.raises(ConfigError, match=r"pipeline.checkpoint_activations=-1"):
