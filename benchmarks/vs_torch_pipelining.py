@@ -10,6 +10,8 @@ per-round ratios with their interquartile range.
     torchrun --nproc-per-node 4 benchmarks/vs_torch_pipelining.py --model gpt --hidden 128 \\
         --schedules gpipe 1f1b interleaved_1f1b zbv
     torchrun --nproc-per-node 4 benchmarks/vs_torch_pipelining.py --model sleep --schedules 1f1b zbv
+    torchrun --nproc-per-node 4 benchmarks/vs_torch_pipelining.py --model sleep --microbatches 6 \\
+        --schedules interleaved_1f1b interleaved_zb   # m not a multiple of p: torch's flexible rule
 
 Models: ``mlp`` (Linear + GELU layers of width --hidden, --layers-per-stage per stage), ``gpt``
 (pre-LN transformer blocks of width --hidden, sequences of --seq tokens), ``sleep`` (one sleep
@@ -53,6 +55,7 @@ TORCH_SCHEDULES = {  # pipeflow name -> torch.distributed.pipelining.schedules c
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
     "looped_bfs": "ScheduleLoopedBFS",
     "zbv": "ScheduleZBVZeroBubble",
     "dualpipev": "ScheduleDualPipeV",
