@@ -139,9 +139,11 @@ def _part_graph(body: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Nod
         return g
     outs = []
     for v in outputs:
-        # a value only passed through (a skip connection) leaves as it came: the runtime neither
-        # frees a sent output that aliases an input nor reuses a receive buffer still shared
-        outs.append(g.call_function(crossing, (env[v], v.name, point)))
+        out = g.call_function(crossing, (env[v], v.name, point))
+        # a value only passed through (a skip connection) leaves as a copy: an output must not share
+        # storage with an input, which the stage keeps for backward (the runtime frees a sent
+        # output's storage once it is sent)
+        outs.append(g.call_method("clone", (out,)) if v in inputs else out)
     g.output(outs[0] if len(outs) == 1 else tuple(outs))
     return g
 
