@@ -61,7 +61,7 @@ def candidates(p: int, m: int, args: argparse.Namespace) -> dict[str, object]:
     ranges = partition_layers(args.layers, p * v)
     per_stage = [sum(costs_ms[i] for i in r) / 1e3 for r in ranges]
     synthesis = synthesize(p, m, v, StageCosts(tuple(per_stage), tuple(per_stage), tuple(per_stage)),
-                           max_activations=args.limit)
+                           comm=args.comm_ms / 1e3, max_activations=args.limit)
     chosen["auto"] = synthesis.chosen.schedule
     return chosen
 
@@ -81,7 +81,7 @@ def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue) -> Non
         stages = build_stages(spec, ranges, schedule.stages_of(rank))
         pipes[name] = (Pipeline(stages, schedule, comm, posting=Posting(True)), schedule.num_stages)
         stage_s = [sum(costs_ms[i] for i in r) / 1e3 for r in ranges]
-        makespans[name] = simulate(schedule, costs=lambda a, c=stage_s: c[a.stage]).makespan
+        makespans[name] = simulate(schedule, costs=lambda a, c=stage_s: c[a.stage], comm_latency=args.comm_ms / 1e3).makespan
     times: dict[str, list[float]] = {name: [] for name in pipes}
     for step in range(args.warmup + args.steps * args.repeats):
         for name, (pipe, S) in pipes.items():
@@ -106,6 +106,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16, help="sleep layers (a multiple of every stage count)")
     parser.add_argument("--ms", type=float, default=5.0, help="F = B = W of a light layer")
     parser.add_argument("--heavy", type=float, default=2.0, help="cost factor of the last quarter of the layers")
+    parser.add_argument("--comm-ms", type=float, default=0.3,
+                        help="one hand-off between ranks, for auto's synthesis and every makespan (gloo here: ~0.3 ms)")
     parser.add_argument("--limit", type=float, default=None, help="micro-batches of a rank's share (default p)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
@@ -117,7 +119,8 @@ def main() -> None:
     best = min((name for name in results if name != "auto"), key=lambda n: results[n][0])
     rows = [
         f"{args.layers} sleep layers, the last quarter x{args.heavy:g} ({args.ms:g} ms F = B = W otherwise), "
-        f"p = {args.ranks}, m = {args.microbatches}, memory limit {args.limit:g} micro-batches of a rank's share; "
+        f"p = {args.ranks}, m = {args.microbatches}, memory limit {args.limit:g} micro-batches of a rank's share, "
+        f"{args.comm_ms:g} ms a hand-off; "
         f"median step of the slowest rank over {args.steps * args.repeats} steps each, round robin",
         "",
         "| schedule | median step (ms) | simulated makespan (ms) | measured / simulated | / best built-in |",
