@@ -76,7 +76,7 @@ def _equivalence_cases() -> list[tuple[str, object]]:
     return plain + tied + chunked + new + flexible + tied_v + own + resnet + clipped + runtimes + modules
 
 
-VARIABLE_SCHEDULES = ("gpipe", "1f1b") + CHUNKED_SCHEDULES
+VARIABLE_SCHEDULES = ("gpipe", "1f1b") + CHUNKED_SCHEDULES + NEW_SCHEDULES
 
 
 def _variable_cases() -> list[tuple[str, object]]:
