@@ -20,6 +20,8 @@ from pipeflow.data import TOKEN_DATA, build_batches, sequence_lengths, shard, sp
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
+from pipeflow.planning.auto import auto_for_layout
+from pipeflow.planning.comm_cost import measure_transfer_s
 from pipeflow.planning.layout import Layout, choose_layout
 from pipeflow.run import guard
 from pipeflow.run.config import check_config
@@ -35,8 +37,6 @@ from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dty
 from pipeflow.runtime.stage import build_stages, layers_by_index
 from pipeflow.runtime.tied import TiedWeights
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
-from pipeflow.planning.auto import auto_for_layout
-from pipeflow.planning.comm_cost import measure_transfer_s
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
 from pipeflow.schedules.auto import AUTO, write_schedule
 

@@ -257,7 +257,8 @@ class Trainer:
         if self.finite is not None:
             self.finite.raise_if_non_finite(reduced[1:], step, self.schedule.stage_to_rank, self.scaler)
         loss_finite = math.isfinite(reduced[0])
-        if not (loss_finite and math.isfinite(norm)) and not (loss_finite and self.scaler.enabled):
+        # a non-finite norm with a finite loss under fp16 is the loss scaler's overflow to skip
+        if not loss_finite or (not math.isfinite(norm) and not self.scaler.enabled):
             flags = nonfinite.stage_flags(self.stages, self.schedule.num_stages, self.device)
             dist.all_reduce(flags)  # only now, to name the stages: every rank saw the same norm
             stages = [s for s, flag in enumerate(flags.tolist()) if flag > 0]

@@ -243,10 +243,10 @@ class Pipeline:
         for op, entry in zip(ops, entries):
             if op.is_send:
                 continue
+            tensors = entry.tensors
             if op.payload == ACTIVATION:
-                for b, meta in zip(entry.tensors, self.shapes.metas(op.src_stage, op.microbatch)):
-                    b.requires_grad_(meta.requires_grad)
-            inbox[(op.payload, op.microbatch, op.dst_stage)] = entry.tensors
+                tensors = self._as_inputs(op.src_stage, op.microbatch, tensors)
+            inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
 
     def _describe(self, k: int, step: Step, ops: tuple[CommOp, ...], after: bool) -> str:
         if step.action is None:
@@ -331,8 +331,12 @@ class Pipeline:
         """Hand tensors to stage `dst`: directly when it is local, else queue them for sending."""
         if self._owner(dst) == self.rank:
             if payload == ACTIVATION:
-                metas = self.shapes.metas(src, i)
-                tensors = tuple(t.requires_grad_(m.requires_grad) for t, m in zip(tensors, metas))
+                tensors = self._as_inputs(src, i, tensors)
             inbox[(payload, i, dst)] = tensors
         else:
             outbox[(payload, i, src)] = tuple(t.contiguous() for t in tensors)
+
+    def _as_inputs(self, src: int, i: int, tensors: Tensors) -> Tensors:
+        """Stage `src`'s outputs for micro-batch i as the next stage's inputs: requiring grad
+        where the shape plan says (received or handed over on this rank)."""
+        return tuple(t.requires_grad_(m.requires_grad) for t, m in zip(tensors, self.shapes.metas(src, i)))
