@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["dist.backend=ncll"], r"dist.backend='ncll' is unknown; valid: nccl, gloo"),
         (["comm.recvs_ahead=sometimes"], r"comm.recvs_ahead='sometimes' must be true, false or auto"),
         (["comm.recvs_ahead=1"], r"comm.recvs_ahead=1 must be true, false or auto"),
+        (["parallel.shard=zero3"], r"parallel.shard='zero3' is unknown; valid: none, optimizer, full"),
     ],
 )
 def test_config_errors_say_what_to_change(overrides: list[str], message: str) -> None:

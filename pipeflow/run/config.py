@@ -143,6 +143,9 @@ class ParallelConfig:
 
     dp: int = 1
     pp: int | None = None  # default: world size / dp
+    # what each stage's data-parallel group shards: none (full replicas), optimizer (ZeRO-1:
+    # AdamW state and update), full (FSDP2: parameters and gradients too)
+    shard: str = "none"
 
 
 @dataclass
@@ -256,6 +259,9 @@ def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]
     return dp, pp
 
 
+SHARD_MODES = ("none", "optimizer", "full")
+
+
 def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
     """Check what can be checked before anything is built; returns (dp, pp).
 
@@ -263,6 +269,10 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
         ConfigError: naming the key and what to change.
     """
     dp, pp = resolve_layout(cfg.parallel, world_size)
+    shard = OmegaConf.select(cfg, "parallel.shard", default="none")
+    if shard not in SHARD_MODES:
+        raise ConfigError(f"parallel.shard={shard!r} is unknown; valid: {', '.join(SHARD_MODES)} "
+                          "(none: full replicas, optimizer: ZeRO-1, full: FSDP2)")
     m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
     if m < 1:
         raise ConfigError(f"pipeline.num_microbatches={m} must be at least 1")
