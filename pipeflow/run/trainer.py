@@ -175,7 +175,7 @@ class Trainer:
                 f"checkpoint of step {step} not written: the weights of stage(s) {bad} hold NaN or Inf after the "
                 f"optimizer step (optim.lr={self.cfg.optim.lr} too large?); latest still names the last good checkpoint"
             )
-        meta = {"dp": self.dp, "pp": self.mesh.pp, "scaler": self.scaler.state_dict()}
+        meta = {"dp": self.dp, "pp": self.mesh.pp, "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
         job = self.workspace.token if self.workspace is not None else ""
         return checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer,
                                meta, job=job)
