@@ -7,9 +7,10 @@ S = p * v stages, L = layers, b = micro-batch size (samples).
 The per-layer costs are a function of b (`CostModel`), since the planner compares micro-batch
 counts: the costs of stage s are the sums over its layers.  A schedule that splits the backward
 (has W actions) is charged F, B = ``input_grad_s`` and W = ``weight_grad_s``; the others F and a
-full backward ``backward_s``.  A rank's memory is its stages' parameters x (weights, grads and
-``optimizer_factor`` optimizer states) plus the most activation bytes it holds at once, walking
-its actions in order (an F adds its stage's activation bytes, the last backward half frees them).
+full backward ``backward_s``.  A rank's memory is its tensor bytes at their peak
+(`pipeflow.schedules.memory.tensor_memory`): its stages' parameters, grads and
+``optimizer_factor`` optimizer states, plus the activation bytes it holds, walking its actions
+in order (an F adds its stage's activation bytes, the last backward half frees them).
 """
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import action_costs, stage_costs
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, build_schedule, lower, simulate, synthesize
 from pipeflow.schedules.auto import AUTO
-from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
-from pipeflow.schedules.memory import stage_inflight
+from pipeflow.schedules.memory import StageBytes, stage_inflight, tensor_memory
 
 if TYPE_CHECKING:
     from pipeflow.planning.profile import LayerProfile
@@ -284,25 +284,15 @@ def _evaluate(
 def rank_memory(
     schedule: PipelineSchedule, param_bytes: Sequence[float], act_bytes: Sequence[float],
     optimizer_factor: float = 2.0, weighted: set[tuple[int, int]] | None = None,
-    microbatch_sizes: Sequence[float] | None = None,
+    microbatch_sizes: Sequence[float] | None = None, dp: int = 1, shard: str = "none",
 ) -> list[float]:
-    """Peak bytes of each rank: its stages' parameters, grads and optimizer state, plus the most
-    activation bytes held at once in its action order (see the module docstring).  `weighted`:
-    ``schedule.split_backwards()`` when the caller already has it.  `microbatch_sizes`: each
-    micro-batch's size relative to the one `act_bytes` was profiled on (variable lengths: its
-    tokens over the sample's); which micro-batches are in flight together then matters."""
-    split = schedule.split_backwards() if weighted is None else weighted
-    sizes = microbatch_sizes or [1.0] * schedule.num_microbatches
-    memory = []
-    for r, acts in enumerate(schedule.actions):
-        held = peak = 0.0
-        for a in acts:
-            if a.kind == FORWARD:
-                held += act_bytes[a.stage] * sizes[a.microbatch]
-                peak = max(peak, held)
-            elif a.kind == WEIGHT or (a.kind == BACKWARD and (a.stage, a.microbatch) not in split):
-                held -= act_bytes[a.stage] * sizes[a.microbatch]
-        mine = [s for s, owner in enumerate(schedule.stage_to_rank) if owner == r]
-        memory.append(math.fsum(param_bytes[s] for s in mine) * (2.0 + optimizer_factor) + peak)
-    return memory
-
+    """Peak tensor bytes of each rank (`pipeflow.schedules.memory.tensor_memory`, comm buffers
+    left out): its stages' parameters, grads (from their first backward on) and optimizer state
+    under `shard` over `dp` replicas, plus the activation bytes held, sampled after every action
+    in its order.  `weighted` is accepted for callers that have ``schedule.split_backwards()``
+    (unused).  `microbatch_sizes`: each micro-batch's size relative to the one `act_bytes` was
+    profiled on (variable lengths: its tokens over the sample's); which micro-batches are in
+    flight together then matters."""
+    stages = [StageBytes(p, a) for p, a in zip(param_bytes, act_bytes)]
+    memory = tensor_memory(schedule, stages, optimizer_factor, dp, shard, microbatch_sizes=microbatch_sizes)
+    return [m.peak.total for m in memory]

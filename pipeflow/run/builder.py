@@ -30,6 +30,7 @@ from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, build_mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
@@ -73,7 +74,15 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     comm.warmup()  # ranks may still be starting: the first-step deadline
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
     sample = split_microbatches(shard(batches.train.get(0), 0, dp)[0], m)[0]
-    layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype)
+    # auto's choice is made by the whole world (every replica alike, so no replica waits on a
+    # slower setting) and within about a quarter of the run, so short runs and sweeps measure
+    # the chosen setting for most of their steps
+    posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
+                      agree_over_world=True)
+    layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype, dp=dp,
+                           shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
+                           lowering=posting.options(not comm.independent_ops)[0],
+                           evaluates=cfg.train.eval_batches > 0)
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
         transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))
@@ -90,11 +99,6 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         deadlines.own(group)
     tied.sync_initial_values()
     reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 else None
-    # auto's choice is made by the whole world (every replica alike, so no replica waits on a
-    # slower setting) and within about a quarter of the run, so short runs and sweeps measure
-    # the chosen setting for most of their steps
-    posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
-                      agree_over_world=True)
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None)
@@ -118,7 +122,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,
         reducer=reducer, scaler=LossScaler(cfg.train.precision == "fp16"),
         finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
-        workspace=workspace,
+        workspace=workspace, memory=MemoryAccountant(stages, optimizer, device),
     )
 
 

@@ -27,6 +27,7 @@ from pipeflow.run.workspace import Workspace
 from pipeflow.runtime import failures
 from pipeflow.runtime import finite as nonfinite
 from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, Mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import Posting
@@ -115,6 +116,7 @@ class Trainer:
         scaler, finite, faults: the fp16 loss scaler, the optional non-finite check and fault injector.
         params, optimizer, metrics, run_dir: what is optimized, how, measured, and where written.
         workspace: the run directory's lock (released at the end of :meth:`fit`) and job token.
+        memory: counts this rank's tensor bytes on the steps ``metrics.memory_steps`` names.
     """
 
     cfg: DictConfig
@@ -139,6 +141,7 @@ class Trainer:
     metrics: RunMetrics
     run_dir: str
     workspace: Workspace | None = None  # the run directory's lock and this job's token
+    memory: MemoryAccountant | None = None
     history: list[float] = field(default_factory=list)  # the loss of every step this run trained
 
     @property
@@ -229,7 +232,7 @@ class Trainer:
             weights = [self.dp * t.numel() / total for t in targets]
         return inputs, targets, weights
 
-    def forward_backward(self, step: int) -> tuple[float, float]:
+    def forward_backward(self, step: int, memory: MemoryAccountant | None = None) -> tuple[float, float]:
         """Gradients of batch `step`, reduced over ties and dp, unscaled and clipped, left in
         ``p.grad``; returns (loss, grad norm before clipping), the same on every rank.
 
@@ -237,12 +240,13 @@ class Trainer:
         not an fp16 overflow (finite loss, the loss scaler on) always stops the run here, on every
         rank (the norm is all-reduced), naming the stages.  With ``train.check_finite`` the
         per-layer flags ride in the grad-norm all-reduce and name where NaN first appeared.
+        With `memory` the pipeline samples this step's tensor bytes after every action.
 
         Raises:
             NonFiniteError: NaN/Inf that the loss scaler does not explain.
         """
         inputs, targets, weights = self._microbatches(self.batches.train, step)
-        loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights)
+        loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights, memory=memory)
         extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
         if self.finite is not None:  # before the dp and tie sums, which would spread a NaN to other stages
             extra = torch.cat([extra, self.finite.local_flags().to(extra.dtype)])
@@ -276,13 +280,18 @@ class Trainer:
             group["lr"] = lr
         if self.faults is not None:
             self.faults.step = step
+        memory = self.memory if self.memory is not None and self.metrics.memory.measures(step) else None
+        if memory is not None:
+            memory.begin()
         with failures.context(f"training step {step}"):
-            loss, norm = self.forward_backward(step)
+            loss, norm = self.forward_backward(step, memory)
         overflow = self.scaler.enabled and not math.isfinite(norm)
         scale, at_floor = self.scaler.scale, self.scaler.at_minimum
         if not overflow:
             self.optimizer.step()
         self.scaler.update(overflow)
+        if memory is not None:  # what stays: after the optimizer step, before the grads are released
+            self.metrics.memory_measured(step, memory.end(self.pipeline.comm_tensors()))
         if overflow and self.is_main:
             floor = (" - the scale is at its minimum, so a lower one cannot cure this: look for NaN/Inf in the "
                      "model, or use train.precision=bf16 (train.check_finite=true stops here)") if at_floor else ""

@@ -10,9 +10,10 @@ schedule produced the program is unknown here.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ from pipeflow.runtime.transport import P2PComm
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
+
+if TYPE_CHECKING:
+    from pipeflow.runtime.memory import MemoryAccountant
 
 # inbox/outbox keys: (payload, micro-batch, stage) with stage = receiver (inbox) or sender (outbox)
 Key = tuple[str, int, int]
@@ -103,7 +107,7 @@ class Pipeline:
     # ----------------------------------------------------------------------------- public API
     def run(
         self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None, grad_scale: float = 1.0,
-        loss_weights: Sequence[float] | None = None,
+        loss_weights: Sequence[float] | None = None, memory: MemoryAccountant | None = None,
     ) -> torch.Tensor | None:
         """One training step: forward and backward of every micro-batch, grads accumulated.
 
@@ -115,6 +119,8 @@ class Pipeline:
             loss_weights: what each micro-batch's mean loss is weighted by in the batch's (on
                 the last stage's rank): its share of the batch's loss elements, ``n_i / N``;
                 default ``1/m`` each (micro-batches alike).
+            memory: measure this step's tensor bytes: what autograd saves is tracked and the
+                accountant samples after every compute action (see ``pipeflow.runtime.memory``).
 
         Returns:
             On the rank holding the last stage, the full-batch loss (the micro-batch losses
@@ -124,7 +130,9 @@ class Pipeline:
         option = self.posting.for_training(self._coalescing)
         start = time.perf_counter()
         m = self.schedule.num_microbatches
-        self._execute(self.programs[option], inputs, targets, True, loss_weights or [1.0 / m] * m, grad_scale)
+        with memory.tracking() if memory is not None else contextlib.nullcontext():
+            self._execute(self.programs[option], inputs, targets, True, loss_weights or [1.0 / m] * m, grad_scale,
+                          memory)
         self.posting.record(option, time.perf_counter() - start, self._coalescing, self.comm.group, self.comm.device)
         return self._take_loss()
 
@@ -158,6 +166,14 @@ class Pipeline:
                 mod.training = mode
         return self._take_loss()
 
+    def comm_tensors(self, outbox: dict[Key, Tensors] | None = None,
+                     posted: dict[CommOp, _Posted] | None = None) -> list[torch.Tensor]:
+        """The transport's buffers now: the receive pool's free buffers, those lent to
+        micro-batches and, during a pass, the tensors queued for sending or posted."""
+        tensors = self.buffers.free_buffers() + [t for ts in self._lent.values() for t in ts]
+        tensors += [t for ts in (outbox or {}).values() for t in ts]
+        return tensors + [t for entry in (posted or {}).values() for t in entry.tensors]
+
     def _take_loss(self) -> torch.Tensor | None:
         last = self.stages.get(self.schedule.num_stages - 1)
         return None if last is None else last.take_loss()
@@ -171,6 +187,7 @@ class Pipeline:
         train: bool,
         loss_weights: Sequence[float],
         grad_scale: float = 1.0,
+        memory: MemoryAccountant | None = None,
     ) -> None:
         """Interpret `program`: per step post its ops, wait for its waits, compute, wait for its after.
 
@@ -193,6 +210,8 @@ class Pipeline:
                 self._compute(step, inbox, outbox, inputs, targets, loss_weights, train, grad_scale)
                 if recorder is not None:
                     recorder.record(step.action.kind, str(step.action), t1, recorder.mark())
+                if memory is not None:  # after the recorder: the action's time does not include it
+                    memory.sample(self.comm_tensors(outbox, posted))
             if step.after:  # by now the peer has long posted its recvs; the sent tensors are freed
                 t0 = recorder.mark() if recorder is not None else None
                 self._wait(step.after, posted, inbox, program, k, after=True)
