@@ -57,8 +57,8 @@ def stage_bytes(
     A stage keeps per micro-batch what its layers keep (``activation_bytes``: saved tensors and
     outputs, their inputs excluded), less its last outputs when they go to another rank (freed
     once sent; the sent copy is a comm buffer), plus on stage 0 the micro-batch input
-    (`input_bytes`) and on the last stage what the loss keeps, estimated as one more copy of the
-    outputs (cross-entropy's log-probabilities).  A split backward's B keeps each layer's output
+    (`input_bytes`); on the last stage the loss keeps, estimated, one more copy of the outputs
+    (cross-entropy's log-probabilities).  A split backward's B keeps each layer's output
     gradients until W.  The boundary is the last layer's output bytes.
     """
     result = []
@@ -69,9 +69,10 @@ def stage_bytes(
         last = s == len(ranges) - 1
         if not last and schedule.stage_to_rank[s + 1] != schedule.stage_to_rank[s]:
             act -= out
-        act += (input_bytes if s == 0 else 0.0) + (out if last else 0.0)
+        act += input_bytes if s == 0 else 0.0
         result.append(StageBytes(params=math.fsum(p.param_bytes for p in layers), activations=max(act, 0.0),
-                                 split_held=math.fsum(p.output_bytes for p in layers), boundary=out))
+                                 split_held=math.fsum(p.output_bytes for p in layers), boundary=out,
+                                 loss=out if last else 0.0))
     return result
 
 

@@ -11,7 +11,9 @@ whatever optimizer runs (and of the one it wraps, as ZeroRedundancyOptimizer's `
 
 Tensors saved for backward are seen through ``torch.autograd.graph.saved_tensors_hooks``
 (:meth:`MemoryAccountant.tracking`, on only for measured steps): each saved tensor is wrapped in
-a small object that a weak set tracks, so it counts exactly as long as autograd keeps it.
+a small object that a weak set tracks, so it counts exactly as long as autograd keeps it.  The
+wrapper holds a detached alias, as autograd itself saves an op's output without its grad_fn
+(so double backward through a measured step is not supported; pipeflow never runs one).
 """
 from __future__ import annotations
 
@@ -116,7 +118,10 @@ class MemoryAccountant:
             yield
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
-        saved = _Saved(tensor)
+        # a detached alias (same storage): holding the tensor itself would hold its grad_fn, and
+        # an op that saves its own output (log_softmax) would then form a cycle that outlives the
+        # step where a backward keeps its graph (a split B) and W never frees that part
+        saved = _Saved(tensor.detach())
         self._saved.add(saved)
         return saved
 

@@ -113,12 +113,15 @@ class StageBytes:
             they are sent to another rank: freed once sent).
         split_held: bytes a split backward's B adds until its W (each layer's output gradients).
         boundary: bytes of its outputs sent to the next stage (and of their gradients coming back).
+        loss: bytes the loss keeps (last stage) from the F until the first backward half: a
+            split B frees them, as they sit above the layers' outputs that W starts from.
     """
 
     params: float
     activations: float
     split_held: float = 0.0
     boundary: float = 0.0
+    loss: float = 0.0
 
 
 def _param_side(params: float, dp: int, shard: str, optimizer_factor: float, in_step: bool, grads_on: bool
@@ -151,8 +154,8 @@ def tensor_memory(
     """Predict each rank's tensor bytes (`TensorBytes`) resident between steps and at its in-step peak.
 
     Walks rank r's actions as the runtime runs them, sampling after every compute action as the
-    accountant does: an F adds its stage's activations, a split B its ``split_held``, the last
-    backward half of (stage, micro-batch) frees both; a stage's gradients exist from its first
+    accountant does: an F adds its stage's activations (and loss), a split B its ``split_held``
+    (and frees the loss), the last backward half of (stage, micro-batch) frees the rest; a stage's gradients exist from its first
     weight-grad action on.  With `programs` (the lowered programs the runtime interprets) the
     comm buffers are walked too: the receive pool holds, per buffer size, the most buffers lent
     at once (a buffer is lent from its post to its micro-batch's last backward on that stage);
@@ -182,11 +185,13 @@ def tensor_memory(
             last = a.kind == WEIGHT or (a.kind == BACKWARD and (a.stage, a.microbatch) not in split)
             cost, n = stages[a.stage], size[a.microbatch]
             if a.kind == FORWARD and schedule.training:
-                held += cost.activations * n
+                held += (cost.activations + cost.loss) * n
             elif a.kind == BACKWARD and (a.stage, a.microbatch) in split:
-                held += cost.split_held * n
+                held += (cost.split_held - cost.loss) * n
+            elif a.kind == WEIGHT:
+                held -= (cost.activations + cost.split_held) * n
             elif last:
-                held -= (cost.activations + (cost.split_held if a.kind == WEIGHT else 0.0)) * n
+                held -= (cost.activations + cost.loss) * n
             if last:
                 grads_on.add(a.stage)
             sides = [_param_side(stages[s].params, dp, shard, optimizer_factor, True, s in grads_on) for s in mine]
