@@ -404,8 +404,8 @@ def module_own_bytes(model: str = "module_gpt_tied", m: int = 4) -> dict[str, in
 
 def memory_matches(model: str = "gpt", schedule: str = "1f1b", m: int = 4) -> dict[str, Any]:
     """The second step's tensor memory (AdamW's state exists), measured by the accountant after
-    every action, beside `tensor_memory`'s prediction from the profiled layers, on this rank.
-    Micro-batch inputs and targets are copies (each its own storage, as on a GPU)."""
+    every action, beside `tensor_memory`'s prediction from the profiled layers (and loss), on this
+    rank."""
     from pipeflow.planning.layout import stage_bytes
     from pipeflow.planning.profile import profile_layers
     from pipeflow.runtime.memory import MemoryAccountant
@@ -420,16 +420,14 @@ def memory_matches(model: str = "gpt", schedule: str = "1f1b", m: int = 4) -> di
     x, y = make_batch(model, BATCH, seed=1)
     for step in range(2):
         inputs, targets = split_batch(pipe, x, y, m)
-        inputs = None if inputs is None else [tuple(t.clone() for t in mb) for mb in inputs]
-        targets = None if targets is None else [t.clone() for t in targets]
         accountant.begin()
         pipe.run(inputs, targets, memory=accountant if step else None)
         optimizer.step()
         measured = accountant.end(pipe.comm_tensors())
         optimizer.zero_grad(set_to_none=True)
-    sample = x.chunk(m)[0]
-    costs = stage_bytes(ranges, profile_layers(spec, sample, dtype=DTYPE), sched,
-                        input_bytes=sample.numel() * sample.element_size())
+    sample, target = x.chunk(m)[0], y.chunk(m)[0]
+    costs = stage_bytes(ranges, profile_layers(spec, sample, dtype=DTYPE, sample_target=target), sched,
+                        sample.numel() * sample.element_size(), target.numel() * target.element_size())
     predicted = tensor_memory(sched, costs, programs=lower(sched, "ahead"))[rank]
     return {"measured": (measured.resident.as_tuple(), measured.peak.as_tuple()),
             "predicted": (predicted.resident.as_tuple(), predicted.peak.as_tuple())}

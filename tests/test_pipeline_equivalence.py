@@ -170,15 +170,15 @@ def test_microbatches_of_different_shapes_equal_unsplit_model(world, name: str) 
 def test_measured_tensor_memory_is_the_predicted(world, name: str) -> None:
     """The accountant's count of a step (after every action, and at its end) beside tensor_memory's
     prediction from the profiled layers: parameters, grads and comm buffers exactly, AdamW's
-    state but its 4-byte step counters, the in-step peak within 5% (what the loss and a split
-    backward keep is estimated)."""
+    state but its 4-byte step counters, the in-step peak within 2% (0.6% at most when written:
+    a split backward's kept gradients are estimated from the layers' output sizes)."""
     p, results = world
     for rank, v in enumerate(_values(results[name])):
         (resident, peak), (resident_p, peak_p) = v["measured"], v["predicted"]
         assert resident[:2] == resident_p[:2] and resident[3:] == resident_p[3:], (rank, resident, resident_p)
         assert 0 <= resident[2] - resident_p[2] <= 4 * 64, (rank, resident, resident_p)  # one step counter a tensor
         assert peak[:2] == peak_p[:2] and peak[4] == peak_p[4], (rank, peak, peak_p)
-        assert abs(sum(peak_p) / sum(peak) - 1) <= 0.05, f"p={p} rank {rank}: measured {peak}, predicted {peak_p}"
+        assert abs(sum(peak_p) / sum(peak) - 1) <= 0.02, f"p={p} rank {rank}: measured {peak}, predicted {peak_p}"
 
 
 def test_forward_only_eval_equals_unsplit_loss(world) -> None:

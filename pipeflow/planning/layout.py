@@ -50,18 +50,21 @@ class Prediction:
 
 
 def stage_bytes(
-    ranges: list[range], profiles: list[LayerProfile], schedule: PipelineSchedule, input_bytes: float = 0.0
+    ranges: list[range], profiles: list[LayerProfile], schedule: PipelineSchedule, input_bytes: float = 0.0,
+    target_bytes: float = 0.0,
 ) -> list[StageBytes]:
     """What each stage costs in tensor bytes, from its layers' profiles, as the runtime holds it.
 
     A stage keeps per micro-batch what its layers keep (``activation_bytes``: saved tensors and
     outputs, their inputs excluded), less its last outputs when they go to another rank (freed
-    once sent; the sent copy is a comm buffer), plus on stage 0 the micro-batch input
-    (`input_bytes`); on the last stage the loss keeps, estimated, one more copy of the outputs
-    (cross-entropy's log-probabilities).  A split backward's B keeps each layer's output
-    gradients until W.  The boundary is the last layer's output bytes.
+    once sent; the sent copy is a comm buffer).  The last stage's loss keeps the last layer's
+    ``loss_bytes`` (when not profiled, estimated as one more copy of the outputs: cross-entropy's
+    log-probabilities).  A split backward's B keeps each layer's output gradients until W.
+    Stage 0 holds every micro-batch's input (`input_bytes` each) for the whole step, the last
+    stage every micro-batch's targets (`target_bytes` each).  The boundary is the last layer's
+    output bytes.
     """
-    result = []
+    result, m = [], schedule.num_microbatches
     for s, r in enumerate(ranges):
         layers = [profiles[i] for i in r]
         out = layers[-1].output_bytes if layers else 0
@@ -69,10 +72,13 @@ def stage_bytes(
         last = s == len(ranges) - 1
         if not last and schedule.stage_to_rank[s + 1] != schedule.stage_to_rank[s]:
             act -= out
-        act += input_bytes if s == 0 else 0.0
+        loss = 0.0
+        if last and layers:
+            loss = float(out if layers[-1].loss_bytes is None else layers[-1].loss_bytes)
+        data = m * ((input_bytes if s == 0 else 0.0) + (target_bytes if last else 0.0))
         result.append(StageBytes(params=math.fsum(p.param_bytes for p in layers), activations=max(act, 0.0),
-                                 split_held=math.fsum(p.output_bytes for p in layers), boundary=out,
-                                 loss=out if last else 0.0))
+                                 split_held=math.fsum(p.output_bytes for p in layers), boundary=out, loss=loss,
+                                 data=data))
     return result
 
 
@@ -84,7 +90,9 @@ class MemorySetting:
         dp: data-parallel replicas of each stage.
         shard: ``parallel.shard`` (none | optimizer | full).
         lowering: the lowering the runtime interprets (``Posting.options(...)[0]``): when recvs are posted.
-        input_bytes: bytes of one micro-batch's model input (kept on stage 0 until its backward).
+        input_bytes: bytes of one micro-batch's model input (stage 0 holds every micro-batch's
+            for the whole step).
+        target_bytes: bytes of one micro-batch's targets (the last stage holds them all).
         evaluates: whether the run evaluates (its forward-only passes hold every buffer they
             receive until the pass ends, and the receive pool keeps them).
     """
@@ -93,6 +101,7 @@ class MemorySetting:
     shard: str = "none"
     lowering: str = "ahead"
     input_bytes: float = 0.0
+    target_bytes: float = 0.0
     evaluates: bool = True
 
 
@@ -108,7 +117,7 @@ def predict(
         sim = simulate(schedule, costs={FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0})
         return Prediction(UNIT_COSTS, sim.bubble, math.nan, ())
     sim = simulate(schedule, costs=action_costs(ranges, profiles, schedule))
-    costs = stage_bytes(ranges, profiles, schedule, setting.input_bytes)
+    costs = stage_bytes(ranges, profiles, schedule, setting.input_bytes, setting.target_bytes)
     evaluation = None
     if setting.evaluates:
         evaluation = lower(forward_only(schedule.num_ranks, schedule.num_microbatches, schedule.stage_to_rank),
@@ -150,13 +159,16 @@ def choose_layout(
     shard: str = "none",
     lowering: str = "ahead",
     evaluates: bool = True,
+    sample_target: Any = None,
 ) -> Layout:
     """Partition `spec` into the schedule's stages as the ``pipeline`` config says.
 
     With ``pipeline.profile`` (or a ``time``/``memory`` balance) rank 0 profiles every layer on
     `sample_input` (one micro-batch for the first layer), one layer alive at a time, and
     broadcasts the profiles.  Collective: every rank of the default group must call it.
-    `dp`, `shard`, `lowering` and `evaluates` are what the memory prediction assumes (`MemorySetting`).
+    `dp`, `shard`, `lowering` and `evaluates` are what the memory prediction assumes
+    (`MemorySetting`), with the sizes of `sample_input` and `sample_target` (one micro-batch's
+    targets; the loss is profiled on them).
 
     Raises:
         PartitionError: unknown balance method, bad split points, more stages than layers.
@@ -170,12 +182,14 @@ def choose_layout(
     if needs_profile or pipeline_cfg.profile:
         # the B and W halves too where the schedule splits backwards, as the planner profiles them
         splits = bool(schedule.split_backwards())
-        box = [profile_layers(spec, sample_input, device, dtype, split_backward=splits) if dist.get_rank() == 0 else None]
+        box = [profile_layers(spec, sample_input, device, dtype, split_backward=splits,
+                                sample_target=sample_target) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         profiles = box[0]
     source = profiles if needs_profile or (method == "params" and profiles is not None) else spec
     ranges = plan_partition(source, schedule.num_stages, method, pipeline_cfg.split_points, inflight=inflight)
-    setting = MemorySetting(dp, shard, lowering, float(_input_bytes(sample_input)), evaluates)
+    setting = MemorySetting(dp, shard, lowering, float(_input_bytes(sample_input)),
+                            float(_input_bytes(sample_target)), evaluates)
     return Layout(ranges, profiles, inflight, predict(schedule, ranges, profiles, setting), memory_setting=setting)
 
 

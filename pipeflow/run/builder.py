@@ -73,7 +73,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, rank))
     comm.warmup()  # ranks may still be starting: the first-step deadline
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
-    sample = split_microbatches(shard(batches.train.get(0), 0, dp)[0], m)[0]
+    first = shard(batches.train.get(0), 0, dp)
+    sample, sample_target = split_microbatches(first[0], m)[0], split_microbatches(first[1], m)[0]
     # auto's choice is made by the whole world (every replica alike, so no replica waits on a
     # slower setting) and within about a quarter of the run, so short runs and sweeps measure
     # the chosen setting for most of their steps
@@ -82,7 +83,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype, dp=dp,
                            shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
                            lowering=posting.options(not comm.independent_ops)[0],
-                           evaluates=cfg.train.eval_batches > 0)
+                           evaluates=cfg.train.eval_batches > 0, sample_target=sample_target)
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
         transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))

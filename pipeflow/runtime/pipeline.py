@@ -211,7 +211,7 @@ class Pipeline:
                 if recorder is not None:
                     recorder.record(step.action.kind, str(step.action), t1, recorder.mark())
                 if memory is not None:  # after the recorder: the action's time does not include it
-                    memory.sample(self.comm_tensors(outbox, posted))
+                    memory.sample(self.comm_tensors(outbox, posted), (inputs, targets))
             if step.after:  # by now the peer has long posted its recvs; the sent tensors are freed
                 t0 = recorder.mark() if recorder is not None else None
                 self._wait(step.after, posted, inbox, program, k, after=True)

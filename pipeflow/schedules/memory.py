@@ -115,6 +115,8 @@ class StageBytes:
         boundary: bytes of its outputs sent to the next stage (and of their gradients coming back).
         loss: bytes the loss keeps (last stage) from the F until the first backward half: a
             split B frees them, as they sit above the layers' outputs that W starts from.
+        data: bytes of the step's data the stage reads, held for the whole step (stage 0: every
+            micro-batch's input; the last stage: every micro-batch's targets).
     """
 
     params: float
@@ -122,6 +124,7 @@ class StageBytes:
     split_held: float = 0.0
     boundary: float = 0.0
     loss: float = 0.0
+    data: float = 0.0
 
 
 def _param_side(params: float, dp: int, shard: str, optimizer_factor: float, in_step: bool, grads_on: bool
@@ -177,6 +180,7 @@ def tensor_memory(
             if programs is not None else 0.0
         sends = _send_bytes(steps, stages) if programs is not None else [0.0] * len(steps)
         resident = [_param_side(stages[s].params, dp, shard, optimizer_factor, False, True) for s in mine]
+        data = math.fsum(stages[s].data for s in mine)
         held, grads_on, best = 0.0, set(), None
         for k, step in enumerate(steps):
             a = step.action
@@ -195,7 +199,8 @@ def tensor_memory(
             if last:
                 grads_on.add(a.stage)
             sides = [_param_side(stages[s].params, dp, shard, optimizer_factor, True, s in grads_on) for s in mine]
-            now = TensorBytes(*(math.fsum(x[c] for x in sides) for c in range(3)), max(held, 0.0), pool + sends[k])
+            now = TensorBytes(*(math.fsum(x[c] for x in sides) for c in range(3)), max(held, 0.0) + data,
+                              pool + sends[k])
             if best is None or now.total > best.total:
                 best = now
         res = TensorBytes(*(math.fsum(x[c] for x in resident) for c in range(3)), 0.0, pool)
