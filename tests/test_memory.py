@@ -162,3 +162,14 @@ def test_comm_buffers_follow_the_lowered_program() -> None:
     assert memory[1].resident.comm == 2 * 8  # the pool: two activation buffers
     assert memory[1].peak.comm == 2 * 8 + 2 * 8
     assert memory[0].peak.comm == 8 + 2 * 8  # rank 0: one gradient buffer; after F1 both activations are being sent
+
+
+def test_the_planner_charges_each_shard_mode() -> None:
+    """rank_memory (the planner's memory limit) under parallel.shard over dp = 2, no activations:
+    1F1B on 2 ranks, 100 parameter bytes on stage 0 (grads exist after its first backward)."""
+    from pipeflow.planning.search import rank_memory
+
+    schedule = build_schedule("1f1b", 2, 4)
+    peaks = {shard: rank_memory(schedule, [100.0, 60.0], [0.0, 0.0], dp=2, shard=shard)[0]
+             for shard in ("none", "optimizer", "full")}
+    assert peaks == {"none": 400.0, "optimizer": 300.0, "full": 50 + 100 + 100 + 100}

@@ -46,6 +46,8 @@ class SearchSpace:
         splits: ``balanced`` (the time-balanced, the memory-balanced and the uniform split) or
             ``all`` (every contiguous split: brute force, for small models).
         max_splits: the most splits ``all`` may try per (schedule, m, v).
+        dp, shard: what the memory estimate assumes: ``parallel.dp`` replicas of each stage and
+            ``parallel.shard`` (none | optimizer | full; see `rank_memory`).
     """
 
     schedules: tuple[str, ...]
@@ -53,6 +55,8 @@ class SearchSpace:
     chunks: tuple[int, ...] = (1, 2, 3, 4)
     splits: str = "balanced"
     max_splits: int = 2000
+    dp: int = 1
+    shard: str = "none"
 
 
 @dataclass(frozen=True)
@@ -167,10 +171,11 @@ def search(
         weighted = schedule.split_backwards()
         for ranges in splits:
             if name == AUTO:  # synthesised for this split's costs, at a few memory limits
-                cands = _auto_candidates(num_ranks, m, v, ranges, profiles, optimizer_factor, (latency, action_overhead_s))
+                cands = _auto_candidates(num_ranks, m, v, ranges, profiles, optimizer_factor, (latency, action_overhead_s),
+                                         (space.dp, space.shard))
             else:
                 cands = [_evaluate(schedule, programs, ranges, profiles, optimizer_factor,
-                                   (latency, action_overhead_s), takes_chunks, weighted)]
+                                   (latency, action_overhead_s), takes_chunks, weighted, (space.dp, space.shard))]
             for cand in cands:
                 fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
                 (result.candidates if fits else result.over_memory).append(cand)
@@ -249,14 +254,14 @@ def auto_limits(num_ranks: int) -> list[float]:
 
 def _auto_candidates(
     p: int, m: int, v: int, ranges: list[range], profiles: Sequence[LayerProfile], optimizer_factor: float,
-    overheads: tuple[float, float],
+    overheads: tuple[float, float], sharding: tuple[int, str] = (1, "none"),
 ) -> list[Candidate]:
     costs = stage_costs(ranges, profiles)
     out = []
     for limit in auto_limits(p):
         schedule = synthesize(p, m, v, costs, overheads[0], limit).chosen.schedule
         cand = _evaluate(schedule, lower(schedule), ranges, profiles, optimizer_factor, overheads, True,
-                         schedule.split_backwards())
+                         schedule.split_backwards(), sharding)
         out.append(replace(cand, max_activations=limit))
     return out
 
@@ -264,10 +269,11 @@ def _auto_candidates(
 def _evaluate(
     schedule: PipelineSchedule, programs: list, ranges: list[range], profiles: Sequence[LayerProfile],
     optimizer_factor: float, overheads: tuple[float, float], takes_chunks: bool,
-    weighted: set[tuple[int, int]],
+    weighted: set[tuple[int, int]], sharding: tuple[int, str] = (1, "none"),
 ) -> Candidate:
     """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
-    schedule's `split_backwards()`, computed once per schedule by the caller)."""
+    schedule's `split_backwards()`, computed once per schedule by the caller; `sharding`: dp
+    and ``parallel.shard``)."""
     comm_s, action_s = overheads
     sim = simulate(schedule, programs, action_costs(ranges, profiles, schedule, action_s, weighted), comm_s)
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
@@ -276,7 +282,8 @@ def _evaluate(
         schedule=schedule.name, num_microbatches=schedule.num_microbatches,
         stages_per_rank=schedule.num_stages // schedule.num_ranks,
         split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan, bubble=sim.bubble,
-        rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted)),
+        rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted,
+                                     dp=sharding[0], shard=sharding[1])),
         takes_chunks=takes_chunks,
     )
 
@@ -288,7 +295,8 @@ def rank_memory(
 ) -> list[float]:
     """Peak tensor bytes of each rank (`pipeflow.schedules.memory.tensor_memory`, comm buffers
     left out): its stages' parameters, grads (from their first backward on) and optimizer state
-    under `shard` over `dp` replicas, plus the activation bytes held, sampled after every action
+    under `shard` over `dp` replicas (``optimizer``: the state / dp; ``full``: all three / dp
+    between steps, the unsharded parameters and gradients added during the step), plus the activation bytes held, sampled after every action
     in its order.  `weighted` is accepted for callers that have ``schedule.split_backwards()``
     (unused).  `microbatch_sizes`: each micro-batch's size relative to the one `act_bytes` was
     profiled on (variable lengths: its tokens over the sample's); which micro-batches are in
