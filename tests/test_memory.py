@@ -173,3 +173,22 @@ def test_the_planner_charges_each_shard_mode() -> None:
     peaks = {shard: rank_memory(schedule, [100.0, 60.0], [0.0, 0.0], dp=2, shard=shard)[0]
              for shard in ("none", "optimizer", "full")}
     assert peaks == {"none": 400.0, "optimizer": 300.0, "full": 50 + 100 + 100 + 100}
+
+
+def test_the_console_labels_each_memory_figure() -> None:
+    """Tensor bytes measured | predicted per pipeline rank; RSS and, on a GPU, the allocator's peak
+    each under its own label (never one unlabelled 'peak memory')."""
+    from pipeflow.observability.console import summary_line
+    from pipeflow.observability.memory import memory_line
+
+    nan = float("nan")
+    cpu = {"tensor_mb": [6.42, 2.99], "tensor_predicted_mb": [6.41, 3.0], "rss_mb": [760.0, 735.0],
+           "allocator_peak_mb": [nan, nan], "memory_step": 1}
+    assert memory_line(cpu) == ("tensor memory per pipeline rank at step 1, MB measured | predicted: 6.42 | 6.41, "
+                                "2.99 | 3.00 | process RSS 760, 735 MB")
+    gpu = dict(cpu, allocator_peak_mb=[40.0, 12.0])
+    assert memory_line(gpu).endswith("| process RSS 760, 735 MB | allocator peak 40, 12 MB")
+    run = {"samples_per_s": 780.4, "tokens_per_s": None, "step_time_s": 0.041, "bubble_measured": 0.3,
+           "bubble_predicted": 0.273, "peak_memory_mb": [40.0, 12.0]}
+    assert summary_line(dict(run, **gpu)).endswith("| process peak memory (allocator) per pipeline rank 40, 12 MB")
+    assert summary_line(dict(run, **cpu)).endswith("| process peak memory (RSS) per pipeline rank 40, 12 MB")

@@ -118,7 +118,7 @@ def test_console_has_one_line_per_interval_from_rank_0_and_the_summary(run) -> N
     lines = re.findall(r"^\[rank (\d)\] .* INFO step +(\d+)/6 \| loss .* bubble \d+% \(predicted \d+%\)$", out, re.M)
     assert lines == [("0", str(step)) for step in LOGGED], out[-3000:]
     assert re.search(r"median step \d+ ms \| \d+ samples/s \| bubble \d+% measured, \d+% predicted \| "
-                     r"peak memory per pipeline rank \d+, \d+, \d+, \d+ MB", out)
+                     r"process peak memory \(RSS\) per pipeline rank \d+, \d+, \d+, \d+ MB", out)
     assert "INFO" not in run[0].stderr  # other ranks log warnings only
 
 
