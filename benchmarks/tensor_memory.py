@@ -43,8 +43,10 @@ def run_sweep(args: argparse.Namespace, sweep_dir: str) -> list[dict[str, str]]:
 
 def table(rows: list[dict[str, str]], args: argparse.Namespace) -> str:
     """Per schedule and pipeline rank: measured and predicted tensor MB, their ratio, RSS."""
-    lines = [f"default job (`train.py`: GPT, p = {args.ranks}, m = 8), tensor bytes at the in-step peak of step 1 "
-             f"(measured after every action) beside the start-of-run prediction; target +-{TARGET:.0%}",
+    job = f"the job (`train.py {' '.join(args.overrides)}`" if args.overrides else "the default job (`train.py`: GPT"
+    lines = [f"{job} on {args.ranks} processes, m = 8), tensor bytes per pipeline rank (the largest of its data-parallel "
+             f"replicas) at the in-step peak of step 1 (measured after every action) beside the start-of-run "
+             f"prediction; target +-{TARGET:.0%}",
              "", "| schedule | rank | tensor MB measured | tensor MB predicted | predicted / measured | process RSS MB |",
              "| --- | --- | --- | --- | --- | --- |"]
     worst = 0.0
