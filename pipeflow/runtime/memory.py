@@ -71,7 +71,7 @@ def optimizer_state(optimizer: Any) -> Iterator[torch.Tensor]:
 
 
 class _Ledger:
-    """Storages seen so far on one device, and the bytes each category claimed."""
+    """The storages on one device claimed so far (each is counted once, by the first claim)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -82,8 +82,7 @@ class _Ledger:
         total = 0
         for t in tensors:
             t = local(t)
-            if t.device.type != self.device.type or (t.device.index is not None and self.device.index is not None
-                                                      and t.device.index != self.device.index):
+            if not self.holds(t):
                 continue
             storage = t.untyped_storage()
             nbytes = storage.nbytes()
@@ -92,6 +91,12 @@ class _Ledger:
             self.seen.add(storage.data_ptr())
             total += nbytes
         return total
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """True if `t` lives on this device (``cuda`` without an index matches any ``cuda:N``)."""
+        if t.device.type != self.device.type:
+            return False
+        return t.device.index is None or self.device.index is None or t.device.index == self.device.index
 
 
 class MemoryAccountant:

@@ -59,7 +59,8 @@ SHARD_MODES = ("none", "optimizer", "full")
 class TensorBytes:
     """Bytes of the tensors one rank holds on its device, each storage once, by what it is.
 
-    A storage is counted in the first category that holds it, in this order:
+    A storage is counted in the first category that holds it, in the order params, grads,
+    optimizer, comm, activations.
 
     Attributes:
         params: the parameters (the local shard of a sharded one; the unsharded copy too while
@@ -69,7 +70,8 @@ class TensorBytes:
         comm: the transport's buffers: receive buffers (posted, lent to a micro-batch until its
             last backward, or free in the pool) and tensors being sent.
         activations: what is kept for backward: tensors autograd saved, the stages' kept inputs,
-            outputs and per-layer boundaries, and the gradients a split backward keeps for W.
+            outputs and per-layer boundaries, the gradients a split backward keeps for W, and
+            the step's data (stage 0's inputs, the last stage's targets).
     """
 
     params: float = 0.0
