@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 
 from pipeflow.run.config import Config, GPTModelConfig
 from pipeflow.models.spec import run_layers
@@ -32,7 +33,10 @@ TMP_ENV = "PIPEFLOW_TEST_TMP"  # where run directories go (the test's tmp dir; i
 
 
 def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|."""
+    """max |actual - expected| / max |expected| (a sharded `actual` gathered whole first: collective
+    over its dp group, called by every replica alike)."""
+    if isinstance(actual, DTensor):
+        actual = actual.full_tensor()
     scale = expected.abs().max().item()
     err = (actual.to(expected.dtype) - expected).abs().max().item()
     return err / scale if scale > 0 else err

@@ -30,12 +30,13 @@ from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
-from pipeflow.runtime.mesh import GradReducer, build_mesh
+from pipeflow.runtime.fsdp import FullShard
+from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
 from pipeflow.runtime.stage import build_stages, layers_by_index
-from pipeflow.runtime.tied import TiedWeights
+from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
 from pipeflow.schedules.auto import AUTO, write_schedule
@@ -83,12 +84,13 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     guard.check_same_program(schedule, layout.ranges)
     stages = build_stages(spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
                           compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
+    sharding = full_shard(cfg, spec, stages, layout.ranges, mesh)  # before anything holds the parameters
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
     for group in tied.groups():
         deadlines.own(group)
     tied.sync_initial_values()
-    reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 else None
+    reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 and sharding is None else None
     # auto's choice is made by the whole world (every replica alike, so no replica waits on a
     # slower setting) and within about a quarter of the run, so short runs and sweeps measure
     # the chosen setting for most of their steps
@@ -96,7 +98,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                       agree_over_world=True)
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
-                        reducer.stage_ready if reducer is not None else None)
+                        reducer.stage_ready if reducer is not None else None, sharding)
     params = unique_parameters(stage.parameters() for stage in stages.values())
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   weight_decay=cfg.optim.weight_decay)
@@ -119,6 +121,15 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
         workspace=workspace,
     )
+
+
+def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[range], mesh: Mesh) -> FullShard | None:
+    """``parallel.shard=full`` with dp > 1: this rank's stages sharded over their dp group (FSDP2),
+    tied copies on this rank made one parameter first; None otherwise (at dp = 1 nothing to shard)."""
+    if OmegaConf.select(cfg, "parallel.shard", default="none") != "full" or mesh.dp == 1:
+        return None
+    tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
+    return FullShard(stages, mesh.device_mesh["dp"])
 
 
 def shape_mode(cfg: DictConfig, chunks: int) -> str:

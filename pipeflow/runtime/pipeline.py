@@ -21,6 +21,7 @@ from pipeflow.errors import CommError, PipeflowError, ScheduleError
 from pipeflow.runtime import failures
 from pipeflow.runtime.buffers import BufferPool
 from pipeflow.runtime.events import EventRecorder
+from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.shapes import ShapePlan
 from pipeflow.runtime.stage import Stage, Tensors
@@ -28,6 +29,8 @@ from pipeflow.runtime.transport import P2PComm
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
+
+SHARD = "shard"  # the kind of recorded gathers (unshard) and reductions (reshard) of sharded stages
 
 # inbox/outbox keys: (payload, micro-batch, stage) with stage = receiver (inbox) or sender (outbox)
 Key = tuple[str, int, int]
@@ -55,6 +58,10 @@ class Pipeline:
         on_stage_grads_ready: called with a stage index as soon as that stage's weight
             gradients of the training step are complete (its last full backward or W), e.g. to
             start its data-parallel all-reduce while the cooldown still runs.
+        sharding: with ``parallel.shard=full``, the stages' FSDP2 units: the programs are lowered
+            with shard points (``Step.unshard``/``reshard``), which gather a stage's parameters
+            at its first action of a pass and reduce-scatter its gradients and free them after its
+            last (recorded as ``shard`` events).
     """
 
     def __init__(
@@ -66,8 +73,10 @@ class Pipeline:
         posting: Posting | None = None,
         recorder: EventRecorder | None = None,
         on_stage_grads_ready: Callable[[int], None] | None = None,
+        sharding: FullShard | None = None,
     ) -> None:
         self.stages = stages
+        self.sharding = sharding
         self.schedule = schedule
         self.comm = comm
         self.rank = comm.rank
@@ -93,7 +102,7 @@ class Pipeline:
         self._weights_left: dict[int, int] = {}
 
     def _checked_program(self, schedule: PipelineSchedule, posting: str) -> Program:
-        programs = lower(schedule, posting)
+        programs = lower(schedule, posting, shard=self.sharding is not None)
         validate(schedule, programs)
         return programs[self.rank]
 
@@ -120,7 +129,7 @@ class Pipeline:
             On the rank holding the last stage, the full-batch loss (the micro-batch losses
             each weighted and summed); None elsewhere.
         """
-        self.shapes.prepare(inputs, self.schedule.num_microbatches)
+        self._prepare_shapes(inputs, self.schedule.num_microbatches)
         option = self.posting.for_training(self._coalescing)
         start = time.perf_counter()
         m = self.schedule.num_microbatches
@@ -147,7 +156,7 @@ class Pipeline:
         if key not in self._eval_programs:
             schedule = forward_only(self.schedule.num_ranks, count, self.schedule.stage_to_rank)
             self._eval_programs[key] = self._checked_program(schedule, key[1])
-        self.shapes.prepare(inputs, count)
+        self._prepare_shapes(inputs, count)
         modes = [(mod, mod.training) for stage in self.stages.values() for mod in stage.module.modules()]
         for stage in self.stages.values():
             stage.module.train(False)  # BatchNorm uses running statistics, dropout is off
@@ -157,6 +166,14 @@ class Pipeline:
             for mod, mode in modes:
                 mod.training = mode
         return self._take_loss()
+
+    def _prepare_shapes(self, inputs: Sequence[Tensors] | None, count: int) -> None:
+        """Learn the pass's shapes; sharded stages are gathered first whenever the shape plan may
+        run trial forwards (the first pass, or every pass unless shapes are static: a rule every
+        dp replica follows alike, as the gathers are collective), and stay gathered into the pass."""
+        if self.sharding is not None and (self.shapes.mode != "static" or not self.shapes.edges):
+            self.sharding.unshard_all()
+        self.shapes.prepare(inputs, count)
 
     def _take_loss(self) -> torch.Tensor | None:
         last = self.stages.get(self.schedule.num_stages - 1)
@@ -185,9 +202,15 @@ class Pipeline:
         for k, step in enumerate(program):
             t0 = recorder.mark() if recorder is not None else None
             self._post(step, outbox, posted, program, k)
+            gathers = self.sharding.unshard(step.unshard) if step.unshard and self.sharding is not None else ()
             self._wait(step.waits, posted, inbox, program, k)
             if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
                 recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
+            if gathers:
+                t0 = recorder.mark() if recorder is not None else None
+                self.sharding.wait(gathers)
+                if recorder is not None:
+                    recorder.record(SHARD, f"unshard {','.join(map(str, step.unshard))}", t0, recorder.mark())
             if step.action is not None:
                 t1 = recorder.mark() if recorder is not None else None
                 self._compute(step, inbox, outbox, inputs, targets, loss_weights, train, grad_scale)
@@ -198,6 +221,12 @@ class Pipeline:
                 self._wait(step.after, posted, inbox, program, k, after=True)
                 if recorder is not None:
                     recorder.record("comm", "sends of the step done", t0, recorder.mark())
+            if step.reshard and self.sharding is not None:
+                t0 = recorder.mark() if recorder is not None else None
+                self.sharding.reshard(step.reshard, train)
+                if recorder is not None:
+                    what = "reduce-scatter + reshard" if train else "reshard"
+                    recorder.record(SHARD, f"{what} {','.join(map(str, step.reshard))}", t0, recorder.mark())
         for key in list(self._lent):  # evaluation's, and any a pass left
             self.buffers.give(self._lent.pop(key))
         self.buffers.end_pass()

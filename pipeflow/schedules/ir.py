@@ -128,6 +128,13 @@ class Step:
 
     `backward_weights` only matters for B actions: True when this B must also accumulate the
     weight gradients (no W action follows for the same stage and micro-batch).
+
+    With sharded parameters (``parallel.shard=full``), `unshard` names the stages whose
+    parameters are all-gathered before the action (posted with the step's batch, waited for
+    with its `waits`) and `reshard` the stages whose gradients are reduce-scattered (training)
+    and whose full parameters are freed after it (after `after`): each stage of a rank once per
+    pass, at its first action and at its last (:func:`~pipeflow.schedules.lowering.shard_points`).
+    Both are empty without sharding.
     """
 
     ops: tuple[CommOp, ...]
@@ -135,6 +142,8 @@ class Step:
     backward_weights: bool = True
     waits: tuple[CommOp, ...] | None = None
     after: tuple[CommOp, ...] = ()
+    unshard: tuple[int, ...] = ()
+    reshard: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.waits is None:
@@ -147,7 +156,10 @@ class Step:
 
     def __str__(self) -> str:
         ops = " ".join(str(op) for op in self.ops)
-        return f"[{ops}] {self.action if self.action is not None else '-'}"
+        text = f"[{ops}] {self.action if self.action is not None else '-'}"
+        if self.unshard:
+            text = f"unshard{list(self.unshard)} {text}"
+        return f"{text} reshard{list(self.reshard)}" if self.reshard else text
 
 
 Program = list[Step]
