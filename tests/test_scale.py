@@ -34,6 +34,15 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-uneven-rows": (2, "1f1b", 2, {"data__batch_size": 27}),
     "dp2xpp2-zbv-variable-lengths": (2, "zbv", 3, {"data__variable_lengths": True, "data__min_seq_len": 3}),
     "dp1xpp4-variable-lengths-uneven": (1, "1f1b", 3, {"data__variable_lengths": True, "data__batch_size": 25}),
+    # parallel.shard=full (FSDP2 over each stage's dp group), tied embeddings in every case: across
+    # pipeline ranks (1F1B, interleaved) and in one FSDP2 unit on one rank (ZB-V's V placement)
+    "dp2xpp2-full-1f1b": (2, "1f1b", 2, {"parallel__shard": "full"}),
+    "dp2xpp2-full-interleaved": (2, "interleaved_1f1b", 2, {"parallel__shard": "full"}),
+    "dp2xpp2-full-zbv": (2, "zbv", 3, {"parallel__shard": "full"}),
+    "dp2xpp2-full-zb_h1-clipped-actckpt": (2, "zb_h1", 2, {"parallel__shard": "full", "optim__grad_clip": CLIP,
+                                                           "pipeline__checkpoint_activations": True}),
+    "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
+        "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }
 
 
@@ -48,6 +57,7 @@ def _cases() -> list[tuple[str, object]]:
         ("bf16-trains", functools.partial(cases.precision_trains, "bf16")),
         ("fp16-overflow", cases.fp16_overflow_skips_everywhere),
         ("fp16-overflow-checked", functools.partial(cases.fp16_overflow_skips_everywhere, check_finite=True)),
+        ("fp16-overflow-full-shard", cases.fp16_overflow_skips_sharded),
         ("fp16-min-scale-checked", functools.partial(cases.check_finite_raises, "fp16", "inf-grad")),
         ("fp16-nan-forward-checked", functools.partial(cases.check_finite_raises, "fp16", "nan-param")),
         ("fp32-inf-grad-checked", functools.partial(cases.check_finite_raises, "fp32", "inf-grad")),
@@ -56,6 +66,8 @@ def _cases() -> list[tuple[str, object]]:
         ("diverge-loss", functools.partial(cases.diverging_run_saves_nothing_non_finite, 1e30)),
         ("inf-weights", cases.non_finite_weights_are_not_saved),
         ("resume", cases.resume_across_layouts),
+        ("resume-shard", cases.resume_across_shard_modes),
+        ("full-shard-counts", functools.partial(cases.full_shard_gathers_and_reduces_once_per_step, "zbv", 4)),
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
         ("wrong-model", cases.resume_into_another_model_is_refused),
@@ -105,7 +117,7 @@ def test_bf16_training_lowers_the_loss_with_fp32_master_weights(world) -> None:
         assert v["dtypes"] == ["torch.float32"]
 
 
-@pytest.mark.parametrize("name", ["fp16-overflow", "fp16-overflow-checked"])
+@pytest.mark.parametrize("name", ["fp16-overflow", "fp16-overflow-checked", "fp16-overflow-full-shard"])
 def test_fp16_overflow_on_one_stage_skips_the_step_on_every_rank(world, name: str) -> None:
     for rank, v in enumerate(_values(world[name])):  # with train.check_finite too: no NonFiniteError
         assert v["skipped"] and not v["finite0"], f"rank {rank}: {v}"
@@ -190,3 +202,31 @@ def test_fit_stops_and_joins_the_watchdog_and_the_trainer_can_be_freed(world) ->
     for rank, v in enumerate(_values(world["timeouts-watchdog"])):
         assert v["alive_while_built"] and not v["alive_after_fit"], f"rank {rank}: {v}"
         assert v["trainer_freed"], f"rank {rank}: something still holds the Trainer after fit"
+
+
+def test_full_shard_gathers_and_reduces_each_stage_once_per_step(world) -> None:
+    """ZB-V, 4 micro-batches, parallel.shard=full: per step one all-gather and one reduce-scatter per
+    FSDP2 unit (rank 0's two stages share the tied embedding: one unit), never per micro-batch;
+    between steps parameters, gradients and AdamW state are dim-0 shards; no dp all-reduce."""
+    for rank, v in enumerate(_values(world["full-shard-counts"])):
+        units = len(v["units"])
+        assert v["units"] == ([[0, 3]] if v["stages"] == [0, 3] else [[1], [2]]), f"rank {rank}: {v['units']}"
+        assert v["counts"] == {"all_gather": 2 * units, "reduce_scatter": 2 * units}, f"rank {rank}: {v['counts']}"
+        reshards = [name for _, name in v["events"] if name.startswith("reduce-scatter")]
+        assert sorted(int(n.split()[-1]) for n in reshards) == v["stages"], f"rank {rank}: {v['events']}"
+        assert v["params_sharded"] and v["state_sharded"] and not v["reducer"], f"rank {rank}: {v}"
+        assert v["local_numel"] * 2 == v["numel"], f"rank {rank}: {v}"  # dp = 2, even shards here
+
+
+def test_checkpoints_resume_across_shard_modes_dp_and_pp(world) -> None:
+    """dp1 x pp4 shard=none -> dp2 x pp2 shard=full and back, model and AdamW state (float64):
+    the losses and the exported step-6 weights equal training straight through without sharding."""
+    out = _values(world["resume-shard"])[0]
+    straight = out["straight_none"]
+    assert len(straight) == 6
+    assert max(abs(a - b) / b for a, b in zip(out["straight_full_history"], straight)) < TOLERANCE
+    for name in ("to_full", "straight_full", "to_none"):
+        assert out[f"{name}_same_keys"], name
+        assert out[f"{name}_param"] < TOLERANCE, f"{name}: {out[f'{name}_param']:.3e}"
+    for name in ("to_full", "to_none"):
+        assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE, name

@@ -5,7 +5,11 @@ layer-indexed names that do not depend on the layout: ``model.layers.<i>.<name>`
 ``state_dict()`` entries and ``optim.layers.<i>.<param>.<field>`` for its AdamW state.  Each
 rank writes the layers it holds (DCP keeps one copy of what dp replicas or tied copies hold
 twice) and loads the layers it holds now, whatever the layout was, so a pp=4 run resumes with
-pp=2 or pp=1 and another dp.  Beside them: ``meta.json`` (step, loss scale, layout) and each
+pp=2 or pp=1 and another dp.  With ``parallel.shard=full`` the parameters and their AdamW state
+are DTensors sharded over each stage's dp group: DCP writes every shard once under the same
+names (the global shapes in its metadata) and loads them into whatever the resuming run holds,
+shards or whole tensors, so checkpoints move between ``shard=full`` and ``none`` (and any dp, pp)
+and export as before.  Beside them: ``meta.json`` (step, loss scale, layout) and each
 rank's RNG states.  The data position is the step: batch k is a pure function of k.
 
 Atomicity: every rank writes into ``step_<n>.<job>.tmp`` (``<job>``: the token of the job that

@@ -185,7 +185,7 @@ class Trainer:
                 f"checkpoint of step {step} not written: the weights of stage(s) {bad} hold NaN or Inf after the "
                 f"optimizer step (optim.lr={self.cfg.optim.lr} too large?); latest still names the last good checkpoint"
             )
-        meta = {"dp": self.dp, "pp": self.mesh.pp, "scaler": self.scaler.state_dict()}
+        meta = {"dp": self.dp, "pp": self.mesh.pp, "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
         job = self.workspace.token if self.workspace is not None else ""
         return checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer,
                                meta, job=job)
@@ -205,7 +205,8 @@ class Trainer:
         meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer)
         self.scaler.load_state_dict(meta["scaler"])
         if self.is_main:
-            log.info("resumed from checkpoint %s at step %d (saved with dp=%s, pp=%s)", path, meta["step"], meta["dp"], meta["pp"])
+            log.info("resumed from checkpoint %s at step %d (saved with dp=%s, pp=%s, shard=%s)", path, meta["step"],
+                     meta["dp"], meta["pp"], meta.get("shard", "none"))
         return int(meta["step"])
 
     def describe(self) -> str:
