@@ -202,7 +202,7 @@ class Pipeline:
         for k, step in enumerate(program):
             t0 = recorder.mark() if recorder is not None else None
             self._post(step, outbox, posted, program, k)
-            gathers = self.sharding.unshard(step.unshard) if step.unshard and self.sharding is not None else ()
+            gathers = self._shard_points(step, train, recorder) if step.unshard or step.reshard else ()
             self._wait(step.waits, posted, inbox, program, k)
             if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
                 recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
@@ -221,18 +221,24 @@ class Pipeline:
                 self._wait(step.after, posted, inbox, program, k, after=True)
                 if recorder is not None:
                     recorder.record("comm", "sends of the step done", t0, recorder.mark())
-            if step.reshard and self.sharding is not None:
-                t0 = recorder.mark() if recorder is not None else None
-                self.sharding.reshard(step.reshard, train)
-                if recorder is not None:
-                    what = "reduce-scatter + reshard" if train else "reshard"
-                    recorder.record(SHARD, f"{what} {','.join(map(str, step.reshard))}", t0, recorder.mark())
         for key in list(self._lent):  # evaluation's, and any a pass left
             self.buffers.give(self._lent.pop(key))
         self.buffers.end_pass()
         if inbox or outbox or posted:
             left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
+
+    def _shard_points(self, step: Step, train: bool, recorder: EventRecorder | None) -> list:
+        """Reduce and free the stages done (``step.reshard``), then start gathering the stages this
+        step's action needs (``step.unshard``); returns the gathers to wait for before it."""
+        assert self.sharding is not None
+        if step.reshard:
+            t0 = recorder.mark() if recorder is not None else None
+            self.sharding.reshard(step.reshard, train)
+            if recorder is not None:
+                what = "reduce-scatter + reshard" if train else "reshard"
+                recorder.record(SHARD, f"{what} {','.join(map(str, step.reshard))}", t0, recorder.mark())
+        return self.sharding.unshard(step.unshard) if step.unshard else []
 
     def _post(
         self, step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted], program: Program, k: int

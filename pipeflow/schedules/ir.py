@@ -129,12 +129,13 @@ class Step:
     `backward_weights` only matters for B actions: True when this B must also accumulate the
     weight gradients (no W action follows for the same stage and micro-batch).
 
-    With sharded parameters (``parallel.shard=full``), `unshard` names the stages whose
-    parameters are all-gathered before the action (posted with the step's batch, waited for
-    with its `waits`) and `reshard` the stages whose gradients are reduce-scattered (training)
-    and whose full parameters are freed after it (after `after`): each stage of a rank once per
-    pass, at its first action and at its last (:func:`~pipeflow.schedules.lowering.shard_points`).
-    Both are empty without sharding.
+    With sharded parameters (``parallel.shard=full``), once the step's ops are posted, `reshard`
+    names the stages done for the pass (their last action ran in an earlier step) whose
+    gradients are now reduce-scattered (training) and whose full parameters are freed, and
+    `unshard` the stages whose parameters are then all-gathered for this step's action (waited
+    for with `waits`): each stage of a rank once per pass, at its first action and at the step
+    after its last (:func:`~pipeflow.schedules.lowering.shard_points`).  Both are empty without
+    sharding.
     """
 
     ops: tuple[CommOp, ...]
@@ -159,7 +160,7 @@ class Step:
         text = f"[{ops}] {self.action if self.action is not None else '-'}"
         if self.unshard:
             text = f"unshard{list(self.unshard)} {text}"
-        return f"{text} reshard{list(self.reshard)}" if self.reshard else text
+        return f"reshard{list(self.reshard)} {text}" if self.reshard else text
 
 
 Program = list[Step]

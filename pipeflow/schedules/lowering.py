@@ -47,17 +47,22 @@ over; the simulator checks every option's programs anyway.
 Sharded parameters (``lower(..., shard=True)``, ``parallel.shard=full``).  Each stage's
 parameters are gathered once per pass and freed once: :func:`shard_points` marks the step of a
 stage's first action on its rank with ``unshard`` (its parameters all-gathered before that
-action) and the step of its last action with ``reshard`` (after it, its gradients are
-reduce-scattered over the data-parallel group and its full parameters freed).  In a training
-pass a stage's last action is its last B or W, so the gradients are reduced once per step,
-never per micro-batch.  Where torch.distributed.pipelining's ``_add_unshard_reshard`` keeps up
-to three stages of a rank gathered and reshards the rest only when a fourth is needed (or at
-the end of the program), here each stage is resharded right after its own last action, so an
-early-finishing stage (the first chunk of an interleaved rank) frees its parameters and
-reduces its gradients while the rank's other stages still run; and the unshard is placed at
-the stage's first action rather than prefetched earlier, so a rank holds full parameters only
-for the stages it is running.  The points do not move any transfer, so a program with them
-runs the same communication as one without.
+action) and the step after its last action with ``reshard`` (its gradients reduce-scattered
+over the data-parallel group and its full parameters freed, once that step has posted its ops:
+the sends of the stage's last action are on their way first, so the reduction never holds back
+the neighbour waiting for them).  In a training pass a stage's last action is its last B or W,
+so gradients are reduced once per step, never per micro-batch.
+
+Where this differs from torch.distributed.pipelining (``_add_unshard_reshard``, which keeps up
+to three stages of a rank gathered, prefetching the next ones, and reshards a stage only when
+it drops out of that window or at the program's end; ``REDUCE_GRAD`` right after the stage's
+last backward): here each stage is resharded and reduced in the step after its own last
+action, so an early-finishing stage (the first chunk of an interleaved rank) frees its
+parameters and reduces its gradients while the rank's other stages still run, and a stage is
+gathered at its first action rather than prefetched ahead of it, so a rank holds full
+parameters only for stages it has started and not finished (the gather still overlaps the
+waits of that step).  The points move no transfer: a program with them runs the same
+communication as one without.
 """
 from __future__ import annotations
 
@@ -145,18 +150,21 @@ def lower(schedule: PipelineSchedule, posting: str = "rendezvous", shard: bool =
 
 def shard_points(program: Program) -> Program:
     """`program` with each of its stages unsharded at the step of the stage's first action and
-    resharded at the step of its last (once per stage; see the module docstring)."""
+    resharded at the step after its last, once the ops of that step are posted (a step with
+    neither ops nor action is appended when the last action is the program's last step); see
+    the module docstring."""
     first: dict[int, int] = {}
-    last: dict[int, int] = {}
+    done: dict[int, int] = {}  # the step after the stage's last action
     for k, step in enumerate(program):
         if step.action is not None:
             first.setdefault(step.action.stage, k)
-            last[step.action.stage] = k
+            done[step.action.stage] = k + 1
+    steps = list(program) + ([Step((), None)] if len(program) in done.values() else [])
     return [
         dataclasses.replace(step, unshard=tuple(s for s, at in first.items() if at == k),
-                            reshard=tuple(s for s, at in last.items() if at == k))
-        if k in first.values() or k in last.values() else step
-        for k, step in enumerate(program)
+                            reshard=tuple(s for s, at in done.items() if at == k))
+        if k in first.values() or k in done.values() else step
+        for k, step in enumerate(steps)
     ]
 
 

@@ -79,11 +79,11 @@ def simulate(
         microbatch_sizes: each micro-batch's activation size (variable lengths: its tokens),
             weighing it in ``peak_memory``; default 1 each.
         shard: with `programs` None, lower with shard points (``lower(..., shard=True)``).
-        shard_cost: time of one stage's all-gather (``unshard``, posted with the step's ops; its
-            action starts no earlier than post + cost per stage) and of one stage's
-            reduce-scatter and reshard (``reshard``, after the step's ``after``).  Programs with
-            shard points are checked: every stage of a rank unsharded once at or before its first
-            action and resharded once at or after its last.
+        shard_cost: time of one stage's reduce-scatter and reshard (``reshard``: the rank is
+            busy with it right after posting the step's ops) and of one stage's all-gather
+            (``unshard``, started after those; the action starts no earlier than its end).
+            Programs with shard points are checked: every stage of a rank unsharded once at or
+            before its first action and resharded once after its last.
 
     Returns:
         The :class:`SimResult`.
@@ -163,7 +163,7 @@ def _check_programs(schedule: PipelineSchedule, programs: list[Program]) -> None
 
 def _shard_problems(r: int, program: Program) -> list[str]:
     """Each stage of rank r unsharded once, at or before its first action, and resharded once,
-    at or after its last; no shard point for a stage the rank does not run."""
+    after its last; no shard point for a stage the rank does not run."""
     acting: dict[int, list[int]] = defaultdict(list)
     unshard: dict[int, list[int]] = defaultdict(list)
     reshard: dict[int, list[int]] = defaultdict(list)
@@ -180,8 +180,8 @@ def _shard_problems(r: int, program: Program) -> list[str]:
         if len(unshard[s]) != 1 or unshard[s][0] > steps[0]:
             problems.append(f"rank {r}: stage {s} is unsharded at steps {unshard[s]}; expected once, at or before "
                             f"its first action (step {steps[0]})")
-        if len(reshard[s]) != 1 or reshard[s][0] < steps[-1]:
-            problems.append(f"rank {r}: stage {s} is resharded at steps {reshard[s]}; expected once, at or after "
+        if len(reshard[s]) != 1 or reshard[s][0] <= steps[-1]:
+            problems.append(f"rank {r}: stage {s} is resharded at steps {reshard[s]}; expected once, after "
                             f"its last action (step {steps[-1]})")
     return problems
 
@@ -361,21 +361,20 @@ class _Simulation:
         if phase == _POST:
             for op in step.ops:
                 self.posted[r][op] = self._post(_Posted(r, k, op, self.clock[r]))
+            # the reductions of stages done (blocking), then the gathers for this action start
+            self.clock[r] += self.shard_cost * len(step.reshard)
+            self.unsharded[r] += len(step.unshard) - len(step.reshard)
+            self.peak_unsharded[r] = max(self.peak_unsharded[r], self.unsharded[r])
             self.phase[r] = _WAIT
             return True
         done = self._wait(r, step.waits if phase == _WAIT else step.after)
         if done is None:
             return False
-        if phase == _WAIT:
-            if step.unshard:  # the all-gathers were posted with the step's ops, at the rank's clock
-                done = max(done, self.clock[r] + self.shard_cost * len(step.unshard))
-                self.unsharded[r] += len(step.unshard)
-                self.peak_unsharded[r] = max(self.peak_unsharded[r], self.unsharded[r])
-            self._compute(r, k, step, done)
+        if phase == _WAIT:  # the gathers started at the rank's clock, after the reductions
+            self._compute(r, k, step, max(done, self.clock[r] + self.shard_cost * len(step.unshard)))
             self.phase[r] = _AFTER
         else:
-            self.clock[r] = done + self.shard_cost * len(step.reshard)  # reduce-scatter, then free
-            self.unsharded[r] -= len(step.reshard)
+            self.clock[r] = done
             self.next_step[r], self.phase[r] = k + 1, _POST
         return True
 
