@@ -115,3 +115,36 @@ def test_the_fsdp2_internals_pipeflow_relies_on_exist_in_this_torch(monkeypatch:
     monkeypatch.delattr(FSDPState, "_root_post_backward_final_callback")
     with pytest.raises(ConfigError, match=r"parallel.shard=full needs FSDP2 internals .*_root_post_backward_final_callback"):
         check_internals()
+
+
+def _traced_with_shard_points() -> list:
+    """One traced step of 1F1B on 2 ranks as the pipeline records it with parallel.shard=full."""
+    from pipeflow.runtime.events import SHARD
+
+    timed = [[(SHARD, "unshard 0", 0.0, 0.5), ("F", "0F0", 0.5, 1.5), ("comm", "recv", 1.5, 3.0), ("B", "0B0", 3.0, 5.0),
+              (SHARD, "reduce-scatter + reshard 0", 5.0, 5.5)],
+             [(SHARD, "unshard 1", 0.0, 0.5), ("comm", "recv", 0.5, 1.5), ("F", "1F0", 1.5, 2.0), ("B", "1B0", 2.0, 3.0),
+              (SHARD, "reduce-scatter + reshard 1", 3.0, 3.5)]]
+    return [(r, 0.0, 6.0, [(k, n, s / 1e3, e / 1e3) for k, n, s, e in events]) for r, events in enumerate(timed)]
+
+
+def test_the_trace_shows_gathers_and_reductions_and_counts_them_as_communication(tmp_path) -> None:
+    import matplotlib.image
+    import numpy as np
+
+    from pipeflow.observability.figures import step_figures
+    from pipeflow.observability.trace import chrome_trace, draw_step
+    from pipeflow.runtime.events import TimedEvent
+
+    per_rank = _traced_with_shard_points()
+    events = [e for e in chrome_trace({1: per_rank})["traceEvents"] if e["ph"] == "X" and e["cat"] == "shard"]
+    assert sorted((e["pid"], e["name"]) for e in events) == [
+        (0, "reduce-scatter + reshard 0"), (0, "unshard 0"), (1, "reduce-scatter + reshard 1"), (1, "unshard 1")]
+    figures = step_figures([TimedEvent(*e) for e in per_rank[0][3]], 0.0, 6e-3)
+    assert figures.comm_wait_s == pytest.approx(2.5e-3) and figures.compute_s == pytest.approx(3e-3)
+    image = matplotlib.image.imread(draw_step(per_rank, 2, "shard=full", str(tmp_path / "step.png")))[..., :3]
+    purple = np.array([0x94, 0x67, 0xBD]) / 255  # matplotlib's tab:purple
+    assert (np.abs(image - purple).max(axis=-1) < 0.02).sum() > 50
+    plain = [(r, s, e, [t for t in timed if t[0] != "shard"]) for r, s, e, timed in per_rank]
+    image = matplotlib.image.imread(draw_step(plain, 2, "shard=none", str(tmp_path / "plain.png")))[..., :3]
+    assert (np.abs(image - purple).max(axis=-1) < 0.02).sum() == 0

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from pipeflow.errors import CommError, PipeflowError, ScheduleError
 from pipeflow.runtime import failures
 from pipeflow.runtime.buffers import BufferPool
-from pipeflow.runtime.events import EventRecorder
+from pipeflow.runtime.events import SHARD, EventRecorder
 from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.shapes import ShapePlan
@@ -29,8 +29,6 @@ from pipeflow.runtime.transport import P2PComm
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
-
-SHARD = "shard"  # the kind of recorded gathers (unshard) and reductions (reshard) of sharded stages
 
 # inbox/outbox keys: (payload, micro-batch, stage) with stage = receiver (inbox) or sender (outbox)
 Key = tuple[str, int, int]
