@@ -443,3 +443,16 @@ def fp16_overflow_skips_sharded() -> dict[str, Any]:
     changed = any(not torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.params))
     return {"skipped": unchanged, "finite0": math.isfinite(norm0), "scale_ratio": scale1 / scale0,
             "stepped_after": changed, "finite1": math.isfinite(norm1)}
+
+
+def full_shard_vs_replicas_under(precision: str) -> dict[str, float]:
+    """dp2 x pp2 under `precision` (autocast, float32 weights): the gradients of one step with
+    ``parallel.shard=full`` against ``none`` (gathered whole), and the loss of each."""
+    grads, losses = {}, {}
+    for shard in ("none", "full"):
+        cfg = make_config(2, "1f1b", 2, train__dtype="float32", train__precision=precision, parallel__shard=shard)
+        trainer = build_run(cfg, torch.device("cpu"))
+        losses[shard], _ = trainer.forward_backward(0)
+        grads[shard] = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for p in trainer.params]
+    return {"grad": max(rel_diff(a, b) for a, b in zip(grads["full"], grads["none"])),
+            "loss": abs(losses["full"] - losses["none"]) / abs(losses["none"])}

@@ -58,6 +58,7 @@ def _cases() -> list[tuple[str, object]]:
         ("fp16-overflow", cases.fp16_overflow_skips_everywhere),
         ("fp16-overflow-checked", functools.partial(cases.fp16_overflow_skips_everywhere, check_finite=True)),
         ("fp16-overflow-full-shard", cases.fp16_overflow_skips_sharded),
+        ("bf16-full-shard", functools.partial(cases.full_shard_vs_replicas_under, "bf16")),
         ("fp16-min-scale-checked", functools.partial(cases.check_finite_raises, "fp16", "inf-grad")),
         ("fp16-nan-forward-checked", functools.partial(cases.check_finite_raises, "fp16", "nan-param")),
         ("fp32-inf-grad-checked", functools.partial(cases.check_finite_raises, "fp32", "inf-grad")),
@@ -216,6 +217,11 @@ def test_full_shard_gathers_and_reduces_each_stage_once_per_step(world) -> None:
         assert sorted(int(n.split()[-1]) for n in reshards) == v["stages"], f"rank {rank}: {v['events']}"
         assert v["params_sharded"] and v["state_sharded"] and not v["reducer"], f"rank {rank}: {v}"
         assert v["local_numel"] * 2 == v["numel"], f"rank {rank}: {v}"  # dp = 2, even shards here
+
+
+def test_full_shard_under_bf16_gives_the_gradients_of_replicas(world) -> None:
+    for rank, v in enumerate(_values(world["bf16-full-shard"])):  # float32 sums in another order at most
+        assert v["grad"] < 1e-5 and v["loss"] < 1e-6, f"rank {rank}: {v}"
 
 
 def test_checkpoints_resume_across_shard_modes_dp_and_pp(world) -> None:
