@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from pipeflow.run.config import Config, GPTModelConfig
 from pipeflow.models.spec import run_layers
 from pipeflow.runtime.tied import tie_in_place
+from pipeflow.runtime.zero import local_optimizer, owned_parameters
 from pipeflow.data import build_batches
 from pipeflow.run.builder import build_run
 from pipeflow.run.trainer import Trainer, lr_at, unique_parameters
@@ -116,7 +117,8 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
     assert trainer.pipeline.posting.recvs_ahead == cfg.comm.recvs_ahead
     both = pairs(trainer, reference)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0,
-             "shapes": trainer.pipeline.shapes.mode}
+             "shapes": trainer.pipeline.shapes.mode, "params": len(trainer.params),
+             "owned": len(owned_parameters(trainer.optimizer))}
     for step in range(steps):
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optim, cfg.train.max_steps)
@@ -130,6 +132,24 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
         reference.step(step)
         worst["param"] = max([worst["param"]] + [rel_diff(a.detach(), b.detach()) for a, b in both])
     return worst
+
+
+def _state_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+
+
+def zero_state_bound(schedule: str = "1f1b") -> dict[str, Any]:
+    """One AdamW step of the dp2 x pp2 tied GPT without and with ``parallel.shard=optimizer``:
+    the bytes of optimizer state this rank holds (AdamW's exp_avg, exp_avg_sq and step, counted
+    from the live tensors) and the largest single parameter's state."""
+    held = {}
+    for shard in ("none", "optimizer"):
+        trainer = build_run(make_config(2, schedule, 2, parallel__shard=shard), torch.device("cpu"))
+        trainer.train_step(0)
+        state = local_optimizer(trainer.optimizer).state
+        held[shard] = [_state_bytes(state.get(p, {})) for p in trainer.params]  # 0: owned by another dp rank
+    return {"sharded": sum(held["optimizer"]), "unsharded": sum(held["none"]), "largest": max(held["none"]),
+            "owned": sum(1 for b in held["optimizer"] if b), "params": len(held["none"])}
 
 
 def precision_vs_fp32(precision: str, dp: int = 1, schedule: str = "1f1b") -> dict[str, float]:
@@ -157,11 +177,11 @@ def precision_trains(precision: str, steps: int = 30) -> dict[str, float]:
             "dtypes": sorted({str(p.dtype) for p in trainer.params})}
 
 
-def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: bool = False) -> dict[str, Any]:
+def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: bool = False, **overrides: Any) -> dict[str, Any]:
     """An inf in one stage's gradient at step 0 skips the step on every rank; step 1 then runs
     (with `check_finite` too: an overflow is the loss scaler's, not a NonFiniteError)."""
     cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
-                      train__dtype="float32", train__precision="fp16", train__check_finite=check_finite)
+                      train__dtype="float32", train__precision="fp16", train__check_finite=check_finite, **overrides)
     trainer = build_run(cfg, torch.device("cpu"))
     armed = [True]
     if trainer.mesh.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
@@ -244,9 +264,9 @@ def _shared_dir(prefix: str) -> str:
     return box[0]
 
 
-def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: str = "float32", **overrides: Any) -> Trainer:
+def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: str = "float32", shard: str = "none") -> Trainer:
     cfg = make_config(dp, "1f1b", m, train__dtype=dtype, train__max_steps=6, train__save_every=3,
-                      train__run_dir=run_dir, train__resume=resume, optim__grad_clip=1.0, **overrides)
+                      train__run_dir=run_dir, train__resume=resume, optim__grad_clip=1.0, parallel__shard=shard)
     trainer = build_run(cfg, torch.device("cpu"))
     trainer.fit()
     return trainer
@@ -260,23 +280,48 @@ def _exported(path: str) -> dict[str, torch.Tensor]:
     return torch.load(out)
 
 
+def _optimizer_saved(path: str) -> dict[str, torch.Tensor]:
+    """Every ``optim.`` entry of checkpoint `path`, read in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(path)
+    entries = reader.read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for key, md in entries.items() if key.startswith("optim.")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
 def resume_across_layouts() -> dict[str, Any] | None:
     """6 steps straight (dp1 x pp4) vs 3 steps then resume for 3: same layout (bit for bit in
     float32), dp2 x pp2 and dp4 x pp1 (to float64 rounding).  The step-6 checkpoints are compared through their
-    one-file exports, which must also load into the unsplit model.  Rank 0 returns the figures."""
+    one-file exports, which must also load into the unsplit model.  Rank 0 returns the figures.
+
+    ``parallel.shard=optimizer`` (ZeRO-1) in float64, model and AdamW state of the step-6
+    checkpoints against the straight run: dp2 x pp2 ZeRO-1 straight; its step 3 resumed with
+    dp1 x pp4 unsharded; the straight step 3 resumed with dp2 x pp2 and dp4 x pp1 ZeRO-1."""
     from pipeflow.run.checkpoint import find_latest
 
     straight = {dtype: _fit(1, _shared_dir("pf-straight-"), dtype=dtype) for dtype in ("float32", "float64")}
     step3 = {dtype: f"{trainer.checkpoint_root}/step_00000003" for dtype, trainer in straight.items()}
-    resumed = {name: (dtype, _fit(dp, _shared_dir(f"pf-{name}-"), resume=step3[dtype], dtype=dtype))
-               for name, dp, dtype in (("same", 1, "float32"), ("dp2xpp2", 2, "float64"), ("dp4xpp1", 4, "float64"))}
+    zero = _fit(2, _shared_dir("pf-zero-"), dtype="float64", shard="optimizer")
+    runs = (("same", 1, "float32", step3["float32"], "none"), ("dp2xpp2", 2, "float64", step3["float64"], "none"),
+            ("dp4xpp1", 4, "float64", step3["float64"], "none"),
+            ("zero_to_dp1xpp4", 1, "float64", f"{zero.checkpoint_root}/step_00000003", "none"),
+            ("to_zero_dp2xpp2", 2, "float64", step3["float64"], "optimizer"),
+            ("to_zero_dp4xpp1", 4, "float64", step3["float64"], "optimizer"))
+    resumed = {name: (dtype, _fit(dp, _shared_dir(f"pf-{name}-"), resume=source, dtype=dtype, shard=shard))
+               for name, dp, dtype, source, shard in runs}
+    resumed["zero_straight"] = ("float64", zero)
     val = straight["float32"].evaluate()
     if dist.get_rank() != 0:
         return None
     references = {dtype: _exported(find_latest(t.checkpoint_root)) for dtype, t in straight.items()}
+    optim_ref = _optimizer_saved(find_latest(straight["float64"].checkpoint_root))
     reference = references["float32"]
     out: dict[str, Any] = {f"straight_history_{d}": t.history for d, t in straight.items()}
     out["keys"] = len(reference)
+    out["optim_keys"] = len(optim_ref)
     for name, (dtype, trainer) in resumed.items():
         reference = references[dtype]
         got = _exported(find_latest(trainer.checkpoint_root))
@@ -284,6 +329,10 @@ def resume_across_layouts() -> dict[str, Any] | None:
         out[f"{name}_bitwise"] = all(torch.equal(got[k], reference[k]) for k in reference)
         out[f"{name}_param"] = max(rel_diff(got[k], reference[k]) for k in reference)
         out[f"{name}_history"] = trainer.history
+        if dtype == "float64":  # the AdamW state (exp_avg, exp_avg_sq, step) of every parameter
+            optim = _optimizer_saved(find_latest(trainer.checkpoint_root))
+            out[f"{name}_same_optim_keys"] = sorted(optim) == sorted(optim_ref)
+            out[f"{name}_optim"] = max((rel_diff(optim[k], optim_ref[k]) for k in optim_ref if k in optim), default=math.inf)
     # the export loads into the plain unsplit model and gives the trained model's held-out loss
     spec = instantiate(straight["float32"].cfg.model)
     model = torch.nn.ModuleList(spec.build_all())
@@ -400,11 +449,10 @@ def resume_across_shard_modes() -> dict[str, Any] | None:
     step-6 exports' worst relative differences from the straight none run."""
     from pipeflow.run.checkpoint import find_latest
 
-    full = {"parallel__shard": "full"}
     straight_none = _fit(1, _shared_dir("pf-none-"), dtype="float64")
     to_full = _fit(2, _shared_dir("pf-to-full-"), resume=f"{straight_none.checkpoint_root}/step_00000003",
-                   dtype="float64", **full)
-    straight_full = _fit(2, _shared_dir("pf-full-"), dtype="float64", **full)
+                   dtype="float64", shard="full")
+    straight_full = _fit(2, _shared_dir("pf-full-"), dtype="float64", shard="full")
     to_none = _fit(1, _shared_dir("pf-to-none-"), resume=f"{straight_full.checkpoint_root}/step_00000003",
                    dtype="float64")
     if dist.get_rank() != 0:

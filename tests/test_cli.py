@@ -174,7 +174,7 @@ def test_torchrun_dp2_pp2_full_shard_matches_the_unsharded_loss_step_for_step(tm
                        "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "metrics.trace_steps=[2]",
                        f"train.run_dir={tmp_path / shard}")
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        assert f"mesh: dp=2 x pp=2 (parallel.shard={shard})" in run.stdout
+        assert f"mesh: dp=2 x pp=2, shard={shard}," in run.stdout
         events = EventAccumulator(str(tmp_path / shard / "tb"), size_guidance={"scalars": 0})
         events.Reload()
         losses[shard] = [e.value for e in events.Scalars("train/loss")]

@@ -334,9 +334,8 @@ class Trainer:
         if self.is_main:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
-            log.info("mesh: dp=%d x pp=%d (parallel.shard=%s), precision=%s, activation checkpointing=%s", self.dp,
-                     self.mesh.pp, self.cfg.parallel.shard, self.cfg.train.precision,
-                     self.cfg.pipeline.checkpoint_activations)
+            log.info("mesh: dp=%d x pp=%d, shard=%s, precision=%s, activation checkpointing=%s", self.dp, self.mesh.pp,
+                     self.cfg.parallel.shard, self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
             lengths = sequence_lengths(self.cfg.data)
             if lengths is not None or self.pipeline.shapes.mode == "per_microbatch":
                 drawn = f"; sequence lengths drawn from {lengths[0]}..{lengths[1]}" if lengths is not None else ""
