@@ -1,8 +1,10 @@
 """Interpreting one rank's lowered program: the only place where communication and compute meet.
 
-For every step of the program: post its one batched call (``step.ops``), wait for the posted
-ops it names (``step.waits``), run its compute action on the local Stage, then wait for the ops
-it names after (``step.after``: sends whose tensors are freed then).  Lowering wrote all of that
+For every step of the program: post its one batched call (``step.ops``), with
+``parallel.shard=full`` reduce and free the stages done (``step.reshard``) and start gathering
+those starting (``step.unshard``), wait for the posted ops it names (``step.waits``) and the
+gathers, run its compute action on the local Stage, then wait for the ops it names after
+(``step.after``: sends whose tensors are freed then).  Lowering wrote all of that
 into the steps; which lowering runs (rendezvous, NCCL's group, gloo's at_step or ahead) is the
 :class:`~pipeflow.runtime.posting.Posting`'s choice, and the simulator has proved each program
 before it runs.  Arrivals wait in an inbox keyed by (payload, micro-batch, stage).  Which
