@@ -428,12 +428,16 @@ def full_shard_gathers_and_reduces_once_per_step(schedule: str = "1f1b", m: int 
         trainer.train_step(0)  # shapes are learned here: the first pass gathers before it
         trainer.pipeline.recorder.start()
         trainer.train_step(1)
-        events = [(e.kind, e.name) for e in trainer.pipeline.recorder.stop() if e.kind == "shard"]
+        timed = trainer.pipeline.recorder.stop()
+        events = [(e.kind, e.name) for e in timed if e.kind == "shard"]
+        # a gather or reduction is its own event, inside no batched call's (counted once as communication)
+        nested = [(c.name, s.name) for s in timed if s.kind == "shard" for c in timed
+                  if c.kind == "comm" and c.start < s.start and s.end < c.end]
     finally:
         fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce = gather, reduce
     params = trainer.params
     return {
-        "counts": counts, "events": events, "units": trainer.pipeline.sharding.unit_stages(),
+        "counts": counts, "events": events, "nested": nested, "units": trainer.pipeline.sharding.unit_stages(),
         "stages": sorted(trainer.stages), "reducer": trainer.reducer is not None,
         "params_sharded": all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() or p.shape[0] < 2
                               for p in params),

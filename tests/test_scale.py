@@ -258,6 +258,7 @@ def test_full_shard_gathers_and_reduces_each_stage_once_per_step(world) -> None:
         assert v["counts"] == {"all_gather": 2 * units, "reduce_scatter": 2 * units}, f"rank {rank}: {v['counts']}"
         reshards = [name for _, name in v["events"] if name.startswith("reduce-scatter")]
         assert sorted(int(n.split()[-1]) for n in reshards) == v["stages"], f"rank {rank}: {v['events']}"
+        assert not v["nested"], f"rank {rank}: shard events inside comm events: {v['nested']}"
         assert v["params_sharded"] and v["state_sharded"] and not v["reducer"], f"rank {rank}: {v}"
         assert v["local_numel"] * 2 == v["numel"], f"rank {rank}: {v}"  # dp = 2, even shards here
 

@@ -202,7 +202,12 @@ class Pipeline:
         for k, step in enumerate(program):
             t0 = recorder.mark() if recorder is not None else None
             self._post(step, outbox, posted, program, k)
-            gathers = self._shard_points(step, train, recorder) if step.unshard or step.reshard else ()
+            gathers = ()
+            if step.unshard or step.reshard:  # its own events: the comm event restarts after them
+                if recorder is not None and step.ops:
+                    recorder.record("comm", step.ops_text, t0, recorder.mark())
+                gathers = self._shard_points(step, train, recorder)
+                t0 = recorder.mark() if recorder is not None else None
             self._wait(step.waits, posted, inbox, program, k)
             if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
                 recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
