@@ -85,6 +85,26 @@ def test_a_reduction_does_not_hold_back_the_gradient_it_follows() -> None:
     assert result.makespan == 7.0
     assert simulate(_schedule("1f1b", 2, 1, 1, "loop")).makespan == 6.0
     assert result.peak_unsharded == [1, 1]
+    assert sorted(result.shard_timeline) == [(0, "reshard 0", 6.5, 7.0), (0, "unshard 0", 0.0, 0.5),
+                                             (1, "reshard 1", 4.5, 5.0), (1, "unshard 1", 0.0, 0.5)]
+    assert simulate(_schedule("1f1b", 2, 1, 1, "loop")).shard_timeline == []
+
+
+def test_show_draws_the_simulated_gathers_and_reductions(tmp_path) -> None:
+    import matplotlib.image
+    import numpy as np
+
+    from pipeflow.schedules.show import main, parse_args
+
+    assert parse_args(["schedule=zbv", "parallel.shard=full", "costs.shard=0.5"]) == {
+        "name": "zbv", "shard": "full", "shard_cost": 0.5}
+    purple = np.array([0x94, 0x67, 0xBD]) / 255  # matplotlib's tab:purple
+    for shard, expected in (("full", True), ("none", False)):
+        out = tmp_path / f"{shard}.png"
+        assert main(["schedule=zbv", "parallel.pp=2", "pipeline.num_microbatches=4", f"parallel.shard={shard}",
+                     "costs.shard=0.5", f"--out={out}"]) == 0
+        image = matplotlib.image.imread(out)[..., :3]
+        assert ((np.abs(image - purple).max(axis=-1) < 0.02).sum() > 50) == expected, shard
 
 
 def test_simulator_rejects_misplaced_shard_points() -> None:

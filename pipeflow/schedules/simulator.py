@@ -38,6 +38,8 @@ class SimResult:
         peak_unsharded: ``peak_unsharded[r]``, most stages whose full (gathered) parameters
             rank r holds at once: between a stage's ``unshard`` and ``reshard`` points
             (``parallel.shard=full``); 0 for programs without them.
+        shard_timeline: ``(rank, what, start, end)`` of every gather (``unshard 0``) and
+            reduction (``reshard 0``) at the programs' shard points; empty without them.
     """
 
     makespan: float
@@ -47,6 +49,7 @@ class SimResult:
     timeline: list[tuple[int, Action, float, float]]
     peak_memory: list[float]
     peak_unsharded: list[int] = field(default_factory=list)
+    shard_timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
 
 
 def simulate(
@@ -329,6 +332,7 @@ class _Simulation:
         self.schedule, self.programs, self.cost, self.latency, self.sizes = schedule, programs, cost, latency, sizes
         self.shard_cost = shard_cost
         self.unsharded, self.peak_unsharded = [0] * p, [0] * p  # stages with gathered parameters
+        self.shard_timeline: list[tuple[int, str, float, float]] = []
         self.queues: dict[tuple[Channel, bool], list[_Posted]] = defaultdict(list)  # by is_send
         self.next_step, self.phase, self.clock, self.busy = [0] * p, [_POST] * p, [0.0] * p, [0.0] * p
         self.live, self.peak = [0] * p, [0] * p
@@ -351,7 +355,8 @@ class _Simulation:
         makespan = max(self.clock, default=0.0)
         bubble = 1.0 - sum(self.busy) / (p * makespan) if makespan > 0 else 0.0
         self.timeline.sort(key=lambda entry: (entry[2], entry[0]))
-        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory, self.peak_unsharded)
+        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory, self.peak_unsharded,
+                         self.shard_timeline)
 
     def _advance(self, r: int) -> bool:
         k = self.next_step[r]
@@ -361,8 +366,14 @@ class _Simulation:
         if phase == _POST:
             for op in step.ops:
                 self.posted[r][op] = self._post(_Posted(r, k, op, self.clock[r]))
-            # the reductions of stages done (blocking), then the gathers for this action start
-            self.clock[r] += self.shard_cost * len(step.reshard)
+            # the reductions of stages done (blocking), then the gathers for this action start,
+            # one after another (the action waits for the last in the WAIT phase)
+            c = self.shard_cost
+            for j, s in enumerate(step.reshard):
+                self.shard_timeline.append((r, f"reshard {s}", self.clock[r] + j * c, self.clock[r] + (j + 1) * c))
+            self.clock[r] += c * len(step.reshard)
+            for j, s in enumerate(step.unshard):
+                self.shard_timeline.append((r, f"unshard {s}", self.clock[r] + j * c, self.clock[r] + (j + 1) * c))
             self.unsharded[r] += len(step.unshard) - len(step.reshard)
             self.peak_unsharded[r] = max(self.peak_unsharded[r], self.unsharded[r])
             self.phase[r] = _WAIT
