@@ -45,7 +45,7 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     # parallel.shard=full (FSDP2 over each stage's dp group), tied embeddings in every case: across
     # pipeline ranks (1F1B, interleaved) and in one FSDP2 unit on one rank (ZB-V's V placement)
     "dp2xpp2-full-1f1b": (2, "1f1b", 2, {"parallel__shard": "full"}),
-    "dp2xpp2-full-interleaved": (2, "interleaved_1f1b", 2, {"parallel__shard": "full"}),
+    "dp2xpp2-full-interleaved": (2, "interleaved_1f1b", 2, {"parallel__shard": "full", "train__check_finite": True}),
     "dp2xpp2-full-zbv": (2, "zbv", 3, {"parallel__shard": "full"}),
     "dp2xpp2-full-zb_h1-clipped-actckpt": (2, "zb_h1", 2, {"parallel__shard": "full", "optim__grad_clip": CLIP,
                                                            "pipeline__checkpoint_activations": True}),
