@@ -49,6 +49,7 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-full-zbv": (2, "zbv", 3, {"parallel__shard": "full"}),
     "dp2xpp2-full-zb_h1-clipped-actckpt": (2, "zb_h1", 2, {"parallel__shard": "full", "optim__grad_clip": CLIP,
                                                            "pipeline__checkpoint_activations": True}),
+    "dp1xpp4-full": (1, "1f1b", 2, {"parallel__shard": "full"}),  # dp = 1: nothing to shard
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
         "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }

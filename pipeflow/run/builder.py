@@ -9,6 +9,7 @@ Nothing is configured by assigning attributes from outside after construction.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -41,6 +42,8 @@ from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.runtime.zero import build_optimizer
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
 from pipeflow.schedules.auto import AUTO, write_schedule
+
+log = logging.getLogger("pipeflow")
 
 
 def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
@@ -127,7 +130,11 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
 def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[range], mesh: Mesh) -> FullShard | None:
     """``parallel.shard=full`` with dp > 1: this rank's stages sharded over their dp group (FSDP2),
     tied copies on this rank made one parameter first; None otherwise (at dp = 1 nothing to shard)."""
-    if OmegaConf.select(cfg, "parallel.shard", default="none") != "full" or mesh.dp == 1:
+    if OmegaConf.select(cfg, "parallel.shard", default="none") != "full":
+        return None
+    if mesh.dp == 1:
+        if dist.get_rank() == 0:
+            log.info("parallel.shard=full with parallel.dp=1: one replica, nothing to shard; parameters stay whole")
         return None
     tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
     return FullShard(stages, mesh.device_mesh["dp"])
