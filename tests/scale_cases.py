@@ -423,7 +423,8 @@ def full_shard_gathers_and_reduces_once_per_step(schedule: str = "1f1b", m: int 
             return fn(*args, **kwargs)
         return call
 
-    fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce = counted("all_gather", gather), counted("reduce_scatter", reduce)
+    fsdp_group.foreach_all_gather = counted("all_gather", gather)
+    fsdp_group.foreach_reduce = counted("reduce_scatter", reduce)
     try:
         trainer.train_step(0)  # shapes are learned here: the first pass gathers before it
         trainer.pipeline.recorder.start()

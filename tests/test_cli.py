@@ -185,4 +185,5 @@ def test_torchrun_dp2_pp2_full_shard_matches_the_unsharded_loss_step_for_step(tm
         assert abs(full - none) <= 1e-5 * abs(none), f"step {step}: shard=full loss {full} vs shard=none {none}"
     trace = json.loads((tmp_path / "0_parallel.shard=full" / "trace.json").read_text())["traceEvents"]
     shard_events = sorted((e["pid"], e["name"]) for e in trace if e.get("cat") == "shard")
-    assert shard_events == sorted((r, f"{what} {r % 2}") for r in range(4) for what in ("unshard", "reduce-scatter + reshard"))
+    expected = [(r, f"{what} {r % 2}") for r in range(4) for what in ("unshard", "reduce-scatter + reshard")]
+    assert shard_events == sorted(expected)

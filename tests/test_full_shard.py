@@ -133,7 +133,7 @@ def test_the_fsdp2_internals_pipeflow_relies_on_exist_in_this_torch(monkeypatch:
 
     check_internals()
     monkeypatch.delattr(FSDPState, "_root_post_backward_final_callback")
-    with pytest.raises(ConfigError, match=r"parallel.shard=full needs FSDP2 internals .*_root_post_backward_final_callback"):
+    with pytest.raises(ConfigError, match=r"shard=full needs FSDP2 internals .*_root_post_backward_final_callback"):
         check_internals()
 
 

@@ -87,7 +87,8 @@ def chrome_trace(steps: dict[int, list[RankStep]]) -> dict[str, Any]:
                 elif kind != SHARD:
                     args["ops"] = name
                 events.append({
-                    "ph": "X", "name": name if kind in KINDS or kind == SHARD else "comm", "cat": kind, "pid": r, "tid": 0,
+                    "ph": "X", "name": name if kind in KINDS or kind == SHARD else "comm", "cat": kind,
+                    "pid": r, "tid": 0,
                     "ts": 1e6 * (start - origin), "dur": 1e6 * (end - start), "args": args,
                 })
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -69,7 +69,8 @@ def clip_grad_norm_global(
     With data parallelism the group spans `replicas` identical copies of every replicated
     gradient (after their dp all-reduce): each counts 1/replicas, while a gradient sharded over
     the dp group (``parallel.shard=full``: a DTensor) counts its local shard once, so one
-    all-reduce over the world gives the norm of one model.  A non-finite norm (fp16 overflow on any rank) is returned unclipped.
+    all-reduce over the world gives the norm of one model.  A non-finite norm (fp16 overflow on
+    any rank) is returned unclipped.
 
     Returns:
         (total norm before clipping, the all-reduced `extra`).

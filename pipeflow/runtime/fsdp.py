@@ -36,8 +36,9 @@ from torch.distributed.tensor import DTensor
 
 from pipeflow.errors import ConfigError
 
-# the FSDP2 internals FullShard relies on: (what, attribute of the unit's FSDPState)
-INTERNALS = ("_lazy_init", "_root_post_backward_final_callback", "_fsdp_param_groups")
+# the FSDP2 internals FullShard calls: methods of a unit's FSDPState (it also reads the state's
+# ``_fsdp_param_groups`` and their ``is_unsharded``), and the public FSDPModule methods it uses
+INTERNALS = ("_lazy_init", "_root_post_backward_final_callback")
 PUBLIC = ("unshard", "reshard", "set_requires_gradient_sync", "set_reshard_after_backward", "set_is_last_backward")
 
 
@@ -57,14 +58,16 @@ def check_internals() -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    missing = [f"FSDPState.{name}" for name in INTERNALS[:2] if not callable(getattr(FSDPState, name, None))]
+    missing = [f"FSDPState.{name}" for name in INTERNALS if not callable(getattr(FSDPState, name, None))]
     missing += [f"FSDPModule.{name}" for name in PUBLIC if not callable(getattr(FSDPModule, name, None))]
-    missing += [] if isinstance(getattr(FSDPParamGroup, "is_unsharded", None), property) else ["FSDPParamGroup.is_unsharded"]
-    missing += [] if hasattr(fully_shard, "state") else ["fully_shard.state"]
+    if not isinstance(getattr(FSDPParamGroup, "is_unsharded", None), property):
+        missing.append("FSDPParamGroup.is_unsharded")
+    if not hasattr(fully_shard, "state"):
+        missing.append("fully_shard.state")
     if missing:
         raise ConfigError(
             f"parallel.shard=full needs FSDP2 internals this torch {torch.__version__} lacks: {', '.join(missing)}; "
-            f"use torch 2.11 to 2.14 (tested) or parallel.shard=none"
+            f"it is tested with torch 2.14.1: use that torch, or parallel.shard=none or optimizer"
         )
 
 

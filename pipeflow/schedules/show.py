@@ -116,7 +116,8 @@ def show(settings: dict[str, object]) -> tuple[Path, float]:
         )
     costs = {kind: float(settings[kind]) for kind in "FBW" if kind in settings}  # type: ignore[arg-type]
     shard = settings.get("shard", "none") == "full"
-    result = simulate(schedule, costs=costs, shard=shard, shard_cost=float(settings.get("shard_cost", 0.0)))  # type: ignore[arg-type]
+    cost = float(settings.get("shard_cost", 0.0))  # type: ignore[arg-type]
+    result = simulate(schedule, costs=costs, shard=shard, shard_cost=cost)
     p, S = schedule.num_ranks, schedule.num_stages
     layout = f"{S // p} stage{'s' if S > p else ''}/rank" if S % p == 0 else f"{S} stages"
     title = (
