@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 
 from pipeflow.run.config import Config, GPTModelConfig
 from pipeflow.models.spec import run_layers
@@ -33,7 +34,10 @@ TMP_ENV = "PIPEFLOW_TEST_TMP"  # where run directories go (the test's tmp dir; i
 
 
 def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|."""
+    """max |actual - expected| / max |expected| (a sharded `actual` gathered whole first: collective
+    over its dp group, called by every replica alike)."""
+    if isinstance(actual, DTensor):
+        actual = actual.full_tensor()
     scale = expected.abs().max().item()
     err = (actual.to(expected.dtype) - expected).abs().max().item()
     return err / scale if scale > 0 else err
@@ -401,3 +405,107 @@ def owned_timeouts_and_watchdog_lifecycle() -> dict[str, Any]:
     gc.collect()
     return {"first": first, "steady": steady, "alive_while_built": alive, "alive_after_fit": made[0].alive,
             "trainer_freed": ref() is None}
+
+
+def full_shard_gathers_and_reduces_once_per_step(schedule: str = "1f1b", m: int = 4) -> dict[str, Any]:
+    """``parallel.shard=full`` on dp2 x pp2: how many all-gathers and reduce-scatters FSDP2 ran in
+    2 steps of `m` micro-batches (counted where FSDP2 issues them), the program's shard events, and
+    what is left between steps: the parameters, their gradients and AdamW state as dim-0 shards."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group
+
+    trainer = build_run(make_config(2, schedule, m, parallel__shard="full"), torch.device("cpu"))
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    gather, reduce = fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    fsdp_group.foreach_all_gather = counted("all_gather", gather)
+    fsdp_group.foreach_reduce = counted("reduce_scatter", reduce)
+    try:
+        trainer.train_step(0)  # shapes are learned here: the first pass gathers before it
+        trainer.pipeline.recorder.start()
+        trainer.train_step(1)
+        timed = trainer.pipeline.recorder.stop()
+        events = [(e.kind, e.name) for e in timed if e.kind == "shard"]
+        # a gather or reduction is its own event, inside no batched call's (counted once as communication)
+        nested = [(c.name, s.name) for s in timed if s.kind == "shard" for c in timed
+                  if c.kind == "comm" and c.start < s.start and s.end < c.end]
+    finally:
+        fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce = gather, reduce
+    params = trainer.params
+    return {
+        "counts": counts, "events": events, "nested": nested, "units": trainer.pipeline.sharding.unit_stages(),
+        "stages": sorted(trainer.stages), "reducer": trainer.reducer is not None,
+        "params_sharded": all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() or p.shape[0] < 2
+                              for p in params),
+        "state_sharded": all(isinstance(trainer.optimizer.state[p]["exp_avg"], DTensor) for p in params),
+        "local_numel": sum(p.to_local().numel() for p in params), "numel": sum(p.numel() for p in params),
+    }
+
+
+def resume_across_shard_modes() -> dict[str, Any] | None:
+    """Checkpoints between dp2 x pp2 ``parallel.shard=full`` and dp1 x pp4 ``none``, both ways
+    (float64): 6 steps straight with none, then full resumed from its step 3; 6 steps straight
+    with full, then none resumed from its step 3.  Rank 0 returns the loss histories and the
+    step-6 exports' worst relative differences from the straight none run."""
+    from pipeflow.run.checkpoint import find_latest
+
+    straight_none = _fit(1, _shared_dir("pf-none-"), dtype="float64")
+    to_full = _fit(2, _shared_dir("pf-to-full-"), resume=f"{straight_none.checkpoint_root}/step_00000003",
+                   dtype="float64", shard="full")
+    straight_full = _fit(2, _shared_dir("pf-full-"), dtype="float64", shard="full")
+    to_none = _fit(1, _shared_dir("pf-to-none-"), resume=f"{straight_full.checkpoint_root}/step_00000003",
+                   dtype="float64")
+    if dist.get_rank() != 0:
+        return None
+    reference = _exported(find_latest(straight_none.checkpoint_root))
+    out: dict[str, Any] = {"straight_none": straight_none.history}
+    for name, trainer in (("to_full", to_full), ("straight_full", straight_full), ("to_none", to_none)):
+        got = _exported(find_latest(trainer.checkpoint_root))
+        out[f"{name}_same_keys"] = sorted(got) == sorted(reference)
+        out[f"{name}_param"] = max(rel_diff(got[k], reference[k]) for k in reference)
+        out[f"{name}_history"] = trainer.history
+    return out
+
+
+def fp16_overflow_skips_sharded() -> dict[str, Any]:
+    """``parallel.shard=full`` under fp16: an inf gradient in one replica of pipeline rank 1 at step 0
+    (made inside backward, at its first layer's output) skips the step on every rank, the loss
+    scale halves, and step 1 then runs."""
+    cfg = make_config(2, "1f1b", 2, train__dtype="float32", train__precision="fp16", parallel__shard="full")
+    trainer = build_run(cfg, torch.device("cpu"))
+    armed = [True]
+
+    def poison(module: Any, args: Any, out: torch.Tensor) -> None:
+        if armed[0] and out.requires_grad:
+            out.register_hook(lambda g: torch.full_like(g, float("inf")))
+
+    if trainer.mesh.pp_rank == 1 and trainer.mesh.dp_rank == 0:
+        trainer.stages[1].module[0].register_forward_hook(poison)
+    before = [p.detach().to_local().clone() for p in trainer.params]
+    scale0 = trainer.scaler.scale
+    _, norm0 = trainer.train_step(0)
+    unchanged = all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.params))
+    armed[0] = False
+    scale1 = trainer.scaler.scale
+    _, norm1 = trainer.train_step(1)
+    changed = any(not torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.params))
+    return {"skipped": unchanged, "finite0": math.isfinite(norm0), "scale_ratio": scale1 / scale0,
+            "stepped_after": changed, "finite1": math.isfinite(norm1)}
+
+
+def full_shard_vs_replicas_under(precision: str) -> dict[str, float]:
+    """dp2 x pp2 under `precision` (autocast, float32 weights): the gradients of one step with
+    ``parallel.shard=full`` against ``none`` (gathered whole), and the loss of each."""
+    grads, losses = {}, {}
+    for shard in ("none", "full"):
+        cfg = make_config(2, "1f1b", 2, train__dtype="float32", train__precision=precision, parallel__shard=shard)
+        trainer = build_run(cfg, torch.device("cpu"))
+        losses[shard], _ = trainer.forward_backward(0)
+        grads[shard] = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for p in trainer.params]
+    return {"grad": max(rel_diff(a, b) for a, b in zip(grads["full"], grads["none"])),
+            "loss": abs(losses["full"] - losses["none"]) / abs(losses["none"])}

@@ -42,6 +42,16 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-zbv-zero": (2, "zbv", 3, {"parallel__shard": "optimizer"}),
     "dp2xpp2-zb_h1-zero-clipped": (2, "zb_h1", 2, {"parallel__shard": "optimizer", "optim__grad_clip": CLIP}),
     "dp1xpp4-zero": (1, "1f1b", 2, {"parallel__shard": "optimizer"}),  # dp = 1: nothing to shard
+    # parallel.shard=full (FSDP2 over each stage's dp group), tied embeddings in every case: across
+    # pipeline ranks (1F1B, interleaved) and in one FSDP2 unit on one rank (ZB-V's V placement)
+    "dp2xpp2-full-1f1b": (2, "1f1b", 2, {"parallel__shard": "full"}),
+    "dp2xpp2-full-interleaved": (2, "interleaved_1f1b", 2, {"parallel__shard": "full", "train__check_finite": True}),
+    "dp2xpp2-full-zbv": (2, "zbv", 3, {"parallel__shard": "full"}),
+    "dp2xpp2-full-zb_h1-clipped-actckpt": (2, "zb_h1", 2, {"parallel__shard": "full", "optim__grad_clip": CLIP,
+                                                           "pipeline__checkpoint_activations": True}),
+    "dp1xpp4-full": (1, "1f1b", 2, {"parallel__shard": "full"}),  # dp = 1: nothing to shard
+    "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
+        "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }
 
 
@@ -58,6 +68,8 @@ def _cases() -> list[tuple[str, object]]:
         ("fp16-overflow-checked", functools.partial(cases.fp16_overflow_skips_everywhere, check_finite=True)),
         ("fp16-overflow-zero", functools.partial(cases.fp16_overflow_skips_everywhere, parallel__shard="optimizer")),
         ("zero-state-bound", cases.zero_state_bound),
+        ("fp16-overflow-full-shard", cases.fp16_overflow_skips_sharded),
+        ("bf16-full-shard", functools.partial(cases.full_shard_vs_replicas_under, "bf16")),
         ("fp16-min-scale-checked", functools.partial(cases.check_finite_raises, "fp16", "inf-grad")),
         ("fp16-nan-forward-checked", functools.partial(cases.check_finite_raises, "fp16", "nan-param")),
         ("fp32-inf-grad-checked", functools.partial(cases.check_finite_raises, "fp32", "inf-grad")),
@@ -66,6 +78,8 @@ def _cases() -> list[tuple[str, object]]:
         ("diverge-loss", functools.partial(cases.diverging_run_saves_nothing_non_finite, 1e30)),
         ("inf-weights", cases.non_finite_weights_are_not_saved),
         ("resume", cases.resume_across_layouts),
+        ("resume-shard", cases.resume_across_shard_modes),
+        ("full-shard-counts", functools.partial(cases.full_shard_gathers_and_reduces_once_per_step, "zbv", 4)),
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
         ("wrong-model", cases.resume_into_another_model_is_refused),
@@ -120,7 +134,8 @@ def test_bf16_training_lowers_the_loss_with_fp32_master_weights(world) -> None:
         assert v["dtypes"] == ["torch.float32"]
 
 
-@pytest.mark.parametrize("name", ["fp16-overflow", "fp16-overflow-checked", "fp16-overflow-zero"])
+@pytest.mark.parametrize("name", ["fp16-overflow", "fp16-overflow-checked", "fp16-overflow-zero",
+                                  "fp16-overflow-full-shard"])
 def test_fp16_overflow_on_one_stage_skips_the_step_on_every_rank(world, name: str) -> None:
     for rank, v in enumerate(_values(world[name])):  # with train.check_finite too: no NonFiniteError
         assert v["skipped"] and not v["finite0"], f"rank {rank}: {v}"
@@ -232,3 +247,37 @@ def test_fit_stops_and_joins_the_watchdog_and_the_trainer_can_be_freed(world) ->
     for rank, v in enumerate(_values(world["timeouts-watchdog"])):
         assert v["alive_while_built"] and not v["alive_after_fit"], f"rank {rank}: {v}"
         assert v["trainer_freed"], f"rank {rank}: something still holds the Trainer after fit"
+
+
+def test_full_shard_gathers_and_reduces_each_stage_once_per_step(world) -> None:
+    """ZB-V, 4 micro-batches, parallel.shard=full: per step one all-gather and one reduce-scatter per
+    FSDP2 unit (rank 0's two stages share the tied embedding: one unit), never per micro-batch;
+    between steps parameters, gradients and AdamW state are dim-0 shards; no dp all-reduce."""
+    for rank, v in enumerate(_values(world["full-shard-counts"])):
+        units = len(v["units"])
+        assert v["units"] == ([[0, 3]] if v["stages"] == [0, 3] else [[1], [2]]), f"rank {rank}: {v['units']}"
+        assert v["counts"] == {"all_gather": 2 * units, "reduce_scatter": 2 * units}, f"rank {rank}: {v['counts']}"
+        reshards = [name for _, name in v["events"] if name.startswith("reduce-scatter")]
+        assert sorted(int(n.split()[-1]) for n in reshards) == v["stages"], f"rank {rank}: {v['events']}"
+        assert not v["nested"], f"rank {rank}: shard events inside comm events: {v['nested']}"
+        assert v["params_sharded"] and v["state_sharded"] and not v["reducer"], f"rank {rank}: {v}"
+        assert v["local_numel"] * 2 == v["numel"], f"rank {rank}: {v}"  # dp = 2, even shards here
+
+
+def test_full_shard_under_bf16_gives_the_gradients_of_replicas(world) -> None:
+    for rank, v in enumerate(_values(world["bf16-full-shard"])):  # float32 sums in another order at most
+        assert v["grad"] < 1e-5 and v["loss"] < 1e-6, f"rank {rank}: {v}"
+
+
+def test_checkpoints_resume_across_shard_modes_dp_and_pp(world) -> None:
+    """dp1 x pp4 shard=none -> dp2 x pp2 shard=full and back, model and AdamW state (float64):
+    the losses and the exported step-6 weights equal training straight through without sharding."""
+    out = _values(world["resume-shard"])[0]
+    straight = out["straight_none"]
+    assert len(straight) == 6
+    assert max(abs(a - b) / b for a, b in zip(out["straight_full_history"], straight)) < TOLERANCE
+    for name in ("to_full", "straight_full", "to_none"):
+        assert out[f"{name}_same_keys"], name
+        assert out[f"{name}_param"] < TOLERANCE, f"{name}: {out[f'{name}_param']:.3e}"
+    for name in ("to_full", "to_none"):
+        assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE, name

@@ -9,6 +9,7 @@ Nothing is configured by assigning attributes from outside after construction.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -30,17 +31,20 @@ from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.memory import MemoryAccountant
-from pipeflow.runtime.mesh import GradReducer, build_mesh
+from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
 from pipeflow.runtime.stage import build_stages, layers_by_index
-from pipeflow.runtime.tied import TiedWeights
+from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.runtime.zero import build_optimizer
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
 from pipeflow.schedules.auto import AUTO, write_schedule
+
+log = logging.getLogger("pipeflow")
 
 
 def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
@@ -94,15 +98,16 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     guard.check_same_program(schedule, layout.ranges)
     stages = build_stages(spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
                           compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
+    sharding = full_shard(cfg, spec, stages, layout.ranges, mesh)  # before anything holds the parameters
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
     for group in tied.groups():
         deadlines.own(group)
     tied.sync_initial_values()
-    reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 else None
+    reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 and sharding is None else None
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
-                        reducer.stage_ready if reducer is not None else None)
+                        reducer.stage_ready if reducer is not None else None, sharding)
     params = unique_parameters(stage.parameters() for stage in stages.values())
     optimizer = build_optimizer(params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0, lr=cfg.optim.lr,
                                 betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
@@ -125,6 +130,19 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
         workspace=workspace, memory=MemoryAccountant(stages, optimizer, device),
     )
+
+
+def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[range], mesh: Mesh) -> FullShard | None:
+    """``parallel.shard=full`` with dp > 1: this rank's stages sharded over their dp group (FSDP2),
+    tied copies on this rank made one parameter first; None otherwise (at dp = 1 nothing to shard)."""
+    if OmegaConf.select(cfg, "parallel.shard", default="none") != "full":
+        return None
+    if mesh.dp == 1:
+        if dist.get_rank() == 0:
+            log.info("parallel.shard=full with parallel.dp=1: one replica, nothing to shard; parameters stay whole")
+        return None
+    tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
+    return FullShard(stages, mesh.device_mesh["dp"])
 
 
 def shape_mode(cfg: DictConfig, chunks: int) -> str:

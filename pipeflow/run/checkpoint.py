@@ -6,7 +6,10 @@ layer-indexed names that do not depend on the layout: ``model.layers.<i>.<name>`
 rank writes the layers it holds (DCP keeps one copy of what dp replicas or tied copies hold
 twice) and loads the layers it holds now, whatever the layout was, so a pp=4 run resumes with
 pp=2 or pp=1, another dp and another ``parallel.shard`` (with ZeRO-1 a rank writes and loads
-the AdamW state of the parameters it owns only, under the same names).  Beside them:
+the AdamW state of the parameters it owns only, under the same names; with ``full`` the
+parameters and their AdamW state are DTensors sharded over each stage's dp group, which DCP
+writes shard by shard under the same names, their global shapes in its metadata, and loads into
+whatever the resuming run holds, shards or whole tensors; the export is the same).  Beside them:
 ``meta.json`` (step, loss scale, layout) and each rank's RNG states.  The data position is the
 step: batch k is a pure function of k.
 

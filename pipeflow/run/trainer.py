@@ -27,6 +27,7 @@ from pipeflow.run.workspace import Workspace
 from pipeflow.runtime import failures
 from pipeflow.runtime import finite as nonfinite
 from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.runtime.fsdp import is_sharded, local
 from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, Mesh
 from pipeflow.runtime.pipeline import Pipeline
@@ -66,22 +67,25 @@ def clip_grad_norm_global(
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.  `extra` (e.g. the loss,
     non-zero on the last stage only) rides along in the same all-reduce.  Parameters whose id
     is in `skip` (copies of a tied parameter held elsewhere too) are scaled but not counted.
-    With data parallelism the group spans `replicas` identical copies of every gradient (after
-    their dp all-reduce): each counts 1/replicas, so one all-reduce over the world gives the
-    norm of one model.  A non-finite norm (fp16 overflow on any rank) is returned unclipped.
+    With data parallelism the group spans `replicas` identical copies of every replicated
+    gradient (after their dp all-reduce): each counts 1/replicas, while a gradient sharded over
+    the dp group (``parallel.shard=full``: a DTensor) counts its local shard once, so one
+    all-reduce over the world gives the norm of one model.  A non-finite norm (fp16 overflow on
+    any rank) is returned unclipped.
 
     Returns:
         (total norm before clipping, the all-reduced `extra`).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     device = extra.device
     # one norm per tensor (in its own dtype, half types accumulated in float32), squared and summed
-    # in float64: no float64 copy of any gradient
-    local = (torch.stack([_norm(g.detach()) for g in counted]).double().pow(2).sum() if counted
-             else torch.zeros((), dtype=torch.float64))
-    local = local / replicas if replicas > 1 else local
-    packed = torch.cat([local.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
+    # in float64: no float64 copy of any gradient.  A sharded gradient (parallel.shard=full) is
+    # counted by its local shard, once: the dp group holds each of its rows once, not `replicas` times
+    replicated = _sum_of_squares([g for g in counted if not is_sharded(g)])
+    total_sq = (replicated / replicas if replicas > 1 else replicated) + _sum_of_squares(
+        [local(g) for g in counted if is_sharded(g)])
+    packed = torch.cat([total_sq.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
     dist.all_reduce(packed, group=group)
     total = float(packed[0].sqrt())
     if max_norm > 0 and math.isfinite(total):
@@ -90,6 +94,13 @@ def clip_grad_norm_global(
             for g in grads:
                 g.mul_(coef)
     return total, packed[1:]
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the gradients' squared 2-norms, in float64 (0 for none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([_norm(g.detach()) for g in grads]).double().pow(2).sum()
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:
@@ -198,7 +209,8 @@ class Trainer:
         meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer)
         self.scaler.load_state_dict(meta["scaler"])
         if self.is_main:
-            log.info("resumed from checkpoint %s at step %d (saved with dp=%s, pp=%s)", path, meta["step"], meta["dp"], meta["pp"])
+            log.info("resumed from checkpoint %s at step %d (saved with dp=%s, pp=%s, shard=%s)", path, meta["step"],
+                     meta["dp"], meta["pp"], meta.get("shard", "none"))
         return int(meta["step"])
 
     def describe(self) -> str:

@@ -24,13 +24,10 @@ from typing import Any
 
 import torch
 
+from pipeflow.runtime.fsdp import local
 from pipeflow.runtime.stage import Stage
 from pipeflow.schedules.memory import RankMemory, TensorBytes
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch without DTensor: no tensor is one
-    DTensor = ()  # type: ignore[assignment,misc]
 
 
 class _Saved:
@@ -42,12 +39,6 @@ class _Saved:
         self.tensor = tensor
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage this rank holds: a DTensor's local shard, else `t` itself."""
-    if isinstance(t, DTensor):
-        with torch.no_grad():
-            return t.to_local()
-    return t
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:

@@ -1,8 +1,10 @@
 """Interpreting one rank's lowered program: the only place where communication and compute meet.
 
-For every step of the program: post its one batched call (``step.ops``), wait for the posted
-ops it names (``step.waits``), run its compute action on the local Stage, then wait for the ops
-it names after (``step.after``: sends whose tensors are freed then).  Lowering wrote all of that
+For every step of the program: post its one batched call (``step.ops``), with
+``parallel.shard=full`` reduce and free the stages done (``step.reshard``) and start gathering
+those starting (``step.unshard``), wait for the posted ops it names (``step.waits``) and the
+gathers, run its compute action on the local Stage, then wait for the ops it names after
+(``step.after``: sends whose tensors are freed then).  Lowering wrote all of that
 into the steps; which lowering runs (rendezvous, NCCL's group, gloo's at_step or ahead) is the
 :class:`~pipeflow.runtime.posting.Posting`'s choice, and the simulator has proved each program
 before it runs.  Arrivals wait in an inbox keyed by (payload, micro-batch, stage).  Which
@@ -21,7 +23,8 @@ import torch.distributed as dist
 from pipeflow.errors import CommError, PipeflowError, ScheduleError
 from pipeflow.runtime import failures
 from pipeflow.runtime.buffers import BufferPool
-from pipeflow.runtime.events import EventRecorder
+from pipeflow.runtime.events import SHARD, EventRecorder
+from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.shapes import ShapePlan
 from pipeflow.runtime.stage import Stage, Tensors
@@ -59,6 +62,10 @@ class Pipeline:
         on_stage_grads_ready: called with a stage index as soon as that stage's weight
             gradients of the training step are complete (its last full backward or W), e.g. to
             start its data-parallel all-reduce while the cooldown still runs.
+        sharding: with ``parallel.shard=full``, the stages' FSDP2 units: the programs are lowered
+            with shard points (``Step.unshard``/``reshard``), which gather a stage's parameters
+            at its first action of a pass and reduce-scatter its gradients and free them after its
+            last (recorded as ``shard`` events).
     """
 
     def __init__(
@@ -70,8 +77,10 @@ class Pipeline:
         posting: Posting | None = None,
         recorder: EventRecorder | None = None,
         on_stage_grads_ready: Callable[[int], None] | None = None,
+        sharding: FullShard | None = None,
     ) -> None:
         self.stages = stages
+        self.sharding = sharding
         self.schedule = schedule
         self.comm = comm
         self.rank = comm.rank
@@ -97,7 +106,7 @@ class Pipeline:
         self._weights_left: dict[int, int] = {}
 
     def _checked_program(self, schedule: PipelineSchedule, posting: str) -> Program:
-        programs = lower(schedule, posting)
+        programs = lower(schedule, posting, shard=self.sharding is not None)
         validate(schedule, programs)
         return programs[self.rank]
 
@@ -126,7 +135,7 @@ class Pipeline:
             On the rank holding the last stage, the full-batch loss (the micro-batch losses
             each weighted and summed); None elsewhere.
         """
-        self.shapes.prepare(inputs, self.schedule.num_microbatches)
+        self._prepare_shapes(inputs, self.schedule.num_microbatches)
         option = self.posting.for_training(self._coalescing)
         start = time.perf_counter()
         m = self.schedule.num_microbatches
@@ -155,7 +164,7 @@ class Pipeline:
         if key not in self._eval_programs:
             schedule = forward_only(self.schedule.num_ranks, count, self.schedule.stage_to_rank)
             self._eval_programs[key] = self._checked_program(schedule, key[1])
-        self.shapes.prepare(inputs, count)
+        self._prepare_shapes(inputs, count)
         modes = [(mod, mod.training) for stage in self.stages.values() for mod in stage.module.modules()]
         for stage in self.stages.values():
             stage.module.train(False)  # BatchNorm uses running statistics, dropout is off
@@ -173,6 +182,14 @@ class Pipeline:
         tensors = self.buffers.free_buffers() + [t for ts in self._lent.values() for t in ts]
         tensors += [t for ts in (outbox or {}).values() for t in ts]
         return tensors + [t for entry in (posted or {}).values() for t in entry.tensors]
+
+    def _prepare_shapes(self, inputs: Sequence[Tensors] | None, count: int) -> None:
+        """Learn the pass's shapes; sharded stages are gathered first whenever the shape plan may
+        run trial forwards (the first pass, or every pass unless shapes are static: a rule every
+        dp replica follows alike, as the gathers are collective), and stay gathered into the pass."""
+        if self.sharding is not None and (self.shapes.mode != "static" or not self.shapes.edges):
+            self.sharding.unshard_all()
+        self.shapes.prepare(inputs, count)
 
     def _take_loss(self) -> torch.Tensor | None:
         last = self.stages.get(self.schedule.num_stages - 1)
@@ -202,9 +219,20 @@ class Pipeline:
         for k, step in enumerate(program):
             t0 = recorder.mark() if recorder is not None else None
             self._post(step, outbox, posted, program, k)
+            gathers = ()
+            if step.unshard or step.reshard:  # its own events: the comm event restarts after them
+                if recorder is not None and step.ops:
+                    recorder.record("comm", step.ops_text, t0, recorder.mark())
+                gathers = self._shard_points(step, train, recorder)
+                t0 = recorder.mark() if recorder is not None else None
             self._wait(step.waits, posted, inbox, program, k)
             if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
                 recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
+            if gathers:
+                t0 = recorder.mark() if recorder is not None else None
+                self.sharding.wait(gathers)
+                if recorder is not None:
+                    recorder.record(SHARD, f"unshard {','.join(map(str, step.unshard))}", t0, recorder.mark())
             if step.action is not None:
                 t1 = recorder.mark() if recorder is not None else None
                 self._compute(step, inbox, outbox, inputs, targets, loss_weights, train, grad_scale)
@@ -223,6 +251,18 @@ class Pipeline:
         if inbox or outbox or posted:
             left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
+
+    def _shard_points(self, step: Step, train: bool, recorder: EventRecorder | None) -> list:
+        """Reduce and free the stages done (``step.reshard``), then start gathering the stages this
+        step's action needs (``step.unshard``); returns the gathers to wait for before it."""
+        assert self.sharding is not None
+        if step.reshard:
+            t0 = recorder.mark() if recorder is not None else None
+            self.sharding.reshard(step.reshard, train)
+            if recorder is not None:
+                what = "reduce-scatter + reshard" if train else "reshard"
+                recorder.record(SHARD, f"{what} {','.join(map(str, step.reshard))}", t0, recorder.mark())
+        return self.sharding.unshard(step.unshard) if step.unshard else []
 
     def _post(
         self, step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted], program: Program, k: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipeflow.errors import DeadlockError, ScheduleError
@@ -35,6 +35,11 @@ class SimResult:
         peak_memory: ``peak_memory[r]``, the same pairs weighted by their micro-batch's size
             (``microbatch_sizes``; with sizes of 1, ``peak_activations``).
         timeline: ``(rank, action, start, end)`` of every compute action, by start time then rank.
+        peak_unsharded: ``peak_unsharded[r]``, most stages whose full (gathered) parameters
+            rank r holds at once: between a stage's ``unshard`` and ``reshard`` points
+            (``parallel.shard=full``); 0 for programs without them.
+        shard_timeline: ``(rank, what, start, end)`` of every gather (``unshard 0``) and
+            reduction (``reshard 0``) at the programs' shard points; empty without them.
     """
 
     makespan: float
@@ -43,6 +48,8 @@ class SimResult:
     peak_activations: list[int]
     timeline: list[tuple[int, Action, float, float]]
     peak_memory: list[float]
+    peak_unsharded: list[int] = field(default_factory=list)
+    shard_timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
 
 
 def simulate(
@@ -52,6 +59,8 @@ def simulate(
     comm_latency: float = 0.0,
     posting: str = "rendezvous",
     microbatch_sizes: Sequence[float] | None = None,
+    shard: bool = False,
+    shard_cost: float = 0.0,
 ) -> SimResult:
     """Interpret the per-rank programs as the runtime does, checking and measuring them.
 
@@ -72,6 +81,12 @@ def simulate(
             under rendezvous runs under them too, never later.
         microbatch_sizes: each micro-batch's activation size (variable lengths: its tokens),
             weighing it in ``peak_memory``; default 1 each.
+        shard: with `programs` None, lower with shard points (``lower(..., shard=True)``).
+        shard_cost: time of one stage's reduce-scatter and reshard (``reshard``: the rank is
+            busy with it right after posting the step's ops) and of one stage's all-gather
+            (``unshard``, started after those; the action starts no earlier than its end).
+            Programs with shard points are checked: every stage of a rank unsharded once at or
+            before its first action and resharded once after its last.
 
     Returns:
         The :class:`SimResult`.
@@ -83,13 +98,15 @@ def simulate(
     """
     if comm_latency < 0:
         raise ScheduleError(f"comm_latency must be >= 0, got {comm_latency}")
-    programs = lower(schedule, posting) if programs is None else programs
+    if shard_cost < 0:
+        raise ScheduleError(f"shard_cost must be >= 0, got {shard_cost}")
+    programs = lower(schedule, posting, shard=shard) if programs is None else programs
     _check_programs(schedule, programs)
     _check_channel_counts(programs)
     sizes = list(microbatch_sizes) if microbatch_sizes is not None else [1.0] * schedule.num_microbatches
     if len(sizes) != schedule.num_microbatches:
         raise ScheduleError(f"got {len(sizes)} micro-batch sizes for {schedule.num_microbatches} micro-batches")
-    return _Simulation(schedule, programs, _cost_function(costs), comm_latency, sizes).run()
+    return _Simulation(schedule, programs, _cost_function(costs), comm_latency, sizes, shard_cost).run()
 
 
 def validate(schedule: PipelineSchedule, programs: list[Program] | None = None, posting: str = "rendezvous") -> SimResult:
@@ -142,6 +159,34 @@ def _check_programs(schedule: PipelineSchedule, programs: list[Program]) -> None
     _raise_problems(f"incomplete schedule {name}", _completeness_problems(schedule, where))
     _raise_problems(f"inconsistent backward steps in {name}", _split_problems(programs, where))
     _raise_problems(f"inconsistent waits in {name}", [p for r, program in enumerate(programs) for p in _wait_problems(r, program)])
+    if any(step.unshard or step.reshard for program in programs for step in program):
+        _raise_problems(f"misplaced shard points in {name}",
+                        [p for r, program in enumerate(programs) for p in _shard_problems(r, program)])
+
+
+def _shard_problems(r: int, program: Program) -> list[str]:
+    """Each stage of rank r unsharded once, at or before its first action, and resharded once,
+    after its last; no shard point for a stage the rank does not run."""
+    acting: dict[int, list[int]] = defaultdict(list)
+    unshard: dict[int, list[int]] = defaultdict(list)
+    reshard: dict[int, list[int]] = defaultdict(list)
+    for k, step in enumerate(program):
+        if step.action is not None:
+            acting[step.action.stage].append(k)
+        for s in step.unshard:
+            unshard[s].append(k)
+        for s in step.reshard:
+            reshard[s].append(k)
+    problems = [f"rank {r}: stage {s} has shard points at steps {unshard[s] + reshard[s]} but no action here"
+                for s in sorted(set(unshard) | set(reshard)) if s not in acting]
+    for s, steps in sorted(acting.items()):
+        if len(unshard[s]) != 1 or unshard[s][0] > steps[0]:
+            problems.append(f"rank {r}: stage {s} is unsharded at steps {unshard[s]}; expected once, at or before "
+                            f"its first action (step {steps[0]})")
+        if len(reshard[s]) != 1 or reshard[s][0] <= steps[-1]:
+            problems.append(f"rank {r}: stage {s} is resharded at steps {reshard[s]}; expected once, after "
+                            f"its last action (step {steps[-1]})")
+    return problems
 
 
 def _action_problem(schedule: PipelineSchedule, r: int, k: int, action: Action) -> str:
@@ -280,10 +325,14 @@ class _Simulation:
     """
 
     def __init__(
-        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float, sizes: list[float]
+        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float, sizes: list[float],
+        shard_cost: float = 0.0,
     ) -> None:
         p = schedule.num_ranks
         self.schedule, self.programs, self.cost, self.latency, self.sizes = schedule, programs, cost, latency, sizes
+        self.shard_cost = shard_cost
+        self.unsharded, self.peak_unsharded = [0] * p, [0] * p  # stages with gathered parameters
+        self.shard_timeline: list[tuple[int, str, float, float]] = []
         self.queues: dict[tuple[Channel, bool], list[_Posted]] = defaultdict(list)  # by is_send
         self.next_step, self.phase, self.clock, self.busy = [0] * p, [_POST] * p, [0.0] * p, [0.0] * p
         self.live, self.peak = [0] * p, [0] * p
@@ -306,7 +355,8 @@ class _Simulation:
         makespan = max(self.clock, default=0.0)
         bubble = 1.0 - sum(self.busy) / (p * makespan) if makespan > 0 else 0.0
         self.timeline.sort(key=lambda entry: (entry[2], entry[0]))
-        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory)
+        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory, self.peak_unsharded,
+                         self.shard_timeline)
 
     def _advance(self, r: int) -> bool:
         k = self.next_step[r]
@@ -316,13 +366,23 @@ class _Simulation:
         if phase == _POST:
             for op in step.ops:
                 self.posted[r][op] = self._post(_Posted(r, k, op, self.clock[r]))
+            # the reductions of stages done (blocking), then the gathers for this action start,
+            # one after another (the action waits for the last in the WAIT phase)
+            c = self.shard_cost
+            for j, s in enumerate(step.reshard):
+                self.shard_timeline.append((r, f"reshard {s}", self.clock[r] + j * c, self.clock[r] + (j + 1) * c))
+            self.clock[r] += c * len(step.reshard)
+            for j, s in enumerate(step.unshard):
+                self.shard_timeline.append((r, f"unshard {s}", self.clock[r] + j * c, self.clock[r] + (j + 1) * c))
+            self.unsharded[r] += len(step.unshard) - len(step.reshard)
+            self.peak_unsharded[r] = max(self.peak_unsharded[r], self.unsharded[r])
             self.phase[r] = _WAIT
             return True
         done = self._wait(r, step.waits if phase == _WAIT else step.after)
         if done is None:
             return False
-        if phase == _WAIT:
-            self._compute(r, k, step, done)
+        if phase == _WAIT:  # the gathers started at the rank's clock, after the reductions
+            self._compute(r, k, step, max(done, self.clock[r] + self.shard_cost * len(step.unshard)))
             self.phase[r] = _AFTER
         else:
             self.clock[r] = done
