@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pipeflow.errors import DeadlockError, ScheduleError
@@ -17,6 +17,7 @@ CostFn = Callable[[Action], float]
 Costs = Mapping[str, float] | CostFn
 DEFAULT_COSTS: dict[str, float] = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
 Channel = tuple[int, int]  # (src rank, dst rank)
+TransferFn = Callable[[CommOp], float]  # seconds from both sides posted to an op's completion
 _GRID_FULL = 24  # programs up to this many steps are drawn whole in a deadlock grid
 _GRID_RADIUS = 3  # otherwise: this many steps either side of each stuck step
 _MAX_PROBLEMS = 8  # problems listed in one error message
@@ -35,6 +36,10 @@ class SimResult:
         peak_memory: ``peak_memory[r]``, the same pairs weighted by their micro-batch's size
             (``microbatch_sizes``; with sizes of 1, ``peak_activations``).
         timeline: ``(rank, action, start, end)`` of every compute action, by start time then rank.
+        finish: ``finish[r]``, when rank r's program ends.
+        events: ``events[r]``, rank r's ``(kind, name, start, end)`` as the runtime records them
+            (``comm`` for a step's post and waits, the action's kind for its compute, ``comm``
+            named ``sends of the step done`` for its ``after``), in program order.
     """
 
     makespan: float
@@ -43,6 +48,31 @@ class SimResult:
     peak_activations: list[int]
     timeline: list[tuple[int, Action, float, float]]
     peak_memory: list[float]
+    finish: list[float] = field(default_factory=list)
+    events: list[list[tuple[str, str, float, float]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """What the runtime adds to the compute when it interprets a program (all seconds, per rank).
+
+    Attributes:
+        transfer: an op completes this long after both of its sides are posted (default: the
+            ``comm_latency`` of :func:`simulate`); a function of the op (its bytes).
+        step_overhead: ``step_overhead[r]``, rank r's own time before each program step
+            (interpreting it, recording it).
+        post: ``post[r]``, rank r's time to post a step's ops (a step that posts none: 0).
+        start: ``start[r]``, when rank r's program starts.
+    """
+
+    transfer: TransferFn | None = None
+    step_overhead: Sequence[float] = ()
+    post: Sequence[float] = ()
+    start: Sequence[float] = ()
+
+    def of(self, what: Sequence[float], r: int) -> float:
+        """`what`'s value for rank r (0 where not given)."""
+        return float(what[r]) if r < len(what) else 0.0
 
 
 def simulate(
@@ -52,6 +82,7 @@ def simulate(
     comm_latency: float = 0.0,
     posting: str = "rendezvous",
     microbatch_sizes: Sequence[float] | None = None,
+    runtime: RuntimeCosts | None = None,
 ) -> SimResult:
     """Interpret the per-rank programs as the runtime does, checking and measuring them.
 
@@ -72,6 +103,8 @@ def simulate(
             under rendezvous runs under them too, never later.
         microbatch_sizes: each micro-batch's activation size (variable lengths: its tokens),
             weighing it in ``peak_memory``; default 1 each.
+        runtime: the runtime's own costs (per-op transfer, per-step overhead, posting, start
+            offsets; :class:`RuntimeCosts`); its ``transfer`` replaces `comm_latency`.
 
     Returns:
         The :class:`SimResult`.
@@ -89,7 +122,10 @@ def simulate(
     sizes = list(microbatch_sizes) if microbatch_sizes is not None else [1.0] * schedule.num_microbatches
     if len(sizes) != schedule.num_microbatches:
         raise ScheduleError(f"got {len(sizes)} micro-batch sizes for {schedule.num_microbatches} micro-batches")
-    return _Simulation(schedule, programs, _cost_function(costs), comm_latency, sizes).run()
+    runtime = runtime or RuntimeCosts()
+    if runtime.transfer is None:
+        runtime = RuntimeCosts(lambda op: comm_latency, runtime.step_overhead, runtime.post, runtime.start)
+    return _Simulation(schedule, programs, _cost_function(costs), runtime, sizes).run()
 
 
 def validate(schedule: PipelineSchedule, programs: list[Program] | None = None, posting: str = "rendezvous") -> SimResult:
@@ -280,12 +316,17 @@ class _Simulation:
     """
 
     def __init__(
-        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float, sizes: list[float]
+        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, runtime: RuntimeCosts,
+        sizes: list[float],
     ) -> None:
         p = schedule.num_ranks
-        self.schedule, self.programs, self.cost, self.latency, self.sizes = schedule, programs, cost, latency, sizes
+        self.schedule, self.programs, self.cost, self.sizes = schedule, programs, cost, sizes
+        self.runtime, self.transfer = runtime, runtime.transfer
         self.queues: dict[tuple[Channel, bool], list[_Posted]] = defaultdict(list)  # by is_send
-        self.next_step, self.phase, self.clock, self.busy = [0] * p, [_POST] * p, [0.0] * p, [0.0] * p
+        self.next_step, self.phase, self.busy = [0] * p, [_POST] * p, [0.0] * p
+        self.clock = [runtime.of(runtime.start, r) for r in range(p)]
+        self.events: list[list[tuple[str, str, float, float]]] = [[] for _ in range(p)]
+        self.posted_at = [0.0] * p  # when the current step's ops were posted
         self.live, self.peak = [0] * p, [0] * p
         self.held, self.peak_memory = [0.0] * p, [0.0] * p  # the same, weighted by micro-batch size
         self.posted: list[dict[CommOp, _Slot]] = [{} for _ in range(p)]  # posted, not waited for yet
@@ -306,7 +347,8 @@ class _Simulation:
         makespan = max(self.clock, default=0.0)
         bubble = 1.0 - sum(self.busy) / (p * makespan) if makespan > 0 else 0.0
         self.timeline.sort(key=lambda entry: (entry[2], entry[0]))
-        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory)
+        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory, list(self.clock),
+                         self.events)
 
     def _advance(self, r: int) -> bool:
         k = self.next_step[r]
@@ -314,17 +356,26 @@ class _Simulation:
             return False
         step, phase = self.programs[r][k], self.phase[r]
         if phase == _POST:
+            self.clock[r] += self.runtime.of(self.runtime.step_overhead, r)
+            self.posted_at[r] = self.clock[r]
             for op in step.ops:
                 self.posted[r][op] = self._post(_Posted(r, k, op, self.clock[r]))
+            if step.ops:
+                self.clock[r] += self.runtime.of(self.runtime.post, r)
             self.phase[r] = _WAIT
             return True
         done = self._wait(r, step.waits if phase == _WAIT else step.after)
         if done is None:
             return False
         if phase == _WAIT:
+            if step.ops or step.waits:
+                self.events[r].append(("comm", step.ops_text or "; ".join(str(op) for op in step.waits),
+                                       self.posted_at[r], done))
             self._compute(r, k, step, done)
             self.phase[r] = _AFTER
         else:
+            if step.after:
+                self.events[r].append(("comm", "sends of the step done", self.clock[r], done))
             self.clock[r] = done
             self.next_step[r], self.phase[r] = k + 1, _POST
         return True
@@ -339,7 +390,7 @@ class _Simulation:
             del self.posted[r][op]
             if not op.is_send:
                 self.received[r].add(op)
-        return max([self.clock[r]] + [max(s[0].time, o.time) + self.latency for s, o in zip(slots, others) if o])
+        return max([self.clock[r]] + [max(s[0].time, o.time) + self.transfer(s[0].op) for s, o in zip(slots, others) if o])
 
     def _waiting_on(self, r: int, k: int) -> list[_Slot]:
         """The posted ops rank r waits for in its current phase of step k."""
@@ -377,6 +428,7 @@ class _Simulation:
         self.finished_at[action] = end
         self.busy[r] += end - start
         self.timeline.append((r, action, start, end))
+        self.events[r].append((action.kind, str(action), start, end))
         if not self.schedule.training:
             return
         size = self.sizes[action.microbatch]
