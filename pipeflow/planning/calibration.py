@@ -14,9 +14,14 @@ rank's step is one of (r = a pipeline rank, s = a stage):
     F[s] B[s] W[s] BW[s]  compute of a forward, a split backward's halves, a full backward
     tail                what follows the pipeline: dp reduction, grad-norm all-reduce, optimizer
 
-:func:`calibrate` takes the medians over the steps; :func:`predict` simulates the program with
-them (:class:`~pipeflow.schedules.simulator.RuntimeCosts`): the calibrated prediction.  The
-simulator is the model: a log the simulator wrote (:func:`simulated_log`) is recovered exactly.
+:func:`calibrate` takes the means over the steps (a step is a sum of its actions: under cores
+shared by several ranks each action's time varies with what else runs, and the mean carries
+that).  The per-byte transfer term is fitted from the waits that blocked on the peer's post; the
+latency so that the simulated step spends as long in batched calls as the run did (on a loaded
+machine deliveries arrive late although both sides have posted, and only the total says how
+much).  :func:`predict` simulates the program with them
+(:class:`~pipeflow.schedules.simulator.RuntimeCosts`): the calibrated prediction.  The simulator
+is the model: a log the simulator wrote (:func:`simulated_log`) is recovered exactly.
 Times of different ranks are compared on one axis (``time.perf_counter``: one machine).
 """
 from __future__ import annotations
@@ -54,7 +59,7 @@ class Calibration:
             (NaN where the schedule runs none).
         start, step_overhead, post: per pipeline rank.
         latency_s, per_byte_s: an op's transfer time, ``latency_s + bytes * per_byte_s``.
-        tail_s: from the last rank's end of program to rank 0's end of step.
+        tail_s: from the last rank's end of program to rank 0's end of step (mean).
         posting: the lowering the run ran (most of the calibrated steps).
         boundary_bytes: per stage, bytes of its outputs (what its sends carry).
         steps: how many steps were calibrated.
@@ -214,7 +219,7 @@ def calibrate(
     schedule: PipelineSchedule, steps: Sequence[Sequence[RankStep]], boundary_bytes: Sequence[float],
     postings: Sequence[str] = ("ahead", "at_step", "group", "rendezvous"), meta: dict[str, Any] | None = None,
 ) -> Calibration:
-    """Medians of the runtime's costs over recorded steps (see the module docstring).
+    """The runtime's costs from recorded steps (see the module docstring).
 
     Args:
         schedule: the schedule the run ran.
@@ -236,7 +241,7 @@ def calibrate(
     split = schedule.split_backwards()
     compute: dict[tuple[str, int], list[float]] = defaultdict(list)
     gaps, posts, heads = [[] for _ in range(p)], [[] for _ in range(p)], [[] for _ in range(p)]
-    finishes, tails, step_times = [[] for _ in range(p)], [], []
+    finishes, tails, step_times, waits = [[] for _ in range(p)], [], [], []
     walks = []
     for option, step in matched:
         progs = programs[option]
@@ -260,21 +265,56 @@ def calibrate(
             finishes[r].append(_last_end(walk, len(progs[r]) - 1) - origin)
         last = max(_last_end(w, len(progs[r]) - 1) for r, w in enumerate(walked))
         tails.append(step[0].end - last)
+        waits.append(math.fsum(e[3] - e[2] for rank in step for e in rank.events if e[0] == "comm"))
         step_times.append(step[0].end - origin)
-    overhead = [_median(g, 0.0) for g in gaps]
-    post = [_median(x, 0.0) for x in posts]
+    overhead = [_mean(g, 0.0) for g in gaps]
+    post = [_mean(x, 0.0) for x in posts]
     latency, per_byte = _fit_transfer(_transfer_samples(walks, post, boundary_bytes))
     options = [option for option, _ in matched]
-    return Calibration(
-        forward=[_median(compute["F", s]) for s in range(S)],
-        input_grad=[_median(compute["B", s]) for s in range(S)],
-        weight_grad=[_median(compute["W", s]) for s in range(S)],
-        backward=[_median(compute["BW", s]) for s in range(S)],
-        start=[_median(h) - o for h, o in zip(heads, overhead)], step_overhead=overhead, post=post,
-        latency_s=latency, per_byte_s=per_byte, tail_s=_median(tails), posting=max(set(options), key=options.count),
+    cal = Calibration(
+        forward=[_mean(compute["F", s]) for s in range(S)],
+        input_grad=[_mean(compute["B", s]) for s in range(S)],
+        weight_grad=[_mean(compute["W", s]) for s in range(S)],
+        backward=[_mean(compute["BW", s]) for s in range(S)],
+        start=[_mean(h) - o for h, o in zip(heads, overhead)], step_overhead=overhead, post=post,
+        latency_s=latency, per_byte_s=per_byte, tail_s=_mean(tails), posting=max(set(options), key=options.count),
         boundary_bytes=[float(b) for b in boundary_bytes], steps=len(matched),
         measured_step_s=_median(step_times), measured_finish_s=[_median(f) for f in finishes], meta=dict(meta or {}),
     )
+    cal.latency_s = _latency_for_waits(schedule, cal, math.fsum(waits) / len(matched))
+    return cal
+
+
+def _mean(values: Sequence[float], default: float = math.nan) -> float:
+    return math.fsum(values) / len(values) if values else default
+
+
+def _comm_time(schedule: PipelineSchedule, cal: Calibration) -> float:
+    """Seconds every rank spends in batched calls (posting, waiting) in the simulated step."""
+    sim = simulate(schedule, lower(schedule, cal.posting), cal.action_cost(schedule), runtime=cal.runtime())
+    return math.fsum(e[3] - e[2] for events in sim.events for e in events if e[0] == "comm")
+
+
+def _latency_for_waits(schedule: PipelineSchedule, cal: Calibration, measured: float) -> float:
+    """The transfer latency under which the simulated step spends as long in batched calls as the
+    run did (`measured`, summed over ranks, a step's mean): the waits transfers cause beyond the
+    compute, including deliveries that arrive late although both sides have posted.  The per-byte
+    term stays as fitted.  Bisection: the time in calls grows with the latency."""
+    low, high = 0.0, max(measured, cal.latency_s, 1e-6)
+    probe = Calibration(**{**cal.__dict__, "latency_s": low})
+    if _comm_time(schedule, probe) >= measured:
+        return 0.0
+    probe.latency_s = high
+    while _comm_time(schedule, probe) < measured:  # every rank waits at least once per transfer
+        low, high = high, 2 * high
+        probe.latency_s = high
+    for _ in range(60):
+        probe.latency_s = (low + high) / 2
+        if _comm_time(schedule, probe) < measured:
+            low = probe.latency_s
+        else:
+            high = probe.latency_s
+    return (low + high) / 2
 
 
 def _op_key(op: CommOp) -> tuple:
@@ -320,3 +360,20 @@ def _fit_transfer(samples: list[tuple[float, float]]) -> tuple[float, float]:
     slope = math.fsum((x - mx) * (y - my) for x, y in points) / math.fsum((x - mx) ** 2 for x, _ in points)
     slope = max(0.0, slope)
     return max(0.0, my - slope * mx), slope
+
+
+def calibrator(schedule: PipelineSchedule, boundary_bytes: Sequence[float], meta: dict[str, Any]
+               ) -> Callable[[Sequence[Sequence[RankStep]]], Calibration]:
+    """:func:`calibrate` bound to a run's schedule, boundary sizes and description (for its metrics)."""
+    def run(steps: Sequence[Sequence[RankStep]]) -> Calibration:
+        return calibrate(schedule, steps, boundary_bytes, meta=meta)
+
+    return run
+
+
+def stage_boundary_bytes(ranges: Sequence[range], profiles: Sequence[Any] | None) -> list[float]:
+    """Per stage, the profiled bytes of its last layer's outputs (0 without profiles: the
+    transfer is then fitted as a latency alone)."""
+    if profiles is None:
+        return [0.0] * len(ranges)
+    return [float(profiles[r.stop - 1].output_bytes) for r in ranges]
