@@ -56,6 +56,7 @@ class JobRecord:
     peak_memory_mb: list[float]
     predicted_memory_mb: list[float]
     final_loss: float
+    calibrated_step_ms: float = math.nan  # the run's own costs re-simulated (pipeflow.planning.calibration)
 
 
 @dataclass
@@ -198,11 +199,12 @@ def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> 
         bubble_predicted=float(result["bubble_predicted"]),
         predicted_step_ms=1e3 * prediction.step_s, peak_memory_mb=[float(x) for x in result["peak_memory_mb"]],
         predicted_memory_mb=[b / 1e6 for b in prediction.memory_bytes], final_loss=float(result["last_loss"]),
+        calibrated_step_ms=1e3 * float(result.get("step_calibrated_s", math.nan)),
     )
 
 
 COLUMNS = ("job", "overrides", "samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms",
-           "bubble_measured", "bubble_predicted", "peak_memory_mb", "predicted_memory_mb", "final_loss", "run_dir")
+           "calibrated_step_ms", "bubble_measured", "bubble_predicted", "peak_memory_mb", "predicted_memory_mb", "final_loss", "run_dir")
 
 
 def sorted_records(state: SweepState) -> list[JobRecord]:
@@ -220,12 +222,12 @@ def _cell(value: Any, digits: int = 1) -> str:
 
 def format_table(state: SweepState) -> str:
     """The sweep as a Markdown table (fastest first) and the list of skipped jobs."""
-    heads = ["job", "overrides", "samples/s", "step (ms)", "predicted step (ms)", "bubble measured",
+    heads = ["job", "overrides", "samples/s", "step (ms)", "predicted step (ms)", "calibrated step (ms)", "bubble measured",
              "bubble predicted", "peak MB/rank", "predicted MB/rank", "final loss"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in sorted_records(state):
         cells = [str(r.job), f"`{r.overrides}`", _cell(r.samples_per_s), _cell(r.step_time_ms),
-                 _cell(r.predicted_step_ms),
+                 _cell(r.predicted_step_ms), _cell(r.calibrated_step_ms),
                  _pct(r.bubble_measured), _pct(r.bubble_predicted), _cell(r.peak_memory_mb),
                  _cell(r.predicted_memory_mb), _cell(r.final_loss, 4)]
         lines.append("| " + " | ".join(cells) + " |")
