@@ -100,3 +100,66 @@ def test_the_costs_survive_their_json() -> None:
     again = Calibration.from_json(cal.to_json())
     assert close(again.input_grad, cal.input_grad) and again.meta == {"model": "x"}
     assert again.to_json() == cal.to_json()
+
+
+def costs_file(tmp_path, slow_stage0: float) -> str:
+    """A 2-rank run's costs.json over 4 equal profiled layers (1 ms F, 1 + 1 ms B + W each) in
+    which the run measured stage 0 (layers 0, 1) `slow_stage0` times slower than profiled."""
+    from dataclasses import asdict
+
+    from pipeflow.planning.profile import LayerProfile
+
+    ms = 1e-3
+    profiles = [LayerProfile(f"l{i}", 10, 40, ms, 2 * ms, 1000, ms, ms, 4096) for i in range(4)]
+    k = slow_stage0
+    cal = Calibration([2 * ms * k, 2 * ms], [NAN, NAN], [NAN, NAN], [4 * ms * k, 4 * ms], [0.0, 0.0], [1e-5, 1e-5],
+                      [2e-5, 2e-5], 1e-4, 0.0, 1e-3, "at_step", [4096.0, 4096.0], 10, NAN, [],
+                      meta={"num_ranks": 2, "microbatch_size": 2, "ranges": [[0, 2], [2, 4]], "schedule": "1f1b",
+                            "num_microbatches": 4, "profiles": [asdict(p) for p in profiles]})
+    (tmp_path / "costs.json").write_text(cal.to_json())
+    return str(tmp_path)
+
+
+def test_plan_calibration_ranks_layouts_with_the_measured_costs(tmp_path) -> None:
+    from pipeflow.planning.measured_costs import calibrated_layers, read_costs
+    from pipeflow.planning.profile import LayerProfile
+    from pipeflow.run.plan import compose_config, run_plan
+
+    words = ["model=gpt", "model.n_layer=2", "data.batch_size=8", "parallel.pp=2", "plan.schedules=[1f1b]",
+             "plan.microbatches=[4]", "plan.comm_latency_ms=0"]
+    profiled = [LayerProfile(f"l{i}", 10, 40, 1e-3, 2e-3, 1000, 1e-3, 1e-3, 4096) for i in range(4)]
+    fresh, _ = run_plan(compose_config(words), costs=lambda b: profiled)
+    assert fresh.candidates[0].split_points == (2,)  # equal layers: two each
+    path = costs_file(tmp_path, slow_stage0=5.0)
+    layers = calibrated_layers(read_costs(path))
+    assert [x.forward_s for x in layers] == pytest.approx([5e-3, 5e-3, 1e-3, 1e-3])
+    calibrated, report = run_plan(compose_config([*words, f"plan.calibration={path}"]))
+    assert calibrated.candidates[0].split_points == (1,)  # layers 0 and 1 measured 5x slower: one on stage 0
+    assert f"costs measured by the run in {path}" in report and "posting at_step" in report
+    best = calibrated.candidates[0]
+    assert best.step_s == pytest.approx(predict_1f1b_step(layers, best.split_points[0]), rel=1e-9)
+
+
+def predict_1f1b_step(layers, point: int) -> float:
+    """The calibrated planner's step for 1f1b, p = 2, m = 4 at `point`, simulated directly."""
+    from pipeflow.schedules import RuntimeCosts, simulate
+    from pipeflow.schedules.ir import BACKWARD, FORWARD
+
+    schedule = build_schedule("1f1b", 2, 4)
+    stages = [layers[:point], layers[point:]]
+    kind = {FORWARD: lambda x: x.forward_s, BACKWARD: lambda x: x.backward_s, "W": lambda x: 0.0}
+    cost = lambda a: sum(kind[a.kind](x) for x in stages[a.stage])  # noqa: E731
+    sim = simulate(schedule, lower(schedule, "at_step"), cost,
+                   runtime=RuntimeCosts(lambda op: 1e-4, [1e-5, 1e-5], [2e-5, 2e-5]))
+    return sim.makespan + 1e-3
+
+
+def test_plan_calibration_refuses_a_run_of_another_pipeline(tmp_path) -> None:
+    from pipeflow.errors import ConfigError
+    from pipeflow.run.plan import compose_config, run_plan
+
+    path = costs_file(tmp_path, 1.0)
+    cfg = compose_config(["model=gpt", "model.n_layer=2", "data.batch_size=8", "parallel.pp=4",
+                          f"plan.calibration={path}"])
+    with pytest.raises(ConfigError, match="measured 2 pipeline ranks"):
+        run_plan(cfg)

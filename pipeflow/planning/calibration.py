@@ -267,17 +267,17 @@ def calibrate(
         tails.append(step[0].end - last)
         waits.append(math.fsum(e[3] - e[2] for rank in step for e in rank.events if e[0] == "comm"))
         step_times.append(step[0].end - origin)
-    overhead = [_mean(g, 0.0) for g in gaps]
-    post = [_mean(x, 0.0) for x in posts]
+    overhead = [mean(g, 0.0) for g in gaps]
+    post = [mean(x, 0.0) for x in posts]
     latency, per_byte = _fit_transfer(_transfer_samples(walks, post, boundary_bytes))
     options = [option for option, _ in matched]
     cal = Calibration(
-        forward=[_mean(compute["F", s]) for s in range(S)],
-        input_grad=[_mean(compute["B", s]) for s in range(S)],
-        weight_grad=[_mean(compute["W", s]) for s in range(S)],
-        backward=[_mean(compute["BW", s]) for s in range(S)],
-        start=[_mean(h) - o for h, o in zip(heads, overhead)], step_overhead=overhead, post=post,
-        latency_s=latency, per_byte_s=per_byte, tail_s=_mean(tails), posting=max(set(options), key=options.count),
+        forward=[mean(compute["F", s]) for s in range(S)],
+        input_grad=[mean(compute["B", s]) for s in range(S)],
+        weight_grad=[mean(compute["W", s]) for s in range(S)],
+        backward=[mean(compute["BW", s]) for s in range(S)],
+        start=[mean(h) - o for h, o in zip(heads, overhead)], step_overhead=overhead, post=post,
+        latency_s=latency, per_byte_s=per_byte, tail_s=mean(tails), posting=max(set(options), key=options.count),
         boundary_bytes=[float(b) for b in boundary_bytes], steps=len(matched),
         measured_step_s=_median(step_times), measured_finish_s=[_median(f) for f in finishes], meta=dict(meta or {}),
     )
@@ -285,7 +285,8 @@ def calibrate(
     return cal
 
 
-def _mean(values: Sequence[float], default: float = math.nan) -> float:
+def mean(values: Sequence[float], default: float = math.nan) -> float:
+    """The mean of `values` (`default` when there are none)."""
     return math.fsum(values) / len(values) if values else default
 
 

@@ -198,6 +198,7 @@ class PlanConfig:
     repeats: int = 5  # timed runs per layer when profiling
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (AdamW: 2)
     csv: str | None = None  # also write every simulated layout to this CSV file
+    calibration: str | None = None  # a run directory (its costs.json): rank layouts with what that run measured
 
 
 @dataclass

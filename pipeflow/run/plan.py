@@ -115,19 +115,51 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
     sizes = [batch // m for m in space.microbatches if batch % m == 0]
     if not sizes:
         raise ConfigError(f"no count in plan.microbatches={list(space.microbatches)} divides data.batch_size={batch}")
-    device = choose_device(cfg.dist.backend, cfg.dist.device)[1]
-    costs = costs or profile_costs(cfg, sizes, device)
-    latency, comm = comm_model(cfg, costs, sizes, device, pp)
     limit = None if cfg.plan.memory_limit_gb is None else cfg.plan.memory_limit_gb * 1e9
-    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency,
-                    cfg.plan.action_overhead_ms / 1e3)
+    replicas = f" x {dp} data-parallel replicas, batch {batch} per replica" if dp > 1 else f", batch {batch}"
+    if cfg.plan.calibration is not None:
+        result, header = _plan_calibrated(cfg, pp, batch, space, limit)
+        header = f"planner: {pp} pipeline ranks{replicas}; {header}"
+    else:
+        device = choose_device(cfg.dist.backend, cfg.dist.device)[1]
+        costs = costs or profile_costs(cfg, sizes, device)
+        latency, comm = comm_model(cfg, costs, sizes, device, pp)
+        result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency,
+                        cfg.plan.action_overhead_ms / 1e3)
+        header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}) "
+                  f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; "
+                  f"{cfg.plan.action_overhead_ms:g} ms per action (plan.action_overhead_ms)")
     if cfg.plan.csv:
         write_csv(result, cfg.plan.csv)
-    replicas = f" x {dp} data-parallel replicas, batch {batch} per replica" if dp > 1 else f", batch {batch}"
-    header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}) "
-              f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; "
-              f"{cfg.plan.action_overhead_ms:g} ms per action (plan.action_overhead_ms)")
     return result, header + "\n" + format_plan(result, cfg.plan.top, dp * pp, limit, overrides)
+
+
+def _plan_calibrated(cfg: DictConfig, pp: int, batch: int, space: SearchSpace, limit: float | None
+                     ) -> tuple[PlanResult, str]:
+    """Search on the costs a run measured (``plan.calibration``): its per-layer costs, transfers,
+    the runtime's overheads, posting and tail; a line saying what they are and where from."""
+    from pipeflow.planning.measured_costs import calibrated_cost_model, read_costs, step_model, transfer_model
+
+    try:
+        cal = read_costs(cfg.plan.calibration)
+        costs = calibrated_cost_model(cal)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"plan.calibration={cfg.plan.calibration}: {err}") from err
+    meta = cal.meta
+    if meta.get("num_ranks") != pp or len(meta["profiles"]) != len(instantiate(cfg.model)):
+        raise ConfigError(f"plan.calibration={cfg.plan.calibration} measured {meta.get('num_ranks')} pipeline ranks "
+                          f"and {len(meta['profiles'])} layers; this plan has parallel.pp={pp} and another model: "
+                          "calibrate with a run of the same model and pipeline size")
+    model = step_model(cal)
+    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, transfer_model(cal), 0.0, model)
+    machine = meta.get("machine", {})
+    return result, (
+        f"costs measured by the run in {cfg.plan.calibration} ({meta.get('schedule')}, m={meta.get('num_microbatches')}, "
+        f"micro-batch {meta.get('microbatch_size')}, {cal.steps} steps on {machine.get('host', '?')}: "
+        f"{machine.get('local_ranks', '?')} ranks on {machine.get('cpus', '?')} cores), scaled linearly in the "
+        f"micro-batch size; transfer {1e3 * cal.latency_s:.3f} ms + {1e9 * cal.per_byte_s:.3f} ms/MB; "
+        f"{1e3 * (model.step_overhead_s + model.post_s):.3f} ms per program step, posting {model.posting}; "
+        f"tail {1e3 * model.tail_s:.2f} ms")
 
 
 def comm_model(cfg: DictConfig, costs: CostModel, sizes: Sequence[int], device: torch.device,
