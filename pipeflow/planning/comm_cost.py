@@ -8,6 +8,7 @@ the planner measures once per payload size.
 from __future__ import annotations
 
 import queue
+import statistics
 import time
 from typing import Any
 
@@ -43,6 +44,55 @@ def measure_transfer_s(comm: Any, num_bytes: int, repeats: int = 10) -> float:
     slowest = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=comm.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest)
+
+
+def measure_transfers(comm: Any, sizes: list[int], repeats: int = 10) -> tuple[float, float, float]:
+    """(latency s, s per byte, s to post) of a transfer between neighbouring pipeline ranks, at the
+    sizes this model sends, both directions, on the run's own pipeline group (collective over the
+    world: every rank gets the slowest rank's figures).
+
+    Each size is timed as a ring to the next rank and as a ring to the previous one (activations
+    go one way, gradients the other), posting and waiting timed apart as the runtime does them;
+    the medians of the two directions are averaged, ``latency + bytes * per_byte`` is fitted
+    through the sizes (one size: no per-byte term).  Zeros for a pipeline of one rank.
+    """
+    if comm.size == 1:
+        return 0.0, 0.0, 0.0
+    points, posts = [], []
+    for num_bytes in sorted(set(max(4, int(n)) for n in sizes)):
+        both = []
+        for step in (1, -1):
+            nxt, prv = (comm.rank + step) % comm.size, (comm.rank - step) % comm.size
+            out = torch.zeros(num_bytes // 4, dtype=torch.float32, device=comm.device)
+            buf = torch.empty_like(out)
+            times, posting = [], []
+            for k in range(_WARMUP + repeats):
+                start = time.perf_counter()
+                works = comm.post([(nxt, out)], [(prv, buf)], "time a transfer for the step model")
+                posted = time.perf_counter()
+                comm.wait(works, "time a transfer for the step model")
+                if comm.device.type == "cuda":
+                    torch.cuda.synchronize(comm.device)
+                if k >= _WARMUP:
+                    times.append(time.perf_counter() - start)
+                    posting.append(posted - start)
+            both.append(statistics.median(times))
+            posts.append(statistics.median(posting))
+        points.append((float(num_bytes), sum(both) / 2))
+    figures = torch.tensor([*_fit(points), statistics.median(posts)], dtype=torch.float64, device=comm.device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    latency, per_byte, post = figures.tolist()
+    return latency, per_byte, post
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope >= 0) of the least-squares line through (bytes, seconds)."""
+    if len(points) == 1:
+        return points[0][1], 0.0
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points))
+    return max(0.0, my - slope * mx), slope
 
 
 def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bool = False,

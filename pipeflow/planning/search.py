@@ -22,6 +22,7 @@ from pipeflow.planning.balance import balance_by_memory, balance_contiguous
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import action_costs, stage_costs
+from pipeflow.planning.step_model import HostShare, simulate_shared, stage_cpu
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate, synthesize
 from pipeflow.schedules.auto import AUTO
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
@@ -65,12 +66,15 @@ class StepModel:
         step_overhead_s: the runtime's time before each program step.
         post_s: the time to post a step's ops.
         tail_s: what follows the pipeline (data-parallel and grad-norm reductions, the optimizer).
+        share: how the ranks share the host's cores (None: each has its own; see
+            `pipeflow.planning.step_model.simulate_shared`).
     """
 
     posting: str = "rendezvous"
     step_overhead_s: float = 0.0
     post_s: float = 0.0
     tail_s: float = 0.0
+    share: HostShare | None = None
 
     def runtime(self, num_ranks: int, transfer_s: float) -> RuntimeCosts:
         """The simulator's runtime costs for `num_ranks` ranks and a transfer of `transfer_s`."""
@@ -297,8 +301,13 @@ def _evaluate(
     schedule's `split_backwards()`, computed once per schedule by the caller)."""
     comm_s, action_s = overheads
     model = model or StepModel()
-    sim = simulate(schedule, programs, action_costs(ranges, profiles, schedule, action_s, weighted),
-                   runtime=model.runtime(schedule.num_ranks, comm_s))
+    cost = action_costs(ranges, profiles, schedule, action_s, weighted)
+    if model.share is None:
+        sim = simulate(schedule, programs, cost, runtime=model.runtime(schedule.num_ranks, comm_s))
+    else:
+        cpu = [stage_cpu(profiles, r) for r in ranges]
+        sim = simulate_shared(schedule, programs, cost, model.runtime(schedule.num_ranks, comm_s), model.share,
+                              lambda action: cpu[action.stage])
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     return Candidate(

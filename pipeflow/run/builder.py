@@ -25,7 +25,8 @@ from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
 from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
-from pipeflow.planning.layout import Layout, choose_layout
+from pipeflow.planning.layout import Layout, choose_layout, with_step_costs
+from pipeflow.planning.step_model import measure_step_costs
 from pipeflow.run import guard
 from pipeflow.run.config import check_config
 from pipeflow.run.faults import install_from_env
@@ -101,6 +102,11 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None)
     params = unique_parameters(stage.parameters() for stage in stages.values())
+    if layout.profiles is not None:  # the whole step: the runtime's own costs, measured here (collective)
+        boundary = stage_boundary_bytes(layout.ranges, layout.profiles)
+        costs = measure_step_costs(comm, posting.options(not comm.independent_ops)[0], params, boundary, pp,
+                                   mesh.dp_group, dp)
+        layout = with_step_costs(layout, schedule, costs)
     optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                   weight_decay=cfg.optim.weight_decay)
     faults = install_from_env(stages, rank, dist.get_world_size())  # PIPEFLOW_FAULT_INJECT (tests, drills)
