@@ -103,6 +103,9 @@ def test_console_has_one_line_per_interval_from_rank_0_and_the_summary(run) -> N
     assert re.search(r"median step \d+ ms \| predicted step \(calibrated\) \d+ ms \| \d+ samples/s \| bubble \d+% measured, \d+% predicted \| "
                      r"peak memory per pipeline rank \d+, \d+, \d+, \d+ MB", out)
     assert "INFO" not in run[0].stderr  # other ranks log warnings only
+    # the start-of-run line predicts the whole step: the layers and the runtime's measured costs
+    assert re.search(r"INFO pipeline: 4 ranks, .* \(profiled layers and the measured runtime\), predicted step "
+                     r"[\d.]+ ms \(posting (ahead|at_step), transfer [\d.]+ ms \+ [\d.]+ ms/MB", out)
 
 
 def test_cfg_job_prints_the_resolved_config_with_the_metrics_group() -> None:
