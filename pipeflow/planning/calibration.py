@@ -66,6 +66,8 @@ class Calibration:
         measured_step_s: median step of rank 0 over those steps.
         measured_finish_s: per rank, median end of its program after rank 0's step start.
         meta: what the costs belong to (machine, model, schedule, sizes): see the run's costs.json.
+        blocked_latency_s: the latency fitted from the waits that blocked on the peer's post alone
+            (the transfer as such; `latency_s` also carries the late deliveries of a busy machine).
     """
 
     forward: list[float]
@@ -84,6 +86,7 @@ class Calibration:
     measured_step_s: float
     measured_finish_s: list[float]
     meta: dict[str, Any] = field(default_factory=dict)
+    blocked_latency_s: float = math.nan
 
     def transfer_s(self, num_bytes: float) -> float:
         """Seconds of one transfer of `num_bytes`."""
@@ -281,6 +284,7 @@ def calibrate(
         boundary_bytes=[float(b) for b in boundary_bytes], steps=len(matched),
         measured_step_s=_median(step_times), measured_finish_s=[_median(f) for f in finishes], meta=dict(meta or {}),
     )
+    cal.blocked_latency_s = latency
     cal.latency_s = _latency_for_waits(schedule, cal, math.fsum(waits) / len(matched))
     return cal
 

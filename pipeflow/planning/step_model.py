@@ -144,7 +144,8 @@ def measure_action_overhead_s(device: torch.device, repeats: int = _REPEATS) -> 
     called directly, as the profile times it; per action, half of the pair's difference."""
     from pipeflow.runtime.stage import Stage
 
-    layer = nn.Linear(1, 1).to(device)
+    with torch.random.fork_rng(devices=[]):  # the run's random stream stays as it was
+        layer = nn.Linear(1, 1).to(device)
     stage = Stage(0, 2, [layer])
     x = torch.ones(1, 1, device=device, requires_grad=True)
     grad = torch.ones(1, 1, device=device)
