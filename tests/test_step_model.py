@@ -100,3 +100,18 @@ def test_the_planner_measures_the_action_overhead_unless_it_is_set() -> None:
     slower = fixed.candidates[0].step_s
     zero, _ = run_plan(compose_config([*words, "plan.action_overhead_ms=0"]), costs=profiled)
     assert slower > zero.candidates[0].step_s + 4 * 2 * 5 * MS  # m = 4, F and B each 5 ms more
+
+
+def test_transfers_take_the_busy_figure_by_the_share_of_the_step_the_host_computes() -> None:
+    schedule, profiles = build_schedule("1f1b", 4, 8), layers(4)
+    ranges = partition_layers(4, 4)
+    cost, programs = action_costs(ranges, profiles, schedule), lower(schedule, "ahead")
+    idle = RuntimeCosts(lambda op: 0.1 * MS)
+    share = HostShare(cores=4)  # no slow-down of the actions: only the transfers differ
+
+    def step(cpu: float, busy_ms: float) -> float:
+        return simulate_shared(schedule, programs, cost, idle, share, lambda a: cpu, lambda op: busy_ms * MS).makespan
+
+    assert step(0.0, 5.0) == pytest.approx(simulate(schedule, programs, cost, runtime=idle).makespan)  # nothing computes
+    assert step(1.0, 0.1) == pytest.approx(step(0.0, 5.0))  # busy = idle
+    assert step(1.0, 5.0) > step(1.0, 1.0) > step(0.0, 5.0)

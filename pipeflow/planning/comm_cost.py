@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -46,7 +47,7 @@ def measure_transfer_s(comm: Any, num_bytes: int, repeats: int = 10) -> float:
     return float(slowest)
 
 
-def measure_transfers(comm: Any, sizes: list[int], repeats: int = 10) -> tuple[float, float, float]:
+def measure_transfers(comm: Any, sizes: list[int], repeats: int = 10, busy: bool = False) -> tuple[float, float, float]:
     """(latency s, s per byte, s to post) of a transfer between neighbouring pipeline ranks, at the
     sizes this model sends, both directions, on the run's own pipeline group (collective over the
     world: every rank gets the slowest rank's figures).
@@ -54,10 +55,15 @@ def measure_transfers(comm: Any, sizes: list[int], repeats: int = 10) -> tuple[f
     Each size is timed as a ring to the next rank and as a ring to the previous one (activations
     go one way, gradients the other), posting and waiting timed apart as the runtime does them;
     the medians of the two directions are averaged, ``latency + bytes * per_byte`` is fitted
-    through the sizes (one size: no per-byte term).  Zeros for a pipeline of one rank.
+    through the sizes (one size: no per-byte term).  With `busy`, every rank computes in a thread
+    of its own meanwhile (on the CPU: a delivery then waits for a core, as it does while the
+    ranks of a host compute).  Zeros for a pipeline of one rank.
     """
     if comm.size == 1:
         return 0.0, 0.0, 0.0
+    if busy and comm.device.type == "cpu":
+        with _Busy():
+            return measure_transfers(comm, sizes, repeats)
     points, posts = [], []
     for num_bytes in sorted(set(max(4, int(n)) for n in sizes)):
         both = []
@@ -83,6 +89,25 @@ def measure_transfers(comm: Any, sizes: list[int], repeats: int = 10) -> tuple[f
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     latency, per_byte, post = figures.tolist()
     return latency, per_byte, post
+
+
+class _Busy:
+    """A thread computing (matrix products, the GIL released) while the block runs."""
+
+    def __enter__(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._spin, name="pipeflow-busy", daemon=True)
+        self.thread.start()
+
+    def _spin(self) -> None:
+        a = torch.ones(128, 128)
+        while not self.stop.is_set():
+            for _ in range(10):
+                a @ a
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:

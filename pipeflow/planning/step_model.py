@@ -77,7 +77,9 @@ class StepCosts:
 
     Attributes:
         posting: the lowering the runtime interprets.
-        latency_s, per_byte_s: a transfer's ``latency_s + bytes * per_byte_s``.
+        latency_s, per_byte_s: a transfer's ``latency_s + bytes * per_byte_s`` between idle ranks.
+        busy_latency_s, busy_per_byte_s: the same while every rank of the host computes; the
+            simulation takes the share of the step the host computes between the two.
         post_s: posting a step's ops.
         action_overhead_s: added to every F, B, W.
         tail_s: after the pipeline (dp reduction, grad-norm all-reduce, optimizer).
@@ -91,24 +93,32 @@ class StepCosts:
     action_overhead_s: float = 0.0
     tail_s: float = 0.0
     share: HostShare = HostShare(cores=1 << 30)  # default: never shared
+    busy_latency_s: float | None = None  # the transfer while every rank computes (None: as idle)
+    busy_per_byte_s: float | None = None
 
 
 def simulate_shared(
     schedule: PipelineSchedule, programs: list[Program], cost: Callable[[Action], float], runtime: RuntimeCosts,
     share: HostShare, cpu: Callable[[Action], float] = lambda action: 1.0,
+    busy_transfer: Callable[[CommOp], float] | None = None,
 ) -> SimResult:
     """Simulate with actions slowed down by the cores they share (processor sharing).
 
     Each action's CPU part (`cpu`: its CPU time over its wall time, the profile's
     ``cpu_fraction``) runs ``share.slowdown`` slower, of the mean CPU-weighted number of ranks
     computing during it, taken from the previous simulation; damped iterations until the step
-    moves by less than 0.1%.  Transfers are stretched by the busy-time-weighted mean slow-down.
+    moves by less than 0.1%.  Transfers are stretched by the busy-time-weighted mean slow-down,
+    or with `busy_transfer` (a transfer while every rank computes) are ``idle + (busy - idle) x
+    u``, u the share of the step the ranks spend computing (their CPU part).
     """
     slow: dict[Action, float] = {}
-    mean_slow, previous, sim = 1.0, math.inf, None
+    mean_slow, used, previous, sim = 1.0, 0.0, math.inf, None
     base = runtime.transfer or (lambda op: 0.0)
     for _ in range(_ITERATIONS):
-        stretched = replace(runtime, transfer=lambda op, f=mean_slow: base(op) * f)
+        if busy_transfer is None:
+            stretched = replace(runtime, transfer=lambda op, f=mean_slow: base(op) * f)
+        else:
+            stretched = replace(runtime, transfer=lambda op, u=used: base(op) + (busy_transfer(op) - base(op)) * u)
         sim = simulate(schedule, programs, lambda a: cost(a) * slow.get(a, 1.0), runtime=stretched)
         if abs(sim.makespan - previous) <= 1e-3 * sim.makespan:
             break
@@ -119,6 +129,8 @@ def simulate_shared(
         busy = [(end - start, slow[a]) for _, a, start, end in sim.timeline if end > start]
         total = math.fsum(d for d, _ in busy)
         mean_slow = math.fsum(d * f for d, f in busy) / total if total > 0 else 1.0
+        cpu_time = math.fsum((end - start) * cpu(a) for _, a, start, end in sim.timeline)
+        used = min(1.0, cpu_time / (schedule.num_ranks * sim.makespan)) if sim.makespan > 0 else 0.0
     assert sim is not None
     return sim
 
@@ -227,6 +239,7 @@ def measure_step_costs(
     largest = int(max(boundary_bytes, default=0.0)) or 4096
     sizes = sorted({int(b) for b in boundary_bytes if b > 0} | {largest, max(4, largest // 4)})
     latency, per_byte, post = measure_transfers(comm, sizes)
+    busy_latency, busy_per_byte, _ = measure_transfers(comm, sizes, busy=True)
     overhead = measure_action_overhead_s(device) if action_overhead_s is None else action_overhead_s
     tail = measure_tail_s(params, device, dp_group, dp)
     figures = torch.tensor([overhead, tail], dtype=torch.float64, device=device)
@@ -234,7 +247,8 @@ def measure_step_costs(
     overhead, tail = figures.tolist()
     if action_overhead_s is not None:
         overhead = action_overhead_s
-    return StepCosts(posting, latency, per_byte, post, overhead, tail, host_share(num_pp, device))
+    return StepCosts(posting, latency, per_byte, post, overhead, tail, host_share(num_pp, device), busy_latency,
+                     busy_per_byte)
 
 
 def predict_step(
@@ -249,8 +263,12 @@ def predict_step(
     runtime = RuntimeCosts(lambda op: costs.latency_s + costs.per_byte_s * bytes_of(op), [0.0] * p, [costs.post_s] * p)
     cost = action_costs(ranges, profiles, schedule, costs.action_overhead_s)
     fraction = [stage_cpu(profiles, r) for r in ranges]
+    busy = None
+    if costs.busy_latency_s is not None:
+        per_byte = costs.per_byte_s if costs.busy_per_byte_s is None else costs.busy_per_byte_s
+        busy = lambda op: costs.busy_latency_s + per_byte * bytes_of(op)  # noqa: E731
     return simulate_shared(schedule, lower(schedule, costs.posting), cost, runtime, costs.share,
-                           lambda action: fraction[action.stage])
+                           lambda action: fraction[action.stage], busy)
 
 
 def stage_cpu(profiles: Sequence[Any], layers: range) -> float:
@@ -267,5 +285,7 @@ def describe_costs(costs: StepCosts) -> str:
     share = costs.share
     shared = (f", {share.ranks_per_pipeline_rank * share.threads_per_rank:g} thread(s) per pipeline rank on "
               f"{share.cores} cores" if share.device == "cpu" else "")
-    return (f"posting {costs.posting}, transfer {1e3 * costs.latency_s:.3f} ms + {1e9 * costs.per_byte_s:.3f} ms/MB, "
+    busy = ("" if costs.busy_latency_s is None else
+            f" ({1e3 * costs.busy_latency_s:.3f} ms + {1e9 * (costs.busy_per_byte_s or 0.0):.3f} ms/MB while the host computes)")
+    return (f"posting {costs.posting}, transfer {1e3 * costs.latency_s:.3f} ms + {1e9 * costs.per_byte_s:.3f} ms/MB{busy}, "
             f"{1e3 * costs.action_overhead_s:.3f} ms per action, tail {1e3 * costs.tail_s:.2f} ms{shared}")
