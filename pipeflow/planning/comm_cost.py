@@ -121,7 +121,7 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bool = False,
-                       timeout_s: float = 120.0) -> list[float]:
+                       timeout_s: float = 120.0, busy: bool = False) -> list[float]:
     """Median seconds of one exchange (send and recv of each payload, both ways) between 2 processes.
 
     Args:
@@ -129,6 +129,8 @@ def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bo
         repeats: timed exchanges per size.
         use_cuda: NCCL between two GPUs (needs two), else gloo on CPU.
         timeout_s: give up after this long.
+        busy: each process computes in a thread of its own meanwhile (CPU only; see
+            :func:`measure_transfers`).
 
     Returns:
         Seconds per exchange for each payload size, in order.
@@ -139,7 +141,7 @@ def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bo
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, payload_bytes, repeats, use_cuda, results))
+    procs = [ctx.Process(target=_worker, args=(r, port, payload_bytes, repeats, use_cuda, results, busy))
              for r in (0, 1)]
     for p in procs:
         p.start()
@@ -168,7 +170,8 @@ def _await(results: Any, procs: list, timeout_s: float) -> list[float]:
                        "set plan.comm_latency_ms=<ms> instead")
 
 
-def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool, results: Any) -> None:
+def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool, results: Any,
+            busy: bool = False) -> None:
     """One side of the exchange: time `repeats` batched send+recv pairs per size; rank 0 reports."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -180,7 +183,11 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=2, **extra)
     try:
-        times = [_time_exchange(1 - rank, max(1, n // 4), repeats, device) for n in sizes]
+        if busy and not use_cuda:
+            with _Busy():
+                times = [_time_exchange(1 - rank, max(1, n // 4), repeats, device) for n in sizes]
+        else:
+            times = [_time_exchange(1 - rank, max(1, n // 4), repeats, device) for n in sizes]
         if rank == 0:
             results.put(times)
         dist.barrier()

@@ -68,6 +68,8 @@ class StepModel:
         tail_s: what follows the pipeline (data-parallel and grad-norm reductions, the optimizer).
         share: how the ranks share the host's cores (None: each has its own; see
             `pipeflow.planning.step_model.simulate_shared`).
+        busy_factor: how much longer a transfer takes while every rank of the host computes
+            (with `share`: transfers take the share of the step the host computes between the two).
     """
 
     posting: str = "rendezvous"
@@ -75,6 +77,7 @@ class StepModel:
     post_s: float = 0.0
     tail_s: float = 0.0
     share: HostShare | None = None
+    busy_factor: float = 1.0  # a transfer while every rank computes over one between idle ranks
 
     def runtime(self, num_ranks: int, transfer_s: float) -> RuntimeCosts:
         """The simulator's runtime costs for `num_ranks` ranks and a transfer of `transfer_s`."""
@@ -306,8 +309,9 @@ def _evaluate(
         sim = simulate(schedule, programs, cost, runtime=model.runtime(schedule.num_ranks, comm_s))
     else:
         cpu = [stage_cpu(profiles, r) for r in ranges]
+        busy = None if model.busy_factor == 1.0 else (lambda op: comm_s * model.busy_factor)
         sim = simulate_shared(schedule, programs, cost, model.runtime(schedule.num_ranks, comm_s), model.share,
-                              lambda action: cpu[action.stage])
+                              lambda action: cpu[action.stage], busy)
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     return Candidate(

@@ -129,6 +129,9 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
             costs = costs or profile_costs(cfg, sizes, device)
             latency, comm = comm_model(cfg, costs, sizes, device, pp)
             model, overhead_s, runtime = runtime_model(cfg, costs(max(sizes)), device, dp, pp)
+            if cfg.plan.comm_latency_ms is None and pp > 1 and device.type == "cpu":
+                model, busy = busy_comm(model, costs(max(sizes)), latency(max(sizes)) if callable(latency) else latency)
+                comm += busy
         finally:
             torch.set_num_threads(threads)
         result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency, overhead_s, model)
@@ -197,6 +200,16 @@ def runtime_model(cfg: DictConfig, layers: Sequence[LayerProfile], device: torch
     shared = f", {dp * pp} ranks x {threads} thread(s) on {cores} cores" if device.type == "cpu" else ""
     return StepModel(posting, 0.0, 0.0, tail, share), overhead, (
         f"{1e3 * overhead:.3f} ms per action ({how}), posting {posting}, tail {1e3 * tail:.2f} ms{shared}")
+
+
+def busy_comm(model: StepModel, layers: Sequence[LayerProfile], idle_s: float) -> tuple[StepModel, str]:
+    """The model with transfers measured again while both processes compute (a delivery waits for a
+    core where the ranks share them): their ratio to the idle ones, at the largest payload."""
+    from pipeflow.planning.comm_cost import measure_exchange_s
+
+    busy_s = measure_exchange_s([max(p.output_bytes for p in layers)], busy=True)[0]
+    factor = max(1.0, busy_s / idle_s) if idle_s > 0 else 1.0
+    return dataclasses.replace(model, busy_factor=factor), f", {1e3 * busy_s:.3f} ms while the host computes"
 
 
 def comm_model(cfg: DictConfig, costs: CostModel, sizes: Sequence[int], device: torch.device,
