@@ -60,8 +60,8 @@ class CalibrationLog:
         steps = [[records[r][n] for r in range(self.num_pp)] for n in sorted(common)]
         try:
             cal = self.calibrate(steps)
-        except ValueError as err:
-            log.warning("no calibrated prediction: %s", err)
+        except Exception as err:  # noqa: BLE001 - a report at the end must never fail the run it reports on
+            log.warning("no calibrated prediction: %s: %s", type(err).__name__, err)
             return {"step_calibrated_s": math.nan, "finish_calibrated_s": [], "finish_measured_s": []}
         path = os.path.join(run_dir, COSTS_FILE)
         with open(path, "w") as f:

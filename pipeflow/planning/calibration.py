@@ -241,35 +241,13 @@ def calibrate(
         raise ValueError(f"none of {len(steps)} recorded steps follows the programs of schedule "
                          f"{schedule.name!r} under {list(postings)}")
     p, S = schedule.num_ranks, schedule.num_stages
-    split = schedule.split_backwards()
-    compute: dict[tuple[str, int], list[float]] = defaultdict(list)
-    gaps, posts, heads = [[] for _ in range(p)], [[] for _ in range(p)], [[] for _ in range(p)]
-    finishes, tails, step_times, waits = [[] for _ in range(p)], [], [], []
-    walks = []
+    sums, walks = _Sums(p), []
     for option, step in matched:
-        progs = programs[option]
-        origin = step[0].start
-        walked = [_walk(progs[r], step[r].events) for r in range(p)]
-        walks.append((progs, walked))
-        for r, walk in enumerate(walked):
-            for k, s in enumerate(progs[r]):
-                gap_from = origin if k == 0 else _last_end(walk, k - 1)
-                (heads[r] if k == 0 else gaps[r]).append(_first_start(walk, k) - gap_from)
-                if s.ops and not s.waits:
-                    posts[r].append(walk.comm[k][3] - walk.comm[k][2])
-                act = walk.action[k]
-                if act is not None:  # the recording gaps inside the step count with the action
-                    begin = walk.comm[k][3] if walk.comm[k] is not None else act[2]
-                    end = walk.after[k][2] if walk.after[k] is not None else act[3]
-                    a = s.action
-                    key = ("F" if a.kind == FORWARD else "W" if a.kind == WEIGHT
-                           else "B" if (a.stage, a.microbatch) in split else "BW")
-                    compute[key, a.stage].append(end - begin)
-            finishes[r].append(_last_end(walk, len(progs[r]) - 1) - origin)
-        last = max(_last_end(w, len(progs[r]) - 1) for r, w in enumerate(walked))
-        tails.append(step[0].end - last)
-        waits.append(math.fsum(e[3] - e[2] for rank in step for e in rank.events if e[0] == "comm"))
-        step_times.append(step[0].end - origin)
+        walked = [_walk(programs[option][r], step[r].events) for r in range(p)]
+        walks.append((programs[option], walked))
+        sums.add(programs[option], walked, step, schedule.split_backwards())
+    compute, gaps, posts, heads = sums.compute, sums.gaps, sums.posts, sums.heads
+    finishes, tails, step_times, waits = sums.finishes, sums.tails, sums.step_times, sums.waits
     overhead = [mean(g, 0.0) for g in gaps]
     post = [mean(x, 0.0) for x in posts]
     latency, per_byte = _fit_transfer(_transfer_samples(walks, post, boundary_bytes))
@@ -287,6 +265,40 @@ def calibrate(
     cal.blocked_latency_s = latency
     cal.latency_s = _latency_for_waits(schedule, cal, math.fsum(waits) / len(matched))
     return cal
+
+
+class _Sums:
+    """What the recorded steps measured, one list of samples per figure (see :func:`calibrate`)."""
+
+    def __init__(self, p: int) -> None:
+        self.compute: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self.gaps, self.posts, self.heads, self.finishes = ([[] for _ in range(p)] for _ in range(4))
+        self.tails: list[float] = []
+        self.step_times: list[float] = []
+        self.waits: list[float] = []
+
+    def add(self, progs: list[Program], walked: list[_Walk], step: Sequence[RankStep], split: set) -> None:
+        """One step: every rank's gaps, posting, actions and end; the tail, the step, the time in calls."""
+        origin = step[0].start
+        for r, walk in enumerate(walked):
+            for k, s in enumerate(progs[r]):
+                gap_from = origin if k == 0 else _last_end(walk, k - 1)
+                (self.heads[r] if k == 0 else self.gaps[r]).append(_first_start(walk, k) - gap_from)
+                if s.ops and not s.waits:
+                    self.posts[r].append(walk.comm[k][3] - walk.comm[k][2])
+                act = walk.action[k]
+                if act is not None:  # the recording gaps inside the step count with the action
+                    begin = walk.comm[k][3] if walk.comm[k] is not None else act[2]
+                    end = walk.after[k][2] if walk.after[k] is not None else act[3]
+                    a = s.action
+                    key = ("F" if a.kind == FORWARD else "W" if a.kind == WEIGHT
+                           else "B" if (a.stage, a.microbatch) in split else "BW")
+                    self.compute[key, a.stage].append(end - begin)
+            self.finishes[r].append(_last_end(walk, len(progs[r]) - 1) - origin)
+        last = max(_last_end(w, len(progs[r]) - 1) for r, w in enumerate(walked))
+        self.tails.append(step[0].end - last)
+        self.waits.append(math.fsum(e[3] - e[2] for rank in step for e in rank.events if e[0] == "comm"))
+        self.step_times.append(step[0].end - origin)
 
 
 def mean(values: Sequence[float], default: float = math.nan) -> float:
