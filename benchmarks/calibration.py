@@ -46,7 +46,7 @@ from pipeflow.schedules import build_schedule  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "v_half", "v_min",
-             "dualpipev", "interleaved_zb")
+             "dualpipev", "interleaved_zb", "auto")
 
 
 class DelayedComm(P2PComm):
