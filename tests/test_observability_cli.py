@@ -46,9 +46,12 @@ def test_every_tag_is_written_once_per_log_interval_by_one_writer(run, scalars) 
     expected = {f"train/{name}" for name in TRAIN} | {"pipeline/bubble_measured", "pipeline/bubble_predicted"}
     expected |= {f"stage/{r}/{name}" for r in range(P) for name in PER_STAGE}
     memory = {f"memory/{g}/{name}" for g in range(P) for name in MEMORY}
-    assert set(scalars) == expected | memory  # no tokens/s: gaussian data has no tokens
+    at_end = {f"pipeline/step_{name}_ms" for name in ("measured", "predicted", "calibrated")}
+    at_end |= {f"stage/{r}/program_end_{name}_ms" for r in range(P) for name in ("measured", "calibrated")}
+    assert set(scalars) == expected | memory | at_end  # no tokens/s: gaussian data has no tokens
     assert all([step for step, _ in points] == LOGGED for tag, points in scalars.items() if tag in expected)
     assert all([step for step, _ in scalars[tag]] == [1] for tag in memory)
+    assert all([step for step, _ in scalars[tag]] == [STEPS - 1] for tag in at_end)
     assert len(list((run[1] / "tb").iterdir())) == 1
 
 
@@ -117,9 +120,12 @@ def test_console_has_one_line_per_interval_from_rank_0_and_the_summary(run) -> N
     out = run[0].stdout
     lines = re.findall(r"^\[rank (\d)\] .* INFO step +(\d+)/6 \| loss .* bubble \d+% \(predicted \d+%\)$", out, re.M)
     assert lines == [("0", str(step)) for step in LOGGED], out[-3000:]
-    assert re.search(r"median step \d+ ms \| \d+ samples/s \| bubble \d+% measured, \d+% predicted \| "
-                     r"process peak memory \(RSS\) per pipeline rank \d+, \d+, \d+, \d+ MB", out)
+    assert re.search(r"median step \d+ ms \| predicted step \(calibrated\) \d+ ms \| \d+ samples/s \| bubble \d+% measured, "
+                     r"\d+% predicted \| process peak memory \(RSS\) per pipeline rank \d+, \d+, \d+, \d+ MB", out)
     assert "INFO" not in run[0].stderr  # other ranks log warnings only
+    # the start-of-run line predicts the whole step: the layers and the runtime's measured costs
+    assert re.search(r"INFO pipeline: 4 ranks, .* \(profiled layers and the measured runtime\), predicted step "
+                     r"[\d.]+ ms \(posting (ahead|at_step), transfer [\d.]+ ms \+ [\d.]+ ms/MB", out)
 
 
 def test_cfg_job_prints_the_resolved_config_with_the_metrics_group() -> None:
@@ -146,3 +152,15 @@ def test_a_single_process_token_run_logs_tokens_per_s(tmp_path: Path) -> None:
     assert [e.value for e in events.Scalars("pipeline/bubble_predicted")] == [0.0] * 3
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert sum(e["ph"] == "X" and e["cat"] == "F" for e in trace["traceEvents"]) == 2
+
+
+def test_the_run_writes_its_measured_costs_and_a_calibrated_prediction(run, scalars) -> None:
+    from pipeflow.planning.calibration import Calibration
+
+    cal = Calibration.from_json((run[1] / "costs.json").read_text())
+    assert cal.steps == STEPS - 2 and cal.posting in ("ahead", "at_step")  # the warm-up steps are left out
+    assert all(f >= 0.040 for f in cal.forward)  # sleeps: F 40 ms, B + W 80 ms (stage 0: its W only)
+    assert cal.backward[0] >= 0.040 and all(b >= 0.080 for b in cal.backward[1:])
+    assert cal.meta["schedule"] == "1f1b" and cal.meta["num_microbatches"] == M and len(cal.meta["profiles"]) == P
+    calibrated = scalars["pipeline/step_calibrated_ms"][0][1]
+    assert math.isfinite(calibrated) and calibrated > 0

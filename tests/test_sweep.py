@@ -11,7 +11,7 @@ from mp_harness import run_cases
 from pipeflow.run.sweep import JobRecord, SweepState, format_table, job_label, swept_keys
 from test_cli import SMALL, torchrun
 
-FIGURES = ("samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms", "bubble_measured",
+FIGURES = ("samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms", "calibrated_step_ms", "bubble_measured",
            "bubble_predicted", "final_loss")
 
 
@@ -81,6 +81,9 @@ def test_table_sorts_by_throughput_and_lists_skipped_jobs() -> None:
     assert [line.split(" | ")[0] for line in lines[2:5]] == ["| 1", "| 2", "| 0"]
     assert "| 25.0% | - | 1.50/2.50 | - | 3.0000 |" in lines[2]  # tensor MB measured, predicted; RSS
     assert "| tensor MB/rank measured | tensor MB/rank predicted | process RSS MB/rank | final loss |" in lines[0]
+    assert "| step (ms) | predicted step (ms) | calibrated step (ms) |" in lines[0]
+    state.records[1].calibrated_step_ms = 1.25
+    assert "| 30.0 | 1.0 | 2.0 | 1.2 | - |" in format_table(state).splitlines()[2]
     assert lines[-1] == "skipped job 3 (`schedule=x`): ScheduleError: no"
 
 

@@ -9,6 +9,7 @@ predicted figures are the layout's one ``Prediction`` (``pipeflow.planning.layou
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 import statistics
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from pipeflow.errors import ConfigError
 from pipeflow.observability import console, trace
+from pipeflow.observability.calibrated import WARMUP_STEPS, CalibrationLog
 from pipeflow.observability.memory import MemoryMetrics, memory_line
 from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures
 from pipeflow.runtime.events import EventRecorder
@@ -77,11 +79,13 @@ class RunMetrics:
         run_dir: the run directory every rank agreed on.
         prediction: the layout's prediction (its bubble is shown beside the measured one).
         items: (samples per step, tokens per step or None for non-token data).
+        calibrate: recorded steps -> the run's costs (``pipeflow.planning.calibration.calibrate``
+            bound to the run's schedule); None: no calibrated prediction.
     """
 
     def __init__(
         self, cfg: Any, recorder: EventRecorder, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
-        prediction: Prediction, items: tuple[int, int | None],
+        prediction: Prediction, items: tuple[int, int | None], calibrate: Any = None,
     ) -> None:
         mc = cfg.metrics
         self.log_every = mc.log_every if mc.log_every is not None else cfg.train.log_every
@@ -94,6 +98,8 @@ class RunMetrics:
             log.warning("metrics.trace_steps=%s: steps outside 0..%d are not traced", sorted(self.trace_steps), self.max_steps - 1)
         self.recorder, self.pp_rank, self.num_pp, self.device = recorder, pp_rank, num_pp, device
         self.run_dir, self.predicted, self.items = run_dir, prediction.bubble, items
+        self.predicted_step_s = prediction.step_s
+        self.calibration = CalibrationLog(calibrate, pp_rank, num_pp) if calibrate is not None else None
         self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
         self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
         self.interval, self.interval_steps = RankFigures(), 0
@@ -134,6 +140,8 @@ class RunMetrics:
             self.steady += figures
             self.steady_steps += 1
         self.step_times.append(figures.step_s)
+        if self.calibration is not None and step >= self.first_step + WARMUP_STEPS:
+            self.calibration.keep(step, self._start, end, events)
         if step in self.trace_steps:
             self.traced[step] = (self._start, end, [(e.kind, e.name, e.start, e.end) for e in events])
         if self.bar is not None:
@@ -173,7 +181,9 @@ class RunMetrics:
         """Write the traces, close the writer and the bar; returns the run's figures on every rank:
         ``samples_per_s``, ``tokens_per_s`` (None for non-token data), ``step_time_s`` (median),
         ``bubble_measured``, ``bubble_predicted``, ``peak_memory_mb`` (one per pipeline rank: the
-        allocator's peak on a GPU, else the process RSS), and the tensor memory figures of
+        allocator's peak on a GPU, else the process RSS), ``step_predicted_s`` (the start-of-run
+        prediction), ``step_calibrated_s`` (NaN without a calibration), ``finish_calibrated_s`` and
+        ``finish_measured_s`` (per pipeline rank), and the tensor memory figures of
         ``pipeflow.observability.memory.MemoryMetrics.summary`` (``tensor_mb``,
         ``tensor_predicted_mb``, ``rss_mb``, ``allocator_peak_mb``, ``memory_step``)."""
         if self.bar is not None:
@@ -191,8 +201,10 @@ class RunMetrics:
             "bubble_predicted": self.predicted,
             "peak_memory_mb": peaks,
             **self.memory.summary(self.num_pp),
+            "step_predicted_s": self.predicted_step_s,
         }]
         dist.broadcast_object_list(summary, src=0)  # rank 0's step times stand for the run
+        summary[0].update(self._calibrated(schedule, summary[0]["step_time_s"]))
         if self.is_main:
             log.info(console.summary_line(summary[0]))
             if self.memory.rows:
@@ -200,3 +212,19 @@ class RunMetrics:
         if self.writer is not None:
             self.writer.close()
         return summary[0]
+
+    def _calibrated(self, schedule: PipelineSchedule, step_s: float) -> dict[str, Any]:
+        """The calibrated prediction (collective) and its TensorBoard scalars at the last step."""
+        if self.calibration is None:
+            return {"step_calibrated_s": math.nan, "finish_calibrated_s": [], "finish_measured_s": []}
+        figures = self.calibration.finish(schedule, self.run_dir, self.predicted_step_s)
+        if self.writer is not None:
+            at = self.max_steps - 1
+            scalars = {"pipeline/step_measured_ms": step_s, "pipeline/step_predicted_ms": self.predicted_step_s,
+                       "pipeline/step_calibrated_ms": figures["step_calibrated_s"]}
+            for r, (got, want) in enumerate(zip(figures["finish_measured_s"], figures["finish_calibrated_s"])):
+                scalars[f"stage/{r}/program_end_measured_ms"] = got
+                scalars[f"stage/{r}/program_end_calibrated_ms"] = want
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, 1e3 * value, at)
+        return figures

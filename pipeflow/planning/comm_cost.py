@@ -8,6 +8,8 @@ the planner measures once per payload size.
 from __future__ import annotations
 
 import queue
+import statistics
+import threading
 import time
 from typing import Any
 
@@ -45,8 +47,81 @@ def measure_transfer_s(comm: Any, num_bytes: int, repeats: int = 10) -> float:
     return float(slowest)
 
 
+def measure_transfers(comm: Any, sizes: list[int], repeats: int = 10, busy: bool = False) -> tuple[float, float, float]:
+    """(latency s, s per byte, s to post) of a transfer between neighbouring pipeline ranks, at the
+    sizes this model sends, both directions, on the run's own pipeline group (collective over the
+    world: every rank gets the slowest rank's figures).
+
+    Each size is timed as a ring to the next rank and as a ring to the previous one (activations
+    go one way, gradients the other), posting and waiting timed apart as the runtime does them;
+    the medians of the two directions are averaged, ``latency + bytes * per_byte`` is fitted
+    through the sizes (one size: no per-byte term).  With `busy`, every rank computes in a thread
+    of its own meanwhile (on the CPU: a delivery then waits for a core, as it does while the
+    ranks of a host compute).  Zeros for a pipeline of one rank.
+    """
+    if comm.size == 1:
+        return 0.0, 0.0, 0.0
+    if busy and comm.device.type == "cpu":
+        with _Busy():
+            return measure_transfers(comm, sizes, repeats)
+    points, posts = [], []
+    for num_bytes in sorted(set(max(4, int(n)) for n in sizes)):
+        both = []
+        for step in (1, -1):
+            nxt, prv = (comm.rank + step) % comm.size, (comm.rank - step) % comm.size
+            out = torch.zeros(num_bytes // 4, dtype=torch.float32, device=comm.device)
+            buf = torch.empty_like(out)
+            times, posting = [], []
+            for k in range(_WARMUP + repeats):
+                start = time.perf_counter()
+                works = comm.post([(nxt, out)], [(prv, buf)], "time a transfer for the step model")
+                posted = time.perf_counter()
+                comm.wait(works, "time a transfer for the step model")
+                if comm.device.type == "cuda":
+                    torch.cuda.synchronize(comm.device)
+                if k >= _WARMUP:
+                    times.append(time.perf_counter() - start)
+                    posting.append(posted - start)
+            both.append(statistics.median(times))
+            posts.append(statistics.median(posting))
+        points.append((float(num_bytes), sum(both) / 2))
+    figures = torch.tensor([*_fit(points), statistics.median(posts)], dtype=torch.float64, device=comm.device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    latency, per_byte, post = figures.tolist()
+    return latency, per_byte, post
+
+
+class _Busy:
+    """A thread computing (matrix products, the GIL released) while the block runs."""
+
+    def __enter__(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._spin, name="pipeflow-busy", daemon=True)
+        self.thread.start()
+
+    def _spin(self) -> None:
+        a = torch.ones(128, 128)
+        while not self.stop.is_set():
+            for _ in range(10):
+                a @ a
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope >= 0) of the least-squares line through (bytes, seconds)."""
+    if len(points) == 1:
+        return points[0][1], 0.0
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points))
+    return max(0.0, my - slope * mx), slope
+
+
 def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bool = False,
-                       timeout_s: float = 120.0) -> list[float]:
+                       timeout_s: float = 120.0, busy: bool = False) -> list[float]:
     """Median seconds of one exchange (send and recv of each payload, both ways) between 2 processes.
 
     Args:
@@ -54,6 +129,8 @@ def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bo
         repeats: timed exchanges per size.
         use_cuda: NCCL between two GPUs (needs two), else gloo on CPU.
         timeout_s: give up after this long.
+        busy: each process computes in a thread of its own meanwhile (CPU only; see
+            :func:`measure_transfers`).
 
     Returns:
         Seconds per exchange for each payload size, in order.
@@ -64,7 +141,7 @@ def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bo
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, payload_bytes, repeats, use_cuda, results))
+    procs = [ctx.Process(target=_worker, args=(r, port, payload_bytes, repeats, use_cuda, results, busy))
              for r in (0, 1)]
     for p in procs:
         p.start()
@@ -93,7 +170,8 @@ def _await(results: Any, procs: list, timeout_s: float) -> list[float]:
                        "set plan.comm_latency_ms=<ms> instead")
 
 
-def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool, results: Any) -> None:
+def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool, results: Any,
+            busy: bool = False) -> None:
     """One side of the exchange: time `repeats` batched send+recv pairs per size; rank 0 reports."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
@@ -105,7 +183,11 @@ def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=2, **extra)
     try:
-        times = [_time_exchange(1 - rank, max(1, n // 4), repeats, device) for n in sizes]
+        if busy and not use_cuda:
+            with _Busy():
+                times = [_time_exchange(1 - rank, max(1, n // 4), repeats, device) for n in sizes]
+        else:
+            times = [_time_exchange(1 - rank, max(1, n // 4), repeats, device) for n in sizes]
         if rank == 0:
             results.put(times)
         dist.barrier()

@@ -10,7 +10,7 @@ every rank then derives the same partition from the same numbers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -21,10 +21,12 @@ from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.partition import BALANCE_METHODS, format_partition, plan_partition
 from pipeflow.planning.profile import LayerProfile, action_costs, count_layer_params, profile_layers
 from pipeflow.schedules import PipelineSchedule, forward_only, lower, simulate
+from pipeflow.planning.step_model import StepCosts, describe_costs, predict_step
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
 from pipeflow.schedules.memory import RankMemory, StageBytes, stage_inflight, tensor_memory
 
 PROFILED, UNIT_COSTS = "profiled layer costs", "F = B = W"
+WHOLE_STEP = "profiled layers and the measured runtime"
 
 
 @dataclass(frozen=True)
@@ -32,9 +34,12 @@ class Prediction:
     """What the simulator predicts for a layout under its schedule.
 
     Attributes:
-        basis: the costs simulated: ``"profiled layer costs"`` or, without profiles, ``"F = B = W"``.
+        basis: the costs simulated: ``"profiled layer costs"``, with the runtime's measured costs
+            ``"profiled layers and the measured runtime"`` (:func:`with_step_costs`) or, without
+            profiles, ``"F = B = W"``.
         bubble: the simulated bubble (``SimResult.bubble``).
-        step_s: the simulated step, seconds of compute (NaN without profiles: unit costs have no seconds).
+        step_s: the simulated step in seconds: the whole step with the runtime's costs, else the
+            compute of the pipeline (NaN without profiles: unit costs have no seconds).
         memory_bytes: peak tensor bytes per pipeline rank (``memory[r].peak.total``; empty
             without profiles).
         memory: per pipeline rank, the predicted tensor bytes by category resident between
@@ -138,6 +143,7 @@ class Layout:
         prediction: the simulator's prediction for this partition under the run's schedule.
         note: lines added to the start-of-run report (``schedule=auto``: its synthesis).
         memory_setting: what the memory prediction assumed (sharding, lowering, input).
+        step_costs: the runtime's costs measured at start, when the prediction includes them.
     """
 
     ranges: list[range]
@@ -146,6 +152,17 @@ class Layout:
     prediction: Prediction
     note: str = ""
     memory_setting: MemorySetting = MemorySetting()
+    step_costs: StepCosts | None = None
+
+
+def with_step_costs(layout: Layout, schedule: PipelineSchedule, costs: StepCosts) -> Layout:
+    """The layout with its prediction of the whole step: the profiled layers plus the runtime's
+    measured costs (`pipeflow.planning.step_model`); unchanged without profiles."""
+    if layout.profiles is None:
+        return layout
+    sim = predict_step(schedule, layout.ranges, layout.profiles, costs)
+    prediction = replace(layout.prediction, basis=WHOLE_STEP, bubble=sim.bubble, step_s=sim.makespan + costs.tail_s)
+    return replace(layout, prediction=prediction, step_costs=costs)
 
 
 def choose_layout(
@@ -211,6 +228,8 @@ def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule)
         table = format_partition(layout.ranges, names, schedule.stage_to_rank, profiles=layout.profiles,
                                  inflight=layout.inflight)
         step = f", predicted step {1e3 * prediction.step_s:.1f} ms of compute"
+        if layout.step_costs is not None:
+            step = f", predicted step {1e3 * prediction.step_s:.1f} ms ({describe_costs(layout.step_costs)})"
     else:
         table = format_partition(layout.ranges, names, schedule.stage_to_rank, layer_params=count_layer_params(spec))
         step = ""

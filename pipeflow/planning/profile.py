@@ -8,7 +8,6 @@ may disagree on the partition.
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
@@ -29,20 +28,24 @@ class LayerProfile:
         name: the layer's name.
         params: number of parameters (elements).
         param_bytes: bytes of the parameters in the profiled dtype.
-        forward_s: median forward time in seconds.
-        backward_s: median backward time in seconds (0 when nothing needs a gradient).
+        forward_s: forward time in seconds (the least of the timed runs: a machine shared with
+            other work only adds time).
+        backward_s: backward time in seconds, likewise (0 when nothing needs a gradient).
         activation_bytes: bytes kept until the backward: tensors autograd saves (not parameters,
             not the layer's inputs, which are the previous layer's outputs) plus the outputs;
             each storage counted once.
-        input_grad_s: median time of the input-grad half (B) of a split backward; 0 when not
+        input_grad_s: time of the input-grad half (B) of a split backward (least of the runs); 0 when not
             measured (``profile_layers(..., split_backward=False)``) or when no input needs a grad.
-        weight_grad_s: median time of the weight-grad half (W); 0 when not measured or no
+        weight_grad_s: time of the weight-grad half (W), likewise; 0 when not measured or no
             parameters.
         output_bytes: bytes of the layer's output tensors (what goes to the next stage when a
             stage ends here).
         loss_bytes: on the last layer, profiled with a target: what the model's loss keeps for
             backward beyond the layer's outputs and the target (cross-entropy: the
             log-probabilities); None when not measured.
+        cpu_fraction: CPU time of the process over wall time while the layer ran (0 for a layer
+            that waits, about 1 for one thread computing, more for several); how much cores shared
+            with other ranks slow it down (`pipeflow.planning.step_model`).
     """
 
     name: str
@@ -55,6 +58,7 @@ class LayerProfile:
     weight_grad_s: float = 0.0
     output_bytes: int = 0
     loss_bytes: int | None = None
+    cpu_fraction: float = 1.0
 
     @property
     def seconds(self) -> float:
@@ -162,7 +166,8 @@ def profile_layers(
     """Profile every layer in order, the sample flowing through them, one layer alive at a time.
 
     Layer i's input is layer i-1's output, detached, floating tensors requiring grad.  Each layer
-    runs one untimed forward+backward (warm-up), then `repeats` timed ones; the medians are kept.
+    runs one untimed forward+backward (warm-up), then `repeats` timed ones; the least times are
+    kept (other work on the machine only adds time).
 
     Args:
         spec: the model.
@@ -220,7 +225,12 @@ def _profile_one(
     params = list(module.parameters())
     _run(module, inputs, device)  # warm-up
     activation_bytes, outputs = _activation_bytes(module, inputs, params)
-    times = [_run(module, inputs, device) for _ in range(repeats)]
+    times, fractions = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        times.append(_run(module, inputs, device))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        fractions.append(cpu / wall if wall > 0 and device.type == "cpu" else 0.0)
     halves = [_run_split(module, inputs, device) for _ in range(repeats)] if split_backward else [(0.0, 0.0)]
     for p in params:
         p.grad = None
@@ -228,12 +238,13 @@ def _profile_one(
         name=spec.layers[index].name,
         params=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
-        forward_s=statistics.median(t[0] for t in times),
-        backward_s=statistics.median(t[1] for t in times),
+        forward_s=min(t[0] for t in times),
+        backward_s=min(t[1] for t in times),
         activation_bytes=activation_bytes,
-        input_grad_s=statistics.median(h[0] for h in halves),
-        weight_grad_s=statistics.median(h[1] for h in halves),
+        input_grad_s=min(h[0] for h in halves),
+        weight_grad_s=min(h[1] for h in halves),
         output_bytes=sum(t.numel() * t.element_size() for t in outputs if isinstance(t, Tensor)),
+        cpu_fraction=fractions[min(range(repeats), key=lambda k: sum(times[k]))],
     )
     return profile, _to_device(outputs, device, None, requires_grad=True)
 

@@ -23,7 +23,8 @@ from pipeflow.planning.balance import balance_by_memory, balance_contiguous
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import action_costs, stage_costs
-from pipeflow.schedules import LAYOUTS, PipelineSchedule, build_schedule, lower, simulate, synthesize
+from pipeflow.planning.step_model import HostShare, simulate_shared, stage_cpu
+from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate, synthesize
 from pipeflow.schedules.auto import AUTO
 from pipeflow.schedules.memory import StageBytes, stage_inflight, tensor_memory
 
@@ -57,6 +58,34 @@ class SearchSpace:
     max_splits: int = 2000
     dp: int = 1
     shard: str = "none"
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """What a step costs beyond its actions and transfers: the runtime's program and its own time.
+
+    Attributes:
+        posting: the lowering the runtime interprets (``rendezvous``, ``group``, ``at_step``,
+            ``ahead``): when its recvs are posted and waited.
+        step_overhead_s: the runtime's time before each program step.
+        post_s: the time to post a step's ops.
+        tail_s: what follows the pipeline (data-parallel and grad-norm reductions, the optimizer).
+        share: how the ranks share the host's cores (None: each has its own; see
+            `pipeflow.planning.step_model.simulate_shared`).
+        busy_factor: how much longer a transfer takes while every rank of the host computes
+            (with `share`: transfers take the share of the step the host computes between the two).
+    """
+
+    posting: str = "rendezvous"
+    step_overhead_s: float = 0.0
+    post_s: float = 0.0
+    tail_s: float = 0.0
+    share: HostShare | None = None
+    busy_factor: float = 1.0  # a transfer while every rank computes over one between idle ranks
+
+    def runtime(self, num_ranks: int, transfer_s: float) -> RuntimeCosts:
+        """The simulator's runtime costs for `num_ranks` ranks and a transfer of `transfer_s`."""
+        return RuntimeCosts(lambda op: transfer_s, [self.step_overhead_s] * num_ranks, [self.post_s] * num_ranks)
 
 
 @dataclass(frozen=True)
@@ -130,6 +159,7 @@ def search(
     optimizer_factor: float = 2.0,
     comm_latency_s: float | Callable[[int], float] = 0.0,
     action_overhead_s: float = 0.0,
+    step_model: StepModel | None = None,
 ) -> PlanResult:
     """Simulate every combination of `space` and rank them by predicted step time.
 
@@ -144,6 +174,8 @@ def search(
             function of the micro-batch size b.
         action_overhead_s: added to every compute action (F, B, W): the runtime's own cost per
             action beyond the layers' (dispatch, bookkeeping, waking up after a wait).
+        step_model: the runtime's program and costs beyond the actions (default: rendezvous,
+            nothing more); its tail is added to every step.
 
     Returns:
         The `PlanResult`; invalid combinations are counted in ``skipped`` by reason.
@@ -154,6 +186,7 @@ def search(
     if space.splits not in SPLIT_SEARCHES:
         raise ConfigError(f"plan.splits={space.splits!r} is not one of {SPLIT_SEARCHES}")
     result = PlanResult()
+    model = step_model or StepModel()
     for name, m, v in _combinations(space):
         takes_chunks = LAYOUTS[name][0] is None
         if batch_size % m:
@@ -163,7 +196,7 @@ def search(
         latency = comm_latency_s(batch_size // m) if callable(comm_latency_s) else comm_latency_s
         try:
             schedule = build_schedule(name, num_ranks, m, v if takes_chunks else None)
-            programs = lower(schedule)
+            programs = lower(schedule, model.posting)
             splits = list(_splits(profiles, schedule, space, optimizer_factor))
         except (ScheduleError, PartitionError) as err:
             _count(result, f"{name}: {str(err).splitlines()[0]}")
@@ -172,10 +205,10 @@ def search(
         for ranges in splits:
             if name == AUTO:  # synthesised for this split's costs, at a few memory limits
                 cands = _auto_candidates(num_ranks, m, v, ranges, profiles, optimizer_factor, (latency, action_overhead_s),
-                                         (space.dp, space.shard))
+                                         model, (space.dp, space.shard))
             else:
                 cands = [_evaluate(schedule, programs, ranges, profiles, optimizer_factor,
-                                   (latency, action_overhead_s), takes_chunks, weighted, (space.dp, space.shard))]
+                                   (latency, action_overhead_s), takes_chunks, weighted, model, (space.dp, space.shard))]
             for cand in cands:
                 fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
                 (result.candidates if fits else result.over_memory).append(cand)
@@ -254,14 +287,14 @@ def auto_limits(num_ranks: int) -> list[float]:
 
 def _auto_candidates(
     p: int, m: int, v: int, ranges: list[range], profiles: Sequence[LayerProfile], optimizer_factor: float,
-    overheads: tuple[float, float], sharding: tuple[int, str] = (1, "none"),
+    overheads: tuple[float, float], model: StepModel, sharding: tuple[int, str] = (1, "none"),
 ) -> list[Candidate]:
     costs = stage_costs(ranges, profiles)
     out = []
     for limit in auto_limits(p):
         schedule = synthesize(p, m, v, costs, overheads[0], limit).chosen.schedule
-        cand = _evaluate(schedule, lower(schedule), ranges, profiles, optimizer_factor, overheads, True,
-                         schedule.split_backwards(), sharding)
+        cand = _evaluate(schedule, lower(schedule, model.posting), ranges, profiles, optimizer_factor, overheads, True,
+                         schedule.split_backwards(), model, sharding)
         out.append(replace(cand, max_activations=limit))
     return out
 
@@ -269,19 +302,27 @@ def _auto_candidates(
 def _evaluate(
     schedule: PipelineSchedule, programs: list, ranges: list[range], profiles: Sequence[LayerProfile],
     optimizer_factor: float, overheads: tuple[float, float], takes_chunks: bool,
-    weighted: set[tuple[int, int]], sharding: tuple[int, str] = (1, "none"),
+    weighted: set[tuple[int, int]], model: StepModel | None = None, sharding: tuple[int, str] = (1, "none"),
 ) -> Candidate:
     """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
     schedule's `split_backwards()`, computed once per schedule by the caller; `sharding`: dp
     and ``parallel.shard``)."""
     comm_s, action_s = overheads
-    sim = simulate(schedule, programs, action_costs(ranges, profiles, schedule, action_s, weighted), comm_s)
+    model = model or StepModel()
+    cost = action_costs(ranges, profiles, schedule, action_s, weighted)
+    if model.share is None:
+        sim = simulate(schedule, programs, cost, runtime=model.runtime(schedule.num_ranks, comm_s))
+    else:
+        cpu = [stage_cpu(profiles, r) for r in ranges]
+        busy = None if model.busy_factor == 1.0 else (lambda op: comm_s * model.busy_factor)
+        sim = simulate_shared(schedule, programs, cost, model.runtime(schedule.num_ranks, comm_s), model.share,
+                              lambda action: cpu[action.stage], busy)
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     return Candidate(
         schedule=schedule.name, num_microbatches=schedule.num_microbatches,
         stages_per_rank=schedule.num_stages // schedule.num_ranks,
-        split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan, bubble=sim.bubble,
+        split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan + model.tail_s, bubble=sim.bubble,
         rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted,
                                      dp=sharding[0], shard=sharding[1])),
         takes_chunks=takes_chunks,

@@ -8,9 +8,11 @@ Nothing is configured by assigning attributes from outside after construction.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
+import platform
 
 import torch
 import torch.distributed as dist
@@ -22,8 +24,10 @@ from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
+from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
-from pipeflow.planning.layout import Layout, choose_layout
+from pipeflow.planning.layout import Layout, choose_layout, with_step_costs
+from pipeflow.planning.step_model import measure_step_costs
 from pipeflow.run import guard
 from pipeflow.run.config import check_config
 from pipeflow.run.faults import install_from_env
@@ -109,6 +113,11 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None, sharding)
     params = unique_parameters(stage.parameters() for stage in stages.values())
+    if layout.profiles is not None:  # the whole step: the runtime's own costs, measured here (collective)
+        boundary = stage_boundary_bytes(layout.ranges, layout.profiles)
+        costs = measure_step_costs(comm, posting.options(not comm.independent_ops)[0], params, boundary, pp,
+                                   mesh.dp_group, dp)
+        layout = with_step_costs(layout, schedule, costs)
     optimizer = build_optimizer(params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0, lr=cfg.optim.lr,
                                 betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
     faults = install_from_env(stages, rank, dist.get_world_size())  # PIPEFLOW_FAULT_INJECT (tests, drills)
@@ -122,7 +131,9 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     lengths = sequence_lengths(cfg.data)  # variable lengths: tokens/s counts the lengths' expected mean
     per_sample = None if cfg.data.name not in TOKEN_DATA else cfg.data.seq_len if lengths is None else sum(lengths) / 2
     metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
-                         (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample))
+                         (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
+                         calibrator(schedule, stage_boundary_bytes(layout.ranges, layout.profiles),
+                                    run_meta(cfg, schedule, layout, device, dp)))
     return Trainer(
         cfg=cfg, device=device, config_hash=config_hash, mesh=mesh, spec=spec, schedule=schedule, layout=layout,
         batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,
@@ -143,6 +154,22 @@ def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[rang
         return None
     tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
     return FullShard(stages, mesh.device_mesh["dp"])
+
+
+def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device: torch.device, dp: int) -> dict:
+    """What a run's measured costs belong to (written into its ``costs.json``): the machine, the
+    model, the schedule and sizes, the partition and its layer profiles (for the planner)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    return {
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+                    "local_ranks": local, "device": device.type},
+        "model": OmegaConf.to_container(cfg.model, resolve=True), "dtype": cfg.train.dtype,
+        "schedule": schedule.name, "num_ranks": schedule.num_ranks, "num_microbatches": schedule.num_microbatches,
+        "stages_per_rank": schedule.num_stages // schedule.num_ranks, "dp": dp, "batch_size": cfg.data.batch_size,
+        "microbatch_size": cfg.data.batch_size // (dp * schedule.num_microbatches),
+        "ranges": [[r.start, r.stop] for r in layout.ranges],
+        "profiles": None if layout.profiles is None else [dataclasses.asdict(p) for p in layout.profiles],
+    }
 
 
 def shape_mode(cfg: DictConfig, chunks: int) -> str:

@@ -197,10 +197,11 @@ class PlanConfig:
     max_chunks: int = 4  # stages per rank tried by schedules that take any count
     splits: str = "balanced"  # balanced (time, memory, uniform) | all (every split; small models)
     comm_latency_ms: float | None = None  # per communicating step; null: measured (2 local processes)
-    action_overhead_ms: float = 0.0  # the runtime's own cost per F/B/W action (fit it from a sweep)
+    action_overhead_ms: float | None = None  # the runtime's own cost per F/B/W action; null: measured
     repeats: int = 5  # timed runs per layer when profiling
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (AdamW: 2)
     csv: str | None = None  # also write every simulated layout to this CSV file
+    calibration: str | None = None  # a run directory (its costs.json): rank layouts with what that run measured
 
 
 @dataclass

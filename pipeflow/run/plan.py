@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import inspect
+import os
 import re
 import shlex
 import sys
@@ -31,7 +32,7 @@ from pipeflow.data import build_batches
 from pipeflow.run.config import PlanConfig, register_configs, resolve_layout
 from pipeflow.runtime.distributed import choose_device
 from pipeflow.errors import ConfigError
-from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, search
+from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, StepModel, search
 from pipeflow.planning.profile import LayerProfile, profile_layers
 from pipeflow.schedules import GENERATORS
 
@@ -116,19 +117,100 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
     sizes = [batch // m for m in space.microbatches if batch % m == 0]
     if not sizes:
         raise ConfigError(f"no count in plan.microbatches={list(space.microbatches)} divides data.batch_size={batch}")
-    device = choose_device(cfg.dist.backend, cfg.dist.device)[1]
-    costs = costs or profile_costs(cfg, sizes, device)
-    latency, comm = comm_model(cfg, costs, sizes, device, pp)
     limit = None if cfg.plan.memory_limit_gb is None else cfg.plan.memory_limit_gb * 1e9
-    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency,
-                    cfg.plan.action_overhead_ms / 1e3)
+    replicas = f" x {dp} data-parallel replicas, batch {batch} per replica" if dp > 1 else f", batch {batch}"
+    if cfg.plan.calibration is not None:
+        result, header = _plan_calibrated(cfg, pp, batch, space, limit)
+        header = f"planner: {pp} pipeline ranks{replicas}; {header}"
+    else:
+        device = choose_device(cfg.dist.backend, cfg.dist.device)[1]
+        threads = torch.get_num_threads()
+        try:  # profile with the threads each rank of the run computes with
+            torch.set_num_threads(run_threads(dp * pp))
+            costs = costs or profile_costs(cfg, sizes, device)
+            latency, comm = comm_model(cfg, costs, sizes, device, pp)
+            model, overhead_s, runtime = runtime_model(cfg, costs(max(sizes)), device, dp, pp)
+            if cfg.plan.comm_latency_ms is None and pp > 1 and device.type == "cpu":
+                model, busy = busy_comm(model, costs(max(sizes)), latency(max(sizes)) if callable(latency) else latency)
+                comm += busy
+        finally:
+            torch.set_num_threads(threads)
+        result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency, overhead_s, model)
+        header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}) "
+                  f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}")
     if cfg.plan.csv:
         write_csv(result, cfg.plan.csv)
-    replicas = f" x {dp} data-parallel replicas, batch {batch} per replica" if dp > 1 else f", batch {batch}"
-    header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}) "
-              f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; "
-              f"{cfg.plan.action_overhead_ms:g} ms per action (plan.action_overhead_ms)")
     return result, header + "\n" + format_plan(result, cfg.plan.top, dp * pp, limit, overrides)
+
+
+def _plan_calibrated(cfg: DictConfig, pp: int, batch: int, space: SearchSpace, limit: float | None
+                     ) -> tuple[PlanResult, str]:
+    """Search on the costs a run measured (``plan.calibration``): its per-layer costs, transfers,
+    the runtime's overheads, posting and tail; a line saying what they are and where from."""
+    from pipeflow.planning.measured_costs import calibrated_cost_model, read_costs, step_model, transfer_model
+
+    try:
+        cal = read_costs(cfg.plan.calibration)
+        costs = calibrated_cost_model(cal)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"plan.calibration={cfg.plan.calibration}: {err}") from err
+    meta = cal.meta
+    if meta.get("num_ranks") != pp or len(meta["profiles"]) != len(instantiate(cfg.model)):
+        raise ConfigError(f"plan.calibration={cfg.plan.calibration} measured {meta.get('num_ranks')} pipeline ranks "
+                          f"and {len(meta['profiles'])} layers; this plan has parallel.pp={pp} and another model: "
+                          "calibrate with a run of the same model and pipeline size")
+    model = step_model(cal)
+    result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, transfer_model(cal), 0.0, model)
+    machine = meta.get("machine", {})
+    return result, (
+        f"costs measured by the run in {cfg.plan.calibration} ({meta.get('schedule')}, m={meta.get('num_microbatches')}, "
+        f"micro-batch {meta.get('microbatch_size')}, {cal.steps} steps on {machine.get('host', '?')}: "
+        f"{machine.get('local_ranks', '?')} ranks on {machine.get('cpus', '?')} cores), scaled linearly in the "
+        f"micro-batch size; transfer {1e3 * cal.latency_s:.3f} ms + {1e9 * cal.per_byte_s:.3f} ms/MB; "
+        f"{1e3 * (model.step_overhead_s + model.post_s):.3f} ms per program step, posting {model.posting}; "
+        f"tail {1e3 * model.tail_s:.2f} ms")
+
+
+def run_threads(world: int) -> int:
+    """The compute threads of each rank of a run of `world` ranks on this host: OMP_NUM_THREADS,
+    else torchrun's 1 for several ranks, else torch's default."""
+    return int(os.environ.get("OMP_NUM_THREADS", 1 if world > 1 else torch.get_num_threads()))
+
+
+def runtime_model(cfg: DictConfig, layers: Sequence[LayerProfile], device: torch.device, dp: int, pp: int
+                  ) -> tuple[StepModel, float, str]:
+    """What the run adds to the layers (`pipeflow.planning.step_model`): the lowering it will
+    interpret (NCCL: group; gloo: recvs posted ahead unless ``comm.recvs_ahead=false``), the
+    per-action overhead (``plan.action_overhead_ms``, else measured), the cores its dp x pp ranks
+    share on this host (threads per rank: OMP_NUM_THREADS, torchrun's 1 by default), and the
+    optimizer's tail on the parameters of a p-th of the model; and a line saying so."""
+    from pipeflow.planning.step_model import HostShare, measure_action_overhead_s, measure_optimizer_s
+
+    posting = "group" if device.type == "cuda" else "at_step" if cfg.comm.recvs_ahead is False else "ahead"
+    set_ms = cfg.plan.action_overhead_ms
+    overhead = set_ms / 1e3 if set_ms is not None else measure_action_overhead_s(device)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    threads = run_threads(dp * pp)
+    share = HostShare(cores, threads, float(dp), device.type)
+    per_rank = sorted((p.params for p in layers), reverse=True)[: max(1, -(-len(layers) // pp))]
+    tail = measure_optimizer_s([torch.nn.Parameter(torch.zeros(max(1, n), device=device)) for n in per_rank], device)
+    how = "plan.action_overhead_ms" if set_ms is not None else "measured"
+    shared = f", {dp * pp} ranks x {threads} thread(s) on {cores} cores" if device.type == "cpu" else ""
+    return StepModel(posting, 0.0, 0.0, tail, share), overhead, (
+        f"{1e3 * overhead:.3f} ms per action ({how}), posting {posting}, tail {1e3 * tail:.2f} ms{shared}")
+
+
+def busy_comm(model: StepModel, layers: Sequence[LayerProfile], idle_s: float) -> tuple[StepModel, str]:
+    """The model with transfers measured again while both processes compute (a delivery waits for a
+    core where the ranks share them): their ratio to the idle ones, at the largest payload."""
+    from pipeflow.planning.comm_cost import measure_exchange_s
+
+    busy_s = measure_exchange_s([max(p.output_bytes for p in layers)], busy=True)[0]
+    factor = max(1.0, busy_s / idle_s) if idle_s > 0 else 1.0
+    return dataclasses.replace(model, busy_factor=factor), f", {1e3 * busy_s:.3f} ms while the host computes"
 
 
 def comm_model(cfg: DictConfig, costs: CostModel, sizes: Sequence[int], device: torch.device,

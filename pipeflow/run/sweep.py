@@ -66,6 +66,7 @@ class JobRecord:
     tensor_mb: list[float] = field(default_factory=list)
     rss_mb: list[float] = field(default_factory=list)
     allocator_peak_mb: list[float] = field(default_factory=list)
+    calibrated_step_ms: float = math.nan  # the run's own costs re-simulated (pipeflow.planning.calibration)
 
 
 @dataclass
@@ -210,11 +211,12 @@ def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> 
         predicted_memory_mb=[b / 1e6 for b in prediction.memory_bytes], final_loss=float(result["last_loss"]),
         tensor_mb=[float(x) for x in result["tensor_mb"]], rss_mb=[float(x) for x in result["rss_mb"]],
         allocator_peak_mb=[float(x) for x in result["allocator_peak_mb"]],
+        calibrated_step_ms=1e3 * float(result.get("step_calibrated_s", math.nan)),
     )
 
 
 COLUMNS = ("job", "overrides", "samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms",
-           "bubble_measured", "bubble_predicted", "tensor_mb", "predicted_memory_mb", "rss_mb", "allocator_peak_mb",
+           "calibrated_step_ms", "bubble_measured", "bubble_predicted", "tensor_mb", "predicted_memory_mb", "rss_mb", "allocator_peak_mb",
            "peak_memory_mb", "final_loss", "run_dir")
 
 
@@ -234,13 +236,13 @@ def _cell(value: Any, digits: int = 1) -> str:
 def format_table(state: SweepState) -> str:
     """The sweep as a Markdown table (fastest first) and the list of skipped jobs."""
     gpu = any(math.isfinite(v) for r in state.records for v in r.allocator_peak_mb)
-    heads = ["job", "overrides", "samples/s", "step (ms)", "predicted step (ms)", "bubble measured",
+    heads = ["job", "overrides", "samples/s", "step (ms)", "predicted step (ms)", "calibrated step (ms)", "bubble measured",
              "bubble predicted", "tensor MB/rank measured", "tensor MB/rank predicted", "process RSS MB/rank",
              *(["allocator peak MB/rank"] if gpu else []), "final loss"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in sorted_records(state):
         cells = [str(r.job), f"`{r.overrides}`", _cell(r.samples_per_s), _cell(r.step_time_ms),
-                 _cell(r.predicted_step_ms),
+                 _cell(r.predicted_step_ms), _cell(r.calibrated_step_ms),
                  _pct(r.bubble_measured), _pct(r.bubble_predicted), _cell(r.tensor_mb, 2),
                  _cell(r.predicted_memory_mb, 2), _cell(r.rss_mb, 0),
                  *([_cell(r.allocator_peak_mb)] if gpu else []), _cell(r.final_loss, 4)]

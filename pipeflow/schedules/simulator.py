@@ -17,6 +17,7 @@ CostFn = Callable[[Action], float]
 Costs = Mapping[str, float] | CostFn
 DEFAULT_COSTS: dict[str, float] = {FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0}
 Channel = tuple[int, int]  # (src rank, dst rank)
+TransferFn = Callable[[CommOp], float]  # seconds from both sides posted to an op's completion
 _GRID_FULL = 24  # programs up to this many steps are drawn whole in a deadlock grid
 _GRID_RADIUS = 3  # otherwise: this many steps either side of each stuck step
 _MAX_PROBLEMS = 8  # problems listed in one error message
@@ -40,6 +41,10 @@ class SimResult:
             (``parallel.shard=full``); 0 for programs without them.
         shard_timeline: ``(rank, what, start, end)`` of every gather (``unshard 0``) and
             reduction (``reshard 0``) at the programs' shard points; empty without them.
+        finish: ``finish[r]``, when rank r's program ends.
+        events: ``events[r]``, rank r's ``(kind, name, start, end)`` as the runtime records them
+            (``comm`` for a step's post and waits, the action's kind for its compute, ``comm``
+            named ``sends of the step done`` for its ``after``), in program order.
     """
 
     makespan: float
@@ -50,6 +55,31 @@ class SimResult:
     peak_memory: list[float]
     peak_unsharded: list[int] = field(default_factory=list)
     shard_timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
+    finish: list[float] = field(default_factory=list)
+    events: list[list[tuple[str, str, float, float]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """What the runtime adds to the compute when it interprets a program (all seconds, per rank).
+
+    Attributes:
+        transfer: an op completes this long after both of its sides are posted (default: the
+            ``comm_latency`` of :func:`simulate`); a function of the op (its bytes).
+        step_overhead: ``step_overhead[r]``, rank r's own time before each program step
+            (interpreting it, recording it).
+        post: ``post[r]``, rank r's time to post a step's ops (a step that posts none: 0).
+        start: ``start[r]``, when rank r's program starts.
+    """
+
+    transfer: TransferFn | None = None
+    step_overhead: Sequence[float] = ()
+    post: Sequence[float] = ()
+    start: Sequence[float] = ()
+
+    def of(self, what: Sequence[float], r: int) -> float:
+        """`what`'s value for rank r (0 where not given)."""
+        return float(what[r]) if r < len(what) else 0.0
 
 
 def simulate(
@@ -61,6 +91,7 @@ def simulate(
     microbatch_sizes: Sequence[float] | None = None,
     shard: bool = False,
     shard_cost: float = 0.0,
+    runtime: RuntimeCosts | None = None,
 ) -> SimResult:
     """Interpret the per-rank programs as the runtime does, checking and measuring them.
 
@@ -87,6 +118,8 @@ def simulate(
             (``unshard``, started after those; the action starts no earlier than its end).
             Programs with shard points are checked: every stage of a rank unsharded once at or
             before its first action and resharded once after its last.
+        runtime: the runtime's own costs (per-op transfer, per-step overhead, posting, start
+            offsets; :class:`RuntimeCosts`); its ``transfer`` replaces `comm_latency`.
 
     Returns:
         The :class:`SimResult`.
@@ -106,7 +139,10 @@ def simulate(
     sizes = list(microbatch_sizes) if microbatch_sizes is not None else [1.0] * schedule.num_microbatches
     if len(sizes) != schedule.num_microbatches:
         raise ScheduleError(f"got {len(sizes)} micro-batch sizes for {schedule.num_microbatches} micro-batches")
-    return _Simulation(schedule, programs, _cost_function(costs), comm_latency, sizes, shard_cost).run()
+    runtime = runtime or RuntimeCosts()
+    if runtime.transfer is None:
+        runtime = RuntimeCosts(lambda op: comm_latency, runtime.step_overhead, runtime.post, runtime.start)
+    return _Simulation(schedule, programs, _cost_function(costs), runtime, sizes, shard_cost).run()
 
 
 def validate(schedule: PipelineSchedule, programs: list[Program] | None = None, posting: str = "rendezvous") -> SimResult:
@@ -325,16 +361,20 @@ class _Simulation:
     """
 
     def __init__(
-        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, latency: float, sizes: list[float],
-        shard_cost: float = 0.0,
+        self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, runtime: RuntimeCosts,
+        sizes: list[float], shard_cost: float = 0.0,
     ) -> None:
         p = schedule.num_ranks
-        self.schedule, self.programs, self.cost, self.latency, self.sizes = schedule, programs, cost, latency, sizes
+        self.schedule, self.programs, self.cost, self.sizes = schedule, programs, cost, sizes
+        self.runtime, self.transfer = runtime, runtime.transfer
         self.shard_cost = shard_cost
         self.unsharded, self.peak_unsharded = [0] * p, [0] * p  # stages with gathered parameters
         self.shard_timeline: list[tuple[int, str, float, float]] = []
         self.queues: dict[tuple[Channel, bool], list[_Posted]] = defaultdict(list)  # by is_send
-        self.next_step, self.phase, self.clock, self.busy = [0] * p, [_POST] * p, [0.0] * p, [0.0] * p
+        self.next_step, self.phase, self.busy = [0] * p, [_POST] * p, [0.0] * p
+        self.clock = [runtime.of(runtime.start, r) for r in range(p)]
+        self.events: list[list[tuple[str, str, float, float]]] = [[] for _ in range(p)]
+        self.posted_at = [0.0] * p  # when the current step's ops were posted
         self.live, self.peak = [0] * p, [0] * p
         self.held, self.peak_memory = [0.0] * p, [0.0] * p  # the same, weighted by micro-batch size
         self.posted: list[dict[CommOp, _Slot]] = [{} for _ in range(p)]  # posted, not waited for yet
@@ -356,7 +396,7 @@ class _Simulation:
         bubble = 1.0 - sum(self.busy) / (p * makespan) if makespan > 0 else 0.0
         self.timeline.sort(key=lambda entry: (entry[2], entry[0]))
         return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory, self.peak_unsharded,
-                         self.shard_timeline)
+                         self.shard_timeline, list(self.clock), self.events)
 
     def _advance(self, r: int) -> bool:
         k = self.next_step[r]
@@ -364,8 +404,12 @@ class _Simulation:
             return False
         step, phase = self.programs[r][k], self.phase[r]
         if phase == _POST:
+            self.clock[r] += self.runtime.of(self.runtime.step_overhead, r)
+            self.posted_at[r] = self.clock[r]
             for op in step.ops:
                 self.posted[r][op] = self._post(_Posted(r, k, op, self.clock[r]))
+            if step.ops:
+                self.clock[r] += self.runtime.of(self.runtime.post, r)
             # the reductions of stages done (blocking), then the gathers for this action start,
             # one after another (the action waits for the last in the WAIT phase)
             c = self.shard_cost
@@ -381,10 +425,16 @@ class _Simulation:
         done = self._wait(r, step.waits if phase == _WAIT else step.after)
         if done is None:
             return False
-        if phase == _WAIT:  # the gathers started at the rank's clock, after the reductions
+        if phase == _WAIT:
+            if step.ops or step.waits:
+                self.events[r].append(("comm", step.ops_text or "; ".join(str(op) for op in step.waits),
+                                       self.posted_at[r], done))
+            # the gathers started at the rank's clock, after the reductions
             self._compute(r, k, step, max(done, self.clock[r] + self.shard_cost * len(step.unshard)))
             self.phase[r] = _AFTER
         else:
+            if step.after:
+                self.events[r].append(("comm", "sends of the step done", self.clock[r], done))
             self.clock[r] = done
             self.next_step[r], self.phase[r] = k + 1, _POST
         return True
@@ -399,7 +449,7 @@ class _Simulation:
             del self.posted[r][op]
             if not op.is_send:
                 self.received[r].add(op)
-        return max([self.clock[r]] + [max(s[0].time, o.time) + self.latency for s, o in zip(slots, others) if o])
+        return max([self.clock[r]] + [max(s[0].time, o.time) + self.transfer(s[0].op) for s, o in zip(slots, others) if o])
 
     def _waiting_on(self, r: int, k: int) -> list[_Slot]:
         """The posted ops rank r waits for in its current phase of step k."""
@@ -437,6 +487,7 @@ class _Simulation:
         self.finished_at[action] = end
         self.busy[r] += end - start
         self.timeline.append((r, action, start, end))
+        self.events[r].append((action.kind, str(action), start, end))
         if not self.schedule.training:
             return
         size = self.sizes[action.microbatch]

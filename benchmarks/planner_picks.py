@@ -1,0 +1,107 @@
+"""The planner's calibrated picks against a measured 3 x 3 sweep (issue 20's target; a benchmark).
+
+    python benchmarks/planner_picks.py --pp 2 4 --repeats 3 --steps 30 --out benchmarks/RESULTS.md
+
+For each pipeline size: one run of the GPT (1F1B, m = 8) writes its costs (``costs.json``); the
+planner ranks, with those costs (``plan.calibration=<that run>``), the 3 schedules x 3
+micro-batch counts of `--schedules` x `--microbatches` (each at the split it finds best); every
+one of the nine layouts is then run with the planner's overrides, `--repeats` times in
+alternating order, and measured as the median of its runs' median steps.  Targets: the
+planner's first pick within 5% of the fastest layout measured, and each of its top three within
+5% of the measured top three (the k-th pick's step against the k-th fastest).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from results import report  # noqa: E402  (benchmarks/results.py)
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+_SUMMARY = re.compile(r"median step (\d+(?:\.\d+)?) ms \|")
+
+
+def train(pp: int, words: list[str], steps: int, run_dir: str) -> float:
+    """Median step (ms) of one ``torchrun train.py`` run with `words`."""
+    cmd = ["torchrun", "--nproc-per-node", str(pp), "train.py", f"parallel.pp={pp}", *words,
+           f"train.max_steps={steps}", "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false",
+           f"train.run_dir={run_dir}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    found = _SUMMARY.search(done.stdout + done.stderr)
+    if done.returncode != 0 or not found:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{(done.stdout + done.stderr)[-2000:]}")
+    return float(found.group(1))
+
+
+def plan(pp: int, calibration: str, args: argparse.Namespace, out_csv: str) -> list[dict]:
+    """The planner's best layout of each (schedule, m), fastest first, from its CSV."""
+    cmd = [sys.executable, "-m", "pipeflow.plan", f"parallel.pp={pp}", f"plan.calibration={calibration}",
+           f"plan.schedules=[{','.join(args.schedules)}]", f"plan.microbatches=[{','.join(map(str, args.microbatches))}]",
+           f"plan.csv={out_csv}", "plan.max_chunks=2"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    with open(out_csv) as f:
+        rows = [r for r in csv.DictReader(f) if r["fits"] == "True"]
+    best: dict[tuple[str, str], dict] = {}
+    for r in sorted(rows, key=lambda r: float(r["step_ms"])):
+        best.setdefault((r["schedule"], r["num_microbatches"]), r)
+    return sorted(best.values(), key=lambda r: float(r["step_ms"]))
+
+
+def one_size(pp: int, args: argparse.Namespace, work: str) -> list[str]:
+    """Calibrate, plan, measure the nine layouts; the table rows and the verdict for `pp`."""
+    base = os.path.join(work, f"base_pp{pp}")
+    train(pp, ["schedule=1f1b", "pipeline.num_microbatches=8"], args.steps, base)
+    picks = plan(pp, base, args, os.path.join(work, f"plan_pp{pp}.csv"))
+    measured: dict[str, list[float]] = {r["overrides"]: [] for r in picks}
+    for rep in range(args.repeats):
+        order = picks if rep % 2 == 0 else picks[::-1]  # alternating, so drift hits every layout alike
+        for k, r in enumerate(order):
+            run_dir = os.path.join(work, f"pp{pp}_rep{rep}_{k}")
+            measured[r["overrides"]].append(train(pp, shlex.split(r["overrides"]), args.steps, run_dir))
+    step = {o: statistics.median(ts) for o, ts in measured.items()}
+    fastest = sorted(step.values())
+    rows = []
+    for k, r in enumerate(picks, 1):
+        rank = fastest.index(step[r["overrides"]]) + 1
+        rows.append(f"| {pp} | {k} | `{r['overrides']}` | {float(r['step_ms']):.1f} | "
+                    f"{' / '.join(f'{t:.0f}' for t in measured[r['overrides']])} | {step[r['overrides']]:.1f} | {rank} |")
+    first = step[picks[0]["overrides"]] / fastest[0]
+    top3 = [step[r["overrides"]] / fastest[k] for k, r in enumerate(picks[:3])]
+    rows.append(f"| {pp} | | first pick / fastest: {first:.3f}; top three / measured top three: "
+                f"{', '.join(f'{x:.3f}' for x in top3)} (target <= 1.05) | | | | |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python benchmarks/planner_picks.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--schedules", nargs=3, default=["1f1b", "zb_h1", "interleaved_1f1b"])
+    parser.add_argument("--microbatches", type=int, nargs=3, default=[4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = [f"GPT (default job), schedules {', '.join(args.schedules)} x m {args.microbatches}; each planner pick "
+            f"(ranked with the costs of one 1F1B m = 8 run) measured {args.repeats} times in alternating order, "
+            f"{args.steps} steps a run", "",
+            "| pp | planner's rank | overrides | predicted (ms) | measured runs (ms) | median (ms) | measured rank |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    with tempfile.TemporaryDirectory() as work:
+        for pp in args.pp:
+            rows += one_size(pp, args, work)
+    report("The planner's calibrated picks against a measured 3 x 3 sweep", "\n".join(rows), args.out)
+
+
+if __name__ == "__main__":
+    main()

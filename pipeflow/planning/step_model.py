@@ -1,0 +1,292 @@
+"""The whole training step before it runs: the layers' profiles plus what the runtime adds.
+
+The start-of-run prediction and the planner simulate the program the runtime interprets (its
+lowering: when recvs are posted and waited) with
+
+    F, B, W          the profiled layers of each stage, plus a measured per-action overhead
+                     (an action through the stage's own code path, beyond the layer's work)
+    transfer         latency + bytes x per_byte, measured on the pipeline group at start, both
+                     directions, at the sizes this model sends; posting a step's ops, measured
+    cores shared     where the ranks of a host need more threads than it has cores (4 ranks on 2
+                     cores), an action runs slower by the number of threads computing at the same
+                     time over the cores (processor sharing, found by iterating the simulation:
+                     a lone layer profiled on an idle rank is not what the run sees); transfers,
+                     which need the CPUs of both sides, by the step's mean slow-down
+    tail             what follows the pipeline: the grad-norm all-reduce (measured), the
+                     data-parallel reduction (measured per byte) and the optimizer step (timed on
+                     a scratch copy of the rank's parameters)
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeflow.runtime.fsdp import local
+from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, SimResult, simulate
+from pipeflow.schedules.ir import Action, CommOp
+
+_ITERATIONS = 12  # processor-sharing fixed point: simulations at most
+_REPEATS = 20
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """How the pipeline's ranks share a host's cores.
+
+    Attributes:
+        cores: cores the process may run on.
+        threads_per_rank: compute threads of a rank (``torch.get_num_threads()``).
+        ranks_per_pipeline_rank: processes of the host per pipeline rank simulated (data-parallel
+            replicas on the same host compute in step with it).
+        device: ``cpu`` (shared cores slow compute down) or an accelerator (they do not).
+    """
+
+    cores: int = 1
+    threads_per_rank: int = 1
+    ranks_per_pipeline_rank: float = 1.0
+    device: str = "cpu"
+
+    def slowdown(self, computing: float) -> float:
+        """How much slower an action runs while `computing` pipeline ranks (itself included) compute."""
+        if self.device != "cpu":
+            return 1.0
+        return max(1.0, computing * self.ranks_per_pipeline_rank * self.threads_per_rank / self.cores)
+
+
+def host_share(num_pp: int, device: torch.device) -> HostShare:
+    """This host as the run sees it: its cores, threads per rank, local ranks per pipeline rank."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
+    return HostShare(cores, torch.get_num_threads(), max(1.0, local / max(1, num_pp)), torch.device(device).type)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """The runtime's costs beyond the profiled layers (seconds; see the module docstring).
+
+    Attributes:
+        posting: the lowering the runtime interprets.
+        latency_s, per_byte_s: a transfer's ``latency_s + bytes * per_byte_s`` between idle ranks.
+        busy_latency_s, busy_per_byte_s: the same while every rank of the host computes; the
+            simulation takes the share of the step the host computes between the two.
+        post_s: posting a step's ops.
+        action_overhead_s: added to every F, B, W.
+        tail_s: after the pipeline (dp reduction, grad-norm all-reduce, optimizer).
+        share: the host's cores and the ranks sharing them.
+    """
+
+    posting: str = "rendezvous"
+    latency_s: float = 0.0
+    per_byte_s: float = 0.0
+    post_s: float = 0.0
+    action_overhead_s: float = 0.0
+    tail_s: float = 0.0
+    share: HostShare = HostShare(cores=1 << 30)  # default: never shared
+    busy_latency_s: float | None = None  # the transfer while every rank computes (None: as idle)
+    busy_per_byte_s: float | None = None
+
+
+def simulate_shared(
+    schedule: PipelineSchedule, programs: list[Program], cost: Callable[[Action], float], runtime: RuntimeCosts,
+    share: HostShare, cpu: Callable[[Action], float] = lambda action: 1.0,
+    busy_transfer: Callable[[CommOp], float] | None = None,
+) -> SimResult:
+    """Simulate with actions slowed down by the cores they share (processor sharing).
+
+    Each action's CPU part (`cpu`: its CPU time over its wall time, the profile's
+    ``cpu_fraction``) runs ``share.slowdown`` slower, of the mean CPU-weighted number of ranks
+    computing during it, taken from the previous simulation; damped iterations until the step
+    moves by less than 0.1%.  Transfers are stretched by the busy-time-weighted mean slow-down,
+    or with `busy_transfer` (a transfer while every rank computes) are ``idle + (busy - idle) x
+    u``, u the share of the step the ranks spend computing (their CPU part).
+    """
+    slow: dict[Action, float] = {}
+    mean_slow, used, previous, sim = 1.0, 0.0, math.inf, None
+    base = runtime.transfer or (lambda op: 0.0)
+    for _ in range(_ITERATIONS):
+        if busy_transfer is None:
+            stretched = replace(runtime, transfer=lambda op, f=mean_slow: base(op) * f)
+        else:
+            stretched = replace(runtime, transfer=lambda op, u=used: base(op) + (busy_transfer(op) - base(op)) * u)
+        sim = simulate(schedule, programs, lambda a: cost(a) * slow.get(a, 1.0), runtime=stretched)
+        if abs(sim.makespan - previous) <= 1e-3 * sim.makespan:
+            break
+        previous = sim.makespan
+        computing = _mean_concurrency(sim.timeline, cpu)
+        slow = {a: 0.5 * slow.get(a, 1.0) + 0.5 * (1.0 + (share.slowdown(n) - 1.0) * min(1.0, cpu(a)))
+                for a, n in computing.items()}
+        busy = [(end - start, slow[a]) for _, a, start, end in sim.timeline if end > start]
+        total = math.fsum(d for d, _ in busy)
+        mean_slow = math.fsum(d * f for d, f in busy) / total if total > 0 else 1.0
+        cpu_time = math.fsum((end - start) * cpu(a) for _, a, start, end in sim.timeline)
+        used = min(1.0, cpu_time / (schedule.num_ranks * sim.makespan)) if sim.makespan > 0 else 0.0
+    assert sim is not None
+    return sim
+
+
+def _mean_concurrency(timeline: Sequence[tuple[int, Action, float, float]], cpu: Callable[[Action], float]
+                      ) -> dict[Action, float]:
+    """For every action, the mean number of ranks computing during it (itself included), each
+    counted by its CPU use."""
+    out = {}
+    for r, a, start, end in timeline:
+        span = end - start
+        if span <= 0:
+            out[a] = 1.0
+            continue
+        overlap = math.fsum(max(0.0, min(end, e) - max(start, s)) * cpu(b) for q, b, s, e in timeline if q != r)
+        out[a] = cpu(a) + overlap / span
+    return out
+
+
+def measure_action_overhead_s(device: torch.device, repeats: int = _REPEATS) -> float:
+    """Seconds an action costs beyond its layers' work: a one-parameter layer's forward and backward
+    through the stage's code path (:class:`~pipeflow.runtime.stage.Stage`) minus the same layer
+    called directly, as the profile times it; per action, half of the pair's difference."""
+    from pipeflow.runtime.stage import Stage
+
+    with torch.random.fork_rng(devices=[]):  # the run's random stream stays as it was
+        layer = nn.Linear(1, 1).to(device)
+    stage = Stage(0, 2, [layer])
+    x = torch.ones(1, 1, device=device, requires_grad=True)
+    grad = torch.ones(1, 1, device=device)
+
+    def through_stage() -> None:
+        out = stage.forward(0, (x,))
+        stage.backward(0, (grad,))
+        _ = out
+
+    def direct() -> None:
+        torch.autograd.backward(layer(x), grad)
+
+    extra = _median_s(through_stage, device, repeats) - _median_s(direct, device, repeats)
+    layer.zero_grad(set_to_none=True)
+    return max(0.0, extra / 2)
+
+
+def measure_tail_s(params: Sequence[torch.Tensor], device: torch.device, dp_group: Any = None, dp: int = 1,
+                   repeats: int = 5) -> float:
+    """Seconds of what follows the pipeline on this rank: the grad-norm all-reduce over the world,
+    the data-parallel all-reduce of its gradients (dp > 1), one AdamW step and zeroing the grads on
+    a scratch copy of its parameters (the run's are untouched).  Collective over the world."""
+    scratch = [nn.Parameter(local(p).detach().clone()) for p in params]  # a sharded parameter: its shard
+    tail = measure_optimizer_s(scratch, device, repeats)
+    one = torch.zeros(1, dtype=torch.float64, device=device)
+    tail += _median_s(lambda: dist.all_reduce(one), device, repeats)
+    if dp > 1 and scratch:
+        flat = torch.zeros(sum(p.numel() for p in scratch), device=device)
+        tail += _median_s(lambda: dist.all_reduce(flat, group=dp_group), device, repeats)
+    return tail
+
+
+def measure_optimizer_s(params: Sequence[nn.Parameter], device: torch.device, repeats: int = 5) -> float:
+    """Seconds of the trainer's work on `params` (scratch ones: they are stepped) after the
+    pipeline: the per-tensor gradient norms, one AdamW step, zeroing the gradients."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(params, lr=0.0)
+
+    def step() -> None:
+        if params:
+            torch.stack([torch.linalg.vector_norm(p.grad) for p in params]).sum()
+        optimizer.step()
+        for p in params:
+            p.grad = torch.zeros_like(p)
+
+    return _median_s(step, device, repeats)
+
+
+def _median_s(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def op_bytes(boundary_bytes: Sequence[float]) -> Callable[[CommOp], float]:
+    """Bytes an op carries: the outputs of the stage whose activations (or their gradients) it moves."""
+    return lambda op: boundary_bytes[op.src_stage if op.payload == "act" else op.dst_stage]
+
+
+def measure_step_costs(
+    comm: Any, posting: str, params: Sequence[torch.Tensor], boundary_bytes: Sequence[float], num_pp: int,
+    dp_group: Any = None, dp: int = 1, action_overhead_s: float | None = None,
+) -> StepCosts:
+    """Measure the runtime's costs on this run's own groups at start (collective over the world):
+    transfers at the model's boundary sizes (and a quarter of the largest, for the per-byte
+    term), posting, the per-action overhead (unless given), the tail; the slowest rank's figures."""
+    from pipeflow.planning.comm_cost import measure_transfers
+
+    device = comm.device
+    largest = int(max(boundary_bytes, default=0.0)) or 4096
+    sizes = sorted({int(b) for b in boundary_bytes if b > 0} | {largest, max(4, largest // 4)})
+    latency, per_byte, post = measure_transfers(comm, sizes)
+    busy_latency, busy_per_byte, _ = measure_transfers(comm, sizes, busy=True)
+    overhead = measure_action_overhead_s(device) if action_overhead_s is None else action_overhead_s
+    tail = measure_tail_s(params, device, dp_group, dp)
+    figures = torch.tensor([overhead, tail], dtype=torch.float64, device=device)
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    overhead, tail = figures.tolist()
+    if action_overhead_s is not None:
+        overhead = action_overhead_s
+    return StepCosts(posting, latency, per_byte, post, overhead, tail, host_share(num_pp, device), busy_latency,
+                     busy_per_byte)
+
+
+def predict_step(
+    schedule: PipelineSchedule, ranges: Sequence[range], profiles: Sequence[Any], costs: StepCosts,
+) -> SimResult:
+    """Simulate the whole step (see the module docstring); its makespan excludes the tail."""
+    from pipeflow.planning.profile import action_costs
+    from pipeflow.schedules import lower
+
+    boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]
+    bytes_of, p = op_bytes(boundary), schedule.num_ranks
+    runtime = RuntimeCosts(lambda op: costs.latency_s + costs.per_byte_s * bytes_of(op), [0.0] * p, [costs.post_s] * p)
+    cost = action_costs(ranges, profiles, schedule, costs.action_overhead_s)
+    fraction = [stage_cpu(profiles, r) for r in ranges]
+    busy = None
+    if costs.busy_latency_s is not None:
+        per_byte = costs.per_byte_s if costs.busy_per_byte_s is None else costs.busy_per_byte_s
+        busy = lambda op: costs.busy_latency_s + per_byte * bytes_of(op)  # noqa: E731
+    return simulate_shared(schedule, lower(schedule, costs.posting), cost, runtime, costs.share,
+                           lambda action: fraction[action.stage], busy)
+
+
+def stage_cpu(profiles: Sequence[Any], layers: range) -> float:
+    """A stage's CPU fraction (CPU time over wall time): its layers', weighted by their time."""
+    seconds = [profiles[i].seconds for i in layers]
+    total = math.fsum(seconds)
+    if total <= 0:
+        return 1.0
+    return math.fsum(profiles[i].cpu_fraction * t for i, t in zip(layers, seconds)) / total
+
+
+def describe_costs(costs: StepCosts) -> str:
+    """The runtime's costs in one phrase for the start-of-run report."""
+    share = costs.share
+    shared = (f", {share.ranks_per_pipeline_rank * share.threads_per_rank:g} thread(s) per pipeline rank on "
+              f"{share.cores} cores" if share.device == "cpu" else "")
+    busy = ("" if costs.busy_latency_s is None else
+            f" ({1e3 * costs.busy_latency_s:.3f} ms + {1e9 * (costs.busy_per_byte_s or 0.0):.3f} ms/MB while the host computes)")
+    return (f"posting {costs.posting}, transfer {1e3 * costs.latency_s:.3f} ms + {1e9 * costs.per_byte_s:.3f} ms/MB{busy}, "
+            f"{1e3 * costs.action_overhead_s:.3f} ms per action, tail {1e3 * costs.tail_s:.2f} ms{shared}")
