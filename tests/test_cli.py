@@ -164,26 +164,32 @@ def test_layout_overrides_reach_the_schedule(tmp_path: Path) -> None:
 
 def test_torchrun_dp2_pp2_full_shard_matches_the_unsharded_loss_step_for_step(tmp_path: Path) -> None:
     """`torchrun --nproc-per-node 4 train.py parallel.dp=2 parallel.pp=2 parallel.shard=full` trains,
-    its per-step losses (TensorBoard, float32) equal those of parallel.shard=none, and its trace
-    shows each rank's gather and reduction of its stage.  Both run as one sweep (`-m`): one
-    launch, and sharded jobs composed with the sweep's shared process group."""
+    its per-step losses (TensorBoard, float32) equal those of parallel.shard=none and =optimizer
+    (those two run as one sweep, `-m`: shard modes composed with the sweep's shared process
+    group), and its trace shows each rank's gather and reduction of its stage."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run = torchrun(4, "-m", "parallel.dp=2", "parallel.pp=2", "parallel.shard=full,none", *SMALL, "train.max_steps=6",
-                   "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "metrics.trace_steps=[2]",
-                   f"train.run_dir={tmp_path}")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "sweep: 2 jobs run, 0 skipped" in run.stdout + run.stderr
+    common = [*SMALL, "train.max_steps=6", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1"]
+    full = torchrun(4, "parallel.dp=2", "parallel.pp=2", "parallel.shard=full", *common, "metrics.trace_steps=[2]",
+                    f"train.run_dir={tmp_path / 'full'}")
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    assert "mesh: dp=2 x pp=2, shard=full," in full.stdout
+    sweep = torchrun(4, "-m", "parallel.dp=2", "parallel.pp=2", "parallel.shard=none,optimizer", *common,
+                     f"train.run_dir={tmp_path / 'sweep'}")
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    assert "sweep: 2 jobs run, 0 skipped" in sweep.stdout + sweep.stderr
+    runs = {"full": tmp_path / "full", "none": tmp_path / "sweep" / "0_parallel.shard=none",
+            "optimizer": tmp_path / "sweep" / "1_parallel.shard=optimizer"}
     losses = {}
-    for k, shard in enumerate(("full", "none")):
-        assert f"mesh: dp=2 x pp=2, shard={shard}," in run.stdout
-        events = EventAccumulator(str(tmp_path / f"{k}_parallel.shard={shard}" / "tb"), size_guidance={"scalars": 0})
+    for shard, run_dir in runs.items():
+        events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
         events.Reload()
         losses[shard] = [e.value for e in events.Scalars("train/loss")]
     assert len(losses["full"]) == 6 and losses["full"][-1] < losses["full"][0]
-    for step, (full, none) in enumerate(zip(losses["full"], losses["none"])):
-        assert abs(full - none) <= 1e-5 * abs(none), f"step {step}: shard=full loss {full} vs shard=none {none}"
-    trace = json.loads((tmp_path / "0_parallel.shard=full" / "trace.json").read_text())["traceEvents"]
+    for shard in ("full", "optimizer"):
+        for step, (loss, none) in enumerate(zip(losses[shard], losses["none"], strict=True)):
+            assert abs(loss - none) <= 1e-5 * abs(none), f"step {step}: shard={shard} loss {loss} vs shard=none {none}"
+    trace = json.loads((tmp_path / "full" / "trace.json").read_text())["traceEvents"]
     shard_events = sorted((e["pid"], e["name"]) for e in trace if e.get("cat") == "shard")
     expected = [(r, f"{what} {r % 2}") for r in range(4) for what in ("unshard", "reduce-scatter + reshard")]
     assert shard_events == sorted(expected)
