@@ -400,3 +400,34 @@ def module_own_bytes(model: str = "module_gpt_tied", m: int = 4) -> dict[str, in
     with torch.device("meta"):
         whole = held_bytes(spec.build_all())
     return {"allocated": acc.total, "own": held_bytes(layers), "whole": whole}
+
+
+def memory_matches(model: str = "gpt", schedule: str = "1f1b", m: int = 4) -> dict[str, Any]:
+    """The second step's tensor memory (AdamW's state exists), measured by the accountant after
+    every action, beside `tensor_memory`'s prediction from the profiled layers (and loss), on this
+    rank."""
+    from pipeflow.planning.layout import stage_bytes
+    from pipeflow.planning.profile import profile_layers
+    from pipeflow.runtime.memory import MemoryAccountant
+    from pipeflow.schedules import lower
+    from pipeflow.schedules.memory import tensor_memory
+
+    spec, rank = make_spec(model), dist.get_rank()
+    sched = build_schedule(schedule, dist.get_world_size(), m)
+    pipe, ranges, _ = build_pipeline(spec, sched, posting=Posting(True))
+    optimizer = torch.optim.AdamW(unique_parameters(stage.parameters() for stage in pipe.stages.values()))
+    accountant = MemoryAccountant(pipe.stages, optimizer, torch.device("cpu"))
+    x, y = make_batch(model, BATCH, seed=1)
+    for step in range(2):
+        inputs, targets = split_batch(pipe, x, y, m)
+        accountant.begin()
+        pipe.run(inputs, targets, memory=accountant if step else None)
+        optimizer.step()
+        measured = accountant.end(pipe.comm_tensors())
+        optimizer.zero_grad(set_to_none=True)
+    sample, target = x.chunk(m)[0], y.chunk(m)[0]
+    costs = stage_bytes(ranges, profile_layers(spec, sample, dtype=DTYPE, sample_target=target), sched,
+                        sample.numel() * sample.element_size(), target.numel() * target.element_size())
+    predicted = tensor_memory(sched, costs, programs=lower(sched, "ahead"))[rank]
+    return {"measured": (measured.resident.as_tuple(), measured.peak.as_tuple()),
+            "predicted": (predicted.resident.as_tuple(), predicted.peak.as_tuple())}

@@ -19,10 +19,12 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 
 from pipeflow.run.config import Config, GPTModelConfig
 from pipeflow.models.spec import run_layers
 from pipeflow.runtime.tied import tie_in_place
+from pipeflow.runtime.zero import local_optimizer, owned_parameters
 from pipeflow.data import build_batches
 from pipeflow.run.builder import build_run
 from pipeflow.run.trainer import Trainer, lr_at, unique_parameters
@@ -32,7 +34,10 @@ TMP_ENV = "PIPEFLOW_TEST_TMP"  # where run directories go (the test's tmp dir; i
 
 
 def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual - expected| / max |expected|."""
+    """max |actual - expected| / max |expected| (a sharded `actual` gathered whole first: collective
+    over its dp group, called by every replica alike)."""
+    if isinstance(actual, DTensor):
+        actual = actual.full_tensor()
     scale = expected.abs().max().item()
     err = (actual.to(expected.dtype) - expected).abs().max().item()
     return err / scale if scale > 0 else err
@@ -112,7 +117,8 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
     assert trainer.pipeline.posting.recvs_ahead == cfg.comm.recvs_ahead
     both = pairs(trainer, reference)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0,
-             "shapes": trainer.pipeline.shapes.mode}
+             "shapes": trainer.pipeline.shapes.mode, "params": len(trainer.params),
+             "owned": len(owned_parameters(trainer.optimizer))}
     for step in range(steps):
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optim, cfg.train.max_steps)
@@ -126,6 +132,24 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
         reference.step(step)
         worst["param"] = max([worst["param"]] + [rel_diff(a.detach(), b.detach()) for a, b in both])
     return worst
+
+
+def _state_bytes(state: dict[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t))
+
+
+def zero_state_bound(schedule: str = "1f1b") -> dict[str, Any]:
+    """One AdamW step of the dp2 x pp2 tied GPT without and with ``parallel.shard=optimizer``:
+    the bytes of optimizer state this rank holds (AdamW's exp_avg, exp_avg_sq and step, counted
+    from the live tensors) and the largest single parameter's state."""
+    held = {}
+    for shard in ("none", "optimizer"):
+        trainer = build_run(make_config(2, schedule, 2, parallel__shard=shard), torch.device("cpu"))
+        trainer.train_step(0)
+        state = local_optimizer(trainer.optimizer).state
+        held[shard] = [_state_bytes(state.get(p, {})) for p in trainer.params]  # 0: owned by another dp rank
+    return {"sharded": sum(held["optimizer"]), "unsharded": sum(held["none"]), "largest": max(held["none"]),
+            "owned": sum(1 for b in held["optimizer"] if b), "params": len(held["none"])}
 
 
 def precision_vs_fp32(precision: str, dp: int = 1, schedule: str = "1f1b") -> dict[str, float]:
@@ -153,11 +177,11 @@ def precision_trains(precision: str, steps: int = 30) -> dict[str, float]:
             "dtypes": sorted({str(p.dtype) for p in trainer.params})}
 
 
-def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: bool = False) -> dict[str, Any]:
+def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: bool = False, **overrides: Any) -> dict[str, Any]:
     """An inf in one stage's gradient at step 0 skips the step on every rank; step 1 then runs
     (with `check_finite` too: an overflow is the loss scaler's, not a NonFiniteError)."""
     cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
-                      train__dtype="float32", train__precision="fp16", train__check_finite=check_finite)
+                      train__dtype="float32", train__precision="fp16", train__check_finite=check_finite, **overrides)
     trainer = build_run(cfg, torch.device("cpu"))
     armed = [True]
     if trainer.mesh.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
@@ -240,9 +264,9 @@ def _shared_dir(prefix: str) -> str:
     return box[0]
 
 
-def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: str = "float32") -> Trainer:
+def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: str = "float32", shard: str = "none") -> Trainer:
     cfg = make_config(dp, "1f1b", m, train__dtype=dtype, train__max_steps=6, train__save_every=3,
-                      train__run_dir=run_dir, train__resume=resume, optim__grad_clip=1.0)
+                      train__run_dir=run_dir, train__resume=resume, optim__grad_clip=1.0, parallel__shard=shard)
     trainer = build_run(cfg, torch.device("cpu"))
     trainer.fit()
     return trainer
@@ -256,23 +280,48 @@ def _exported(path: str) -> dict[str, torch.Tensor]:
     return torch.load(out)
 
 
+def _optimizer_saved(path: str) -> dict[str, torch.Tensor]:
+    """Every ``optim.`` entry of checkpoint `path`, read in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(path)
+    entries = reader.read_metadata().state_dict_metadata
+    state = {key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
+             for key, md in entries.items() if key.startswith("optim.")}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
 def resume_across_layouts() -> dict[str, Any] | None:
     """6 steps straight (dp1 x pp4) vs 3 steps then resume for 3: same layout (bit for bit in
     float32), dp2 x pp2 and dp4 x pp1 (to float64 rounding).  The step-6 checkpoints are compared through their
-    one-file exports, which must also load into the unsplit model.  Rank 0 returns the figures."""
+    one-file exports, which must also load into the unsplit model.  Rank 0 returns the figures.
+
+    ``parallel.shard=optimizer`` (ZeRO-1) in float64, model and AdamW state of the step-6
+    checkpoints against the straight run: dp2 x pp2 ZeRO-1 straight; its step 3 resumed with
+    dp1 x pp4 unsharded; the straight step 3 resumed with dp2 x pp2 and dp4 x pp1 ZeRO-1."""
     from pipeflow.run.checkpoint import find_latest
 
     straight = {dtype: _fit(1, _shared_dir("pf-straight-"), dtype=dtype) for dtype in ("float32", "float64")}
     step3 = {dtype: f"{trainer.checkpoint_root}/step_00000003" for dtype, trainer in straight.items()}
-    resumed = {name: (dtype, _fit(dp, _shared_dir(f"pf-{name}-"), resume=step3[dtype], dtype=dtype))
-               for name, dp, dtype in (("same", 1, "float32"), ("dp2xpp2", 2, "float64"), ("dp4xpp1", 4, "float64"))}
+    zero = _fit(2, _shared_dir("pf-zero-"), dtype="float64", shard="optimizer")
+    runs = (("same", 1, "float32", step3["float32"], "none"), ("dp2xpp2", 2, "float64", step3["float64"], "none"),
+            ("dp4xpp1", 4, "float64", step3["float64"], "none"),
+            ("zero_to_dp1xpp4", 1, "float64", f"{zero.checkpoint_root}/step_00000003", "none"),
+            ("to_zero_dp2xpp2", 2, "float64", step3["float64"], "optimizer"),
+            ("to_zero_dp4xpp1", 4, "float64", step3["float64"], "optimizer"))
+    resumed = {name: (dtype, _fit(dp, _shared_dir(f"pf-{name}-"), resume=source, dtype=dtype, shard=shard))
+               for name, dp, dtype, source, shard in runs}
+    resumed["zero_straight"] = ("float64", zero)
     val = straight["float32"].evaluate()
     if dist.get_rank() != 0:
         return None
     references = {dtype: _exported(find_latest(t.checkpoint_root)) for dtype, t in straight.items()}
+    optim_ref = _optimizer_saved(find_latest(straight["float64"].checkpoint_root))
     reference = references["float32"]
     out: dict[str, Any] = {f"straight_history_{d}": t.history for d, t in straight.items()}
     out["keys"] = len(reference)
+    out["optim_keys"] = len(optim_ref)
     for name, (dtype, trainer) in resumed.items():
         reference = references[dtype]
         got = _exported(find_latest(trainer.checkpoint_root))
@@ -280,6 +329,10 @@ def resume_across_layouts() -> dict[str, Any] | None:
         out[f"{name}_bitwise"] = all(torch.equal(got[k], reference[k]) for k in reference)
         out[f"{name}_param"] = max(rel_diff(got[k], reference[k]) for k in reference)
         out[f"{name}_history"] = trainer.history
+        if dtype == "float64":  # the AdamW state (exp_avg, exp_avg_sq, step) of every parameter
+            optim = _optimizer_saved(find_latest(trainer.checkpoint_root))
+            out[f"{name}_same_optim_keys"] = sorted(optim) == sorted(optim_ref)
+            out[f"{name}_optim"] = max((rel_diff(optim[k], optim_ref[k]) for k in optim_ref if k in optim), default=math.inf)
     # the export loads into the plain unsplit model and gives the trained model's held-out loss
     spec = instantiate(straight["float32"].cfg.model)
     model = torch.nn.ModuleList(spec.build_all())
@@ -352,3 +405,107 @@ def owned_timeouts_and_watchdog_lifecycle() -> dict[str, Any]:
     gc.collect()
     return {"first": first, "steady": steady, "alive_while_built": alive, "alive_after_fit": made[0].alive,
             "trainer_freed": ref() is None}
+
+
+def full_shard_gathers_and_reduces_once_per_step(schedule: str = "1f1b", m: int = 4) -> dict[str, Any]:
+    """``parallel.shard=full`` on dp2 x pp2: how many all-gathers and reduce-scatters FSDP2 ran in
+    2 steps of `m` micro-batches (counted where FSDP2 issues them), the program's shard events, and
+    what is left between steps: the parameters, their gradients and AdamW state as dim-0 shards."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group
+
+    trainer = build_run(make_config(2, schedule, m, parallel__shard="full"), torch.device("cpu"))
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    gather, reduce = fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce
+
+    def counted(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    fsdp_group.foreach_all_gather = counted("all_gather", gather)
+    fsdp_group.foreach_reduce = counted("reduce_scatter", reduce)
+    try:
+        trainer.train_step(0)  # shapes are learned here: the first pass gathers before it
+        trainer.pipeline.recorder.start()
+        trainer.train_step(1)
+        timed = trainer.pipeline.recorder.stop()
+        events = [(e.kind, e.name) for e in timed if e.kind == "shard"]
+        # a gather or reduction is its own event, inside no batched call's (counted once as communication)
+        nested = [(c.name, s.name) for s in timed if s.kind == "shard" for c in timed
+                  if c.kind == "comm" and c.start < s.start and s.end < c.end]
+    finally:
+        fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce = gather, reduce
+    params = trainer.params
+    return {
+        "counts": counts, "events": events, "nested": nested, "units": trainer.pipeline.sharding.unit_stages(),
+        "stages": sorted(trainer.stages), "reducer": trainer.reducer is not None,
+        "params_sharded": all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() or p.shape[0] < 2
+                              for p in params),
+        "state_sharded": all(isinstance(trainer.optimizer.state[p]["exp_avg"], DTensor) for p in params),
+        "local_numel": sum(p.to_local().numel() for p in params), "numel": sum(p.numel() for p in params),
+    }
+
+
+def resume_across_shard_modes() -> dict[str, Any] | None:
+    """Checkpoints between dp2 x pp2 ``parallel.shard=full`` and dp1 x pp4 ``none``, both ways
+    (float64): 6 steps straight with none, then full resumed from its step 3; 6 steps straight
+    with full, then none resumed from its step 3.  Rank 0 returns the loss histories and the
+    step-6 exports' worst relative differences from the straight none run."""
+    from pipeflow.run.checkpoint import find_latest
+
+    straight_none = _fit(1, _shared_dir("pf-none-"), dtype="float64")
+    to_full = _fit(2, _shared_dir("pf-to-full-"), resume=f"{straight_none.checkpoint_root}/step_00000003",
+                   dtype="float64", shard="full")
+    straight_full = _fit(2, _shared_dir("pf-full-"), dtype="float64", shard="full")
+    to_none = _fit(1, _shared_dir("pf-to-none-"), resume=f"{straight_full.checkpoint_root}/step_00000003",
+                   dtype="float64")
+    if dist.get_rank() != 0:
+        return None
+    reference = _exported(find_latest(straight_none.checkpoint_root))
+    out: dict[str, Any] = {"straight_none": straight_none.history}
+    for name, trainer in (("to_full", to_full), ("straight_full", straight_full), ("to_none", to_none)):
+        got = _exported(find_latest(trainer.checkpoint_root))
+        out[f"{name}_same_keys"] = sorted(got) == sorted(reference)
+        out[f"{name}_param"] = max(rel_diff(got[k], reference[k]) for k in reference)
+        out[f"{name}_history"] = trainer.history
+    return out
+
+
+def fp16_overflow_skips_sharded() -> dict[str, Any]:
+    """``parallel.shard=full`` under fp16: an inf gradient in one replica of pipeline rank 1 at step 0
+    (made inside backward, at its first layer's output) skips the step on every rank, the loss
+    scale halves, and step 1 then runs."""
+    cfg = make_config(2, "1f1b", 2, train__dtype="float32", train__precision="fp16", parallel__shard="full")
+    trainer = build_run(cfg, torch.device("cpu"))
+    armed = [True]
+
+    def poison(module: Any, args: Any, out: torch.Tensor) -> None:
+        if armed[0] and out.requires_grad:
+            out.register_hook(lambda g: torch.full_like(g, float("inf")))
+
+    if trainer.mesh.pp_rank == 1 and trainer.mesh.dp_rank == 0:
+        trainer.stages[1].module[0].register_forward_hook(poison)
+    before = [p.detach().to_local().clone() for p in trainer.params]
+    scale0 = trainer.scaler.scale
+    _, norm0 = trainer.train_step(0)
+    unchanged = all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.params))
+    armed[0] = False
+    scale1 = trainer.scaler.scale
+    _, norm1 = trainer.train_step(1)
+    changed = any(not torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.params))
+    return {"skipped": unchanged, "finite0": math.isfinite(norm0), "scale_ratio": scale1 / scale0,
+            "stepped_after": changed, "finite1": math.isfinite(norm1)}
+
+
+def full_shard_vs_replicas_under(precision: str) -> dict[str, float]:
+    """dp2 x pp2 under `precision` (autocast, float32 weights): the gradients of one step with
+    ``parallel.shard=full`` against ``none`` (gathered whole), and the loss of each."""
+    grads, losses = {}, {}
+    for shard in ("none", "full"):
+        cfg = make_config(2, "1f1b", 2, train__dtype="float32", train__precision=precision, parallel__shard=shard)
+        trainer = build_run(cfg, torch.device("cpu"))
+        losses[shard], _ = trainer.forward_backward(0)
+        grads[shard] = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for p in trainer.params]
+    return {"grad": max(rel_diff(a, b) for a, b in zip(grads["full"], grads["none"])),
+            "loss": abs(losses["full"] - losses["none"]) / abs(losses["none"])}

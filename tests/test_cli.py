@@ -1,6 +1,7 @@
 """`torchrun train.py` end to end, and the errors a user sees for bad configuration."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -159,3 +160,30 @@ def test_layout_overrides_reach_the_schedule(tmp_path: Path) -> None:
     path.write_text("0F0 0F1 0B0 0B1\n1F0 1B0 1F1 1B1\n")
     custom = _schedule_from(compose_config("schedule=custom", f"schedule.path={path}", "pipeline.num_microbatches=2"), pp=2)
     assert custom.num_ranks == 2 and custom.num_microbatches == 2
+
+
+def test_torchrun_dp2_pp2_full_shard_matches_the_unsharded_loss_step_for_step(tmp_path: Path) -> None:
+    """`torchrun --nproc-per-node 4 train.py parallel.dp=2 parallel.pp=2 parallel.shard=full` trains,
+    its per-step losses (TensorBoard, float32) equal those of parallel.shard=none, and its trace
+    shows each rank's gather and reduction of its stage.  Both run as one sweep (`-m`): one
+    launch, and sharded jobs composed with the sweep's shared process group."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = torchrun(4, "-m", "parallel.dp=2", "parallel.pp=2", "parallel.shard=full,none", *SMALL, "train.max_steps=6",
+                   "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "metrics.trace_steps=[2]",
+                   f"train.run_dir={tmp_path}")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "sweep: 2 jobs run, 0 skipped" in run.stdout + run.stderr
+    losses = {}
+    for k, shard in enumerate(("full", "none")):
+        assert f"mesh: dp=2 x pp=2, shard={shard}," in run.stdout
+        events = EventAccumulator(str(tmp_path / f"{k}_parallel.shard={shard}" / "tb"), size_guidance={"scalars": 0})
+        events.Reload()
+        losses[shard] = [e.value for e in events.Scalars("train/loss")]
+    assert len(losses["full"]) == 6 and losses["full"][-1] < losses["full"][0]
+    for step, (full, none) in enumerate(zip(losses["full"], losses["none"])):
+        assert abs(full - none) <= 1e-5 * abs(none), f"step {step}: shard=full loss {full} vs shard=none {none}"
+    trace = json.loads((tmp_path / "0_parallel.shard=full" / "trace.json").read_text())["traceEvents"]
+    shard_events = sorted((e["pid"], e["name"]) for e in trace if e.get("cat") == "shard")
+    expected = [(r, f"{what} {r % 2}") for r in range(4) for what in ("unshard", "reduce-scatter + reshard")]
+    assert shard_events == sorted(expected)

@@ -115,7 +115,7 @@ def test_console_lines_name_the_figures() -> None:
     summary = {"samples_per_s": 780.4, "tokens_per_s": None, "step_time_s": 0.041, "bubble_measured": 0.3,
                "bubble_predicted": 0.273, "peak_memory_mb": [812.2, 640.0]}
     assert summary_line(summary) == ("median step 41 ms | predicted step (calibrated) - ms | 780 samples/s | "
-                                     "bubble 30% measured, 27% predicted | peak memory per pipeline rank 812, 640 MB")
+                                     "bubble 30% measured, 27% predicted | process peak memory (RSS) per pipeline rank 812, 640 MB")
     summary["step_calibrated_s"] = 0.0398
     assert summary_line(summary).startswith("median step 41 ms | predicted step (calibrated) 40 ms | 780 samples/s")
 

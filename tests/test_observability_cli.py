@@ -20,6 +20,9 @@ LOGGED = [0, 2, 4, 5]  # every LOG_EVERY steps and the last
 SLEEP = ["model=sleep", "data=gaussian", "model.forward_ms=40", "model.backward_ms=40", "model.weight_ms=40"]
 PER_STAGE = ("compute_ms", "comm_wait_ms", "idle_ms", "step_ms", "bubble", "peak_memory_mb")
 TRAIN = ("loss", "lr", "grad_norm", "samples_per_s", "step_time_ms")
+# per global rank, once, at the measured step (metrics.memory_steps, default [1]); no GPU: no allocator peak
+MEMORY = ("params_mb", "grads_mb", "optimizer_mb", "tensor_mb", "tensor_predicted_mb", "tensor_resident_mb",
+          "peak_params_mb", "activations_mb", "comm_mb", "rss_mb")
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +45,12 @@ def scalars(run) -> dict[str, list[tuple[int, float]]]:
 def test_every_tag_is_written_once_per_log_interval_by_one_writer(run, scalars) -> None:
     expected = {f"train/{name}" for name in TRAIN} | {"pipeline/bubble_measured", "pipeline/bubble_predicted"}
     expected |= {f"stage/{r}/{name}" for r in range(P) for name in PER_STAGE}
+    memory = {f"memory/{g}/{name}" for g in range(P) for name in MEMORY}
     at_end = {f"pipeline/step_{name}_ms" for name in ("measured", "predicted", "calibrated")}
     at_end |= {f"stage/{r}/program_end_{name}_ms" for r in range(P) for name in ("measured", "calibrated")}
-    assert set(scalars) == expected | at_end  # no tokens/s: gaussian data has no tokens
-    assert all([step for step, _ in points] == LOGGED for tag, points in scalars.items() if tag not in at_end)
+    assert set(scalars) == expected | memory | at_end  # no tokens/s: gaussian data has no tokens
+    assert all([step for step, _ in points] == LOGGED for tag, points in scalars.items() if tag in expected)
+    assert all([step for step, _ in scalars[tag]] == [1] for tag in memory)
     assert all([step for step, _ in scalars[tag]] == [STEPS - 1] for tag in at_end)
     assert len(list((run[1] / "tb").iterdir())) == 1
 
@@ -64,6 +69,21 @@ def test_logged_values_are_sane(scalars) -> None:
             assert compute + comm + idle == pytest.approx(step_ms, rel=0.10)
             assert compute > 0.5 * M * 40  # at least every F of 40 ms (and stage 0's B, its W only)
         assert all(mb > 10 for mb in value(f"stage/{r}/peak_memory_mb"))
+
+
+def test_tensor_memory_is_measured_beside_its_prediction(scalars) -> None:
+    """One quantity on both sides: the measured in-step peak within 10% of the predicted; AdamW's
+    state twice the parameters (and a 4-byte step counter each), all in the peak; RSS (mostly the
+    torch runtime) far above."""
+    value = lambda tag: scalars[tag][0][1]  # noqa: E731
+    for g in range(P):
+        measured, predicted = value(f"memory/{g}/tensor_mb"), value(f"memory/{g}/tensor_predicted_mb")
+        assert measured > 0 and abs(predicted / measured - 1) < 0.10, (g, measured, predicted)
+        assert value(f"memory/{g}/optimizer_mb") >= 2 * value(f"memory/{g}/params_mb") > 0
+        assert value(f"memory/{g}/grads_mb") == value(f"memory/{g}/params_mb")
+        held = sum(value(f"memory/{g}/{name}") for name in ("params_mb", "grads_mb", "optimizer_mb"))
+        assert measured >= held
+        assert value(f"memory/{g}/rss_mb") > 10 * measured
 
 
 def test_measured_bubble_is_within_five_points_of_the_prediction_for_1f1b_p4_m8(scalars) -> None:
@@ -100,8 +120,8 @@ def test_console_has_one_line_per_interval_from_rank_0_and_the_summary(run) -> N
     out = run[0].stdout
     lines = re.findall(r"^\[rank (\d)\] .* INFO step +(\d+)/6 \| loss .* bubble \d+% \(predicted \d+%\)$", out, re.M)
     assert lines == [("0", str(step)) for step in LOGGED], out[-3000:]
-    assert re.search(r"median step \d+ ms \| predicted step \(calibrated\) \d+ ms \| \d+ samples/s \| bubble \d+% measured, \d+% predicted \| "
-                     r"peak memory per pipeline rank \d+, \d+, \d+, \d+ MB", out)
+    assert re.search(r"median step \d+ ms \| predicted step \(calibrated\) \d+ ms \| \d+ samples/s \| bubble \d+% measured, "
+                     r"\d+% predicted \| process peak memory \(RSS\) per pipeline rank \d+, \d+, \d+, \d+ MB", out)
     assert "INFO" not in run[0].stderr  # other ranks log warnings only
     # the start-of-run line predicts the whole step: the layers and the runtime's measured costs
     assert re.search(r"INFO pipeline: 4 ranks, .* \(profiled layers and the measured runtime\), predicted step "

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from pipeflow.models.mlp import build_mlp
-from pipeflow.planning.layout import Layout, Prediction, choose_layout, describe_layout, predict
+from pipeflow.planning.layout import Layout, Prediction, choose_layout, describe_layout, predict, stage_bytes
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import LayerProfile, action_costs
 from pipeflow.planning.search import rank_memory
-from pipeflow.schedules import build_schedule, simulate
+from pipeflow.schedules import build_schedule, forward_only, lower, simulate
+from pipeflow.schedules.memory import tensor_memory
 
 MS = 1e-3
 
@@ -32,8 +33,12 @@ def test_a_profiled_prediction_is_the_simulated_step_bubble_and_memory(name: str
     sim = simulate(schedule, costs=action_costs(ranges, layers, schedule))
     param = [sum(layers[i].param_bytes for i in r) for r in ranges]
     act = [sum(layers[i].activation_bytes for i in r) for r in ranges]
+    memory = tensor_memory(schedule, stage_bytes(ranges, layers, schedule), programs=lower(schedule, "ahead"),
+                           eval_programs=lower(forward_only(2, 4), "ahead"))
     assert prediction == Prediction("profiled layer costs", sim.bubble, sim.makespan,
-                                    tuple(rank_memory(schedule, param, act)))
+                                    tuple(m.peak.total for m in memory), tuple(memory))
+    # these profiles send nothing (no output bytes): the peaks are the planner's rank_memory
+    assert prediction.memory_bytes == tuple(rank_memory(schedule, param, act))
     assert 0 < prediction.bubble < 1 and len(prediction.memory_bytes) == 2
 
 

@@ -1,5 +1,6 @@
 """Scale-out on 4 gloo processes: the dp x pp mesh equals the unsplit model on the global batch
-(float64), global clipping, mixed precision, activation checkpointing, checkpoints.
+(float64), also with the AdamW state sharded (``parallel.shard=optimizer``), global clipping,
+mixed precision, activation checkpointing, checkpoints.
 
 All cases run inside one process group (tests/mp_harness.py); each builds a real Trainer.
 """
@@ -34,6 +35,23 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-uneven-rows": (2, "1f1b", 2, {"data__batch_size": 27}),
     "dp2xpp2-zbv-variable-lengths": (2, "zbv", 3, {"data__variable_lengths": True, "data__min_seq_len": 3}),
     "dp1xpp4-variable-lengths-uneven": (1, "1f1b", 3, {"data__variable_lengths": True, "data__batch_size": 25}),
+    # parallel.shard=optimizer (ZeRO-1): AdamW state and update sharded over each dp group.  The
+    # GPT is tied: 1F1B and interleaved hold the tied copies on two ranks, ZB-V on one
+    "dp2xpp2-1f1b-zero": (2, "1f1b", 2, {"parallel__shard": "optimizer"}),
+    "dp2xpp2-interleaved-zero": (2, "interleaved_1f1b", 2, {"parallel__shard": "optimizer"}),
+    "dp2xpp2-zbv-zero": (2, "zbv", 3, {"parallel__shard": "optimizer"}),
+    "dp2xpp2-zb_h1-zero-clipped": (2, "zb_h1", 2, {"parallel__shard": "optimizer", "optim__grad_clip": CLIP}),
+    "dp1xpp4-zero": (1, "1f1b", 2, {"parallel__shard": "optimizer"}),  # dp = 1: nothing to shard
+    # parallel.shard=full (FSDP2 over each stage's dp group), tied embeddings in every case: across
+    # pipeline ranks (1F1B, interleaved) and in one FSDP2 unit on one rank (ZB-V's V placement)
+    "dp2xpp2-full-1f1b": (2, "1f1b", 2, {"parallel__shard": "full"}),
+    "dp2xpp2-full-interleaved": (2, "interleaved_1f1b", 2, {"parallel__shard": "full", "train__check_finite": True}),
+    "dp2xpp2-full-zbv": (2, "zbv", 3, {"parallel__shard": "full"}),
+    "dp2xpp2-full-zb_h1-clipped-actckpt": (2, "zb_h1", 2, {"parallel__shard": "full", "optim__grad_clip": CLIP,
+                                                           "pipeline__checkpoint_activations": True}),
+    "dp1xpp4-full": (1, "1f1b", 2, {"parallel__shard": "full"}),  # dp = 1: nothing to shard
+    "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
+        "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }
 
 
@@ -48,6 +66,10 @@ def _cases() -> list[tuple[str, object]]:
         ("bf16-trains", functools.partial(cases.precision_trains, "bf16")),
         ("fp16-overflow", cases.fp16_overflow_skips_everywhere),
         ("fp16-overflow-checked", functools.partial(cases.fp16_overflow_skips_everywhere, check_finite=True)),
+        ("fp16-overflow-zero", functools.partial(cases.fp16_overflow_skips_everywhere, parallel__shard="optimizer")),
+        ("zero-state-bound", cases.zero_state_bound),
+        ("fp16-overflow-full-shard", cases.fp16_overflow_skips_sharded),
+        ("bf16-full-shard", functools.partial(cases.full_shard_vs_replicas_under, "bf16")),
         ("fp16-min-scale-checked", functools.partial(cases.check_finite_raises, "fp16", "inf-grad")),
         ("fp16-nan-forward-checked", functools.partial(cases.check_finite_raises, "fp16", "nan-param")),
         ("fp32-inf-grad-checked", functools.partial(cases.check_finite_raises, "fp32", "inf-grad")),
@@ -56,6 +78,8 @@ def _cases() -> list[tuple[str, object]]:
         ("diverge-loss", functools.partial(cases.diverging_run_saves_nothing_non_finite, 1e30)),
         ("inf-weights", cases.non_finite_weights_are_not_saved),
         ("resume", cases.resume_across_layouts),
+        ("resume-shard", cases.resume_across_shard_modes),
+        ("full-shard-counts", functools.partial(cases.full_shard_gathers_and_reduces_once_per_step, "zbv", 4)),
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
         ("wrong-model", cases.resume_into_another_model_is_refused),
@@ -83,6 +107,11 @@ def test_mesh_training_equals_unsplit_model_on_global_batch(world, name: str) ->
         assert all(v["norm"] > 2 * CLIP for v in values)
     if "uneven" in name or "variable" in name:  # the builder chose every micro-batch its own shapes
         assert all(v["shapes"] == "per_microbatch" for v in values)
+    sharded = "zero" in name and name.startswith("dp2")
+    for rank, v in enumerate(values):  # ZeRO-1 owns a share of the parameters; each once in its dp group
+        assert (0 < v["owned"] < v["params"]) if sharded else v["owned"] == v["params"], f"rank {rank}: {v}"
+    if sharded:  # global rank d * pp + r: pipeline rank r's dp group is {r, r + 2}
+        assert [values[r]["owned"] + values[r + 2]["owned"] for r in range(2)] == [values[r]["params"] for r in range(2)]
     for rank, v in enumerate(values):
         for key in ("loss", "grad", "param"):
             assert v[key] <= TOLERANCE, f"{name} rank {rank}: {key} differs by {v[key]:.3e}"
@@ -105,7 +134,8 @@ def test_bf16_training_lowers_the_loss_with_fp32_master_weights(world) -> None:
         assert v["dtypes"] == ["torch.float32"]
 
 
-@pytest.mark.parametrize("name", ["fp16-overflow", "fp16-overflow-checked"])
+@pytest.mark.parametrize("name", ["fp16-overflow", "fp16-overflow-checked", "fp16-overflow-zero",
+                                  "fp16-overflow-full-shard"])
 def test_fp16_overflow_on_one_stage_skips_the_step_on_every_rank(world, name: str) -> None:
     for rank, v in enumerate(_values(world[name])):  # with train.check_finite too: no NonFiniteError
         assert v["skipped"] and not v["finite0"], f"rank {rank}: {v}"
@@ -159,6 +189,33 @@ def test_resume_equals_training_straight_through_and_survives_a_layout_change(wo
         assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE
 
 
+def test_resume_across_shard_modes_restores_model_and_optimizer_state(world) -> None:
+    """parallel.shard=optimizer <-> none with dp and pp changing: the step-6 model and AdamW state
+    equal the straight unsharded run's (float64), and every optimizer entry was saved once."""
+    out = _values(world["resume"])[0]
+    straight = out["straight_history_float64"]
+    assert out["optim_keys"] > 0
+    for name in ("dp2xpp2", "dp4xpp1", "zero_to_dp1xpp4", "to_zero_dp2xpp2", "to_zero_dp4xpp1", "zero_straight"):
+        assert out[f"{name}_same_keys"] and out[f"{name}_same_optim_keys"], name
+        assert out[f"{name}_param"] < TOLERANCE, f"{name}: {out[f'{name}_param']:.3e}"
+        assert out[f"{name}_optim"] < TOLERANCE, f"{name}: optimizer state differs by {out[f'{name}_optim']:.3e}"
+        expected = straight if name == "zero_straight" else straight[3:]
+        assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], expected)) < TOLERANCE, name
+
+
+def test_zero_holds_at_most_a_dp_share_of_the_optimizer_state_plus_the_largest_parameters(world) -> None:
+    """ZeRO-1's sorted greedy partition of whole tensors: every dp rank's AdamW state is at most
+    1/dp of the unsharded state plus the largest single parameter's state, and the dp group
+    holds each parameter's state exactly once."""
+    values = _values(world["zero-state-bound"])
+    for rank, v in enumerate(values):
+        assert v["sharded"] <= v["unsharded"] / 2 + v["largest"], f"rank {rank}: {v}"
+        assert 0 < v["owned"] < v["params"], f"rank {rank}: {v}"
+    for r in range(2):  # pipeline rank r's dp group: global ranks r and r + 2
+        assert values[r]["unsharded"] == values[r + 2]["unsharded"]
+        assert values[r]["sharded"] + values[r + 2]["sharded"] == values[r]["unsharded"]
+
+
 def test_export_loads_into_the_unsplit_model(world) -> None:
     out = _values(world["resume"])[0]
     assert abs(out["export_val_loss"] - out["trainer_val_loss"]) < 1e-5 * out["trainer_val_loss"]
@@ -190,3 +247,37 @@ def test_fit_stops_and_joins_the_watchdog_and_the_trainer_can_be_freed(world) ->
     for rank, v in enumerate(_values(world["timeouts-watchdog"])):
         assert v["alive_while_built"] and not v["alive_after_fit"], f"rank {rank}: {v}"
         assert v["trainer_freed"], f"rank {rank}: something still holds the Trainer after fit"
+
+
+def test_full_shard_gathers_and_reduces_each_stage_once_per_step(world) -> None:
+    """ZB-V, 4 micro-batches, parallel.shard=full: per step one all-gather and one reduce-scatter per
+    FSDP2 unit (rank 0's two stages share the tied embedding: one unit), never per micro-batch;
+    between steps parameters, gradients and AdamW state are dim-0 shards; no dp all-reduce."""
+    for rank, v in enumerate(_values(world["full-shard-counts"])):
+        units = len(v["units"])
+        assert v["units"] == ([[0, 3]] if v["stages"] == [0, 3] else [[1], [2]]), f"rank {rank}: {v['units']}"
+        assert v["counts"] == {"all_gather": 2 * units, "reduce_scatter": 2 * units}, f"rank {rank}: {v['counts']}"
+        reshards = [name for _, name in v["events"] if name.startswith("reduce-scatter")]
+        assert sorted(int(n.split()[-1]) for n in reshards) == v["stages"], f"rank {rank}: {v['events']}"
+        assert not v["nested"], f"rank {rank}: shard events inside comm events: {v['nested']}"
+        assert v["params_sharded"] and v["state_sharded"] and not v["reducer"], f"rank {rank}: {v}"
+        assert v["local_numel"] * 2 == v["numel"], f"rank {rank}: {v}"  # dp = 2, even shards here
+
+
+def test_full_shard_under_bf16_gives_the_gradients_of_replicas(world) -> None:
+    for rank, v in enumerate(_values(world["bf16-full-shard"])):  # float32 sums in another order at most
+        assert v["grad"] < 1e-5 and v["loss"] < 1e-6, f"rank {rank}: {v}"
+
+
+def test_checkpoints_resume_across_shard_modes_dp_and_pp(world) -> None:
+    """dp1 x pp4 shard=none -> dp2 x pp2 shard=full and back, model and AdamW state (float64):
+    the losses and the exported step-6 weights equal training straight through without sharding."""
+    out = _values(world["resume-shard"])[0]
+    straight = out["straight_none"]
+    assert len(straight) == 6
+    assert max(abs(a - b) / b for a, b in zip(out["straight_full_history"], straight)) < TOLERANCE
+    for name in ("to_full", "straight_full", "to_none"):
+        assert out[f"{name}_same_keys"], name
+        assert out[f"{name}_param"] < TOLERANCE, f"{name}: {out[f'{name}_param']:.3e}"
+    for name in ("to_full", "to_none"):
+        assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE, name

@@ -46,8 +46,11 @@ def test_a_2x2_sweep_on_two_processes_runs_four_jobs_and_skips_the_invalid_ones(
     for row in rows:
         assert all(math.isfinite(float(row[k])) for k in FIGURES), row
         assert float(row["samples_per_s"]) > 0 and 0 <= float(row["bubble_predicted"]) < 1
-        peaks = [float(x) for x in row["peak_memory_mb"].split(";")]
-        assert len(peaks) == 2 and all(math.isfinite(x) and x > 0 for x in peaks), row  # one per pipeline rank
+        for key in ("peak_memory_mb", "rss_mb", "tensor_mb", "predicted_memory_mb"):  # one per pipeline rank
+            values = [float(x) for x in row[key].split(";")]
+            assert len(values) == 2 and all(math.isfinite(x) and x > 0 for x in values), (key, row)
+        tensor, predicted = ([float(x) for x in row[k].split(";")] for k in ("tensor_mb", "predicted_memory_mb"))
+        assert all(abs(p / t - 1) < 0.1 for t, p in zip(tensor, predicted)), row  # one quantity, both sides
     speeds = [float(r["samples_per_s"]) for r in rows]
     assert speeds == sorted(speeds, reverse=True)
     table = (tmp_path / "sweep.md").read_text()
@@ -76,7 +79,8 @@ def test_table_sorts_by_throughput_and_lists_skipped_jobs() -> None:
     state = SweepState("d", [record(0, 10.0), record(1, 30.0), record(2, 20.0)], [(3, "schedule=x", "ScheduleError: no")])
     lines = format_table(state).splitlines()
     assert [line.split(" | ")[0] for line in lines[2:5]] == ["| 1", "| 2", "| 0"]
-    assert "| 25.0% | - | 1.5/2.5 | 3.0000 |" in lines[2]
+    assert "| 25.0% | - | 1.50/2.50 | - | 3.0000 |" in lines[2]  # tensor MB measured, predicted; RSS
+    assert "| tensor MB/rank measured | tensor MB/rank predicted | process RSS MB/rank | final loss |" in lines[0]
     assert "| step (ms) | predicted step (ms) | calibrated step (ms) |" in lines[0]
     state.records[1].calibrated_step_ms = 1.25
     assert "| 30.0 | 1.0 | 2.0 | 1.2 | - |" in format_table(state).splitlines()[2]

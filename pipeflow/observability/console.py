@@ -70,13 +70,15 @@ def step_line(
 
 def summary_line(summary: dict[str, Any]) -> str:
     """The end-of-run line, e.g. ``median step 41 ms | predicted step (calibrated) 40 ms | 780 samples/s |
-    bubble 30% measured, 27% predicted | peak memory 812, 640, 640, 790 MB`` (``-`` where the run
-    was too short to calibrate)."""
+    bubble 30% measured, 27% predicted | process peak memory (RSS) per pipeline rank 812, 640, 640, 790 MB``
+    (``-`` where the run was too short to calibrate): RSS on the CPU, ``(allocator)`` on a GPU
+    (``torch.cuda.max_memory_allocated``); tensor bytes have their own line."""
     tokens = summary["tokens_per_s"]
     rate = f"{summary['samples_per_s']:.0f} samples/s" + (f" {tokens:.0f} tokens/s" if tokens is not None else "")
     peaks = ", ".join(f"{mb:.0f}" for mb in summary["peak_memory_mb"])
+    kind = "allocator" if any(v == v for v in summary.get("allocator_peak_mb", ())) else "RSS"  # v == v: not NaN
     calibrated = summary.get("step_calibrated_s", float("nan"))
     calibrated_ms = "-" if calibrated != calibrated else f"{1e3 * calibrated:.0f}"
     return (f"median step {1e3 * summary['step_time_s']:.0f} ms | predicted step (calibrated) {calibrated_ms} ms | "
-            f"{rate} | bubble {summary['bubble_measured']:.0%} "
-            f"measured, {summary['bubble_predicted']:.0%} predicted | peak memory per pipeline rank {peaks} MB")
+            f"{rate} | bubble {summary['bubble_measured']:.0%} measured, {summary['bubble_predicted']:.0%} predicted | "
+            f"process peak memory ({kind}) per pipeline rank {peaks} MB")

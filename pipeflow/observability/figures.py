@@ -4,7 +4,8 @@ Pure arithmetic on ``TimedEvent``-like records (kind, name, start, end), shared 
 of every step and the traces of chosen steps.  Definitions (r = a pipeline rank):
 
     compute_r   time in F / B / W actions
-    comm_r      time in batched calls, post to completion (waiting on peers included)
+    comm_r      time in batched calls, post to completion (waiting on peers included), and in
+                the gathers and reductions of sharded stages (``shard`` events)
     idle_r      the rest of the training step (gaps between actions, grad clipping, optimizer)
     span_r      first to last event of the rank's pipeline program (the simulator's makespan
                 counts only the program, not the optimizer)
@@ -17,7 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pipeflow.runtime.events import SHARD
 from pipeflow.schedules.ir import KINDS
+
+COMM_KINDS = ("comm", SHARD)  # batched P2P calls; gathers and reductions (parallel.shard=full)
 
 
 @dataclass
@@ -42,7 +46,7 @@ def step_figures(events: Sequence[Any], step_start: float, step_end: float) -> R
     Idle time is the part of [step_start, step_end] that no event covers.
     """
     compute = sum(e.end - e.start for e in events if e.kind in KINDS)
-    comm = sum(e.end - e.start for e in events if e.kind == "comm")
+    comm = sum(e.end - e.start for e in events if e.kind in COMM_KINDS)
     idle, cursor = 0.0, step_start
     for e in sorted(events, key=lambda e: e.start):
         idle += max(0.0, e.start - cursor)

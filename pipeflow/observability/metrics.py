@@ -23,12 +23,14 @@ import torch.distributed as dist
 from pipeflow.errors import ConfigError
 from pipeflow.observability import console, trace
 from pipeflow.observability.calibrated import WARMUP_STEPS, CalibrationLog
+from pipeflow.observability.memory import MemoryMetrics, memory_line
 from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.schedules import PipelineSchedule
 
 if TYPE_CHECKING:
     from pipeflow.planning.layout import Prediction
+    from pipeflow.schedules.memory import RankMemory
 
 log = logging.getLogger("pipeflow")
 
@@ -106,6 +108,13 @@ class RunMetrics:
         self.step_times: list[float] = []
         self.traced: dict[int, tuple[float, float, list[tuple[str, str, float, float]]]] = {}
         self._start = 0.0
+        self.memory = MemoryMetrics(getattr(mc, "memory_steps", [1]), self.max_steps, pp_rank, device, prediction)
+
+    def memory_measured(self, step: int, measured: RankMemory) -> None:
+        """Gather this measured step's tensor memory from every rank (collective) and write it."""
+        self.memory.record(step, measured, self.writer)
+        if self.writer is not None:
+            self.writer.flush()
 
     def _open_writer(self) -> Any:
         from torch.utils.tensorboard import SummaryWriter
@@ -171,7 +180,10 @@ class RunMetrics:
     def close(self, schedule: PipelineSchedule) -> dict[str, Any]:
         """Write the traces, close the writer and the bar; returns the run's figures on every rank:
         ``samples_per_s``, ``tokens_per_s`` (None for non-token data), ``step_time_s`` (median),
-        ``bubble_measured``, ``bubble_predicted``, ``peak_memory_mb`` (one per pipeline rank),
+        ``bubble_measured``, ``bubble_predicted``, ``peak_memory_mb`` (one per pipeline rank: the
+        allocator's peak on a GPU, else the process RSS), the tensor memory figures of
+        ``pipeflow.observability.memory.MemoryMetrics.summary`` (``tensor_mb``,
+        ``tensor_predicted_mb``, ``rss_mb``, ``allocator_peak_mb``, ``memory_step``),
         ``step_predicted_s`` (the start-of-run prediction), ``step_calibrated_s`` (NaN without a
         calibration), ``finish_calibrated_s`` and ``finish_measured_s`` (per pipeline rank)."""
         if self.bar is not None:
@@ -188,12 +200,15 @@ class RunMetrics:
             "bubble_measured": pipeline_bubble([f.compute_s for f in means], [f.span_s for f in means]),
             "bubble_predicted": self.predicted,
             "peak_memory_mb": peaks,
+            **self.memory.summary(self.num_pp),
             "step_predicted_s": self.predicted_step_s,
         }]
         dist.broadcast_object_list(summary, src=0)  # rank 0's step times stand for the run
         summary[0].update(self._calibrated(schedule, summary[0]["step_time_s"]))
         if self.is_main:
             log.info(console.summary_line(summary[0]))
+            if self.memory.rows:
+                log.info("%s\n%s", memory_line(summary[0]), self.memory.table())
         if self.writer is not None:
             self.writer.close()
         return summary[0]

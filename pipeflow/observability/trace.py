@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.observability.figures import pipeline_bubble, step_figures
-from pipeflow.runtime.events import TimedEvent
+from pipeflow.runtime.events import SHARD, TimedEvent
 from pipeflow.schedules import PipelineSchedule
 from pipeflow.schedules.ir import KINDS, Action
 from pipeflow.schedules.pictures import draw_timeline
@@ -66,7 +66,8 @@ def chrome_trace(steps: dict[int, list[RankStep]]) -> dict[str, Any]:
 
     Returns:
         ``{"traceEvents": [...]}``: process ``rank r`` per rank (pid = global rank, one thread),
-        a complete event (``ph: X``, microseconds) per action or batched call, with step,
+        a complete event (``ph: X``, microseconds) per action, batched call or shard point
+        (``unshard 0``, ``reduce-scatter + reshard 0``: category ``shard``), with step,
         micro-batch and stage in ``args``.
     """
     origin = min((start for per_rank in steps.values() for _, start, _, _ in per_rank), default=0.0)
@@ -83,10 +84,11 @@ def chrome_trace(steps: dict[int, list[RankStep]]) -> dict[str, Any]:
                 if kind in KINDS:
                     action = Action.parse(name)
                     args.update(microbatch=action.microbatch, stage=action.stage)
-                else:
+                elif kind != SHARD:
                     args["ops"] = name
                 events.append({
-                    "ph": "X", "name": name if kind in KINDS else "comm", "cat": kind, "pid": r, "tid": 0,
+                    "ph": "X", "name": name if kind in KINDS or kind == SHARD else "comm", "cat": kind,
+                    "pid": r, "tid": 0,
                     "ts": 1e6 * (start - origin), "dur": 1e6 * (end - start), "args": args,
                 })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -94,9 +96,10 @@ def chrome_trace(steps: dict[int, list[RankStep]]) -> dict[str, Any]:
 
 def draw_step(per_rank: Sequence[RankStep], num_pp: int, title: str, out_path: str) -> str:
     """Draw one measured step like the schedule pictures: F/B/W boxes per pipeline rank, comm
-    waits as grey bars, time in ms from the step's first event."""
+    waits as grey bars, the gathers and reductions of sharded stages (``parallel.shard=full``)
+    as purple ones, time in ms from the step's first event."""
     origin = min((s for _, _, _, timed in per_rank for _, _, s, _ in timed), default=0.0)
-    boxes, waits, seen = [], [], set()
+    boxes, waits, shards, seen = [], [], [], set()
     for pp, _, _, timed in per_rank:
         if pp in seen:  # data-parallel replicas: draw the first one of each pipeline rank
             continue
@@ -106,10 +109,10 @@ def draw_step(per_rank: Sequence[RankStep], num_pp: int, title: str, out_path: s
             if kind in KINDS:
                 boxes.append((pp, Action.parse(name), *span))
             else:
-                waits.append((pp, *span))
+                (shards if kind == SHARD else waits).append((pp, *span))
     # as wide as the schedule picture would be with unit costs: the span in typical actions
     unit = statistics.median(end - start for *_, start, end in boxes) if boxes else 1.0
-    return str(draw_timeline(boxes, num_pp, title, out_path, waits=waits, xlabel="ms", unit=unit))
+    return str(draw_timeline(boxes, num_pp, title, out_path, waits=waits, xlabel="ms", unit=unit, shards=shards))
 
 
 def write_traces(

@@ -38,6 +38,6 @@ def auto_for_layout(
     chosen = synthesis.chosen.schedule
     basis = "profiled stage costs" if costs is not None else "F = B = W (pipeline.profile=false)"
     note = f"schedule=auto from {basis} ({synthesis.chosen.label}):\n{synthesis.report()}"
-    new_layout = replace(layout, inflight=stage_inflight(chosen), prediction=predict(chosen, layout.ranges, layout.profiles),
-                         note=note)
+    prediction = predict(chosen, layout.ranges, layout.profiles, layout.memory_setting)
+    new_layout = replace(layout, inflight=stage_inflight(chosen), prediction=prediction, note=note)
     return chosen, new_layout, synthesis

@@ -20,11 +20,10 @@ from pipeflow.errors import PartitionError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.partition import BALANCE_METHODS, format_partition, plan_partition
 from pipeflow.planning.profile import LayerProfile, action_costs, count_layer_params, profile_layers
-from pipeflow.schedules import PipelineSchedule, simulate
-from pipeflow.planning.search import rank_memory
+from pipeflow.schedules import PipelineSchedule, forward_only, lower, simulate
 from pipeflow.planning.step_model import StepCosts, describe_costs, predict_step
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
-from pipeflow.schedules.memory import stage_inflight
+from pipeflow.schedules.memory import RankMemory, StageBytes, stage_inflight, tensor_memory
 
 PROFILED, UNIT_COSTS = "profiled layer costs", "F = B = W"
 WHOLE_STEP = "profiled layers and the measured runtime"
@@ -41,26 +40,96 @@ class Prediction:
         bubble: the simulated bubble (``SimResult.bubble``).
         step_s: the simulated step in seconds: the whole step with the runtime's costs, else the
             compute of the pipeline (NaN without profiles: unit costs have no seconds).
-        memory_bytes: peak bytes per pipeline rank, parameters with grads and optimizer state plus
-            activations held (``pipeflow.planning.search.rank_memory``; empty without profiles).
+        memory_bytes: peak tensor bytes per pipeline rank (``memory[r].peak.total``; empty
+            without profiles).
+        memory: per pipeline rank, the predicted tensor bytes by category resident between
+            steps and at the in-step peak (`pipeflow.schedules.memory.tensor_memory`: the same
+            quantity ``pipeflow.runtime.memory`` measures; empty without profiles).
     """
 
     basis: str
     bubble: float
     step_s: float
     memory_bytes: tuple[float, ...]
+    memory: tuple[RankMemory, ...] = ()
 
 
-def predict(schedule: PipelineSchedule, ranges: list[range], profiles: list[LayerProfile] | None) -> Prediction:
+def stage_bytes(
+    ranges: list[range], profiles: list[LayerProfile], schedule: PipelineSchedule, input_bytes: float = 0.0,
+    target_bytes: float = 0.0,
+) -> list[StageBytes]:
+    """What each stage costs in tensor bytes, from its layers' profiles, as the runtime holds it.
+
+    A stage keeps per micro-batch what its layers keep (``activation_bytes``: saved tensors and
+    outputs, their inputs excluded), less its last outputs when they go to another rank (freed
+    once sent; the sent copy is a comm buffer).  The last stage's loss keeps the last layer's
+    ``loss_bytes`` (when not profiled, estimated as one more copy of the outputs: cross-entropy's
+    log-probabilities).  A split backward's B keeps each layer's output gradients until W.
+    Stage 0 holds every micro-batch's input (`input_bytes` each) for the whole step, the last
+    stage every micro-batch's targets (`target_bytes` each).  The boundary is the last layer's
+    output bytes.
+    """
+    result, m = [], schedule.num_microbatches
+    for s, r in enumerate(ranges):
+        layers = [profiles[i] for i in r]
+        out = layers[-1].output_bytes if layers else 0
+        act = math.fsum(p.activation_bytes for p in layers)
+        last = s == len(ranges) - 1
+        if not last and schedule.stage_to_rank[s + 1] != schedule.stage_to_rank[s]:
+            act -= out
+        loss = 0.0
+        if last and layers:
+            loss = float(out if layers[-1].loss_bytes is None else layers[-1].loss_bytes)
+        data = m * ((input_bytes if s == 0 else 0.0) + (target_bytes if last else 0.0))
+        result.append(StageBytes(params=math.fsum(p.param_bytes for p in layers), activations=max(act, 0.0),
+                                 split_held=math.fsum(p.output_bytes for p in layers), boundary=out, loss=loss,
+                                 data=data))
+    return result
+
+
+@dataclass(frozen=True)
+class MemorySetting:
+    """What the tensor-bytes prediction needs beyond the profiles.
+
+    Attributes:
+        dp: data-parallel replicas of each stage.
+        shard: ``parallel.shard`` (none | optimizer | full).
+        lowering: the lowering the runtime interprets (``Posting.options(...)[0]``): when recvs are posted.
+        input_bytes: bytes of one micro-batch's model input (stage 0 holds every micro-batch's
+            for the whole step).
+        target_bytes: bytes of one micro-batch's targets (the last stage holds them all).
+        evaluates: whether the run evaluates (its forward-only passes hold every buffer they
+            receive until the pass ends, and the receive pool keeps them).
+    """
+
+    dp: int = 1
+    shard: str = "none"
+    lowering: str = "ahead"
+    input_bytes: float = 0.0
+    target_bytes: float = 0.0
+    evaluates: bool = True
+
+
+def predict(
+    schedule: PipelineSchedule, ranges: list[range], profiles: list[LayerProfile] | None,
+    setting: MemorySetting = MemorySetting(),
+) -> Prediction:
     """Simulate `schedule` with the stages' profiled costs (``action_costs``), or with F = B = W
-    when there are no profiles, and estimate each rank's memory from the profiles."""
+    when there are no profiles, and predict each rank's tensor bytes from the profiles
+    (`stage_bytes`, walked over the lowering the runtime interprets, parameters sharded as the
+    `setting` says; AdamW's two states per parameter)."""
     if profiles is None:
         sim = simulate(schedule, costs={FORWARD: 1.0, BACKWARD: 1.0, WEIGHT: 1.0})
         return Prediction(UNIT_COSTS, sim.bubble, math.nan, ())
     sim = simulate(schedule, costs=action_costs(ranges, profiles, schedule))
-    param = [sum(profiles[i].param_bytes for i in r) for r in ranges]
-    act = [sum(profiles[i].activation_bytes for i in r) for r in ranges]
-    return Prediction(PROFILED, sim.bubble, sim.makespan, tuple(rank_memory(schedule, param, act)))
+    costs = stage_bytes(ranges, profiles, schedule, setting.input_bytes, setting.target_bytes)
+    evaluation = None
+    if setting.evaluates:
+        evaluation = lower(forward_only(schedule.num_ranks, schedule.num_microbatches, schedule.stage_to_rank),
+                           setting.lowering)
+    memory = tuple(tensor_memory(schedule, costs, 2.0, setting.dp, setting.shard,
+                                 programs=lower(schedule, setting.lowering), eval_programs=evaluation))
+    return Prediction(PROFILED, sim.bubble, sim.makespan, tuple(m.peak.total for m in memory), memory)
 
 
 @dataclass(frozen=True)
@@ -73,6 +142,7 @@ class Layout:
         inflight: micro-batches each stage holds at most under the schedule.
         prediction: the simulator's prediction for this partition under the run's schedule.
         note: lines added to the start-of-run report (``schedule=auto``: its synthesis).
+        memory_setting: what the memory prediction assumed (sharding, lowering, input).
         step_costs: the runtime's costs measured at start, when the prediction includes them.
     """
 
@@ -81,6 +151,7 @@ class Layout:
     inflight: list[int]
     prediction: Prediction
     note: str = ""
+    memory_setting: MemorySetting = MemorySetting()
     step_costs: StepCosts | None = None
 
 
@@ -101,12 +172,20 @@ def choose_layout(
     sample_input: Any,
     device: torch.device,
     dtype: torch.dtype,
+    dp: int = 1,
+    shard: str = "none",
+    lowering: str = "ahead",
+    evaluates: bool = True,
+    sample_target: Any = None,
 ) -> Layout:
     """Partition `spec` into the schedule's stages as the ``pipeline`` config says.
 
     With ``pipeline.profile`` (or a ``time``/``memory`` balance) rank 0 profiles every layer on
     `sample_input` (one micro-batch for the first layer), one layer alive at a time, and
     broadcasts the profiles.  Collective: every rank of the default group must call it.
+    `dp`, `shard`, `lowering` and `evaluates` are what the memory prediction assumes
+    (`MemorySetting`), with the sizes of `sample_input` and `sample_target` (one micro-batch's
+    targets; the loss is profiled on them).
 
     Raises:
         PartitionError: unknown balance method, bad split points, more stages than layers.
@@ -120,12 +199,24 @@ def choose_layout(
     if needs_profile or pipeline_cfg.profile:
         # the B and W halves too where the schedule splits backwards, as the planner profiles them
         splits = bool(schedule.split_backwards())
-        box = [profile_layers(spec, sample_input, device, dtype, split_backward=splits) if dist.get_rank() == 0 else None]
+        box = [profile_layers(spec, sample_input, device, dtype, split_backward=splits,
+                                sample_target=sample_target) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         profiles = box[0]
     source = profiles if needs_profile or (method == "params" and profiles is not None) else spec
     ranges = plan_partition(source, schedule.num_stages, method, pipeline_cfg.split_points, inflight=inflight)
-    return Layout(ranges, profiles, inflight, predict(schedule, ranges, profiles))
+    setting = MemorySetting(dp, shard, lowering, float(_input_bytes(sample_input)),
+                            float(_input_bytes(sample_target)), evaluates)
+    return Layout(ranges, profiles, inflight, predict(schedule, ranges, profiles, setting), memory_setting=setting)
+
+
+def _input_bytes(sample: Any) -> int:
+    """Bytes of the tensors in one micro-batch's input."""
+    if isinstance(sample, torch.Tensor):
+        return sample.numel() * sample.element_size()
+    if isinstance(sample, (tuple, list)):
+        return sum(_input_bytes(t) for t in sample)
+    return 0
 
 
 def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule) -> str:
@@ -143,8 +234,25 @@ def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule)
         table = format_partition(layout.ranges, names, schedule.stage_to_rank, layer_params=count_layer_params(spec))
         step = ""
     note = f"\n{layout.note}" if layout.note else ""
+    memory = f"\n{format_memory(prediction.memory, layout.memory_setting)}" if prediction.memory else ""
     return (
         f"pipeline: {schedule.num_ranks} ranks, {schedule.num_stages} stages, schedule={schedule.name}, "
         f"{schedule.num_microbatches} micro-batches, predicted bubble {prediction.bubble:.1%} "
-        f"({prediction.basis}){step}{note}\n{table}"
+        f"({prediction.basis}){step}{note}\n{table}{memory}"
     )
+
+
+def format_memory(memory: tuple[RankMemory, ...], setting: MemorySetting) -> str:
+    """The predicted tensor memory per pipeline rank (MB): parameters, gradients and optimizer
+    state resident between steps, then the in-step peak by category (parameters there include
+    the unsharded copy that ``parallel.shard=full`` all-gathers), and both totals."""
+    heads = ["rank", "params", "grads", "optimizer", "peak: params", "grads", "optimizer", "activations", "comm",
+             "tensor MB resident", "tensor MB peak"]
+    rows = [[str(r), *(f"{v / 1e6:.2f}" for v in m.resident.as_tuple()[:3]),
+             *(f"{v / 1e6:.2f}" for v in m.peak.as_tuple()), f"{m.resident.total / 1e6:.2f}", f"{m.peak.total / 1e6:.2f}"]
+            for r, m in enumerate(memory)]
+    widths = [max(len(h), *(len(row[k]) for row in rows)) for k, h in enumerate(heads)]
+    lines = [f"predicted tensor memory per pipeline rank (MB; parallel.shard={setting.shard}, dp={setting.dp}): "
+             "resident between steps, then at the in-step peak"]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [heads, *rows]]
+    return "\n".join(lines)

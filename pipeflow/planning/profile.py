@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,6 +40,9 @@ class LayerProfile:
             parameters.
         output_bytes: bytes of the layer's output tensors (what goes to the next stage when a
             stage ends here).
+        loss_bytes: on the last layer, profiled with a target: what the model's loss keeps for
+            backward beyond the layer's outputs and the target (cross-entropy: the
+            log-probabilities); None when not measured.
         cpu_fraction: CPU time of the process over wall time while the layer ran (0 for a layer
             that waits, about 1 for one thread computing, more for several); how much cores shared
             with other ranks slow it down (`pipeflow.planning.step_model`).
@@ -54,6 +57,7 @@ class LayerProfile:
     input_grad_s: float = 0.0
     weight_grad_s: float = 0.0
     output_bytes: int = 0
+    loss_bytes: int | None = None
     cpu_fraction: float = 1.0
 
     @property
@@ -157,6 +161,7 @@ def profile_layers(
     dtype: torch.dtype | None = None,
     repeats: int = 3,
     split_backward: bool = False,
+    sample_target: Any = None,
 ) -> list[LayerProfile]:
     """Profile every layer in order, the sample flowing through them, one layer alive at a time.
 
@@ -174,6 +179,8 @@ def profile_layers(
         split_backward: also time the backward split as the zero-bubble schedules run it: the
             input-grad half (B) then the weight-grad half (W), into ``input_grad_s`` and
             ``weight_grad_s`` (costs `repeats` more forwards per layer).
+        sample_target: the micro-batch's targets: the last layer's ``loss_bytes`` is then what
+            ``spec.loss_fn`` keeps for backward on its outputs.
 
     Returns:
         One `LayerProfile` per layer, in order.
@@ -189,7 +196,24 @@ def profile_layers(
     for index in range(len(spec)):
         profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats, split_backward)
         profiles.append(profile)
+    if sample_target is not None and profiles and spec.loss_fn is not None:
+        target = sample_target.to(device) if isinstance(sample_target, Tensor) else sample_target
+        profiles[-1] = replace(profiles[-1], loss_bytes=_loss_bytes(spec.loss_fn, inputs, target))
     return profiles
+
+
+def _loss_bytes(loss_fn: Callable[[Any, Any], Tensor], outputs: tuple, target: Any) -> int:
+    """Bytes the loss saves for backward, the outputs' and the target's storages excluded."""
+    skip = {_storage_key(t) for t in (*outputs, target) if isinstance(t, Tensor)}
+    seen: dict[tuple[str, int], int] = {}
+
+    def pack(t: Tensor) -> Tensor:
+        seen.setdefault(_storage_key(t), _storage_bytes(t))
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)
+    return sum(n for key, n in seen.items() if key not in skip)
 
 
 def _profile_one(

@@ -7,9 +7,10 @@ S = p * v stages, L = layers, b = micro-batch size (samples).
 The per-layer costs are a function of b (`CostModel`), since the planner compares micro-batch
 counts: the costs of stage s are the sums over its layers.  A schedule that splits the backward
 (has W actions) is charged F, B = ``input_grad_s`` and W = ``weight_grad_s``; the others F and a
-full backward ``backward_s``.  A rank's memory is its stages' parameters x (weights, grads and
-``optimizer_factor`` optimizer states) plus the most activation bytes it holds at once, walking
-its actions in order (an F adds its stage's activation bytes, the last backward half frees them).
+full backward ``backward_s``.  A rank's memory is its tensor bytes at their peak
+(`pipeflow.schedules.memory.tensor_memory`): its stages' parameters, grads and
+``optimizer_factor`` optimizer states, plus the activation bytes it holds, walking its actions
+in order (an F adds its stage's activation bytes, the last backward half frees them).
 """
 from __future__ import annotations
 
@@ -25,8 +26,7 @@ from pipeflow.planning.profile import action_costs, stage_costs
 from pipeflow.planning.step_model import HostShare, simulate_shared, stage_cpu
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate, synthesize
 from pipeflow.schedules.auto import AUTO
-from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
-from pipeflow.schedules.memory import stage_inflight
+from pipeflow.schedules.memory import StageBytes, stage_inflight, tensor_memory
 
 if TYPE_CHECKING:
     from pipeflow.planning.profile import LayerProfile
@@ -47,6 +47,8 @@ class SearchSpace:
         splits: ``balanced`` (the time-balanced, the memory-balanced and the uniform split) or
             ``all`` (every contiguous split: brute force, for small models).
         max_splits: the most splits ``all`` may try per (schedule, m, v).
+        dp, shard: what the memory estimate assumes: ``parallel.dp`` replicas of each stage and
+            ``parallel.shard`` (none | optimizer | full; see `rank_memory`).
     """
 
     schedules: tuple[str, ...]
@@ -54,6 +56,8 @@ class SearchSpace:
     chunks: tuple[int, ...] = (1, 2, 3, 4)
     splits: str = "balanced"
     max_splits: int = 2000
+    dp: int = 1
+    shard: str = "none"
 
 
 @dataclass(frozen=True)
@@ -201,10 +205,10 @@ def search(
         for ranges in splits:
             if name == AUTO:  # synthesised for this split's costs, at a few memory limits
                 cands = _auto_candidates(num_ranks, m, v, ranges, profiles, optimizer_factor, (latency, action_overhead_s),
-                                         model)
+                                         model, (space.dp, space.shard))
             else:
                 cands = [_evaluate(schedule, programs, ranges, profiles, optimizer_factor,
-                                   (latency, action_overhead_s), takes_chunks, weighted, model)]
+                                   (latency, action_overhead_s), takes_chunks, weighted, model, (space.dp, space.shard))]
             for cand in cands:
                 fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
                 (result.candidates if fits else result.over_memory).append(cand)
@@ -283,14 +287,14 @@ def auto_limits(num_ranks: int) -> list[float]:
 
 def _auto_candidates(
     p: int, m: int, v: int, ranges: list[range], profiles: Sequence[LayerProfile], optimizer_factor: float,
-    overheads: tuple[float, float], model: StepModel,
+    overheads: tuple[float, float], model: StepModel, sharding: tuple[int, str] = (1, "none"),
 ) -> list[Candidate]:
     costs = stage_costs(ranges, profiles)
     out = []
     for limit in auto_limits(p):
         schedule = synthesize(p, m, v, costs, overheads[0], limit).chosen.schedule
         cand = _evaluate(schedule, lower(schedule, model.posting), ranges, profiles, optimizer_factor, overheads, True,
-                         schedule.split_backwards(), model)
+                         schedule.split_backwards(), model, sharding)
         out.append(replace(cand, max_activations=limit))
     return out
 
@@ -298,10 +302,11 @@ def _auto_candidates(
 def _evaluate(
     schedule: PipelineSchedule, programs: list, ranges: list[range], profiles: Sequence[LayerProfile],
     optimizer_factor: float, overheads: tuple[float, float], takes_chunks: bool,
-    weighted: set[tuple[int, int]], model: StepModel | None = None,
+    weighted: set[tuple[int, int]], model: StepModel | None = None, sharding: tuple[int, str] = (1, "none"),
 ) -> Candidate:
     """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
-    schedule's `split_backwards()`, computed once per schedule by the caller)."""
+    schedule's `split_backwards()`, computed once per schedule by the caller; `sharding`: dp
+    and ``parallel.shard``)."""
     comm_s, action_s = overheads
     model = model or StepModel()
     cost = action_costs(ranges, profiles, schedule, action_s, weighted)
@@ -318,7 +323,8 @@ def _evaluate(
         schedule=schedule.name, num_microbatches=schedule.num_microbatches,
         stages_per_rank=schedule.num_stages // schedule.num_ranks,
         split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan + model.tail_s, bubble=sim.bubble,
-        rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted)),
+        rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted,
+                                     dp=sharding[0], shard=sharding[1])),
         takes_chunks=takes_chunks,
     )
 
@@ -326,25 +332,16 @@ def _evaluate(
 def rank_memory(
     schedule: PipelineSchedule, param_bytes: Sequence[float], act_bytes: Sequence[float],
     optimizer_factor: float = 2.0, weighted: set[tuple[int, int]] | None = None,
-    microbatch_sizes: Sequence[float] | None = None,
+    microbatch_sizes: Sequence[float] | None = None, dp: int = 1, shard: str = "none",
 ) -> list[float]:
-    """Peak bytes of each rank: its stages' parameters, grads and optimizer state, plus the most
-    activation bytes held at once in its action order (see the module docstring).  `weighted`:
-    ``schedule.split_backwards()`` when the caller already has it.  `microbatch_sizes`: each
-    micro-batch's size relative to the one `act_bytes` was profiled on (variable lengths: its
-    tokens over the sample's); which micro-batches are in flight together then matters."""
-    split = schedule.split_backwards() if weighted is None else weighted
-    sizes = microbatch_sizes or [1.0] * schedule.num_microbatches
-    memory = []
-    for r, acts in enumerate(schedule.actions):
-        held = peak = 0.0
-        for a in acts:
-            if a.kind == FORWARD:
-                held += act_bytes[a.stage] * sizes[a.microbatch]
-                peak = max(peak, held)
-            elif a.kind == WEIGHT or (a.kind == BACKWARD and (a.stage, a.microbatch) not in split):
-                held -= act_bytes[a.stage] * sizes[a.microbatch]
-        mine = [s for s, owner in enumerate(schedule.stage_to_rank) if owner == r]
-        memory.append(math.fsum(param_bytes[s] for s in mine) * (2.0 + optimizer_factor) + peak)
-    return memory
-
+    """Peak tensor bytes of each rank (`pipeflow.schedules.memory.tensor_memory`, comm buffers
+    left out): its stages' parameters, grads (from their first backward on) and optimizer state
+    under `shard` over `dp` replicas (``optimizer``: the state / dp; ``full``: all three / dp
+    between steps, the unsharded parameters and gradients added during the step), plus the activation bytes held, sampled after every action
+    in its order.  `weighted` is accepted for callers that have ``schedule.split_backwards()``
+    (unused).  `microbatch_sizes`: each micro-batch's size relative to the one `act_bytes` was
+    profiled on (variable lengths: its tokens over the sample's); which micro-batches are in
+    flight together then matters."""
+    stages = [StageBytes(p, a) for p, a in zip(param_bytes, act_bytes)]
+    memory = tensor_memory(schedule, stages, optimizer_factor, dp, shard, microbatch_sizes=microbatch_sizes)
+    return [m.peak.total for m in memory]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import platform
 
@@ -34,15 +35,20 @@ from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
-from pipeflow.runtime.mesh import GradReducer, build_mesh
+from pipeflow.runtime.fsdp import FullShard
+from pipeflow.runtime.memory import MemoryAccountant
+from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
 from pipeflow.runtime.stage import build_stages, layers_by_index
-from pipeflow.runtime.tied import TiedWeights
+from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
+from pipeflow.runtime.zero import build_optimizer
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
 from pipeflow.schedules.auto import AUTO, write_schedule
+
+log = logging.getLogger("pipeflow")
 
 
 def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
@@ -75,8 +81,17 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, rank))
     comm.warmup()  # ranks may still be starting: the first-step deadline
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
-    sample = split_microbatches(shard(batches.train.get(0), 0, dp)[0], m)[0]
-    layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype)
+    first = shard(batches.train.get(0), 0, dp)
+    sample, sample_target = split_microbatches(first[0], m)[0], split_microbatches(first[1], m)[0]
+    # auto's choice is made by the whole world (every replica alike, so no replica waits on a
+    # slower setting) and within about a quarter of the run, so short runs and sweeps measure
+    # the chosen setting for most of their steps
+    posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
+                      agree_over_world=True)
+    layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype, dp=dp,
+                           shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
+                           lowering=posting.options(not comm.independent_ops)[0],
+                           evaluates=cfg.train.eval_batches > 0, sample_target=sample_target)
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
         transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))
@@ -87,28 +102,24 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     guard.check_same_program(schedule, layout.ranges)
     stages = build_stages(spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
                           compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
+    sharding = full_shard(cfg, spec, stages, layout.ranges, mesh)  # before anything holds the parameters
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
     for group in tied.groups():
         deadlines.own(group)
     tied.sync_initial_values()
-    reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 else None
-    # auto's choice is made by the whole world (every replica alike, so no replica waits on a
-    # slower setting) and within about a quarter of the run, so short runs and sweeps measure
-    # the chosen setting for most of their steps
-    posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
-                      agree_over_world=True)
+    reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 and sharding is None else None
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
-                        reducer.stage_ready if reducer is not None else None)
+                        reducer.stage_ready if reducer is not None else None, sharding)
     params = unique_parameters(stage.parameters() for stage in stages.values())
     if layout.profiles is not None:  # the whole step: the runtime's own costs, measured here (collective)
         boundary = stage_boundary_bytes(layout.ranges, layout.profiles)
         costs = measure_step_costs(comm, posting.options(not comm.independent_ops)[0], params, boundary, pp,
                                    mesh.dp_group, dp)
         layout = with_step_costs(layout, schedule, costs)
-    optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                                  weight_decay=cfg.optim.weight_decay)
+    optimizer = build_optimizer(params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0, lr=cfg.optim.lr,
+                                betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
     faults = install_from_env(stages, rank, dist.get_world_size())  # PIPEFLOW_FAULT_INJECT (tests, drills)
     # after the injector: its forward hook must see what the injected fault did
     finite = FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None
@@ -128,7 +139,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,
         reducer=reducer, scaler=LossScaler(cfg.train.precision == "fp16"),
         finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
-        workspace=workspace,
+        workspace=workspace, memory=MemoryAccountant(stages, optimizer, device),
     )
 
 
@@ -146,6 +157,17 @@ def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device
         "ranges": [[r.start, r.stop] for r in layout.ranges],
         "profiles": None if layout.profiles is None else [dataclasses.asdict(p) for p in layout.profiles],
     }
+def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[range], mesh: Mesh) -> FullShard | None:
+    """``parallel.shard=full`` with dp > 1: this rank's stages sharded over their dp group (FSDP2),
+    tied copies on this rank made one parameter first; None otherwise (at dp = 1 nothing to shard)."""
+    if OmegaConf.select(cfg, "parallel.shard", default="none") != "full":
+        return None
+    if mesh.dp == 1:
+        if dist.get_rank() == 0:
+            log.info("parallel.shard=full with parallel.dp=1: one replica, nothing to shard; parameters stay whole")
+        return None
+    tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
+    return FullShard(stages, mesh.device_mesh["dp"])
 
 
 def shape_mode(cfg: DictConfig, chunks: int) -> str:

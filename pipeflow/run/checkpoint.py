@@ -5,8 +5,13 @@ layer-indexed names that do not depend on the layout: ``model.layers.<i>.<name>`
 ``state_dict()`` entries and ``optim.layers.<i>.<param>.<field>`` for its AdamW state.  Each
 rank writes the layers it holds (DCP keeps one copy of what dp replicas or tied copies hold
 twice) and loads the layers it holds now, whatever the layout was, so a pp=4 run resumes with
-pp=2 or pp=1 and another dp.  Beside them: ``meta.json`` (step, loss scale, layout) and each
-rank's RNG states.  The data position is the step: batch k is a pure function of k.
+pp=2 or pp=1, another dp and another ``parallel.shard`` (with ZeRO-1 a rank writes and loads
+the AdamW state of the parameters it owns only, under the same names; with ``full`` the
+parameters and their AdamW state are DTensors sharded over each stage's dp group, which DCP
+writes shard by shard under the same names, their global shapes in its metadata, and loads into
+whatever the resuming run holds, shards or whole tensors; the export is the same).  Beside them:
+``meta.json`` (step, loss scale, layout) and each rank's RNG states.  The data position is the
+step: batch k is a pure function of k.
 
 Atomicity: every rank writes into ``step_<n>.<job>.tmp`` (``<job>``: the token of the job that
 holds the run directory's lock, :mod:`pipeflow.run.lock`); after a barrier the ranks hash every
@@ -46,6 +51,7 @@ from pipeflow.run import integrity
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
     LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
 )
+from pipeflow.runtime.zero import local_optimizer
 
 log = logging.getLogger("pipeflow")
 
@@ -69,14 +75,17 @@ def model_state(layers: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
 def optimizer_state(optimizer: torch.optim.Optimizer, layers: dict[int, nn.Module], fill: bool) -> dict[str, torch.Tensor]:
     """AdamW state under ``optim.<param name>.<field>``, every name of a parameter when saving.
 
-    With `fill` (loading), missing state is created as zeros to be loaded into, and each
-    parameter appears under its first name only.
+    Only the state this rank holds: with ``parallel.shard=optimizer`` (ZeRO-1) that of the
+    parameters it owns, so every entry is saved from, and loaded into, its owner alone.  With
+    `fill` (loading), missing state is created as zeros to be loaded into, and each parameter
+    appears under its first name only.
     """
     names = param_names(layers)
+    local = local_optimizer(optimizer)
     out: dict[str, torch.Tensor] = {}
-    for group in optimizer.param_groups:
+    for group in local.param_groups:
         for p in group["params"]:
-            state = optimizer.state[p]
+            state = local.state[p]
             if fill and not state:
                 state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             if not state:
@@ -183,7 +192,7 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
     _check_model(path, model, saved)
     optim = optimizer_state(optimizer, layers, fill=True)
     if any(key not in saved for key in optim):  # saved before any optimizer step (e.g. all fp16 steps skipped)
-        optimizer.state.clear()
+        local_optimizer(optimizer).state.clear()
         optim = {}
     integrity.call_named(lambda: dcp.load({**model, **optim}, checkpoint_id=path), f"loading checkpoint {path}")
     if meta.get("world_size") == dist.get_world_size():

@@ -181,6 +181,9 @@ class MetricsConfig:
     log_every: int | None = None  # steps per log interval (console line + TensorBoard points); None: train.log_every
     trace_steps: list[int] = field(default_factory=list)  # e.g. [5]: every action of step 5 -> trace.json, timeline_step5.png
     progress_bar: bool = True  # tqdm bar on rank 0 (only when stderr is a terminal)
+    # steps whose tensor memory (params, grads, optimizer state, activations, comm buffers) is
+    # measured by category beside the prediction; [1]: the first step with optimizer state; []: off
+    memory_steps: list[int] = field(default_factory=lambda: [1])
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.data import build_batches
 from pipeflow.run.config import PlanConfig, register_configs, resolve_layout
@@ -96,7 +96,8 @@ def search_space(cfg: DictConfig, batch_size: int) -> SearchSpace:
     counts = plan.microbatches or [m for m in range(1, batch_size + 1) if batch_size % m == 0]
     if plan.max_chunks < 1:
         raise ConfigError(f"plan.max_chunks={plan.max_chunks} must be at least 1")
-    return SearchSpace(names, tuple(int(m) for m in counts), tuple(range(1, plan.max_chunks + 1)), plan.splits)
+    return SearchSpace(names, tuple(int(m) for m in counts), tuple(range(1, plan.max_chunks + 1)), plan.splits,
+                       dp=cfg.parallel.dp, shard=OmegaConf.select(cfg, "parallel.shard", default="none"))
 
 
 def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequence[str] = ()) -> tuple[PlanResult, str]:

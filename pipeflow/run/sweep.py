@@ -42,7 +42,14 @@ log = logging.getLogger("pipeflow")
 
 @dataclass
 class JobRecord:
-    """One finished job of a sweep: its overrides and what it measured (NaN: not measured)."""
+    """One finished job of a sweep: its overrides and what it measured (NaN: not measured).
+
+    Memory, per pipeline rank: ``tensor_mb`` measured and ``predicted_memory_mb`` predicted are
+    one quantity (tensor bytes, ``pipeflow.schedules.memory.TensorBytes``, at the in-step peak);
+    ``rss_mb`` is the process's peak RSS and ``allocator_peak_mb`` CUDA's max allocated (NaN off a
+    GPU); ``peak_memory_mb`` is the latter on a GPU, else the former (as TensorBoard's
+    ``stage/<r>/peak_memory_mb``).
+    """
 
     job: int
     overrides: str
@@ -56,6 +63,9 @@ class JobRecord:
     peak_memory_mb: list[float]
     predicted_memory_mb: list[float]
     final_loss: float
+    tensor_mb: list[float] = field(default_factory=list)
+    rss_mb: list[float] = field(default_factory=list)
+    allocator_peak_mb: list[float] = field(default_factory=list)
     calibrated_step_ms: float = math.nan  # the run's own costs re-simulated (pipeflow.planning.calibration)
 
 
@@ -199,12 +209,15 @@ def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> 
         bubble_predicted=float(result["bubble_predicted"]),
         predicted_step_ms=1e3 * prediction.step_s, peak_memory_mb=[float(x) for x in result["peak_memory_mb"]],
         predicted_memory_mb=[b / 1e6 for b in prediction.memory_bytes], final_loss=float(result["last_loss"]),
+        tensor_mb=[float(x) for x in result["tensor_mb"]], rss_mb=[float(x) for x in result["rss_mb"]],
+        allocator_peak_mb=[float(x) for x in result["allocator_peak_mb"]],
         calibrated_step_ms=1e3 * float(result.get("step_calibrated_s", math.nan)),
     )
 
 
 COLUMNS = ("job", "overrides", "samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms",
-           "calibrated_step_ms", "bubble_measured", "bubble_predicted", "peak_memory_mb", "predicted_memory_mb", "final_loss", "run_dir")
+           "calibrated_step_ms", "bubble_measured", "bubble_predicted", "tensor_mb", "predicted_memory_mb", "rss_mb",
+           "allocator_peak_mb", "peak_memory_mb", "final_loss", "run_dir")
 
 
 def sorted_records(state: SweepState) -> list[JobRecord]:
@@ -222,14 +235,17 @@ def _cell(value: Any, digits: int = 1) -> str:
 
 def format_table(state: SweepState) -> str:
     """The sweep as a Markdown table (fastest first) and the list of skipped jobs."""
-    heads = ["job", "overrides", "samples/s", "step (ms)", "predicted step (ms)", "calibrated step (ms)", "bubble measured",
-             "bubble predicted", "peak MB/rank", "predicted MB/rank", "final loss"]
+    gpu = any(math.isfinite(v) for r in state.records for v in r.allocator_peak_mb)
+    heads = ["job", "overrides", "samples/s", "step (ms)", "predicted step (ms)", "calibrated step (ms)",
+             "bubble measured", "bubble predicted", "tensor MB/rank measured", "tensor MB/rank predicted",
+             "process RSS MB/rank", *(["allocator peak MB/rank"] if gpu else []), "final loss"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in sorted_records(state):
         cells = [str(r.job), f"`{r.overrides}`", _cell(r.samples_per_s), _cell(r.step_time_ms),
                  _cell(r.predicted_step_ms), _cell(r.calibrated_step_ms),
-                 _pct(r.bubble_measured), _pct(r.bubble_predicted), _cell(r.peak_memory_mb),
-                 _cell(r.predicted_memory_mb), _cell(r.final_loss, 4)]
+                 _pct(r.bubble_measured), _pct(r.bubble_predicted), _cell(r.tensor_mb, 2),
+                 _cell(r.predicted_memory_mb, 2), _cell(r.rss_mb, 0),
+                 *([_cell(r.allocator_peak_mb)] if gpu else []), _cell(r.final_loss, 4)]
         lines.append("| " + " | ".join(cells) + " |")
     for job, text, why in state.skipped:
         lines.append(f"\nskipped job {job} (`{text}`): {why}")

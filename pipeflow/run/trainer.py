@@ -27,6 +27,8 @@ from pipeflow.run.workspace import Workspace
 from pipeflow.runtime import failures
 from pipeflow.runtime import finite as nonfinite
 from pipeflow.runtime.finite import FiniteCheck
+from pipeflow.runtime.fsdp import is_sharded, local
+from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, Mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import Posting
@@ -65,22 +67,25 @@ def clip_grad_norm_global(
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.  `extra` (e.g. the loss,
     non-zero on the last stage only) rides along in the same all-reduce.  Parameters whose id
     is in `skip` (copies of a tied parameter held elsewhere too) are scaled but not counted.
-    With data parallelism the group spans `replicas` identical copies of every gradient (after
-    their dp all-reduce): each counts 1/replicas, so one all-reduce over the world gives the
-    norm of one model.  A non-finite norm (fp16 overflow on any rank) is returned unclipped.
+    With data parallelism the group spans `replicas` identical copies of every replicated
+    gradient (after their dp all-reduce): each counts 1/replicas, while a gradient sharded over
+    the dp group (``parallel.shard=full``: a DTensor) counts its local shard once, so one
+    all-reduce over the world gives the norm of one model.  A non-finite norm (fp16 overflow on
+    any rank) is returned unclipped.
 
     Returns:
         (total norm before clipping, the all-reduced `extra`).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [local(p.grad) for p in params if p.grad is not None]
     counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
     device = extra.device
     # one norm per tensor (in its own dtype, half types accumulated in float32), squared and summed
-    # in float64: no float64 copy of any gradient
-    local = (torch.stack([_norm(g.detach()) for g in counted]).double().pow(2).sum() if counted
-             else torch.zeros((), dtype=torch.float64))
-    local = local / replicas if replicas > 1 else local
-    packed = torch.cat([local.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
+    # in float64: no float64 copy of any gradient.  A sharded gradient (parallel.shard=full) is
+    # counted by its local shard, once: the dp group holds each of its rows once, not `replicas` times
+    replicated = _sum_of_squares([g for g in counted if not is_sharded(g)])
+    total_sq = (replicated / replicas if replicas > 1 else replicated) + _sum_of_squares(
+        [local(g) for g in counted if is_sharded(g)])
+    packed = torch.cat([total_sq.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
     dist.all_reduce(packed, group=group)
     total = float(packed[0].sqrt())
     if max_norm > 0 and math.isfinite(total):
@@ -89,6 +94,13 @@ def clip_grad_norm_global(
             for g in grads:
                 g.mul_(coef)
     return total, packed[1:]
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the gradients' squared 2-norms, in float64 (0 for none)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([_norm(g.detach()) for g in grads]).double().pow(2).sum()
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:
@@ -115,6 +127,7 @@ class Trainer:
         scaler, finite, faults: the fp16 loss scaler, the optional non-finite check and fault injector.
         params, optimizer, metrics, run_dir: what is optimized, how, measured, and where written.
         workspace: the run directory's lock (released at the end of :meth:`fit`) and job token.
+        memory: counts this rank's tensor bytes on the steps ``metrics.memory_steps`` names.
     """
 
     cfg: DictConfig
@@ -139,6 +152,7 @@ class Trainer:
     metrics: RunMetrics
     run_dir: str
     workspace: Workspace | None = None  # the run directory's lock and this job's token
+    memory: MemoryAccountant | None = None
     history: list[float] = field(default_factory=list)  # the loss of every step this run trained
 
     @property
@@ -175,7 +189,7 @@ class Trainer:
                 f"checkpoint of step {step} not written: the weights of stage(s) {bad} hold NaN or Inf after the "
                 f"optimizer step (optim.lr={self.cfg.optim.lr} too large?); latest still names the last good checkpoint"
             )
-        meta = {"dp": self.dp, "pp": self.mesh.pp, "scaler": self.scaler.state_dict()}
+        meta = {"dp": self.dp, "pp": self.mesh.pp, "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
         job = self.workspace.token if self.workspace is not None else ""
         return checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer,
                                meta, job=job)
@@ -195,7 +209,8 @@ class Trainer:
         meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer)
         self.scaler.load_state_dict(meta["scaler"])
         if self.is_main:
-            log.info("resumed from checkpoint %s at step %d (saved with dp=%s, pp=%s)", path, meta["step"], meta["dp"], meta["pp"])
+            log.info("resumed from checkpoint %s at step %d (saved with dp=%s, pp=%s, shard=%s)", path, meta["step"],
+                     meta["dp"], meta["pp"], meta.get("shard", "none"))
         return int(meta["step"])
 
     def describe(self) -> str:
@@ -229,7 +244,7 @@ class Trainer:
             weights = [self.dp * t.numel() / total for t in targets]
         return inputs, targets, weights
 
-    def forward_backward(self, step: int) -> tuple[float, float]:
+    def forward_backward(self, step: int, memory: MemoryAccountant | None = None) -> tuple[float, float]:
         """Gradients of batch `step`, reduced over ties and dp, unscaled and clipped, left in
         ``p.grad``; returns (loss, grad norm before clipping), the same on every rank.
 
@@ -237,12 +252,13 @@ class Trainer:
         not an fp16 overflow (finite loss, the loss scaler on) always stops the run here, on every
         rank (the norm is all-reduced), naming the stages.  With ``train.check_finite`` the
         per-layer flags ride in the grad-norm all-reduce and name where NaN first appeared.
+        With `memory` the pipeline samples this step's tensor bytes after every action.
 
         Raises:
             NonFiniteError: NaN/Inf that the loss scaler does not explain.
         """
         inputs, targets, weights = self._microbatches(self.batches.train, step)
-        loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights)
+        loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights, memory=memory)
         extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
         if self.finite is not None:  # before the dp and tie sums, which would spread a NaN to other stages
             extra = torch.cat([extra, self.finite.local_flags().to(extra.dtype)])
@@ -276,13 +292,18 @@ class Trainer:
             group["lr"] = lr
         if self.faults is not None:
             self.faults.step = step
+        memory = self.memory if self.memory is not None and self.metrics.memory.measures(step) else None
+        if memory is not None:
+            memory.begin()
         with failures.context(f"training step {step}"):
-            loss, norm = self.forward_backward(step)
+            loss, norm = self.forward_backward(step, memory)
         overflow = self.scaler.enabled and not math.isfinite(norm)
         scale, at_floor = self.scaler.scale, self.scaler.at_minimum
         if not overflow:
             self.optimizer.step()
         self.scaler.update(overflow)
+        if memory is not None:  # what stays: after the optimizer step, before the grads are released
+            self.metrics.memory_measured(step, memory.end(self.pipeline.comm_tensors()))
         if overflow and self.is_main:
             floor = (" - the scale is at its minimum, so a lower one cannot cure this: look for NaN/Inf in the "
                      "model, or use train.precision=bf16 (train.check_finite=true stops here)") if at_floor else ""
@@ -323,8 +344,8 @@ class Trainer:
         if self.is_main:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
-            log.info("mesh: dp=%d x pp=%d, precision=%s, activation checkpointing=%s", self.dp, self.mesh.pp,
-                     self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
+            log.info("mesh: dp=%d x pp=%d, shard=%s, precision=%s, activation checkpointing=%s", self.dp, self.mesh.pp,
+                     self.cfg.parallel.shard, self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
             lengths = sequence_lengths(self.cfg.data)
             if lengths is not None or self.pipeline.shapes.mode == "per_microbatch":
                 drawn = f"; sequence lengths drawn from {lengths[0]}..{lengths[1]}" if lengths is not None else ""

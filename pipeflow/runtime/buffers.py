@@ -71,6 +71,10 @@ class BufferPool:
             t.requires_grad_(False)
             self._free[(tuple(t.shape), t.dtype)].append(t)
 
+    def free_buffers(self) -> list[torch.Tensor]:
+        """The buffers waiting in the pool (memory held between passes)."""
+        return [t for ts in self._free.values() for t in ts]
+
     def end_pass(self) -> None:
         """Drop the free buffers of keys this pass did not take."""
         for key in [k for k in self._free if k not in self._taken]:

@@ -19,10 +19,13 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+SHARD = "shard"  # the kind of a sharded stage's gather (unshard) or reduction (reshard) event
+
 
 class TimedEvent(NamedTuple):
-    """One recorded interval on this rank: a batched call (kind ``comm``, post to completion)
-    or a compute action (kind ``F``, ``B`` or ``W``; name such as ``1F0``); seconds on the host's
+    """One recorded interval on this rank: a batched call (kind ``comm``, post to completion),
+    a compute action (kind ``F``, ``B`` or ``W``; name such as ``1F0``) or a sharded stage's
+    gather or reduction (kind ``shard``; name such as ``unshard 0``); seconds on the host's
     ``time.perf_counter`` axis (while recording, `start` and `end` are the clock's marks)."""
 
     kind: str

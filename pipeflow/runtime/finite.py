@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import NonFiniteError
+from pipeflow.runtime.fsdp import local
 from pipeflow.runtime.precision import LossScaler
 
 
@@ -62,7 +63,7 @@ class FiniteCheck:
         summed over the world; the next step starts from zeros."""
         S = self.num_stages
         for s, stage in self.stages.items():
-            grads = [p.grad.detach() for p in stage.parameters() if p.grad is not None]
+            grads = [local(p.grad.detach()) for p in stage.parameters() if p.grad is not None]
             if grads:  # isfinite, not a norm: a norm of large finite values can overflow
                 bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any()
                 self.flags[S + s] = bad.to(self.flags.dtype)
@@ -124,7 +125,7 @@ def stage_flags(stages: dict[int, Any], num_stages: int, device: torch.device, w
     flags = torch.zeros(num_stages, device=device)
     for s, stage in stages.items():
         tensors = [p.grad if what == "grads" else p for p in stage.parameters()]
-        tensors = [t.detach() for t in tensors if t is not None]
+        tensors = [local(t.detach()) for t in tensors if t is not None]
         if tensors:
             flags[s] = torch.stack([~torch.isfinite(t).all() for t in tensors]).any().to(flags.dtype)
     return flags

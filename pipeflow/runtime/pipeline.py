@@ -1,8 +1,10 @@
 """Interpreting one rank's lowered program: the only place where communication and compute meet.
 
-For every step of the program: post its one batched call (``step.ops``), wait for the posted
-ops it names (``step.waits``), run its compute action on the local Stage, then wait for the ops
-it names after (``step.after``: sends whose tensors are freed then).  Lowering wrote all of that
+For every step of the program: post its one batched call (``step.ops``), with
+``parallel.shard=full`` reduce and free the stages done (``step.reshard``) and start gathering
+those starting (``step.unshard``), wait for the posted ops it names (``step.waits``) and the
+gathers, run its compute action on the local Stage, then wait for the ops it names after
+(``step.after``: sends whose tensors are freed then).  Lowering wrote all of that
 into the steps; which lowering runs (rendezvous, NCCL's group, gloo's at_step or ahead) is the
 :class:`~pipeflow.runtime.posting.Posting`'s choice, and the simulator has proved each program
 before it runs.  Arrivals wait in an inbox keyed by (payload, micro-batch, stage).  Which
@@ -10,9 +12,10 @@ schedule produced the program is unknown here.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,7 +23,8 @@ import torch.distributed as dist
 from pipeflow.errors import CommError, PipeflowError, ScheduleError
 from pipeflow.runtime import failures
 from pipeflow.runtime.buffers import BufferPool
-from pipeflow.runtime.events import EventRecorder
+from pipeflow.runtime.events import SHARD, EventRecorder
+from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.shapes import ShapePlan
 from pipeflow.runtime.stage import Stage, Tensors
@@ -28,6 +32,9 @@ from pipeflow.runtime.transport import P2PComm
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
 from pipeflow.schedules.simulator import validate
+
+if TYPE_CHECKING:
+    from pipeflow.runtime.memory import MemoryAccountant
 
 # inbox/outbox keys: (payload, micro-batch, stage) with stage = receiver (inbox) or sender (outbox)
 Key = tuple[str, int, int]
@@ -55,6 +62,10 @@ class Pipeline:
         on_stage_grads_ready: called with a stage index as soon as that stage's weight
             gradients of the training step are complete (its last full backward or W), e.g. to
             start its data-parallel all-reduce while the cooldown still runs.
+        sharding: with ``parallel.shard=full``, the stages' FSDP2 units: the programs are lowered
+            with shard points (``Step.unshard``/``reshard``), which gather a stage's parameters
+            at its first action of a pass and reduce-scatter its gradients and free them after its
+            last (recorded as ``shard`` events).
     """
 
     def __init__(
@@ -66,8 +77,10 @@ class Pipeline:
         posting: Posting | None = None,
         recorder: EventRecorder | None = None,
         on_stage_grads_ready: Callable[[int], None] | None = None,
+        sharding: FullShard | None = None,
     ) -> None:
         self.stages = stages
+        self.sharding = sharding
         self.schedule = schedule
         self.comm = comm
         self.rank = comm.rank
@@ -93,7 +106,7 @@ class Pipeline:
         self._weights_left: dict[int, int] = {}
 
     def _checked_program(self, schedule: PipelineSchedule, posting: str) -> Program:
-        programs = lower(schedule, posting)
+        programs = lower(schedule, posting, shard=self.sharding is not None)
         validate(schedule, programs)
         return programs[self.rank]
 
@@ -103,7 +116,7 @@ class Pipeline:
     # ----------------------------------------------------------------------------- public API
     def run(
         self, inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None, grad_scale: float = 1.0,
-        loss_weights: Sequence[float] | None = None,
+        loss_weights: Sequence[float] | None = None, memory: MemoryAccountant | None = None,
     ) -> torch.Tensor | None:
         """One training step: forward and backward of every micro-batch, grads accumulated.
 
@@ -115,16 +128,20 @@ class Pipeline:
             loss_weights: what each micro-batch's mean loss is weighted by in the batch's (on
                 the last stage's rank): its share of the batch's loss elements, ``n_i / N``;
                 default ``1/m`` each (micro-batches alike).
+            memory: measure this step's tensor bytes: what autograd saves is tracked and the
+                accountant samples after every compute action (see ``pipeflow.runtime.memory``).
 
         Returns:
             On the rank holding the last stage, the full-batch loss (the micro-batch losses
             each weighted and summed); None elsewhere.
         """
-        self.shapes.prepare(inputs, self.schedule.num_microbatches)
+        self._prepare_shapes(inputs, self.schedule.num_microbatches)
         option = self.posting.for_training(self._coalescing)
         start = time.perf_counter()
         m = self.schedule.num_microbatches
-        self._execute(self.programs[option], inputs, targets, True, loss_weights or [1.0 / m] * m, grad_scale)
+        with memory.tracking() if memory is not None else contextlib.nullcontext():
+            self._execute(self.programs[option], inputs, targets, True, loss_weights or [1.0 / m] * m, grad_scale,
+                          memory)
         self.posting.record(option, time.perf_counter() - start, self._coalescing, self.comm.group, self.comm.device)
         return self._take_loss()
 
@@ -147,7 +164,7 @@ class Pipeline:
         if key not in self._eval_programs:
             schedule = forward_only(self.schedule.num_ranks, count, self.schedule.stage_to_rank)
             self._eval_programs[key] = self._checked_program(schedule, key[1])
-        self.shapes.prepare(inputs, count)
+        self._prepare_shapes(inputs, count)
         modes = [(mod, mod.training) for stage in self.stages.values() for mod in stage.module.modules()]
         for stage in self.stages.values():
             stage.module.train(False)  # BatchNorm uses running statistics, dropout is off
@@ -157,6 +174,22 @@ class Pipeline:
             for mod, mode in modes:
                 mod.training = mode
         return self._take_loss()
+
+    def comm_tensors(self, outbox: dict[Key, Tensors] | None = None,
+                     posted: dict[CommOp, _Posted] | None = None) -> list[torch.Tensor]:
+        """The transport's buffers now: the receive pool's free buffers, those lent to
+        micro-batches and, during a pass, the tensors queued for sending or posted."""
+        tensors = self.buffers.free_buffers() + [t for ts in self._lent.values() for t in ts]
+        tensors += [t for ts in (outbox or {}).values() for t in ts]
+        return tensors + [t for entry in (posted or {}).values() for t in entry.tensors]
+
+    def _prepare_shapes(self, inputs: Sequence[Tensors] | None, count: int) -> None:
+        """Learn the pass's shapes; sharded stages are gathered first whenever the shape plan may
+        run trial forwards (the first pass, or every pass unless shapes are static: a rule every
+        dp replica follows alike, as the gathers are collective), and stay gathered into the pass."""
+        if self.sharding is not None and (self.shapes.mode != "static" or not self.shapes.edges):
+            self.sharding.unshard_all()
+        self.shapes.prepare(inputs, count)
 
     def _take_loss(self) -> torch.Tensor | None:
         last = self.stages.get(self.schedule.num_stages - 1)
@@ -171,6 +204,7 @@ class Pipeline:
         train: bool,
         loss_weights: Sequence[float],
         grad_scale: float = 1.0,
+        memory: MemoryAccountant | None = None,
     ) -> None:
         """Interpret `program`: per step post its ops, wait for its waits, compute, wait for its after.
 
@@ -185,14 +219,27 @@ class Pipeline:
         for k, step in enumerate(program):
             t0 = recorder.mark() if recorder is not None else None
             self._post(step, outbox, posted, program, k)
+            gathers = ()
+            if step.unshard or step.reshard:  # its own events: the comm event restarts after them
+                if recorder is not None and step.ops:
+                    recorder.record("comm", step.ops_text, t0, recorder.mark())
+                gathers = self._shard_points(step, train, recorder)
+                t0 = recorder.mark() if recorder is not None else None
             self._wait(step.waits, posted, inbox, program, k)
             if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
                 recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
+            if gathers:
+                t0 = recorder.mark() if recorder is not None else None
+                self.sharding.wait(gathers)
+                if recorder is not None:
+                    recorder.record(SHARD, f"unshard {','.join(map(str, step.unshard))}", t0, recorder.mark())
             if step.action is not None:
                 t1 = recorder.mark() if recorder is not None else None
                 self._compute(step, inbox, outbox, inputs, targets, loss_weights, train, grad_scale)
                 if recorder is not None:
                     recorder.record(step.action.kind, str(step.action), t1, recorder.mark())
+                if memory is not None:  # after the recorder: the action's time does not include it
+                    memory.sample(self.comm_tensors(outbox, posted), (inputs, targets))
             if step.after:  # by now the peer has long posted its recvs; the sent tensors are freed
                 t0 = recorder.mark() if recorder is not None else None
                 self._wait(step.after, posted, inbox, program, k, after=True)
@@ -204,6 +251,18 @@ class Pipeline:
         if inbox or outbox or posted:
             left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
+
+    def _shard_points(self, step: Step, train: bool, recorder: EventRecorder | None) -> list:
+        """Reduce and free the stages done (``step.reshard``), then start gathering the stages this
+        step's action needs (``step.unshard``); returns the gathers to wait for before it."""
+        assert self.sharding is not None
+        if step.reshard:
+            t0 = recorder.mark() if recorder is not None else None
+            self.sharding.reshard(step.reshard, train)
+            if recorder is not None:
+                what = "reduce-scatter + reshard" if train else "reshard"
+                recorder.record(SHARD, f"{what} {','.join(map(str, step.reshard))}", t0, recorder.mark())
+        return self.sharding.unshard(step.unshard) if step.unshard else []
 
     def _post(
         self, step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted], program: Program, k: int

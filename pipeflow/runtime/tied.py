@@ -4,6 +4,10 @@ A tie is declared once in the ModelSpec (``spec.tied``). Copies held by one rank
 Parameter; copies on different ranks start equal (broadcast from the rank of the first member)
 and, every step, their gradients are summed over a process group of just those ranks, so the
 pipelined model equals the unsplit model in which the parameter is a single tensor.
+
+With ``parallel.shard=full`` a copy is a DTensor sharded on dim 0 over its dp group; the copies
+of a tie group all sit at the same dp coordinate, so their local shards hold the same rows and
+are broadcast and summed shard by shard.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from torch import nn
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
+from pipeflow.runtime.fsdp import local
 
 
 def _get_param(module: nn.Module, path: str) -> nn.Parameter:
@@ -108,7 +113,7 @@ class TiedWeights:
         for tie in self.ties:
             if tie.group is not None:
                 with torch.no_grad():
-                    dist.broadcast(tie.param.data, src=tie.source, group=tie.group)
+                    dist.broadcast(local(tie.param.data), src=tie.source, group=tie.group)
 
     def reduce_grads(self) -> None:
         """Sum each tied parameter's gradient over the ranks holding a copy."""
@@ -117,7 +122,7 @@ class TiedWeights:
                 continue
             if tie.param.grad is None:
                 tie.param.grad = torch.zeros_like(tie.param)
-            dist.all_reduce(tie.param.grad, group=tie.group)
+            dist.all_reduce(local(tie.param.grad), group=tie.group)
 
     def duplicates(self) -> set[int]:
         """ids of this rank's copies that must not count again in the global grad norm."""

@@ -128,6 +128,14 @@ class Step:
 
     `backward_weights` only matters for B actions: True when this B must also accumulate the
     weight gradients (no W action follows for the same stage and micro-batch).
+
+    With sharded parameters (``parallel.shard=full``), once the step's ops are posted, `reshard`
+    names the stages done for the pass (their last action ran in an earlier step) whose
+    gradients are now reduce-scattered (training) and whose full parameters are freed, and
+    `unshard` the stages whose parameters are then all-gathered for this step's action (waited
+    for with `waits`): each stage of a rank once per pass, at its first action and at the step
+    after its last (:func:`~pipeflow.schedules.lowering.shard_points`).  Both are empty without
+    sharding.
     """
 
     ops: tuple[CommOp, ...]
@@ -135,6 +143,8 @@ class Step:
     backward_weights: bool = True
     waits: tuple[CommOp, ...] | None = None
     after: tuple[CommOp, ...] = ()
+    unshard: tuple[int, ...] = ()
+    reshard: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.waits is None:
@@ -147,7 +157,10 @@ class Step:
 
     def __str__(self) -> str:
         ops = " ".join(str(op) for op in self.ops)
-        return f"[{ops}] {self.action if self.action is not None else '-'}"
+        text = f"[{ops}] {self.action if self.action is not None else '-'}"
+        if self.unshard:
+            text = f"unshard{list(self.unshard)} {text}"
+        return f"reshard{list(self.reshard)} {text}" if self.reshard else text
 
 
 Program = list[Step]

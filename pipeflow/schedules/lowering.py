@@ -43,9 +43,30 @@ waited for is a lowering option, written into every step (``Step.ops``, ``waits`
 
 Each only delays waits and advances posts relative to ``rendezvous``, so the proof carries
 over; the simulator checks every option's programs anyway.
+
+Sharded parameters (``lower(..., shard=True)``, ``parallel.shard=full``).  Each stage's
+parameters are gathered once per pass and freed once: :func:`shard_points` marks the step of a
+stage's first action on its rank with ``unshard`` (its parameters all-gathered before that
+action) and the step after its last action with ``reshard`` (its gradients reduce-scattered
+over the data-parallel group and its full parameters freed, once that step has posted its ops:
+the sends of the stage's last action are on their way first, so the reduction never holds back
+the neighbour waiting for them).  In a training pass a stage's last action is its last B or W,
+so gradients are reduced once per step, never per micro-batch.
+
+Where this differs from torch.distributed.pipelining (``_add_unshard_reshard``, which keeps up
+to three stages of a rank gathered, prefetching the next ones, and reshards a stage only when
+it drops out of that window or at the program's end; ``REDUCE_GRAD`` right after the stage's
+last backward): here each stage is resharded and reduced in the step after its own last
+action, so an early-finishing stage (the first chunk of an interleaved rank) frees its
+parameters and reduces its gradients while the rank's other stages still run, and a stage is
+gathered at its first action rather than prefetched ahead of it, so a rank holds full
+parameters only for stages it has started and not finished (the gather still overlaps the
+waits of that step).  The points move no transfer: a program with them runs the same
+communication as one without.
 """
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_right
 from collections import defaultdict
 
@@ -87,12 +108,14 @@ def sends_produced(action: Action, schedule: PipelineSchedule) -> tuple[CommOp, 
 POSTINGS = ("rendezvous", "group", "at_step", "ahead")
 
 
-def lower(schedule: PipelineSchedule, posting: str = "rendezvous") -> list[Program]:
+def lower(schedule: PipelineSchedule, posting: str = "rendezvous", shard: bool = False) -> list[Program]:
     """Lower every rank's actions into its program of explicit steps.
 
     Args:
         schedule: the schedule.
         posting: when ops are posted and waited for, one of :data:`POSTINGS` (module docstring).
+        shard: mark where each stage's sharded parameters are gathered and freed
+            (:func:`shard_points`; ``parallel.shard=full``).  False leaves the steps as they are.
 
     Returns:
         ``programs[r]``: rank r's steps, the last one flushing the sends of its last action.
@@ -120,9 +143,29 @@ def lower(schedule: PipelineSchedule, posting: str = "rendezvous") -> list[Progr
             for k, action in enumerate(actions)
         ]
         programs.append(steps + ([Step(_sorted_ops(ops[-1]), None)] if ops[-1] else []))
-    if posting == "rendezvous":
-        return programs
-    return [_repost(program, posting) for program in programs]
+    if posting != "rendezvous":
+        programs = [_repost(program, posting) for program in programs]
+    return [shard_points(program) for program in programs] if shard else programs
+
+
+def shard_points(program: Program) -> Program:
+    """`program` with each of its stages unsharded at the step of the stage's first action and
+    resharded at the step after its last, once the ops of that step are posted (a step with
+    neither ops nor action is appended when the last action is the program's last step); see
+    the module docstring."""
+    first: dict[int, int] = {}
+    done: dict[int, int] = {}  # the step after the stage's last action
+    for k, step in enumerate(program):
+        if step.action is not None:
+            first.setdefault(step.action.stage, k)
+            done[step.action.stage] = k + 1
+    steps = list(program) + ([Step((), None)] if len(program) in done.values() else [])
+    return [
+        dataclasses.replace(step, unshard=tuple(s for s, at in first.items() if at == k),
+                            reshard=tuple(s for s, at in done.items() if at == k))
+        if k in first.values() or k in done.values() else step
+        for k, step in enumerate(steps)
+    ]
 
 
 def _repost(program: Program, posting: str) -> Program:

@@ -15,6 +15,7 @@ from pipeflow.schedules.ir import Action
 Timeline = Sequence[tuple[int, Action, float, float]]  # (rank, action, start, end)
 _CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
 _NAMES = {"F": "F forward", "B": "B backward", "W": "W weight grads"}
+_SHARD_COLOUR = "tab:purple"
 
 
 def chunk_colour(kind: str, chunk: int) -> tuple[float, float, float, float]:
@@ -32,6 +33,7 @@ def draw_timeline(
     waits: Sequence[tuple[int, float, float]] = (),
     xlabel: str = "time",
     unit: float = 1.0,
+    shards: Sequence[tuple[int, float, float]] = (),
 ) -> Path:
     """Draw a timeline of compute actions (simulated or measured) to an image file.
 
@@ -45,6 +47,8 @@ def draw_timeline(
         xlabel: the unit of the time axis.
         unit: the time of a typical action; the figure is as wide as the span in such units
             (1 for unit costs; a measured timeline passes its median action time).
+        shards: ``(rank, start, end)`` of the gathers and reductions of sharded stages
+            (``parallel.shard=full``), drawn as thin purple bars.
 
     Returns:
         The path written.
@@ -59,11 +63,13 @@ def draw_timeline(
     for rank, action, _, _ in timeline:
         stages[rank].add(action.stage)
     chunk = {(r, s): k for r, held in stages.items() for k, s in enumerate(sorted(held))}
-    end = max([stop for *_, stop in timeline] + [stop for *_, stop in waits], default=1.0)
+    end = max([stop for *_, stop in timeline] + [stop for *_, stop in [*waits, *shards]], default=1.0)
     width = min(28.0, max(8.0, 0.3 * end / max(unit, 1e-9) + 2))
     fig, ax = plt.subplots(figsize=(width, 0.55 * num_ranks + 1.6))
     for rank, start, stop in waits:
         ax.broken_barh([(start, stop - start)], (rank - 0.15, 0.3), facecolors="0.75", linewidth=0)
+    for rank, start, stop in shards:
+        ax.broken_barh([(start, stop - start)], (rank - 0.15, 0.3), facecolors=_SHARD_COLOUR, linewidth=0)
     for rank, action, start, stop in timeline:
         colour = chunk_colour(action.kind, chunk[rank, action.stage])
         ax.broken_barh([(start, stop - start)], (rank - 0.4, 0.8), facecolors=colour,
@@ -80,6 +86,7 @@ def draw_timeline(
     ax.set_axisbelow(True)
     chunks = max((len(held) for held in stages.values()), default=1)
     handles = _legend(timeline, chunks) + ([Patch(facecolor="0.75", label="comm (batched call)")] if waits else [])
+    handles += [Patch(facecolor=_SHARD_COLOUR, label="unshard / reduce-scatter + reshard")] if shards else []
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
               fontsize=7, frameon=False)
     fig.tight_layout()

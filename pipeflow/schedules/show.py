@@ -8,11 +8,14 @@ lists the keys)::
     python -m pipeflow.schedules.show schedule=interleaved_1f1b parallel.pp=4 \\
         pipeline.stages_per_rank=2 costs.F=1 costs.B=2 costs.W=1
     python -m pipeflow.schedules.show schedule=custom schedule.path=my_schedule.txt
+    python -m pipeflow.schedules.show schedule=zbv parallel.shard=full costs.shard=0.5
     python -m pipeflow.schedules.show --gallery docs/schedules   # every schedule, p=4, m=8
 
 ``pipeline.num_stages`` (or ``parallel.pp``) is the number of pipeline ranks p (default 4, m 8;
 a custom file gives its own).  Costs are per
-action; a B that also computes weight grads (no W scheduled) costs B + W.  The drawing itself is
+action; a B that also computes weight grads (no W scheduled) costs B + W.  ``parallel.shard=full``
+lowers with the shard points and draws each stage's gather and reduction (``costs.shard`` each,
+default 0).  The drawing itself is
 ``pipeflow.schedules.pictures``.
 """
 from __future__ import annotations
@@ -39,6 +42,8 @@ _KEYS = {
     "costs.F": "F",
     "costs.B": "B",
     "costs.W": "W",
+    "parallel.shard": "shard",
+    "costs.shard": "shard_cost",
 }
 
 
@@ -88,7 +93,7 @@ def _convert(key: str, value: str) -> object:
     try:
         if target in ("ranks", "microbatches", "stages_per_rank"):
             return int(value)
-        if target in ("F", "B", "W"):
+        if target in ("F", "B", "W", "shard_cost"):
             return float(value)
     except ValueError:
         raise ScheduleError(f"{key}={value!r}: expected a number") from None
@@ -110,7 +115,9 @@ def show(settings: dict[str, object]) -> tuple[Path, float]:
             settings.get("path"),  # type: ignore[arg-type]
         )
     costs = {kind: float(settings[kind]) for kind in "FBW" if kind in settings}  # type: ignore[arg-type]
-    result = simulate(schedule, costs=costs)
+    shard = settings.get("shard", "none") == "full"
+    cost = float(settings.get("shard_cost", 0.0))  # type: ignore[arg-type]
+    result = simulate(schedule, costs=costs, shard=shard, shard_cost=cost)
     p, S = schedule.num_ranks, schedule.num_stages
     layout = f"{S // p} stage{'s' if S > p else ''}/rank" if S % p == 0 else f"{S} stages"
     title = (
@@ -118,7 +125,8 @@ def show(settings: dict[str, object]) -> tuple[Path, float]:
         f"makespan {result.makespan:g}, bubble {result.bubble:.1%}"
     )
     out = Path(str(settings.get("out") or f"{name}.png"))
-    return draw_timeline(result.timeline, p, title, out), result.bubble
+    shards = [(rank, start, end) for rank, _, start, end in result.shard_timeline]
+    return draw_timeline(result.timeline, p, title, out, shards=shards), result.bubble
 
 
 def gallery(out_dir: str | Path, num_ranks: int = 4, num_microbatches: int = 8) -> list[Path]:

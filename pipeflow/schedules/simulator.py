@@ -40,6 +40,11 @@ class SimResult:
         events: ``events[r]``, rank r's ``(kind, name, start, end)`` as the runtime records them
             (``comm`` for a step's post and waits, the action's kind for its compute, ``comm``
             named ``sends of the step done`` for its ``after``), in program order.
+        peak_unsharded: ``peak_unsharded[r]``, most stages whose full (gathered) parameters
+            rank r holds at once: between a stage's ``unshard`` and ``reshard`` points
+            (``parallel.shard=full``); 0 for programs without them.
+        shard_timeline: ``(rank, what, start, end)`` of every gather (``unshard 0``) and
+            reduction (``reshard 0``) at the programs' shard points; empty without them.
     """
 
     makespan: float
@@ -48,6 +53,8 @@ class SimResult:
     peak_activations: list[int]
     timeline: list[tuple[int, Action, float, float]]
     peak_memory: list[float]
+    peak_unsharded: list[int] = field(default_factory=list)
+    shard_timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
     finish: list[float] = field(default_factory=list)
     events: list[list[tuple[str, str, float, float]]] = field(default_factory=list)
 
@@ -83,6 +90,8 @@ def simulate(
     posting: str = "rendezvous",
     microbatch_sizes: Sequence[float] | None = None,
     runtime: RuntimeCosts | None = None,
+    shard: bool = False,
+    shard_cost: float = 0.0,
 ) -> SimResult:
     """Interpret the per-rank programs as the runtime does, checking and measuring them.
 
@@ -105,6 +114,12 @@ def simulate(
             weighing it in ``peak_memory``; default 1 each.
         runtime: the runtime's own costs (per-op transfer, per-step overhead, posting, start
             offsets; :class:`RuntimeCosts`); its ``transfer`` replaces `comm_latency`.
+        shard: with `programs` None, lower with shard points (``lower(..., shard=True)``).
+        shard_cost: time of one stage's reduce-scatter and reshard (``reshard``: the rank is
+            busy with it right after posting the step's ops) and of one stage's all-gather
+            (``unshard``, started after those; the action starts no earlier than its end).
+            Programs with shard points are checked: every stage of a rank unsharded once at or
+            before its first action and resharded once after its last.
 
     Returns:
         The :class:`SimResult`.
@@ -116,7 +131,9 @@ def simulate(
     """
     if comm_latency < 0:
         raise ScheduleError(f"comm_latency must be >= 0, got {comm_latency}")
-    programs = lower(schedule, posting) if programs is None else programs
+    if shard_cost < 0:
+        raise ScheduleError(f"shard_cost must be >= 0, got {shard_cost}")
+    programs = lower(schedule, posting, shard=shard) if programs is None else programs
     _check_programs(schedule, programs)
     _check_channel_counts(programs)
     sizes = list(microbatch_sizes) if microbatch_sizes is not None else [1.0] * schedule.num_microbatches
@@ -125,7 +142,7 @@ def simulate(
     runtime = runtime or RuntimeCosts()
     if runtime.transfer is None:
         runtime = RuntimeCosts(lambda op: comm_latency, runtime.step_overhead, runtime.post, runtime.start)
-    return _Simulation(schedule, programs, _cost_function(costs), runtime, sizes).run()
+    return _Simulation(schedule, programs, _cost_function(costs), runtime, sizes, shard_cost).run()
 
 
 def validate(schedule: PipelineSchedule, programs: list[Program] | None = None, posting: str = "rendezvous") -> SimResult:
@@ -178,6 +195,34 @@ def _check_programs(schedule: PipelineSchedule, programs: list[Program]) -> None
     _raise_problems(f"incomplete schedule {name}", _completeness_problems(schedule, where))
     _raise_problems(f"inconsistent backward steps in {name}", _split_problems(programs, where))
     _raise_problems(f"inconsistent waits in {name}", [p for r, program in enumerate(programs) for p in _wait_problems(r, program)])
+    if any(step.unshard or step.reshard for program in programs for step in program):
+        _raise_problems(f"misplaced shard points in {name}",
+                        [p for r, program in enumerate(programs) for p in _shard_problems(r, program)])
+
+
+def _shard_problems(r: int, program: Program) -> list[str]:
+    """Each stage of rank r unsharded once, at or before its first action, and resharded once,
+    after its last; no shard point for a stage the rank does not run."""
+    acting: dict[int, list[int]] = defaultdict(list)
+    unshard: dict[int, list[int]] = defaultdict(list)
+    reshard: dict[int, list[int]] = defaultdict(list)
+    for k, step in enumerate(program):
+        if step.action is not None:
+            acting[step.action.stage].append(k)
+        for s in step.unshard:
+            unshard[s].append(k)
+        for s in step.reshard:
+            reshard[s].append(k)
+    problems = [f"rank {r}: stage {s} has shard points at steps {unshard[s] + reshard[s]} but no action here"
+                for s in sorted(set(unshard) | set(reshard)) if s not in acting]
+    for s, steps in sorted(acting.items()):
+        if len(unshard[s]) != 1 or unshard[s][0] > steps[0]:
+            problems.append(f"rank {r}: stage {s} is unsharded at steps {unshard[s]}; expected once, at or before "
+                            f"its first action (step {steps[0]})")
+        if len(reshard[s]) != 1 or reshard[s][0] <= steps[-1]:
+            problems.append(f"rank {r}: stage {s} is resharded at steps {reshard[s]}; expected once, after "
+                            f"its last action (step {steps[-1]})")
+    return problems
 
 
 def _action_problem(schedule: PipelineSchedule, r: int, k: int, action: Action) -> str:
@@ -317,11 +362,14 @@ class _Simulation:
 
     def __init__(
         self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, runtime: RuntimeCosts,
-        sizes: list[float],
+        sizes: list[float], shard_cost: float = 0.0,
     ) -> None:
         p = schedule.num_ranks
         self.schedule, self.programs, self.cost, self.sizes = schedule, programs, cost, sizes
         self.runtime, self.transfer = runtime, runtime.transfer
+        self.shard_cost = shard_cost
+        self.unsharded, self.peak_unsharded = [0] * p, [0] * p  # stages with gathered parameters
+        self.shard_timeline: list[tuple[int, str, float, float]] = []
         self.queues: dict[tuple[Channel, bool], list[_Posted]] = defaultdict(list)  # by is_send
         self.next_step, self.phase, self.busy = [0] * p, [_POST] * p, [0.0] * p
         self.clock = [runtime.of(runtime.start, r) for r in range(p)]
@@ -347,8 +395,8 @@ class _Simulation:
         makespan = max(self.clock, default=0.0)
         bubble = 1.0 - sum(self.busy) / (p * makespan) if makespan > 0 else 0.0
         self.timeline.sort(key=lambda entry: (entry[2], entry[0]))
-        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory, list(self.clock),
-                         self.events)
+        return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory, self.peak_unsharded,
+                         self.shard_timeline, list(self.clock), self.events)
 
     def _advance(self, r: int) -> bool:
         k = self.next_step[r]
@@ -362,16 +410,26 @@ class _Simulation:
                 self.posted[r][op] = self._post(_Posted(r, k, op, self.clock[r]))
             if step.ops:
                 self.clock[r] += self.runtime.of(self.runtime.post, r)
+            # the reductions of stages done (blocking), then the gathers for this action start,
+            # one after another (the action waits for the last in the WAIT phase)
+            c = self.shard_cost
+            for j, s in enumerate(step.reshard):
+                self.shard_timeline.append((r, f"reshard {s}", self.clock[r] + j * c, self.clock[r] + (j + 1) * c))
+            self.clock[r] += c * len(step.reshard)
+            for j, s in enumerate(step.unshard):
+                self.shard_timeline.append((r, f"unshard {s}", self.clock[r] + j * c, self.clock[r] + (j + 1) * c))
+            self.unsharded[r] += len(step.unshard) - len(step.reshard)
+            self.peak_unsharded[r] = max(self.peak_unsharded[r], self.unsharded[r])
             self.phase[r] = _WAIT
             return True
         done = self._wait(r, step.waits if phase == _WAIT else step.after)
         if done is None:
             return False
-        if phase == _WAIT:
+        if phase == _WAIT:  # the gathers started at the rank's clock, after the reductions
             if step.ops or step.waits:
                 self.events[r].append(("comm", step.ops_text or "; ".join(str(op) for op in step.waits),
                                        self.posted_at[r], done))
-            self._compute(r, k, step, done)
+            self._compute(r, k, step, max(done, self.clock[r] + self.shard_cost * len(step.unshard)))
             self.phase[r] = _AFTER
         else:
             if step.after:
