@@ -184,7 +184,7 @@ JOBS = {"default job (GPT)": [], "sleep-stages": ["model=sleep", "model.num_laye
 
 def predict(args: argparse.Namespace) -> None:
     """Part (b): measured step vs the start-of-run and the calibrated predictions, every schedule."""
-    rows = [f"p = {args.ranks}, m = {args.microbatches}, {args.steps} steps per run; measured = mean step over the "
+    rows = [f"p = {args.ranks}, m = {args.microbatches}, {args.steps} steps per run; measured = median step over the "
             "calibrated steps (2 on), from the run's calibration line; targets: calibrated within +-10%, "
             "start-of-run within +-25%", "",
             "| job | schedule | posting | measured (ms) | start-of-run (ms) | error | calibrated (ms) | error |",

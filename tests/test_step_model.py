@@ -18,7 +18,7 @@ MS = 1e-3
 
 
 def layers(n: int, cpu: float = 1.0) -> list[LayerProfile]:
-    return [LayerProfile(f"l{i}", 10, 40, MS, 2 * MS, 100, MS, MS, 4000, cpu) for i in range(n)]
+    return [LayerProfile(f"l{i}", 10, 40, MS, 2 * MS, 100, MS, MS, 4000, cpu_fraction=cpu) for i in range(n)]
 
 
 def plain_and_shared(share: HostShare, cpu: float = 1.0, name: str = "1f1b") -> tuple[float, float]:

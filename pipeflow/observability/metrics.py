@@ -181,11 +181,11 @@ class RunMetrics:
         """Write the traces, close the writer and the bar; returns the run's figures on every rank:
         ``samples_per_s``, ``tokens_per_s`` (None for non-token data), ``step_time_s`` (median),
         ``bubble_measured``, ``bubble_predicted``, ``peak_memory_mb`` (one per pipeline rank: the
-        allocator's peak on a GPU, else the process RSS), ``step_predicted_s`` (the start-of-run
-        prediction), ``step_calibrated_s`` (NaN without a calibration), ``finish_calibrated_s`` and
-        ``finish_measured_s`` (per pipeline rank), and the tensor memory figures of
+        allocator's peak on a GPU, else the process RSS), the tensor memory figures of
         ``pipeflow.observability.memory.MemoryMetrics.summary`` (``tensor_mb``,
-        ``tensor_predicted_mb``, ``rss_mb``, ``allocator_peak_mb``, ``memory_step``)."""
+        ``tensor_predicted_mb``, ``rss_mb``, ``allocator_peak_mb``, ``memory_step``),
+        ``step_predicted_s`` (the start-of-run prediction), ``step_calibrated_s`` (NaN without a
+        calibration), ``finish_calibrated_s`` and ``finish_measured_s`` (per pipeline rank)."""
         if self.bar is not None:
             self.bar.close()
         means, peaks = gather_figures(self.steady, self.steady_steps, self.pp_rank, self.num_pp, self.device)

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeflow.runtime.fsdp import local
 from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, SimResult, simulate
 from pipeflow.schedules.ir import Action, CommOp
 
@@ -181,7 +180,8 @@ def measure_tail_s(params: Sequence[torch.Tensor], device: torch.device, dp_grou
     """Seconds of what follows the pipeline on this rank: the grad-norm all-reduce over the world,
     the data-parallel all-reduce of its gradients (dp > 1), one AdamW step and zeroing the grads on
     a scratch copy of its parameters (the run's are untouched).  Collective over the world."""
-    scratch = [nn.Parameter(local(p).detach().clone()) for p in params]  # a sharded parameter: its shard
+    # a sharded parameter (DTensor) is timed by its local shard, which is what this rank steps
+    scratch = [nn.Parameter((p.to_local() if hasattr(p, "to_local") else p).detach().clone()) for p in params]
     tail = measure_optimizer_s(scratch, device, repeats)
     one = torch.zeros(1, dtype=torch.float64, device=device)
     tail += _median_s(lambda: dist.all_reduce(one), device, repeats)

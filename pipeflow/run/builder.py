@@ -143,19 +143,6 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     )
 
 
-def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[range], mesh: Mesh) -> FullShard | None:
-    """``parallel.shard=full`` with dp > 1: this rank's stages sharded over their dp group (FSDP2),
-    tied copies on this rank made one parameter first; None otherwise (at dp = 1 nothing to shard)."""
-    if OmegaConf.select(cfg, "parallel.shard", default="none") != "full":
-        return None
-    if mesh.dp == 1:
-        if dist.get_rank() == 0:
-            log.info("parallel.shard=full with parallel.dp=1: one replica, nothing to shard; parameters stay whole")
-        return None
-    tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
-    return FullShard(stages, mesh.device_mesh["dp"])
-
-
 def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device: torch.device, dp: int) -> dict:
     """What a run's measured costs belong to (written into its ``costs.json``): the machine, the
     model, the schedule and sizes, the partition and its layer profiles (for the planner)."""
@@ -170,6 +157,19 @@ def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device
         "ranges": [[r.start, r.stop] for r in layout.ranges],
         "profiles": None if layout.profiles is None else [dataclasses.asdict(p) for p in layout.profiles],
     }
+
+
+def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[range], mesh: Mesh) -> FullShard | None:
+    """``parallel.shard=full`` with dp > 1: this rank's stages sharded over their dp group (FSDP2),
+    tied copies on this rank made one parameter first; None otherwise (at dp = 1 nothing to shard)."""
+    if OmegaConf.select(cfg, "parallel.shard", default="none") != "full":
+        return None
+    if mesh.dp == 1:
+        if dist.get_rank() == 0:
+            log.info("parallel.shard=full with parallel.dp=1: one replica, nothing to shard; parameters stay whole")
+        return None
+    tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
+    return FullShard(stages, mesh.device_mesh["dp"])
 
 
 def shape_mode(cfg: DictConfig, chunks: int) -> str:

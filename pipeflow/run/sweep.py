@@ -216,8 +216,8 @@ def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> 
 
 
 COLUMNS = ("job", "overrides", "samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms",
-           "calibrated_step_ms", "bubble_measured", "bubble_predicted", "tensor_mb", "predicted_memory_mb", "rss_mb", "allocator_peak_mb",
-           "peak_memory_mb", "final_loss", "run_dir")
+           "calibrated_step_ms", "bubble_measured", "bubble_predicted", "tensor_mb", "predicted_memory_mb", "rss_mb",
+           "allocator_peak_mb", "peak_memory_mb", "final_loss", "run_dir")
 
 
 def sorted_records(state: SweepState) -> list[JobRecord]:
@@ -236,9 +236,9 @@ def _cell(value: Any, digits: int = 1) -> str:
 def format_table(state: SweepState) -> str:
     """The sweep as a Markdown table (fastest first) and the list of skipped jobs."""
     gpu = any(math.isfinite(v) for r in state.records for v in r.allocator_peak_mb)
-    heads = ["job", "overrides", "samples/s", "step (ms)", "predicted step (ms)", "calibrated step (ms)", "bubble measured",
-             "bubble predicted", "tensor MB/rank measured", "tensor MB/rank predicted", "process RSS MB/rank",
-             *(["allocator peak MB/rank"] if gpu else []), "final loss"]
+    heads = ["job", "overrides", "samples/s", "step (ms)", "predicted step (ms)", "calibrated step (ms)",
+             "bubble measured", "bubble predicted", "tensor MB/rank measured", "tensor MB/rank predicted",
+             "process RSS MB/rank", *(["allocator peak MB/rank"] if gpu else []), "final loss"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in sorted_records(state):
         cells = [str(r.job), f"`{r.overrides}`", _cell(r.samples_per_s), _cell(r.step_time_ms),

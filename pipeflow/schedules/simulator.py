@@ -36,15 +36,15 @@ class SimResult:
         peak_memory: ``peak_memory[r]``, the same pairs weighted by their micro-batch's size
             (``microbatch_sizes``; with sizes of 1, ``peak_activations``).
         timeline: ``(rank, action, start, end)`` of every compute action, by start time then rank.
+        finish: ``finish[r]``, when rank r's program ends.
+        events: ``events[r]``, rank r's ``(kind, name, start, end)`` as the runtime records them
+            (``comm`` for a step's post and waits, the action's kind for its compute, ``comm``
+            named ``sends of the step done`` for its ``after``), in program order.
         peak_unsharded: ``peak_unsharded[r]``, most stages whose full (gathered) parameters
             rank r holds at once: between a stage's ``unshard`` and ``reshard`` points
             (``parallel.shard=full``); 0 for programs without them.
         shard_timeline: ``(rank, what, start, end)`` of every gather (``unshard 0``) and
             reduction (``reshard 0``) at the programs' shard points; empty without them.
-        finish: ``finish[r]``, when rank r's program ends.
-        events: ``events[r]``, rank r's ``(kind, name, start, end)`` as the runtime records them
-            (``comm`` for a step's post and waits, the action's kind for its compute, ``comm``
-            named ``sends of the step done`` for its ``after``), in program order.
     """
 
     makespan: float
@@ -89,9 +89,9 @@ def simulate(
     comm_latency: float = 0.0,
     posting: str = "rendezvous",
     microbatch_sizes: Sequence[float] | None = None,
+    runtime: RuntimeCosts | None = None,
     shard: bool = False,
     shard_cost: float = 0.0,
-    runtime: RuntimeCosts | None = None,
 ) -> SimResult:
     """Interpret the per-rank programs as the runtime does, checking and measuring them.
 
@@ -112,14 +112,14 @@ def simulate(
             under rendezvous runs under them too, never later.
         microbatch_sizes: each micro-batch's activation size (variable lengths: its tokens),
             weighing it in ``peak_memory``; default 1 each.
+        runtime: the runtime's own costs (per-op transfer, per-step overhead, posting, start
+            offsets; :class:`RuntimeCosts`); its ``transfer`` replaces `comm_latency`.
         shard: with `programs` None, lower with shard points (``lower(..., shard=True)``).
         shard_cost: time of one stage's reduce-scatter and reshard (``reshard``: the rank is
             busy with it right after posting the step's ops) and of one stage's all-gather
             (``unshard``, started after those; the action starts no earlier than its end).
             Programs with shard points are checked: every stage of a rank unsharded once at or
             before its first action and resharded once after its last.
-        runtime: the runtime's own costs (per-op transfer, per-step overhead, posting, start
-            offsets; :class:`RuntimeCosts`); its ``transfer`` replaces `comm_latency`.
 
     Returns:
         The :class:`SimResult`.
@@ -425,11 +425,10 @@ class _Simulation:
         done = self._wait(r, step.waits if phase == _WAIT else step.after)
         if done is None:
             return False
-        if phase == _WAIT:
+        if phase == _WAIT:  # the gathers started at the rank's clock, after the reductions
             if step.ops or step.waits:
                 self.events[r].append(("comm", step.ops_text or "; ".join(str(op) for op in step.waits),
                                        self.posted_at[r], done))
-            # the gathers started at the rank's clock, after the reductions
             self._compute(r, k, step, max(done, self.clock[r] + self.shard_cost * len(step.unshard)))
             self.phase[r] = _AFTER
         else:
