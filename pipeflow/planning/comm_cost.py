@@ -25,26 +25,11 @@ _WARMUP = 5
 
 def measure_transfer_s(comm: Any, num_bytes: int, repeats: int = 10) -> float:
     """Seconds of one transfer of `num_bytes` between neighbouring pipeline ranks, measured on the
-    run's own pipeline group (collective over the world: every rank gets the same figure).
-
-    Each rank sends to the next and receives from the previous in one batched call (a ring, as
-    the pipeline's steady state does); the median of `repeats` timed calls after a warm-up, the
-    slowest rank's.  Zero for a pipeline of one rank.
-    """
-    if comm.size == 1:
-        return 0.0
-    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-    out = torch.zeros(max(1, num_bytes // 4), dtype=torch.float32, device=comm.device)
-    buf = torch.empty_like(out)
-    times = []
-    for k in range(_WARMUP + repeats):
-        start = time.perf_counter()
-        comm.exchange([(nxt, out)], [(prv, buf)], what="time a transfer for schedule=auto")
-        if k >= _WARMUP:
-            times.append(time.perf_counter() - start)
-    slowest = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64, device=comm.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest)
+    run's own pipeline group (collective over the world: every rank gets the same figure): the
+    slowest rank's median of both ring directions (:func:`measure_transfers` at that one size).
+    Zero for a pipeline of one rank."""
+    latency, per_byte, _ = measure_transfers(comm, [num_bytes], repeats)
+    return latency + per_byte * num_bytes
 
 
 def measure_transfers(comm: Any, sizes: list[int], repeats: int = 10, busy: bool = False) -> tuple[float, float, float]:
