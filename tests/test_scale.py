@@ -50,6 +50,11 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-full-zb_h1-clipped-actckpt": (2, "zb_h1", 2, {"parallel__shard": "full", "optim__grad_clip": CLIP,
                                                            "pipeline__checkpoint_activations": True}),
     "dp1xpp4-full": (1, "1f1b", 2, {"parallel__shard": "full"}),  # dp = 1: nothing to shard
+    # the start-of-run rehearsal (profiled layers, metrics.rehearse_steps) runs the stages on the
+    # first batch before step 0 and must leave no trace: no gradient, buffer or random draw
+    "dp2xpp2-zb_h1-rehearsed": (2, "zb_h1", 2, {"pipeline__profile": True, "metrics__rehearse_steps": 2}),
+    "dp1xpp4-variable-lengths-rehearsed": (1, "1f1b", 3, {"data__variable_lengths": True, "data__batch_size": 25,
+                                                          "pipeline__profile": True, "metrics__rehearse_steps": 2}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
         "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }
@@ -107,6 +112,7 @@ def test_mesh_training_equals_unsplit_model_on_global_batch(world, name: str) ->
         assert all(v["norm"] > 2 * CLIP for v in values)
     if "uneven" in name or "variable" in name:  # the builder chose every micro-batch its own shapes
         assert all(v["shapes"] == "per_microbatch" for v in values)
+    assert all(v["rehearsed"] == ("rehearsed" in name) for v in values)
     sharded = "zero" in name and name.startswith("dp2")
     for rank, v in enumerate(values):  # ZeRO-1 owns a share of the parameters; each once in its dp group
         assert (0 < v["owned"] < v["params"]) if sharded else v["owned"] == v["params"], f"rank {rank}: {v}"

@@ -115,3 +115,56 @@ def test_transfers_take_the_busy_figure_by_the_share_of_the_step_the_host_comput
     assert step(0.0, 5.0) == pytest.approx(simulate(schedule, programs, cost, runtime=idle).makespan)  # nothing computes
     assert step(1.0, 0.1) == pytest.approx(step(0.0, 5.0))  # busy = idle
     assert step(1.0, 5.0) > step(1.0, 1.0) > step(0.0, 5.0)
+
+
+def test_a_rehearsal_leaves_no_gradient_buffer_or_random_draw_behind() -> None:
+    from pipeflow.planning.rehearsal import untouched
+    from pipeflow.runtime.stage import Stage
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5)]
+    stage = Stage(0, 1, layers, lambda out, target: out.pow(2).mean())
+    stats = [b.clone() for b in stage.module.buffers()]
+    draws = torch.get_rng_state()
+    with untouched({0: stage}):
+        stage.forward(0, (torch.randn(8, 4),), torch.zeros(1), 1.0, keep_for_backward=True)
+        stage.backward(0, None)
+        assert layers[0].weight.grad is not None and not torch.equal(layers[1].running_mean, stats[0])
+    assert all(p.grad is None for p in stage.parameters())
+    assert all(torch.equal(b, s) for b, s in zip(stage.module.buffers(), stats))
+    assert torch.equal(torch.get_rng_state(), draws) and not stage.losses
+
+
+def test_a_rehearsal_refuses_stages_that_already_hold_gradients() -> None:
+    from pipeflow.planning.rehearsal import untouched
+    from pipeflow.runtime.stage import Stage
+
+    layer = torch.nn.Linear(2, 2)
+    layer.weight.grad = torch.ones(2, 2)
+    with pytest.raises(RuntimeError, match="without gradients"):
+        with untouched({0: Stage(0, 1, [layer])}):
+            pass
+
+
+def test_the_rehearsal_lasts_about_its_budget_within_its_bounds() -> None:
+    from pipeflow.planning.rehearsal import MAX_STEPS, MIN_STEPS, rehearsal_steps
+
+    assert rehearsal_steps(0.3) == 5  # 1.5 s of 0.3 s steps
+    assert rehearsal_steps(10.0) == MIN_STEPS and rehearsal_steps(0.001) == MAX_STEPS
+    assert rehearsal_steps(float("nan")) == MAX_STEPS
+
+
+def test_metrics_rehearse_steps_is_checked_and_read_as_documented() -> None:
+    from pipeflow.errors import ConfigError
+    from pipeflow.run.builder import rehearsal_steps_for
+    from pipeflow.run.config import check_config
+    from pipeflow.run.plan import compose_config
+
+    with pytest.raises(ConfigError, match=r"metrics.rehearse_steps=-1 must be >= 0"):
+        check_config(compose_config(["metrics.rehearse_steps=-1"]), world_size=4)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert rehearsal_steps_for(compose_config([]), cpu) is None  # the default job (300 steps): automatic
+    assert rehearsal_steps_for(compose_config(["train.max_steps=10"]), cpu) == 0  # short runs: none
+    assert rehearsal_steps_for(compose_config(["train.max_steps=10", "metrics.rehearse_steps=3"]), cpu) == 3
+    assert rehearsal_steps_for(compose_config(["metrics.rehearse_steps=3"]), gpu) == 0
+    assert rehearsal_steps_for(compose_config(["metrics.rehearse_steps=3", "parallel.shard=full"]), cpu) == 0

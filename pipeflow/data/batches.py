@@ -109,6 +109,18 @@ def split_microbatches(batch: torch.Tensor | list[torch.Tensor], m: int) -> list
 Batch = tuple[torch.Tensor, torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
+def microbatch_inputs(x: torch.Tensor | list[torch.Tensor], m: int, device: torch.device,
+                      dtype: torch.dtype) -> list[tuple[torch.Tensor]]:
+    """Stage 0's m micro-batch inputs (one-tensor tuples) on `device`; floating-point data in the
+    run's `dtype` (``train.dtype``), tokens and labels as they are."""
+    return [(mb.to(device, dtype) if mb.is_floating_point() else mb.to(device),) for mb in split_microbatches(x, m)]
+
+
+def microbatch_targets(y: torch.Tensor | list[torch.Tensor], m: int, device: torch.device) -> list[torch.Tensor]:
+    """The last stage's m micro-batch targets on `device`."""
+    return [mb.to(device) for mb in split_microbatches(y, m)]
+
+
 def shard(batch: Batch, dp_rank: int, dp: int) -> Batch:
     """Data-parallel rank `dp_rank`'s contiguous share of the global batch (``data.batch_size``
     rows; sizes differ by at most one row, or, for a batch given as micro-batches, 1/dp of them).

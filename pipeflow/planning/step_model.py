@@ -84,6 +84,9 @@ class StepCosts:
         action_overhead_s: added to every F, B, W.
         tail_s: after the pipeline (dp reduction, grad-norm all-reduce, optimizer).
         share: the host's cores and the ranks sharing them.
+        rehearsed: where the program was rehearsed before the run
+            (:mod:`pipeflow.planning.rehearsal`), what the rehearsal calibrated: the prediction
+            simulates with its costs instead of the profile and the models above.
     """
 
     posting: str = "rendezvous"
@@ -95,6 +98,7 @@ class StepCosts:
     share: HostShare = HostShare(cores=1 << 30)  # default: never shared
     busy_latency_s: float | None = None  # the transfer while every rank computes (None: as idle)
     busy_per_byte_s: float | None = None
+    rehearsed: Any = None  # a Calibration of the program rehearsed before the run (`rehearsal`)
 
 
 def simulate_shared(
@@ -229,18 +233,19 @@ def op_bytes(boundary_bytes: Sequence[float]) -> Callable[[CommOp], float]:
 
 def measure_step_costs(
     comm: Any, posting: str, params: Sequence[torch.Tensor], boundary_bytes: Sequence[float], num_pp: int,
-    dp_group: Any = None, dp: int = 1, action_overhead_s: float | None = None,
+    dp_group: Any = None, dp: int = 1, action_overhead_s: float | None = None, busy: bool = True,
 ) -> StepCosts:
     """Measure the runtime's costs on this run's own groups at start (collective over the world):
     transfers at the model's boundary sizes (and a quarter of the largest, for the per-byte
-    term), posting, the per-action overhead (unless given), the tail; the slowest rank's figures."""
+    term), also while the host computes (unless not `busy`: a rehearsal will see that), posting,
+    the per-action overhead (unless given), the tail; the slowest rank's figures."""
     from pipeflow.planning.comm_cost import measure_transfers
 
     device = comm.device
     largest = int(max(boundary_bytes, default=0.0)) or 4096
     sizes = sorted({int(b) for b in boundary_bytes if b > 0} | {largest, max(4, largest // 4)})
     latency, per_byte, post = measure_transfers(comm, sizes)
-    busy_latency, busy_per_byte, _ = measure_transfers(comm, sizes, busy=True)
+    busy_latency, busy_per_byte = measure_transfers(comm, sizes, busy=True)[:2] if busy else (None, None)
     overhead = measure_action_overhead_s(device) if action_overhead_s is None else action_overhead_s
     tail = measure_tail_s(params, device, dp_group, dp)
     figures = torch.tensor([overhead, tail], dtype=torch.float64, device=device)
@@ -255,9 +260,14 @@ def measure_step_costs(
 def predict_step(
     schedule: PipelineSchedule, ranges: Sequence[range], profiles: Sequence[Any], costs: StepCosts,
 ) -> SimResult:
-    """Simulate the whole step (see the module docstring); its makespan excludes the tail."""
+    """Simulate the whole step (see the module docstring); its makespan excludes the tail.  A
+    rehearsed program (`costs.rehearsed`) is simulated with the rehearsal's calibrated costs."""
     from pipeflow.planning.profile import action_costs
     from pipeflow.schedules import lower
+
+    if costs.rehearsed is not None:
+        cal = costs.rehearsed
+        return simulate(schedule, lower(schedule, cal.posting), cal.action_cost(schedule), runtime=cal.runtime())
 
     boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]
     bytes_of, p = op_bytes(boundary), schedule.num_ranks
@@ -283,6 +293,10 @@ def stage_cpu(profiles: Sequence[Any], layers: range) -> float:
 
 def describe_costs(costs: StepCosts) -> str:
     """The runtime's costs in one phrase for the start-of-run report."""
+    cal = costs.rehearsed
+    if cal is not None:
+        return (f"rehearsed {cal.steps} steps on the first batch, posting {cal.posting}: transfer "
+                f"{1e3 * cal.latency_s:.3f} ms + {1e9 * cal.per_byte_s:.3f} ms/MB, tail {1e3 * costs.tail_s:.2f} ms")
     share = costs.share
     shared = (f", {share.ranks_per_pipeline_rank * share.threads_per_rank:g} thread(s) per pipeline rank on "
               f"{share.cores} cores" if share.device == "cpu" else "")

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.data import TOKEN_DATA, build_batches, sequence_lengths, shard, split_microbatches, varies
+from pipeflow.data import (TOKEN_DATA, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
+                           split_microbatches, varies)
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
@@ -27,6 +28,7 @@ from pipeflow.planning.auto import auto_for_layout
 from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
 from pipeflow.planning.layout import Layout, choose_layout, with_step_costs
+from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.step_model import measure_step_costs
 from pipeflow.run import guard
 from pipeflow.run.config import check_config
@@ -115,8 +117,14 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     params = unique_parameters(stage.parameters() for stage in stages.values())
     if layout.profiles is not None:  # the whole step: the runtime's own costs, measured here (collective)
         boundary = stage_boundary_bytes(layout.ranges, layout.profiles)
-        costs = measure_step_costs(comm, posting.options(not comm.independent_ops)[0], params, boundary, pp,
-                                   mesh.dp_group, dp)
+        rehearsal = rehearsal_steps_for(cfg, device)
+        options = posting.options(not comm.independent_ops)
+        costs = measure_step_costs(comm, options[0], params, boundary, pp, mesh.dp_group, dp, busy=rehearsal == 0)
+        if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
+            inputs = microbatch_inputs(first[0], m, device, dtype) if 0 in stages else None
+            targets = microbatch_targets(first[1], m, device) if schedule.num_stages - 1 in stages else None
+            costs = with_rehearsal(costs, comm, schedule, layout.ranges, layout.profiles, stages, inputs, targets,
+                                   boundary, options, rehearsal, shape_mode(cfg, dp * m))
         layout = with_step_costs(layout, schedule, costs)
     optimizer = build_optimizer(params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0, lr=cfg.optim.lr,
                                 betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
@@ -170,6 +178,21 @@ def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[rang
         return None
     tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
     return FullShard(stages, mesh.device_mesh["dp"])
+
+
+REHEARSE_FROM_STEPS = 25  # metrics.rehearse_steps=null: runs this long rehearse (a second or two is little)
+
+
+def rehearsal_steps_for(cfg: DictConfig, device: torch.device) -> int | None:
+    """``metrics.rehearse_steps`` as the builder uses it: 0 (no rehearsal: on a GPU, with
+    ``parallel.shard=full``, a run shorter than :data:`REHEARSE_FROM_STEPS` steps left at null,
+    or 0 set), None (as many as about 1.5 s allows) or the steps set."""
+    steps = OmegaConf.select(cfg, "metrics.rehearse_steps", default=None)
+    if device.type != "cpu" or OmegaConf.select(cfg, "parallel.shard", default="none") == "full":
+        return 0
+    if steps is None:
+        return None if cfg.train.max_steps >= REHEARSE_FROM_STEPS else 0
+    return int(steps)
 
 
 def shape_mode(cfg: DictConfig, chunks: int) -> str:

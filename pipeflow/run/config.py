@@ -184,6 +184,10 @@ class MetricsConfig:
     # steps whose tensor memory (params, grads, optimizer state, activations, comm buffers) is
     # measured by category beside the prediction; [1]: the first step with optimizer state; []: off
     memory_steps: list[int] = field(default_factory=lambda: [1])
+    # the start-of-run prediction on the CPU: steps of the program rehearsed with stand-in layers
+    # that cost what the profile says (pipeflow.planning.rehearsal); null: about 1.5 s worth per
+    # lowering when train.max_steps >= 25, else none; 0: none (the modelled prediction)
+    rehearse_steps: int | None = None
 
 
 @dataclass
@@ -299,6 +303,9 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be at least 1 (the steps to train)")
     if cfg.train.save_every < 0:
         raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0: never save)")
+    rehearse = OmegaConf.select(cfg, "metrics.rehearse_steps", default=None)
+    if rehearse is not None and rehearse < 0:
+        raise ConfigError(f"metrics.rehearse_steps={rehearse} must be >= 0 (0: no rehearsal; null: automatic)")
     check_comm(cfg.comm)
     check_paths(cfg)
     backend = OmegaConf.select(cfg, "dist.backend")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from pipeflow.data import Batches, loss_counts, sequence_lengths, shard, split_microbatches
+from pipeflow.data import Batches, loss_counts, microbatch_inputs, microbatch_targets, sequence_lengths, shard
 from pipeflow.errors import NonFiniteError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
@@ -235,11 +235,9 @@ class Trainer:
         m = self.schedule.num_microbatches
         inputs = targets = weights = None
         if first:
-            dtype = getattr(torch, self.cfg.train.dtype)
-            inputs = [(mb.to(self.device, dtype) if mb.is_floating_point() else mb.to(self.device),)
-                      for mb in split_microbatches(x, m)]
+            inputs = microbatch_inputs(x, m, self.device, getattr(torch, self.cfg.train.dtype))
         if last:
-            targets = [mb.to(self.device) for mb in split_microbatches(y, m)]
+            targets = microbatch_targets(y, m, self.device)
             total = loss_counts(batch[1])
             weights = [self.dp * t.numel() / total for t in targets]
         return inputs, targets, weights
