@@ -8,7 +8,9 @@ micro-batch counts of `--schedules` x `--microbatches` (each at the split it fin
 one of the nine layouts is then run with the planner's overrides, `--repeats` times in
 alternating order, and measured as the median of its runs' median steps.  Targets: the
 planner's first pick within 5% of the fastest layout measured, and each of its top three within
-5% of the measured top three (the k-th pick's step against the k-th fastest).
+5% of the measured top three (the k-th pick's step against the k-th fastest).  With
+`--rehearse K` (default 9: all nine) the planner also builds its K fastest layouts as train.py
+would and ranks them by their rehearsed step (``plan.rehearse``); both figures are in the table.
 """
 from __future__ import annotations
 
@@ -46,16 +48,21 @@ def plan(pp: int, calibration: str, args: argparse.Namespace, out_csv: str) -> l
     """The planner's best layout of each (schedule, m), fastest first, from its CSV."""
     cmd = [sys.executable, "-m", "pipeflow.plan", f"parallel.pp={pp}", f"plan.calibration={calibration}",
            f"plan.schedules=[{','.join(args.schedules)}]", f"plan.microbatches=[{','.join(map(str, args.microbatches))}]",
-           f"plan.csv={out_csv}", "plan.max_chunks=2"]
+           f"plan.csv={out_csv}", "plan.max_chunks=2", f"plan.rehearse={args.rehearse}"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     with open(out_csv) as f:
         rows = [r for r in csv.DictReader(f) if r["fits"] == "True"]
     best: dict[tuple[str, str], dict] = {}
-    for r in sorted(rows, key=lambda r: float(r["step_ms"])):
+    for r in sorted(rows, key=_planned):  # the rehearsed layout of a kind, else its best predicted split
         best.setdefault((r["schedule"], r["num_microbatches"]), r)
-    return sorted(best.values(), key=lambda r: float(r["step_ms"]))
+    return sorted(best.values(), key=_planned)
+
+
+def _planned(row: dict) -> tuple[int, float]:
+    """The planner's order: rehearsed layouts first, by their rehearsed step, then by prediction."""
+    return (0, float(row["rehearsed_ms"])) if row.get("rehearsed_ms") else (1, float(row["step_ms"]))
 
 
 def one_size(pp: int, args: argparse.Namespace, work: str) -> list[str]:
@@ -74,12 +81,13 @@ def one_size(pp: int, args: argparse.Namespace, work: str) -> list[str]:
     rows = []
     for k, r in enumerate(picks, 1):
         rank = fastest.index(step[r["overrides"]]) + 1
-        rows.append(f"| {pp} | {k} | `{r['overrides']}` | {float(r['step_ms']):.1f} | "
+        rehearsed = f"{float(r['rehearsed_ms']):.1f}" if r.get("rehearsed_ms") else "-"
+        rows.append(f"| {pp} | {k} | `{r['overrides']}` | {float(r['step_ms']):.1f} | {rehearsed} | "
                     f"{' / '.join(f'{t:.0f}' for t in measured[r['overrides']])} | {step[r['overrides']]:.1f} | {rank} |")
     first = step[picks[0]["overrides"]] / fastest[0]
     top3 = [step[r["overrides"]] / fastest[k] for k, r in enumerate(picks[:3])]
     rows.append(f"| {pp} | | first pick / fastest: {first:.3f}; top three / measured top three: "
-                f"{', '.join(f'{x:.3f}' for x in top3)} (target <= 1.05) | | | | |")
+                f"{', '.join(f'{x:.3f}' for x in top3)} (target <= 1.05) | | | | | |")
     return rows
 
 
@@ -90,13 +98,15 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, nargs=3, default=[4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rehearse", type=int, default=9, help="plan.rehearse: layouts the planner rehearses (0: none)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = [f"GPT (default job), schedules {', '.join(args.schedules)} x m {args.microbatches}; each planner pick "
-            f"(ranked with the costs of one 1F1B m = 8 run) measured {args.repeats} times in alternating order, "
-            f"{args.steps} steps a run", "",
-            "| pp | planner's rank | overrides | predicted (ms) | measured runs (ms) | median (ms) | measured rank |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+            f"(ranked with the costs of one 1F1B m = 8 run, plan.rehearse={args.rehearse}) measured {args.repeats} "
+            f"times in alternating order, {args.steps} steps a run", "",
+            "| pp | planner's rank | overrides | predicted (ms) | rehearsed (ms) | measured runs (ms) | median (ms) "
+            "| measured rank |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     with tempfile.TemporaryDirectory() as work:
         for pp in args.pp:
             rows += one_size(pp, args, work)

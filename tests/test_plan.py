@@ -222,3 +222,31 @@ def test_action_costs_one_model_for_planner_and_run_report() -> None:
         planned = _evaluate(schedule, lower(schedule), ranges, profiles_s, 2.0, (0.0, 0.0), False, schedule.split_backwards())
         reported = predict(schedule, ranges, profiles_s)  # what the start-of-run report reads
         assert planned.step_s == pytest.approx(reported.step_s)
+
+
+def test_plan_rehearse_builds_the_shortlist_and_ranks_it_by_the_rehearsed_step(tmp_path: Path) -> None:
+    from pipeflow.planning.profile import LayerProfile
+    from pipeflow.run.plan import run_plan
+
+    words = ["model=gpt", "model.n_layer=2", "model.n_embd=16", "data.batch_size=8", "data.num_tokens=3000",
+             "parallel.pp=2", "plan.schedules=[1f1b,gpipe]", "plan.microbatches=[2,4]", "plan.comm_latency_ms=0",
+             "plan.action_overhead_ms=0", "plan.rehearse=2", f"plan.csv={tmp_path / 'plan.csv'}"]
+    flat = lambda b: [LayerProfile(f"l{i}", 10, 40, 1e-3, 2e-3, 100, 1e-3, 1e-3, 4000) for i in range(4)]  # noqa: E731
+    result, report = run_plan(compose_config(words), costs=flat, overrides=words)
+    rehearsed = [c for c in result.candidates if c.rehearsed_s is not None]
+    assert len(rehearsed) == 2 and result.candidates[:2] == rehearsed, report
+    assert rehearsed[0].rehearsed_s <= rehearsed[1].rehearsed_s and all(c.rehearsed_s > 0 for c in rehearsed)
+    assert len({(c.schedule, c.num_microbatches) for c in rehearsed}) == 2  # one per kind
+    assert "rehearsed (ms)" in report and "rehearsed in 2 processes here" in report, report
+    assert "run the pick: torchrun --nproc-per-node 2 train.py " in report and rehearsed[0].overrides() in report
+    with open(tmp_path / "plan.csv") as f:
+        assert sum(1 for r in csv.DictReader(f) if r["rehearsed_ms"]) == 2
+
+
+def test_the_shortlist_takes_the_best_split_of_each_kind() -> None:
+    from pipeflow.planning.search import Candidate
+    from pipeflow.run.plan_rehearsal import shortlist
+
+    cands = [Candidate("1f1b", 4, 1, (1,), 1.0, 0.1, (1.0,)), Candidate("1f1b", 4, 1, (2,), 1.1, 0.1, (1.0,)),
+             Candidate("zb_h1", 4, 1, (1,), 1.2, 0.1, (1.0,)), Candidate("1f1b", 8, 1, (1,), 1.3, 0.1, (1.0,))]
+    assert shortlist(cands, 2) == [0, 2] and shortlist(cands, 5) == [0, 2, 3] and shortlist(cands, 0) == []

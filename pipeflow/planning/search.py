@@ -112,6 +112,7 @@ class Candidate:
     rank_bytes: tuple[float, ...]
     takes_chunks: bool = False
     max_activations: float | None = None  # schedule=auto: the limit it was synthesised for
+    rehearsed_s: float | None = None  # plan.rehearse: the step its run predicted from a rehearsal on this host
 
     @property
     def peak_bytes(self) -> float:

@@ -206,6 +206,7 @@ class PlanConfig:
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (AdamW: 2)
     csv: str | None = None  # also write every simulated layout to this CSV file
     calibration: str | None = None  # a run directory (its costs.json): rank layouts with what that run measured
+    rehearse: int = 0  # CPU hosts: build the k fastest layouts as train.py would and re-rank them by their rehearsed step
 
 
 @dataclass

@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -96,6 +97,8 @@ def search_space(cfg: DictConfig, batch_size: int) -> SearchSpace:
     counts = plan.microbatches or [m for m in range(1, batch_size + 1) if batch_size % m == 0]
     if plan.max_chunks < 1:
         raise ConfigError(f"plan.max_chunks={plan.max_chunks} must be at least 1")
+    if plan.rehearse < 0:
+        raise ConfigError(f"plan.rehearse={plan.rehearse} must be >= 0 (layouts rehearsed; 0: none)")
     return SearchSpace(names, tuple(int(m) for m in counts), tuple(range(1, plan.max_chunks + 1)), plan.splits,
                        dp=cfg.parallel.dp, shard=OmegaConf.select(cfg, "parallel.shard", default="none"))
 
@@ -138,9 +141,44 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
         result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency, overhead_s, model)
         header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}) "
                   f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}")
+    if cfg.plan.rehearse > 0 and result.candidates:
+        result, rehearsed = rehearse_shortlist(result, cfg, overrides, dp * pp)
+        header += f"; {rehearsed}"
     if cfg.plan.csv:
         write_csv(result, cfg.plan.csv)
     return result, header + "\n" + format_plan(result, cfg.plan.top, dp * pp, limit, overrides)
+
+
+def rehearse_shortlist(result: PlanResult, cfg: DictConfig, overrides: Sequence[str], world: int
+                       ) -> tuple[PlanResult, str]:
+    """``plan.rehearse=k``: the k fastest layouts (one per schedule, m, v) built as train.py would
+    in `world` processes on this host and re-ranked, first, by the step each run predicted from
+    its rehearsal (`pipeflow.run.plan_rehearsal`); and a line saying so.
+
+    Raises:
+        ConfigError: a negative count, a planner on a GPU (the rehearsal is for shared CPU cores),
+            or a layout whose run cannot be built (its error).
+    """
+    from pipeflow.run.plan_rehearsal import rehearse_layouts, run_words, shortlist
+
+    if choose_device(cfg.dist.backend, cfg.dist.device)[1].type != "cpu":
+        raise ConfigError("plan.rehearse rehearses on this host's CPU cores (gloo); on GPUs the ranks do not share "
+                          "cores and the simulated ranking stands: leave plan.rehearse=0")
+    picks = shortlist(result.candidates, cfg.plan.rehearse)
+    keep = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _PICK_KEYS and not o.startswith("plan.")]
+    with tempfile.TemporaryDirectory(prefix="pipeflow-plan-rehearsal-") as tmp:
+        configs = [compose_config(run_words(keep, result.candidates[i].overrides(), os.path.join(tmp, str(k))))
+                   for k, i in enumerate(picks)]
+        try:
+            steps = rehearse_layouts(configs, world)
+        except RuntimeError as err:
+            raise ConfigError(str(err)) from err
+    rehearsed = sorted((dataclasses.replace(result.candidates[i], rehearsed_s=s) for i, s in zip(picks, steps)),
+                       key=lambda c: c.rehearsed_s)
+    rest = [c for i, c in enumerate(result.candidates) if i not in set(picks)]
+    return dataclasses.replace(result, candidates=rehearsed + rest), (
+        f"the {len(picks)} fastest (one per schedule, m, v) rehearsed in {world} processes here and ranked first "
+        "by their rehearsed step")
 
 
 def _plan_calibrated(cfg: DictConfig, pp: int, batch: int, space: SearchSpace, limit: float | None
@@ -240,10 +278,13 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
                 overrides: Sequence[str] = ()) -> str:
     """The top layouts as a table (rank, predicted step, bubble, memory, overrides) and a summary;
     `num_ranks` is the world size the pick is launched with."""
-    rows = [("#", "schedule", "m", "v", "step (ms)", "bubble", "peak mem/rank (MB)", "overrides")]
+    rehearsed = any(c.rehearsed_s is not None for c in result.candidates)
+    rows = [("#", "schedule", "m", "v", "step (ms)", *(("rehearsed (ms)",) if rehearsed else ()), "bubble",
+             "peak mem/rank (MB)", "overrides")]
     for k, c in enumerate(result.candidates[:top], 1):
+        step = (f"{1e3 * c.rehearsed_s:.2f}" if c.rehearsed_s is not None else "-",) if rehearsed else ()
         rows.append((str(k), c.schedule, str(c.num_microbatches), str(c.stages_per_rank), f"{1e3 * c.step_s:.2f}",
-                     f"{c.bubble:.1%}", f"{c.peak_bytes / 1e6:.1f}", c.overrides()))
+                     *step, f"{c.bubble:.1%}", f"{c.peak_bytes / 1e6:.1f}", c.overrides()))
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]) - 1)]
     lines = [" | ".join([cell.ljust(w) for cell, w in zip(r, widths)] + [r[-1]]) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * 9)
@@ -271,11 +312,11 @@ def write_csv(result: PlanResult, path: str) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["schedule", "num_microbatches", "stages_per_rank", "split_points", "step_ms", "bubble",
-                         "peak_memory_mb", "fits", "overrides"])
+                         "peak_memory_mb", "fits", "overrides", "rehearsed_ms"])
         for c, fits in sorted(rows, key=lambda row: row[0].step_s):
             writer.writerow([c.schedule, c.num_microbatches, c.stages_per_rank, " ".join(map(str, c.split_points)),
                              f"{1e3 * c.step_s:.4f}", f"{c.bubble:.4f}", f"{c.peak_bytes / 1e6:.3f}", fits,
-                             c.overrides()])
+                             c.overrides(), "" if c.rehearsed_s is None else f"{1e3 * c.rehearsed_s:.4f}"])
 
 
 def _schema_keys(schema: type) -> list[str]:

@@ -1,0 +1,112 @@
+"""The planner's shortlist rehearsed on this host (``python -m pipeflow.plan plan.rehearse=<k>``).
+
+A simulated ranking is only as good as its costs; where ranks share a host's cores the costs of
+one layout say little about another's (a split backward's extra actions, a smaller micro-batch's
+overheads, who computes beside whom).  So the planner can take its k fastest layouts (the best
+split of each schedule x micro-batch count x stages per rank) and build each as ``train.py``
+would, in dp x pp processes on this host: each run profiles, measures its transfers and tail,
+and rehearses its own program on its first batch (`pipeflow.planning.rehearsal`), which gives
+its start-of-run prediction of the whole step.  Those rehearsed steps re-rank the shortlist.
+Nothing is trained or saved; the runs' directories are temporary.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import shlex
+import socket
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipeflow.planning.search import Candidate
+
+REHEARSED_STEPS = 1000  # a run this long rehearses (metrics.rehearse_steps=null); nothing is trained
+
+
+def shortlist(candidates: Sequence[Candidate], k: int) -> list[int]:
+    """Indices of the first `k` candidates that differ in (schedule, m, v): each the best
+    predicted split of its kind."""
+    seen, picks = set(), []
+    for i, c in enumerate(candidates):
+        kind = (c.schedule, c.num_microbatches, c.stages_per_rank)
+        if kind not in seen and len(picks) < k:
+            seen.add(kind)
+            picks.append(i)
+    return picks
+
+
+def run_words(overrides: Sequence[str], pick: str, run_dir: str) -> list[str]:
+    """The overrides of a rehearsed layout's run: the planner's, the candidate's (`pick`,
+    shell-quoted), a temporary run directory and what makes it rehearse and nothing else."""
+    return [*overrides, *shlex.split(pick), f"train.run_dir={run_dir}", "metrics.tensorboard=false",
+            "metrics.rehearse_steps=null", f"train.max_steps={REHEARSED_STEPS}", "train.resume=none",
+            "dist.device=cpu"]
+
+
+def rehearse_layouts(configs: Sequence[Any], world: int, timeout_s: float = 1800.0) -> list[float]:
+    """The start-of-run prediction (seconds, the whole step) of each run config of `configs`
+    (:func:`run_words` composed), built in `world` spawned gloo processes on this host.
+
+    Raises:
+        RuntimeError: a run could not be built (its error), a process died, or `timeout_s` passed.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, list(configs), results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        answer = _await(results, procs, timeout_s)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if isinstance(answer, str):
+        raise RuntimeError(f"plan.rehearse: {answer}")
+    return answer
+
+
+def _await(results: Any, procs: list, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                return f"a rehearsing process exited with {dead[0]}"
+    return f"no result within {timeout_s:g} s"
+
+
+def _worker(rank: int, world: int, port: int, configs: list[Any], results: Any) -> None:
+    """One rank of the rehearsals: build each layout's run (which rehearses it), keep its predicted step."""
+    from pipeflow.run.builder import build_run
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # as torchrun's OMP_NUM_THREADS=1 for several ranks
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    steps: list[float] = []
+    try:
+        for cfg in configs:
+            trainer = build_run(cfg, torch.device("cpu"))
+            steps.append(trainer.layout.prediction.step_s)
+            trainer.close()
+            del trainer
+        if rank == 0:
+            results.put(steps)
+    except Exception as exc:  # noqa: BLE001 - reported to the planner, which names it
+        results.put(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+    finally:
+        dist.destroy_process_group()
