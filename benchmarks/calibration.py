@@ -174,7 +174,9 @@ def one_run(job: list[str], schedule: str, args: argparse.Namespace) -> tuple[fl
     log = done.stdout + done.stderr
     found = _CAL.search(log)
     if done.returncode != 0 or not found:
-        return (log.strip().splitlines() or ["no output"])[-1][:120]
+        lines = log.strip().splitlines() or ["no output"]
+        named = [line for line in lines if re.search(r"Error|error:|terminate called", line)]
+        return (named or lines)[-1][:160]
     return float(found.group(3)), float(found.group(4)), float(found.group(5)), found.group(2)
 
 
