@@ -94,11 +94,11 @@ def test_the_planners_nccl_worker_makes_its_gpu_current_before_the_group(monkeyp
     monkeypatch.setattr(comm_cost.dist, "init_process_group", init)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     with pytest.raises(Stop):
-        comm_cost._worker(1, 12345, [64], 1, True, None)
+        comm_cost._worker(1, 12345, None, [64], 1, True)
     assert calls == [("set_device", torch.device("cuda", 1)), ("init", "nccl", torch.device("cuda", 1))]
     calls.clear()
     with pytest.raises(Stop):
-        comm_cost._worker(1, 12345, [64], 1, False, None)
+        comm_cost._worker(1, 12345, None, [64], 1, False)
     assert calls == [("init", "gloo", None)]
 
 

@@ -7,7 +7,6 @@ the planner measures once per payload size.
 """
 from __future__ import annotations
 
-import queue
 import statistics
 import threading
 import time
@@ -15,10 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipeflow.runtime.transport import send_recv
-from pipeflow.runtime.distributed import _free_port
+from pipeflow.runtime.distributed import run_local_ranks
 
 _WARMUP = 5
 
@@ -123,39 +121,13 @@ def measure_exchange_s(payload_bytes: list[int], repeats: int = 30, use_cuda: bo
     Raises:
         RuntimeError: the measuring processes failed or timed out.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, payload_bytes, repeats, use_cuda, results, busy))
-             for r in (0, 1)]
-    for p in procs:
-        p.start()
     try:
-        times = _await(results, procs, timeout_s)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return times
+        return run_local_ranks(_worker, 2, (payload_bytes, repeats, use_cuda, busy), timeout_s)
+    except RuntimeError as exc:
+        raise RuntimeError(f"measuring the exchange time: {exc}; set plan.comm_latency_ms=<ms> instead") from exc
 
 
-def _await(results: Any, procs: list, timeout_s: float) -> list[float]:
-    """Rank 0's result; fail fast when a measuring process dies, or after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return results.get(timeout=0.5)
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"a process measuring the exchange time exited with {dead[0]}; "
-                                   "set plan.comm_latency_ms=<ms> instead")
-    raise RuntimeError(f"measuring the exchange time gave no result within {timeout_s:g} s; "
-                       "set plan.comm_latency_ms=<ms> instead")
-
-
-def _worker(rank: int, port: int, sizes: list[int], repeats: int, use_cuda: bool, results: Any,
+def _worker(rank: int, port: int, results: Any, sizes: list[int], repeats: int, use_cuda: bool,
             busy: bool = False) -> None:
     """One side of the exchange: time `repeats` batched send+recv pairs per size; rank 0 reports."""
     torch.set_num_threads(1)

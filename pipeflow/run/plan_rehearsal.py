@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import datetime
 import os
-import queue
 import shlex
-import socket
-import time
 import traceback
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipeflow.planning.search import Candidate
+from pipeflow.runtime.distributed import run_local_ranks
 
 REHEARSED_STEPS = 1000  # a run this long rehearses (metrics.rehearse_steps=null); nothing is trained
 
@@ -57,39 +54,16 @@ def rehearse_layouts(configs: Sequence[Any], world: int, timeout_s: float = 1800
     Raises:
         RuntimeError: a run could not be built (its error), a process died, or `timeout_s` passed.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, list(configs), results)) for r in range(world)]
-    for p in procs:
-        p.start()
     try:
-        answer = _await(results, procs, timeout_s)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if isinstance(answer, str):
+        answer = run_local_ranks(_worker, world, (world, list(configs)), timeout_s)
+    except RuntimeError as exc:
+        raise RuntimeError(f"plan.rehearse: {exc}") from exc
+    if isinstance(answer, str):  # a rank's error, put on the queue in place of the steps
         raise RuntimeError(f"plan.rehearse: {answer}")
     return answer
 
 
-def _await(results: Any, procs: list, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            return results.get(timeout=0.5)
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead:
-                return f"a rehearsing process exited with {dead[0]}"
-    return f"no result within {timeout_s:g} s"
-
-
-def _worker(rank: int, world: int, port: int, configs: list[Any], results: Any) -> None:
+def _worker(rank: int, port: int, results: Any, world: int, configs: list[Any]) -> None:
     """One rank of the rehearsals: build each layout's run (which rehearses it), keep its predicted step."""
     from pipeflow.run.builder import build_run
 

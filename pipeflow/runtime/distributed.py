@@ -9,12 +9,14 @@ process-group deadline.  A rank started by a launcher leaves when the launcher d
 from __future__ import annotations
 
 import datetime
+import multiprocessing as mp
 import os
+import queue
 import socket
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,6 +49,37 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def run_local_ranks(target: Callable[..., None], world: int, args: tuple, timeout_s: float) -> Any:
+    """Run ``target(rank, port, results, *args)`` in `world` spawned processes on this host and
+    return the first object one of them puts on the queue `results` (rank 0's answer, by the
+    callers' convention).  `port` is a free local port for their ``tcp://`` rendezvous.
+
+    Raises:
+        RuntimeError: a process exited with an error before answering, or `timeout_s` passed.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, results, *args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                return results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a spawned process exited with {dead[0]}")
+        raise RuntimeError(f"no result within {timeout_s:g} s")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
 
 
 def init_distributed(backend: str, device: torch.device, timeout_s: float | None = None,
