@@ -6,7 +6,7 @@
 #
 # The GPU machine has its own torch (2.11) but no hydra-core, omegaconf or antlr4 and no network:
 # their pure-Python wheels travel in benchmarks/wheels/ (ignored by git; fetch them with
-#   pip download hydra-core==1.3.8 omegaconf==2.3.0 --no-deps -d benchmarks/wheels
+#   pip download hydra-core==1.3.8 omegaconf==2.3.1 --no-deps -d benchmarks/wheels
 #   pip wheel antlr4-python3-runtime==4.9.3 --no-deps -w benchmarks/wheels
 # and carry the folder) and are installed into $SITE without an index when python3 lacks them
 # (PIPEFLOW_FORCE_WHEELS=1 installs them anyway, to prove they suffice).  gpu_single.py and the
