@@ -201,6 +201,37 @@ def test_profile_layers_rejects_zero_repeats() -> None:
         profile_layers(tracked_spec(), torch.randn(2, 8), repeats=0)
 
 
+class AutocastSeen(nn.Module):
+    """A linear layer that records whether autocast was on in its forward."""
+
+    seen: list[bool] = []
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        AutocastSeen.seen.append(torch.is_autocast_enabled(x.device.type))
+        return self.linear(x)
+
+
+def test_profile_runs_the_layers_in_the_runs_compute_dtype() -> None:
+    """train.precision=bf16: a stage runs its forward under autocast and sends bf16, so the
+    profile must (an H200 run profiled in fp32 predicted a bf16 step 4x too slow)."""
+    spec = ModelSpec("amp", [LayerSpec(f"layer.{k}", AutocastSeen, (16,)) for k in range(2)],
+                     loss_fn=lambda out, y: (out - y).pow(2).mean())
+    x = torch.randn(4, 16)
+    AutocastSeen.seen = []
+    fp32 = profile_layers(spec, x, repeats=1, split_backward=True)
+    assert AutocastSeen.seen and not any(AutocastSeen.seen)
+    AutocastSeen.seen = []
+    bf16 = profile_layers(spec, x, repeats=1, split_backward=True, autocast_dtype=torch.bfloat16)
+    assert AutocastSeen.seen and all(AutocastSeen.seen)
+    assert [p.output_bytes for p in fp32] == [4 * 16 * 4] * 2
+    assert [p.output_bytes for p in bf16] == [4 * 16 * 2] * 2  # sent in bf16
+    assert [p.param_bytes for p in bf16] == [p.param_bytes for p in fp32]  # master weights stay fp32
+
+
 # --- plan_partition and the table ----------------------------------------------------------------
 
 def heavy_gpt() -> ModelSpec:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -162,6 +162,7 @@ def profile_layers(
     repeats: int = 3,
     split_backward: bool = False,
     sample_target: Any = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> list[LayerProfile]:
     """Profile every layer in order, the sample flowing through them, one layer alive at a time.
 
@@ -181,6 +182,9 @@ def profile_layers(
             ``weight_grad_s`` (costs `repeats` more forwards per layer).
         sample_target: the micro-batch's targets: the last layer's ``loss_bytes`` is then what
             ``spec.loss_fn`` keeps for backward on its outputs.
+        autocast_dtype: the run's compute dtype (``train.precision``): forwards run under
+            ``torch.autocast`` in it, as a stage runs them, and floating outputs are counted and
+            passed on in it, as a stage sends them (None: fp32, no autocast).
 
     Returns:
         One `LayerProfile` per layer, in order.
@@ -194,7 +198,7 @@ def profile_layers(
     inputs = _to_device(sample_input, device, dtype, requires_grad=False)
     profiles = []
     for index in range(len(spec)):
-        profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats, split_backward)
+        profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats, split_backward, autocast_dtype)
         profiles.append(profile)
     if sample_target is not None and profiles and spec.loss_fn is not None:
         target = sample_target.to(device) if isinstance(sample_target, Tensor) else sample_target
@@ -219,19 +223,24 @@ def _loss_bytes(loss_fn: Callable[[Any, Any], Tensor], outputs: tuple, target: A
 def _profile_one(
     spec: ModelSpec, index: int, inputs: tuple, device: torch.device,
     dtype: torch.dtype | None, repeats: int, split_backward: bool = False,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[LayerProfile, tuple]:
     """Build, measure and free layer `index`; return its profile and the next layer's inputs."""
     module = spec.build_layers([index], device, dtype)[0]
+    forward = _Forward(module, device, autocast_dtype)
     params = list(module.parameters())
-    _run(module, inputs, device)  # warm-up
-    activation_bytes, outputs = _activation_bytes(module, inputs, params)
+    _run(forward, inputs, device)  # warm-up
+    activation_bytes, outputs = _activation_bytes(forward, inputs, params)
+    if autocast_dtype is not None:  # what a stage sends on (and the next layer receives)
+        outputs = tuple(t.to(autocast_dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
+                        for t in outputs)
     times, fractions = [], []
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
-        times.append(_run(module, inputs, device))
+        times.append(_run(forward, inputs, device))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         fractions.append(cpu / wall if wall > 0 and device.type == "cpu" else 0.0)
-    halves = [_run_split(module, inputs, device) for _ in range(repeats)] if split_backward else [(0.0, 0.0)]
+    halves = [_run_split(forward, inputs, device) for _ in range(repeats)] if split_backward else [(0.0, 0.0)]
     for p in params:
         p.grad = None
     profile = LayerProfile(
@@ -249,11 +258,30 @@ def _profile_one(
     return profile, _to_device(outputs, device, None, requires_grad=True)
 
 
-def _run(module: nn.Module, inputs: tuple, device: torch.device) -> tuple[float, float]:
+class _Forward:
+    """A layer's forward as a stage runs it: under autocast in the compute dtype, if any."""
+
+    def __init__(self, module: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None) -> None:
+        self.module = module
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The layer's parameters."""
+        return self.module.parameters()
+
+    def __call__(self, *inputs: Any) -> tuple:
+        if self.autocast_dtype is None:
+            return _as_tuple(self.module(*inputs))
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return _as_tuple(self.module(*inputs))
+
+
+def _run(module: _Forward, inputs: tuple, device: torch.device) -> tuple[float, float]:
     """One forward and one backward of `module`; return their (forward, backward) seconds."""
     _sync(device)
     start = time.perf_counter()
-    outputs = _as_tuple(module(*inputs))
+    outputs = module(*inputs)
     _sync(device)
     forward = time.perf_counter() - start
     roots = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]
@@ -267,13 +295,13 @@ def _run(module: nn.Module, inputs: tuple, device: torch.device) -> tuple[float,
     return forward, time.perf_counter() - start
 
 
-def _run_split(module: nn.Module, inputs: tuple, device: torch.device) -> tuple[float, float]:
+def _run_split(module: _Forward, inputs: tuple, device: torch.device) -> tuple[float, float]:
     """One forward, then the backward in two halves; return the (input-grad, weight-grad) seconds.
 
     B takes the gradients of the inputs (keeping the graph), W those of the parameters, as a
     stage does for the zero-bubble schedules (`pipeflow.runtime.stage.Stage.backward_weight`).
     """
-    outputs = _as_tuple(module(*inputs))
+    outputs = module(*inputs)
     roots = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]
     wanted = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
     params = [p for p in module.parameters() if p.requires_grad]
@@ -294,7 +322,7 @@ def _run_split(module: nn.Module, inputs: tuple, device: torch.device) -> tuple[
 
 
 def _activation_bytes(
-    module: nn.Module, inputs: tuple, params: Sequence[Tensor]
+    module: _Forward, inputs: tuple, params: Sequence[Tensor]
 ) -> tuple[int, tuple]:
     """Bytes of the storages one forward saves for backward, or outputs (params, inputs excluded).
 
@@ -309,7 +337,7 @@ def _activation_bytes(
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outputs = _as_tuple(module(*inputs))
+        outputs = module(*inputs)
     for t in outputs:
         if isinstance(t, Tensor):
             seen.setdefault(_storage_key(t), _storage_bytes(t))

@@ -93,7 +93,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype, dp=dp,
                            shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
                            lowering=posting.options(not comm.independent_ops)[0],
-                           evaluates=cfg.train.eval_batches > 0, sample_target=sample_target)
+                           evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
+                           autocast_dtype=compute_dtype(cfg.train.precision))
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
         transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))

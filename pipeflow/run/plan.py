@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.data import build_batches
 from pipeflow.run.config import PlanConfig, register_configs, resolve_layout
 from pipeflow.runtime.distributed import choose_device
+from pipeflow.runtime.precision import compute_dtype
 from pipeflow.errors import ConfigError
 from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, StepModel, search
 from pipeflow.planning.profile import LayerProfile, profile_layers
@@ -80,9 +81,10 @@ def profile_costs(cfg: DictConfig, sizes: Sequence[int], device: torch.device) -
     sample = build_batches(cfg.data, cfg.model).train.get(0)[0]
     dtype = getattr(torch, cfg.train.dtype)
     b_low, b_high = min(sizes), max(sizes)
-    low = profile_layers(spec, sample[:b_low], device, dtype, cfg.plan.repeats, split_backward=True)
+    amp = compute_dtype(cfg.train.precision)
+    low = profile_layers(spec, sample[:b_low], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp)
     high = low if b_high == b_low else profile_layers(
-        spec, sample[:b_high], device, dtype, cfg.plan.repeats, split_backward=True
+        spec, sample[:b_high], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp
     )
     return interpolate(low, b_low, high, b_high)
 
