@@ -32,16 +32,28 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 _SUMMARY = re.compile(r"median step (\d+(?:\.\d+)?) ms \|")
 
 
+RERUNS: list[str] = []  # runs that failed once and were run again, for the table's notes
+
+
 def train(pp: int, words: list[str], steps: int, run_dir: str) -> float:
-    """Median step (ms) of one ``torchrun train.py`` run with `words`."""
+    """Median step (ms) of one ``torchrun train.py`` run with `words`; a failed run is run once
+    more (its log kept beside the run directory, and named under the table)."""
     cmd = ["torchrun", "--nproc-per-node", str(pp), "train.py", f"parallel.pp={pp}", *words,
-           f"train.max_steps={steps}", "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false",
-           f"train.run_dir={run_dir}"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
-    found = _SUMMARY.search(done.stdout + done.stderr)
-    if done.returncode != 0 or not found:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{(done.stdout + done.stderr)[-2000:]}")
-    return float(found.group(1))
+           f"train.max_steps={steps}", "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false"]
+    for attempt in range(2):
+        done = subprocess.run([*cmd, f"train.run_dir={run_dir}_{attempt}"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=1200)
+        found = _SUMMARY.search(done.stdout + done.stderr)
+        if done.returncode == 0 and found:
+            return float(found.group(1))
+        log = f"{run_dir}_{attempt}.log"
+        with open(log, "w") as f:
+            f.write(done.stdout + done.stderr)
+        lines = (done.stdout + done.stderr).strip().splitlines() or ["no output"]
+        named = [line for line in lines if re.search(r"Error|error:|terminate called", line)]
+        RERUNS.append(f"`{' '.join(words)}` failed (exit {done.returncode}: {(named or lines)[-1][:160]}), log {log}")
+        print(RERUNS[-1], file=sys.stderr, flush=True)
+    raise RuntimeError(f"{' '.join(cmd)} failed twice:\n{(done.stdout + done.stderr)[-2000:]}")
 
 
 def plan(pp: int, calibration: str, args: argparse.Namespace, out_csv: str) -> list[dict]:
@@ -107,9 +119,12 @@ def main() -> None:
             "| pp | planner's rank | overrides | predicted (ms) | rehearsed (ms) | measured runs (ms) | median (ms) "
             "| measured rank |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    with tempfile.TemporaryDirectory() as work:
-        for pp in args.pp:
-            rows += one_size(pp, args, work)
+    work = tempfile.mkdtemp(prefix="planner_picks_")  # kept: the logs of any failed run stay there
+    for pp in args.pp:
+        rows += one_size(pp, args, work)
+        print("\n".join(rows), flush=True)  # each size's rows as soon as they are measured
+    if RERUNS:
+        rows += ["", "Runs that failed and were run again: " + "; ".join(RERUNS)]
     report("The planner's calibrated picks against a measured 3 x 3 sweep", "\n".join(rows), args.out)
 
 
