@@ -19,6 +19,7 @@ import csv
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,14 +42,15 @@ def train(pp: int, words: list[str], steps: int, run_dir: str) -> float:
     cmd = ["torchrun", "--nproc-per-node", str(pp), "train.py", f"parallel.pp={pp}", *words,
            f"train.max_steps={steps}", "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false"]
     for attempt in range(2):
-        done = subprocess.run([*cmd, f"train.run_dir={run_dir}_{attempt}"], cwd=ROOT, capture_output=True, text=True,
+        done = subprocess.run([*cmd, f"train.run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True,
                               timeout=1200)
         found = _SUMMARY.search(done.stdout + done.stderr)
         if done.returncode == 0 and found:
             return float(found.group(1))
-        log = f"{run_dir}_{attempt}.log"
+        log = f"{run_dir}.failed{attempt}.log"
         with open(log, "w") as f:
             f.write(done.stdout + done.stderr)
+        shutil.rmtree(run_dir, ignore_errors=True)  # the rerun starts afresh in the same directory
         lines = (done.stdout + done.stderr).strip().splitlines() or ["no output"]
         named = [line for line in lines if re.search(r"Error|error:|terminate called", line)]
         RERUNS.append(f"`{' '.join(words)}` failed (exit {done.returncode}: {(named or lines)[-1][:160]}), log {log}")
