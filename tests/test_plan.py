@@ -250,3 +250,16 @@ def test_the_shortlist_takes_the_best_split_of_each_kind() -> None:
     cands = [Candidate("1f1b", 4, 1, (1,), 1.0, 0.1, (1.0,)), Candidate("1f1b", 4, 1, (2,), 1.1, 0.1, (1.0,)),
              Candidate("zb_h1", 4, 1, (1,), 1.2, 0.1, (1.0,)), Candidate("1f1b", 8, 1, (1,), 1.3, 0.1, (1.0,))]
     assert shortlist(cands, 2) == [0, 2] and shortlist(cands, 5) == [0, 2, 3] and shortlist(cands, 0) == []
+
+
+def test_the_planner_rehearses_each_layout_longer_than_a_run_does() -> None:
+    """About 2.5 s a lowering, at most 24 steps (a run: 1.5 s, at most 8): 8 steps put the
+    planner's ranking off by up to 15% on the default GPT."""
+    from pipeflow.run.plan_rehearsal import run_words
+
+    def steps(predicted_s: float) -> str:
+        return next(w for w in run_words(["parallel.pp=2"], "schedule=1f1b", "/tmp/r", predicted_s)
+                    if w.startswith("metrics.rehearse_steps="))
+
+    assert steps(0.1) == "metrics.rehearse_steps=24" and steps(0.165) == "metrics.rehearse_steps=15"
+    assert steps(5.0) == "metrics.rehearse_steps=3" and steps(0.0) == "metrics.rehearse_steps=24"

@@ -95,11 +95,12 @@ def rehearse(
     return calibrate(schedule, recorded, boundary_bytes, postings=(posting,), meta={"rehearsal": True})
 
 
-def rehearsal_steps(estimate_s: float) -> int:
-    """How many steps to rehearse for a step of about `estimate_s` (:data:`BUDGET_S` in all)."""
+def rehearsal_steps(estimate_s: float, budget_s: float = BUDGET_S, most: int = MAX_STEPS) -> int:
+    """How many steps to rehearse for a step of about `estimate_s`: about `budget_s` in all,
+    between :data:`MIN_STEPS` and `most`."""
     if not estimate_s > 0:
-        return MAX_STEPS
-    return max(MIN_STEPS, min(MAX_STEPS, int(BUDGET_S / estimate_s)))
+        return most
+    return max(MIN_STEPS, min(most, int(budget_s / estimate_s)))
 
 
 def with_rehearsal(

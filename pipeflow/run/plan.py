@@ -169,7 +169,8 @@ def rehearse_shortlist(result: PlanResult, cfg: DictConfig, overrides: Sequence[
     picks = shortlist(result.candidates, cfg.plan.rehearse)
     keep = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _PICK_KEYS and not o.startswith("plan.")]
     with tempfile.TemporaryDirectory(prefix="pipeflow-plan-rehearsal-") as tmp:
-        configs = [compose_config(run_words(keep, result.candidates[i].overrides(), os.path.join(tmp, str(k))))
+        configs = [compose_config(run_words(keep, result.candidates[i].overrides(), os.path.join(tmp, str(k)),
+                                            result.candidates[i].step_s))
                    for k, i in enumerate(picks)]
         try:
             steps = rehearse_layouts(configs, world)

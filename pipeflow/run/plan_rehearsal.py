@@ -21,10 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipeflow.planning.rehearsal import rehearsal_steps
 from pipeflow.planning.search import Candidate
 from pipeflow.runtime.distributed import run_local_ranks
 
-REHEARSED_STEPS = 1000  # a run this long rehearses (metrics.rehearse_steps=null); nothing is trained
+REHEARSED_STEPS = 1000  # a run this long rehearses; nothing is trained
+# A run rehearses about 1.5 s a lowering before its own step 0 (up to 8 steps); the planner,
+# which ranks layouts by a few per cent, rehearses each longer: 8 steps differed by up to 15%
+# from the measured median step on the default GPT, 24 by up to 5% (benchmarks/planner_picks.py)
+PLAN_BUDGET_S, PLAN_MOST_STEPS = 2.5, 24
 
 
 def shortlist(candidates: Sequence[Candidate], k: int) -> list[int]:
@@ -39,11 +44,13 @@ def shortlist(candidates: Sequence[Candidate], k: int) -> list[int]:
     return picks
 
 
-def run_words(overrides: Sequence[str], pick: str, run_dir: str) -> list[str]:
+def run_words(overrides: Sequence[str], pick: str, run_dir: str, predicted_s: float = 0.0) -> list[str]:
     """The overrides of a rehearsed layout's run: the planner's, the candidate's (`pick`,
-    shell-quoted), a temporary run directory and what makes it rehearse and nothing else."""
+    shell-quoted), a temporary run directory and what makes it rehearse (about
+    :data:`PLAN_BUDGET_S` a lowering for a step predicted at `predicted_s`) and nothing else."""
+    steps = rehearsal_steps(predicted_s, PLAN_BUDGET_S, PLAN_MOST_STEPS)
     return [*overrides, *shlex.split(pick), f"train.run_dir={run_dir}", "metrics.tensorboard=false",
-            "metrics.rehearse_steps=null", f"train.max_steps={REHEARSED_STEPS}", "train.resume=none",
+            f"metrics.rehearse_steps={steps}", f"train.max_steps={REHEARSED_STEPS}", "train.resume=none",
             "dist.device=cpu"]
 
 
