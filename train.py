@@ -12,6 +12,7 @@ A sweep, every combination in one launch, compared in <sweep dir>/sweep.md (pipe
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import threading
 
@@ -32,6 +33,8 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     """Set up the process group, train, tear the group down; on any failure exit 1 at once (guard.fail)."""
+    # a rank that aborts in native code (SIGABRT, SIGSEGV) prints every thread's Python stack
+    faulthandler.enable(all_threads=True)
     backend, device = choose_device(cfg.dist.backend, cfg.dist.device)
     setup_logging(int(os.environ.get("RANK", "0")))
     try:  # a rank that never joins is named (comm.join_timeout_s), not waited for
