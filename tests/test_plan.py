@@ -135,7 +135,8 @@ def test_interpolate_is_linear_between_the_profiled_sizes() -> None:
 
 def test_plan_cli_prints_overrides_that_compose_into_a_valid_config(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "pipeflow.plan", "model=gpt", "model.n_layer=2", "model.n_embd=32",
-           "data.batch_size=8", "data.num_tokens=5000", "parallel.pp=2", "plan.top=4", "plan.repeats=1",
+           "data.batch_size=8", "data.num_tokens=5000", "train.precision=bf16", "parallel.pp=2", "plan.top=4",
+           "plan.repeats=1",
            f"plan.csv={tmp_path / 'plan.csv'}"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
@@ -154,8 +155,9 @@ def test_plan_cli_prints_overrides_that_compose_into_a_valid_config(tmp_path: Pa
         assert schedule.num_stages == 2 * int(v)
         partition_layers(4, schedule.num_stages, list(cfg.pipeline.split_points))
     pick = ("run the pick: torchrun --nproc-per-node 2 train.py model=gpt model.n_layer=2 model.n_embd=32 "
-            "data.batch_size=8 data.num_tokens=5000 parallel.pp=2 " + rows[0][6])
+            "data.batch_size=8 data.num_tokens=5000 train.precision=bf16 parallel.pp=2 " + rows[0][6])
     assert pick in run.stdout, run.stdout
+    assert "profiled on cpu (float32, bf16 autocast)" in run.stdout, run.stdout  # as the run computes
     latency = re.search(r"comm measured \(gloo\): ([\d.]+) ms per step", run.stdout)  # plan.comm_latency_ms=null
     assert latency and 0 < float(latency.group(1)) < 1000, run.stdout
     with open(tmp_path / "plan.csv") as f:

@@ -141,7 +141,8 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
         finally:
             torch.set_num_threads(threads)
         result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency, overhead_s, model)
-        header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}) "
+        amp = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
+        header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}{amp}) "
                   f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}")
     if cfg.plan.rehearse > 0 and result.candidates:
         result, rehearsed = rehearse_shortlist(result, cfg, overrides, dp * pp)
