@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeflow.models.spec import ModelSpec
+from pipeflow.runtime.precision import to_compute_dtype
 from pipeflow.schedules.auto import StageCosts
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
 
@@ -231,9 +232,7 @@ def _profile_one(
     params = list(module.parameters())
     _run(forward, inputs, device)  # warm-up
     activation_bytes, outputs = _activation_bytes(forward, inputs, params)
-    if autocast_dtype is not None:  # what a stage sends on (and the next layer receives)
-        outputs = tuple(t.to(autocast_dtype) if isinstance(t, Tensor) and t.is_floating_point() else t
-                        for t in outputs)
+    outputs = to_compute_dtype(outputs, autocast_dtype)  # what a stage sends on (and the next layer receives)
     times, fractions = [], []
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()

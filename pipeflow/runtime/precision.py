@@ -33,6 +33,14 @@ def compute_dtype(precision: str) -> torch.dtype | None:
     return PRECISIONS[precision]
 
 
+def to_compute_dtype(values: tuple, dtype: torch.dtype | None) -> tuple:
+    """`values` with their floating tensors cast to `dtype` (None: unchanged): what a stage
+    sends to the next one under mixed precision."""
+    if dtype is None:
+        return values
+    return tuple(v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for v in values)
+
+
 class LossScaler:
     """Dynamic loss scale for fp16 (the policy of ``torch.amp.GradScaler``).
 

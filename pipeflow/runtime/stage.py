@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeflow.models.spec import ModelSpec, run_layers
+from pipeflow.runtime.precision import to_compute_dtype
 
 Tensors = tuple[torch.Tensor, ...]
 _ENGINE = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
@@ -175,9 +176,7 @@ class Stage:
 
     def _to_compute_dtype(self, outputs: Tensors) -> Tensors:
         """Floating outputs of a non-last stage in the compute dtype: what travels to the next stage."""
-        if self.compute_dtype is None or self.is_last:
-            return outputs
-        return tuple(t.to(self.compute_dtype) if t.is_floating_point() else t for t in outputs)
+        return outputs if self.is_last else to_compute_dtype(outputs, self.compute_dtype)
 
     def deallocate_outputs(self, i: int) -> None:
         """Free the storage of micro-batch `i`'s kept outputs, keeping their autograd nodes.
