@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from results import failure_line, report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
 from sleep_tools import sleep_batch  # noqa: E402  (benchmarks/sleep_tools.py)
 from pipeflow.models.sleep import SleepLayer, sleep_loss  # noqa: E402
 from pipeflow.models.spec import LayerSpec, ModelSpec  # noqa: E402
@@ -174,9 +174,7 @@ def one_run(job: list[str], schedule: str, args: argparse.Namespace) -> tuple[fl
     log = done.stdout + done.stderr
     found = _CAL.search(log)
     if done.returncode != 0 or not found:
-        lines = log.strip().splitlines() or ["no output"]
-        named = [line for line in lines if re.search(r"Error|error:|terminate called", line)]
-        return (named or lines)[-1][:160]
+        return failure_line(log)
     return float(found.group(3)), float(found.group(4)), float(found.group(5)), found.group(2)
 
 

@@ -27,7 +27,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from results import report  # noqa: E402  (benchmarks/results.py)
+from results import failure_line, report  # noqa: E402  (benchmarks/results.py)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 _SUMMARY = re.compile(r"median step (\d+(?:\.\d+)?) ms \|")
@@ -51,9 +51,8 @@ def train(pp: int, words: list[str], steps: int, run_dir: str) -> float:
         with open(log, "w") as f:
             f.write(done.stdout + done.stderr)
         shutil.rmtree(run_dir, ignore_errors=True)  # the rerun starts afresh in the same directory
-        lines = (done.stdout + done.stderr).strip().splitlines() or ["no output"]
-        named = [line for line in lines if re.search(r"Error|error:|terminate called", line)]
-        RERUNS.append(f"`{' '.join(words)}` failed (exit {done.returncode}: {(named or lines)[-1][:160]}), log {log}")
+        RERUNS.append(f"`{' '.join(words)}` failed (exit {done.returncode}: {failure_line(done.stdout + done.stderr)}), "
+                      f"log {log}")
         print(RERUNS[-1], file=sys.stderr, flush=True)
     raise RuntimeError(f"{' '.join(cmd)} failed twice:\n{(done.stdout + done.stderr)[-2000:]}")
 

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import socket
 import sys
 from collections.abc import Callable
@@ -40,6 +41,14 @@ def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace) -> Any:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
     return queue.get()
+
+
+def failure_line(log: str) -> str:
+    """The line of a failed run's output that names its error (the last with ``Error``,
+    ``error:`` or ``terminate called``), else its last line; at most 160 characters."""
+    lines = log.strip().splitlines() or ["no output"]
+    named = [line for line in lines if re.search(r"Error|error:|terminate called", line)]
+    return (named or lines)[-1][:160]
 
 
 def append_result(path: str, title: str, command: str, text: str, backend: str = "gloo", device_name: str = "") -> None:
