@@ -7,6 +7,7 @@ may disagree on the partition.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -169,7 +170,8 @@ def profile_layers(
 
     Layer i's input is layer i-1's output, detached, floating tensors requiring grad.  Each layer
     runs one untimed forward+backward (warm-up), then `repeats` timed ones; the least times are
-    kept (other work on the machine only adds time).
+    kept (other work on the machine only adds time).  Nothing it made outlives it (no graph is
+    kept by a cycle, see `_counting_saved`), and on CUDA the allocator's cache is emptied after.
 
     Args:
         spec: the model.
@@ -204,20 +206,28 @@ def profile_layers(
     if sample_target is not None and profiles and spec.loss_fn is not None:
         target = sample_target.to(device) if isinstance(sample_target, Tensor) else sample_target
         profiles[-1] = replace(profiles[-1], loss_bytes=_loss_bytes(spec.loss_fn, inputs, target))
+    del inputs
+    release_cached_memory(device)
     return profiles
+
+
+def release_cached_memory(device: torch.device | str) -> None:
+    """Hand the allocator's cached blocks back to the device after a start-of-run measurement.
+
+    What a measurement allocated is free once it returns, but on CUDA the caching allocator
+    keeps it reserved, sized and split for the measurement, not the run.  No-op on the CPU.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _loss_bytes(loss_fn: Callable[[Any, Any], Tensor], outputs: tuple, target: Any) -> int:
     """Bytes the loss saves for backward, the outputs' and the target's storages excluded."""
     skip = {_storage_key(t) for t in (*outputs, target) if isinstance(t, Tensor)}
     seen: dict[tuple[str, int], int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        seen.setdefault(_storage_key(t), _storage_bytes(t))
-        return t
-
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)
+    with torch.enable_grad(), _counting_saved(seen):
+        loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)  # its graph dies here
     return sum(n for key, n in seen.items() if key not in skip)
 
 
@@ -326,21 +336,38 @@ def _activation_bytes(
     """Bytes of the storages one forward saves for backward, or outputs (params, inputs excluded).
 
     Returns:
-        (the byte count, the outputs of that forward).
+        (the byte count, the outputs of that forward, detached: its graph is freed on return).
     """
     skip = {_storage_key(t) for t in (*params, *inputs) if isinstance(t, Tensor)}
     seen: dict[tuple[str, int], int] = {}
-
-    def pack(t: Tensor) -> Tensor:
-        seen.setdefault(_storage_key(t), _storage_bytes(t))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with _counting_saved(seen):
         outputs = module(*inputs)
     for t in outputs:
         if isinstance(t, Tensor):
             seen.setdefault(_storage_key(t), _storage_bytes(t))
-    return sum(n for key, n in seen.items() if key not in skip), outputs
+    return sum(n for key, n in seen.items() if key not in skip), _detached(outputs)
+
+
+def _counting_saved(seen: dict[tuple[str, int], int]) -> contextlib.AbstractContextManager:
+    """Saved-tensor hooks that record each saved storage's bytes in `seen` (by `_storage_key`).
+
+    The pack hook keeps a detached alias, never the tensor itself: an op that saves its own
+    output (softmax, log_softmax) would otherwise hold the output's grad_fn from inside it, a
+    cycle in C++ that no garbage collection frees, and the whole graph would outlive the
+    profile.  The alias keeps the storage alive while the graph lives, so no storage counted is
+    freed and reused (a reused address would be taken for one already seen).
+    """
+
+    def pack(t: Tensor) -> Tensor:
+        seen.setdefault(_storage_key(t), _storage_bytes(t))
+        return t.detach()
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def _detached(values: tuple) -> tuple:
+    """`values` with every tensor detached (their graph no longer reachable from them)."""
+    return tuple(t.detach() if isinstance(t, Tensor) else t for t in values)
 
 
 def _storage_key(t: Tensor) -> tuple[str, int]:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.planning.calibration import Calibration, RankStep, calibrate, predict
+from pipeflow.planning.profile import release_cached_memory
 from pipeflow.planning.step_model import StepCosts, predict_step
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.runtime.pipeline import Pipeline
@@ -122,5 +123,6 @@ def with_rehearsal(
         step_s = predict(schedule, cal).step_s - cal.tail_s
         if best is None or step_s < best[0]:
             best = (step_s, cal)
+    release_cached_memory(comm.device)  # the rehearsals' pipelines and activations are gone: hand them back
     assert best is not None
     return replace(costs, posting=best[1].posting, rehearsed=best[1])

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeflow.planning.profile import release_cached_memory
 from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, SimResult, simulate
 from pipeflow.schedules.ir import Action, CommOp
 
@@ -183,15 +184,20 @@ def measure_tail_s(params: Sequence[torch.Tensor], device: torch.device, dp_grou
                    repeats: int = 5) -> float:
     """Seconds of what follows the pipeline on this rank: the grad-norm all-reduce over the world,
     the data-parallel all-reduce of its gradients (dp > 1), one AdamW step and zeroing the grads on
-    a scratch copy of its parameters (the run's are untouched).  Collective over the world."""
+    a scratch copy of its parameters (the run's are untouched; freed, and on CUDA handed back to
+    the device, before it returns).  Collective over the world."""
     # a sharded parameter (DTensor) is timed by its local shard, which is what this rank steps
     scratch = [nn.Parameter((p.to_local() if hasattr(p, "to_local") else p).detach().clone()) for p in params]
+    sizes = [p.numel() for p in scratch]
     tail = measure_optimizer_s(scratch, device, repeats)
+    del scratch  # its copy, grads and AdamW state: a run's worth of memory, not to stay reserved
     one = torch.zeros(1, dtype=torch.float64, device=device)
     tail += _median_s(lambda: dist.all_reduce(one), device, repeats)
-    if dp > 1 and scratch:
-        flat = torch.zeros(sum(p.numel() for p in scratch), device=device)
+    if dp > 1 and sizes:
+        flat = torch.zeros(sum(sizes), device=device)
         tail += _median_s(lambda: dist.all_reduce(flat, group=dp_group), device, repeats)
+        del flat
+    release_cached_memory(device)
     return tail
 
 
@@ -209,7 +215,10 @@ def measure_optimizer_s(params: Sequence[nn.Parameter], device: torch.device, re
         for p in params:
             p.grad = torch.zeros_like(p)
 
-    return _median_s(step, device, repeats)
+    seconds = _median_s(step, device, repeats)
+    for p in params:
+        p.grad = None
+    return seconds
 
 
 def _median_s(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -248,6 +257,7 @@ def measure_step_costs(
     busy_latency, busy_per_byte = measure_transfers(comm, sizes, busy=True)[:2] if busy else (None, None)
     overhead = measure_action_overhead_s(device) if action_overhead_s is None else action_overhead_s
     tail = measure_tail_s(params, device, dp_group, dp)
+    release_cached_memory(device)  # the transfers' buffers too
     figures = torch.tensor([overhead, tail], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     overhead, tail = figures.tolist()
