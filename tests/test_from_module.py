@@ -262,3 +262,154 @@ def test_a_meta_module_whose_buffers_cannot_be_recomputed_is_refused() -> None:
     spec.build_layers([0])  # nn.Linear resets itself
     with pytest.raises(ConfigError, match=r"\['blocks.0.scale'\] were made on the meta device.*pass the model's constructor"):
         spec.build_layers([1])
+
+
+# ----------------------------------------------------------------- the traced form in the pipeline (2 ranks)
+# Forwards that reuse an activation after a later layer consumed it. Split at every child, one and two
+# cut points (the three parts on the two stages both ways), pipelined on the test world's 2 gloo ranks
+# with 1F1B and a split backward (ZB-H1): loss and every gradient equal the unsplit module's.
+
+HIDDEN, CLASSES = 16, 10
+
+
+class LongSkip(nn.Module):
+    """h2 = b(a(h0)) + h0: the skip's source is consumed by `a` before it travels on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.a, self.b = nn.Linear(32, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = torch.nn.functional.gelu(self.inp(x))
+        h1 = torch.tanh(self.a(h0))
+        return self.out(torch.tanh(self.b(h1)) + h0)
+
+
+class Gate(nn.Module):
+    """c(b(h1)) * sigmoid(h1): h1 gates what a later layer made of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(32, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.c, self.d = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h1 = self.a(x)
+        return self.d(self.c(self.b(h1)) * torch.sigmoid(h1))
+
+
+class ConcatFirst(nn.Module):
+    """out(cat([m2(relu(m1(h0))), h0])): the first layer's output joins the last one's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.m1, self.m2 = nn.Linear(32, HIDDEN), nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(2 * HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h0 = self.first(x)
+        return self.out(torch.cat([self.m2(torch.relu(self.m1(h0))), h0], dim=-1))
+
+
+class UNet(nn.Module):
+    """Nested skips, U-Net style: e1 joins the decoder by a sum, e0 (two layers further out) by a product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc0, self.enc1 = nn.Linear(32, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.mid, self.dec1 = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, HIDDEN)
+        self.out = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e0 = torch.tanh(self.enc0(x))
+        e1 = torch.tanh(self.enc1(e0))
+        d1 = torch.tanh(self.dec1(torch.tanh(self.mid(e1)) + e1))
+        return self.out(d1 * e0)
+
+
+REUSING = {"long_skip": LongSkip, "gate": Gate, "concat_first": ConcatFirst, "unet": UNet}
+PIPELINE_SCHEDULES = ("1f1b", "zb_h1")  # a full backward; B and W split
+
+
+def every_split(model: type[nn.Module]) -> list[tuple[list[str], int]]:
+    """(split points, layers on stage 0) for every one and two cut points at `model`'s children
+    (declared in forward order); with two, the three parts go 1 + 2 and 2 + 1 on the two stages."""
+    children = [name for name, _ in model().named_children()][1:]
+    one = [([c], 1) for c in children]
+    two = [([a, b], k) for i, a in enumerate(children) for b in children[i + 1:] for k in (1, 2)]
+    return one + two
+
+
+def _split_cases() -> list[tuple[str, object]]:
+    return [(name, functools.partial(_unless_one_failed, name, functools.partial(pipelined_like_module, model, points, k, schedule)))
+            for model, cls in REUSING.items() for points, k in every_split(cls) for schedule in PIPELINE_SCHEDULES
+            for name in [f"{model}-{'+'.join(points)}-{k}-{schedule}"]]
+
+
+_FAILED: list[str] = []  # in a world's process: its first failed case (the ranks are out of step after it)
+
+
+def _unless_one_failed(name: str, case: functools.partial) -> object:
+    """Run `case`, unless an earlier case failed on this rank: then its peer may still wait for a
+    message of that case, so this rank runs nothing more and names the first failure."""
+    if _FAILED:
+        raise RuntimeError(f"not run: case {_FAILED[0]} failed first on this rank")
+    try:
+        return case()
+    except Exception:
+        _FAILED.append(name)
+        raise
+
+
+def pipelined_like_module(model: str, points: list[str], first: int, schedule: str, m: int = 4) -> dict[str, float]:
+    """One training step of `model` traced at `points` (stage 0 holding the first `first` parts) on
+    this rank, beside the unsplit module on the same batch: the worst relative loss and gradient
+    differences, and how many of each this rank compared."""
+    import torch.distributed as dist
+
+    from pipeflow.runtime.pipeline import Pipeline
+    from pipeflow.runtime.stage import as_tuple, build_stages
+    from pipeflow.runtime.transport import P2PComm
+    from pipeflow.schedules import build_schedule
+    from pipeline_cases import rel_diff
+    from toy_models import random_batch
+
+    spec = from_module(REUSING[model], split_points=points)
+    plan = build_schedule(schedule, 2, m)
+    ranges = [range(0, first), range(first, len(spec.layers))]
+    stages = build_stages(spec, ranges, plan.stages_of(dist.get_rank()), dtype=F64)
+    comm = P2PComm(None, torch.device("cpu"), timeout_s=20.0)
+    pipe = Pipeline(stages, plan, comm)
+    module = REUSING[model]().to(F64)
+    module.load_state_dict(_merged(spec.build_all(dtype=F64)))
+    x, y = random_batch("mlp", 8, seed=1)
+    loss_ref = spec.loss_fn(module(x), y)
+    loss_ref.backward()
+    inputs = [as_tuple(t) for t in x.chunk(m)] if 0 in stages else None
+    loss = pipe.run(inputs, list(y.chunk(m)) if 1 in stages else None)
+    grads = [rel_diff(p.grad, module.get_parameter(name).grad)
+             for stage in stages.values() for layer in stage.module for name, p in layer.named_parameters()]
+    return {"loss": rel_diff(loss, loss_ref.detach()) if loss is not None else 0.0, "grad": max(grads),
+            "losses": int(loss is not None), "grads": len(grads)}
+
+
+@pytest.fixture(scope="module")
+def world() -> dict:
+    from mp_harness import run_cases
+
+    return run_cases(2, _split_cases())
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _split_cases()])
+def test_traced_split_reusing_an_activation_equals_the_module_pipelined(world, name: str) -> None:
+    """Every split point of a long skip, a gate, a concat with the first layer's output and nested
+    U-Net skips, through the real pipeline: before the fix the first backward failed on stage 0
+    (``mat2 must be a matrix``: a sent output's storage was freed though the stage had saved it)."""
+    results = world[name]
+    errors = [f"rank {r}: {res.error}" for r, res in enumerate(results) if res.error is not None]
+    assert not errors, "\n".join(errors)
+    values = [res.value for res in results]
+    assert sum(v["losses"] for v in values) == 1 and all(v["grads"] > 0 for v in values)
+    for rank, v in enumerate(values):
+        assert v["loss"] <= 1e-9 and v["grad"] <= 1e-9, f"rank {rank}: {v}"

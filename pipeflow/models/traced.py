@@ -137,15 +137,20 @@ def _part_graph(body: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Nod
     if outputs is None:
         g.output(fx.map_arg(result, lambda a: env[a]))
         return g
-    outs = []
+    outs, here = [], set(body)
     for v in outputs:
         out = g.call_function(crossing, (env[v], v.name, point))
-        # a value only passed through (a skip connection) leaves as a copy: an output must not share
-        # storage with an input, which the stage keeps for backward (the runtime frees a sent
-        # output's storage once it is sent)
-        outs.append(g.call_method("clone", (out,)) if v in inputs else out)
+        outs.append(g.call_method("clone", (out,)) if _kept_here(v, inputs, here) else out)
     g.output(outs[0] if len(outs) == 1 else tuple(outs))
     return g
+
+
+def _kept_here(value: fx.Node, inputs: list[fx.Node], body: set[fx.Node]) -> bool:
+    """Whether `value`, leaving its part, must leave as a copy: the runtime frees a sent output's
+    storage once it is sent, so an output must share no tensor with what the stage keeps for backward:
+    an input passed through (a skip connection), or a value a node of the part consumed (autograd
+    saves an op's input as that very tensor, e.g. a Linear's)."""
+    return value in inputs or any(user in body for user in value.users)
 
 
 def split_graph(graph: fx.Graph, split_points: Sequence[str], names: Sequence[str]) -> list[TracedPart]:

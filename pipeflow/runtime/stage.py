@@ -90,6 +90,7 @@ class Stage:
         self._inputs: dict[int, Tensors] = {}
         self._outputs: dict[int, Tensors] = {}
         self._boundaries: dict[int, list[Tensors]] = {}  # each layer's outputs, for a split backward
+        self._freeable: dict[int, Tensors] = {}  # the kept outputs whose storage may go once sent
         self._pending_weight: dict[int, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.compute_dtype = compute_dtype
@@ -143,10 +144,7 @@ class Stage:
             for pre_hook in self.pre_forward_hooks:
                 pre_hook(self, i)
         with torch.set_grad_enabled(keep_for_backward), self._autocast(inputs):
-            output, boundaries = unpack(inputs), []
-            for k, layer in enumerate(self.module):  # run_layers' convention, keeping every layer's outputs
-                output = self._call(k, layer, output, keep_for_backward)
-                boundaries.append(as_tuple(output))
+            output, boundaries, handed = self._run(inputs, keep_for_backward, keep_for_backward)
             outputs = self._to_compute_dtype(as_tuple(output))
             if self.is_last and target is not None and self.loss_fn is not None:
                 loss = self.loss_fn(output, target) * loss_scale
@@ -155,10 +153,26 @@ class Stage:
         if keep_for_backward:
             self._inputs[i] = inputs
             self._outputs[i] = outputs
+            self._freeable[i] = tuple(t for t in outputs if id(t) not in handed)
             self._boundaries[i] = boundaries
             for hook in self.forward_hooks:
                 outputs = hook(self, i, outputs)
         return outputs
+
+    def _run(self, inputs: Tensors, grad: bool, keep_boundaries: bool) -> tuple[Any, list[Tensors], set[int]]:
+        """The layers on `inputs` (run_layers' convention).
+
+        Returns:
+            The last layer's output; each layer's outputs (when `keep_boundaries`, else empty);
+            the ids of every tensor handed to a layer (one such may have been saved by it).
+        """
+        output, boundaries, handed = unpack(inputs), [], set()
+        for k, layer in enumerate(self.module):
+            handed.update(id(t) for t in as_tuple(output))
+            output = self._call(k, layer, output, grad)
+            if keep_boundaries:
+                boundaries.append(as_tuple(output))
+        return output, boundaries, handed
 
     def _autocast(self, inputs: Tensors = ()) -> contextlib.AbstractContextManager:
         if self.compute_dtype is None:
@@ -185,9 +199,11 @@ class Stage:
         the detached tensors being sent until their sends complete, so the memory goes with
         them): backward only needs the outputs' grad_fn, not their values (Megatron's
         ``deallocate_output_tensor``).  Views and leaves (an output that is an input or aliases
-        one) are left alone.
+        one) are left alone, and so is an output that was handed to a layer of this stage (a
+        tuple element passed through a later layer, which may have saved it for backward:
+        autograd saves an op's input as that very tensor, so freeing it would break backward).
         """
-        for t in self._outputs.get(i, ()):
+        for t in self._freeable.pop(i, ()):
             if t.grad_fn is not None and t._base is None and t.numel() > 0:
                 t.data = torch.empty((0,), dtype=t.dtype, device=t.device)
 
@@ -206,6 +222,7 @@ class Stage:
             One entry per input: its gradient, or None for inputs that need none.
         """
         inputs, outputs = self._inputs.pop(i), self._outputs.pop(i)
+        self._freeable.pop(i, None)
         tensors = [t for t in outputs if t.requires_grad]
         grads = None if grad_outputs is None else list(grad_outputs)
         if grads is not None and len(grads) != len(tensors):

@@ -1,0 +1,62 @@
+"""Stage: which kept tensors it frees after a send.
+
+An output that a later layer of the same stage was handed keeps its storage (the layer may have
+saved it for backward).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeflow.runtime.stage import Stage
+
+F64 = torch.float64
+
+
+class Fork(nn.Module):
+    """x -> (a(x), b(x)): two outputs of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6, dtype=F64), nn.Linear(6, 6, dtype=F64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+class GateAndPass(nn.Module):
+    """(u, v) -> (c(u) * v, v): consumes v (the product saves it) and hands it on, the very tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Linear(6, 6, dtype=F64)
+
+    def forward(self, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.c(u) * v, v
+
+
+def _grads(stage: Stage, free: bool, weights: bool) -> list[torch.Tensor]:
+    """The input's and the parameters' gradients of one forward and backward of `stage`."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0), dtype=F64, requires_grad=True)
+    gate, passed = stage.forward(0, (x,))
+    if free:
+        stage.deallocate_outputs(0)
+        assert gate.numel() == 0 and passed.shape == (4, 6)  # the product's storage goes, v stays
+    (gx,) = stage.backward(0, (torch.ones(4, 6, dtype=F64), torch.full((4, 6), 0.5, dtype=F64)), weights=weights)
+    if not weights:
+        stage.backward_weight(0)
+    grads = [gx] + [p.grad.clone() for p in stage.parameters()]
+    stage.module.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("weights", [True, False], ids=["full", "split"])
+def test_an_output_a_later_layer_consumed_is_not_freed(weights: bool) -> None:
+    """Before: v's storage was swapped out after the send, and the product's backward read an
+    empty tensor (a size mismatch, or with a matmul `mat2 must be a matrix`)."""
+    torch.manual_seed(0)
+    stage = Stage(0, 2, [Fork(), GateAndPass()])
+    kept, freed = _grads(stage, free=False, weights=weights), _grads(stage, free=True, weights=weights)
+    for a, b in zip(kept, freed):
+        assert torch.equal(a, b)  # the same computation in one process: bit for bit
