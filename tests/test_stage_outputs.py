@@ -1,7 +1,8 @@
-"""Stage: which kept tensors it frees after a send.
+"""Stage: which kept tensors it frees after a send, and which it keeps for backward at all.
 
 An output that a later layer of the same stage was handed keeps its storage (the layer may have
-saved it for backward).
+saved it for backward); each layer's outputs are kept from forward to backward only on a stage
+that runs a split backward (B then W).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipeflow.errors import ScheduleError
 from pipeflow.runtime.stage import Stage
 
 F64 = torch.float64
@@ -60,3 +62,16 @@ def test_an_output_a_later_layer_consumed_is_not_freed(weights: bool) -> None:
     kept, freed = _grads(stage, free=False, weights=weights), _grads(stage, free=True, weights=weights)
     for a, b in zip(kept, freed):
         assert torch.equal(a, b)  # the same computation in one process: bit for bit
+
+
+def test_a_full_backward_stage_keeps_no_layer_outputs() -> None:
+    torch.manual_seed(0)
+    full, split = Stage(0, 2, [Fork(), GateAndPass()], split_backward=False), Stage(0, 2, [Fork(), GateAndPass()])
+    x = torch.randn(4, 6, dtype=F64, requires_grad=True)
+    full.forward(0, (x,)), split.forward(0, (x,))
+    assert full._boundaries == {} and len(split._boundaries[0]) == 2
+    ones = (torch.ones(4, 6, dtype=F64),) * 2
+    with pytest.raises(ScheduleError, match=r"stage 0, micro-batch 0: a split backward .* only with split_backward=True \(here False\)"):
+        full.backward(0, ones, weights=False)
+    full.backward(0, ones)  # refused above without touching what it keeps; a full backward needs no layer outputs
+    assert full.activations_held() == 0 and all(p.grad is not None for p in full.parameters())

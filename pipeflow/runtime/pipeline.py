@@ -99,6 +99,9 @@ class Pipeline:
             )
         self._coalescing = not comm.independent_ops
         self.programs = {option: self._checked_program(schedule, option) for option in self.posting.options(self._coalescing)}
+        for s, stage in stages.items():  # a stage keeps its layers' outputs for backward only where B and W split
+            stage.split_backward = any(st.action is not None and st.action.stage == s and st.action.kind == BACKWARD
+                                       and not st.backward_weights for program in self.programs.values() for st in program)
         self._eval_programs: dict[tuple[int, str], Program] = {}
         self.shapes = ShapePlan(shapes, stages, schedule, comm, self._stage_failure)
         self.buffers = BufferPool(comm.device)

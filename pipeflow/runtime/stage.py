@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeflow.errors import ScheduleError
 from pipeflow.models.spec import ModelSpec, run_layers
 from pipeflow.runtime.precision import to_compute_dtype
 
@@ -72,6 +73,9 @@ class Stage:
         loss_fn: (last layer output, targets) -> mean loss; used on the last stage only.
         compute_dtype: the autocast dtype (``train.precision``); None: autocast off.
         checkpoint_every: recompute layers 0, n, 2n, ... in backward; 0: off.
+        split_backward: whether backward may be split into B and W (``weights=False``): only then
+            are every layer's outputs kept from forward to backward. The Pipeline sets it from its
+            program (a W action of this stage).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class Stage:
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         compute_dtype: torch.dtype | None = None,
         checkpoint_every: int = 0,
+        split_backward: bool = True,
     ) -> None:
         self.index = index
         self.num_stages = num_stages
@@ -95,6 +100,7 @@ class Stage:
         self.losses: dict[int, torch.Tensor] = {}
         self.compute_dtype = compute_dtype
         self.checkpoint_every = checkpoint_every
+        self.split_backward = split_backward
         # Training forwards only: called as hook(stage, i) before micro-batch i runs, and as
         # outputs = hook(stage, i, outputs) on what it hands to the pipeline (guards, drills).
         self.pre_forward_hooks: list[Callable[[Stage, int], None]] = []
@@ -144,7 +150,7 @@ class Stage:
             for pre_hook in self.pre_forward_hooks:
                 pre_hook(self, i)
         with torch.set_grad_enabled(keep_for_backward), self._autocast(inputs):
-            output, boundaries, handed = self._run(inputs, keep_for_backward, keep_for_backward)
+            output, boundaries, handed = self._run(inputs, keep_for_backward, keep_for_backward and self.split_backward)
             outputs = self._to_compute_dtype(as_tuple(output))
             if self.is_last and target is not None and self.loss_fn is not None:
                 loss = self.loss_fn(output, target) * loss_scale
@@ -154,7 +160,8 @@ class Stage:
             self._inputs[i] = inputs
             self._outputs[i] = outputs
             self._freeable[i] = tuple(t for t in outputs if id(t) not in handed)
-            self._boundaries[i] = boundaries
+            if self.split_backward:
+                self._boundaries[i] = boundaries
             for hook in self.forward_hooks:
                 outputs = hook(self, i, outputs)
         return outputs
@@ -221,6 +228,10 @@ class Stage:
         Returns:
             One entry per input: its gradient, or None for inputs that need none.
         """
+        if not weights and i not in self._boundaries:
+            raise ScheduleError(f"stage {self.index}, micro-batch {i}: a split backward (B without W) needs each "
+                                f"layer's outputs, which a stage keeps only with split_backward=True (here "
+                                f"{self.split_backward}) from a training forward")
         inputs, outputs = self._inputs.pop(i), self._outputs.pop(i)
         self._freeable.pop(i, None)
         tensors = [t for t in outputs if t.requires_grad]
@@ -231,7 +242,7 @@ class Stage:
                 f"{len(tensors)} outputs that require grad"
             )
         wanted = [t for t in inputs if t.requires_grad]
-        boundaries = self._boundaries.pop(i)
+        boundaries = self._boundaries.pop(i, [])
         if weights:
             run_backward(tensors, grads)
             found = {id(t): t.grad for t in wanted}
