@@ -6,7 +6,10 @@ import math
 
 import pytest
 
-from pipeflow.planning.calibration import Calibration, RankStep, calibrate, predict, simulated_log, which_posting
+from dataclasses import asdict
+
+from pipeflow.planning.calibration import (Calibration, RankStep, calibrate, on_rank0_clock, predict, simulated_log,
+                                           which_posting)
 from pipeflow.schedules import build_schedule, lower
 
 NAN = math.nan
@@ -64,6 +67,27 @@ def test_the_costs_of_a_simulated_log_are_recovered_exactly(name: str, p: int, m
     prediction = predict(schedule, cal)
     assert prediction.step_s == pytest.approx(cal.measured_step_s, abs=1e-9)
     assert close(prediction.finish_s, cal.measured_finish_s)
+
+
+def test_a_ranks_clock_offset_is_taken_out_before_calibrating() -> None:
+    """On several machines each rank's perf_counter counts from its own boot. Records of ranks whose
+    clocks read 5 s ahead and 3.25 s behind rank 0's, moved onto rank 0's clock by their offsets (as
+    the run and the rehearsal do before gathering), calibrate as one clock's records; raw, they did."""
+    schedule, truth = known("zb_h1", 4, 8)
+    steps = log_of(schedule, truth, "ahead")
+    offsets = [0.0, 5.0, -3.25, 0.0]  # each rank's clock minus rank 0's
+    skewed = [[on_rank0_clock(record, -offset) for record, offset in zip(step, offsets)] for step in steps]
+    aligned = [[on_rank0_clock(record, offset) for record, offset in zip(step, offsets)] for step in skewed]
+    want, got = asdict(calibrate(schedule, steps, truth.boundary_bytes)), asdict(calibrate(schedule, aligned, truth.boundary_bytes))
+    for key, value in want.items():
+        if isinstance(value, list):
+            assert close(got[key], value), key
+        elif isinstance(value, float):
+            assert got[key] == pytest.approx(value, abs=1e-9, nan_ok=True), key
+        else:
+            assert got[key] == value, key
+    raw = calibrate(schedule, skewed, truth.boundary_bytes)  # before: rank 1 seemed to start 5 s late
+    assert raw.start[1] > 4.9 and raw.measured_finish_s[1] > 4.9 and not close(raw.start, want["start"])
 
 
 @pytest.mark.parametrize("posting", ["at_step", "rendezvous"])

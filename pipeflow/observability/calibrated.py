@@ -13,7 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeflow.planning.calibration import COSTS_FILE, Calibration, RankStep, predict
+from pipeflow.planning.calibration import COSTS_FILE, Calibration, RankStep, on_rank0_clock, predict
+from pipeflow.runtime.clocks import clock_offsets
 from pipeflow.schedules import PipelineSchedule
 
 log = logging.getLogger("pipeflow")
@@ -43,7 +44,8 @@ class CalibrationLog:
         """Gather the first replica's records (collective), calibrate, write ``costs.json`` and
         log the comparison on rank 0.  Returns (every rank) ``step_calibrated_s`` (NaN when there
         was nothing to calibrate), ``finish_calibrated_s`` and ``finish_measured_s`` per rank."""
-        mine = (self.pp_rank, list(self.steps)) if dist.get_rank() < self.num_pp else None
+        offset = clock_offsets()[dist.get_rank()]  # records onto rank 0's clock (several hosts: other boots)
+        mine = (self.pp_rank, [(n, on_rank0_clock(r, offset)) for n, r in self.steps]) if dist.get_rank() < self.num_pp else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         out: list[dict[str, Any]] = [{"step_calibrated_s": math.nan, "finish_calibrated_s": [],

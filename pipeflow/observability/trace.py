@@ -1,16 +1,15 @@
 """Traces of chosen training steps: clocks aligned over the process group, one Chrome-trace
 JSON (opens in Perfetto, one track per rank) and one timeline picture per step.
 
-Every rank times its events with its own ``time.perf_counter``; :func:`clock_offsets` measures
-each clock against rank 0's so that all events land on rank 0's time axis.
+Every rank times its events with its own ``time.perf_counter``;
+:func:`~pipeflow.runtime.clocks.clock_offsets` measures each clock against rank 0's so that all
+events land on rank 0's time axis.
 """
 from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.observability.figures import pipeline_bubble, step_figures
+from pipeflow.runtime.clocks import clock_offsets, host_offsets  # noqa: F401 - host_offsets: also read from here
 from pipeflow.runtime.events import SHARD, TimedEvent
 from pipeflow.schedules import PipelineSchedule
 from pipeflow.schedules.ir import KINDS, Action
@@ -25,37 +25,6 @@ from pipeflow.schedules.pictures import draw_timeline
 
 # One traced step of one rank: (pipeline rank, step start, step end, [(kind, name, start, end)])
 RankStep = tuple[int, float, float, list[tuple[str, str, float, float]]]
-
-
-def clock_offsets(device: torch.device, rounds: int = 7) -> list[float]:
-    """Every rank's ``perf_counter`` minus rank 0's (seconds).  Collective over the default group.
-
-    Processes on one machine share the monotonic clock behind ``perf_counter``, so ranks on
-    rank 0's host get 0 exactly; every other host gets the median of `rounds`
-    barrier-then-timestamp exchanges over all its ranks (see :func:`host_offsets`).
-    """
-    world = dist.get_world_size()
-    hosts: list[Any] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
-    samples: list[list[float]] = []
-    for _ in range(rounds if len(set(hosts)) > 1 else 0):
-        dist.barrier()
-        now = torch.tensor([time.perf_counter()], dtype=torch.float64, device=device)
-        stamps = [torch.empty_like(now) for _ in range(world)]
-        dist.all_gather(stamps, now)
-        samples.append([float(t) for t in stamps])
-    return host_offsets(hosts, samples)
-
-
-def host_offsets(hosts: Sequence[str], samples: Sequence[Sequence[float]]) -> list[float]:
-    """Clock offsets to rank 0 from hostnames and timestamps taken together (one row per round,
-    one column per rank): 0 on rank 0's host, else the host's median of ``t_r - t_0``."""
-    offsets: dict[str, float] = {hosts[0]: 0.0}
-    for host in dict.fromkeys(hosts):
-        if host not in offsets:
-            ranks = [r for r, h in enumerate(hosts) if h == host]
-            offsets[host] = statistics.median(row[r] - row[0] for row in samples for r in ranks)
-    return [offsets[h] for h in hosts]
 
 
 def chrome_trace(steps: dict[int, list[RankStep]]) -> dict[str, Any]:

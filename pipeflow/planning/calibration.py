@@ -22,7 +22,10 @@ machine deliveries arrive late although both sides have posted, and only the tot
 much).  :func:`predict` simulates the program with them
 (:class:`~pipeflow.schedules.simulator.RuntimeCosts`): the calibrated prediction.  The simulator
 is the model: a log the simulator wrote (:func:`simulated_log`) is recovered exactly.
-Times of different ranks are compared on one axis (``time.perf_counter``: one machine).
+Times of different ranks are compared on one axis, rank 0's ``time.perf_counter``: each rank
+moves its records there (:func:`on_rank0_clock`) by its clock's offset, measured as the trace
+does (:func:`pipeflow.runtime.clocks.clock_offsets`; 0 on rank 0's host, but on other machines
+``perf_counter`` counts from another boot), before they are gathered.
 """
 from __future__ import annotations
 
@@ -48,6 +51,13 @@ class RankStep(NamedTuple):
     start: float
     end: float
     events: Sequence[Event]
+
+
+def on_rank0_clock(record: RankStep, offset: float) -> RankStep:
+    """`record` on rank 0's time axis: every time less `offset`, the recording rank's clock minus
+    rank 0's (its entry of :func:`pipeflow.runtime.clocks.clock_offsets`)."""
+    return RankStep(record.start - offset, record.end - offset,
+                    [(kind, name, start - offset, end - offset) for kind, name, start, end in record.events])
 
 
 @dataclass
@@ -226,7 +236,8 @@ def calibrate(
 
     Args:
         schedule: the schedule the run ran.
-        steps: ``steps[n][r]``, pipeline rank r's record of step n (on one time axis).
+        steps: ``steps[n][r]``, pipeline rank r's record of step n, on rank 0's time axis
+            (:func:`on_rank0_clock`).
         boundary_bytes: per stage, bytes of its outputs.
         postings: the lowerings the run may have interpreted; a step that matches none is left out.
         meta: what the costs belong to, kept in the result.

@@ -29,9 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.planning.calibration import Calibration, RankStep, calibrate, predict
+from pipeflow.planning.calibration import Calibration, RankStep, calibrate, on_rank0_clock, predict
 from pipeflow.planning.profile import release_cached_memory
 from pipeflow.planning.step_model import StepCosts, predict_step
+from pipeflow.runtime.clocks import clock_offsets
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import Posting
@@ -90,7 +91,8 @@ def rehearse(
                 record.append(RankStep(start, recorder.stopped_at, [(e.kind, e.name, e.start, e.end) for e in events]))
     gathered: list[Any] = [None] * dist.get_world_size()
     first_replica = dist.get_rank() < schedule.num_ranks  # as the run's own calibration: replica 0
-    dist.all_gather_object(gathered, (comm.rank, record) if first_replica else None)
+    offset = clock_offsets(comm.device)[dist.get_rank()]  # records onto rank 0's clock (several hosts: other boots)
+    dist.all_gather_object(gathered, (comm.rank, [on_rank0_clock(r, offset) for r in record]) if first_replica else None)
     by_rank = dict(g for g in gathered if g is not None)
     recorded = [[by_rank[r][n] for r in range(schedule.num_ranks)] for n in range(steps)]
     return calibrate(schedule, recorded, boundary_bytes, postings=(posting,), meta={"rehearsal": True})
