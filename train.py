@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import sys
 import threading
 
 import hydra
@@ -26,6 +27,7 @@ from pipeflow.observability.console import setup_logging
 from pipeflow.runtime.distributed import choose_device, init_distributed
 from pipeflow.run.sweep import is_multirun, run_sweep_job
 from pipeflow.run.builder import build_run
+from pipeflow.run.trainer import PREEMPTED_EXIT_CODE
 
 register_configs()
 
@@ -48,7 +50,7 @@ def main(cfg: DictConfig) -> None:
     if dist.get_world_size() > 1:  # a rank that is not in a transfer leaves when another has failed
         guard.watch_for_failures(dist.get_rank(), stop=training)
     try:
-        build_run(cfg, device).fit()
+        result = build_run(cfg, device).fit()
         training.set()  # from here the store may go away with a rank that is done
         # Tear down only once every rank is done: destroying a gloo group while a peer
         # still talks to it aborts that peer ("terminate called without an active exception").
@@ -56,6 +58,8 @@ def main(cfg: DictConfig) -> None:
     except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
         guard.fail(exc, dist.get_rank())  # logs, names the job's first failure, exits 1 at once
     dist.destroy_process_group()
+    if result.get("preempted_at") is not None:  # train.save_on_signal: saved, stopped early; relaunch to go on
+        sys.exit(PREEMPTED_EXIT_CODE)
 
 
 if __name__ == "__main__":

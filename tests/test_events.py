@@ -111,3 +111,44 @@ def test_run_metrics_time_the_step_by_the_recorders_clock(monkeypatch) -> None:
     assert run.step_times == [3.0]
     assert (run.interval.compute_s, run.interval.idle_s) == pytest.approx((1.5, 1.5))
 
+
+
+def test_an_untimed_cuda_step_neither_drains_the_device_nor_records_events(gpu) -> None:
+    recorder = EventRecorder(CudaEventClock(torch.device("cuda", 0)))
+    assert not recorder.free
+    before = time.perf_counter()
+    start = recorder.start(timed=False)
+    assert not recorder.on and gpu.synchronized == 0  # the pipeline records nothing while off
+    assert recorder.stop() == [] and gpu.synchronized == 0
+    assert before <= start <= recorder.stopped_at <= time.perf_counter()
+
+
+def test_cuda_events_come_from_a_pool_reused_step_after_step(gpu, monkeypatch) -> None:
+    made = []
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: made.append(1) or FakeEvent(gpu))
+    recorder = EventRecorder(CudaEventClock(torch.device("cuda", 0)))
+    for _ in range(3):
+        recorder.start()
+        for _ in range(4):
+            recorder.record("F", "0F0", recorder.mark(), recorder.mark())
+        recorder.stop()
+    assert len(made) == 9  # one step's worth (the step-start event and 8 marks), made once
+
+
+def test_on_cuda_only_the_traced_memory_and_every_nth_step_are_timed(monkeypatch) -> None:
+    from pipeflow.observability import metrics
+    from pipeflow.planning.layout import predict
+    from pipeflow.schedules import build_schedule
+
+    monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
+    cfg = SimpleNamespace(metrics=SimpleNamespace(log_every=100, trace_steps=[5], tensorboard=False, progress_bar=False,
+                                                  memory_steps=[1], timed_every=10),
+                          train=SimpleNamespace(log_every=100, max_steps=40))
+    schedule = build_schedule("1f1b", 2, 2)
+    prediction = predict(schedule, [range(0, 1), range(1, 2)], None)
+    cuda = metrics.RunMetrics(cfg, EventRecorder(CudaEventClock(torch.device("cuda", 0))), 0, 2, None, "unused",
+                              prediction, (8, None))
+    cuda.first_step = 0
+    assert [s for s in range(40) if cuda.timed(s)] == [1, 2, 5, 12, 22, 32]  # memory, warm-up done, traced, every 10th
+    cpu = metrics.RunMetrics(cfg, EventRecorder(), 0, 2, None, "unused", prediction, (8, None))
+    assert all(cpu.timed(s) for s in range(40))

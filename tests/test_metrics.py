@@ -151,7 +151,8 @@ def test_progress_bar_of_a_resumed_run_starts_at_the_resumed_step() -> None:
 
     from pipeflow.observability.metrics import RunMetrics
 
-    fake = SimpleNamespace(show_bar=True, bar=None, first_step=None, max_steps=10, recorder=EventRecorder())
+    fake = SimpleNamespace(show_bar=True, bar=None, first_step=None, max_steps=10, recorder=EventRecorder(),
+                           timed=lambda step: True)
     RunMetrics.begin_step(fake, 6)  # the first step this process runs after resuming at step 6
     assert (fake.bar.n, fake.bar.total) == (6, 10)
     fake.bar.close()

@@ -109,16 +109,39 @@ def split_microbatches(batch: torch.Tensor | list[torch.Tensor], m: int) -> list
 Batch = tuple[torch.Tensor, torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` on `device` (floating data in `dtype` when given) without making the host wait.
+
+    To a GPU the host tensor is copied once into pinned memory and from there asynchronously
+    (``non_blocking``), so the host runs on while the copy is queued: a blocking copy from
+    pageable memory would drain the device.  Each call pins a fresh buffer, which torch's caching
+    host allocator does not hand out again before the copy that reads it has finished.
+    """
+    dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, dtype, non_blocking=True)
+    return t.to(device, dtype)
+
+
+def _on_device(batch: torch.Tensor | list[torch.Tensor], m: int, device: torch.device,
+               dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """A batch as m micro-batches on `device`: a tensor moved once, then split there."""
+    if isinstance(batch, list):
+        return [to_device(mb, device, dtype) for mb in split_microbatches(batch, m)]
+    return split_microbatches(to_device(batch, device, dtype), m)
+
+
 def microbatch_inputs(x: torch.Tensor | list[torch.Tensor], m: int, device: torch.device,
                       dtype: torch.dtype) -> list[tuple[torch.Tensor]]:
     """Stage 0's m micro-batch inputs (one-tensor tuples) on `device`; floating-point data in the
     run's `dtype` (``train.dtype``), tokens and labels as they are."""
-    return [(mb.to(device, dtype) if mb.is_floating_point() else mb.to(device),) for mb in split_microbatches(x, m)]
+    return [(mb,) for mb in _on_device(x, m, device, dtype)]
 
 
 def microbatch_targets(y: torch.Tensor | list[torch.Tensor], m: int, device: torch.device) -> list[torch.Tensor]:
     """The last stage's m micro-batch targets on `device`."""
-    return [mb.to(device) for mb in split_microbatches(y, m)]
+    return _on_device(y, m, device, None)
 
 
 def shard(batch: Batch, dp_rank: int, dp: int) -> Batch:

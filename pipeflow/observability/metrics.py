@@ -5,6 +5,12 @@ Every rank turns the events its ``EventRecorder`` collected during a step into
 :class:`~pipeflow.observability.figures.RankFigures` (definitions there); once per log interval
 one all-gather brings every rank's sums to rank 0, which writes them to TensorBoard.  The
 predicted figures are the layout's one ``Prediction`` (``pipeflow.planning.layout``).
+
+On the CPU every step's actions are recorded (a host clock reading costs nothing).  On CUDA a
+recorded step drains the device at its start and end, so only *timed* steps are: the traced and
+memory steps and every ``metrics.timed_every``-th step after the warm-up (the per-stage figures
+and the calibration come from them); every step's time is the host's, which in steady state
+runs one step ahead of the device and so advances at the device's pace.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ import os
 import resource
 import statistics
 import sys
-from dataclasses import astuple, fields
+from dataclasses import astuple, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +47,17 @@ def peak_memory_mb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+@dataclass
+class StepTiming:
+    """One step as the recorder saw it: host start and end (perf_counter s), and its events when
+    the step was timed (``timed``) - empty otherwise."""
+
+    start: float
+    end: float
+    events: list[Any]
+    timed: bool
 
 
 _PACKET = len(fields(RankFigures)) + 3  # pipeline rank, number of steps, figures..., peak memory
@@ -102,8 +119,11 @@ class RunMetrics:
         self.calibration = CalibrationLog(calibrate, pp_rank, num_pp) if calibrate is not None else None
         self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
         self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
-        self.interval, self.interval_steps = RankFigures(), 0
-        self.steady, self.steady_steps = RankFigures(), 0  # every step but the first (warm-up)
+        self.timed_every = max(1, int(getattr(mc, "timed_every", 10) or 1))
+        self.interval, self.interval_steps = RankFigures(), 0  # the interval's timed steps
+        self.interval_times: list[float] = []  # the interval's step times (host)
+        self.steady, self.steady_steps = RankFigures(), 0  # every timed step but the first (warm-up)
+        self.last_bubble = math.nan
         self.first_step: int | None = None  # 0, or where a resumed run starts
         self.step_times: list[float] = []
         self.traced: dict[int, tuple[float, float, list[tuple[str, str, float, float]]]] = {}
@@ -121,40 +141,73 @@ class RunMetrics:
 
         return SummaryWriter(os.path.join(self.run_dir, "tb"))
 
+    def timed(self, step: int) -> bool:
+        """Whether step `step` records its actions' events: always on the host clock; on CUDA the
+        traced and memory steps and every ``timed_every``-th step after the warm-up."""
+        if self.recorder.free or step in self.trace_steps or self.memory.measures(step):
+            return True
+        first = self.first_step if self.first_step is not None else step
+        since = step - first - WARMUP_STEPS
+        return since >= 0 and since % self.timed_every == 0
+
     def begin_step(self, step: int) -> None:
-        """Start measuring step `step` (switches the recorder on)."""
+        """Start measuring step `step` (switches the recorder on for a timed step)."""
         if self.first_step is None:
             self.first_step = step
             if self.show_bar:
                 self.bar = console.progress_bar(self.max_steps, True, initial=step)
-        self._start = self.recorder.start()  # on CUDA: the device drained, a step-start event recorded
+        # a timed step on CUDA: the device drained, a step-start event recorded; else the host's now
+        self._start = self.recorder.start(self.timed(step))
 
-    def end_step(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
-        """Finish step `step`: add up its figures; at a log step gather them and report."""
-        events = self.recorder.stop()  # on CUDA: the device drained, every event read back
-        end = self.recorder.stopped_at
-        figures = step_figures(events, self._start, end)
+    def stop_step(self) -> StepTiming:
+        """Stop measuring the step begun last (on a timed CUDA step: the device drained, every
+        event read back); its figures are added up by :meth:`end_step` once its loss is known."""
+        timed = self.recorder.timed
+        events = self.recorder.stop()
+        return StepTiming(self._start, self.recorder.stopped_at, events, timed)
+
+    def end_step(self, step: int, loss: float, grad_norm: float, lr: float, timing: StepTiming | None = None) -> None:
+        """Finish step `step`: add up its figures; at a log step gather them and report.
+
+        Args:
+            step, loss, grad_norm, lr: the step and what it read back (loss and norm may come
+                back a step late: the Trainer hands them over with the step's `timing`).
+            timing: what :meth:`stop_step` returned for this step; None: stop it now.
+        """
+        timing = timing if timing is not None else self.stop_step()
+        step_s = timing.end - timing.start
+        self.step_times.append(step_s)
+        self.interval_times.append(step_s)
+        if timing.timed:
+            self._add_figures(step, timing)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{self.items[0] / step_s:.0f}")
+        if step % self.log_every == 0 or step == self.max_steps - 1:
+            self._report(step, loss, grad_norm, lr)
+
+    def _add_figures(self, step: int, timing: StepTiming) -> None:
+        """A timed step's figures into the interval and steady sums, its record into the calibration and trace."""
+        figures = step_figures(timing.events, timing.start, timing.end)
         self.interval += figures
         self.interval_steps += 1
         if step > self.first_step or self.max_steps - self.first_step == 1:
             self.steady += figures
             self.steady_steps += 1
-        self.step_times.append(figures.step_s)
         if self.calibration is not None and step >= self.first_step + WARMUP_STEPS:
-            self.calibration.keep(step, self._start, end, events)
+            self.calibration.keep(step, timing.start, timing.end, timing.events)
         if step in self.trace_steps:
-            self.traced[step] = (self._start, end, [(e.kind, e.name, e.start, e.end) for e in events])
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{self.items[0] / figures.step_s:.0f}")
-        if step % self.log_every == 0 or step == self.max_steps - 1:
-            self._report(step, loss, grad_norm, lr)
+            self.traced[step] = (timing.start, timing.end, [(e.kind, e.name, e.start, e.end) for e in timing.events])
 
     def _report(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
+        timed = self.interval_steps > 0  # the same on every rank: every rank times the same steps
         means, peaks = gather_figures(self.interval, self.interval_steps, self.pp_rank, self.num_pp, self.device)
         self.interval, self.interval_steps = RankFigures(), 0
-        bubble = pipeline_bubble([f.compute_s for f in means], [f.span_s for f in means])
-        step_s = means[0].step_s
+        if timed:
+            self.last_bubble = pipeline_bubble([f.compute_s for f in means], [f.span_s for f in means])
+        bubble = self.last_bubble
+        step_s = statistics.fmean(self.interval_times) if self.interval_times else math.nan
+        self.interval_times = []
         samples, tokens = self.items
         if self.is_main:
             log.info(console.step_line(step, self.max_steps, loss, grad_norm, lr, step_s, samples, tokens, bubble, self.predicted))
@@ -168,10 +221,13 @@ class RunMetrics:
         if tokens is not None:
             scalars["train/tokens_per_s"] = tokens / step_s
         for r, (f, peak) in enumerate(zip(means, peaks)):
+            scalars[f"stage/{r}/peak_memory_mb"] = peak
+            if not timed:
+                continue
             scalars.update({
                 f"stage/{r}/compute_ms": 1e3 * f.compute_s, f"stage/{r}/comm_wait_ms": 1e3 * f.comm_wait_s,
                 f"stage/{r}/idle_ms": 1e3 * f.idle_s, f"stage/{r}/step_ms": 1e3 * f.step_s,
-                f"stage/{r}/bubble": rank_bubble(f.compute_s, f.span_s), f"stage/{r}/peak_memory_mb": peak,
+                f"stage/{r}/bubble": rank_bubble(f.compute_s, f.span_s),
             })
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)

@@ -135,6 +135,9 @@ class TrainConfig:
     save_every: int = 0  # write a checkpoint every n steps (and at the end); 0: never
     resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
     check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage (fp16 overflow: skipped)
+    # signals that save a checkpoint at the next step boundary and end the job (exit code 75):
+    # what a cluster scheduler sends before it kills a job; [] or null: off
+    save_on_signal: Any = field(default_factory=lambda: ["SIGTERM"])  # a name, a list of names, or false
 
 
 @dataclass
@@ -184,6 +187,10 @@ class MetricsConfig:
     # steps whose tensor memory (params, grads, optimizer state, activations, comm buffers) is
     # measured by category beside the prediction; [1]: the first step with optimizer state; []: off
     memory_steps: list[int] = field(default_factory=lambda: [1])
+    # on CUDA: every n-th step after the warm-up records each action's CUDA events (per-stage
+    # figures, bubble, calibration); the others are timed by the host without draining the device.
+    # On the CPU every step is recorded (free)
+    timed_every: int = 10
     # the start-of-run prediction on the CPU: steps of the program rehearsed with stand-in layers
     # that cost what the profile says (pipeflow.planning.rehearsal); null: about 1.5 s worth per
     # lowering when train.max_steps >= 25, else none; 0: none (the modelled prediction)

@@ -3,12 +3,23 @@
 How a step is scheduled is the Pipeline's business and how the run is put together the
 builder's (:func:`pipeflow.run.builder.build_run`); the Trainer splits batches into
 micro-batches, hands them over, then finishes the step (clip, optimizer, log) on every rank.
+
+A steady step never makes the host wait for the device.  The global grad norm, the clip
+coefficient and the finite check stay on the device (one all-reduce carries the norm, the loss,
+per-stage non-finite flags and the preemption flag); with fused AdamW a non-finite step is
+skipped *on the device* (its ``found_inf``), and step t's loss and norm are read back one step
+late, while step t + 1 is already queued: an event wait, not a device drain.  A non-finite step
+is raised there, named as before, before the next optimizer step and before any checkpoint.
+Without fused AdamW (ZeRO, ``optim.fused=false``) or with the fp16 loss scaler (whose next
+scale depends on this step's overflow) the values are read back in the step, before the update.
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import signal
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +30,7 @@ from omegaconf import DictConfig
 from pipeflow.data import Batches, loss_counts, microbatch_inputs, microbatch_targets, sequence_lengths, shard
 from pipeflow.errors import NonFiniteError
 from pipeflow.models.spec import ModelSpec
-from pipeflow.observability.metrics import RunMetrics
+from pipeflow.observability.metrics import RunMetrics, StepTiming
 from pipeflow.planning.layout import Layout, describe_layout
 from pipeflow.run import checkpoint
 from pipeflow.run.faults import FaultInjector
@@ -58,11 +69,33 @@ def unique_parameters(groups: Any) -> list[torch.nn.Parameter]:
     return list(seen.values())
 
 
-def clip_grad_norm_global(
+def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each gradient, on its device (``torch._foreach_norm``, one kernel per dtype;
+    float16/bfloat16 reduced in float32): no float64 copy of any gradient, no host read."""
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for k, g in enumerate(grads):
+        groups[(g.device, g.dtype)].append(k)
+    for (_, dtype), ks in groups.items():
+        half = dtype in (torch.float16, torch.bfloat16)
+        got = torch._foreach_norm([grads[k].detach() for k in ks], 2, dtype=torch.float32 if half else None)
+        for k, n in zip(ks, got):
+            norms[k] = n
+    return norms  # type: ignore[return-value]
+
+
+def _sum_of_squares(norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squared `norms`, in float64 (0 for none)."""
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(norms).double().pow(2).sum()
+
+
+def clip_on_device(
     params: list[torch.nn.Parameter], max_norm: float, group: Any, extra: torch.Tensor, skip: set[int] = frozenset(),
-    replicas: int = 1,
-) -> tuple[float, torch.Tensor]:
-    """Clip by the norm over every stage's gradients (one all-reduce over the pipeline group).
+    replicas: int = 1, norms: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clip by the norm over every stage's gradients, all on the device (one all-reduce).
 
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.  `extra` (e.g. the loss,
     non-zero on the last stage only) rides along in the same all-reduce.  Parameters whose id
@@ -70,43 +103,126 @@ def clip_grad_norm_global(
     With data parallelism the group spans `replicas` identical copies of every replicated
     gradient (after their dp all-reduce): each counts 1/replicas, while a gradient sharded over
     the dp group (``parallel.shard=full``: a DTensor) counts its local shard once, so one
-    all-reduce over the world gives the norm of one model.  A non-finite norm (fp16 overflow on
-    any rank) is returned unclipped.
+    all-reduce over the world gives the norm of one model.  The coefficient
+    ``min(1, max_norm / (norm + 1e-6))`` is a device tensor multiplied in (``_foreach_mul_``),
+    as torch's clipping does; a non-finite norm makes the gradients non-finite, and the caller
+    skips that update.
+
+    Args:
+        norms: each gradient's norm (:func:`grad_norms` of the params' gradients, in order),
+            when the caller computed them already.
+
+    Returns:
+        (total norm before clipping, the all-reduced `extra`), float64 tensors on the device.
+    """
+    with_grad = [p for p in params if p.grad is not None]
+    if norms is None:
+        norms = grad_norms([local(p.grad) for p in with_grad])
+    device = extra.device
+    # the norms squared and summed in float64.  A sharded gradient (parallel.shard=full) is counted
+    # by its local shard, once: the dp group holds each of its rows once, not `replicas` times
+    counted = [(n, is_sharded(p.grad)) for p, n in zip(with_grad, norms) if id(p) not in skip]
+    replicated = _sum_of_squares([n for n, sharded in counted if not sharded], device)
+    total_sq = (replicated / replicas if replicas > 1 else replicated) + _sum_of_squares(
+        [n for n, sharded in counted if sharded], device)
+    packed = torch.cat([total_sq.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
+    dist.all_reduce(packed, group=group)
+    total = packed[0].sqrt()
+    if max_norm > 0 and with_grad:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        _scale_grads([local(p.grad) for p in with_grad], coef)
+    return total, packed[1:]
+
+
+def _scale_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every gradient by the device scalar `coef` (one foreach kernel per device and dtype)."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device, g.dtype)].append(g)
+    for (device, dtype), gs in groups.items():
+        wide = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        torch._foreach_mul_(gs, coef.to(device, wide))
+
+
+def clip_grad_norm_global(
+    params: list[torch.nn.Parameter], max_norm: float, group: Any, extra: torch.Tensor, skip: set[int] = frozenset(),
+    replicas: int = 1,
+) -> tuple[float, torch.Tensor]:
+    """:func:`clip_on_device`, with the norm read back to the host (a sync on a GPU: for tests and tools).
 
     Returns:
         (total norm before clipping, the all-reduced `extra`).
     """
-    grads = [local(p.grad) for p in params if p.grad is not None]
-    counted = [p.grad for p in params if p.grad is not None and id(p) not in skip]
-    device = extra.device
-    # one norm per tensor (in its own dtype, half types accumulated in float32), squared and summed
-    # in float64: no float64 copy of any gradient.  A sharded gradient (parallel.shard=full) is
-    # counted by its local shard, once: the dp group holds each of its rows once, not `replicas` times
-    replicated = _sum_of_squares([g for g in counted if not is_sharded(g)])
-    total_sq = (replicated / replicas if replicas > 1 else replicated) + _sum_of_squares(
-        [local(g) for g in counted if is_sharded(g)])
-    packed = torch.cat([total_sq.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
-    dist.all_reduce(packed, group=group)
-    total = float(packed[0].sqrt())
-    if max_norm > 0 and math.isfinite(total):
-        coef = max_norm / (total + 1e-6)
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-    return total, packed[1:]
+    total, reduced = clip_on_device(params, max_norm, group, extra, skip, replicas)
+    return float(total), reduced
 
 
-def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the gradients' squared 2-norms, in float64 (0 for none)."""
-    if not grads:
-        return torch.zeros((), dtype=torch.float64)
-    return torch.stack([_norm(g.detach()) for g in grads]).double().pow(2).sum()
+@dataclass
+class PendingStep:
+    """A queued training step whose figures are still on the device.
+
+    ``reduced`` is the step's all-reduced packet ``[norm, loss, preempt, S non-finite stage
+    flags, train.check_finite flags ...]`` (float64, on the device); ``host`` is its copy on the
+    host (pinned, filled asynchronously on a GPU) and ``ready`` the event recorded after that copy
+    (None on the CPU, where the copy is done when it returns).
+    """
+
+    step: int
+    lr: float
+    reduced: torch.Tensor
+    host: torch.Tensor
+    ready: Any = None
+    timing: StepTiming | None = None
+
+    def values(self) -> list[float]:
+        """The packet on the host: waits for this step's copy only (not for later work)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
-def _norm(grad: torch.Tensor) -> torch.Tensor:
-    """The 2-norm of one gradient; float16/bfloat16 reduced in float32 (no copy on CUDA)."""
-    half = grad.dtype in (torch.float16, torch.bfloat16)
-    return torch.linalg.vector_norm(grad, dtype=torch.float32 if half else None)
+@dataclass
+class StepValues:
+    """What a finished step read back: its loss, its grad norm before clipping, whether any rank
+    asked to stop (``train.save_on_signal``), and whether the update was skipped (fp16 overflow)."""
+
+    loss: float
+    norm: float
+    preempt: bool
+    overflow: bool = False
+
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: the job saved and stopped on a signal; relaunch to continue
+
+
+def signal_names(names: Any) -> list[str]:
+    """``train.save_on_signal`` as signal names (``["SIGTERM"]``)."""
+    return [signal.Signals(n).name for n in signal_numbers(names)]
+
+
+def signal_numbers(names: Any) -> list[int]:
+    """``train.save_on_signal`` as signal numbers: a name (``SIGTERM``, ``USR1``), a list of them,
+    or false/null/[] for none.
+
+    Raises:
+        ConfigError: an unknown signal name, or SIGKILL/SIGSTOP (which no process can catch).
+    """
+    from pipeflow.errors import ConfigError
+
+    if names is None or names is False or names == "":
+        return []
+    if isinstance(names, (str, int)):
+        names = [names]
+    numbers = []
+    for name in names:
+        text = str(name).upper()
+        key = text if text.startswith("SIG") else f"SIG{text}"
+        sig = getattr(signal, key, None)
+        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"train.save_on_signal: {name!r} is not a signal a process can catch; use e.g. "
+                              f"SIGTERM (what schedulers send before they kill a job) or SIGUSR1, or false for none")
+        numbers.append(int(sig))
+    return numbers
 
 
 @dataclass
@@ -154,6 +270,7 @@ class Trainer:
     workspace: Workspace | None = None  # the run directory's lock and this job's token
     memory: MemoryAccountant | None = None
     history: list[float] = field(default_factory=list)  # the loss of every step this run trained
+    _signalled: str | None = field(default=None, init=False, repr=False)  # the train.save_on_signal signal received
 
     @property
     def is_main(self) -> bool:
@@ -242,6 +359,15 @@ class Trainer:
             weights = [self.dp * t.numel() / total for t in targets]
         return inputs, targets, weights
 
+    @property
+    def defers_readback(self) -> bool:
+        """True when a step's loss and norm may be read back a step late: the optimizer skips a
+        non-finite update on the device (fused AdamW's ``found_inf``) and no fp16 loss scale
+        depends on this step's overflow."""
+        opt = self.optimizer
+        return (isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and bool(opt.defaults.get("fused"))
+                and not self.scaler.enabled)
+
     def forward_backward(self, step: int, memory: MemoryAccountant | None = None) -> tuple[float, float]:
         """Gradients of batch `step`, reduced over ties and dp, unscaled and clipped, left in
         ``p.grad``; returns (loss, grad norm before clipping), the same on every rank.
@@ -255,36 +381,95 @@ class Trainer:
         Raises:
             NonFiniteError: NaN/Inf that the loss scaler does not explain.
         """
+        values = self.finish(self.queue(step, self.optimizer.param_groups[0]["lr"], memory))
+        return values.loss, values.norm
+
+    def queue(self, step: int, lr: float, memory: MemoryAccountant | None = None) -> PendingStep:
+        """Forward, backward, reductions and clipping of batch `step`, queued on the device; the
+        packet of figures copied towards the host without waiting (see :class:`PendingStep`)."""
         inputs, targets, weights = self._microbatches(self.batches.train, step)
         loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights, memory=memory)
-        extra = torch.zeros(1, device=self.device, dtype=torch.float64) if loss is None else loss.detach().double().reshape(1) / self.dp
-        if self.finite is not None:  # before the dp and tie sums, which would spread a NaN to other stages
-            extra = torch.cat([extra, self.finite.local_flags().to(extra.dtype)])
+        zero = torch.zeros(1, device=self.device, dtype=torch.float64)
+        own_loss = zero if loss is None else loss.detach().double().reshape(1) / self.dp
+        preempt = zero + (1.0 if self._signalled else 0.0)
+        # train.check_finite's flags: before the dp and tie sums, which would spread a NaN to other stages
+        checked = [self.finite.local_flags().to(torch.float64)] if self.finite is not None else []
         if self.reducer is not None:  # before the tie sums: it writes back what it snapshotted
             self.reducer.finish()
         self.tied.reduce_grads()
         self.scaler.unscale_(self.params)
-        norm, reduced = clip_grad_norm_global(
-            self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(), replicas=self.dp
-        )
-        reduced = reduced.tolist()
+        with_grad = [p for p in self.params if p.grad is not None]
+        norms = grad_norms([local(p.grad) for p in with_grad])
+        extra = torch.cat([own_loss, preempt, self._stage_flags(with_grad, norms), *checked])
+        norm, reduced = clip_on_device(self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(),
+                                       replicas=self.dp, norms=norms)
+        packet = torch.cat([norm.reshape(1), reduced])
+        if packet.device.type != "cuda":
+            return PendingStep(step, lr, packet, packet)
+        host = torch.empty(packet.shape, dtype=packet.dtype, pin_memory=True)
+        host.copy_(packet, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingStep(step, lr, packet, host, ready)
+
+    def _stage_flags(self, with_grad: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:
+        """S flags, 1 where one of this rank's stages has a non-finite gradient norm (before any
+        reduction): summed over the world they name the stages, with no collective of their own."""
+        S = self.schedule.num_stages
+        norm_of = {id(p): n for p, n in zip(with_grad, norms)}
+        flags = [torch.zeros((), device=self.device, dtype=torch.float64)] * S
+        for s, stage in self.stages.items():
+            mine = [norm_of[id(p)] for p in stage.parameters() if id(p) in norm_of]
+            if mine:
+                flags[s] = (~torch.isfinite(torch.stack(mine).double().sum())).double()
+        return torch.stack(flags)
+
+    def finish(self, pending: PendingStep) -> StepValues:
+        """Read step `pending.step`'s packet back (waiting for its copy only) and judge it: a
+        non-finite loss or norm that is not an fp16 overflow raises, naming the stages.
+
+        Raises:
+            NonFiniteError: NaN/Inf that the loss scaler does not explain.
+        """
+        values = pending.values()
+        S = self.schedule.num_stages
+        norm, loss, preempt = values[0], values[1], values[2] > 0
+        grad_stages, checked = values[3:3 + S], values[3 + S:]
         if self.finite is not None:
-            self.finite.raise_if_non_finite(reduced[1:], step, self.schedule.stage_to_rank, self.scaler)
-        loss_finite = math.isfinite(reduced[0])
+            self.finite.raise_if_non_finite(checked, pending.step, self.schedule.stage_to_rank, self.scaler)
+        loss_finite = math.isfinite(loss)
         # a non-finite norm with a finite loss under fp16 is the loss scaler's overflow to skip
         if not loss_finite or (not math.isfinite(norm) and not self.scaler.enabled):
-            flags = nonfinite.stage_flags(self.stages, self.schedule.num_stages, self.device)
-            dist.all_reduce(flags)  # only now, to name the stages: every rank saw the same norm
-            stages = [s for s, flag in enumerate(flags.tolist()) if flag > 0]
-            raise nonfinite.non_finite_step_error(step, loss_finite, stages, self.schedule.stage_to_rank)
-        return reduced[0], norm
+            stages = [s for s, flag in enumerate(grad_stages) if flag > 0]
+            raise nonfinite.non_finite_step_error(pending.step, loss_finite, stages, self.schedule.stage_to_rank)
+        return StepValues(loss, norm, preempt, overflow=self.scaler.enabled and not math.isfinite(norm))
 
-    def train_step(self, step: int) -> tuple[float, float]:
-        """One optimizer step on batch `step`; returns (loss, grad norm before clipping) on every rank.
+    def apply(self, pending: PendingStep, values: StepValues | None) -> None:
+        """The optimizer step of `pending` (skipped on an fp16 overflow), then the gradients released.
 
-        With fp16, a step whose gradients overflowed on any rank is skipped on every rank (the
-        norm that says so is all-reduced) and the loss scale halves (not below its minimum).
+        `values` None: the step is not read back yet (:attr:`defers_readback`): fused AdamW is
+        told on the device whether the norm was finite (``found_inf``) and skips the update if not.
         """
+        if values is None:
+            self.optimizer.found_inf = (~torch.isfinite(pending.reduced[0])).float()  # type: ignore[attr-defined]
+            self.optimizer.step()
+        else:
+            if hasattr(self.optimizer, "found_inf"):
+                del self.optimizer.found_inf  # type: ignore[attr-defined]
+            scale, at_floor = self.scaler.scale, self.scaler.at_minimum
+            if not values.overflow:
+                self.optimizer.step()
+            self.scaler.update(values.overflow)
+            if values.overflow and self.is_main:
+                floor = (" - the scale is at its minimum, so a lower one cannot cure this: look for NaN/Inf in the "
+                         "model, or use train.precision=bf16 (train.check_finite=true stops here)") if at_floor else ""
+                log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f%s",
+                            pending.step, scale, self.scaler.scale, floor)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _begin(self, step: int) -> tuple[float, MemoryAccountant | None]:
+        """Set step `step`'s learning rate and fault drill; returns (lr, the memory accountant
+        when this step's tensor memory is measured)."""
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -293,26 +478,50 @@ class Trainer:
         memory = self.memory if self.memory is not None and self.metrics.memory.measures(step) else None
         if memory is not None:
             memory.begin()
-        with failures.context(f"training step {step}"):
-            loss, norm = self.forward_backward(step, memory)
-        overflow = self.scaler.enabled and not math.isfinite(norm)
-        scale, at_floor = self.scaler.scale, self.scaler.at_minimum
-        if not overflow:
-            self.optimizer.step()
-        self.scaler.update(overflow)
-        if memory is not None:  # what stays: after the optimizer step, before the grads are released
+        return lr, memory
+
+    def _end(self, step: int, memory: MemoryAccountant | None) -> None:
+        """After step `step`'s update: its memory measurement, the posting note, the steady deadline."""
+        if memory is not None:  # what stays: after the optimizer step (gradients released just before)
             self.metrics.memory_measured(step, memory.end(self.pipeline.comm_tensors()))
-        if overflow and self.is_main:
-            floor = (" - the scale is at its minimum, so a lower one cannot cure this: look for NaN/Inf in the "
-                     "model, or use train.precision=bf16 (train.check_finite=true stops here)") if at_floor else ""
-            log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f%s",
-                        step, scale, self.scaler.scale, floor)
-        self.optimizer.zero_grad(set_to_none=True)
         note = self.posting.choice_note()
         if note is not None and self.is_main:
             log.info(note)
         self.deadlines.first_step_done()  # later waits and collectives get the steady deadline
-        return loss, norm
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        """One optimizer step on batch `step`; returns (loss, grad norm before clipping) on every rank.
+
+        With fp16, a step whose gradients overflowed on any rank is skipped on every rank (the
+        norm that says so is all-reduced) and the loss scale halves (not below its minimum).
+        This reads the step's figures back before its update; :meth:`fit` reads them a step late.
+        """
+        values = self._step(step, None, late=False)[1]
+        assert values is not None
+        return values.loss, values.norm
+
+    def _step(self, step: int, previous: PendingStep | None,
+              late: bool | None = None) -> tuple[PendingStep, StepValues | None, StepValues | None]:
+        """Queue step `step`; read back `previous` (a step late) once this one is queued, before
+        this step's update; then the update.
+
+        Args:
+            late: leave this step's figures on the device for the next step to read (default:
+                :attr:`defers_readback`, except on a memory-measured step, which waits anyway).
+
+        Returns:
+            (this step, its values when read now, `previous`'s values when there was one).
+        """
+        lr, memory = self._begin(step)
+        with failures.context(f"training step {step}"):
+            pending = self.queue(step, lr, memory)
+        earlier = self.finish(previous) if previous is not None else None
+        if late is None:
+            late = self.defers_readback and memory is None
+        values = None if late else self.finish(pending)
+        self.apply(pending, values)
+        self._end(step, memory)
+        return pending, values, earlier
 
     def evaluate(self) -> float:
         """Mean loss over ``train.eval_batches`` held-out batches (forward only)."""
@@ -334,10 +543,78 @@ class Trainer:
         if self.workspace is not None:
             self.workspace.release()
 
+    def _train(self, start: int) -> int | None:
+        """Steps `start` .. ``train.max_steps`` - 1, each read back a step late where that is safe
+        (:attr:`defers_readback`), everything read back before a save, an evaluation and the end.
+
+        Returns:
+            None, or the step whose checkpoint was saved because a ``train.save_on_signal``
+            signal reached some rank (every rank learns it from the same all-reduce, so all stop
+            at the same step boundary).
+        """
+        cfg = self.cfg.train
+        previous: PendingStep | None = None
+        for step in range(start, cfg.max_steps):
+            self.metrics.begin_step(step)
+            pending, values, earlier = self._step(step, previous)
+            pending.timing = self.metrics.stop_step()
+            preempt = False
+            if earlier is not None:
+                preempt |= self._record(previous, earlier)
+            previous = pending if values is None else None
+            if values is not None:
+                preempt |= self._record(pending, values)
+            save = bool(cfg.save_every) and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps)
+            evaluate = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps
+            if previous is not None and (preempt or save or evaluate or step + 1 == cfg.max_steps):
+                preempt |= self._record(previous, self.finish(previous))  # read back before what follows
+                previous = None
+            if save or preempt:
+                path = self.save_checkpoint(step + 1)
+            if preempt:
+                if self.is_main:
+                    log.warning("preempted at step %d: saved %s (a signal of train.save_on_signal=%s reached a rank); "
+                                "the same command with train.resume=auto continues from here", step + 1, path,
+                                list(map(str, signal_names(cfg.save_on_signal))))
+                return step + 1
+            if evaluate:
+                val = self.evaluate()
+                if self.is_main:
+                    log.info("step %4d | held-out loss %.4f", step + 1, val)
+        return None
+
+    def _record(self, pending: PendingStep, values: StepValues) -> bool:
+        """Hand a finished step's figures to the metrics and the history; returns its preempt flag."""
+        self.metrics.end_step(pending.step, values.loss, values.norm, pending.lr, pending.timing)
+        self.history.append(values.loss)
+        return values.preempt
+
+    def _catch_signals(self, numbers: list[int]) -> Any:
+        """Make each signal in `numbers` set the preemption flag that the next step's all-reduce
+        carries; returns a function that restores the previous handlers.  Outside the main thread
+        (where Python cannot install handlers) nothing is installed."""
+        def on_signal(signum: int, frame: Any) -> None:
+            self._signalled = signal.Signals(signum).name
+
+        previous: dict[int, Any] = {}
+        for number in numbers:
+            try:
+                previous[number] = signal.signal(number, on_signal)
+            except ValueError:  # not the main thread
+                log.warning("train.save_on_signal: cannot catch signals outside the main thread; not installed")
+                break
+
+        def restore() -> None:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+        return restore
+
     def fit(self) -> dict[str, Any]:
         """Train for ``train.max_steps`` steps; returns first/last loss, final held-out loss and the
         run's figures (``samples_per_s``, ``tokens_per_s``, ``step_time_s``, ``bubble_measured``,
-        ``bubble_predicted``, ``peak_memory_mb``; see ``pipeflow.observability.metrics.RunMetrics.close``)."""
+        ``bubble_predicted``, ``peak_memory_mb``; see ``pipeflow.observability.metrics.RunMetrics.close``),
+        and ``preempted_at``: None, or the step saved when a ``train.save_on_signal`` signal
+        stopped the run early (train.py then exits with :data:`PREEMPTED_EXIT_CODE`)."""
         cfg = self.cfg.train
         if self.is_main:
             log.info(self.describe())
@@ -351,21 +628,23 @@ class Trainer:
         start = self.resume()
         first_val = self.evaluate()
         trained = len(self.history)
-        for step in range(start, cfg.max_steps):
-            self.metrics.begin_step(step)
-            loss, norm = self.train_step(step)
-            self.metrics.end_step(step, loss, norm, self.optimizer.param_groups[0]["lr"])
-            self.history.append(loss)
-            if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps):
-                self.save_checkpoint(step + 1)
-            if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps:
-                val = self.evaluate()
-                if self.is_main:
-                    log.info("step %4d | held-out loss %.4f", step + 1, val)
+        restore = self._catch_signals(signal_numbers(cfg.save_on_signal))
+        try:
+            preempted_at = self._train(start)
+        finally:
+            restore()
+        if preempted_at is not None:
+            result = {"first_loss": self.history[trained] if len(self.history) > trained else float("nan"),
+                      "last_loss": self.history[-1] if len(self.history) > trained else float("nan"),
+                      "first_val_loss": first_val, "val_loss": float("nan"), "preempted_at": preempted_at}
+            result.update(self.metrics.close(self.schedule))
+            self.close()
+            return result
         final_val = self.evaluate()
         losses = self.history[trained:]
         first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
-        result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val}
+        result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val,
+                  "preempted_at": None}
         result.update(self.metrics.close(self.schedule))
         self.close()
         if self.is_main:

@@ -8,8 +8,9 @@ over.  On the CPU (:class:`HostClock`) a mark is a ``time.perf_counter()`` readi
 done when the host returns.  On CUDA (:class:`CudaEventClock`) the host only queues kernels, so a
 host reading would time their launch; a mark there is a CUDA event recorded on the current
 (compute) stream, and the seconds are each event's GPU time after a step-start event, read back
-once the step is over (the step's readback of the loss and grad norm has synchronised the
-device by then).  Both put their seconds on the host's ``perf_counter`` axis, so step times,
+once the step is over.  Such a *timed* step drains the device at its start and end, so a run
+times only some steps that way (``metrics.timed_every``); the others read only the host clock
+(:meth:`EventRecorder.start` with ``timed=False``) and never make the host wait.  Both put their seconds on the host's ``perf_counter`` axis, so step times,
 figures, traces and timeline pictures read one kind of event whatever the device.
 """
 from __future__ import annotations
@@ -86,17 +87,23 @@ class CudaEventClock:
         self.device = torch.device(device)
         self._origin: Any = None
         self._origin_s = 0.0
+        self._pool: list[Any] = []  # events are reused step after step: creating one costs a driver call
+        self._used = 0
 
     def begin(self) -> float:
         """Drain the device, record the step-start event; the host's now."""
         torch.cuda.synchronize(self.device)
+        self._used = 0  # every event of the last step was read back by its end()
         self._origin = self.mark()
         self._origin_s = time.perf_counter()
         return self._origin_s
 
     def mark(self) -> Any:
-        """An event recorded on the current stream."""
-        event = torch.cuda.Event(enable_timing=True)
+        """An event (from the pool) recorded on the current stream."""
+        if self._used == len(self._pool):
+            self._pool.append(torch.cuda.Event(enable_timing=True))
+        event = self._pool[self._used]
+        self._used += 1
         event.record()
         return event
 
@@ -134,14 +141,31 @@ class EventRecorder:
         self.events: list[TimedEvent] | None = None
         self.started_at = 0.0
         self.stopped_at = 0.0
+        self.timed = False  # whether the pass since start() records events (else only its host time)
 
     @property
     def on(self) -> bool:
         """True while events are being collected."""
         return self.events is not None
 
-    def start(self) -> float:
-        """Start collecting (drops anything collected before); returns the start (perf_counter s)."""
+    @property
+    def free(self) -> bool:
+        """True when timing every action costs nothing beside the work (the host clock): every step
+        can be recorded.  On CUDA a recorded step drains the device at its start and end."""
+        return isinstance(self.clock, HostClock)
+
+    def start(self, timed: bool = True) -> float:
+        """Start a pass (drops anything collected before); returns its start (perf_counter s).
+
+        Args:
+            timed: collect the pass's events; False: only the host's start and stop are read
+                (no event, no device drain: the steady steps of a CUDA run).
+        """
+        self.timed = timed
+        if not timed:
+            self.events = None
+            self.started_at = time.perf_counter()
+            return self.started_at
         self.started_at = self.clock.begin()
         self.events = []
         return self.started_at
@@ -154,6 +178,9 @@ class EventRecorder:
         """Stop collecting; returns what was collected since :meth:`start`, in perf_counter
         seconds (:attr:`stopped_at` is the end)."""
         events, self.events = self.events or [], None
+        if not self.timed:
+            self.stopped_at = time.perf_counter()
+            return []
         self.stopped_at = self.clock.end()
         seconds = self.clock.seconds([m for e in events for m in (e.start, e.end)])
         return [TimedEvent(e.kind, e.name, seconds[2 * k], seconds[2 * k + 1]) for k, e in enumerate(events)]

@@ -1,0 +1,154 @@
+"""The steady training step (issue 29): no host read of a device value but the one read-back of
+the previous step's figures, a step late; a non-finite step skipped on the device and raised a
+step late, before the next update; ``train.save_on_signal`` agreeing on a step boundary through
+the step's own all-reduce.  One in-process gloo rank (no launch)."""
+from __future__ import annotations
+
+import datetime
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import scale_cases  # noqa: E402
+from mp_harness import _free_port  # noqa: E402
+from pipeflow.errors import ConfigError, NonFiniteError  # noqa: E402
+from pipeflow.run.builder import build_run  # noqa: E402
+from pipeflow.run.trainer import PREEMPTED_EXIT_CODE, Trainer, signal_numbers  # noqa: E402
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _trainer(tmp_path: Path, fused: bool = True, **overrides) -> Trainer:
+    cfg = scale_cases.make_config(1, "1f1b", 2, train__run_dir=str(tmp_path), optim__grad_clip=0.05,
+                                  metrics__memory_steps=[], comm__recvs_ahead=True, **overrides)
+    t = build_run(cfg, torch.device("cpu"))
+    o = cfg.optim
+    t.optimizer = torch.optim.AdamW(t.params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, fused=fused)
+    return t
+
+
+class HostReads(TorchDispatchMode):
+    """Counts what makes a host wait for a device value: ``item()``, ``float()``, ``bool()``
+    (aten._local_scalar_dense), and copies to the CPU; ``tolist()`` is counted by a patch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scalars = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.scalars += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_steady_step_reads_back_only_the_previous_steps_figures(one_rank_group, tmp_path, monkeypatch) -> None:
+    trainer = _trainer(tmp_path)
+    assert trainer.defers_readback
+    order: list[str] = []
+    run, finish = trainer.pipeline.run, trainer.finish
+    monkeypatch.setattr(trainer.pipeline, "run", lambda *a, **k: (order.append("run"), run(*a, **k))[1])
+    monkeypatch.setattr(trainer, "finish", lambda p: (order.append(f"finish {p.step}"), finish(p))[1])
+    previous = None
+    for step in range(2):  # the first steps learn shapes and choose the posting
+        previous, values, _ = trainer._step(step, previous)
+    lists = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (lists.append(tuple(t.shape)), real_tolist(t))[1])
+    order.clear()
+    with HostReads() as reads:
+        for step in range(2, 5):
+            previous, values, earlier = trainer._step(step, previous)
+            assert values is None and earlier is not None and previous.step == step
+    assert reads.scalars == 0
+    assert len(lists) == 3  # one packet per step: [norm, loss, preempt, stage flags]
+    assert order == ["run", "finish 1", "run", "finish 2", "run", "finish 3"]  # read a step late, once queued
+
+
+def test_deferred_read_back_trains_exactly_as_reading_in_the_step(one_rank_group, tmp_path) -> None:
+    deferred, direct = _trainer(tmp_path / "a"), _trainer(tmp_path / "b")
+    previous, late = None, []
+    for step in range(4):
+        previous, _, earlier = deferred._step(step, previous)
+        if earlier is not None:
+            late.append((earlier.loss, earlier.norm))
+    late.append(tuple(vars(deferred.finish(previous))[k] for k in ("loss", "norm")))
+    now = [direct.train_step(step) for step in range(4)]
+    assert late == now  # same process, same kernels: only the moment of the read differs
+    assert all(torch.equal(a, b) for a, b in zip(deferred.params, direct.params))
+
+
+def test_a_non_finite_step_is_skipped_on_the_device_and_raised_a_step_late(one_rank_group, tmp_path) -> None:
+    trainer = _trainer(tmp_path)
+    previous, _, _ = trainer._step(0, None)
+    trainer.finish(previous)
+    armed = [True]
+    trainer.params[0].register_hook(lambda g: torch.full_like(g, float("nan")) if armed[0] else g)
+    before = [p.detach().clone() for p in trainer.params]
+    previous, _, _ = trainer._step(1, None)  # NaN gradients: fused AdamW's found_inf skips the update
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
+    armed[0] = False
+    with pytest.raises(NonFiniteError, match=r"training step 1: the parameter gradients of stage 0"):
+        trainer._step(2, previous)  # step 2 is queued, step 1 read back: raised before step 2's update
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
+
+
+def test_the_clip_stays_on_the_device_and_equals_torchs(one_rank_group) -> None:
+    from pipeflow.run.trainer import clip_on_device
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, 3, dtype=torch.float64)) for n in (5, 2)]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, r in zip(params, ref):
+        p.grad = torch.randn_like(p) * 4
+        r.grad = p.grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(ref, 0.5)
+    with HostReads() as reads:
+        norm, extra = clip_on_device(params, 0.5, None, torch.ones(2, dtype=torch.float64))
+    assert reads.scalars == 0 and isinstance(norm, torch.Tensor) and extra.tolist() == [1.0, 1.0]
+    torch.testing.assert_close(norm, expected, rtol=1e-12, atol=0)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-12, atol=0)
+
+
+def test_a_signal_saves_at_the_next_step_boundary_and_the_run_resumes(one_rank_group, tmp_path) -> None:
+    trainer = _trainer(tmp_path, train__max_steps=8, train__save_every=0)
+    restore = trainer._catch_signals(signal_numbers("SIGUSR1"))
+    try:
+        trainer._step(0, None)
+        signal.raise_signal(signal.SIGUSR1)  # as a scheduler would, between steps
+        assert trainer._signalled == "SIGUSR1"
+        stopped = trainer._train(1)
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    # step 1 carried the flag in its all-reduce, read back a step late in step 2: saved after step 2
+    assert stopped == 3
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert saved == ["step_00000003"]
+    again = _trainer(tmp_path, train__max_steps=8, train__resume="auto")
+    assert again.resume() == 3
+    assert all(torch.equal(a, b) for a, b in zip(trainer.params, again.params))
+    assert PREEMPTED_EXIT_CODE == 75
+
+
+def test_save_on_signal_names() -> None:
+    assert signal_numbers(["SIGTERM", "usr1"]) == [signal.SIGTERM, signal.SIGUSR1]
+    assert signal_numbers(None) == signal_numbers(False) == signal_numbers([]) == []
+    with pytest.raises(ConfigError, match="SIGKILL"):
+        signal_numbers("SIGKILL")
+    with pytest.raises(ConfigError, match="not a signal"):
+        signal_numbers("SIGNOPE")
