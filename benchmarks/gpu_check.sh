@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check for a lent machine, unattended: one markdown report, every step's exit status.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_check.sh        # on the GPU machine (about 3 min on one GPU)
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_check.sh        # on the GPU machine (about 6 min on one GPU)
 #   OUT=/tmp/dry bash benchmarks/gpu_check.sh            # here, without CUDA: a dry run, exit 2
 #
 # The GPU machine has its own torch (2.11) but no hydra-core, omegaconf or antlr4 and no network:
@@ -16,8 +16,11 @@
 # send to self on a one-rank NCCL group while the compute stream is busy, CUDA-event timing), then
 # a one-rank `python train.py` on CUDA with bf16 and a traced step (CUDA-event figures checked by
 # gpu_run_check.py), and one with fp16, a forced gradient overflow and train.check_finite=true
-# (the step is skipped, the run goes on).  Two or more GPUs: also the NCCL equivalence, a 2-rank
-# traced train.py and the side-by-side with torch.distributed.pipelining (4 GPUs: more of each).
+# (the step is skipped, the run goes on), then pipeflow on one rank against the plain PyTorch loop
+# over the same layers (vs_plain_loop.py: step ratio, steady-step allocator peak ratio, start-of-run
+# prediction beside the measured step; about 3 min; its lines also go to $OUT/RESULTS.md).  Two or
+# more GPUs: also the NCCL equivalence, a 2-rank traced train.py and the side-by-side with
+# torch.distributed.pipelining (4 GPUs: more of each).
 # $OUT/gpu_check.md is the report (each step: exit status, seconds, the end of its output) and
 # $OUT/RESULTS.md the benchmark tables, for benchmarks/RESULTS.md.  Full logs stay in $LOGS.
 # Exit: 0 all passed, 1 a step failed, 2 no CUDA device (nothing on a GPU was checked).
@@ -118,6 +121,8 @@ step 240 train_fp16 "train.py on one GPU: fp16, a forced overflow, check_finite"
 step 60 check_fp16 "fp16 run: the overflow skipped, figures sane" $PY benchmarks/gpu_run_check.py "$LOGS/run_fp16" \
   "$LOGS/train_fp16.log" \
   --expect "step 4: inf/nan gradients (fp16 overflow); step skipped"
+step 420 vs_plain "pipeflow vs the plain PyTorch loop on one GPU (GPT 12x1024, bf16, m = 4 and 16)" \
+  $PY benchmarks/vs_plain_loop.py --device cuda --out "$OUT/RESULTS.md"
 if [ "$gpus" -ge 2 ]; then
   step 150 nccl_eq_2 "NCCL equivalence, 2 GPUs" $PY -m torch.distributed.run --nproc-per-node 2 benchmarks/nccl_equivalence.py
   step 240 train_2gpu "train.py on 2 GPUs: bf16, a traced step" $PY -m torch.distributed.run --nproc-per-node 2 train.py \

@@ -1,8 +1,11 @@
 """benchmarks/gpu_check.sh without a GPU: it parses, a dry run stops where CUDA is needed and says
-so (exit 2), and a failing step's own exit status reaches the report (not the status of an echo)."""
+so (exit 2), and a failing step's own exit status reaches the report (not the status of an echo);
+its benchmark vs_plain_loop.py answers --help, runs a tiny CPU case to its step-ratio line, and
+exits 1 when its correctness check fails."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +44,38 @@ def test_a_failing_step_reports_its_own_exit_status(tmp_path: Path) -> None:
     assert "FAILED (exit status 3): train.py's imports with this torch" in done.stdout
     assert "exit status 3 after" in report and "| train.py's imports with this torch | 3 |" in report
     assert "broken" in report and "overall exit status: 1" in report
+
+
+PLAIN = ROOT / "benchmarks" / "vs_plain_loop.py"
+TINY = ["--case", "n_layer=2", "n_embd=32", "seq=16", "batch=4", "m=2", "--rounds", "1", "--steps", "1",
+        "--warmup", "0"]
+
+
+def _plain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(PLAIN), *args], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_gpu_check_runs_the_plain_loop_benchmark_on_cuda() -> None:
+    assert "benchmarks/vs_plain_loop.py --device cuda" in SCRIPT.read_text()
+
+
+def test_vs_plain_loop_answers_help() -> None:
+    done = _plain("--help")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("usage: python benchmarks/vs_plain_loop.py") and "--case" in done.stdout
+
+
+def test_vs_plain_loop_tiny_cpu_run_checks_then_prints_a_step_ratio_line() -> None:
+    done = _plain("--device", "cpu", *TINY)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "check: first-step loss" in done.stdout and "rel diff" in done.stdout and ": ok;" in done.stdout
+    assert re.search(r"^GPT 2x32 h4, seq 16, batch 4, m 2, fp32, cpu \| plain [\d.]+ ms \| pipeflow [\d.]+ ms \| "
+                     r"step ratio [\d.]+ \| predicted [\d.]+ ms \(\d+% of measured\)$", done.stdout, re.M), done.stdout
+    assert "peak ratio" not in done.stdout  # the allocator peak is CUDA's
+
+
+def test_vs_plain_loop_exits_1_when_the_losses_disagree() -> None:
+    done = _plain("--device", "cpu", *TINY, "--rtol", "-1")  # nothing agrees within a negative tolerance
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "DISAGREE" in done.stdout and "step ratio" not in done.stdout

@@ -1,0 +1,351 @@
+"""pipeflow on one rank against the plain PyTorch loop over the same layers (issue 29's benchmark).
+
+    python benchmarks/vs_plain_loop.py                    # CPU: GPT 6 x 256, seq 256, batch 16, m = 4 and 16
+    python benchmarks/vs_plain_loop.py --device cuda      # GPU: GPT 12 x 1024, 16 heads, seq 512, batch 64, bf16
+    python benchmarks/vs_plain_loop.py --case n_layer=2 n_embd=32 seq=16 batch=4 m=2 --rounds 1 --steps 1
+
+Both run in this one process, on one process group of size 1 (gloo on the CPU, NCCL on CUDA):
+
+- **pipeflow**: the Hydra config composed from ``configs/`` with the case's overrides (one
+  stage, 1F1B; TensorBoard, evaluation, the progress bar and the memory steps off; layer
+  profiling kept, since the start-of-run prediction needs it), built by
+  ``pipeflow.run.builder.build_run`` as ``train.py`` builds it; each step is
+  ``Trainer.train_step(step)``.
+- **plain**: ``build_gpt(...)`` with the config's model keys (the same seed, so the same
+  weights), ``.build_all(device=...)``; per micro-batch: forward under autocast (the config's
+  ``train.precision``: bf16 on CUDA, none on the CPU unless ``--precision``),
+  ``cross_entropy(logits.float(), y) / m``, ``backward()``; then ``clip_grad_norm_(params,
+  optim.grad_clip)``, ``AdamW.step()`` with pipeflow's optimizer's own settings (lr schedule,
+  betas, weight decay, eps, fused or not), ``zero_grad(set_to_none=True)``; no read-back.
+
+Both take batch `step` from the same source (``trainer.batches.train.get(step)``), split into m
+micro-batches by the same ``split_microbatches``.  Before timing, each case checks correctness:
+the first step's loss and grad norm (from identical weights, which are compared first) must agree
+(rtol 1e-5 in float32, 1e-3 under bf16/fp16, ``--rtol``); a disagreement exits 1.
+
+Then alternating rounds (pipeflow, plain, pipeflow, plain, ...; ``--rounds``): in each, warm-up
+steps, then ``--steps`` timed steps in one block, the device synchronised only at the block's
+edges (per-step time = block / steps).  On CUDA also the steady-step allocator peak of each:
+``torch.cuda.reset_peak_memory_stats()`` after the warm-up, ``max_memory_allocated()`` after
+the timed steps, less what the *other* one holds between steps (both live in this process: the
+plain loop holds exactly its parameters and AdamW state, counted tensor by tensor; pipeflow
+holds the rest of what is allocated between steps), so each peak is what it would be alone.
+
+Printed per case: ``<case> | plain <ms> ms | pipeflow <ms> ms | step ratio <x>`` (medians over
+rounds; ratio pipeflow / plain), on CUDA ``| peak plain <MiB> / pipeflow <MiB> MiB | peak ratio
+<y>`` (the largest over rounds), and ``| predicted <ms> ms (<pct>% of measured)``: pipeflow's
+start-of-run predicted step (``trainer.layout.prediction.step_s``, what ``train.py`` logs as
+"predicted step") against its measured median.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeflow.data import split_microbatches  # noqa: E402
+from pipeflow.models.gpt import build_gpt  # noqa: E402
+from pipeflow.models.spec import run_layers  # noqa: E402
+from pipeflow.run.trainer import Trainer, lr_at, unique_parameters  # noqa: E402
+from pipeflow.runtime.precision import compute_dtype  # noqa: E402
+from pipeflow.runtime.zero import local_optimizer  # noqa: E402
+
+CASE_KEYS = ("n_layer", "n_embd", "n_head", "seq", "batch", "m")
+DEFAULT_CASES = {  # the issue's cases: m is a list, one case per value
+    "cpu": {"n_layer": 6, "n_embd": 256, "n_head": 4, "seq": 256, "batch": 16, "m": [4, 16]},
+    "cuda": {"n_layer": 12, "n_embd": 1024, "n_head": 16, "seq": 512, "batch": 64, "m": [4, 16]},
+}
+DEFAULT_RUNS = {"cpu": (1, 3), "cuda": (3, 10)}  # (warm-up steps, timed steps) per round
+MIB = 2**20
+
+
+@dataclass
+class Case:
+    """One benchmarked configuration."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    seq: int
+    batch: int
+    m: int
+
+    def label(self, precision: str, device: str) -> str:
+        return (f"GPT {self.n_layer}x{self.n_embd} h{self.n_head}, seq {self.seq}, batch {self.batch}, m {self.m}, "
+                f"{precision}, {device}")
+
+    def overrides(self) -> list[str]:
+        return [f"model.n_layer={self.n_layer}", f"model.n_embd={self.n_embd}", f"model.n_head={self.n_head}",
+                f"data.seq_len={self.seq}", f"data.batch_size={self.batch}", f"pipeline.num_microbatches={self.m}"]
+
+
+def parse_cases(device: str, specs: list[list[str]] | None) -> list[Case]:
+    """The device's default cases, each ``--case key=value ...`` overriding them (m: a comma list)."""
+    groups = specs or [[]]
+    cases = []
+    for spec in groups:
+        values: dict[str, Any] = dict(DEFAULT_CASES[device])
+        for item in spec:
+            key, sep, value = item.partition("=")
+            if not sep or key not in CASE_KEYS:
+                raise SystemExit(f"--case {item!r}: expected key=value with key one of {', '.join(CASE_KEYS)}")
+            values[key] = [int(v) for v in value.split(",")] if key == "m" else int(value)
+        ms = values.pop("m")
+        cases += [Case(m=m, **values) for m in (ms if isinstance(ms, list) else [ms])]
+    return cases
+
+
+def compose(overrides: list[str]) -> Any:
+    """The resolved config from ``configs/`` with `overrides`, as ``train.py`` would see it."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from pipeflow.run.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Plain:
+    """The plain PyTorch loop over the same layers as the config's GPT."""
+
+    def __init__(self, cfg: Any, device: torch.device, trainer: Trainer) -> None:
+        model = {k: v for k, v in cfg.model.items() if k != "_target_"}
+        spec = build_gpt(**model)
+        if spec.tied:
+            raise SystemExit("model.tie_embeddings=true: the plain loop does not tie weights; benchmark untied")
+        self.cfg, self.device, self.batches = cfg, device, trainer.batches
+        self.layers = spec.build_all(device=device, dtype=getattr(torch, cfg.train.dtype))
+        self.params = unique_parameters(layer.parameters() for layer in self.layers)
+        self.autocast = compute_dtype(cfg.train.precision)
+        self.m = cfg.pipeline.num_microbatches
+        d = local_optimizer(trainer.optimizer).defaults  # pipeflow's own AdamW settings
+        self.optimizer = torch.optim.AdamW(self.params, lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                                           weight_decay=d["weight_decay"], amsgrad=d.get("amsgrad", False),
+                                           foreach=d.get("foreach"), fused=d.get("fused"))
+
+    def step(self, step: int, read_back: bool = False) -> tuple[float, float] | None:
+        """One optimizer step on batch `step`; with `read_back`, (loss, grad norm) as floats."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
+        x, y = self.batches.train.get(step)
+        m, total = self.m, None
+        for xb, yb in zip(split_microbatches(x, m), split_microbatches(y, m)):
+            xb, yb = xb.to(self.device), yb.to(self.device)
+            with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                logits = run_layers(self.layers, xb)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), yb.reshape(-1)) / m
+            loss.backward()
+            if read_back:
+                total = loss.detach() if total is None else total + loss.detach()
+        norm = None
+        if self.cfg.optim.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if read_back:
+            return float(total), float(norm) if norm is not None else math.nan
+        return None
+
+    def resident_bytes(self) -> int:
+        """What the plain loop holds between steps: its parameters and AdamW state, each storage once."""
+        seen: dict[int, int] = {}
+        tensors = list(self.params) + [t for state in self.optimizer.state.values() for t in state.values()
+                                       if isinstance(t, torch.Tensor)]
+        for t in tensors:
+            if t.device.type == self.device.type:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+
+def timed_block(run_step: Callable[[int], Any], first: int, warmup: int, steps: int,
+                device: torch.device) -> tuple[float, int | None, int]:
+    """Warm-up steps, then `steps` steps timed as one block; returns (seconds per step, the
+    allocator peak of the timed steps on CUDA else None, the next step number)."""
+    for k in range(warmup):
+        run_step(first + k)
+    first += warmup
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for k in range(steps):
+        run_step(first + k)
+    sync(device)
+    took = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return took / steps, peak, first + steps
+
+
+def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_root: str) -> tuple[bool, str]:
+    """Check and time one case; prints its lines; returns (whether the correctness check passed,
+    the case's last line)."""
+    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    overrides = [*case.overrides(), "schedule=1f1b", f"train.precision={precision}", f"dist.device={device}",
+                 "metrics.tensorboard=false", "metrics.progress_bar=false", "metrics.memory_steps=[]",
+                 "train.eval_every=0", "train.eval_batches=0", "pipeline.profile=true",
+                 f"train.run_dir={tempfile.mkdtemp(prefix='run_', dir=run_root)}", *args.override]
+    cfg = compose(overrides)
+    from pipeflow.run.builder import build_run
+
+    trainer = build_run(cfg, device)
+    plain = Plain(cfg, device, trainer)
+    label = case.label(precision, device.type)
+    try:
+        same = all(torch.equal(a.detach(), b.detach()) for a, b in zip(trainer.params, plain.params))
+        if not same or len(trainer.params) != len(plain.params):
+            line = f"{label} | check FAILED: the two models do not start from identical weights"
+            print(line, flush=True)
+            return False, line
+        # correctness: the first step from identical weights
+        pf_loss, pf_norm = trainer.train_step(0)
+        pl_loss, pl_norm = plain.step(0, read_back=True)
+        rtol = args.rtol if args.rtol is not None else (1e-5 if precision == "fp32" else 1e-3)
+        diff = abs(pf_loss - pl_loss) / max(abs(pl_loss), 1e-30)
+        norm_diff = abs(pf_norm - pl_norm) / max(abs(pl_norm), 1e-30) if math.isfinite(pl_norm) else 0.0
+        ok = diff <= rtol and norm_diff <= rtol
+        check = (f"{label} | check: first-step loss plain {pl_loss:.6f} / pipeflow {pf_loss:.6f} (rel diff {diff:.1e}), "
+                 f"grad norm plain {pl_norm:.6f} / pipeflow {pf_norm:.6f} (rel diff {norm_diff:.1e}), rtol {rtol:g}: "
+                 f"{'ok' if ok else 'DISAGREE'}; AdamW fused={bool(plain.optimizer.defaults.get('fused'))}")
+        print(check, flush=True)
+        if not ok:
+            return False, check
+        warmup = args.warmup if args.warmup is not None else DEFAULT_RUNS[device.type][0]
+        steps = args.steps if args.steps is not None else DEFAULT_RUNS[device.type][1]
+        times: dict[str, list[float]] = {"pipeflow": [], "plain": []}
+        peaks: dict[str, list[float]] = {"pipeflow": [], "plain": []}
+        next_step = {"pipeflow": 1, "plain": 1}
+        runners = {"pipeflow": trainer.train_step, "plain": plain.step}
+        for _ in range(args.rounds):
+            for name in ("pipeflow", "plain"):  # alternating: pipeflow, plain, pipeflow, plain, ...
+                at_rest = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                per_step, peak, next_step[name] = timed_block(runners[name], next_step[name], warmup, steps, device)
+                times[name].append(per_step)
+                if peak is not None:  # less what the other one holds between steps
+                    other = plain.resident_bytes() if name == "pipeflow" else at_rest - plain.resident_bytes()
+                    peaks[name].append((peak - other) / MIB)
+        pf_s, pl_s = statistics.median(times["pipeflow"]), statistics.median(times["plain"])
+        line = f"{label} | plain {1e3 * pl_s:.1f} ms | pipeflow {1e3 * pf_s:.1f} ms | step ratio {pf_s / pl_s:.3f}"
+        if device.type == "cuda":
+            pl_peak, pf_peak = max(peaks["plain"]), max(peaks["pipeflow"])
+            line += f" | peak plain {pl_peak:.0f} / pipeflow {pf_peak:.0f} MiB | peak ratio {pf_peak / pl_peak:.3f}"
+        predicted = trainer.layout.prediction.step_s
+        if math.isfinite(predicted):
+            line += f" | predicted {1e3 * predicted:.1f} ms ({100 * predicted / pf_s:.0f}% of measured)"
+        else:
+            line += f" | predicted n/a ({trainer.layout.prediction.basis}: no profiles)"
+        print(line, flush=True)
+        if args.verbose:
+            print(f"  rounds (ms per step): pipeflow {[round(1e3 * t, 1) for t in times['pipeflow']]}, "
+                  f"plain {[round(1e3 * t, 1) for t in times['plain']]}; prediction: {trainer.layout.prediction.basis}",
+                  flush=True)
+        return True, line
+    finally:
+        trainer.close()
+        del trainer, plain
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/vs_plain_loop.py",
+        description="pipeflow on one rank (one stage, 1F1B, Trainer.train_step) against the plain PyTorch loop "
+                    "over the same layers, weights, micro-batches and optimizer, in alternating rounds; prints "
+                    "one line per case with 'step ratio' (and on CUDA 'peak ratio') and pipeflow's "
+                    "start-of-run predicted step beside its measured median.",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo, GPT 6x256, seq 256, batch 16; cuda: NCCL on cuda:0, GPT 12x1024, 16 heads, "
+                             "seq 512, batch 64, bf16; m = 4 and 16 on both (default cpu)")
+    parser.add_argument("--case", nargs="+", action="append", metavar="KEY=VALUE",
+                        help=f"override the device's default case ({', '.join(CASE_KEYS)}; m may be a comma list, "
+                             "one case per value); repeat --case for more case sets")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (pipeflow, plain) per case (default 3)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per round (default: 3 on cpu, 10 on cuda)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps before each round's timed block (default: 1 on cpu, 3 on cuda)")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
+                        help="autocast dtype of both (train.precision); default bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="relative tolerance of the first-step loss check (default 1e-5 in fp32, 1e-3 otherwise)")
+    parser.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="more Hydra overrides for pipeflow's config (e.g. metrics.rehearse_steps=0); model.* "
+                             "keys apply to the plain loop's GPT too")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads for both (default: torch's own, one per core)")
+    parser.add_argument("--out", default=None, metavar="FILE",
+                        help="also append the case lines to FILE (markdown, e.g. benchmarks/RESULTS.md) with the "
+                             "command, machine, torch and date")
+    parser.add_argument("--verbose", action="store_true", help="also print each round's step times")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
+        parser.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here", file=sys.stderr)
+        return 2
+    cases = parse_cases(args.device, args.case)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1, **kwargs)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()} CPU cores"
+    print(f"pipeflow vs the plain loop: {name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds, medians over rounds, "
+          f"ratio = pipeflow / plain", flush=True)
+    ok, lines = True, []
+    try:
+        with tempfile.TemporaryDirectory(prefix="pipeflow_vs_plain_") as run_root:
+            for case in cases:
+                passed, line = run_case(case, args, device, run_root)
+                ok = ok and passed
+                lines.append(line)
+    finally:
+        dist.destroy_process_group()
+    if args.out:
+        from results import append_result  # benchmarks/results.py
+
+        append_result(args.out, "pipeflow vs the plain PyTorch loop, one rank",
+                      f"python {' '.join(sys.argv)}", "\n".join(f"    {line}" for line in lines),
+                      backend="nccl" if device.type == "cuda" else "gloo",
+                      device_name=name if device.type == "cuda" else "")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
