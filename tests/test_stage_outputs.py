@@ -75,3 +75,27 @@ def test_a_full_backward_stage_keeps_no_layer_outputs() -> None:
         full.backward(0, ones, weights=False)
     full.backward(0, ones)  # refused above without touching what it keeps; a full backward needs no layer outputs
     assert full.activations_held() == 0 and all(p.grad is not None for p in full.parameters())
+
+
+def test_the_memory_prediction_keeps_the_last_outputs_only_where_the_stage_does() -> None:
+    """Under a full backward the last stage's outputs (the logits) live on only when the loss saves
+    them (MSE), not under cross-entropy, which keeps its log-probabilities; a split backward keeps
+    them for W."""
+    from dataclasses import replace
+
+    from pipeflow.planning.layout import stage_bytes
+    from pipeflow.planning.partition import partition_layers
+    from pipeflow.planning.profile import profile_layers
+    from pipeflow.schedules import build_schedule
+    from toy_models import build_toy, random_batch
+
+    spec = build_toy("mlp")
+    x, y = random_batch("mlp", 4)
+    ranges = partition_layers(len(spec.layers), 2)
+    mse = replace(spec, loss_fn=lambda out, t: nn.functional.mse_loss(out, nn.functional.one_hot(t, out.shape[-1]).to(out)))
+    for model, saves in ((spec, False), (mse, True)):
+        profiles = profile_layers(model, x, dtype=F64, sample_target=y, repeats=1)
+        assert profiles[-1].loss_saves_output is saves
+        full, split = (stage_bytes(ranges, profiles, build_schedule(name, 2, 4)) for name in ("1f1b", "zb_h1"))
+        assert split[0].activations == full[0].activations  # sent on: freed once sent either way
+        assert split[1].activations - full[1].activations == (0 if saves else profiles[-1].output_bytes)

@@ -64,12 +64,15 @@ def stage_bytes(
     outputs, their inputs excluded), less its last outputs when they go to another rank (freed
     once sent; the sent copy is a comm buffer).  The last stage's loss keeps the last layer's
     ``loss_bytes`` (when not profiled, estimated as one more copy of the outputs: cross-entropy's
-    log-probabilities).  A split backward's B keeps each layer's output gradients until W.
+    log-probabilities); its last outputs only when the loss saves them or the stage splits its
+    backward (a stage keeps each layer's outputs for W only then).  A split backward's B keeps
+    each layer's output gradients until W.
     Stage 0 holds every micro-batch's input (`input_bytes` each) for the whole step, the last
     stage every micro-batch's targets (`target_bytes` each).  The boundary is the last layer's
     output bytes.
     """
     result, m = [], schedule.num_microbatches
+    split = {s for s, _ in schedule.split_backwards()}
     for s, r in enumerate(ranges):
         layers = [profiles[i] for i in r]
         out = layers[-1].output_bytes if layers else 0
@@ -80,6 +83,8 @@ def stage_bytes(
         loss = 0.0
         if last and layers:
             loss = float(out if layers[-1].loss_bytes is None else layers[-1].loss_bytes)
+            if s not in split and not layers[-1].loss_saves_output:
+                act -= out
         data = m * ((input_bytes if s == 0 else 0.0) + (target_bytes if last else 0.0))
         result.append(StageBytes(params=math.fsum(p.param_bytes for p in layers), activations=max(act, 0.0),
                                  split_held=math.fsum(p.output_bytes for p in layers), boundary=out, loss=loss,

@@ -45,6 +45,10 @@ class LayerProfile:
         loss_bytes: on the last layer, profiled with a target: what the model's loss keeps for
             backward beyond the layer's outputs and the target (cross-entropy: the
             log-probabilities); None when not measured.
+        loss_saves_output: on the last layer, profiled with a target: whether the loss saves the
+            layer's outputs themselves for backward (MSE does; cross-entropy keeps its
+            log-probabilities instead): a stage that does not split its backward keeps them only
+            then.  True when not measured.
         cpu_fraction: CPU time of the process over wall time while the layer ran (0 for a layer
             that waits, about 1 for one thread computing, more for several); how much cores shared
             with other ranks slow it down (`pipeflow.planning.step_model`).
@@ -61,6 +65,7 @@ class LayerProfile:
     output_bytes: int = 0
     loss_bytes: int | None = None
     cpu_fraction: float = 1.0
+    loss_saves_output: bool = True
 
     @property
     def seconds(self) -> float:
@@ -205,7 +210,8 @@ def profile_layers(
         profiles.append(profile)
     if sample_target is not None and profiles and spec.loss_fn is not None:
         target = sample_target.to(device) if isinstance(sample_target, Tensor) else sample_target
-        profiles[-1] = replace(profiles[-1], loss_bytes=_loss_bytes(spec.loss_fn, inputs, target))
+        loss_bytes, saves_output = _loss_bytes(spec.loss_fn, inputs, target)
+        profiles[-1] = replace(profiles[-1], loss_bytes=loss_bytes, loss_saves_output=saves_output)
     del inputs
     release_cached_memory(device)
     return profiles
@@ -222,13 +228,15 @@ def release_cached_memory(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
-def _loss_bytes(loss_fn: Callable[[Any, Any], Tensor], outputs: tuple, target: Any) -> int:
-    """Bytes the loss saves for backward, the outputs' and the target's storages excluded."""
-    skip = {_storage_key(t) for t in (*outputs, target) if isinstance(t, Tensor)}
+def _loss_bytes(loss_fn: Callable[[Any, Any], Tensor], outputs: tuple, target: Any) -> tuple[int, bool]:
+    """Bytes the loss saves for backward, the outputs' and the target's storages excluded, and
+    whether it saves an output's storage."""
+    own = {_storage_key(t) for t in outputs if isinstance(t, Tensor)}
+    skip = own | {_storage_key(t) for t in (target,) if isinstance(t, Tensor)}
     seen: dict[tuple[str, int], int] = {}
     with torch.enable_grad(), _counting_saved(seen):
         loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)  # its graph dies here
-    return sum(n for key, n in seen.items() if key not in skip)
+    return sum(n for key, n in seen.items() if key not in skip), bool(own & set(seen))
 
 
 def _profile_one(
