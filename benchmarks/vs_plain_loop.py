@@ -9,8 +9,12 @@ Both run in this one process, on one process group of size 1 (gloo on the CPU, N
 - **pipeflow**: the Hydra config composed from ``configs/`` with the case's overrides (one
   stage, 1F1B; TensorBoard, evaluation, the progress bar and the memory steps off; layer
   profiling kept, since the start-of-run prediction needs it), built by
-  ``pipeflow.run.builder.build_run`` as ``train.py`` builds it; each step is
-  ``Trainer.train_step(step)``.
+  ``pipeflow.run.builder.build_run`` as ``train.py`` builds it; each timed step is the one
+  ``Trainer.fit`` runs (``Trainer._step``: its loss and norm read back a step late where the
+  trainer allows it, i.e. with fused AdamW and no fp16 loss scaler; the block's last pending
+  step read back before the block ends), or with ``--pipeflow-step train_step`` the public
+  ``Trainer.train_step(step)`` (read back within the step).  The correctness check uses
+  ``Trainer.train_step``.
 - **plain**: ``build_gpt(...)`` with the config's model keys (the same seed, so the same
   weights), ``.build_all(device=...)``; per micro-batch: forward under autocast (the config's
   ``train.precision``: bf16 on CUDA, none on the CPU unless ``--precision``),
@@ -54,6 +58,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -106,7 +111,11 @@ def parse_cases(device: str, specs: list[list[str]] | None) -> list[Case]:
                 raise SystemExit(f"--case {item!r}: expected key=value with key one of {', '.join(CASE_KEYS)}")
             values[key] = [int(v) for v in value.split(",")] if key == "m" else int(value)
         ms = values.pop("m")
-        cases += [Case(m=m, **values) for m in (ms if isinstance(ms, list) else [ms])]
+        for m in ms if isinstance(ms, list) else [ms]:
+            if m < 1 or values["batch"] % m:
+                raise SystemExit(f"--case batch={values['batch']} m={m}: the plain loop divides each micro-batch's "
+                                 "loss by m, so m must divide the batch (pipeflow weighs unequal ones by tokens)")
+            cases.append(Case(m=m, **values))
     return cases
 
 
@@ -178,10 +187,36 @@ class Plain:
         return sum(seen.values())
 
 
-def timed_block(run_step: Callable[[int], Any], first: int, warmup: int, steps: int,
-                device: torch.device) -> tuple[float, int | None, int]:
-    """Warm-up steps, then `steps` steps timed as one block; returns (seconds per step, the
-    allocator peak of the timed steps on CUDA else None, the next step number)."""
+class PipeflowSteps:
+    """pipeflow's training step, driven as ``Trainer.fit`` drives it (``steady``: the step's loss
+    and norm read back a step late where the trainer allows it, ``Trainer.defers_readback``) or
+    by the public ``Trainer.train_step`` (``train_step``: read back within the step)."""
+
+    def __init__(self, trainer: Trainer, mode: str) -> None:
+        self.trainer = trainer
+        # Trainer._step is the step fit's loop runs; a Trainer without it has only train_step
+        self.mode = mode if hasattr(trainer, "_step") else "train_step"
+        self.previous: Any = None
+
+    def step(self, step: int) -> None:
+        if self.mode == "train_step":
+            self.trainer.train_step(step)
+            return
+        pending, values, _ = self.trainer._step(step, self.previous)
+        self.previous = pending if values is None else None
+
+    def drain(self) -> None:
+        """Read back the step still pending (as fit does before an evaluation, a save or the end)."""
+        if self.previous is not None:
+            self.trainer.finish(self.previous)
+            self.previous = None
+
+
+def timed_block(run_step: Callable[[int], Any], first: int, warmup: int, steps: int, device: torch.device,
+                drain: Callable[[], None] = lambda: None) -> tuple[float, int | None, int]:
+    """Warm-up steps, then `steps` steps timed as one block (`drain` ends it: what is still
+    pending is read back); returns (seconds per step, the allocator peak of the timed steps on
+    CUDA else None, the next step number)."""
     for k in range(warmup):
         run_step(first + k)
     first += warmup
@@ -191,6 +226,7 @@ def timed_block(run_step: Callable[[int], Any], first: int, warmup: int, steps: 
     start = time.perf_counter()
     for k in range(steps):
         run_step(first + k)
+    drain()
     sync(device)
     took = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -224,10 +260,18 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_roo
         diff = abs(pf_loss - pl_loss) / max(abs(pl_loss), 1e-30)
         norm_diff = abs(pf_norm - pl_norm) / max(abs(pl_norm), 1e-30) if math.isfinite(pl_norm) else 0.0
         ok = diff <= rtol and norm_diff <= rtol
-        check = (f"{label} | check: first-step loss plain {pl_loss:.6f} / pipeflow {pf_loss:.6f} (rel diff {diff:.1e}), "
+        check = (f"{label} | check: first-step loss plain {pl_loss:.6f} / pipeflow {pf_loss:.6f} "
+                 f"(rel diff {diff:.1e}), "
                  f"grad norm plain {pl_norm:.6f} / pipeflow {pf_norm:.6f} (rel diff {norm_diff:.1e}), rtol {rtol:g}: "
-                 f"{'ok' if ok else 'DISAGREE'}; AdamW fused={bool(plain.optimizer.defaults.get('fused'))}")
+                 f"{'ok' if ok else 'DISAGREE'}; AdamW fused={bool(plain.optimizer.defaults.get('fused'))} in both "
+                 f"(optim.fused={OmegaConf.select(cfg, 'optim.fused', default='absent')})")
         print(check, flush=True)
+        setting = OmegaConf.select(cfg, "optim.fused", default=False)  # null: fused on CUDA
+        wanted = device.type == "cuda" if setting is None else bool(setting)
+        if wanted != bool(plain.optimizer.defaults.get("fused")):
+            print(f"  note: optim.fused={setting} resolves to fused={wanted} on {device.type}, but pipeflow's AdamW "
+                  f"has fused={bool(plain.optimizer.defaults.get('fused'))}; the plain loop follows pipeflow's AdamW",
+                  flush=True)
         if not ok:
             return False, check
         warmup = args.warmup if args.warmup is not None else DEFAULT_RUNS[device.type][0]
@@ -235,11 +279,13 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_roo
         times: dict[str, list[float]] = {"pipeflow": [], "plain": []}
         peaks: dict[str, list[float]] = {"pipeflow": [], "plain": []}
         next_step = {"pipeflow": 1, "plain": 1}
-        runners = {"pipeflow": trainer.train_step, "plain": plain.step}
+        steps_of = PipeflowSteps(trainer, args.pipeflow_step)
+        runners = {"pipeflow": (steps_of.step, steps_of.drain), "plain": (plain.step, lambda: None)}
         for _ in range(args.rounds):
             for name in ("pipeflow", "plain"):  # alternating: pipeflow, plain, pipeflow, plain, ...
                 at_rest = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-                per_step, peak, next_step[name] = timed_block(runners[name], next_step[name], warmup, steps, device)
+                run, drain = runners[name]
+                per_step, peak, next_step[name] = timed_block(run, next_step[name], warmup, steps, device, drain)
                 times[name].append(per_step)
                 if peak is not None:  # less what the other one holds between steps
                     other = plain.resident_bytes() if name == "pipeflow" else at_rest - plain.resident_bytes()
@@ -256,9 +302,11 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_roo
             line += f" | predicted n/a ({trainer.layout.prediction.basis}: no profiles)"
         print(line, flush=True)
         if args.verbose:
+            late = steps_of.mode == "steady" and getattr(trainer, "defers_readback", False)
             print(f"  rounds (ms per step): pipeflow {[round(1e3 * t, 1) for t in times['pipeflow']]}, "
-                  f"plain {[round(1e3 * t, 1) for t in times['plain']]}; prediction: {trainer.layout.prediction.basis}",
-                  flush=True)
+                  f"plain {[round(1e3 * t, 1) for t in times['plain']]}; pipeflow step: {steps_of.mode} "
+                  f"(read back {'a step late' if late else 'within the step'}); prediction: "
+                  f"{trainer.layout.prediction.basis}", flush=True)
         return True, line
     finally:
         trainer.close()
@@ -279,9 +327,9 @@ def free_port() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/vs_plain_loop.py",
-        description="pipeflow on one rank (one stage, 1F1B, Trainer.train_step) against the plain PyTorch loop "
-                    "over the same layers, weights, micro-batches and optimizer, in alternating rounds; prints "
-                    "one line per case with 'step ratio' (and on CUDA 'peak ratio') and pipeflow's "
+        description="pipeflow on one rank (one stage, 1F1B, the Trainer's training step) against the plain "
+                    "PyTorch loop over the same layers, weights, micro-batches and optimizer, in alternating "
+                    "rounds; prints one line per case with 'step ratio' (and on CUDA 'peak ratio') and pipeflow's "
                     "start-of-run predicted step beside its measured median.",
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -290,15 +338,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", nargs="+", action="append", metavar="KEY=VALUE",
                         help=f"override the device's default case ({', '.join(CASE_KEYS)}; m may be a comma list, "
                              "one case per value); repeat --case for more case sets")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (pipeflow, plain) per case (default 3)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds (pipeflow, plain) per case (default 3)")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps per round (default: 3 on cpu, 10 on cuda)")
     parser.add_argument("--warmup", type=int, default=None,
                         help="untimed steps before each round's timed block (default: 1 on cpu, 3 on cuda)")
+    parser.add_argument("--pipeflow-step", choices=("steady", "train_step"), default="steady",
+                        help="steady: the step Trainer.fit runs (loss and norm read back a step late where the "
+                             "trainer allows it); train_step: the public Trainer.train_step (read back within the "
+                             "step) (default steady)")
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                         help="autocast dtype of both (train.precision); default bf16 on cuda, fp32 on cpu")
     parser.add_argument("--rtol", type=float, default=None,
-                        help="relative tolerance of the first-step loss check (default 1e-5 in fp32, 1e-3 otherwise)")
+                        help="relative tolerance of the first-step loss and grad-norm check (default 1e-5 in fp32, "
+                             "1e-3 otherwise)")
     parser.add_argument("--override", nargs="+", default=[], metavar="KEY=VALUE",
                         help="more Hydra overrides for pipeflow's config (e.g. metrics.rehearse_steps=0); model.* "
                              "keys apply to the plain loop's GPT too")
