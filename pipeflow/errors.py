@@ -70,8 +70,23 @@ class CheckpointError(PipeflowError, RuntimeError):
     its folder; the message names the file and how to go on."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint's ``.metadata`` pickle names a class that checkpoint metadata never holds; it
+    was refused before anything in it ran.  The message names the file and the refused class."""
+
+
+class CheckpointPeerLostError(CheckpointError, CommError):
+    """A collective save or load lost a peer (it died, was stopped, or hangs); the message names the
+    checkpoint, its step, what the ranks were doing and the backend's words."""
+
+
 class RunDirLockedError(PipeflowError, RuntimeError):
     """Another live job holds the run directory; the message names its host and pid."""
+
+
+class RunDirLostError(RunDirLockedError):
+    """This job's run directory or its lock vanished, or the lock now belongs to another job (seen
+    at a save, which is refused); the message names the directory, what was found and what to do."""
 
 
 class JoinTimeoutError(CommError):
