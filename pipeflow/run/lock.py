@@ -7,6 +7,11 @@ this host, while its pid exists; on another host, while its lease is fresher tha
 A stale lock (its job died, on any host) is taken over.  Taking the lock is atomic
 (``O_CREAT | O_EXCL``); a take-over first renames the stale file away, which only one
 contender can do.  The same process may take its own lock again (a sweep's jobs, tests).
+
+The lock is checked again before every checkpoint is written (:func:`verify_held`): a run
+directory removed during training, a lock file that vanished or that now names another job
+stops the job with a :class:`~pipeflow.errors.RunDirLostError` instead of a write that would
+mix two runs' checkpoints in one folder.
 """
 from __future__ import annotations
 
@@ -20,12 +25,13 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pipeflow.errors import RunDirLockedError
+from pipeflow.errors import RunDirLockedError, RunDirLostError
 
 log = logging.getLogger("pipeflow")
 
 LOCK_FILE = "pipeflow.lock"
 LEASE_S = 60.0
+_HELD: dict[str, RunLock] = {}  # the locks this process holds, by job token
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,7 @@ class RunLock:
                            "started": time.time()}, f)
             self._thread = threading.Thread(target=self._renew, name="pipeflow-lock-lease", daemon=True)
             self._thread.start()
+            _HELD[self.token] = self
             return self.token
         raise RunDirLockedError(f"{self.path}: could not take the lock (other jobs keep taking it); try again")
 
@@ -153,10 +160,52 @@ class RunLock:
             with contextlib.suppress(OSError):
                 os.utime(self.path)
 
+    def verify(self, what: str) -> None:
+        """Check that this job still holds its run directory before `what` (e.g. ``checkpoint of step 4``) writes.
+
+        Raises:
+            RunDirLostError: the run directory is gone, or the lock file is, or it names another
+                job (naming the directory, what was found and what to do).
+        """
+        run_dir = os.path.dirname(self.path)
+        if not os.path.isdir(run_dir):
+            raise RunDirLostError(
+                f"{what} refused: run directory {run_dir} no longer exists (removed while this job ran); the job "
+                f"stops rather than make it again, since another job may be using that path by now. To go on, "
+                f"restore the directory with its checkpoints and resume (train.resume=auto train.run_dir={run_dir})"
+            )
+        holder = read_holder(self.path)
+        if holder is not None and holder.token == self.token:
+            return
+        if holder is None:
+            found = f"this job's lock {self.path} is gone (deleted, or the run directory was emptied)"
+        elif holder.host == "?":
+            found = f"this job's lock {self.path} now holds something unreadable"
+        else:
+            found = f"{self.path} now names another job: {holder}"
+        raise RunDirLostError(
+            f"{what} refused: {found}, so another job may be writing into {run_dir} and the two runs' checkpoints "
+            f"would mix; this job stops. Let the other job (if any) finish or stop it, then resume this run from "
+            f"its last checkpoint (train.resume=auto train.run_dir={run_dir}), or give it another train.run_dir"
+        )
+
     def release(self) -> None:
         """Stop renewing and remove the lock file if it is still this job's."""
+        _HELD.pop(self.token, None)
         self._stop.set()
         holder = read_holder(self.path)
         if holder is not None and holder.token == self.token:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
+
+
+def verify_held(token: str, what: str) -> None:
+    """If this process holds the run directory lock of job `token` (rank 0 of a job with a
+    workspace), check that it still does (:meth:`RunLock.verify`); a no-op otherwise.
+
+    Raises:
+        RunDirLostError: the run directory or the lock vanished, or the lock names another job.
+    """
+    held = _HELD.get(token)
+    if held is not None:
+        held.verify(what)
