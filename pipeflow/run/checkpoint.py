@@ -25,8 +25,18 @@ themselves before the save (:class:`~pipeflow.errors.NonFiniteError`), so ``late
 points at a finite, complete checkpoint.  Needs a file system that every rank sees (a shared
 one across nodes).
 
+Every step of a save ends with the ranks sharing their outcome (one all-gather), so a failure on
+any rank (a full disk, a lost run-directory lock: :func:`pipeflow.run.lock.verify_held`, checked
+first) stops every rank with the same error naming each rank's own cause (``rank 1: OSError:
+[Errno 28] No space left on device``), and rank 0 removes the partial folder at once; a peer that
+dies or stops during the save is a :class:`~pipeflow.errors.CheckpointPeerLostError` naming the
+step.  Its collectives run under the process group's timeout, ``comm.timeout_s`` (plus a margin)
+once the first step is done.
+
 Loading verifies the digests first (:func:`verify`); ``latest`` is followed only inside its
-checkpoints folder; the RNG files load with ``weights_only=True``.
+checkpoints folder (a damaged one is skipped with a warning); DCP's ``.metadata`` pickle is read
+with an allowlist (:class:`~pipeflow.run.checkpoint_find.SafeReader`) by every load and export,
+so a planted one runs nothing; the RNG files load with ``weights_only=True``.
 
 Export to one file that loads into the plain unsplit model::
 
@@ -39,17 +49,19 @@ import json
 import logging
 import os
 import shutil
-from typing import Any
+import sys
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from pipeflow.errors import CheckpointError, ConfigError
-from pipeflow.run import integrity
+from pipeflow.errors import CheckpointError, CheckpointPeerLostError, ConfigError
+from pipeflow.run import integrity, lock
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
-    LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
+    LATEST, META, SafeReader, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
 )
 from pipeflow.runtime.zero import local_optimizer
 
@@ -104,11 +116,75 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+@dataclass
+class _Saving:
+    """One collective save under way: where it writes, and how its steps agree or fail."""
+
+    root: str
+    step: int
+    final: str
+    tmp: str
+    rank: int
+
+    @property
+    def what(self) -> str:
+        """``checkpoint of step <n>``, how messages name this save."""
+        return f"checkpoint of step {self.step}"
+
+    def agree(self, doing: str, outcome: integrity.Outcome) -> list[Any]:
+        """Share this rank's `outcome` of step `doing` with every rank (one all-gather, the save's
+        barrier); returns every rank's value, or raises on every rank if any rank failed."""
+        if outcome.peer_lost:
+            self.lost_peer(doing, outcome.errors[0][1])
+        everyone: list[Any] = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(everyone, outcome)
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL: a peer died, was stopped, or hangs
+            self.lost_peer(doing, integrity.describe(exc, self.rank)[0][1])
+        failed = [o for o in everyone if o.errors]
+        if failed:
+            self.failed(doing, failed)
+        return [o.value for o in everyone]
+
+    def _remove_partial(self) -> str:
+        """Rank 0: remove the partial folder; returns what ``latest`` still names, in words."""
+        if self.rank == 0:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        last = find_latest(self.root)
+        return f"latest still names {last}" if last else "there is no earlier checkpoint"
+
+    def lost_peer(self, doing: str, said: str) -> NoReturn:
+        """Raise :class:`CheckpointPeerLostError` (the group cannot agree on anything any more)."""
+        left = self._remove_partial()
+        raise CheckpointPeerLostError(
+            f"{self.what} not written ({self.tmp}): a peer stopped taking part while {doing} (it died, was stopped, "
+            f"or hangs; the launcher's report names a rank that ended): {said}. The partial folder is removed "
+            f"(by rank 0, if it is alive); {left}"
+        )
+
+    def failed(self, doing: str, failed: list[integrity.Outcome]) -> NoReturn:
+        """Raise on every rank what the failed ranks reported, after removing the partial folder."""
+        kinds = {o.kind for o in failed}
+        errors = sorted({e for o in failed for e in o.errors})
+        hints = list(dict.fromkeys(h for o in failed for h in o.hints))
+        left = self._remove_partial()
+        if len(errors) == 1 and None not in kinds:  # one rank's own named error (a lost lock): as it is
+            raise next(iter(kinds))(errors[0][1])
+        per_rank = "; ".join(f"rank {r}: {text}" for r, text in errors)
+        hint = f" ({'; '.join(hints)})" if hints else ""
+        raise CheckpointError(f"{self.what} not written ({self.tmp}): {doing} failed on {per_rank}{hint}; the partial "
+                              f"folder was removed, {left}")
+
+
 def save(
     root: str, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer, meta: dict[str, Any],
     job: str = "",
 ) -> str:
     """Write checkpoint ``<root>/step_<step>`` atomically (collective: every rank calls it).
+
+    Each step of the save ends with every rank sharing its outcome (one all-gather), so a
+    failure on any rank (a full disk, a lost lock) stops every rank with the same error, naming
+    each failed rank's own cause, and the partial folder is removed at once.
 
     Args:
         root: the checkpoints directory (shared by all ranks).
@@ -117,31 +193,46 @@ def save(
         optimizer: the AdamW over their parameters.
         meta: JSON-able extras written by rank 0 (layout, loss scale).
         job: the token of the job saving (in the temporary directory's name, so that a save
-            removes only its own leftovers).
+            removes only its own leftovers); when this process holds that job's run directory
+            lock, the lock is checked first (:func:`pipeflow.run.lock.verify_held`).
 
     Returns:
         The checkpoint directory.
 
     Raises:
-        CheckpointError: the write failed (naming the directory).
+        RunDirLostError: the run directory or its lock vanished, or the lock names another job.
+        CheckpointPeerLostError: a peer died, was stopped or hangs during the save.
+        CheckpointError: the write failed (naming the directory and each rank's error).
     """
     rank = dist.get_rank()
     final = os.path.join(root, f"step_{step:08d}")
-    tmp = f"{final}.{job}.tmp" if job else f"{final}.tmp"
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # this job's own leftover of an interrupted save of this step
-    dist.barrier()
+    saving = _Saving(root, step, final, f"{final}.{job}.tmp" if job else f"{final}.tmp", rank)
+    saving.agree("preparing", integrity.attempt(lambda: _prepare(saving, job) if rank == 0 else None, rank))
     state = {**model_state(layers), **optimizer_state(optimizer, layers, fill=False)}
-    integrity.call_named(lambda: dcp.save(state, checkpoint_id=tmp), f"writing checkpoint {tmp}")
+    outcome = integrity.attempt(lambda: dcp.save(state, checkpoint_id=saving.tmp), rank)
+    if not outcome.errors:
+        outcome = integrity.attempt(lambda: _save_rng(saving.tmp, rank), rank)
+    saving.agree("writing its files", outcome)
+    world = dist.get_world_size()
+    hashed = integrity.attempt(lambda: integrity.digest_share(saving.tmp, rank, world), rank)
+    shares = saving.agree("hashing its files", hashed)
+    files = {rel: digest for share in shares for rel, digest in share.items()}
+    meta = {**meta, "step": step, "world_size": world, "files": files}
+    committed = integrity.attempt(lambda: _commit(root, saving.tmp, final, meta) if rank == 0 else None, rank)
+    saving.agree("committing it", committed)
+    return final
+
+
+def _prepare(saving: _Saving, job: str) -> None:
+    """Rank 0: check the run directory's lock, make the folder, remove this job's own leftover."""
+    lock.verify_held(job, saving.what)
+    os.makedirs(saving.root, exist_ok=True)
+    shutil.rmtree(saving.tmp, ignore_errors=True)  # this job's own leftover of an interrupted save of this step
+
+
+def _save_rng(tmp: str, rank: int) -> None:
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
-    dist.barrier()
-    files = integrity.digest_files(tmp)
-    if rank == 0:
-        _commit(root, tmp, final, {**meta, "step": step, "world_size": dist.get_world_size(), "files": files})
-    dist.barrier()
-    return final
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -186,15 +277,15 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
         CheckpointError: unreadable files (naming the path).
     """
     meta = read_meta(path)
-    reader = integrity.call_named(lambda: dcp.FileSystemReader(path).read_metadata(), f"reading checkpoint {path}")
-    saved = reader.state_dict_metadata
+    reader = SafeReader(path)
+    saved = integrity.call_named(reader.read_metadata, f"reading checkpoint {path}").state_dict_metadata
     model = model_state(layers)
     _check_model(path, model, saved)
     optim = optimizer_state(optimizer, layers, fill=True)
     if any(key not in saved for key in optim):  # saved before any optimizer step (e.g. all fp16 steps skipped)
         local_optimizer(optimizer).state.clear()
         optim = {}
-    integrity.call_named(lambda: dcp.load({**model, **optim}, checkpoint_id=path), f"loading checkpoint {path}")
+    integrity.call_named(lambda: dcp.load({**model, **optim}, storage_reader=reader), f"loading checkpoint {path}")
     if meta.get("world_size") == dist.get_world_size():
         _load_rng(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"))
     return meta
@@ -240,14 +331,14 @@ def export(path: str, out: str) -> int:
     problem = verify(path, collective=False)
     if problem is not None:
         raise CheckpointError(problem)
-    reader = dcp.FileSystemReader(path)
+    reader = SafeReader(path)  # .metadata read with the allowlist: a planted pickle runs nothing
     entries = reader.read_metadata().state_dict_metadata
     state = {
         key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
         for key, md in entries.items()
         if key.startswith("model.layers.")
     }
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    integrity.call_named(lambda: dcp.load(state, storage_reader=reader, no_dist=True), f"exporting checkpoint {path}")
     model = {key.removeprefix("model.layers."): value for key, value in state.items()}
     torch.save(model, out + ".part")
     os.replace(out + ".part", out)
@@ -267,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("checkpoint", help="a step_<n> directory or a checkpoints root (its newest)")
     exp.add_argument("out", help="the .pt file to write")
     args = parser.parse_args(argv)
-    count = export(args.checkpoint, args.out)
+    try:
+        count = export(args.checkpoint, args.out)
+    except (CheckpointError, ConfigError) as exc:  # the message names the file and what to do
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {count} tensors to {args.out}")
     return 0
 
