@@ -157,6 +157,24 @@ def check_same_program(schedule: Any, ranges: Sequence[range], group: dist.Proce
 # ----------------------------------------------------------------------------- failing fast
 # errors whose message says everything (no traceback logged)
 MESSAGE_SAYS_ALL = (ConfigError, ScheduleError, CheckpointError, RunDirLockedError, JoinTimeoutError)
+# words of a failure that only saw a peer go away (its connection closed or reset)
+LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "pair closure",
+                   "a peer stopped taking part")
+
+
+def first_failure_note(first: str) -> str:
+    """How a rank names the job's first recorded failure `first` (``rank R: Type: message``).
+
+    A rank that dies outright (SIGKILL, a native crash) records nothing; the first record is then
+    a survivor's that only saw its connection go.  Such a record is named as what it is, not as
+    the job's root cause.
+    """
+    if not any(sign in first for sign in LOST_PEER_SIGNS):
+        return f"the first failure in this job was {first}"
+    return (f"the first failure recorded in this job was {first}; that rank had only lost a peer, so the rank "
+            f"that failed first ended without a record (killed, or died in native code): the launcher's report "
+            f"(its exitcode lines) names it")
+
 
 def failure_summary(exc: BaseException, rank: int, limit: int = 2000) -> str:
     """``rank R: Type: message`` (the message cut to `limit` characters)."""
@@ -208,7 +226,7 @@ def watch_for_failures(
                 first = f"unknown: the rendezvous store is gone ({type(exc).__name__}); its host (rank 0 or the launcher) ended"
             if first.startswith(f"rank {rank}:"):  # this rank's own failure: fail() is ending it
                 return
-            log.error("rank %d: leaving because the job failed elsewhere; the first failure in this job was %s", rank, first)
+            log.error("rank %d: leaving because the job failed elsewhere; %s", rank, first_failure_note(first))
             _flush()
             os._exit(1)
 
@@ -237,6 +255,6 @@ def fail(exc: BaseException, rank: int) -> NoReturn:
     else:
         log.error("rank %d failed with %s; its traceback ends with the message:", rank, type(exc).__name__, exc_info=exc)
     if first is not None:
-        log.error("rank %d: the first failure in this job was %s", rank, first)
+        log.error("rank %d: %s", rank, first_failure_note(first))
     _flush()
     os._exit(1)
