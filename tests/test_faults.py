@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+import checkpoint_cases
 import fault_cases as cases
+from checkpoint_cases import (  # noqa: F401 - save-failure tests, run on this module's world
+    test_a_full_disk_on_one_rank_names_its_errno_on_every_rank_and_removes_the_partial_folder,
+    test_a_peer_lost_during_a_save_is_a_named_checkpoint_error,
+    test_a_save_with_a_lost_or_foreign_lock_stops_every_rank_and_writes_nothing,
+    test_the_saves_collectives_wait_with_the_steady_deadline_after_the_first_step,
+)
 from mp_harness import CaseResult, run_cases
 from pipeflow.run import guard
 from pipeflow.runtime import failures
@@ -176,6 +183,7 @@ def _world_cases() -> list[tuple[str, object]]:
         ("nan-forward", functools.partial(cases.stage_fault, "nan", check_finite=True)),
         ("nan-backward", functools.partial(cases.stage_fault, "none", check_finite=True, nan_grad_stage=1)),
         ("nan-unchecked", functools.partial(cases.stage_fault, "nan")),
+        *checkpoint_cases.WORLD_CASES,
     ]
 
 

@@ -1,0 +1,185 @@
+"""Checkpoints that can neither stop a resume nor run code: a damaged ``latest`` is a warning and
+the newest verified step is used; a planted ``.metadata`` pickle is refused before anything in it
+runs (resume and export); a run directory whose lock vanished or changed hands refuses a save;
+the first failure of a job whose culprit died without a word is named honestly.  One process, no
+process group (the 2-rank save failures are in checkpoint_cases.py, run by test_faults.py)."""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pipeflow.errors import CheckpointError, RunDirLostError, UnsafeCheckpointError
+from pipeflow.run import checkpoint as ck
+from pipeflow.run import checkpoint_find, guard, integrity, lock
+from pipeflow.run.checkpoint_find import METADATA_CLASSES, SafeReader, read_dcp_metadata
+
+STEPS = (1, 2, 3)
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save(no_dist=True) says so
+
+
+def _checkpoint(root: Path, step: int) -> Path:
+    """A real one-process checkpoint (DCP data and .metadata, meta.json with digests) of a Linear."""
+    folder = root / f"step_{step:08d}"
+    torch.manual_seed(step)
+    layer = torch.nn.Linear(3, 2)
+    dcp.save({f"model.layers.0.{k}": v for k, v in layer.state_dict().items()}, checkpoint_id=str(folder), no_dist=True)
+    meta = {"step": step, "world_size": 1, "files": integrity.digest_files(str(folder))}
+    (folder / ck.META).write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """Checkpoints of steps 1, 2, 3 with ``latest`` naming step 3, whose data file is damaged."""
+    folder = tmp_path / "checkpoints"
+    for step in STEPS:
+        _checkpoint(folder, step)
+    (folder / ck.LATEST).write_text("step_00000003")
+    data = next((folder / "step_00000003").glob("*.distcp"))
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01  # a flipped bit: step 3 fails its digest
+    data.write_bytes(bytes(damaged))
+    return folder
+
+
+# --------------------------------------------------------------------------------- latest
+@pytest.mark.parametrize(("content", "said"), [
+    (random.Random(28).randbytes(64), "is damaged (not text"),
+    (b"step_00000002\x00", "is damaged (not one folder name"),
+    (b"step_0000\x000002", "is damaged (not one folder name"),
+    (b"", "is damaged (empty)"),
+    (b"step_00000099", "names step_00000099, which is not a complete checkpoint (missing"),
+], ids=["random-bytes", "trailing-nul", "inner-nul", "empty", "missing-folder"])
+def test_a_damaged_latest_is_a_warning_naming_it_and_resume_takes_the_newest_verified_step(
+        root: Path, content: bytes, said: str, caplog: pytest.LogCaptureFixture) -> None:
+    (root / ck.LATEST).write_bytes(content)
+    checkpoint_find._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="pipeflow"):
+        assert ck.find_latest(str(root)) == str(root / "step_00000003")  # newest complete, not yet verified
+        assert ck.choose("auto", str(root)) == str(root / "step_00000002")  # step 3 fails its digest: skipped
+        assert ck.resolve(str(root), str(root)) == str(root / "step_00000003")  # export's choice of a root
+    pointer = str(root / ck.LATEST)
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith(pointer)]
+    assert len(warned) == 1 and said in warned[0], [r.getMessage() for r in caplog.records]
+    assert "ignored; the newest complete step_<n> folder beside it is used instead" in warned[0]
+
+
+def test_a_latest_naming_a_complete_step_is_still_followed_first(root: Path) -> None:
+    (root / ck.LATEST).write_text("step_00000001\n")
+    assert ck.candidates(str(root))[0] == str(root / "step_00000001")
+
+
+# ----------------------------------------------------------------------------- .metadata
+class _Payload:
+    """Unpickling this runs a shell command that creates `marker` (what a planted .metadata does)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {self.marker}",)
+
+
+def _plant(folder: Path, marker: Path) -> Path:
+    """Replace `folder`'s .metadata with real metadata carrying a payload, and rewrite its digest
+    in meta.json (whoever can write a checkpoint can)."""
+    metadata = read_dcp_metadata(str(folder / ".metadata"))
+    metadata.planner_data = _Payload(marker)
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    meta = json.loads((folder / ck.META).read_text())
+    meta["files"] = integrity.digest_files(str(folder))
+    (folder / ck.META).write_text(json.dumps(meta))
+    return folder / ".metadata"
+
+
+def test_a_planted_metadata_is_refused_before_it_runs_on_resume_and_export(root: Path, tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    marker = tmp_path / "ran"
+    planted = _plant(root / "step_00000002", marker)
+    assert ck.choose("auto", str(root)) == str(root / "step_00000002")  # its digests match: verify cannot tell
+    refused = rf"{planted}: refused to load: it names (posix|os)\.system, which DCP checkpoint metadata never holds"
+    with pytest.raises(UnsafeCheckpointError, match=refused):
+        ck.load(str(root / "step_00000002"), {}, torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))]))
+    with pytest.raises(UnsafeCheckpointError, match=refused):
+        ck.export(str(root / "step_00000002"), str(tmp_path / "model.pt"))
+    assert ck.main(["export", str(root / "step_00000002"), str(tmp_path / "model.pt")]) == 1  # the CLI
+    assert "error: UnsafeCheckpointError: " in capsys.readouterr().err
+    with pytest.raises(UnsafeCheckpointError):
+        SafeReader(str(root / "step_00000002")).read_metadata()  # what torch's dcp.load is handed
+    assert not marker.exists() and not (tmp_path / "model.pt").exists()
+
+
+def test_an_intact_checkpoint_exports_through_the_allowlist(root: Path, tmp_path: Path) -> None:
+    assert ck.export(str(root / "step_00000001"), str(tmp_path / "model.pt")) == 2
+    state = torch.load(tmp_path / "model.pt", weights_only=True)
+    torch.manual_seed(1)
+    assert torch.equal(state["0.weight"], torch.nn.Linear(3, 2).weight.detach())
+
+
+def test_unreadable_metadata_is_a_checkpoint_error_naming_the_file(root: Path) -> None:
+    bad = root / "step_00000001" / ".metadata"
+    bad.write_bytes(b"\x80\x05not a pickle")
+    with pytest.raises(CheckpointError, match=rf"{bad} cannot be read \(UnpicklingError"):
+        read_dcp_metadata(str(bad))
+    bad.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(CheckpointError, match=rf"{bad} holds a dict, not torch.distributed.checkpoint Metadata"):
+        read_dcp_metadata(str(bad))
+
+
+def test_the_allowlist_holds_metadata_classes_and_dtypes_only() -> None:
+    unpickler = checkpoint_find._MetadataUnpickler(io.BytesIO(), "x/.metadata")
+    assert unpickler.find_class("torch", "bfloat16") is torch.bfloat16
+    assert unpickler.find_class("torch", "Size") is torch.Size
+    for module, name in (("torch", "load"), ("builtins", "eval"), ("builtins", "getattr"), ("os", "system"),
+                         ("torch.distributed.checkpoint.metadata", "os"), ("collections", "namedtuple")):
+        with pytest.raises(UnsafeCheckpointError, match=rf"x/.metadata: refused to load: it names {module}\.{name},"):
+            unpickler.find_class(module, name)
+    assert "Metadata" in METADATA_CLASSES["torch.distributed.checkpoint.metadata"]
+
+
+# ----------------------------------------------------------------------------------- lock
+def test_the_lock_is_verified_gone_foreign_or_its_run_dir_removed(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    held = lock.RunLock(str(run_dir))
+    token = held.acquire()
+    try:
+        lock.verify_held(token, "checkpoint of step 4")  # held: nothing to say
+        lock.verify_held("another-job", "checkpoint of step 4")  # not a lock this process holds: no check
+        path = run_dir / lock.LOCK_FILE
+        path.unlink()
+        with pytest.raises(RunDirLostError, match=rf"checkpoint of step 4 refused: this job's lock {path} is gone"):
+            lock.verify_held(token, "checkpoint of step 4")
+        path.write_text(json.dumps({"host": socket.gethostname(), "pid": 1, "token": "theirs"}))
+        with pytest.raises(RunDirLostError, match=rf"{path} now names another job: pid 1 on host"):
+            lock.verify_held(token, "checkpoint of step 4")
+        shutil.rmtree(run_dir)
+        with pytest.raises(RunDirLostError, match=rf"run directory {run_dir} no longer exists"):
+            lock.verify_held(token, "checkpoint of step 4")
+    finally:
+        held.release()
+    lock.verify_held(token, "checkpoint of step 4")  # released: no longer checked
+
+
+# ---------------------------------------------------------------------------- first failure
+def test_a_first_failure_that_only_lost_a_peer_is_not_named_as_the_cause() -> None:
+    cause = "rank 2: StageError: pipeline rank 2, stage 2, micro-batch 3, action 2F3: RuntimeError: boom"
+    assert guard.first_failure_note(cause) == f"the first failure in this job was {cause}"
+    survivor = ("rank 1: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
+                "closed by peer [127.0.0.1]:3983")
+    note = guard.first_failure_note(survivor)
+    assert note.startswith(f"the first failure recorded in this job was {survivor}; that rank had only lost a peer")
+    assert "ended without a record (killed, or died in native code)" in note and "exitcode" in note
+    saving = "rank 0: CheckpointPeerLostError: checkpoint of step 4 not written (x): a peer stopped taking part while"
+    assert guard.first_failure_note(saving).startswith("the first failure recorded in this job was")
