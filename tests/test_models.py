@@ -108,10 +108,23 @@ def test_seed_changes_weights() -> None:
     assert not _same_state(a, b)
 
 
+class _Masked(nn.Module):
+    """A layer with a bool buffer and an integer one beside its weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.register_buffer("mask", torch.ones(2, dtype=torch.bool))
+        self.register_buffer("count", torch.zeros(1, dtype=torch.long))
+
+
 def test_dtype_leaves_masks_and_ints_alone() -> None:
+    layer = ModelSpec("masked", [LayerSpec("l", _Masked)], None).build_layers([0], dtype=torch.float64)[0]
+    assert layer.mask.dtype == torch.bool and layer.count.dtype == torch.long
+    assert all(p.dtype == torch.float64 for p in layer.parameters())
     block = build_toy("gpt").build_layers([1], dtype=torch.float64)[0]
-    assert block.attn.mask.dtype == torch.bool
     assert all(p.dtype == torch.float64 for p in block.parameters())
+    assert not list(block.buffers())  # SDPA's causal attention needs no (T, T) mask buffer
 
 
 def test_gpt_is_causal() -> None:

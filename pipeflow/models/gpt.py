@@ -4,24 +4,35 @@ Layers: ``embedding`` (token + learned position), ``block.0`` .. ``block.{n_laye
 causal self-attention and MLP, each residual), ``head`` (final LayerNorm + Linear to the vocab).
 Shapes: B = batch, T = time (sequence), C = n_embd, V = vocab_size, H = n_head.
 
+Attention is ``F.scaled_dot_product_attention`` (flash or memory-efficient kernels on CUDA), see
+:func:`attend`.
+
 Packed documents: the input may be ``(idx, doc)`` with ``doc`` (B, T) long, the document id of
-every position (several documents packed into one sequence). Each layer then passes ``doc`` on
-beside its activations, attention is block-diagonal causal (a position attends to the earlier
-positions of its own document only) and positions count from each document's start.
+every position (several documents packed into one sequence; a document is a run of equal ids).
+Each layer then passes ``doc`` on beside its activations, attention is block-diagonal causal (a
+position attends to the earlier positions of its own document only) and positions count from
+each document's start.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import LayerSpec, ModelSpec
 
 INIT_STD = 0.02  # GPT-2 init: weights ~ N(0, 0.02), biases 0
+
+try:  # flash attention over variable-length sequences (CUDA only); older torch: the mask instead
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover
+    varlen_attn = None
 
 
 @dataclass(frozen=True)
@@ -75,19 +86,16 @@ class Embedding(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention written out by hand (exact in float64 on the CPU)."""
+    """Multi-head causal self-attention through :func:`attend` (SDPA: flash or memory-efficient
+    kernels on CUDA, exact in float64 on the CPU)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head = cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v at once
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.attn_drop = nn.Dropout(cfg.dropout)
+        self.dropout = cfg.dropout  # of the attention weights, inside SDPA (training only)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        # mask[t, s] is True where position t may attend to position s (s <= t).  A bool buffer:
-        # untouched by .to(dtype), and not saved (it is rebuilt from block_size).
-        mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
-        self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: Tensor, doc: Tensor | None = None) -> Tensor:
         """Attend over the past (of the same document, with ``doc``): (B, T, C) -> (B, T, C)."""
@@ -97,13 +105,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, H, T, T)
-        allowed = self.mask[:T, :T]  # no looking ahead
-        if doc is not None:  # nor across documents: (B, 1, T, T)
-            allowed = allowed & (doc[:, :, None] == doc[:, None, :])[:, None]
-        att = att.masked_fill(~allowed, float("-inf"))
-        att = self.attn_drop(F.softmax(att, dim=-1))
-        y = att @ v  # (B, H, T, T) @ (B, H, T, hs) -> (B, H, T, hs)
+        y = attend(q, k, v, doc, self.dropout if self.training else 0.0)  # (B, H, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_drop(self.c_proj(y))
 
@@ -159,9 +161,92 @@ def document_positions(doc: Tensor) -> Tensor:
     """Each position's index within its document: doc (B, T) ids -> (B, T) long, 0 where a document starts."""
     T = doc.size(1)
     t = torch.arange(T, device=doc.device).expand_as(doc)  # (B, T)
+    return t - torch.where(document_starts(doc), t, torch.zeros_like(t)).cummax(dim=1).values
+
+
+def document_starts(doc: Tensor) -> Tensor:
+    """Where a document starts: doc (B, T) ids -> (B, T) bool, True at t = 0 and where the id changes.
+
+    A document is a run of equal ids within a row (an id seen again later in the row starts
+    another document).
+    """
     starts = torch.ones_like(doc, dtype=torch.bool)
     starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    return t - torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
+    return starts
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None = None, dropout_p: float = 0.0) -> Tensor:
+    """Causal attention: q, k, v (B, H, T, hs) -> (B, H, T, hs); with ``doc`` (B, T), within each
+    document only (a position attends to the earlier positions of its own document).
+
+    Which kernel runs (docs/performance.md): without documents, SDPA with ``is_causal`` (flash or
+    memory-efficient on CUDA, no mask); with documents where flash's variable-length kernel
+    applies (:func:`varlen_applies`), ``varlen_attn`` over the documents as sequences, O(T)
+    memory; elsewhere SDPA with a boolean block-diagonal causal mask, (B, 1, T, T).
+    `dropout_p` drops attention weights (pass 0 outside training).
+    """
+    if doc is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    if varlen_applies(q, dropout_p):
+        return _varlen_attention(q, k, v, doc)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc)[:, None], dropout_p=dropout_p)
+
+
+def document_mask(doc: Tensor) -> Tensor:
+    """Who may attend to whom: doc (B, T) ids -> (B, T, T) bool, [b, t, s] True where s <= t in
+    the same document (O(T^2) memory: the fallback of :func:`attend`)."""
+    run = document_starts(doc).cumsum(dim=1)  # (B, T): the document's number within its row
+    T = doc.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()  # (T, T), s <= t
+    return causal & (run[:, :, None] == run[:, None, :])  # (B, T, T)
+
+
+def varlen_applies(q: Tensor, dropout_p: float) -> bool:
+    """True where :func:`attend` runs packed documents through ``varlen_attn``: it is in this torch,
+    q is on an NVIDIA GPU of compute capability >= 8.0 (flash attention 2) in float16 or bfloat16
+    (autocast), the head size is a multiple of 8 up to 256, and no dropout (the kernel has none)."""
+    return (varlen_attn is not None and q.is_cuda and torch.version.hip is None and dropout_p == 0.0
+            and q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) % 8 == 0 and q.size(-1) <= 256
+            and _flash_capable(q.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _varlen_attention(q: Tensor, k: Tensor, v: Tensor, doc: Tensor) -> Tensor:
+    """:func:`attend` over packed documents with ``varlen_attn``: the B x T tokens laid end to end,
+    each document one sequence, causal within it; (B, H, T, hs) -> (B, H, T, hs)."""
+    B, H, T, hs = q.shape
+
+    def tokens(t: Tensor) -> Tensor:  # (B, H, T, hs) -> (B * T, H, hs), a view of c_attn's output
+        return t.transpose(1, 2).reshape(B * T, H, hs)
+
+    cu = _cu_seqlens(doc)
+    # T bounds every document's length: the longest is not read back (no host sync for it)
+    y = varlen_attn(tokens(q), tokens(k), tokens(v), cu, cu, T, T, window_size=(-1, 0))  # (-1, 0): causal
+    return y.view(B, T, H, hs).transpose(1, 2)
+
+
+_CU_SEQLENS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # doc -> (its version, its cu_seqlens)
+
+
+def _cu_seqlens(doc: Tensor) -> Tensor:
+    """Where each document starts among the B x T tokens, then B x T: (N + 1,) int32.
+
+    Counting the documents reads the device back once (``nonzero``); the blocks of a stage
+    share one ``doc`` tensor, so it is done once per micro-batch and stage, not per block.
+    """
+    version = None if doc.is_inference() else doc._version  # refilled in place: counted again
+    cached = _CU_SEQLENS.get(doc)
+    if cached is not None and version is not None and cached[0] == version:
+        return cached[1]
+    starts = document_starts(doc).flatten().nonzero().flatten()  # (N,)
+    cu = torch.cat([starts, starts.new_full((1,), doc.numel())]).to(torch.int32)
+    if version is not None:
+        _CU_SEQLENS[doc] = (version, cu)
+    return cu
 
 
 def gpt_loss(logits: Tensor, targets: Tensor) -> Tensor:
