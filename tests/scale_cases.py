@@ -119,6 +119,7 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0,
              "shapes": trainer.pipeline.shapes.mode, "params": len(trainer.params),
              "owned": len(owned_parameters(trainer.optimizer)),
+             "fused": bool(local_optimizer(trainer.optimizer).defaults.get("fused")),
              "rehearsed": getattr(trainer.layout.step_costs, "rehearsed", None) is not None}
     for step in range(steps):
         for group in trainer.optimizer.param_groups:

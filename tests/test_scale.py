@@ -50,6 +50,10 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-full-zb_h1-clipped-actckpt": (2, "zb_h1", 2, {"parallel__shard": "full", "optim__grad_clip": CLIP,
                                                            "pipeline__checkpoint_activations": True}),
     "dp1xpp4-full": (1, "1f1b", 2, {"parallel__shard": "full"}),  # dp = 1: nothing to shard
+    # optim.fused=true (fused AdamW; CPU default off) in each shard mode, against the unfused reference
+    "dp2xpp2-1f1b-fused": (2, "1f1b", 2, {"optim__fused": True}),
+    "dp2xpp2-1f1b-zero-fused": (2, "1f1b", 2, {"parallel__shard": "optimizer", "optim__fused": True}),
+    "dp2xpp2-full-1f1b-fused": (2, "1f1b", 2, {"parallel__shard": "full", "optim__fused": True}),
     # the start-of-run rehearsal (profiled layers, metrics.rehearse_steps) runs the stages on the
     # first batch before step 0 and must leave no trace: no gradient, buffer or random draw
     "dp2xpp2-zb_h1-rehearsed": (2, "zb_h1", 2, {"pipeline__profile": True, "metrics__rehearse_steps": 2}),
@@ -113,6 +117,7 @@ def test_mesh_training_equals_unsplit_model_on_global_batch(world, name: str) ->
     if "uneven" in name or "variable" in name:  # the builder chose every micro-batch its own shapes
         assert all(v["shapes"] == "per_microbatch" for v in values)
     assert all(v["rehearsed"] == ("rehearsed" in name) for v in values)
+    assert all(v["fused"] == ("fused" in name) for v in values)
     sharded = "zero" in name and name.startswith("dp2")
     for rank, v in enumerate(values):  # ZeRO-1 owns a share of the parameters; each once in its dp group
         assert (0 < v["owned"] < v["params"]) if sharded else v["owned"] == v["params"], f"rank {rank}: {v}"

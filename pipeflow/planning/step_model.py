@@ -180,16 +180,23 @@ def measure_action_overhead_s(device: torch.device, repeats: int = _REPEATS) -> 
     return max(0.0, extra / 2)
 
 
+def fused_adamw(setting: bool | None, device: torch.device | str) -> bool:
+    """Whether AdamW runs fused (``torch.optim.AdamW(..., fused=True)``: one kernel updates every
+    tensor), as ``optim.fused`` says: the setting, or where it is None (auto), on CUDA only."""
+    return bool(setting) if setting is not None else torch.device(device).type == "cuda"
+
+
 def measure_tail_s(params: Sequence[torch.Tensor], device: torch.device, dp_group: Any = None, dp: int = 1,
-                   repeats: int = 5) -> float:
+                   repeats: int = 5, fused: bool | None = None) -> float:
     """Seconds of what follows the pipeline on this rank: the grad-norm all-reduce over the world,
-    the data-parallel all-reduce of its gradients (dp > 1), one AdamW step and zeroing the grads on
-    a scratch copy of its parameters (the run's are untouched; freed, and on CUDA handed back to
-    the device, before it returns).  Collective over the world."""
+    the data-parallel all-reduce of its gradients (dp > 1), one AdamW step (fused as `fused`, see
+    :func:`fused_adamw`) and zeroing the grads on a scratch copy of its parameters (the run's are
+    untouched; freed, and on CUDA handed back to the device, before it returns).  Collective over
+    the world."""
     # a sharded parameter (DTensor) is timed by its local shard, which is what this rank steps
     scratch = [nn.Parameter((p.to_local() if hasattr(p, "to_local") else p).detach().clone()) for p in params]
     sizes = [p.numel() for p in scratch]
-    tail = measure_optimizer_s(scratch, device, repeats)
+    tail = measure_optimizer_s(scratch, device, repeats, fused)
     del scratch  # its copy, grads and AdamW state: a run's worth of memory, not to stay reserved
     one = torch.zeros(1, dtype=torch.float64, device=device)
     tail += _median_s(lambda: dist.all_reduce(one), device, repeats)
@@ -201,12 +208,15 @@ def measure_tail_s(params: Sequence[torch.Tensor], device: torch.device, dp_grou
     return tail
 
 
-def measure_optimizer_s(params: Sequence[nn.Parameter], device: torch.device, repeats: int = 5) -> float:
+def measure_optimizer_s(params: Sequence[nn.Parameter], device: torch.device, repeats: int = 5,
+                        fused: bool | None = None) -> float:
     """Seconds of the trainer's work on `params` (scratch ones: they are stepped) after the
-    pipeline: the per-tensor gradient norms, one AdamW step, zeroing the gradients."""
+    pipeline: the per-tensor gradient norms, one AdamW step (fused as `fused`, see
+    :func:`fused_adamw`), zeroing the gradients."""
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.AdamW(params, lr=0.0)
+    # not fused: None, torch's default (for-each on CUDA), which fused=False would turn off
+    optimizer = torch.optim.AdamW(params, lr=0.0, fused=fused_adamw(fused, device) or None)
 
     def step() -> None:
         if params:
@@ -243,11 +253,13 @@ def op_bytes(boundary_bytes: Sequence[float]) -> Callable[[CommOp], float]:
 def measure_step_costs(
     comm: Any, posting: str, params: Sequence[torch.Tensor], boundary_bytes: Sequence[float], num_pp: int,
     dp_group: Any = None, dp: int = 1, action_overhead_s: float | None = None, busy: bool = True,
+    fused: bool | None = None,
 ) -> StepCosts:
     """Measure the runtime's costs on this run's own groups at start (collective over the world):
     transfers at the model's boundary sizes (and a quarter of the largest, for the per-byte
     term), also while the host computes (unless not `busy`: a rehearsal will see that), posting,
-    the per-action overhead (unless given), the tail; the slowest rank's figures."""
+    the per-action overhead (unless given), the tail (AdamW fused as `fused`, ``optim.fused``);
+    the slowest rank's figures."""
     from pipeflow.planning.comm_cost import measure_transfers
 
     device = comm.device
@@ -256,7 +268,7 @@ def measure_step_costs(
     latency, per_byte, post = measure_transfers(comm, sizes)
     busy_latency, busy_per_byte = measure_transfers(comm, sizes, busy=True)[:2] if busy else (None, None)
     overhead = measure_action_overhead_s(device) if action_overhead_s is None else action_overhead_s
-    tail = measure_tail_s(params, device, dp_group, dp)
+    tail = measure_tail_s(params, device, dp_group, dp, fused=fused)
     release_cached_memory(device)  # the transfers' buffers too
     figures = torch.tensor([overhead, tail], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)

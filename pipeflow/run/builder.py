@@ -29,7 +29,7 @@ from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
 from pipeflow.planning.layout import Layout, choose_layout, with_step_costs
 from pipeflow.planning.rehearsal import with_rehearsal
-from pipeflow.planning.step_model import measure_step_costs
+from pipeflow.planning.step_model import fused_adamw, measure_step_costs
 from pipeflow.run import guard
 from pipeflow.run.config import check_config
 from pipeflow.run.faults import install_from_env
@@ -120,7 +120,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         boundary = stage_boundary_bytes(layout.ranges, layout.profiles)
         rehearsal = rehearsal_steps_for(cfg, device)
         options = posting.options(not comm.independent_ops)
-        costs = measure_step_costs(comm, options[0], params, boundary, pp, mesh.dp_group, dp, busy=rehearsal == 0)
+        costs = measure_step_costs(comm, options[0], params, boundary, pp, mesh.dp_group, dp, busy=rehearsal == 0,
+                                   fused=cfg.optim.fused)
         if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
             inputs = microbatch_inputs(first[0], m, device, dtype) if 0 in stages else None
             targets = microbatch_targets(first[1], m, device) if schedule.num_stages - 1 in stages else None
@@ -128,7 +129,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                                    boundary, options, rehearsal, shape_mode(cfg, dp * m))
         layout = with_step_costs(layout, schedule, costs)
     optimizer = build_optimizer(params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0, lr=cfg.optim.lr,
-                                betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+                                betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay,
+                                fused=fused_adamw(cfg.optim.fused, device) or None)  # None: torch's default
     faults = install_from_env(stages, rank, dist.get_world_size())  # PIPEFLOW_FAULT_INJECT (tests, drills)
     # after the injector: its forward hook must see what the injected fault did
     finite = FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None

@@ -119,6 +119,7 @@ class OptimConfig:
     beta2: float = 0.95
     warmup_steps: int = 20
     grad_clip: float = 1.0  # 0 disables clipping
+    fused: bool | None = None  # fused AdamW (one kernel for every tensor's update); null: on CUDA, not on the CPU
 
 
 @dataclass
