@@ -78,7 +78,8 @@ def test_a_ranks_clock_offset_is_taken_out_before_calibrating() -> None:
     offsets = [0.0, 5.0, -3.25, 0.0]  # each rank's clock minus rank 0's
     skewed = [[on_rank0_clock(record, -offset) for record, offset in zip(step, offsets)] for step in steps]
     aligned = [[on_rank0_clock(record, offset) for record, offset in zip(step, offsets)] for step in skewed]
-    want, got = asdict(calibrate(schedule, steps, truth.boundary_bytes)), asdict(calibrate(schedule, aligned, truth.boundary_bytes))
+    want = asdict(calibrate(schedule, steps, truth.boundary_bytes))
+    got = asdict(calibrate(schedule, aligned, truth.boundary_bytes))
     for key, value in want.items():
         if isinstance(value, list):
             assert close(got[key], value), key

@@ -7,6 +7,7 @@ layer's seed and its modules' own init, or from a state dict file of the unsplit
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 from pathlib import Path
 
@@ -342,9 +343,13 @@ def every_split(model: type[nn.Module]) -> list[tuple[list[str], int]]:
 
 
 def _split_cases() -> list[tuple[str, object]]:
-    return [(name, functools.partial(_unless_one_failed, name, functools.partial(pipelined_like_module, model, points, k, schedule)))
-            for model, cls in REUSING.items() for points, k in every_split(cls) for schedule in PIPELINE_SCHEDULES
-            for name in [f"{model}-{'+'.join(points)}-{k}-{schedule}"]]
+    cases = []
+    for model, cls in REUSING.items():
+        for (points, k), schedule in itertools.product(every_split(cls), PIPELINE_SCHEDULES):
+            name = f"{model}-{'+'.join(points)}-{k}-{schedule}"
+            case = functools.partial(pipelined_like_module, model, points, k, schedule)
+            cases.append((name, functools.partial(_unless_one_failed, name, case)))
+    return cases
 
 
 _FAILED: list[str] = []  # in a world's process: its first failed case (the ranks are out of step after it)

@@ -71,7 +71,8 @@ def test_a_full_backward_stage_keeps_no_layer_outputs() -> None:
     full.forward(0, (x,)), split.forward(0, (x,))
     assert full._boundaries == {} and len(split._boundaries[0]) == 2
     ones = (torch.ones(4, 6, dtype=F64),) * 2
-    with pytest.raises(ScheduleError, match=r"stage 0, micro-batch 0: a split backward .* only with split_backward=True \(here False\)"):
+    refused = r"stage 0, micro-batch 0: a split backward .* only with split_backward=True \(here False\)"
+    with pytest.raises(ScheduleError, match=refused):
         full.backward(0, ones, weights=False)
     full.backward(0, ones)  # refused above without touching what it keeps; a full backward needs no layer outputs
     assert full.activations_held() == 0 and all(p.grad is not None for p in full.parameters())
@@ -92,7 +93,8 @@ def test_the_memory_prediction_keeps_the_last_outputs_only_where_the_stage_does(
     spec = build_toy("mlp")
     x, y = random_batch("mlp", 4)
     ranges = partition_layers(len(spec.layers), 2)
-    mse = replace(spec, loss_fn=lambda out, t: nn.functional.mse_loss(out, nn.functional.one_hot(t, out.shape[-1]).to(out)))
+    one_hot = nn.functional.one_hot
+    mse = replace(spec, loss_fn=lambda out, t: nn.functional.mse_loss(out, one_hot(t, out.shape[-1]).to(out)))
     for model, saves in ((spec, False), (mse, True)):
         profiles = profile_layers(model, x, dtype=F64, sample_target=y, repeats=1)
         assert profiles[-1].loss_saves_output is saves
