@@ -33,12 +33,9 @@ def one_rank_group():
 
 
 def _trainer(tmp_path: Path, fused: bool = True, **overrides) -> Trainer:
-    cfg = scale_cases.make_config(1, "1f1b", 2, train__run_dir=str(tmp_path), optim__grad_clip=0.05,
+    cfg = scale_cases.make_config(1, "1f1b", 2, train__run_dir=str(tmp_path), optim__grad_clip=0.05, optim__fused=fused,
                                   metrics__memory_steps=[], comm__recvs_ahead=True, **overrides)
-    t = build_run(cfg, torch.device("cpu"))
-    o = cfg.optim
-    t.optimizer = torch.optim.AdamW(t.params, lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay, fused=fused)
-    return t
+    return build_run(cfg, torch.device("cpu"))
 
 
 class HostReads(TorchDispatchMode):
@@ -152,3 +149,10 @@ def test_save_on_signal_names() -> None:
         signal_numbers("SIGKILL")
     with pytest.raises(ConfigError, match="not a signal"):
         signal_numbers("SIGNOPE")
+
+
+def test_without_fused_adamw_the_step_reads_back_before_its_update(one_rank_group, tmp_path) -> None:
+    trainer = _trainer(tmp_path, fused=False)
+    assert not trainer.defers_readback
+    pending, values, _ = trainer._step(0, None)
+    assert values is not None and values.loss > 0

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeflow.planning.profile import release_cached_memory
+from pipeflow.runtime.clip import grad_norms, scale_grads
 from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, SimResult, simulate
 from pipeflow.schedules.ir import Action, CommOp
 
@@ -211,16 +212,19 @@ def measure_tail_s(params: Sequence[torch.Tensor], device: torch.device, dp_grou
 def measure_optimizer_s(params: Sequence[nn.Parameter], device: torch.device, repeats: int = 5,
                         fused: bool | None = None) -> float:
     """Seconds of the trainer's work on `params` (scratch ones: they are stepped) after the
-    pipeline: the per-tensor gradient norms, one AdamW step (fused as `fused`, see
+    pipeline: the per-tensor gradient norms and the clip's multiply, one AdamW step (fused as `fused`, see
     :func:`fused_adamw`), zeroing the gradients."""
     for p in params:
         p.grad = torch.zeros_like(p)
     # not fused: None, torch's default (for-each on CUDA), which fused=False would turn off
     optimizer = torch.optim.AdamW(params, lr=0.0, fused=fused_adamw(fused, device) or None)
 
-    def step() -> None:
+    coef = torch.ones((), dtype=torch.float64, device=device)
+
+    def step() -> None:  # what the Trainer runs (pipeflow.runtime.clip), the all-reduce timed apart
         if params:
-            torch.stack([torch.linalg.vector_norm(p.grad) for p in params]).sum()
+            torch.stack(grad_norms([p.grad for p in params])).double().pow(2).sum()
+            scale_grads([p.grad for p in params], coef)
         optimizer.step()
         for p in params:
             p.grad = torch.zeros_like(p)
