@@ -92,7 +92,22 @@ def _cases() -> list[tuple[str, object]]:
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
         ("wrong-model", cases.resume_into_another_model_is_refused),
-    ]
+    ] + [(f"deferred-{name}", functools.partial(cases.deferred_equivalence, dp, schedule, m, **overrides))
+         for name, (dp, schedule, m, overrides) in DEFERRED.items()]
+
+
+DEFERRED = {  # Trainer.fit's step (read back a step late, fused AdamW) against the unsplit model
+    "dp2xpp2-1f1b": (2, "1f1b", 2, {}),
+    "dp2xpp2-zbv-full": (2, "zbv", 3, {"parallel__shard": "full"}),
+    "dp1xpp4-zb_h1-check-finite": (1, "zb_h1", 2, {"train__check_finite": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(DEFERRED))
+def test_steps_read_back_a_step_late_train_as_the_unsplit_model(world, name: str) -> None:
+    for v in _values(world[f"deferred-{name}"]):
+        assert v["deferred"], v
+        assert v["loss"] <= TOLERANCE and v["param"] <= TOLERANCE, v
 
 
 @pytest.fixture(scope="module")

@@ -61,15 +61,15 @@ def test_a_steady_step_reads_back_only_the_previous_steps_figures(one_rank_group
     monkeypatch.setattr(trainer, "finish", lambda p: (order.append(f"finish {p.step}"), finish(p))[1])
     previous = None
     for step in range(2):  # the first steps learn shapes and choose the posting
-        previous, values, _ = trainer._step(step, previous)
+        previous, _ = trainer.advance(step, previous)
     lists = []
     real_tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (lists.append(tuple(t.shape)), real_tolist(t))[1])
     order.clear()
     with HostReads() as reads:
         for step in range(2, 5):
-            previous, values, earlier = trainer._step(step, previous)
-            assert values is None and earlier is not None and previous.step == step
+            previous, done = trainer.advance(step, previous)
+            assert previous.step == step and [p.step for p, _ in done] == [step - 1]
     assert reads.scalars == 0
     assert len(lists) == 3  # one packet per step: [norm, loss, preempt, stage flags]
     assert order == ["run", "finish 1", "run", "finish 2", "run", "finish 3"]  # read a step late, once queued
@@ -79,9 +79,8 @@ def test_deferred_read_back_trains_exactly_as_reading_in_the_step(one_rank_group
     deferred, direct = _trainer(tmp_path / "a"), _trainer(tmp_path / "b")
     previous, late = None, []
     for step in range(4):
-        previous, _, earlier = deferred._step(step, previous)
-        if earlier is not None:
-            late.append((earlier.loss, earlier.norm))
+        previous, done = deferred.advance(step, previous)
+        late += [(values.loss, values.norm) for _, values in done]
     late.append(tuple(vars(deferred.finish(previous))[k] for k in ("loss", "norm")))
     now = [direct.train_step(step) for step in range(4)]
     assert late == now  # same process, same kernels: only the moment of the read differs
@@ -90,16 +89,15 @@ def test_deferred_read_back_trains_exactly_as_reading_in_the_step(one_rank_group
 
 def test_a_non_finite_step_is_skipped_on_the_device_and_raised_a_step_late(one_rank_group, tmp_path) -> None:
     trainer = _trainer(tmp_path)
-    previous, _, _ = trainer._step(0, None)
-    trainer.finish(previous)
+    trainer.advance(0, late=False)
     armed = [True]
     trainer.params[0].register_hook(lambda g: torch.full_like(g, float("nan")) if armed[0] else g)
     before = [p.detach().clone() for p in trainer.params]
-    previous, _, _ = trainer._step(1, None)  # NaN gradients: fused AdamW's found_inf skips the update
+    previous, _ = trainer.advance(1)  # NaN gradients: fused AdamW's found_inf skips the update
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
     armed[0] = False
     with pytest.raises(NonFiniteError, match=r"training step 1: the parameter gradients of stage 0"):
-        trainer._step(2, previous)  # step 2 is queued, step 1 read back: raised before step 2's update
+        trainer.advance(2, previous)  # step 2 is queued, step 1 read back: raised before step 2's update
     assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
 
 
@@ -125,7 +123,7 @@ def test_a_signal_saves_at_the_next_step_boundary_and_the_run_resumes(one_rank_g
     trainer = _trainer(tmp_path, train__max_steps=8, train__save_every=0)
     restore = trainer._catch_signals(signal_numbers("SIGUSR1"))
     try:
-        trainer._step(0, None)
+        trainer.advance(0)
         signal.raise_signal(signal.SIGUSR1)  # as a scheduler would, between steps
         assert trainer._signalled == "SIGUSR1"
         stopped = trainer._train(1)
@@ -154,5 +152,5 @@ def test_save_on_signal_names() -> None:
 def test_without_fused_adamw_the_step_reads_back_before_its_update(one_rank_group, tmp_path) -> None:
     trainer = _trainer(tmp_path, fused=False)
     assert not trainer.defers_readback
-    pending, values, _ = trainer._step(0, None)
-    assert values is not None and values.loss > 0
+    waiting, done = trainer.advance(0)
+    assert waiting is None and [p.step for p, _ in done] == [0] and done[0][1].loss > 0

@@ -421,32 +421,39 @@ class Trainer:
         norm that says so is all-reduced) and the loss scale halves (not below its minimum).
         This reads the step's figures back before its update; :meth:`fit` reads them a step late.
         """
-        values = self._step(step, None, late=False)[1]
-        assert values is not None
+        _, done = self.advance(step, None, late=False)
+        values = done[-1][1]
         return values.loss, values.norm
 
-    def _step(self, step: int, previous: PendingStep | None,
-              late: bool | None = None) -> tuple[PendingStep, StepValues | None, StepValues | None]:
-        """Queue step `step`; read back `previous` (a step late) once this one is queued, before
-        this step's update; then the update.
+    def advance(self, step: int, previous: PendingStep | None = None,
+                late: bool | None = None) -> tuple[PendingStep | None, list[tuple[PendingStep, StepValues]]]:
+        """The step :meth:`fit` runs: queue step `step`; read back `previous` (a step late) once
+        this one is queued, before this step's update; then the update.
 
         Args:
-            late: leave this step's figures on the device for the next step to read (default:
+            previous: the step still to read back (what the last call returned), or None.
+            late: leave this step's figures on the device for the next call to read (default:
                 :attr:`defers_readback`, except on a memory-measured step, which waits anyway).
 
         Returns:
-            (this step, its values when read now, `previous`'s values when there was one).
+            (this step if it is still to be read back, else None; the steps read back by this
+            call with their values, in step order).
+
+        Raises:
+            NonFiniteError: `previous` or this step (when read now) was not finite.
         """
         lr, memory = self._begin(step)
         with failures.context(f"training step {step}"):
             pending = self.queue(step, lr, memory)
-        earlier = self.finish(previous) if previous is not None else None
+        done = [] if previous is None else [(previous, self.finish(previous))]
         if late is None:
             late = self.defers_readback and memory is None
         values = None if late else self.finish(pending)
         self.apply(pending, values)
         self._end(step, memory)
-        return pending, values, earlier
+        if values is None:
+            return pending, done
+        return None, done + [(pending, values)]
 
     def evaluate(self) -> float:
         """Mean loss over ``train.eval_batches`` held-out batches (forward only)."""
@@ -481,14 +488,13 @@ class Trainer:
         previous: PendingStep | None = None
         for step in range(start, cfg.max_steps):
             self.metrics.begin_step(step)
-            pending, values, earlier = self._step(step, previous)
-            pending.timing = self.metrics.stop_step()
+            waiting, done = self.advance(step, previous)
+            timing = self.metrics.stop_step()
+            (waiting if waiting is not None else done[-1][0]).timing = timing
             preempt = False
-            if earlier is not None:
-                preempt |= self._record(previous, earlier)
-            previous = pending if values is None else None
-            if values is not None:
-                preempt |= self._record(pending, values)
+            for finished, values in done:
+                preempt |= self._record(finished, values)
+            previous = waiting
             save = bool(cfg.save_every) and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.max_steps)
             evaluate = bool(cfg.eval_every) and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.max_steps
             if previous is not None and (preempt or save or evaluate or step + 1 == cfg.max_steps):
