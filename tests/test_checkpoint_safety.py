@@ -13,6 +13,8 @@ import pickle
 import random
 import shutil
 import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -183,3 +185,21 @@ def test_a_first_failure_that_only_lost_a_peer_is_not_named_as_the_cause() -> No
     assert "ended without a record (killed, or died in native code)" in note and "exitcode" in note
     saving = "rank 0: CheckpointPeerLostError: checkpoint of step 4 not written (x): a peer stopped taking part while"
     assert guard.first_failure_note(saving).startswith("the first failure recorded in this job was")
+
+
+class _StoppedStore:
+    """A rendezvous store whose host is stopped (SIGSTOP): every call blocks for good."""
+
+    def add(self, key: str, amount: int) -> int:
+        threading.Event().wait()
+        return 0
+
+
+def test_recording_a_failure_never_waits_for_a_stopped_store_host() -> None:
+    said: list = []
+    started = time.monotonic()
+    call = threading.Thread(target=lambda: said.append(
+        guard.record_failure(RuntimeError("Connection closed by peer"), 1, _StoppedStore(), wait_s=0.2)), daemon=True)
+    call.start()
+    call.join(5.0)  # without the bound it blocks for good (a TCPStore call on a stopped host does)
+    assert said == [None] and time.monotonic() - started < 2.0  # about 2 * wait_s

@@ -188,8 +188,20 @@ def record_failure(exc: BaseException, rank: int, store: Any = None, wait_s: flo
 
     The first rank to fail writes its summary; the ranks that fail after it (a peer's
     connection closed, a deadline passed) read it back, so every log names the root cause.
-    Never raises: when the store is unreachable the failure is simply not shared.
+    Never raises, and returns within about ``2 * wait_s``: when the store is unreachable, or its
+    host (rank 0, when no launcher hosts it) is stopped, on which a store call blocks without
+    end, the failure is simply not shared.
     """
+    found: list[str | None] = []
+    thread = threading.Thread(target=lambda: found.append(_record(exc, rank, store, wait_s)),
+                              name="pipeflow-record-failure", daemon=True)
+    thread.start()
+    thread.join(2 * wait_s)
+    return found[0] if found else None
+
+
+def _record(exc: BaseException, rank: int, store: Any, wait_s: float) -> str | None:
+    """:func:`record_failure`'s store calls (they may block for good on a stopped store host)."""
     try:
         store = store if store is not None else dist.distributed_c10d._get_default_store()
         if store.add(FAILURE_COUNT_KEY, 1) == 1:
