@@ -10,7 +10,7 @@ Both run in this one process, on one process group of size 1 (gloo on the CPU, N
   stage, 1F1B; TensorBoard, evaluation, the progress bar and the memory steps off; layer
   profiling kept, since the start-of-run prediction needs it), built by
   ``pipeflow.run.builder.build_run`` as ``train.py`` builds it; each timed step is the one
-  ``Trainer.fit`` runs (``Trainer._step``: its loss and norm read back a step late where the
+  ``Trainer.fit`` runs (``Trainer.advance``: its loss and norm read back a step late where the
   trainer allows it, i.e. with fused AdamW and no fp16 loss scaler; the block's last pending
   step read back before the block ends), or with ``--pipeflow-step train_step`` the public
   ``Trainer.train_step(step)`` (read back within the step).  The correctness check uses
@@ -40,6 +40,11 @@ rounds; ratio pipeflow / plain), on CUDA ``| peak plain <MiB> / pipeflow <MiB> M
 <y>`` (the largest over rounds), and ``| predicted <ms> ms (<pct>% of measured)``: pipeflow's
 start-of-run predicted step (``trainer.layout.prediction.step_s``, what ``train.py`` logs as
 "predicted step") against its measured median.
+
+On CUDA each case ends with ``| sync check: ...``: pipeflow's steady steps run once more under
+``torch.cuda.set_sync_debug_mode("error")`` (any host-device sync raises, naming the call),
+allowed only inside the one documented read-back per step (the previous step's figures,
+``PendingStep.values``), which is counted.
 """
 from __future__ import annotations
 
@@ -194,16 +199,15 @@ class PipeflowSteps:
 
     def __init__(self, trainer: Trainer, mode: str) -> None:
         self.trainer = trainer
-        # Trainer._step is the step fit's loop runs; a Trainer without it has only train_step
-        self.mode = mode if hasattr(trainer, "_step") else "train_step"
+        # Trainer.advance is the step fit's loop runs; a Trainer without it has only train_step
+        self.mode = mode if hasattr(trainer, "advance") else "train_step"
         self.previous: Any = None
 
     def step(self, step: int) -> None:
         if self.mode == "train_step":
             self.trainer.train_step(step)
             return
-        pending, values, _ = self.trainer._step(step, self.previous)
-        self.previous = pending if values is None else None
+        self.previous, _ = self.trainer.advance(step, self.previous)
 
     def drain(self) -> None:
         """Read back the step still pending (as fit does before an evaluation, a save or the end)."""
@@ -300,6 +304,8 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_roo
             line += f" | predicted {1e3 * predicted:.1f} ms ({100 * predicted / pf_s:.0f}% of measured)"
         else:
             line += f" | predicted n/a ({trainer.layout.prediction.basis}: no profiles)"
+        if device.type == "cuda" and steps_of.mode == "steady":
+            line += " | " + sync_check(trainer, next_step["pipeflow"], steps)
         print(line, flush=True)
         if args.verbose:
             late = steps_of.mode == "steady" and getattr(trainer, "defers_readback", False)
@@ -314,6 +320,42 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_roo
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def sync_check(trainer: Trainer, first: int, steps: int) -> str:
+    """Run `steps` steady pipeflow steps under ``torch.cuda.set_sync_debug_mode("error")``, which
+    raises at any host-device sync, except inside the documented one read-back per step (the
+    previous step's packet, ``PendingStep.values``), which is counted; returns the result's text.
+
+    Raises:
+        RuntimeError: a sync outside the read-back (torch names the call)."""
+    from pipeflow.run import trainer as trainer_module
+
+    real, reads = trainer_module.PendingStep.values, []
+
+    def allowed(pending: Any) -> list[float]:
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            reads.append(pending.step)
+            return real(pending)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    trainer_module.PendingStep.values = allowed
+    previous = None
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for step in range(first, first + steps):
+            previous, _ = trainer.advance(step, previous)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        trainer_module.PendingStep.values = real
+    if previous is not None:
+        trainer.finish(previous)
+    late = len(reads) == steps - 1
+    return (f"sync check: {steps} steady steps, no sync but {len(reads)} read-backs "
+            f"({'one per step, a step late' if late else 'within the step'})")
 
 
 def free_port() -> int:
