@@ -3,6 +3,9 @@ any torch (dist.set_timeout, else _set_pg_timeout, else each backend), a margin 
 from __future__ import annotations
 
 import datetime
+import re
+import threading
+import time
 
 import pytest
 import torch
@@ -104,3 +107,55 @@ def test_a_real_gloo_group_gets_the_timeout_on_every_path(monkeypatch, drop: tup
         assert timeouts.group_timeout_s(None) == 33.0 and timeouts.group_timeout_s(sub) == 44.0
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the join deadline (issue 28 item 8)
+@pytest.fixture
+def lone_rank_env(monkeypatch: pytest.MonkeyPatch) -> int:
+    """MASTER_ADDR/PORT of a free local port, no torchrun agent: a world whose peers never start."""
+    from mp_harness import _free_port
+
+    port = _free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    return port
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["host-waits-for-rank-1", "client-waits-for-rank-0"])
+def test_a_rank_whose_peer_never_starts_waits_the_join_timeout_once(lone_rank_env: int, rank: int) -> None:
+    """Only one rank of 2 starts: the whole join, reaching the store and then the announcements,
+    is bounded by one deadline on every rank (the store's client used to retry with the whole
+    timeout per attempt: 2 x the timeout and more), and the message gives the seconds waited."""
+    from pipeflow.errors import JoinTimeoutError
+    from pipeflow.runtime.distributed import join_store
+
+    timeout_s = 2.0
+    started = time.monotonic()
+    with pytest.raises(JoinTimeoutError) as caught:
+        join_store(rank, 2, timeout_s)
+    waited = time.monotonic() - started
+    assert timeout_s * 0.95 <= waited <= timeout_s * 1.3, waited
+    text = str(caught.value)
+    seconds = float(re.search(r"\(waited ([\d.]+) s", text).group(1))
+    assert f"within comm.join_timeout_s=2 s (waited {seconds:.1f} s" in text and abs(seconds - waited) < 0.3, text
+    missing = "rank 1 of 2 never joined" if rank == 0 else "rank 0, which hosts it, never arrived"
+    assert text.startswith(f"rank {rank}: ") and missing in text, text
+
+
+def test_a_rank_that_starts_late_still_joins(lone_rank_env: int) -> None:
+    """The client polls for its host (rank 0 here starts 0.5 s after rank 1) and joins well within the deadline."""
+    from pipeflow.runtime.distributed import join_store
+
+    stores: dict[int, object] = {}
+
+    def late_host() -> None:
+        time.sleep(0.5)
+        stores[0] = join_store(0, 2, 20.0)
+
+    host = threading.Thread(target=late_host)
+    host.start()
+    started = time.monotonic()
+    stores[1] = join_store(1, 2, 20.0)
+    host.join(20)
+    assert set(stores) == {0, 1} and time.monotonic() - started < 10

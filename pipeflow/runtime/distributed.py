@@ -25,6 +25,9 @@ from pipeflow.errors import JoinTimeoutError
 
 PARENT_POLL_S = 1.0
 JOIN_POLL_S = 0.2
+DEFAULT_JOIN_TIMEOUT_S = 900.0  # no comm.join_timeout_s given
+CONNECT_ATTEMPT_S = 2.0  # one connect attempt to the store's host (an unanswered SYN)
+MIN_CONNECT_S = 1.0  # the store's own connect timeout once its host listens
 
 
 def choose_device(backend: str | None, device: str | None) -> tuple[str, torch.device]:
@@ -128,38 +131,99 @@ def _agent_serves(addr: str, port: int) -> bool:
 
 def join_store(rank: int, world: int, timeout_s: float | None) -> dist.Store:
     """The rendezvous store at ``MASTER_ADDR:MASTER_PORT`` (rank 0 hosts it unless torchrun's
-    agent does), once every rank has announced itself there within `timeout_s`.
+    agent does), once every rank has announced itself there.
+
+    One deadline, `timeout_s` from the call, bounds the whole join on every rank: reaching the
+    store (a client waits for its host to listen, polling, rather than letting the store's
+    client retry with the whole timeout per attempt, which waited about twice as long) and
+    then waiting for the other ranks' announcements.
 
     Raises:
-        JoinTimeoutError: the store cannot be reached, or some ranks never announced themselves.
+        JoinTimeoutError: the store cannot be reached or hosted, or some ranks never announced
+            themselves; the message gives the deadline and the seconds this rank waited.
     """
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-    timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else 900.0)
+    budget = timeout_s if timeout_s is not None else DEFAULT_JOIN_TIMEOUT_S
+    started = time.monotonic()
+    deadline = started + budget
     where = f"the rendezvous store at {addr}:{port}"
-    try:
-        store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not _agent_serves(addr, port),
-                              timeout=timeout, wait_for_workers=False, multi_tenant=True)
-    except (RuntimeError, ValueError) as exc:
+    hosts = rank == 0 and not _agent_serves(addr, port)
+    if not hosts and not _await_listener(addr, port, deadline):
         raise JoinTimeoutError(
-            f"rank {rank}: could not reach {where} within comm.join_timeout_s={timeout.total_seconds():g} s: rank 0, "
-            f"which hosts it, never arrived (not started, or died first): {str(exc).splitlines()[0] if str(exc) else exc}"
+            f"rank {rank}: could not reach {where} within comm.join_timeout_s={budget:g} s (waited "
+            f"{time.monotonic() - started:.1f} s): rank 0, which hosts it, never arrived (not started, or died "
+            f"first); start rank 0 with the same MASTER_ADDR and MASTER_PORT, or raise comm.join_timeout_s"
+        )
+    store = _open_store(addr, port, world, hosts, max(deadline - time.monotonic(), MIN_CONNECT_S), rank, where)
+    run, restart = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"pipeflow/join/{run}/{restart}/"
+    try:
+        store.set(f"{prefix}{rank}", f"{socket.gethostname()}:{os.getpid()}")
+        missing = _await_announcements(store, prefix, world, deadline)
+    except (RuntimeError, ValueError) as exc:  # the store's host went away while this rank waited
+        raise JoinTimeoutError(
+            f"rank {rank}: {where} went away while waiting for the other ranks to join (after "
+            f"{time.monotonic() - started:.1f} s): its host (rank 0 or torchrun's agent) died; "
+            f"{_first_line(exc)}"
         ) from exc
-    prefix = f"pipeflow/join/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    store.set(f"{prefix}{rank}", f"{socket.gethostname()}:{os.getpid()}")
-    deadline = time.monotonic() + timeout.total_seconds()
-    missing = list(range(world))
-    while True:
-        missing = [r for r in missing if not store.check([f"{prefix}{r}"])]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(JOIN_POLL_S)
     if missing:
         raise JoinTimeoutError(
             f"rank {rank}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {world} never joined "
-            f"the process group within comm.join_timeout_s={timeout.total_seconds():g} s ({where}); start every rank "
-            f"with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and look at why those ranks died or did not start"
+            f"the process group within comm.join_timeout_s={budget:g} s (waited {time.monotonic() - started:.1f} s; "
+            f"{where}); start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE, and look at why "
+            f"those ranks died or did not start"
         )
     return store
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _await_listener(addr: str, port: int, deadline: float) -> bool:
+    """Whether something listens at addr:port before `deadline` (``time.monotonic()``), polling
+    every :data:`JOIN_POLL_S` with a plain socket (a refused or unanswered connect is retried)."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with socket.create_connection((addr, port), timeout=min(left, CONNECT_ATTEMPT_S)):
+                return True
+        except OSError:  # refused (nobody listens yet), unreachable, or no answer in time
+            time.sleep(min(JOIN_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def _open_store(addr: str, port: int, world: int, hosts: bool, timeout_s: float, rank: int, where: str) -> dist.Store:
+    """Host (`hosts`) or connect to the TCPStore, with `timeout_s` for the connection and as the
+    store's default timeout (:func:`init_distributed` sets the process group's after the join).
+
+    Raises:
+        JoinTimeoutError: the port is taken (host), or the host vanished since it listened (client).
+    """
+    try:
+        return dist.TCPStore(addr, port, world, is_master=hosts, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False, multi_tenant=True)
+    except (RuntimeError, ValueError) as exc:
+        if hosts:
+            raise JoinTimeoutError(
+                f"rank {rank}: could not host {where}: {_first_line(exc)}; is another job using MASTER_PORT={port}? "
+                f"Start the job with a free MASTER_PORT"
+            ) from exc
+        raise JoinTimeoutError(
+            f"rank {rank}: could not join {where}: {_first_line(exc)}; rank 0, which hosts it, may have died"
+        ) from exc
+
+
+def _await_announcements(store: dist.Store, prefix: str, world: int, deadline: float) -> list[int]:
+    """The ranks whose announcement under `prefix` is still missing at `deadline` (none: all joined)."""
+    missing = list(range(world))
+    while True:
+        missing = [r for r in missing if not store.check([f"{prefix}{r}"])]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(min(JOIN_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
