@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from pipeflow.run import guard
 from pipeflow.run.config import register_configs
 from pipeflow.observability.console import setup_logging
-from pipeflow.runtime.distributed import choose_device, init_distributed
+from pipeflow.runtime.distributed import choose_device, end_process_group, init_distributed
 from pipeflow.run.sweep import is_multirun, run_sweep_job
 from pipeflow.run.builder import build_run
 from pipeflow.run.trainer import PREEMPTED_EXIT_CODE
@@ -34,7 +34,8 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg: DictConfig) -> None:
-    """Set up the process group, train, tear the group down; on any failure exit 1 at once (guard.fail)."""
+    """Set up the process group, train, tear the groups down (end_process_group); on any failure
+    exit 1 at once (guard.fail)."""
     # a rank that aborts in native code (SIGABRT, SIGSEGV) prints every thread's Python stack
     faulthandler.enable(all_threads=True)
     backend, device = choose_device(cfg.dist.backend, cfg.dist.device)
@@ -46,20 +47,23 @@ def main(cfg: DictConfig) -> None:
     if is_multirun():  # train.py -m: the jobs of a sweep share one process group (pipeflow/sweep.py)
         run_sweep_job(cfg, device)
         return
-    training = threading.Event()
+    rank, training = dist.get_rank(), threading.Event()
+    watchers = []
     if dist.get_world_size() > 1:  # a rank that is not in a transfer leaves when another has failed
-        guard.watch_for_failures(dist.get_rank(), stop=training)
+        watchers.append((training, guard.watch_for_failures(rank, stop=training)))
     try:
         result = build_run(cfg, device).fit()
-        training.set()  # from here the store may go away with a rank that is done
-        # Tear down only once every rank is done: destroying a gloo group while a peer
-        # still talks to it aborts that peer ("terminate called without an active exception").
-        dist.barrier()
+        # Stop and join the failure watch (from here the store may go away with a rank that is
+        # done), wait for every rank (bounded), then destroy the groups: a thread still in a store
+        # call, or a group destroyed while a peer still uses it, aborts at exit (exit -6).
+        clean = end_process_group(cfg.comm.timeout_s, watchers)
     except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-        guard.fail(exc, dist.get_rank())  # logs, names the job's first failure, exits 1 at once
-    dist.destroy_process_group()
-    if result.get("preempted_at") is not None:  # train.save_on_signal: saved, stopped early; relaunch to go on
-        sys.exit(PREEMPTED_EXIT_CODE)
+        guard.fail(exc, rank)  # logs, names the job's first failure, exits 1 at once
+    code = PREEMPTED_EXIT_CODE if result.get("preempted_at") is not None else 0  # preempted: saved; relaunch to go on
+    if not clean:  # a watcher still inside a store call: skip the interpreter's finalization
+        guard.leave(code)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

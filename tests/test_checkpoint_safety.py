@@ -24,7 +24,8 @@ import torch.distributed.checkpoint as dcp
 from pipeflow.errors import CheckpointError, RunDirLostError, UnsafeCheckpointError
 from pipeflow.run import checkpoint as ck
 from pipeflow.run import checkpoint_find, guard, integrity, lock
-from pipeflow.run.checkpoint_find import METADATA_CLASSES, SafeReader, read_dcp_metadata
+from pipeflow.models import dcp_metadata
+from pipeflow.models.dcp_metadata import METADATA_CLASSES, SafeReader, read_dcp_metadata
 
 STEPS = (1, 2, 3)
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save(no_dist=True) says so
@@ -122,6 +123,24 @@ def test_a_planted_metadata_is_refused_before_it_runs_on_resume_and_export(root:
     assert not marker.exists() and not (tmp_path / "model.pt").exists()
 
 
+def test_a_planted_metadata_in_model_init_from_is_refused_before_it_runs(tmp_path: Path) -> None:
+    """model.init_from=<a DCP directory> reads the same .metadata: through the allowlist too."""
+    import torch.distributed.checkpoint as dcp
+
+    from pipeflow.models import from_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    folder = tmp_path / "dcp"
+    dcp.save(model.state_dict(), checkpoint_id=str(folder), no_dist=True)
+    metadata = read_dcp_metadata(str(folder / ".metadata"))
+    metadata.planner_data = _Payload(tmp_path / "ran")
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    spec = from_module(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), init_from=str(folder))
+    with pytest.raises(UnsafeCheckpointError, match=r"refused to load: it names (posix|os)\.system"):
+        spec.build_layers(range(0, 2))
+    assert not (tmp_path / "ran").exists()
+
+
 def test_an_intact_checkpoint_exports_through_the_allowlist(root: Path, tmp_path: Path) -> None:
     assert ck.export(str(root / "step_00000001"), str(tmp_path / "model.pt")) == 2
     state = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -140,7 +159,7 @@ def test_unreadable_metadata_is_a_checkpoint_error_naming_the_file(root: Path) -
 
 
 def test_the_allowlist_holds_metadata_classes_and_dtypes_only() -> None:
-    unpickler = checkpoint_find._MetadataUnpickler(io.BytesIO(), "x/.metadata")
+    unpickler = dcp_metadata._MetadataUnpickler(io.BytesIO(), "x/.metadata")
     assert unpickler.find_class("torch", "bfloat16") is torch.bfloat16
     assert unpickler.find_class("torch", "Size") is torch.Size
     for module, name in (("torch", "load"), ("builtins", "eval"), ("builtins", "getattr"), ("os", "system"),

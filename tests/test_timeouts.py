@@ -159,3 +159,36 @@ def test_a_rank_that_starts_late_still_joins(lone_rank_env: int) -> None:
     stores[1] = join_store(1, 2, 20.0)
     host.join(20)
     assert set(stores) == {0, 1} and time.monotonic() - started < 10
+
+
+# ------------------------------------------------------------------ teardown order (issue 28 item 11)
+def test_the_teardown_joins_the_watchers_then_waits_then_destroys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """end_process_group stops and joins each watcher thread before the barrier and the destroy
+    (a daemon thread still in a store call at interpreter exit aborts the process, exit -6), and
+    says when one would not end."""
+    from mp_harness import _free_port
+    from pipeflow.runtime import distributed
+
+    order: list[str] = []
+    real_destroy = dist.destroy_process_group
+    monkeypatch.setattr(distributed, "_bounded_barrier", lambda s: order.append(f"barrier {s:g}"))
+    monkeypatch.setattr(distributed.gc, "collect", lambda: order.append("collect"))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # a barrier is due: pretend 2 ranks
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: (order.append("destroy"), real_destroy()))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    stop = threading.Event()
+
+    def watcher() -> None:  # as the failure watch: polls the store until stopped
+        store = dist.distributed_c10d._get_default_store()
+        while not stop.wait(0.01):
+            store.check(["x"])
+        order.append("watcher ended")
+
+    thread = threading.Thread(target=watcher, daemon=True)
+    thread.start()
+    assert distributed.end_process_group(7.0, [(stop, thread)]) is True
+    assert order == ["watcher ended", "collect", "barrier 7", "destroy"] and not dist.is_initialized()
+
+    stuck = threading.Thread(target=threading.Event().wait, args=(5,), daemon=True)  # ignores its stop event
+    stuck.start()
+    assert distributed.end_process_group(None, [(threading.Event(), stuck)], join_s=0.2) is False

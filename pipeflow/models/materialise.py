@@ -17,12 +17,13 @@ or `StateDictFile` copies the piece's own tensors from a state dict file of the 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from pipeflow.errors import ConfigError
+from pipeflow.errors import ConfigError, UnsafeCheckpointError
 
 InitHook = Callable[[str, nn.Module], None]  # (qualified name in the whole model, module)
 
@@ -191,10 +192,12 @@ class StateDictFile:
         self._tensors = loaded
 
     def _dcp_shapes(self) -> dict[str, list[int]]:
-        from torch.distributed.checkpoint import FileSystemReader
+        from pipeflow.models.dcp_metadata import DCP_METADATA, read_dcp_metadata
 
-        try:
-            metadata = FileSystemReader(self.path).read_metadata()
+        try:  # with the allowlist: a planted .metadata runs nothing
+            metadata = read_dcp_metadata(os.path.join(self.path, DCP_METADATA))
+        except UnsafeCheckpointError:
+            raise
         except Exception as exc:
             raise ConfigError(f"model.init_from={self.path!r} is a directory but not a torch.distributed.checkpoint "
                               f"checkpoint: {exc}") from exc
@@ -232,4 +235,6 @@ class StateDictFile:
             elif targets:
                 from torch.distributed.checkpoint import load
 
-                load({key: t.data for key, t in targets.items()}, checkpoint_id=self.path, no_dist=True)
+                from pipeflow.models.dcp_metadata import SafeReader
+
+                load({key: t.data for key, t in targets.items()}, storage_reader=SafeReader(self.path), no_dist=True)

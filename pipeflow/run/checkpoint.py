@@ -35,7 +35,7 @@ once the first step is done.
 
 Loading verifies the digests first (:func:`verify`); ``latest`` is followed only inside its
 checkpoints folder (a damaged one is skipped with a warning); DCP's ``.metadata`` pickle is read
-with an allowlist (:class:`~pipeflow.run.checkpoint_find.SafeReader`) by every load and export,
+with an allowlist (:class:`~pipeflow.models.dcp_metadata.SafeReader`) by every load and export,
 so a planted one runs nothing; the RNG files load with ``weights_only=True``.
 
 Export to one file that loads into the plain unsplit model::
@@ -59,9 +59,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from pipeflow.errors import CheckpointError, CheckpointPeerLostError, ConfigError
+from pipeflow.models.dcp_metadata import SafeReader
 from pipeflow.run import integrity, lock
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
-    LATEST, META, SafeReader, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
+    LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
 )
 from pipeflow.runtime.zero import local_optimizer
 

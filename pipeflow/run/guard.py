@@ -254,6 +254,13 @@ def _flush() -> None:
     sys.stderr.flush()
 
 
+def leave(code: int) -> NoReturn:
+    """Flush the logs and end this process with `code` at once, skipping the interpreter's
+    finalization (which a thread still inside a store or group call would turn into an abort)."""
+    _flush()
+    os._exit(code)
+
+
 def fail(exc: BaseException, rank: int) -> NoReturn:
     """Log `exc`, share it as the job's first failure if it is, and end this process with status 1.
 

@@ -4,11 +4,14 @@ Joining is bounded and named: every rank announces itself in the rendezvous stor
 most ``comm.join_timeout_s`` for the others (:func:`join_store`), so a rank that died before
 joining is a :class:`~pipeflow.errors.JoinTimeoutError` naming it, not a hang for the
 process-group deadline.  A rank started by a launcher leaves when the launcher dies
-(:func:`watch_parent`), so ``kill -9`` of torchrun leaves no workers behind.
+(:func:`watch_parent`), so ``kill -9`` of torchrun leaves no workers behind.  At the end,
+:func:`end_process_group` stops the threads that touch the store, waits for every rank (bounded)
+and only then destroys the groups.
 """
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -16,18 +19,20 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from pipeflow.errors import JoinTimeoutError
+from pipeflow.errors import CommError, JoinTimeoutError
 
 PARENT_POLL_S = 1.0
 JOIN_POLL_S = 0.2
 DEFAULT_JOIN_TIMEOUT_S = 900.0  # no comm.join_timeout_s given
 CONNECT_ATTEMPT_S = 2.0  # one connect attempt to the store's host (an unanswered SYN)
 MIN_CONNECT_S = 1.0  # the store's own connect timeout once its host listens
+THREAD_JOIN_S = 5.0  # how long the teardown waits for a watcher thread to end
 
 
 def choose_device(backend: str | None, device: str | None) -> tuple[str, torch.device]:
@@ -224,6 +229,63 @@ def _await_announcements(store: dist.Store, prefix: str, world: int, deadline: f
         if not missing or time.monotonic() >= deadline:
             return missing
         time.sleep(min(JOIN_POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def end_process_group(
+    barrier_timeout_s: float | None, watchers: Sequence[tuple[threading.Event, threading.Thread]] = (),
+    join_s: float = THREAD_JOIN_S,
+) -> bool:
+    """Tear every process group down at the end of a run, in an order that aborts neither this
+    process nor a peer.
+
+    1. Stop and join each thread of `watchers` (an event that stops it, the thread): a daemon
+       thread still inside a store or group call when the interpreter finalizes is ended there by
+       ``pthread_exit``, which unwinds through C++ and calls ``std::terminate`` ("terminate called
+       without an active exception", exit -6).
+    2. Collect garbage, so that run objects in reference cycles (a pipeline holding its groups
+       and their works) free the groups now, not during interpreter finalization.
+    3. A barrier bounded by `barrier_timeout_s` (None: none, as after a failure), so that no peer
+       still uses a group when it goes.
+    4. Destroy the groups: torch shuts the subgroups down first (newest first), then the world.
+
+    Returns:
+        False when a watcher did not end within `join_s` (then leave with ``os._exit``: the
+        interpreter's finalization is what a thread still in C++ cannot survive); else True.
+
+    Raises:
+        CommError: the barrier failed or timed out (a peer died, or never finished its run).
+    """
+    joined = True
+    for stop, thread in watchers:
+        stop.set()
+    for _, thread in watchers:
+        if thread is not threading.current_thread():
+            thread.join(join_s)
+            joined = joined and not thread.is_alive()
+    gc.collect()
+    if not dist.is_initialized():
+        return joined
+    if barrier_timeout_s is not None and dist.get_world_size() > 1:
+        _bounded_barrier(barrier_timeout_s)
+    dist.destroy_process_group()
+    return joined
+
+
+def _bounded_barrier(timeout_s: float) -> None:
+    """A barrier over the world that waits at most `timeout_s` seconds.
+
+    Raises:
+        CommError: naming this rank, the deadline, and the backend's words.
+    """
+    rank = dist.get_rank()
+    try:
+        dist.barrier(async_op=True).wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as exc:
+        raise CommError(
+            f"rank {rank}: the barrier that ends the run failed within {timeout_s:g} s (comm.timeout_s): a peer died "
+            f"or did not finish its run (its own error, if it printed one, is the job's first failure): "
+            f"{_first_line(exc)}"
+        ) from exc
 
 
 def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
