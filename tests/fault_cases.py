@@ -252,3 +252,30 @@ def peers_named_by_global_rank() -> str:
     program = build_schedule("1f1b", 2, 2)
     step = next(st for st in lower(program)[1] if st.ops)
     return pipe._describe(0, step, step.ops, False)
+
+
+# ------------------------------------------------------------------ issue 28 item 9: named errors
+class _OneLayer:
+    """A stage with one weight and its gradient (what GradReducer reads)."""
+
+    def __init__(self) -> None:
+        self.weight = torch.nn.Parameter(torch.ones(4, 4))
+        self.weight.grad = torch.ones(4, 4)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [self.weight]
+
+
+def dp_peer_stops_answering() -> str:
+    """The data-parallel gradient all-reduce over a 2-rank group (timeout 2 s) in which rank 1
+    never takes part (stopped): rank 0's error names the collective, the stage, the group's
+    ranks and a peer that stopped answering (not gloo's raw 'Timed out waiting')."""
+    import datetime
+
+    from pipeflow.runtime.mesh import GradReducer
+
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+    if dist.get_rank() != 0:
+        return "took no part"
+    reducer = GradReducer({3: _OneLayer()}, group, 2)
+    return _error(reducer.finish)

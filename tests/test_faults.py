@@ -183,6 +183,7 @@ def _world_cases() -> list[tuple[str, object]]:
         ("nan-forward", functools.partial(cases.stage_fault, "nan", check_finite=True)),
         ("nan-backward", functools.partial(cases.stage_fault, "none", check_finite=True, nan_grad_stage=1)),
         ("nan-unchecked", functools.partial(cases.stage_fault, "nan")),
+        ("dp-peer-stops", cases.dp_peer_stops_answering),
         *checkpoint_cases.WORLD_CASES,
     ]
 
@@ -305,6 +306,52 @@ def test_a_dead_peer_noticed_while_posting_is_a_named_comm_error(world) -> None:
         assert text.startswith(f"CommError: pipeline rank {rank} (global rank {rank}): batched P2P call failed while "
                                f"trying to "), text
         assert "), when posting them: " in text and "\n  this rank had " in text and "program step" in text, text
+
+
+def test_a_dp_peer_that_stops_answering_is_a_named_comm_error(world) -> None:
+    text, other = _values(world["dp-peer-stops"])
+    assert other == "took no part"
+    assert text.startswith("CommError: rank 0: the data-parallel gradient all-reduce of stage 3 (bucket 1 of this "
+                           "step, 0.00 MiB) over global ranks [0, 1] failed: no answer within the group's timeout: "
+                           "a peer in it stopped (SIGSTOP)"), text
+    assert "The backend said: " in text and text.endswith("| cause: RuntimeError"), text
+
+
+def test_a_backend_failure_in_a_training_step_names_the_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collective of the step (here train.check_finite's flags all-reduce) failing with gloo's
+    raw error inside the step's context is a CommError naming that collective, the code that
+    called it and the step; a plain RuntimeError is left alone."""
+    from pipeflow.errors import CommError
+    from pipeflow.runtime.finite import FiniteCheck
+
+    def closed(*args, **kwargs):
+        raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+                           "[127.0.0.1]:4242. This is typically caused by a remote worker crashing.")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", closed)
+    check = FiniteCheck({}, 2, torch.device("cpu"))
+    with pytest.raises(CommError) as caught, failures.context("training step 7"):
+        check.check(7, [0, 1])
+    text = str(caught.value)
+    assert re.match(r"rank 0: the all-reduce of train.check_finite's flags, a collective in FiniteCheck.check "
+                    r"\(pipeflow/runtime/finite.py:\d+\) failed: a peer in it died or left \(its connection closed\)",
+                    text), text
+    assert "Connection closed by peer" in text and text.endswith("\n  during training step 7")
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    with pytest.raises(RuntimeError, match="^mat1 and mat2"), failures.context("training step 7"):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_a_raw_backend_failure_reaching_fail_is_logged_as_a_named_comm_error() -> None:
+    from pipeflow.errors import CommError, StageError
+
+    raw = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 18000ms "
+                       "for recv operation to complete")
+    named = guard.named_failure(raw)
+    assert isinstance(named, CommError) and named.__cause__ is raw
+    assert "failed: no answer within the group's timeout" in str(named) and "Timed out waiting 18000ms" in str(named)
+    already = StageError("pipeline rank 0, stage 0 ...")
+    assert guard.named_failure(already) is already and guard.named_failure(KeyError("x")).__class__ is KeyError
 
 
 def test_peers_are_named_by_pipeline_and_global_rank(world) -> None:

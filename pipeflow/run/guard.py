@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from pipeflow.errors import (
     CheckpointError, ConfigError, ConfigMismatchError, JoinTimeoutError, RunDirLockedError, ScheduleError,
 )
+from pipeflow.runtime import failures
 
 log = logging.getLogger("pipeflow")
 
@@ -254,6 +255,16 @@ def _flush() -> None:
     sys.stderr.flush()
 
 
+def named_failure(exc: BaseException) -> BaseException:
+    """`exc`, or for a backend's raw failure of a collective (gloo's ``RuntimeError``) a
+    ``CommError`` naming the collective by the code that called it, caused by `exc`."""
+    if not failures.is_backend_failure(exc):
+        return exc
+    named = failures.collective_failure(exc, failures.called_collective(exc.__traceback__))
+    named.__cause__ = exc
+    return named
+
+
 def leave(code: int) -> NoReturn:
     """Flush the logs and end this process with `code` at once, skipping the interpreter's
     finalization (which a thread still inside a store or group call would turn into an abort)."""
@@ -267,7 +278,10 @@ def fail(exc: BaseException, rank: int) -> NoReturn:
     The process group is not torn down: with peers stuck in (or waiting for) a transfer,
     destroying it can block (NCCL) or abort the peers with an unrelated message (gloo).
     ``os._exit`` closes this rank's connections, so peers fail fast, and torchrun stops the rest.
+    A backend's raw failure of a collective that reached here unnamed (outside a training step)
+    is logged and shared as a named ``CommError`` (:func:`pipeflow.runtime.failures.collective_failure`).
     """
+    exc = named_failure(exc)
     first = record_failure(exc, rank)
     if isinstance(exc, MESSAGE_SAYS_ALL):
         log.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)

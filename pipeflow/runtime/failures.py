@@ -4,16 +4,22 @@
   :class:`StageError` naming rank, stage, micro-batch and action.
 * :func:`with_progress` / :func:`context`: a failed transfer also says what this rank had
   already done and during which training step.
+* :func:`collective_failure` / :func:`collective`: a collective that the backend failed (a peer
+  died, or stopped answering) is a :class:`CommError` naming the collective, not the backend's
+  raw ``RuntimeError``; :func:`context` names one it meets by the code that called it.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from pipeflow.errors import PipeflowError, StageError, StageOutOfMemoryError
+from pipeflow.errors import CommError, PipeflowError, StageError, StageOutOfMemoryError
 
 OOM_HINTS = (
     "To fit: use smaller micro-batches (more pipeline.num_microbatches for the same data.batch_size), "
@@ -98,9 +104,120 @@ def _append(exc: BaseException, text: str) -> None:
 
 @contextmanager
 def context(where: str) -> Iterator[None]:
-    """Append ``during <where>`` to any pipeflow error raised inside the block."""
+    """Append ``during <where>`` to any pipeflow error raised inside the block; a backend's raw
+    failure of a collective (:func:`is_backend_failure`) becomes a named :class:`CommError` first."""
     try:
         yield
     except PipeflowError as exc:
         _append(exc, f"during {where}")
         raise
+    except Exception as exc:
+        if not is_backend_failure(exc):
+            raise
+        error = collective_failure(exc, called_collective(exc.__traceback__))
+        _append(error, f"during {where}")
+        raise error from exc
+
+
+# ------------------------------------------------------------------------------ collectives
+# words of the backends' own failures (gloo's pair.cc / unbound_buffer.cc, NCCL, the store)
+BACKEND_SIGNS = ("gloo", "NCCL", "Connection closed", "Connection reset", "Connection refused", "Broken pipe",
+                 "Timed out waiting", "timed out", "Socket Timeout")
+# what pipeflow's collectives are, by the function that calls them
+KNOWN_COLLECTIVES = {
+    "clip_on_device": "the all-reduce of the global gradient norm (with the loss and the step's flags)",
+    "clip_grad_norm_global": "the all-reduce of the global gradient norm (with the loss and the step's flags)",
+    "TiedWeights.reduce_grads": "the all-reduce of the tied weights' gradients",
+    "TiedWeights.sync_initial_values": "the broadcast of the tied weights' initial values",
+    "Trainer.evaluate": "the all-reduce of the held-out loss",
+    "FiniteCheck.check": "the all-reduce of train.check_finite's flags",
+    "Trainer.save_checkpoint": "the all-reduce of the weights' non-finite flags before a save",
+}
+
+
+def is_backend_failure(exc: BaseException) -> bool:
+    """True for a backend's own failure of a communication (torch's ``DistError``, or a
+    ``RuntimeError`` in the words of gloo, NCCL or a socket), not for pipeflow's named errors."""
+    if isinstance(exc, PipeflowError):
+        return False
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(sign in str(exc) for sign in BACKEND_SIGNS)
+
+
+def collective_failure(exc: BaseException, what: str, ranks: Sequence[int] | None = None) -> CommError:
+    """The error for collective `what` (over global `ranks`, when known) that the backend failed
+    with `exc`: which collective, on which rank, whether a peer left or stopped answering.
+    Raise it ``from exc``; :func:`context` adds the training step."""
+    text = _first_line(exc)
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        why = ("no answer within the group's timeout: a peer in it stopped (SIGSTOP), hangs, or is far behind "
+               "(comm.timeout_s bounds each collective after the first step)")
+    else:
+        why = "a peer in it died or left (its connection closed)"
+    over = f" over global ranks {list(ranks)}" if ranks else ""
+    return CommError(
+        f"rank {rank}: {what}{over} failed: {why}. Look for the rank that failed first: the job's first "
+        f"failure (logged after this, when a rank recorded one), or the launcher's exitcode lines for a rank "
+        f"killed outright. The backend said: {text}"
+    )
+
+
+@contextmanager
+def collective(what: str, group: Any = None) -> Iterator[None]:
+    """Turn a backend failure raised inside the block into :func:`collective_failure` for
+    collective `what` over `group` (its global ranks named)."""
+    try:
+        yield
+    except Exception as exc:
+        if not is_backend_failure(exc):
+            raise
+        raise collective_failure(exc, what, _group_ranks(group)) from exc
+
+
+def _group_ranks(group: Any) -> list[int] | None:
+    if group is None or not dist.is_initialized():
+        return None
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError):
+        return None
+
+
+def called_collective(tb: TracebackType | None) -> str:
+    """What collective a traceback failed in: the innermost pipeflow function on it (a known
+    one by name) and the ``torch.distributed`` call it made, e.g. ``dist.all_reduce in
+    clip_on_device (pipeflow/run/trainer.py:129)``."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    caller, torch_call, frames = None, None, []
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    for k, entry in enumerate(frames):
+        code = entry.tb_frame.f_code
+        path = os.path.abspath(code.co_filename)
+        if path.startswith(package + os.sep) and path != os.path.abspath(__file__):
+            caller, torch_call = entry, _torch_call(frames[k + 1:])
+    if caller is None:
+        return f"a collective ({torch_call or 'torch.distributed'})"
+    code = caller.tb_frame.f_code
+    name = getattr(code, "co_qualname", code.co_name)
+    where = f"{name} ({os.path.relpath(code.co_filename, os.path.dirname(package))}:{caller.tb_lineno})"
+    known = KNOWN_COLLECTIVES.get(name)
+    call = f"dist.{torch_call}" if torch_call else "a collective"
+    return f"{known}, {call} in {where}" if known else f"{call} in {where}"
+
+
+def _torch_call(frames: Sequence[TracebackType]) -> str | None:
+    """The first ``torch.distributed`` function (not a decorator's wrapper) among `frames`."""
+    for entry in frames:
+        code = entry.tb_frame.f_code
+        if "torch/distributed" in code.co_filename.replace(os.sep, "/") and code.co_name not in ("wrapper", "<lambda>"):
+            return code.co_name
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from pipeflow.runtime import failures
+
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 
 
@@ -110,7 +112,13 @@ class GradReducer:
                 self.owners.setdefault(id(p), set()).add(s)
         self._ready: set[int] = set()
         self._launched: set[int] = set()
-        self._pending: list[tuple[list[torch.nn.Parameter], torch.Tensor, Any]] = []
+        self._pending: list[tuple[list[torch.nn.Parameter], torch.Tensor, Any, int]] = []
+
+    def _describe(self, s: int, k: int, flat: torch.Tensor) -> str:
+        """Names the all-reduce of bucket `k` (stage `s`'s gradients, `flat`) in an error."""
+        size = flat.numel() * flat.element_size()
+        return (f"the data-parallel gradient all-reduce of stage {s} (bucket {k + 1} of this step, "
+                f"{size / 2**20:.2f} MiB)")
 
     def stage_ready(self, s: int) -> None:
         """Post the all-reduce of stage s's gradients (those not shared with a stage still running)."""
@@ -122,14 +130,22 @@ class GradReducer:
                 p.grad = torch.zeros_like(p)
         for bucket in _buckets(params, self.bucket_bytes):
             flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            self._pending.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+            with failures.collective(self._describe(s, len(self._pending), flat), self.group):
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._pending.append((bucket, flat, work, s))
 
     def finish(self) -> None:
-        """Post what has not started, wait for every bucket and write the averages back."""
+        """Post what has not started, wait for every bucket and write the averages back.
+
+        Raises:
+            CommError: a bucket's all-reduce failed (a peer in the dp group died or stopped
+                answering), naming the stage, the bucket and the group's global ranks.
+        """
         for s in self.stage_params:
             self.stage_ready(s)
-        for bucket, flat, work in self._pending:
-            work.wait()
+        for k, (bucket, flat, work, s) in enumerate(self._pending):
+            with failures.collective(self._describe(s, k, flat), self.group):
+                work.wait()
             flat.div_(self.world)
             offset = 0
             for p in bucket:
