@@ -255,6 +255,26 @@ def peers_named_by_global_rank() -> str:
 
 
 # ------------------------------------------------------------------ issue 28 item 9: named errors
+def nan_input_blamed(nan: bool) -> str:
+    """Step 5 failed non-finite on every rank; global rank 0 holds stage 0, whose micro-batch 1
+    holds 3 NaN and an Inf when `nan`: every rank's error names that input, not optim.lr."""
+    from pipeflow.errors import NonFiniteError
+    from pipeflow.runtime.finite import inputs_blamed
+
+    inputs = None
+    if dist.get_rank() == 0:
+        inputs = [(torch.ones(4, 8),), (torch.ones(4, 8),)]
+        if nan:
+            inputs[1][0][0, :3] = float("nan")
+            inputs[1][0][2, 5] = float("inf")
+
+    def step() -> None:
+        with inputs_blamed(5, lambda: inputs, 2, torch.device("cpu")):
+            raise NonFiniteError("training step 5: the loss ... hold NaN or Inf ... Lower optim.lr")
+
+    return _error(step)
+
+
 class _OneLayer:
     """A stage with one weight and its gradient (what GradReducer reads)."""
 

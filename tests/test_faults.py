@@ -183,6 +183,8 @@ def _world_cases() -> list[tuple[str, object]]:
         ("nan-forward", functools.partial(cases.stage_fault, "nan", check_finite=True)),
         ("nan-backward", functools.partial(cases.stage_fault, "none", check_finite=True, nan_grad_stage=1)),
         ("nan-unchecked", functools.partial(cases.stage_fault, "nan")),
+        ("nan-input", functools.partial(cases.nan_input_blamed, True)),
+        ("finite-input", functools.partial(cases.nan_input_blamed, False)),
         ("dp-peer-stops", cases.dp_peer_stops_answering),
         *checkpoint_cases.WORLD_CASES,
     ]
@@ -306,6 +308,16 @@ def test_a_dead_peer_noticed_while_posting_is_a_named_comm_error(world) -> None:
         assert text.startswith(f"CommError: pipeline rank {rank} (global rank {rank}): batched P2P call failed while "
                                f"trying to "), text
         assert "), when posting them: " in text and "\n  this rank had " in text and "program step" in text, text
+
+
+def test_a_non_finite_input_batch_is_named_on_every_rank_not_the_learning_rate(world) -> None:
+    for text in _values(world["nan-input"]):
+        assert text.startswith("NonFiniteError: training step 5: the input batch holds NaN or Inf: micro-batch 1 "
+                               "(3 NaN and 1 Inf) of stage 0's input on global rank 0 (batch 5 of the training "
+                               "data)"), text
+        assert "the learning rate is not the cause" in text and "Lower optim.lr" not in text
+    for text in _values(world["finite-input"]):  # finite inputs: the step's own error stands
+        assert text == "NonFiniteError: training step 5: the loss ... hold NaN or Inf ... Lower optim.lr"
 
 
 def test_a_dp_peer_that_stops_answering_is_a_named_comm_error(world) -> None:

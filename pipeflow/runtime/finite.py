@@ -7,6 +7,9 @@ gradient is; then :func:`stage_flags` (one more all-reduce, only then) names the
 ``train.check_finite`` adds :class:`FiniteCheck`: stop at the first non-finite value, naming the
 stage where it appeared.
 
+Either error, when stage 0's input batch itself holds NaN or Inf, becomes one naming the batch and
+its micro-batches (:func:`inputs_blamed`: one more all-reduce, only on that error path).
+
 Forward outputs (the loss on the last stage, before the fp16 loss scale) and parameter gradients
 are checked on the device without a host sync per micro-batch; 2 x S flags summed over the world
 once per step tell every rank where NaN or Inf first showed up: the lowest stage whose forward
@@ -21,7 +24,8 @@ an overflow while the scale is already at its minimum (a lower scale cannot cure
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -148,3 +152,72 @@ def non_finite_step_error(
         f"keep optim.grad_clip on, train in train.dtype=float32, or set train.check_finite=true to name the "
         f"stage whose forward output first went non-finite."
     )
+
+
+# ------------------------------------------------------------------ a non-finite input batch
+def input_counts(inputs: Sequence[Sequence[torch.Tensor]] | None, num_microbatches: int,
+                 device: torch.device) -> torch.Tensor:
+    """``[m, 2]``: NaN and Inf elements of each micro-batch of this rank's stage-0 inputs (zeros
+    on a rank without stage 0, or for integer inputs such as token ids)."""
+    counts = torch.zeros(num_microbatches, 2, dtype=torch.float64, device=device)
+    for i, tensors in enumerate(inputs or []):
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t = local(t.detach())
+                counts[i, 0] += torch.isnan(t).sum().to(device, torch.float64)
+                counts[i, 1] += torch.isinf(t).sum().to(device, torch.float64)
+    return counts
+
+
+def non_finite_input_error(step: int, counts: Sequence[Sequence[Sequence[float]]]) -> NonFiniteError | None:
+    """The error naming the micro-batches of batch `step` whose stage-0 inputs hold NaN or Inf,
+    from `counts` ``[global rank][micro-batch][NaN, Inf]`` summed over the world; None if none do."""
+    named = []
+    for rank, per_mb in enumerate(counts):
+        bad = [(i, int(nan), int(inf)) for i, (nan, inf) in enumerate(per_mb) if nan or inf]
+        if bad:
+            listed = ", ".join(f"{i} ({_elements(nan, inf)})" for i, nan, inf in bad)
+            named.append(f"micro-batch{'es' if len(bad) > 1 else ''} {listed} of stage 0's input on global rank {rank}")
+    if not named:
+        return None
+    return NonFiniteError(
+        f"training step {step}: the input batch holds NaN or Inf: {'; '.join(named)} (batch {step} of the "
+        f"training data), so the loss and gradients computed from it are non-finite too; the learning rate is "
+        f"not the cause. Clean or drop those rows in the data (or the code that makes batch {step}); the run "
+        f"stops before the optimizer step and before any save, so the last checkpoint is from before this step."
+    )
+
+
+def _elements(nan: int, inf: int) -> str:
+    parts = ([f"{nan} NaN"] if nan else []) + ([f"{inf} Inf"] if inf else [])
+    return " and ".join(parts)
+
+
+@contextmanager
+def inputs_blamed(
+    step: int, inputs_of: Callable[[], Sequence[Sequence[torch.Tensor]] | None], num_microbatches: int,
+    device: torch.device, group: dist.ProcessGroup | None = None,
+) -> Iterator[None]:
+    """Turn a :class:`NonFiniteError` of training step `step` raised inside the block into one
+    naming the input batch, when stage 0's inputs of batch `step` hold NaN or Inf.
+
+    Only on the error path, which every rank takes for the same step (the judged figures are
+    all-reduced): `inputs_of()` gives this rank's stage-0 micro-batch inputs of batch `step`
+    again (None off stage 0), and one all-reduce over `group` (the world) of NaN/Inf counts
+    tells every rank which micro-batches, on which rank.  A steady step costs nothing.
+
+    Raises:
+        NonFiniteError: the input batch's error, or the block's own when every input was finite.
+    """
+    try:
+        yield
+    except NonFiniteError as exc:
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        counts = torch.zeros(world, num_microbatches, 2, dtype=torch.float64, device=device)
+        counts[rank] = input_counts(inputs_of(), num_microbatches, device)
+        if world > 1:
+            dist.all_reduce(counts, group=group)
+        error = non_finite_input_error(step, counts.tolist())
+        if error is None:
+            raise
+        raise error from None  # the loss and gradients only followed the input: no blame on optim.lr
