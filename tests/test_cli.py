@@ -136,6 +136,37 @@ def test_a_misspelt_key_is_rejected_by_the_schema() -> None:
         compose_config("pipeline.num_microbatch=4")
 
 
+@pytest.mark.parametrize(("typo", "meant"), [
+    ("pipeline.num_microbatch=4", "pipeline.num_microbatches=4"),  # a key of a group
+    ("pipline.num_microbatches=4", "pipeline.num_microbatches=4"),  # its parent misspelt
+    ("train.max_step=3", "train.max_steps=3"),
+    ("model.n_layers=3", "model.n_layer=3"),  # the chosen model's own keys
+])
+def test_a_misspelt_key_gets_a_did_you_mean(typo: str, meant: str) -> None:
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException) as caught:
+        compose_config(typo)
+    key = typo.partition("=")[0]
+    assert str(caught.value).startswith(f"Could not override '{key}': the config has no such key. Did you mean {meant}")
+    assert f"(To add a new key anyway: +{typo})" in str(caught.value)
+
+
+def test_an_unknown_key_like_no_other_keeps_hydras_message() -> None:
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match=r"^Could not override 'zzz'.\nTo append to your config use \+zzz=1"):
+        compose_config("zzz=1")
+
+
+def test_train_py_says_did_you_mean_for_a_misspelt_key() -> None:
+    """What the user sees from @hydra.main (the override step Hydra runs before main)."""
+    run = subprocess.run([sys.executable, "train.py", "pipeline.num_microbatch=4"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0
+    assert "Did you mean pipeline.num_microbatches=4?" in run.stderr, run.stderr[-2000:]
+
+
 def _schedule_from(cfg, pp: int = 4):
     return build_schedule(cfg.schedule.name, pp, cfg.pipeline.num_microbatches, cfg.pipeline.stages_per_rank,
                           cfg.pipeline.placement, cfg.schedule.path)

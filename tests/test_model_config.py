@@ -95,3 +95,25 @@ def test_a_group_file_restates_no_default(group: str) -> None:
         restated = [key for key, value in values.items()
                     if key not in ("_target_", "arch") and key in schema and schema[key] == value]
         assert not restated, f"{path.relative_to(ROOT)} restates the defaults of {restated}"
+
+
+def test_a_module_model_without_its_class_is_one_config_error() -> None:
+    """`model=module` without `model.module._target_` used to end in a 34-frame traceback from
+    Hydra's instantiate (MissingMandatoryValue): now check_config names the key to set."""
+    cfg = _compose("model=module")
+    with pytest.raises(ConfigError, match=r"^model.module._target_ is not set: model=module needs the import path of "
+                                          r"your nn.Module's class, e.g. model.module._target_=examples.your_module.GPT"):
+        config.check_config(cfg, world_size=4)
+    cfg.model.module._target_ = "examples.your_module.GPT"
+    assert config.check_config(cfg, world_size=4) == (1, 4)
+
+
+def test_a_custom_model_config_without_target_is_one_config_error() -> None:
+    """A model config (e.g. a user's YAML on the search path) that names no builder."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(OmegaConf.to_container(_compose("model=mlp")))  # untyped, as a user's YAML
+    del cfg.model["_target_"]
+    with pytest.raises(ConfigError, match=r"^model has no _target_: .* set model._target_=<import path of a function "
+                                          r"returning a pipeflow ModelSpec>"):
+        config.check_config(cfg, world_size=4)

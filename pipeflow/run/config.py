@@ -5,6 +5,7 @@ defaults), so a typo in an override (``pipeline.num_microbatch=4``) fails at onc
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 from dataclasses import dataclass, field, make_dataclass
@@ -235,7 +236,9 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schemas with Hydra's ConfigStore (called before ``@hydra.main`` runs)."""
+    """Register the schemas with Hydra's ConfigStore (called before ``@hydra.main`` runs), and
+    make Hydra's error for an unknown key suggest the nearest known ones (:func:`suggest_keys`)."""
+    install_key_suggestions()
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     cs.store(group="model", name="base_gpt", node=GPTModelConfig)
@@ -250,6 +253,112 @@ def register_configs() -> None:
     cs.store(group="optim", name="base_optim", node=OptimConfig)
     cs.store(group="metrics", name="base_metrics", node=MetricsConfig)
     cs.store(group="plan", name="base_plan", node=PlanConfig)
+
+
+# --------------------------------------------------------------------- unknown keys, _target_
+def config_keys(cfg: Any) -> list[str]:
+    """Every dotted key of `cfg` (leaves and inner nodes), missing values included."""
+    keys: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key in node:
+            path = f"{prefix}{key}"
+            keys.append(path)
+            child = node._get_node(key) if OmegaConf.is_config(node) else None
+            if OmegaConf.is_dict(child):
+                walk(child, f"{path}.")
+
+    walk(cfg, "")
+    return keys
+
+
+def suggest_keys(key: str, known: list[str], count: int = 2) -> list[str]:
+    """The known keys nearest to the unknown `key` (difflib): when its parent exists, the
+    parent's keys whose last name is nearest to its last name; else the nearest whole keys."""
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    if parent in known or not parent:
+        return [siblings[name] for name in difflib.get_close_matches(leaf, list(siblings), n=count, cutoff=0.6)]
+    return difflib.get_close_matches(key, known, n=count, cutoff=0.8)
+
+
+def _with_suggestion(exc: Exception, overrides: list[Any], cfg: Any) -> Exception | None:
+    """Hydra's 'Could not override' error for an unknown key, with a did-you-mean (None: another error)."""
+    from hydra.errors import ConfigCompositionException
+
+    text = str(exc)
+    if not text.startswith("Could not override '"):
+        return None
+    key = text[len("Could not override '"):].split("'", 1)[0]
+    value = next((o.input_line.partition("=")[2] for o in overrides if o.key_or_group == key), "...")
+    close = suggest_keys(key, config_keys(cfg))
+    if not close:
+        return None
+    options = " or ".join(f"{k}={value}" for k in close)
+    return ConfigCompositionException(
+        f"Could not override '{key}': the config has no such key. Did you mean {options}?\n"
+        f"(To add a new key anyway: +{key}={value})"
+    )
+
+
+def install_key_suggestions() -> None:
+    """Wrap Hydra's override step so that an unknown key's error names the nearest known keys
+    (``pipeline.num_microbatch=4`` -> ``Did you mean pipeline.num_microbatches=4?``), for
+    ``@hydra.main`` and ``hydra.compose`` alike.  Hydra has no hook for it: its (private)
+    ``ConfigLoaderImpl._apply_overrides_to_config`` is wrapped once; where it is missing (another
+    Hydra), the errors stay Hydra's own."""
+    try:
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra.errors import ConfigCompositionException
+    except ImportError:
+        return
+    apply = getattr(ConfigLoaderImpl, "_apply_overrides_to_config", None)
+    if apply is None or getattr(apply, "_pipeflow_suggests", False):
+        return
+
+    def apply_with_suggestions(overrides: list[Any], cfg: Any) -> None:
+        try:
+            apply(overrides, cfg)
+        except ConfigCompositionException as exc:
+            better = _with_suggestion(exc, overrides, cfg)
+            if better is None:
+                raise
+            raise better from exc.__cause__
+
+    apply_with_suggestions._pipeflow_suggests = True  # type: ignore[attr-defined]
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_with_suggestions)
+
+
+def check_targets(cfg: Any) -> None:
+    """The model config names its builder (``model._target_``), and every ``_target_`` under
+    ``model`` is set (``model=module`` needs ``model.module._target_``, your module's class).
+
+    Raises:
+        ConfigError: naming the key to set, with an example.
+    """
+    model = OmegaConf.select(cfg, "model", throw_on_missing=False)
+    if model is None or not OmegaConf.is_dict(model):
+        return
+    if "_target_" not in model:
+        raise ConfigError(
+            "model has no _target_: a model config must name the function that builds the model; set "
+            "model._target_=<import path of a function returning a pipeflow ModelSpec> (e.g. "
+            "pipeflow.models.mlp.build_mlp), or pick a built-in model=gpt|mlp|resnet18|... (see docs/models.md)"
+        )
+    for path in [k for k in config_keys(model) if k == "_target_" or k.endswith("._target_")]:
+        if OmegaConf.is_missing(model, path) or OmegaConf.select(model, path) in (None, ""):
+            raise ConfigError(f"model.{path} is not set: {_target_hint(path)}")
+
+
+def _target_hint(path: str) -> str:
+    """What to put in ``model.<path>``."""
+    if path == "module._target_":
+        return ("model=module needs the import path of your nn.Module's class, e.g. "
+                "model.module._target_=examples.your_module.GPT (its constructor's arguments: "
+                "+model.module.<name>=<value>)")
+    if path == "_target_":
+        return "set model._target_=<import path of a function returning a pipeflow ModelSpec>"
+    return f"set model.{path}=<import path of the class or function that {path.rsplit('.', 1)[0]} names>"
 
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -286,6 +395,7 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
         ConfigError: naming the key and what to change.
     """
     dp, pp = resolve_layout(cfg.parallel, world_size)
+    check_targets(cfg)
     shard = OmegaConf.select(cfg, "parallel.shard", default="none")
     if shard not in SHARD_MODES:
         raise ConfigError(f"parallel.shard={shard!r} is unknown; valid: {', '.join(SHARD_MODES)} "
