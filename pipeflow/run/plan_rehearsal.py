@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pipeflow.planning.rehearsal import rehearsal_steps
 from pipeflow.planning.search import Candidate
-from pipeflow.runtime.distributed import run_local_ranks
+from pipeflow.runtime.distributed import end_process_group, run_local_ranks
 
 REHEARSED_STEPS = 1000  # a run this long rehearses; nothing is trained
 # A run rehearses about 1.5 s a lowering before its own step 0 (up to 8 steps); the planner,
@@ -79,6 +79,7 @@ def _worker(rank: int, port: int, results: Any, world: int, configs: list[Any]) 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     steps: list[float] = []
+    barrier_s: float | None = None  # after a failure, no barrier: a peer may never come
     try:
         for cfg in configs:
             trainer = build_run(cfg, torch.device("cpu"))
@@ -87,7 +88,8 @@ def _worker(rank: int, port: int, results: Any, world: int, configs: list[Any]) 
             del trainer
         if rank == 0:
             results.put(steps)
+        barrier_s = 300.0
     except Exception as exc:  # noqa: BLE001 - reported to the planner, which names it
         results.put(f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
-    finally:
-        dist.destroy_process_group()
+    finally:  # every rank done (bounded) before any group goes, the runs' cycles collected first
+        end_process_group(barrier_s)
