@@ -154,3 +154,30 @@ def test_without_fused_adamw_the_step_reads_back_before_its_update(one_rank_grou
     assert not trainer.defers_readback
     waiting, done = trainer.advance(0)
     assert waiting is None and [p.step for p, _ in done] == [0] and done[0][1].loss > 0
+
+
+def test_a_nan_in_the_input_batch_read_back_a_step_late_names_the_batch(one_rank_group, tmp_path) -> None:
+    from omegaconf import OmegaConf
+
+    from pipeflow.run.config import Config, MLPModelConfig
+
+    cfg = OmegaConf.structured(Config(model=MLPModelConfig(in_features=8, num_classes=4, num_layers=2)))
+    cfg.data.update(name="gaussian", batch_size=8, in_features=8, num_classes=4)
+    cfg.pipeline.update(num_microbatches=2, profile=False)
+    cfg.optim.update(fused=True)
+    cfg.train.update(run_dir=str(tmp_path), max_steps=4, eval_every=0)
+    cfg.metrics.update(memory_steps=[], tensorboard=False)
+    trainer = build_run(cfg, torch.device("cpu"))
+    source, real = trainer.batches.train, trainer.batches.train.get
+
+    def poisoned(step: int):
+        x, y = real(step)
+        if step == 1:
+            x = x.clone()
+            x[5, 0] = float("nan")  # a row of micro-batch 1
+        return x, y
+    source.get = poisoned
+    previous, _ = trainer.advance(0)
+    previous, _ = trainer.advance(1, previous)
+    with pytest.raises(NonFiniteError, match=r"training step 1: the input batch holds NaN or Inf: micro-batch 1"):
+        trainer.advance(2, previous)

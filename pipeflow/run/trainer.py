@@ -360,13 +360,16 @@ class Trainer:
         S = self.schedule.num_stages
         norm, loss, preempt = values[0], values[1], values[2] > 0
         grad_stages, checked = values[3:3 + S], values[3 + S:]
-        if self.finite is not None:
-            self.finite.raise_if_non_finite(checked, pending.step, self.schedule.stage_to_rank, self.scaler)
-        loss_finite = math.isfinite(loss)
-        # a non-finite norm with a finite loss under fp16 is the loss scaler's overflow to skip
-        if not loss_finite or (not math.isfinite(norm) and not self.scaler.enabled):
-            stages = [s for s, flag in enumerate(grad_stages) if flag > 0]
-            raise nonfinite.non_finite_step_error(pending.step, loss_finite, stages, self.schedule.stage_to_rank)
+        # a non-finite step whose input batch holds NaN/Inf is named by its batch, not blamed on optim.lr
+        with nonfinite.inputs_blamed(pending.step, lambda: self._microbatches(self.batches.train, pending.step)[0],
+                                     self.schedule.num_microbatches, self.device):
+            if self.finite is not None:
+                self.finite.raise_if_non_finite(checked, pending.step, self.schedule.stage_to_rank, self.scaler)
+            loss_finite = math.isfinite(loss)
+            # a non-finite norm with a finite loss under fp16 is the loss scaler's overflow to skip
+            if not loss_finite or (not math.isfinite(norm) and not self.scaler.enabled):
+                stages = [s for s, flag in enumerate(grad_stages) if flag > 0]
+                raise nonfinite.non_finite_step_error(pending.step, loss_finite, stages, self.schedule.stage_to_rank)
         return StepValues(loss, norm, preempt, overflow=self.scaler.enabled and not math.isfinite(norm))
 
     def apply(self, pending: PendingStep, values: StepValues | None) -> None:
