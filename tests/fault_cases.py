@@ -125,6 +125,9 @@ class _Logged(logging.Handler):
 
 
 def _on_rank0(action: Any) -> None:
+    """Run `action` on rank 0 alone, once every rank is done with what came before (a rank still
+    reading a folder must not see it removed) and before any rank goes on."""
+    dist.barrier()
     if dist.get_rank() == 0:
         action()
     dist.barrier()
