@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,37 @@ def test_relaunch_loop_survives_a_killed_worker_and_matches_an_uninterrupted_run
     assert sorted(got) == [2, 3, 4, 5] and all(got[s] == expected[s] for s in got), (expected, got)
     reference, resumed = _final_weights(tmp_path / "straight", tmp_path), _final_weights(tmp_path / "killed", tmp_path)
     assert sorted(reference) == sorted(resumed) and all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+def test_sigterm_to_torchrun_saves_at_the_next_step_and_resume_continues_there(tmp_path: Path) -> None:
+    """train.save_on_signal (default SIGTERM): what a cluster scheduler sends before it kills a job.
+    Every rank saves at the same step boundary, says so, and exits 75; train.resume=auto continues
+    from that step, so at most the step in flight is lost."""
+    run_dir = tmp_path / "run"
+    long = [a for a in RUN if not a.startswith(("train.max_steps", "train.save_every"))]
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            str(ROOT / "train.py"), *long, "train.max_steps=100000", "train.save_every=0", f"train.run_dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PIPEFLOW_FAULT_INJECT", None)
+    job = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in job.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if re.search(r"step\s+3/100000 \| loss", line):
+                job.send_signal(signal.SIGTERM)
+                break
+        rest, _ = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    text = "".join(lines) + rest
+    saved = re.search(r"preempted at step (\d+): saved \S+/checkpoints/step_(\d+)", text)
+    assert saved and saved.group(1) == str(int(saved.group(2))), text[-4000:]
+    step = int(saved.group(1))
+    logged = max(int(s) for s in re.findall(r"step\s+(\d+)/100000 \| loss", text))
+    assert step >= logged + 1  # every step logged before the signal is in the checkpoint
+    assert re.search(r"exitcode\s*: 75", text) or "preempted" in text, text[-4000:]
+    resumed = subprocess.run([*args[:-3], "train.max_steps=%d" % (step + 2), "train.resume=auto", f"train.run_dir={run_dir}"],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert re.search(rf"resumed from checkpoint \S+step_{step:08d} at step {step}", resumed.stdout + resumed.stderr)

@@ -181,3 +181,24 @@ def test_a_nan_in_the_input_batch_read_back_a_step_late_names_the_batch(one_rank
     previous, _ = trainer.advance(1, previous)
     with pytest.raises(NonFiniteError, match=r"training step 1: the input batch holds NaN or Inf: micro-batch 1"):
         trainer.advance(2, previous)
+
+
+def test_a_gone_launcher_waits_for_a_save_on_a_signal(monkeypatch) -> None:
+    import time
+
+    from pipeflow.runtime import distributed
+
+    parent = [4242]
+    exits: list[int] = []
+    monkeypatch.setattr(distributed.os, "getppid", lambda: parent[0])
+    monkeypatch.setattr(distributed.os, "_exit", exits.append)
+    distributed.saving_on_signal(True)
+    try:
+        thread = distributed.watch_parent(poll_s=0.01)
+        parent[0] = 1  # the launcher died (a second signal ended torchrun)
+        time.sleep(0.2)
+        assert exits == []  # the save goes on
+    finally:
+        distributed.saving_on_signal(False)
+    thread.join(2)
+    assert exits == [1]

@@ -34,7 +34,7 @@ from pipeflow.planning.layout import Layout, describe_layout
 from pipeflow.run import checkpoint
 from pipeflow.run.faults import FaultInjector
 from pipeflow.run.workspace import Workspace
-from pipeflow.runtime import failures
+from pipeflow.runtime import distributed, failures
 from pipeflow.runtime import finite as nonfinite
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.clip import clip_on_device, grad_norms
@@ -503,6 +503,8 @@ class Trainer:
             if previous is not None and (preempt or save or evaluate or step + 1 == cfg.max_steps):
                 preempt |= self._record(previous, self.finish(previous))  # read back before what follows
                 previous = None
+            if preempt:
+                distributed.saving_on_signal(True)  # a launcher that dies first must not end the save
             if save or preempt:
                 path = self.save_checkpoint(step + 1)
             if preempt:

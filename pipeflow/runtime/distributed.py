@@ -28,6 +28,9 @@ import torch.distributed as dist
 from pipeflow.errors import CommError, JoinTimeoutError
 
 PARENT_POLL_S = 1.0
+# set while a preemption save finishes (train.save_on_signal): the launcher may go first (a
+# second signal ends torchrun before its 30 s grace), and its workers must not leave mid-save
+_SAVING_ON_SIGNAL = threading.Event()
 JOIN_POLL_S = 0.2
 DEFAULT_JOIN_TIMEOUT_S = 900.0  # no comm.join_timeout_s given
 CONNECT_ATTEMPT_S = 2.0  # one connect attempt to the store's host (an unanswered SYN)
@@ -288,15 +291,25 @@ def _bounded_barrier(timeout_s: float) -> None:
         ) from exc
 
 
+def saving_on_signal(on: bool) -> None:
+    """While on, :func:`watch_parent` lets a gone launcher be: the job is saving because a signal
+    asked it to stop (``train.save_on_signal``), and leaves by itself once saved."""
+    if on:
+        _SAVING_ON_SIGNAL.set()
+    else:
+        _SAVING_ON_SIGNAL.clear()
+
+
 def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread | None:
     """Leave (exit 1) within about `poll_s` once the process that started this one is gone (a
-    daemon thread watching the parent pid); None when there is no parent to watch (pid 1)."""
+    daemon thread watching the parent pid), unless a save on a signal is under way
+    (:func:`saving_on_signal`); None when there is no parent to watch (pid 1)."""
     parent = os.getppid()
     if parent <= 1:
         return None
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == parent or _SAVING_ON_SIGNAL.is_set():
             time.sleep(poll_s)
         print(f"[pipeflow] rank {os.environ.get('RANK', '?')} (pid {os.getpid()}): its launcher (pid {parent}) is "
               f"gone; exiting so that no worker is left behind", file=sys.stderr, flush=True)
