@@ -373,7 +373,7 @@ class Trainer:
         return StepValues(loss, norm, preempt, overflow=self.scaler.enabled and not math.isfinite(norm))
 
     def apply(self, pending: PendingStep, values: StepValues | None) -> None:
-        """The optimizer step of `pending` (skipped on an fp16 overflow), then the gradients released.
+        """The optimizer step of `pending` (skipped on an fp16 overflow); :meth:`_end` releases the gradients.
 
         `values` None: the step is not read back yet (:attr:`defers_readback`): fused AdamW is
         told on the device whether the norm was finite (``found_inf``) and skips the update if not.
@@ -393,7 +393,6 @@ class Trainer:
                          "model, or use train.precision=bf16 (train.check_finite=true stops here)") if at_floor else ""
                 log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f%s",
                             pending.step, scale, self.scaler.scale, floor)
-        self.optimizer.zero_grad(set_to_none=True)
 
     def _begin(self, step: int) -> tuple[float, MemoryAccountant | None]:
         """Set step `step`'s learning rate and fault drill; returns (lr, the memory accountant
@@ -409,9 +408,11 @@ class Trainer:
         return lr, memory
 
     def _end(self, step: int, memory: MemoryAccountant | None) -> None:
-        """After step `step`'s update: its memory measurement, the posting note, the steady deadline."""
-        if memory is not None:  # what stays: after the optimizer step (gradients released just before)
+        """After step `step`'s update: its memory measurement, the gradients released, the posting
+        note, the steady deadline."""
+        if memory is not None:  # what stays: after the optimizer step, before the grads are released
             self.metrics.memory_measured(step, memory.end(self.pipeline.comm_tensors()))
+        self.optimizer.zero_grad(set_to_none=True)
         note = self.posting.choice_note()
         if note is not None and self.is_main:
             log.info(note)
