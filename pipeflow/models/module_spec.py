@@ -198,7 +198,8 @@ def from_module(
 
     Returns:
         A ModelSpec whose layers hold the model's own modules under their own paths (state dict
-        keys unchanged), tied where the model shares a parameter between layers.
+        keys unchanged, so its ``export_name`` is the identity), tied where the model shares a
+        parameter between layers.
 
     Raises:
         ConfigError: no form is given (or two are), a path names nothing, a parameter belongs to
@@ -228,7 +229,15 @@ def from_module(
         raise ConfigError("groups applies to an nn.Sequential only")
     layers = _Layers(module, root, plans, init, init_from)
     specs = [LayerSpec(plan.name, layers.build, (k,)) for k, plan in enumerate(plans)]
-    return ModelSpec(name or type(root).__name__.lower(), specs, loss_fn=loss_fn, seed=seed, tied=_ties(root, plans))
+    spec = ModelSpec(name or type(root).__name__.lower(), specs, loss_fn=loss_fn, seed=seed, tied=_ties(root, plans))
+    spec.export_name = original_name  # the layers' keys are the module's own (checkpoint export)
+    return spec
+
+
+def original_name(index: int, key: str) -> str:
+    """The original module's state-dict name of layer `index`'s entry `key`: the key itself, in
+    every form (a piece or a traced part holds the module's parts under their own paths)."""
+    return key
 
 
 def build_module(

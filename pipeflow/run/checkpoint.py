@@ -38,18 +38,18 @@ checkpoints folder (a damaged one is skipped with a warning); DCP's ``.metadata`
 with an allowlist (:class:`~pipeflow.models.dcp_metadata.SafeReader`) by every load and export,
 so a planted one runs nothing; the RNG files load with ``weights_only=True``.
 
-Export to one file that loads into the plain unsplit model::
+Export (:mod:`pipeflow.run.export`) to one file under the model's own names, or a Hugging Face
+folder::
 
     python -m pipeflow.checkpoint export <checkpoint dir or checkpoints root> model.pt
+    python -m pipeflow.checkpoint export --format hf <checkpoint dir or checkpoints root> <folder>
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -64,6 +64,7 @@ from pipeflow.run import integrity, lock
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
     LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
 )
+from pipeflow.run.export import export, main  # noqa: F401 - part of this module's API (the CLI)
 from pipeflow.runtime.zero import local_optimizer
 
 log = logging.getLogger("pipeflow")
@@ -318,54 +319,6 @@ def _check_model(path: str, model: dict[str, torch.Tensor], saved: dict[str, Any
             f"of this shape ({len(keys)} of that rank's model entries missing or reshaped): it was saved from "
             f"another model; resume with the model config it was trained with"
         )
-
-
-def export(path: str, out: str) -> int:
-    """Write the model of checkpoint `path` (or the newest under it) as one ``torch.save`` file
-    of ``<layer index>.<key>`` entries: it loads into ``nn.ModuleList(spec.build_all())``.
-    Runs in one process, no process group.
-
-    Returns:
-        The number of entries written.
-    """
-    path = resolve(path, path)  # a checkpoint, or the newest under a root
-    problem = verify(path, collective=False)
-    if problem is not None:
-        raise CheckpointError(problem)
-    reader = SafeReader(path)  # .metadata read with the allowlist: a planted pickle runs nothing
-    entries = reader.read_metadata().state_dict_metadata
-    state = {
-        key: torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        for key, md in entries.items()
-        if key.startswith("model.layers.")
-    }
-    integrity.call_named(lambda: dcp.load(state, storage_reader=reader, no_dist=True), f"exporting checkpoint {path}")
-    model = {key.removeprefix("model.layers."): value for key, value in state.items()}
-    torch.save(model, out + ".part")
-    os.replace(out + ".part", out)
-    return len(model)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m pipeflow.checkpoint export <checkpoint> <out.pt>``; returns the exit status
-    (``--help`` prints the usage and exits 0)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m pipeflow.checkpoint", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Work with the checkpoints train.py writes (train.save_every) under <run_dir>/checkpoints.",
-        epilog="example: python -m pipeflow.checkpoint export outputs/<time>/checkpoints model.pt",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    exp = sub.add_parser("export", help="one-file state dict for the unsplit model")
-    exp.add_argument("checkpoint", help="a step_<n> directory or a checkpoints root (its newest)")
-    exp.add_argument("out", help="the .pt file to write")
-    args = parser.parse_args(argv)
-    try:
-        count = export(args.checkpoint, args.out)
-    except (CheckpointError, ConfigError) as exc:  # the message names the file and what to do
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(f"wrote {count} tensors to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
