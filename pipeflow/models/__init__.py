@@ -7,7 +7,9 @@ it for you). There is no name table to register into: write a function that retu
 looks up a built-in one by its short name (``gpt`` is ``pipeflow.models.build_gpt``).
 
 An ``nn.Module`` you already have needs no rewriting: `from_module` splits it into layers
-(``model=module`` / ``model=torchvision`` from the config; see docs/models.md).
+(``model=module`` / ``model=torchvision`` from the config; see docs/models.md). A Hugging Face
+decoder of the Llama family is `build_hf` (``model=hf model.path=<folder>``; transformers is
+imported only when it runs).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Callable
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
+from pipeflow.models.hf import build_hf  # noqa: F401  (model=hf; not yet in __all__, so not a short name)
 from pipeflow.models.mlp import build_mlp
 from pipeflow.models.module_spec import build_module, from_module
 from pipeflow.models.sleep import build_sleep

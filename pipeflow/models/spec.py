@@ -75,6 +75,12 @@ class ModelSpec:
         tied: parameters shared by several layers, declared once: ``{tie name: [(layer name,
             parameter path), ...]}``, e.g. GPT's ``{"wte": [("embedding", "wte.weight"),
             ("head", "lm_head.weight")]}``. The first entry's initial value is used everywhere.
+        export_name: ``export_name(layer index, key in that layer's state dict)`` -> the name the
+            parameter has in the model's own format (a Hugging Face model's ``model.layers.3.
+            mlp.up_proj.weight``), for exporting a checkpoint that its library loads; None: the
+            model has no such names.
+        save_config: ``save_config(directory)`` writes the model's own config there (a Hugging
+            Face ``config.save_pretrained``), beside an exported checkpoint; None: none to write.
     """
 
     name: str
@@ -82,6 +88,8 @@ class ModelSpec:
     loss_fn: LossFn
     seed: int = 0
     tied: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    export_name: Callable[[int, str], str] | None = None
+    save_config: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.layers:

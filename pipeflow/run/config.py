@@ -16,6 +16,7 @@ from omegaconf import MISSING, OmegaConf
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
+from pipeflow.models.hf import build_hf
 from pipeflow.models.mlp import build_mlp
 from pipeflow.models.module_spec import build_module
 from pipeflow.models.sleep import build_sleep
@@ -53,13 +54,14 @@ def model_schema(builder: Callable[..., Any], name: str | None = None) -> type:
     return make_dataclass(cls_name, fields, namespace={"__doc__": doc[0] if doc else None, "__module__": __name__})
 
 
-# The built-in models' schemas (``model=gpt|mlp|resnet18|resnet50|sleep|torchvision|module``): their defaults are the builders'.
+# The built-in models' schemas (``model=gpt|mlp|resnet18|resnet50|sleep|torchvision|module|hf``): their defaults are the builders'.
 GPTModelConfig = model_schema(build_gpt, "GPTModelConfig")
 MLPModelConfig = model_schema(build_mlp, "MLPModelConfig")
 ResNetModelConfig = model_schema(build_resnet, "ResNetModelConfig")
 SleepModelConfig = model_schema(build_sleep, "SleepModelConfig")
 TorchvisionModelConfig = model_schema(build_torchvision, "TorchvisionModelConfig")
 ModuleModelConfig = model_schema(build_module, "ModuleModelConfig")
+HFModelConfig = model_schema(build_hf, "HFModelConfig")  # model=hf: transformers is imported only when it builds
 
 
 @dataclass
@@ -247,6 +249,7 @@ def register_configs() -> None:
     cs.store(group="model", name="base_sleep", node=SleepModelConfig)
     cs.store(group="model", name="base_torchvision", node=TorchvisionModelConfig)
     cs.store(group="model", name="base_module", node=ModuleModelConfig)
+    cs.store(group="model", name="base_hf", node=HFModelConfig)
     cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
     cs.store(group="pipeline", name="base_pipeline", node=PipelineConfig)
     cs.store(group="data", name="base_data", node=DataConfig)

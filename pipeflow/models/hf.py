@@ -1,0 +1,258 @@
+"""Hugging Face decoders (``*ForCausalLM`` of the Llama family) as pipeline layers: ``model=hf``.
+
+``build_hf(path=<folder with config.json [and *.safetensors]>)`` builds the model that
+``transformers`` defines for that config on the meta device and cuts it into layers that keep
+the model's own attribute paths (so a layer's state dict keys are the Hugging Face names):
+
+- ``embedding``: ``model.embed_tokens``; takes ``input_ids`` (B, T) (or ``(input_ids, doc)`` for
+  packed documents) and returns ``(hidden (B, T, C), position_ids (B, T) long)``; positions
+  restart at each document, which Hugging Face's mask utilities read as packed sequences
+  (block-diagonal causal attention).
+- ``layer.<i>``: ``model.layers.<i>``, the model's own decoder layer called by keyword as its
+  ``forward`` expects (``attention_mask``, ``position_ids``, ``position_embeddings``); returns
+  ``(hidden, position_ids)``.
+- ``head``: ``model.norm`` and ``lm_head``; returns logits (B, T, V).
+
+Only ``position_ids`` travel beside the activations. Each decoder layer recomputes the rotary
+``(cos, sin)`` and the causal (or sliding-window) mask from them with the model's own
+``rotary_emb`` class and ``masking_utils`` functions, exactly as the model's forward computes them
+once: the same functions of the same inputs give the same values on every stage, bit for bit.
+That is cheaper than sending them: position ids are B*T integers, a materialised mask is B*T*T
+(sliding windows, packed documents) and (cos, sin) 2*B*T*head_dim floats per micro-batch and stage
+boundary, while recomputing costs O(B*T*head_dim + B*T*T) elementwise work per layer, far below the
+layer's attention, O(B*H*T*T*head_dim).
+
+Weights: each layer reads only its own tensors from the safetensors files in ``path``
+(``safe_open``; a missing tensor or a wrong shape is a `ConfigError` naming the tensor and file);
+without safetensors files, layer i is initialised by the model's own ``_init_weights`` under the
+layer's seed. ``transformers`` and ``safetensors`` are imported only here, when the builder runs.
+"""
+from __future__ import annotations
+
+import glob
+import inspect
+import json
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeflow.errors import ConfigError
+from pipeflow.models.gpt import document_positions
+from pipeflow.models.materialise import skeleton, zero_parameters
+from pipeflow.models.module_spec import cross_entropy
+from pipeflow.models.pieces import Piece, cut
+from pipeflow.models.spec import LayerSpec, ModelSpec
+
+# model_type -> (the modeling module under transformers.models, the *ForCausalLM class name)
+SUPPORTED = {
+    "llama": ("llama.modeling_llama", "LlamaForCausalLM"),
+    "mistral": ("mistral.modeling_mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
+}
+TESTED_TRANSFORMERS = ("5.25",)  # major.minor versions the exactness tests ran on
+_DECODER_KWARGS = ("attention_mask", "position_ids", "position_embeddings")
+_TIE = "model.embed_tokens.weight"
+
+
+def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Token ids (B, T) -> (hidden (B, T, C), position ids (B, T)); positions restart per document."""
+    hidden = piece.model.embed_tokens(input_ids)  # type: ignore[operator]
+    if doc is None:
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T).contiguous()
+    else:
+        positions = document_positions(doc)
+    return hidden, positions
+
+
+def _head(piece: Piece, hidden: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    """Final norm and output head: hidden (B, T, C) -> logits (B, T, V)."""
+    return piece.lm_head(piece.model.norm(hidden))  # type: ignore[operator]
+
+
+class _Decoder:
+    """Decoder layer `index`'s adapter: rotary and mask recomputed from the position ids, then the
+    model's own layer called by keyword."""
+
+    def __init__(self, config: Any, index: int, sliding: bool) -> None:
+        self.config, self.index, self.sliding = config, index, sliding
+
+    def __call__(self, piece: Piece, hidden: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        from transformers import masking_utils
+
+        make_mask = masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
+        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                         position_ids=position_ids)
+        cos_sin = piece.rotary_emb(hidden, position_ids)  # type: ignore[operator]
+        layer = piece.model.layers.get_submodule(str(self.index))  # type: ignore[union-attr]
+        out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+        return (out[0] if isinstance(out, tuple) else out), position_ids
+
+
+def _sliding(model_type: str, config: Any, index: int) -> bool:
+    """Whether decoder layer `index` attends over a sliding window (as the model's forward decides)."""
+    if model_type == "mistral":
+        return getattr(config, "sliding_window", None) is not None
+    layer_types = getattr(config, "layer_types", None)
+    return bool(layer_types) and layer_types[index] == "sliding_attention"
+
+
+class SafetensorsWeights:
+    """The safetensors files of a folder, read one tensor at a time (each rank only its own).
+
+    Args:
+        folder: holds ``*.safetensors`` (and optionally ``model.safetensors.index.json``).
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        self._where: dict[str, str] | None = None
+
+    def where(self) -> dict[str, str]:
+        """Tensor name -> the file that holds it (from the index, else each file's header)."""
+        if self._where is None:
+            from safetensors import safe_open
+
+            index = os.path.join(self.folder, "model.safetensors.index.json")
+            if os.path.exists(index):
+                with open(index) as f:
+                    mapping = json.load(f)["weight_map"]
+                self._where = {k: os.path.join(self.folder, v) for k, v in mapping.items()}
+            else:
+                self._where = {}
+                for file in self.files:
+                    with safe_open(file, framework="pt") as f:
+                        self._where.update({key: file for key in f.keys()})
+        return self._where
+
+    def load_into(self, piece: nn.Module, layer: str, aliases: dict[str, str]) -> None:
+        """Copy the piece's tensors (its keys are the model's names) from the files.
+
+        Raises:
+            ConfigError: a tensor is in no file, or its shape differs from the model's.
+        """
+        from safetensors import safe_open
+
+        where = self.where()
+        for key, target in piece.state_dict(keep_vars=True).items():
+            name = key if key in where else aliases.get(key, key)
+            if name not in where:
+                raise ConfigError(f"layer {layer!r}: tensor {key!r} is in none of the safetensors files in "
+                                  f"{self.folder!r} ({[os.path.basename(f) for f in self.files]})")
+            with safe_open(where[name], framework="pt") as f:
+                shape = list(f.get_slice(name).get_shape())
+                if shape != list(target.shape):
+                    raise ConfigError(f"layer {layer!r}: tensor {name!r} in {where[name]!r} has shape {shape}, "
+                                      f"the model's is {list(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(f.get_tensor(name))
+
+
+class _Layers:
+    """Builds layer k: cut it from the meta skeleton, give it real tensors (loaded or initialised)."""
+
+    def __init__(self, root: nn.Module, plans: list[tuple[str, list[str], Any]], weights: SafetensorsWeights | None,
+                 tied: bool) -> None:
+        self.root, self.plans, self.weights = root, plans, weights
+        self.aliases = {"lm_head.weight": _TIE} if tied else {}
+
+    def build(self, k: int) -> nn.Module:
+        name, paths, adapter = self.plans[k]
+        piece = cut(self.root, paths, adapter)
+        if torch.get_default_device().type == "meta":  # counting parameters: keep it on meta
+            return piece
+        zero_parameters(piece, torch.device("cpu"))
+        if self.weights is not None:
+            self.weights.load_into(piece, name, self.aliases)
+        else:
+            with torch.no_grad():
+                for sub in piece.modules():
+                    self.root._init_weights(sub)  # type: ignore[operator]
+        if isinstance(adapter, _Decoder):  # real inv_freq buffers (non-persistent: not in the state dict)
+            piece.add_module("rotary_emb", type(self.root.model.rotary_emb)(config=self.root.config))  # type: ignore[union-attr]
+        return piece
+
+
+def load_config(path: str) -> Any:
+    """The Hugging Face config in `path` (a folder with config.json), checked to be supported.
+
+    Raises:
+        ConfigError: no config.json there, or an architecture pipeflow does not support.
+    """
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model.path={path!r} has no config.json; give a local Hugging Face model folder")
+    import transformers
+    from transformers import AutoConfig
+
+    version = ".".join(transformers.__version__.split(".")[:2])
+    if version not in TESTED_TRANSFORMERS:
+        warnings.warn(f"transformers {transformers.__version__} is untested with pipeflow's model=hf "
+                      f"(tested: {', '.join(TESTED_TRANSFORMERS)}); check the results", stacklevel=3)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or []
+    wanted = SUPPORTED.get(model_type, (None, None))[1]
+    if model_type not in SUPPORTED or any(a != wanted for a in architectures):
+        named = ", ".join(architectures) or f"model_type {model_type!r}"
+        raise ConfigError(f"model=hf does not support {named} ({path}); supported: "
+                          f"{', '.join(cls for _, cls in SUPPORTED.values())}")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def build_hf(path: str | None = None, seed: int = 0) -> ModelSpec:
+    """A Hugging Face ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2) as pipeline layers.
+
+    Args:
+        path: a local folder with the model's config.json, and its ``*.safetensors`` to load
+            (without them the weights are initialised from the config, seeded).
+        seed: layer i is initialised under a RNG seeded from (seed, i) when nothing is loaded.
+
+    Returns:
+        A ModelSpec of ``num_hidden_layers + 2`` layers (embedding, decoder layers, head) whose
+        state dict keys are the model's own names; the head is tied to the token embedding when
+        the config says ``tie_word_embeddings``. ``export_name`` maps (layer index, key) to the
+        Hugging Face name and ``save_config(dir)`` writes config.json.
+
+    Raises:
+        ConfigError: no path, no config.json, an unsupported architecture, a decoder layer whose
+            forward does not take the keywords pipeflow passes, or (when a layer is built) a
+            tensor missing from the safetensors files or of the wrong shape.
+    """
+    if not path:
+        raise ConfigError("model=hf needs model.path=<a local folder with config.json [and *.safetensors]>")
+    config = load_config(path)
+    import importlib
+
+    module_name, class_name = SUPPORTED[config.model_type]
+    cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), class_name)
+    root = skeleton(lambda: cls(config))
+    decoder = type(root.model.layers[0]) if len(root.model.layers) else None
+    if decoder is not None:
+        accepted = inspect.signature(decoder.forward).parameters
+        missing = [k for k in _DECODER_KWARGS if k not in accepted]
+        if missing:
+            raise ConfigError(f"{decoder.__name__}.forward takes no {missing}: an incompatible decoder layer "
+                              f"signature for model=hf (transformers {__import__('transformers').__version__})")
+    n = config.num_hidden_layers
+    plans: list[tuple[str, list[str], Any]] = [("embedding", ["model.embed_tokens"], _embed)]
+    plans += [(f"layer.{i}", [f"model.layers.{i}"], _Decoder(config, i, _sliding(config.model_type, config, i)))
+              for i in range(n)]
+    plans.append(("head", ["model.norm", "lm_head"], _head))
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    weights = SafetensorsWeights(path)
+    layers = _Layers(root, plans, weights if weights.files else None, tied)
+    specs = [LayerSpec(name, layers.build, (k,)) for k, (name, _, _) in enumerate(plans)]
+    ties = {_TIE: [("embedding", _TIE), ("head", "lm_head.weight")]} if tied else {}
+    return ModelSpec(f"hf-{config.model_type}", specs, loss_fn=cross_entropy, seed=seed, tied=ties,
+                     export_name=hf_name, save_config=config.save_pretrained)
+
+
+def hf_name(index: int, key: str) -> str:
+    """The Hugging Face parameter name of layer `index`'s state dict `key`: the key itself (each
+    layer holds the model's modules at their own paths)."""
+    return key

@@ -1,0 +1,195 @@
+"""model=hf: Hugging Face decoders (Llama, Mistral, Qwen2) as pipeline layers, exact against
+Hugging Face's own forward; tiny random configs written here (no download).
+
+The multi-process cases run in one module-scoped 2-process gloo world (tests/mp_harness.py).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from mp_harness import run_cases  # noqa: E402
+from pipeflow.errors import ConfigError  # noqa: E402
+from pipeflow.models.hf import build_hf  # noqa: E402
+from pipeflow.models.spec import run_layers  # noqa: E402
+from pipeflow.runtime.tied import tie_in_place  # noqa: E402
+
+TOLERANCE = 1e-12  # float64: per-tensor |a - b| / |b|
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+KINDS = {  # name -> (config class, model class, config keys beyond SMALL)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),  # window < T = 12
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+}
+
+
+def write_model(folder: str, kind: str, weights: bool = True) -> torch.nn.Module:
+    """A tiny random model of `kind` saved into `folder` (config.json [+ model.safetensors])."""
+    config_cls, model_cls, extra = KINDS[kind]
+    config = getattr(transformers, config_cls)(**SMALL, **extra)
+    torch.manual_seed(1)
+    model = getattr(transformers, model_cls)(config)
+    if weights:
+        model.save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    return model
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| (Frobenius), |a - b| when b is zero."""
+    scale = b.norm().item()
+    return (a - b).norm().item() / scale if scale > 0 else (a - b).norm().item()
+
+
+# --------------------------------------------------------------------------- multi-process cases
+def _pipelined_vs_hf(folder: str, kind: str, schedule: str, m: int, steps: int = 2) -> dict:
+    """Train `steps` SGD steps pipelined and with Hugging Face's model on the whole batch."""
+    import torch.distributed as dist
+
+    import pipeline_cases as cases
+    from pipeflow.schedules import build_schedule
+
+    spec = build_hf(folder)
+    plan = build_schedule(schedule, dist.get_world_size(), m)
+    pipe, ranges, tied = cases.build_pipeline(spec, plan)
+    model_cls = getattr(transformers, KINDS[kind][1])
+    ref = model_cls.from_pretrained(folder).to(torch.float64)
+    pairs = [(mine, ref.get_parameter(name)) for stage in pipe.stages.values()
+             for layer in stage.module for name, mine in layer.named_parameters()]
+    params = list({id(p): p for p, _ in pairs}.values())
+    opt, opt_ref = torch.optim.SGD(params, lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    worst = {"loss": 0.0, "grad": 0.0, "compared": len(pairs)}
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randint(64, (8, 12), generator=gen), torch.randint(64, (8, 12), generator=gen)
+        loss_ref = spec.loss_fn(ref(x).logits, y)
+        loss_ref.backward()
+        loss = pipe.run(*cases.split_batch(pipe, x, y, m))
+        tied.reduce_grads()
+        if loss is not None:
+            worst["loss"] = max(worst["loss"], rel(loss.detach(), loss_ref.detach()))
+        for mine, theirs in pairs:
+            worst["grad"] = max(worst["grad"], rel(mine.grad, theirs.grad))
+        opt.step(), opt_ref.step()
+        opt.zero_grad(), opt_ref.zero_grad()
+    return worst
+
+
+MP_CASES = (("llama", "1f1b"), ("llama", "zb_h1"), ("llama_tied", "1f1b"), ("llama_tied", "zb_h1"),
+            ("mistral_window", "1f1b"), ("qwen2_tied", "zb_h1"))
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory):
+    """Every multi-process case, run once in one 2-process world."""
+    folders = {}
+    for kind in KINDS:
+        folders[kind] = str(tmp_path_factory.mktemp(kind))
+        write_model(folders[kind], kind)
+    cases = [(f"{kind}-{schedule}", functools.partial(_pipelined_vs_hf, folders[kind], kind, schedule, 4))
+             for kind, schedule in MP_CASES]
+    return run_cases(2, cases)
+
+
+@pytest.mark.parametrize("kind,schedule", MP_CASES)
+def test_pipelined_equals_hugging_face_on_2_processes(world2, kind, schedule):
+    results = world2[f"{kind}-{schedule}"]
+    for rank, result in enumerate(results):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        assert result.value["compared"] > 0
+        assert result.value["grad"] <= TOLERANCE, (rank, result.value)
+        assert result.value["loss"] <= TOLERANCE, (rank, result.value)
+
+
+# --------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_layers_in_sequence_equal_the_model_forward(tmp_path, kind):
+    """Loaded from safetensors: the layers run in order give Hugging Face's logits (float64)."""
+    write_model(str(tmp_path), kind)
+    spec = build_hf(str(tmp_path))
+    assert len(spec) == SMALL["num_hidden_layers"] + 2
+    assert bool(spec.tied) == ("tied" in kind)
+    layers = spec.build_all(dtype=torch.float64)
+    tie_in_place(spec, dict(enumerate(layers)))
+    ref = getattr(transformers, KINDS[kind][1]).from_pretrained(str(tmp_path)).to(torch.float64)
+    x = torch.randint(64, (3, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(run_layers(layers, x), ref(x).logits)
+    # the export names are Hugging Face's own: every parameter maps onto one of the model's
+    names = {spec.export_name(i, key) for i, layer in enumerate(layers) for key in layer.state_dict()}
+    assert names == set(ref.state_dict())
+
+
+def test_packed_documents_equal_each_document_alone(tmp_path):
+    """(tokens, document ids): positions restart per document, attention stays inside it."""
+    write_model(str(tmp_path), "llama")
+    spec = build_hf(str(tmp_path))
+    layers = spec.build_all(dtype=torch.float64)
+    x = torch.randint(64, (1, 10), generator=torch.Generator().manual_seed(0))
+    doc = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1]])
+    packed = run_layers(layers, (x, doc))
+    assert torch.allclose(packed[:, :4], run_layers(layers, x[:, :4]), rtol=0, atol=1e-12)
+    assert torch.allclose(packed[:, 4:], run_layers(layers, x[:, 4:]), rtol=0, atol=1e-12)
+
+
+def test_random_init_is_seeded_and_follows_the_config(tmp_path):
+    """Without safetensors: the model's own _init_weights (normal(0, initializer_range), norms at
+    one), the same on every build, different for another seed."""
+    write_model(str(tmp_path), "llama", weights=False)
+    a = build_hf(str(tmp_path)).build_layers([1])[0].state_dict()
+    b = build_hf(str(tmp_path)).build_layers([1])[0].state_dict()
+    c = build_hf(str(tmp_path), seed=3).build_layers([1])[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], c["model.layers.0.mlp.up_proj.weight"])
+    assert torch.equal(a["model.layers.0.input_layernorm.weight"], torch.ones(SMALL["hidden_size"]))
+    std = a["model.layers.0.mlp.up_proj.weight"].std().item()
+    assert abs(std - 0.02) < 0.003
+
+
+def test_save_config_writes_the_models_config(tmp_path):
+    write_model(str(tmp_path / "in"), "mistral_window")
+    build_hf(str(tmp_path / "in")).save_config(str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 5
+
+
+def test_named_errors(tmp_path):
+    with pytest.raises(ConfigError, match="model.path"):
+        build_hf(None)
+    with pytest.raises(ConfigError, match="no config.json"):
+        build_hf(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        build_hf(str(tmp_path))
+    folder = tmp_path / "llama"
+    write_model(str(folder), "llama")
+    from safetensors.torch import load_file, save_file
+
+    file = str(folder / "model.safetensors")
+    tensors = load_file(file)
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    del tensors["model.norm.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    spec = build_hf(str(folder))
+    with pytest.raises(ConfigError, match=r"model.layers.1.mlp.up_proj.weight.*model.safetensors.*\[3, 3\]"):
+        spec.build_layers([2])
+    with pytest.raises(ConfigError, match=r"'model.norm.weight' is in none of the safetensors files.*model.safetensors"):
+        spec.build_layers([len(spec) - 1])
+    spec.build_layers([0, 1])  # the layers whose tensors are there still build
+
+
+def test_importing_pipeflow_never_imports_transformers():
+    code = ("import sys, pipeflow, pipeflow.models, pipeflow.run.config, pipeflow.run.builder; "
+            "bad = [m for m in ('transformers', 'safetensors', 'tokenizers') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
