@@ -10,11 +10,13 @@ trained a few steps), then exported in the same process, no group needed:
   does not depend on ``model=hf``): config.json, safetensors under the mapped names, the tie
   once, shards with Hugging Face's index beyond ``--max-shard-size``;
 - named errors: an existing target, ``--format hf`` for a model without a Hugging Face form; a
-  run without its config.yaml keeps ``<layer index>.<key>``.
+  run without its config.yaml keeps ``<layer index>.<key>``;
+- ``model=hf``: a tiny random Llama (tied head) trained 2 steps, exported ``--format hf``:
+  ``AutoModelForCausalLM.from_pretrained`` gives the pipelined layers' logits; ``--format pt``
+  loads ``strict=True`` into the ``LlamaForCausalLM``.
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os
@@ -26,7 +28,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 from torch import nn
 
 from pipeflow.errors import CheckpointError, ConfigError
@@ -57,16 +58,14 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def _trained(run_dir: Path, overrides: list[str], steps: int = 2, model: dict | None = None,
+def _trained(run_dir: Path, overrides: list[str], steps: int = 2,
              dtype: str = "float64") -> tuple[str, dict[int, nn.Module]]:
-    """Train `steps` steps of the config's model (or `model`, the whole model section) in this
-    process (pp=1), save; returns the checkpoint and the trained layers by index."""
+    """Train `steps` steps of the config's model in this process (pp=1), save; returns the
+    checkpoint and the trained layers by index."""
     cfg = compose_config([
         *overrides, "pipeline.num_microbatches=2", "pipeline.profile=false", f"train.dtype={dtype}",
         "train.eval_every=0", "train.log_every=100", f"train.max_steps={steps}", f"train.run_dir={run_dir}",
         "metrics.memory_steps=[]"])
-    if model is not None:
-        cfg.model = OmegaConf.create(model)
     trainer = build_run(cfg, torch.device("cpu"))
     for step in range(steps):
         trainer.train_step(step)
@@ -259,24 +258,16 @@ def test_help_documents_both_formats(capsys) -> None:
     assert "--format {pt,hf}" in out and "from_pretrained" in out and "--force" in out and "state_dict names" in out
 
 
-def _has_hf() -> bool:
-    try:
-        import pipeflow.models.hf  # noqa: F401 - model=hf (issue 30), built beside this export
-    except ImportError:
-        return False
-    return "export_name" in {f.name for f in dataclasses.fields(ModelSpec)}
-
-
-@pytest.mark.skipif(not _has_hf(), reason="model=hf (pipeflow/models/hf.py) is not there yet")
 def test_a_trained_tiny_llama_exports_to_what_from_pretrained_loads_with_the_same_logits(one_rank_group,
                                                                                         tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     source = tmp_path / "tiny-llama"
     LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=16, tie_word_embeddings=True).save_pretrained(source)
-    path, layers = _trained(tmp_path / "run", ["data.vocab_size=32", "data.seq_len=8", "data.batch_size=4"],
-                            model={"_target_": "pipeflow.models.hf.build_hf", "path": str(source)}, dtype="float32")
+    path, layers = _trained(tmp_path / "run", ["model=hf", f"model.path={source}", "data.vocab_size=32",
+                                               "data.seq_len=8", "data.batch_size=4"], dtype="float32")
     out = tmp_path / "exported"
     assert ck.main(["export", "--format", "hf", path, str(out)]) == 0
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
@@ -287,6 +278,11 @@ def test_a_trained_tiny_llama_exports_to_what_from_pretrained_loads_with_the_sam
         expected = run_layers([layers[i] for i in sorted(layers)], x)
         got = model(x).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    ck.export(path, str(tmp_path / "llama.pt"))  # --format pt: the *ForCausalLM's own state dict, strict
+    twin = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(source)).eval()
+    twin.load_state_dict(torch.load(tmp_path / "llama.pt", weights_only=True), strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x).logits, expected, rtol=1e-5, atol=1e-6)
     from pipeflow.models.hf import build_hf
 
     initial = build_hf(str(source)).build_layers([0])[0]

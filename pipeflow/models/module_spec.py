@@ -229,9 +229,9 @@ def from_module(
         raise ConfigError("groups applies to an nn.Sequential only")
     layers = _Layers(module, root, plans, init, init_from)
     specs = [LayerSpec(plan.name, layers.build, (k,)) for k, plan in enumerate(plans)]
-    spec = ModelSpec(name or type(root).__name__.lower(), specs, loss_fn=loss_fn, seed=seed, tied=_ties(root, plans))
-    spec.export_name = original_name  # the layers' keys are the module's own (checkpoint export)
-    return spec
+    # export_name: the layers' keys are the module's own (checkpoint export writes them as they are)
+    return ModelSpec(name or type(root).__name__.lower(), specs, loss_fn=loss_fn, seed=seed, tied=_ties(root, plans),
+                     export_name=original_name)
 
 
 def original_name(index: int, key: str) -> str:
