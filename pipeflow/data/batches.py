@@ -21,7 +21,7 @@ class Batches:
 
 
 IMAGE_DATA = ("cifar10", "mnist", "imagefolder", "fakedata")
-TOKEN_DATA = ("markov", "text")
+TOKEN_DATA = ("markov", "text", "tokens")
 
 
 def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
@@ -49,6 +49,10 @@ def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
             cfg.in_features, cfg.num_classes, cfg.batch_size, cfg.seed, noise=4.0, split=split
         )
         return Batches(make("train"), make("val"))
+    if name == "tokens":  # token files read through memory maps; the vocabulary is the model's
+        from pipeflow.data.tokens import build_token_batches
+
+        return Batches(*build_token_batches(cfg, model_cfg, sequence_lengths(cfg), chunks))
     if name == "markov":
         tokens = datasets.markov_tokens(cfg.num_tokens, cfg.vocab_size, cfg.seed)
         vocab, best = cfg.vocab_size, datasets.markov_entropy_rate(cfg.vocab_size, cfg.seed)
@@ -58,7 +62,7 @@ def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
         tokens, chars = datasets.text_file_tokens(cfg.path, cfg.level)
         vocab, best = (256 if chars is None else len(chars)), None
     else:
-        raise ConfigError(f"unknown data.name={name!r}; valid: markov, text, gaussian, {', '.join(IMAGE_DATA)}")
+        raise ConfigError(f"unknown data.name={name!r}; valid: markov, text, gaussian, {', '.join(IMAGE_DATA)}, tokens")
     model_vocab = getattr(model_cfg, "vocab_size", vocab)
     if vocab > model_vocab:
         raise ConfigError(
@@ -101,6 +105,8 @@ def split_microbatches(batch: torch.Tensor | list[torch.Tensor], m: int) -> list
         if len(batch) != m:
             raise ConfigError(f"a batch of {len(batch)} micro-batches cannot be run as {m}")
         return batch
+    if isinstance(batch, tuple):  # packed documents: (tokens, document ids), split alike
+        return list(zip(*(split_microbatches(part, m) for part in batch)))
     if batch.shape[0] < m:
         raise ConfigError(f"a batch of {batch.shape[0]} rows cannot be split into {m} micro-batches of at least one row")
     return list(batch.tensor_split(m))
@@ -117,6 +123,8 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None =
     pageable memory would drain the device.  Each call pins a fresh buffer, which torch's caching
     host allocator does not hand out again before the copy that reads it has finished.
     """
+    if isinstance(t, tuple):  # packed documents: (tokens, document ids)
+        return tuple(to_device(part, device, dtype) for part in t)
     dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
     device = torch.device(device)
     if device.type == "cuda" and t.device.type == "cpu":
@@ -127,7 +135,7 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None =
 def _on_device(batch: torch.Tensor | list[torch.Tensor], m: int, device: torch.device,
                dtype: torch.dtype | None) -> list[torch.Tensor]:
     """A batch as m micro-batches on `device`: a tensor moved once, then split there."""
-    if isinstance(batch, list):
+    if isinstance(batch, list | tuple):
         return [to_device(mb, device, dtype) for mb in split_microbatches(batch, m)]
     return split_microbatches(to_device(batch, device, dtype), m)
 
@@ -136,7 +144,7 @@ def microbatch_inputs(x: torch.Tensor | list[torch.Tensor], m: int, device: torc
                       dtype: torch.dtype) -> list[tuple[torch.Tensor]]:
     """Stage 0's m micro-batch inputs (one-tensor tuples) on `device`; floating-point data in the
     run's `dtype` (``train.dtype``), tokens and labels as they are."""
-    return [(mb,) for mb in _on_device(x, m, device, dtype)]
+    return [mb if isinstance(mb, tuple) else (mb,) for mb in _on_device(x, m, device, dtype)]
 
 
 def microbatch_targets(y: torch.Tensor | list[torch.Tensor], m: int, device: torch.device) -> list[torch.Tensor]:
@@ -161,6 +169,8 @@ def _share(part: torch.Tensor | list[torch.Tensor], dp_rank: int, dp: int) -> to
     if isinstance(part, list):
         per = len(part) // dp
         return part[dp_rank * per : (dp_rank + 1) * per]
+    if isinstance(part, tuple):  # packed documents: (tokens, document ids)
+        return tuple(_share(p, dp_rank, dp) for p in part)  # type: ignore[return-value]
     return part.tensor_split(dp)[dp_rank]
 
 

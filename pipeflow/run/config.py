@@ -89,7 +89,8 @@ class PipelineConfig:
 
 @dataclass
 class DataConfig:
-    """Where batches come from: ``markov`` (made locally), ``text`` (a local file), ``gaussian``,
+    """Where batches come from: ``markov`` (made locally), ``text`` (a local file), ``tokens``
+    (token files read through memory maps), ``gaussian``,
     or images: ``cifar10``, ``mnist``, ``imagefolder`` (under ``data.root``), ``fakedata``."""
 
     name: str = "markov"
@@ -109,6 +110,9 @@ class DataConfig:
     seed: int = 1234
     variable_lengths: bool = False  # token data: each micro-batch its own sequence length
     min_seq_len: int | None = None  # with variable_lengths: lengths drawn from min_seq_len..seq_len (null: seq_len // 4)
+    token_dtype: str = "uint16"  # tokens: the dtype of headerless files (uint16 or uint32; .npy files carry their own)
+    pack_documents: bool = False  # tokens: inputs (tokens, document ids), documents split at eos_id
+    eos_id: int | None = None  # tokens: the end-of-document id (checked against model.vocab_size)
 
 
 @dataclass

@@ -1,0 +1,195 @@
+"""Token files on disk (``data=tokens``): headerless ``.bin`` (nanoGPT's layout) or ``.npy``
+shards read through ``np.memmap``, cut into random windows; batch `step` is drawn from (seed,
+step) only, so every rank reads the same batch and a resumed run continues the same stream.
+
+Nothing is loaded whole: each file is a memory map, and a batch reads only its B windows of
+T + 1 tokens.  The files, in name order, are one stream; its last ``data.val_fraction`` is the
+validation stream.  With ``data.pack_documents`` the inputs are ``(tokens, document ids)`` as the
+built-in GPT takes them (pipeflow/models/gpt.py): ``data.eos_id`` opens a document, so an id
+counts the end-of-document tokens up to and including its position within the row.
+"""
+from __future__ import annotations
+
+import glob
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pipeflow.errors import ConfigError
+from pipeflow.models.spec import derive_seed
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+SUFFIXES = (".bin", ".npy")
+_SCAN = 1 << 24  # tokens per chunk when the largest id is looked for (64 MiB of uint32)
+
+
+def token_paths(path: str | Path) -> list[Path]:
+    """The token files `path` names: a file, a folder (its ``*.bin`` and ``*.npy`` files) or a
+    glob, in name order.
+
+    Raises:
+        ConfigError: no file matches.
+    """
+    text = str(path)
+    if any(ch in text for ch in "*?["):
+        found = [Path(p) for p in sorted(glob.glob(text)) if Path(p).is_file()]
+    elif Path(text).is_dir():
+        found = sorted(p for p in Path(text).iterdir() if p.is_file() and p.suffix in SUFFIXES)
+    else:
+        found = [Path(text)] if Path(text).is_file() else []
+    if not found:
+        where = "folder holds no .bin or .npy file" if Path(text).is_dir() else "matches no file"
+        raise ConfigError(f"data.path={text!r} {where}; point it at token files (data=tokens)")
+    return found
+
+
+def open_tokens(path: Path, token_dtype: str = "uint16") -> np.ndarray:
+    """One token file as a read-only 1-D memory map: ``.npy`` with its own (integer) dtype, any
+    other file headerless in `token_dtype`.
+
+    Raises:
+        ConfigError: unknown dtype, a size that is not a multiple of the dtype, an empty file,
+            or a ``.npy`` that is not a 1-D integer array.
+    """
+    if token_dtype not in DTYPES:
+        raise ConfigError(f"data.token_dtype={token_dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    if path.suffix == ".npy":
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except ValueError as err:
+            raise ConfigError(f"token file {str(path)!r} is not a readable .npy array ({err})") from err
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise ConfigError(f"token file {str(path)!r} holds a {tokens.dtype} array of shape {tokens.shape}; "
+                              f"need 1-D integers")
+    else:
+        dtype = np.dtype(DTYPES[token_dtype])
+        size = path.stat().st_size
+        if size % dtype.itemsize:
+            raise ConfigError(f"token file {str(path)!r} has {size} bytes, not a multiple of {dtype.itemsize} "
+                              f"(data.token_dtype={token_dtype}); is it a token file of that dtype?")
+        if size == 0:
+            raise ConfigError(f"token file {str(path)!r} is empty")
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    if len(tokens) == 0:
+        raise ConfigError(f"token file {str(path)!r} is empty")
+    return tokens
+
+
+def largest_id(tokens: np.ndarray) -> int:
+    """The largest token id of a memory map, read in chunks (never whole)."""
+    return max(int(tokens[i : i + _SCAN].max()) for i in range(0, len(tokens), _SCAN))
+
+
+class TokenStream:
+    """Token files as one stream of their concatenated tokens, read by range (memory maps only).
+
+    Args:
+        files: the memory maps, in order.
+        start, stop: the part of the concatenation this stream is (train or val).
+    """
+
+    def __init__(self, files: list[np.ndarray], start: int = 0, stop: int | None = None) -> None:
+        self.files = files
+        self.offsets = np.cumsum([0] + [len(f) for f in files])  # file i holds [offsets[i], offsets[i + 1])
+        self.start = start
+        self.stop = int(self.offsets[-1]) if stop is None else stop
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def read(self, at: int, n: int) -> np.ndarray:
+        """Tokens [at, at + n) of this stream as int64 (copied: n tokens only)."""
+        lo = self.start + at
+        parts = []
+        i = int(np.searchsorted(self.offsets, lo, side="right")) - 1
+        while n > 0:
+            begin = lo - int(self.offsets[i])
+            piece = self.files[i][begin : begin + n]
+            parts.append(piece)
+            lo, n, i = lo + len(piece), n - len(piece), i + 1
+        return np.concatenate(parts).astype(np.int64) if len(parts) > 1 else parts[0].astype(np.int64)
+
+
+def document_ids(x: Tensor, eos_id: int) -> Tensor:
+    """Document ids of packed tokens: x (B, T) -> (B, T) long, +1 at every `eos_id` (the end of a
+    document opens the next one: its position predicts the next document's first token alone)."""
+    return (x == eos_id).long().cumsum(dim=1)
+
+
+class TokenFileBatches:
+    """Random windows of a :class:`TokenStream`: batch `step` is (x, y) with y = x shifted by one,
+    as :class:`pipeflow.data.synthetic.TokenBatches` makes them (same variable lengths: `chunks`
+    micro-batches, each its own length); with `eos_id` x is ``(tokens, document ids)``."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, batch_size: int, seed: int,
+                 lengths: tuple[int, int] | None = None, chunks: int = 1, eos_id: int | None = None) -> None:
+        """Raises: ConfigError: T or B < 1, a stream shorter than T + 1 tokens, bad lengths or chunks."""
+        if seq_len < 1 or batch_size < 1:
+            raise ConfigError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
+        if len(stream) < seq_len + 1:
+            raise ConfigError(f"the token stream has {len(stream)} tokens, too few for data.seq_len={seq_len} "
+                              f"(need {seq_len + 1}); lower data.val_fraction or data.seq_len")
+        if lengths is not None and not 1 <= lengths[0] <= lengths[1] <= seq_len:
+            raise ConfigError(f"sequence lengths {lengths[0]}..{lengths[1]} must lie in 1..data.seq_len={seq_len}")
+        if not 1 <= chunks <= batch_size:
+            raise ConfigError(f"{batch_size} rows cannot make {chunks} micro-batches of at least one row each")
+        self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
+        self.lengths, self.chunks, self.eos_id = lengths, chunks, eos_id
+
+    def get(self, step: int) -> tuple[Any, Any]:
+        """Batch `step`: x (B, T) long (or ``(x, doc)``) and y (B, T) long, the same on every call
+        and rank; with variable lengths, lists of `chunks` micro-batches as TokenBatches gives."""
+        gen = torch.Generator().manual_seed(derive_seed("token-file-batch", self.seed, step))
+        starts = torch.randint(len(self.stream) - self.seq_len, (self.batch_size,), generator=gen).tolist()
+        window = torch.from_numpy(np.stack([self.stream.read(s, self.seq_len + 1) for s in starts]))  # (B, T + 1)
+        if self.lengths is None:
+            return self._inputs(window[:, :-1]), window[:, 1:]
+        low, high = self.lengths
+        gen = torch.Generator().manual_seed(derive_seed("token-file-lengths", self.seed, step))
+        sizes = torch.randint(low, high + 1, (self.chunks,), generator=gen).tolist()
+        parts = [w[:, : t + 1] for w, t in zip(window.tensor_split(self.chunks), sizes)]
+        return [self._inputs(w[:, :-1]) for w in parts], [w[:, 1:] for w in parts]
+
+    def _inputs(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return x if self.eos_id is None else (x, document_ids(x, self.eos_id))
+
+
+def build_token_batches(cfg: Any, model_cfg: Any, lengths: tuple[int, int] | None,
+                        chunks: int = 1) -> tuple[TokenFileBatches, TokenFileBatches]:
+    """Train and validation batches of ``data.path``'s token files, checked against the model's
+    vocabulary (``model.vocab_size``; every file's largest id is read once, in chunks).
+
+    Raises:
+        ConfigError: no files, a bad file (see :func:`open_tokens`), an id or ``data.eos_id``
+            outside the vocabulary, ``pack_documents`` without ``eos_id``, a bad val_fraction.
+    """
+    if cfg.path is None:
+        raise ConfigError("data=tokens needs data.path=<a token file, a folder of them or a glob>")
+    vocab = getattr(model_cfg, "vocab_size", None)
+    files = []
+    for path in token_paths(cfg.path):
+        tokens = open_tokens(path, cfg.token_dtype)
+        top = largest_id(tokens)
+        if vocab is not None and top >= vocab:
+            raise ConfigError(f"token file {str(path)!r} holds id {top}, outside the model's vocabulary "
+                              f"(model.vocab_size={vocab}); set model.vocab_size >= {top + 1} or check "
+                              f"data.token_dtype={cfg.token_dtype}")
+        files.append(tokens)
+    eos = cfg.eos_id if cfg.pack_documents else None
+    if cfg.pack_documents and eos is None:
+        raise ConfigError("data.pack_documents=true needs data.eos_id (the id that ends each document)")
+    if cfg.eos_id is not None and not (0 <= cfg.eos_id and (vocab is None or cfg.eos_id < vocab)):
+        raise ConfigError(f"data.eos_id={cfg.eos_id} is outside the model's vocabulary "
+                          f"(model.vocab_size={vocab}): an id in 0..vocab_size - 1")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
+    total = TokenStream(files)
+    cut = len(total) - int(math.floor(len(total) * cfg.val_fraction))
+    train, val = TokenStream(files, 0, cut), TokenStream(files, cut)
+    make = lambda stream, seed: TokenFileBatches(  # noqa: E731
+        stream, cfg.seq_len, cfg.batch_size, seed, lengths, chunks, eos)
+    return make(train, cfg.seed), make(val, cfg.seed + 1)
