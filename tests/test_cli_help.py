@@ -11,6 +11,7 @@ from typing import Callable
 
 import pytest
 
+from pipeflow.data import prepare
 from pipeflow.run import checkpoint, plan
 from pipeflow.schedules import compare, show
 
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMANDS: dict[str, Callable] = {
     "pipeflow.plan": plan.main,
     "pipeflow.checkpoint": checkpoint.main,
+    "pipeflow.data.prepare": prepare.main,
     "pipeflow.schedules.compare": compare.main,
     "pipeflow.schedules.show": show.main,
 }
