@@ -5,7 +5,8 @@ trained a few steps), then exported in the same process, no group needed:
 
 - ``from_module`` models (the examples' GPT in the blocks form, a traced SkipNet whose skip crosses
   every split point): ``--format pt`` keys are the original module's ``state_dict`` names, it
-  loads ``strict=True`` and gives the pipelined layers' outputs;
+  loads ``strict=True`` and gives the pipelined layers' outputs; the same names and values (to
+  float64 rounding) from pp=2 and from dp=2 with ``parallel.shard=full`` (2 processes);
 - ``--format hf`` with a spec of this file that sets ``save_config`` and ``export_name`` (so it
   does not depend on ``model=hf``): config.json, safetensors under the mapped names, the tie
   once, shards with Hugging Face's index beyond ``--max-shard-size``;
@@ -114,6 +115,53 @@ def test_from_module_traced_form_exports_the_modules_own_state_dict(one_rank_gro
     x = torch.randn(5, 32, dtype=torch.float64)
     with torch.no_grad():
         assert torch.equal(module(x), run_layers([layers[i] for i in sorted(layers)], x))
+
+
+def _layout_case(run_dir: str, layout: list[str]) -> str | None:
+    """In a 2-rank world: train the examples' GPT 2 steps in `layout`, save; rank 0 returns the checkpoint."""
+    cfg = compose_config([*_gpt_overrides(), *layout, "pipeline.num_microbatches=2", "pipeline.profile=false",
+                          "train.dtype=float64", "train.eval_every=0", "train.log_every=100", "train.max_steps=2",
+                          f"train.run_dir={run_dir}", "metrics.memory_steps=[]"])
+    trainer = build_run(cfg, torch.device("cpu"))
+    for step in range(2):
+        trainer.train_step(step)
+    path = trainer.save_checkpoint(2)
+    return path if dist.get_rank() == 0 else None
+
+
+def test_from_module_exports_the_same_state_dict_from_pp2_and_dp2_full_shard(tmp_path: Path) -> None:
+    """The names do not depend on the layout: pp=2, and dp=2 with parameters sharded (DTensors),
+    export the module's own state dict, equal to the one-process run's (float64 rounding)."""
+    import functools
+
+    from mp_harness import run_cases
+
+    from examples.your_module import GPT
+
+    layouts = {"pp2": ["parallel.dp=1"], "dp2_full": ["parallel.dp=2", "parallel.shard=full"]}
+    results = run_cases(2, [(name, functools.partial(_layout_case, str(tmp_path / name), layout))
+                            for name, layout in layouts.items()])
+    one_rank = _exported_alone(tmp_path / "pp1")
+    names = sorted(GPT(**GPT_ARGS).state_dict())
+    for name in layouts:
+        assert all(r.error is None for r in results[name]), [r.error for r in results[name]]
+        out = tmp_path / f"{name}.pt"
+        ck.export(results[name][0].value, str(out))
+        state = torch.load(out, weights_only=True)
+        assert sorted(state) == names, name
+        for key in names:
+            torch.testing.assert_close(state[key], one_rank[key], rtol=1e-9, atol=1e-12, msg=f"{name}: {key}")
+
+
+def _exported_alone(run_dir: Path) -> dict[str, torch.Tensor]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        path, _ = _trained(run_dir, _gpt_overrides())
+    finally:
+        dist.destroy_process_group()
+    ck.export(path, str(run_dir / "model.pt"))
+    return torch.load(run_dir / "model.pt", weights_only=True)
 
 
 # ------------------------------------------------------------------ a model with a Hugging Face form
