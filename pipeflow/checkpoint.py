@@ -1,5 +1,7 @@
-"""``python -m pipeflow.checkpoint``: list, check and export checkpoints (see
-:mod:`pipeflow.run.checkpoint`)."""
+"""``python -m pipeflow.checkpoint export [--format pt|hf] [--force] <checkpoint> <out>``: the whole
+model of a checkpoint, from any dp/pp/shard layout, under the model's own names (a state dict
+for ``load_state_dict``, or a Hugging Face folder for ``from_pretrained``); see
+:mod:`pipeflow.run.export`."""
 from pipeflow.run.checkpoint import main
 
 if __name__ == "__main__":
