@@ -54,8 +54,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # --------------------------------------------------------------------------- multi-process cases
-def _pipelined_vs_hf(folder: str, kind: str, schedule: str, m: int, steps: int = 2) -> dict:
-    """Train `steps` SGD steps pipelined and with Hugging Face's model on the whole batch."""
+def _pipelined_vs_hf(folder: str, kind: str, schedule: str, m: int, steps: int = 2, packed: bool = False) -> dict:
+    """Train `steps` SGD steps pipelined and with Hugging Face's model on the whole batch; with
+    `packed`, each row holds documents (ids passed beside the tokens; Hugging Face is given the
+    positions restarting per document, which its mask utilities read as packed sequences)."""
+    from pipeflow.models.gpt import document_positions
+    from pipeflow.runtime.stage import as_tuple
+
     import torch.distributed as dist
 
     import pipeline_cases as cases
@@ -74,9 +79,16 @@ def _pipelined_vs_hf(folder: str, kind: str, schedule: str, m: int, steps: int =
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randint(64, (8, 12), generator=gen), torch.randint(64, (8, 12), generator=gen)
-        loss_ref = spec.loss_fn(ref(x).logits, y)
+        inputs, targets = cases.split_batch(pipe, x, y, m)
+        if packed:  # documents of 1..6 tokens
+            doc = (torch.rand(8, 12, generator=gen) < 0.25).cumsum(1)
+            # without a cache: Hugging Face reads packed position ids only then (training)
+            loss_ref = spec.loss_fn(ref(x, position_ids=document_positions(doc), use_cache=False).logits, y)
+            inputs = [as_tuple(mb) for mb in zip(x.chunk(m), doc.chunk(m))] if inputs is not None else None
+        else:
+            loss_ref = spec.loss_fn(ref(x).logits, y)
         loss_ref.backward()
-        loss = pipe.run(*cases.split_batch(pipe, x, y, m))
+        loss = pipe.run(inputs, targets)
         tied.reduce_grads()
         if loss is not None:
             worst["loss"] = max(worst["loss"], rel(loss.detach(), loss_ref.detach()))
@@ -88,29 +100,56 @@ def _pipelined_vs_hf(folder: str, kind: str, schedule: str, m: int, steps: int =
 
 
 MP_CASES = (("llama", "1f1b"), ("llama", "zb_h1"), ("llama_tied", "1f1b"), ("llama_tied", "zb_h1"),
-            ("mistral_window", "1f1b"), ("qwen2_tied", "zb_h1"))
+            ("mistral_window", "1f1b"), ("qwen2_tied", "zb_h1"), ("llama_packed", "1f1b"))
+MP_CASES_4 = (("llama_tied", "zb_h1"),)  # the tie spans ranks 0 and 3; split backward
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    """Every multi-process case, run once in one 2-process world."""
-    folders = {}
+def folders(tmp_path_factory):
+    """One saved tiny model of each kind (config.json + model.safetensors)."""
+    made = {}
     for kind in KINDS:
-        folders[kind] = str(tmp_path_factory.mktemp(kind))
-        write_model(folders[kind], kind)
-    cases = [(f"{kind}-{schedule}", functools.partial(_pipelined_vs_hf, folders[kind], kind, schedule, 4))
-             for kind, schedule in MP_CASES]
-    return run_cases(2, cases)
+        made[kind] = str(tmp_path_factory.mktemp(kind))
+        write_model(made[kind], kind)
+    return made
 
 
-@pytest.mark.parametrize("kind,schedule", MP_CASES)
-def test_pipelined_equals_hugging_face_on_2_processes(world2, kind, schedule):
-    results = world2[f"{kind}-{schedule}"]
+def _world(folders: dict, world_size: int, pairs: tuple) -> dict:
+    cases = [(f"{kind}-{schedule}", functools.partial(_pipelined_vs_hf, folders[kind.removesuffix("_packed")],
+                                                      kind.removesuffix("_packed"), schedule, 4,
+                                                      packed=kind.endswith("_packed")))
+             for kind, schedule in pairs]
+    return run_cases(world_size, cases)
+
+
+@pytest.fixture(scope="module")
+def world2(folders):
+    """Every 2-process case, run once in one 2-process world."""
+    return _world(folders, 2, MP_CASES)
+
+
+@pytest.fixture(scope="module")
+def world4(folders):
+    """Every 4-process case (each rank one decoder layer, the embedding and head with the ends)."""
+    return _world(folders, 4, MP_CASES_4)
+
+
+def _check(results: list) -> None:
     for rank, result in enumerate(results):
         assert result.error is None, f"rank {rank}: {result.error}"
         assert result.value["compared"] > 0
         assert result.value["grad"] <= TOLERANCE, (rank, result.value)
         assert result.value["loss"] <= TOLERANCE, (rank, result.value)
+
+
+@pytest.mark.parametrize("kind,schedule", MP_CASES)
+def test_pipelined_equals_hugging_face_on_2_processes(world2, kind, schedule):
+    _check(world2[f"{kind}-{schedule}"])
+
+
+@pytest.mark.parametrize("kind,schedule", MP_CASES_4)
+def test_pipelined_equals_hugging_face_on_4_processes(world4, kind, schedule):
+    _check(world4[f"{kind}-{schedule}"])
 
 
 # --------------------------------------------------------------------------- one process

@@ -4,23 +4,24 @@
 ``transformers`` defines for that config on the meta device and cuts it into layers that keep
 the model's own attribute paths (so a layer's state dict keys are the Hugging Face names):
 
-- ``embedding``: ``model.embed_tokens``; takes ``input_ids`` (B, T) (or ``(input_ids, doc)`` for
-  packed documents) and returns ``(hidden (B, T, C), position_ids (B, T) long)``; positions
-  restart at each document, which Hugging Face's mask utilities read as packed sequences
-  (block-diagonal causal attention).
+- ``embedding``: ``model.embed_tokens``; takes ``input_ids`` (B, T) and returns ``(hidden (B, T,
+  C), position_ids (B, T) long)``; or takes ``(input_ids, doc)`` (packed documents) and returns
+  ``(hidden, position_ids, doc)``, positions restarting at each document, which Hugging Face's
+  mask utilities read as packed sequences (block-diagonal causal attention).
 - ``layer.<i>``: ``model.layers.<i>``, the model's own decoder layer called by keyword as its
   ``forward`` expects (``attention_mask``, ``position_ids``, ``position_embeddings``); returns
-  ``(hidden, position_ids)``.
+  what it was given with the hidden states replaced.
 - ``head``: ``model.norm`` and ``lm_head``; returns logits (B, T, V).
 
-Only ``position_ids`` travel beside the activations. Each decoder layer recomputes the rotary
-``(cos, sin)`` and the causal (or sliding-window) mask from them with the model's own
+Only ``position_ids`` (and ``doc``) travel beside the activations. Each stage recomputes the rotary
+``(cos, sin)`` and the causal (or sliding-window) mask from them (once, shared by its layers,
+without documents; per layer with them) with the model's own
 ``rotary_emb`` class and ``masking_utils`` functions, exactly as the model's forward computes them
 once: the same functions of the same inputs give the same values on every stage, bit for bit.
 That is cheaper than sending them: position ids are B*T integers, a materialised mask is B*T*T
 (sliding windows, packed documents) and (cos, sin) 2*B*T*head_dim floats per micro-batch and stage
-boundary, while recomputing costs O(B*T*head_dim + B*T*T) elementwise work per layer, far below the
-layer's attention, O(B*H*T*T*head_dim).
+boundary, while recomputing costs O(B*T*head_dim + B*T*T) elementwise work per stage (or layer), far below
+one layer's attention, O(B*H*T*T*head_dim).
 
 Weights: each layer reads only its own tensors from the safetensors files in ``path``
 (``safe_open``; a missing tensor or a wrong shape is a `ConfigError` naming the tensor and file);
@@ -38,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import document_positions
@@ -57,39 +59,64 @@ _DECODER_KWARGS = ("attention_mask", "position_ids", "position_embeddings")
 _TIE = "model.embed_tokens.weight"
 
 
-def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Token ids (B, T) -> (hidden (B, T, C), position ids (B, T)); positions restart per document."""
+def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Token ids (B, T) -> (hidden (B, T, C), position ids (B, T)); with document ids ``doc`` (B, T)
+    the positions restart at each document and ``doc`` is passed on (it says "packed")."""
     hidden = piece.model.embed_tokens(input_ids)  # type: ignore[operator]
     if doc is None:
         B, T = input_ids.shape
-        positions = torch.arange(T, device=input_ids.device).expand(B, T).contiguous()
-    else:
-        positions = document_positions(doc)
-    return hidden, positions
+        return hidden, torch.arange(T, device=input_ids.device).expand(B, T).contiguous()
+    return hidden, document_positions(doc), doc
 
 
-def _head(piece: Piece, hidden: Tensor, position_ids: Tensor | None = None) -> Tensor:
+def _head(piece: Piece, hidden: Tensor, *_: Tensor) -> Tensor:
     """Final norm and output head: hidden (B, T, C) -> logits (B, T, V)."""
     return piece.lm_head(piece.model.norm(hidden))  # type: ignore[operator]
 
 
+_SHARED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # position ids -> (their key, {what: value})
+
+
 class _Decoder:
     """Decoder layer `index`'s adapter: rotary and mask recomputed from the position ids, then the
-    model's own layer called by keyword."""
+    model's own layer called by keyword.
+
+    Without documents the layers of one stage receive the same position-ids tensor, ``arange(T)``
+    in every row, so the mask and (cos, sin) are made once per stage and micro-batch (cached by
+    that tensor and its shape, as the model makes them once per forward) and shared by its layers,
+    as the model's layers share them; the mask is made without the position ids, since Hugging
+    Face's packed-sequence detection would read them back to the host (a device sync) only to find
+    one sequence per row. With documents the positions vary and arrive in pooled receive buffers
+    refilled in place, so each layer makes its own (exact; the detection syncs once per layer).
+    """
 
     def __init__(self, config: Any, index: int, sliding: bool) -> None:
         self.config, self.index, self.sliding = config, index, sliding
 
-    def __call__(self, piece: Piece, hidden: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        from transformers import masking_utils
-
-        make_mask = masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
-                         position_ids=position_ids)
-        cos_sin = piece.rotary_emb(hidden, position_ids)  # type: ignore[operator]
+    def __call__(self, piece: Piece, hidden: Tensor, position_ids: Tensor, doc: Tensor | None = None) -> tuple[Tensor, ...]:
+        mask, cos_sin = self._shared(piece, hidden, position_ids, doc is not None)
         layer = piece.model.layers.get_submodule(str(self.index))  # type: ignore[union-attr]
         out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
-        return (out[0] if isinstance(out, tuple) else out), position_ids
+        out = out[0] if isinstance(out, tuple) else out
+        return (out, position_ids) if doc is None else (out, position_ids, doc)
+
+    def _shared(self, piece: Piece, hidden: Tensor, position_ids: Tensor, packed: bool) -> tuple[Any, Any]:
+        from transformers import masking_utils
+
+        key = (hidden.dtype, hidden.device, tuple(hidden.shape[:2]), torch.is_autocast_enabled(), id(self.config))
+        entry = _SHARED.get(position_ids)
+        if entry is None or entry[0] != key or packed:
+            entry = (key, {})
+            if not packed:  # the positions are arange(T) in every row: the shape says all
+                _SHARED[position_ids] = entry
+        made = entry[1]
+        if self.sliding not in made:
+            make = masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
+            made[self.sliding] = make(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
+                                      position_ids=position_ids if packed else None)
+        if "rope" not in made:
+            made["rope"] = piece.rotary_emb(hidden, position_ids)  # type: ignore[operator]
+        return made[self.sliding], made["rope"]
 
 
 def _sliding(model_type: str, config: Any, index: int) -> bool:
