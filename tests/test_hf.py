@@ -232,3 +232,10 @@ def test_importing_pipeflow_never_imports_transformers():
             "bad = [m for m in ('transformers', 'safetensors', 'tokenizers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_an_untested_transformers_version_warns(tmp_path, monkeypatch):
+    write_model(str(tmp_path), "llama", weights=False)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")  # the module build_hf imports
+    with pytest.warns(UserWarning, match=r"transformers 5.99.0 is untested .*tested: 5.25"):
+        build_hf(str(tmp_path))
