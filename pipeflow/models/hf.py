@@ -93,7 +93,8 @@ class _Decoder:
     def __init__(self, config: Any, index: int, sliding: bool) -> None:
         self.config, self.index, self.sliding = config, index, sliding
 
-    def __call__(self, piece: Piece, hidden: Tensor, position_ids: Tensor, doc: Tensor | None = None) -> tuple[Tensor, ...]:
+    def __call__(self, piece: Piece, hidden: Tensor, position_ids: Tensor,
+                 doc: Tensor | None = None) -> tuple[Tensor, ...]:
         mask, cos_sin = self._shared(piece, hidden, position_ids, doc is not None)
         layer = piece.model.layers.get_submodule(str(self.index))  # type: ignore[union-attr]
         out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
@@ -200,7 +201,8 @@ class _Layers:
                 for sub in piece.modules():
                     self.root._init_weights(sub)  # type: ignore[operator]
         if isinstance(adapter, _Decoder):  # real inv_freq buffers (non-persistent: not in the state dict)
-            piece.add_module("rotary_emb", type(self.root.model.rotary_emb)(config=self.root.config))  # type: ignore[union-attr]
+            rotary = type(self.root.model.rotary_emb)  # type: ignore[union-attr]
+            piece.add_module("rotary_emb", rotary(config=self.root.config))
         return piece
 
 
