@@ -167,3 +167,19 @@ def test_the_overflow_fault_keeps_the_forward_finite_and_makes_the_gradient_inf(
 
 class SimpleStage:
     index = 0
+
+
+def test_a_posted_recv_marks_its_pooled_buffer_changed(one_rank_group, monkeypatch) -> None:
+    """The backends fill a recv buffer without bumping its version; what is cached on the version
+    (the GPT's cu_seqlens of packed documents on CUDA) would be read stale when a pooled buffer
+    is refilled for the next micro-batch."""
+    from pipeflow.models import gpt
+
+    comm = P2PComm(None, torch.device("cpu"), timeout_s=5)
+    buffer = torch.zeros(2, 6, dtype=torch.long)
+    doc = buffer
+    first = gpt._cu_seqlens(doc).tolist()
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: [None] * len(ops))  # no wire
+    comm.post([], [(0, buffer)])
+    buffer.data.copy_(torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]]))  # as a recv writes: no version bump
+    assert gpt._cu_seqlens(doc).tolist() != first

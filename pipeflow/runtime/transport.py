@@ -262,6 +262,8 @@ class P2PComm:
         ops += [dist.P2POp(dist.irecv, t, self._global[peer], self.group) for peer, t in recvs]
         if not ops:
             return []
+        for _, t in recvs:  # a pooled buffer refilled in place: what was derived from its old values
+            torch.autograd.graph.increment_version(t)  # (cached on its version) must see it changed
         try:
             works = [w for w in dist.batch_isend_irecv(ops) if w is not None]
         except RuntimeError as exc:
