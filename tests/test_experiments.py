@@ -16,11 +16,13 @@ RECIPES = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"
 
 
 def test_there_are_recipes() -> None:
-    assert {"gpt_small_pp4_zbv", "gpt_small_pp4_1f1b", "mlp_pp2_gpipe", "resnet18_pp4"} <= set(RECIPES)
+    assert {"gpt_small_pp4_zbv", "gpt_small_pp4_1f1b", "mlp_pp2_gpipe", "resnet18_pp4",
+            "llama_tiny_pp4"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_composes_into_a_valid_config(name: str) -> None:
+def test_recipe_composes_into_a_valid_config(name: str, monkeypatch) -> None:
+    monkeypatch.chdir(ROOT)  # paths in recipes (llama_tiny_pp4's model.path) are the repository's
     cfg = compose_config([f"experiment={name}"])
     pp = cfg.parallel.pp
     assert pp is not None, f"{name}: a recipe names its pipeline size (parallel.pp)"
