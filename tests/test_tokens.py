@@ -120,6 +120,24 @@ def test_named_errors(tmp_path) -> None:
         build_batches(data_cfg(tmp_path / "big.bin", token_dtype="int8"), model(300))
 
 
+def test_model_hf_vocabulary_is_read_from_its_config_json(tmp_path) -> None:
+    """model=hf has no model.vocab_size: the check reads vocab_size from <model.path>/config.json."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256}))
+    hf = SimpleNamespace(_target_="pipeflow.models.hf.build_hf", path=str(folder), seed=0)
+    np.arange(300, dtype=np.uint16).tofile(tmp_path / "big.bin")
+    with pytest.raises(ConfigError, match=r"big\.bin.*id 299.*vocab_size in .*llama/config\.json=256"):
+        build_batches(data_cfg(tmp_path / "big.bin"), hf)
+    np.arange(256, dtype=np.uint16).tofile(tmp_path / "fits.bin")
+    build_batches(data_cfg(tmp_path / "fits.bin"), hf)
+    with pytest.raises(ConfigError, match=r"data\.eos_id=256 is outside.*config\.json=256"):
+        build_batches(data_cfg(tmp_path / "fits.bin", eos_id=256, pack_documents=True), hf)
+    shipped = SimpleNamespace(path=str(ROOT / "configs" / "hf" / "llama_tiny"))  # experiment=llama_tiny_pp4's
+    with pytest.raises(ConfigError, match=r"llama_tiny/config\.json=512"):
+        build_batches(data_cfg(tmp_path / "fits.bin", eos_id=512, pack_documents=True), shipped)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[Path, list[str]]:
     folder = tmp_path_factory.mktemp("corpus")

@@ -11,6 +11,7 @@ counts the end-of-document tokens up to and including its position within the ro
 from __future__ import annotations
 
 import glob
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -158,10 +159,30 @@ class TokenFileBatches:
         return x if self.eos_id is None else (x, document_ids(x, self.eos_id))
 
 
+def model_vocab(model_cfg: Any) -> tuple[int | None, str]:
+    """The model's vocabulary size and where it was read: ``model.vocab_size``, else the
+    ``vocab_size`` of ``<model.path>/config.json`` (``model=hf``); None when neither says.
+
+    Raises:
+        ConfigError: that config.json is not JSON.
+    """
+    vocab = getattr(model_cfg, "vocab_size", None)
+    if vocab is not None or not getattr(model_cfg, "path", None):
+        return vocab, "model.vocab_size"
+    file = Path(model_cfg.path) / "config.json"
+    if not file.is_file():
+        return None, "model.vocab_size"
+    try:
+        return json.loads(file.read_text()).get("vocab_size"), f"vocab_size in {file}"
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"model.path's {str(file)!r} is not JSON ({err})") from err
+
+
 def build_token_batches(cfg: Any, model_cfg: Any, lengths: tuple[int, int] | None,
                         chunks: int = 1) -> tuple[TokenFileBatches, TokenFileBatches]:
     """Train and validation batches of ``data.path``'s token files, checked against the model's
-    vocabulary (``model.vocab_size``; every file's largest id is read once, in chunks).
+    vocabulary (``model.vocab_size``, or model=hf's config.json; every file's largest id is read
+    once, in chunks).
 
     Raises:
         ConfigError: no files, a bad file (see :func:`open_tokens`), an id or ``data.eos_id``
@@ -169,22 +190,22 @@ def build_token_batches(cfg: Any, model_cfg: Any, lengths: tuple[int, int] | Non
     """
     if cfg.path is None:
         raise ConfigError("data=tokens needs data.path=<a token file, a folder of them or a glob>")
-    vocab = getattr(model_cfg, "vocab_size", None)
+    vocab, where = model_vocab(model_cfg)
+    fix = "set model.vocab_size" if where == "model.vocab_size" else "a model.path whose config has vocab_size"
     files = []
     for path in token_paths(cfg.path):
         tokens = open_tokens(path, cfg.token_dtype)
         top = largest_id(tokens)
         if vocab is not None and top >= vocab:
             raise ConfigError(f"token file {str(path)!r} holds id {top}, outside the model's vocabulary "
-                              f"(model.vocab_size={vocab}); set model.vocab_size >= {top + 1} or check "
-                              f"data.token_dtype={cfg.token_dtype}")
+                              f"({where}={vocab}); {fix} >= {top + 1} or check data.token_dtype={cfg.token_dtype}")
         files.append(tokens)
     eos = cfg.eos_id if cfg.pack_documents else None
     if cfg.pack_documents and eos is None:
         raise ConfigError("data.pack_documents=true needs data.eos_id (the id that ends each document)")
     if cfg.eos_id is not None and not (0 <= cfg.eos_id and (vocab is None or cfg.eos_id < vocab)):
         raise ConfigError(f"data.eos_id={cfg.eos_id} is outside the model's vocabulary "
-                          f"(model.vocab_size={vocab}): an id in 0..vocab_size - 1")
+                          f"({where}={vocab}): an id in 0..vocab_size - 1")
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
     total = TokenStream(files)
