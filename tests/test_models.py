@@ -173,12 +173,13 @@ def test_a_model_is_named_by_its_builder_import_path() -> None:
     """One registry: the import path a config's ``model._target_`` holds; a built-in's short name
     is ``pipeflow.models.build_<name>``, not an entry of a table to register into."""
     assert get_model_builder("gpt") is build_gpt
-    assert set(pipeflow.models.builtin_models()) == {"gpt", "mlp", "module", "resnet", "resnet18", "resnet50", "sleep",
-                                                     "torchvision"}
+    assert set(pipeflow.models.builtin_models()) == {"gpt", "hf", "mlp", "module", "resnet", "resnet18", "resnet50",
+                                                     "sleep", "torchvision"}
+    assert get_model_builder("hf") is pipeflow.models.hf.build_hf  # model=hf (transformers only when it builds)
     for name in ("nope", "pipeflow.models.gpt.build_gpt"):
         with pytest.raises(ConfigError) as err:
             get_model_builder(name)
-        assert repr(name) in str(err.value) and "gpt, mlp" in str(err.value) and "model._target_" in str(err.value)
+        assert repr(name) in str(err.value) and "gpt, hf, mlp" in str(err.value) and "model._target_" in str(err.value)
     assert not hasattr(pipeflow.models, "MODEL_BUILDERS") and not hasattr(pipeflow.models, "register_model")
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
-from pipeflow.models.hf import build_hf  # noqa: F401  (model=hf; not yet in __all__, so not a short name)
+from pipeflow.models.hf import build_hf  # model=hf; transformers is imported only when it runs
 from pipeflow.models.mlp import build_mlp
 from pipeflow.models.module_spec import build_module, from_module
 from pipeflow.models.sleep import build_sleep
@@ -28,6 +28,7 @@ __all__ = [
     "LayerSpec",
     "ModelSpec",
     "build_gpt",
+    "build_hf",
     "build_mlp",
     "build_module",
     "build_resnet",
