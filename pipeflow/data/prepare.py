@@ -177,9 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"prepared {summary['documents']} documents, {summary['tokens']} tokens, {summary['shards']} shards "
-          f"({summary['dtype']}) in {args.out}; train with: data=tokens data.path={args.out} "
-          f"model.vocab_size={summary['vocab_size']} data.eos_id={eos_id}")
+    docs, shards = summary["documents"], summary["shards"]
+    print(f"prepared {docs} document{'s' * (docs != 1)}, {summary['tokens']} tokens, {shards} "
+          f"shard{'s' * (shards != 1)} ({summary['dtype']}) in {args.out}; train with: data=tokens "
+          f"data.path={args.out} data.eos_id={eos_id} and a model of at least {summary['vocab_size']} tokens "
+          f"(model.vocab_size={summary['vocab_size']} for model=gpt; model=hf reads its config.json)")
     return 0
 
 
