@@ -49,16 +49,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture()
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _trained(run_dir: Path, overrides: list[str], steps: int = 2,
              dtype: str = "float64") -> tuple[str, dict[int, nn.Module]]:
     """Train `steps` steps of the config's model in this process (pp=1), save; returns the

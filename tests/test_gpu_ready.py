@@ -3,7 +3,6 @@ device, the planner's NCCL worker's device, the grad norm without float64 copies
 side-by-side benchmark's timing on CUDA (issue 18)."""
 from __future__ import annotations
 
-import datetime
 import sys
 from pathlib import Path
 
@@ -13,21 +12,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mp_harness import _free_port
 from pipeflow.errors import UnsendableDtypeError
 from pipeflow.runtime.transport import P2PComm, TensorMeta
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_int16_is_refused_before_anything_is_sent(one_rank_group) -> None:

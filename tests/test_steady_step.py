@@ -4,32 +4,19 @@ step late, before the next update; ``train.save_on_signal`` agreeing on a step b
 the step's own all-reduce.  One in-process gloo rank (no launch)."""
 from __future__ import annotations
 
-import datetime
 import signal
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scale_cases  # noqa: E402
-from mp_harness import _free_port  # noqa: E402
 from pipeflow.errors import ConfigError, NonFiniteError  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
 from pipeflow.run.trainer import PREEMPTED_EXIT_CODE, Trainer, signal_numbers  # noqa: E402
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _trainer(tmp_path: Path, fused: bool = True, **overrides) -> Trainer:

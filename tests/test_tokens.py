@@ -4,7 +4,6 @@ check; ``python -m pipeflow.data.prepare`` end to end with a tiny BPE trained he
 a short run of the real trainer on token files (one in-process gloo rank)."""
 from __future__ import annotations
 
-import datetime
 import json
 import subprocess
 import sys
@@ -14,11 +13,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scale_cases  # noqa: E402
-from mp_harness import _free_port  # noqa: E402
 from pipeflow.data import build_batches, microbatch_inputs, shard  # noqa: E402
 from pipeflow.data.prepare import main as prepare_main  # noqa: E402
 from pipeflow.data.prepare import prepare, train_tokenizer  # noqa: E402
@@ -195,16 +192,6 @@ def test_prepare_errors_and_help(corpus, tmp_path, capsys) -> None:
         [sys.executable, "-c", "import sys, pipeflow, pipeflow.data, pipeflow.data.tokens; print(sorted(sys.modules))"],
         capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
     assert "'pipeflow.data.tokens'" in imported and "tokenizers" not in imported and "transformers" not in imported
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_the_trainer_learns_from_token_files(one_rank_group, tmp_path) -> None:
