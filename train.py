@@ -27,7 +27,7 @@ from pipeflow.observability.console import setup_logging
 from pipeflow.runtime.distributed import choose_device, end_process_group, init_distributed
 from pipeflow.run.sweep import is_multirun, run_sweep_job
 from pipeflow.run.builder import build_run
-from pipeflow.run.trainer import PREEMPTED_EXIT_CODE
+from pipeflow.run.signals import PREEMPTED_EXIT_CODE
 
 register_configs()
 

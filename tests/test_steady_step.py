@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import scale_cases  # noqa: E402
 from pipeflow.errors import ConfigError, NonFiniteError  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
-from pipeflow.run.trainer import PREEMPTED_EXIT_CODE, Trainer, signal_numbers  # noqa: E402
+from pipeflow.run.signals import PREEMPTED_EXIT_CODE, catch_signals, signal_numbers  # noqa: E402
+from pipeflow.run.trainer import Trainer  # noqa: E402
 
 
 def _trainer(tmp_path: Path, fused: bool = True, **overrides) -> Trainer:
@@ -108,7 +109,7 @@ def test_the_clip_stays_on_the_device_and_equals_torchs(one_rank_group) -> None:
 
 def test_a_signal_saves_at_the_next_step_boundary_and_the_run_resumes(one_rank_group, tmp_path) -> None:
     trainer = _trainer(tmp_path, train__max_steps=8, train__save_every=0)
-    restore = trainer._catch_signals(signal_numbers("SIGUSR1"))
+    restore = catch_signals(signal_numbers("SIGUSR1"), trainer._on_signal)
     try:
         trainer.advance(0)
         signal.raise_signal(signal.SIGUSR1)  # as a scheduler would, between steps

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +28,12 @@ from omegaconf import DictConfig
 from pipeflow.data import Batches, loss_counts, microbatch_inputs, microbatch_targets, sequence_lengths, shard
 from pipeflow.errors import NonFiniteError
 from pipeflow.models.spec import ModelSpec
-from pipeflow.observability.metrics import RunMetrics, StepTiming
+from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout, describe_layout
 from pipeflow.run import checkpoint
 from pipeflow.run.faults import FaultInjector
+from pipeflow.run.readback import PendingStep, StepValues, packet_on_host
+from pipeflow.run.signals import catch_signals, signal_names, signal_numbers
 from pipeflow.run.workspace import Workspace
 from pipeflow.runtime import distributed, failures
 from pipeflow.runtime import finite as nonfinite
@@ -80,74 +81,6 @@ def clip_grad_norm_global(
     """
     total, reduced = clip_on_device(params, max_norm, group, extra, skip, replicas)
     return float(total), reduced
-
-
-@dataclass
-class PendingStep:
-    """A queued training step whose figures are still on the device.
-
-    ``reduced`` is the step's all-reduced packet ``[norm, loss, preempt, S non-finite stage
-    flags, train.check_finite flags ...]`` (float64, on the device); ``host`` is its copy on the
-    host (pinned, filled asynchronously on a GPU) and ``ready`` the event recorded after that copy
-    (None on the CPU, where the copy is done when it returns).
-    """
-
-    step: int
-    lr: float
-    reduced: torch.Tensor
-    host: torch.Tensor
-    ready: Any = None
-    timing: StepTiming | None = None
-
-    def values(self) -> list[float]:
-        """The packet on the host: waits for this step's copy only (not for later work)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.host.tolist()
-
-
-@dataclass
-class StepValues:
-    """What a finished step read back: its loss, its grad norm before clipping, whether any rank
-    asked to stop (``train.save_on_signal``), and whether the update was skipped (fp16 overflow)."""
-
-    loss: float
-    norm: float
-    preempt: bool
-    overflow: bool = False
-
-
-PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: the job saved and stopped on a signal; relaunch to continue
-
-
-def signal_names(names: Any) -> list[str]:
-    """``train.save_on_signal`` as signal names (``["SIGTERM"]``)."""
-    return [signal.Signals(n).name for n in signal_numbers(names)]
-
-
-def signal_numbers(names: Any) -> list[int]:
-    """``train.save_on_signal`` as signal numbers: a name (``SIGTERM``, ``USR1``), a list of them,
-    or false/null/[] for none.
-
-    Raises:
-        ConfigError: an unknown signal name, or SIGKILL/SIGSTOP (which no process can catch).
-    """
-    from pipeflow.errors import ConfigError
-
-    if names is None or names is False or names == "":
-        return []
-    if isinstance(names, (str, int)):
-        names = [names]
-    numbers = []
-    for name in names:
-        text = str(name).upper()
-        key = text if text.startswith("SIG") else f"SIG{text}"
-        sig = getattr(signal, key, None)
-        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError(f"train.save_on_signal: {name!r} is not a signal a process can catch; use e.g. "
-                              f"SIGTERM (what schedulers send before they kill a job) or SIGUSR1, or false for none")
-        numbers.append(int(sig))
-    return numbers
 
 
 @dataclass
@@ -328,14 +261,7 @@ class Trainer:
         extra = torch.cat([own_loss, preempt, self._stage_flags(with_grad, norms), *checked])
         norm, reduced = clip_on_device(self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(),
                                        replicas=self.dp, norms=norms)
-        packet = torch.cat([norm.reshape(1), reduced])
-        if packet.device.type != "cuda":
-            return PendingStep(step, lr, packet, packet)
-        host = torch.empty(packet.shape, dtype=packet.dtype, pin_memory=True)
-        host.copy_(packet, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return PendingStep(step, lr, packet, host, ready)
+        return packet_on_host(step, lr, torch.cat([norm.reshape(1), reduced]))
 
     def _stage_flags(self, with_grad: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:
         """S flags, 1 where one of this rank's stages has a non-finite gradient norm (before any
@@ -520,38 +446,22 @@ class Trainer:
                     log.info("step %4d | held-out loss %.4f", step + 1, val)
         return None
 
+    def _on_signal(self, name: str) -> None:
+        """A ``train.save_on_signal`` signal reached this rank: the next step's all-reduce carries it."""
+        self._signalled = name
+
     def _record(self, pending: PendingStep, values: StepValues) -> bool:
         """Hand a finished step's figures to the metrics and the history; returns its preempt flag."""
         self.metrics.end_step(pending.step, values.loss, values.norm, pending.lr, pending.timing)
         self.history.append(values.loss)
         return values.preempt
 
-    def _catch_signals(self, numbers: list[int]) -> Any:
-        """Make each signal in `numbers` set the preemption flag that the next step's all-reduce
-        carries; returns a function that restores the previous handlers.  Outside the main thread
-        (where Python cannot install handlers) nothing is installed."""
-        def on_signal(signum: int, frame: Any) -> None:
-            self._signalled = signal.Signals(signum).name
-
-        previous: dict[int, Any] = {}
-        for number in numbers:
-            try:
-                previous[number] = signal.signal(number, on_signal)
-            except ValueError:  # not the main thread
-                log.warning("train.save_on_signal: cannot catch signals outside the main thread; not installed")
-                break
-
-        def restore() -> None:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
-        return restore
-
     def fit(self) -> dict[str, Any]:
         """Train for ``train.max_steps`` steps; returns first/last loss, final held-out loss and the
         run's figures (``samples_per_s``, ``tokens_per_s``, ``step_time_s``, ``bubble_measured``,
         ``bubble_predicted``, ``peak_memory_mb``; see ``pipeflow.observability.metrics.RunMetrics.close``),
         and ``preempted_at``: None, or the step saved when a ``train.save_on_signal`` signal
-        stopped the run early (train.py then exits with :data:`PREEMPTED_EXIT_CODE`)."""
+        stopped the run early (train.py then exits with :data:`pipeflow.run.signals.PREEMPTED_EXIT_CODE`)."""
         cfg = self.cfg.train
         if self.is_main:
             log.info(self.describe())
@@ -565,7 +475,7 @@ class Trainer:
         start = self.resume()
         first_val = self.evaluate()
         trained = len(self.history)
-        restore = self._catch_signals(signal_numbers(cfg.save_on_signal))
+        restore = catch_signals(signal_numbers(cfg.save_on_signal), self._on_signal)
         try:
             preempted_at = self._train(start)
         finally:
