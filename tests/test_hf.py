@@ -1,7 +1,11 @@
 """model=hf: Hugging Face decoders (Llama, Mistral, Qwen2) as pipeline layers, exact against
 Hugging Face's own forward; tiny random configs written here (no download).
 
-The multi-process cases run in one module-scoped 2-process gloo world (tests/mp_harness.py).
+The multi-process cases run in one module-scoped 2-process and one 4-process gloo world
+(tests/mp_harness.py): the pipeline alone (pipeline_cases), and the real Trainer (``build_run``
+with model=hf, as tests/scale_cases.py builds it) on dp x pp meshes, shard modes, zbv,
+activation checkpointing, variable lengths, float32 and bf16, against Hugging Face's model on
+the global batch.
 """
 from __future__ import annotations
 
@@ -99,6 +103,93 @@ def _pipelined_vs_hf(folder: str, kind: str, schedule: str, m: int, steps: int =
     return worst
 
 
+# --------------------------------------------------------------------------- through the Trainer
+def _trainer_config(folder: str, run_dir: str, dp: int, schedule: str, m: int, **overrides):
+    """scale_cases.make_config with model=hf (the saved tiny model in `folder`) instead of the GPT."""
+    from omegaconf import OmegaConf
+    from pipeflow.run.config import HFModelConfig
+
+    import scale_cases
+
+    cfg = scale_cases.make_config(dp, schedule, m, train__run_dir=run_dir, **overrides)
+    cfg.model = OmegaConf.structured(HFModelConfig(path=folder))
+    return cfg
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t  # collective over the dp group: every replica calls it
+
+
+def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str, m: int = 2, steps: int = 2,
+                   **overrides) -> dict:
+    """The real Trainer (``build_run``, model=hf) on a dp x pp mesh against Hugging Face's model on
+    the global batch, both with the same AdamW and lr schedule: worst per-tensor relative
+    differences (Frobenius) of the loss, every gradient (dp-reduced) and every parameter after
+    each step. A batch of micro-batches of different lengths (data.variable_lengths) counts every
+    token alike, as scale_cases.Reference does."""
+    from pipeflow.data import build_batches
+    from pipeflow.models.module_spec import cross_entropy
+    from pipeflow.run.builder import build_run
+    from pipeflow.run.trainer import lr_at
+
+    import torch.distributed as dist
+
+    cfg = _trainer_config(folder, f"{run_dir}-{dist.get_world_size()}", dp, schedule, m, **overrides)
+    trainer = build_run(cfg, torch.device("cpu"))
+    ref = getattr(transformers, KINDS[kind][1]).from_pretrained(folder).to(getattr(torch, cfg.train.dtype))
+    o = cfg.optim
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
+    both = [(mine, ref.get_parameter(name)) for stage in trainer.stages.values()
+            for layer in stage.module for name, mine in layer.named_parameters()]
+    from torch.distributed.tensor import DTensor
+
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "compared": len(both), "lengths": set(),
+             "sharded": sum(isinstance(mine, DTensor) for mine, _ in both)}
+    for step in range(steps):
+        for group in trainer.optimizer.param_groups + opt_ref.param_groups:
+            group["lr"] = lr_at(step, o, cfg.train.max_steps)
+        loss, _ = trainer.forward_backward(step)
+        x, y = batches.train.get(step)
+        if isinstance(x, list):
+            total = sum(t.numel() for t in y)
+            loss_ref = sum(t.numel() / total * cross_entropy(ref(a).logits, t) for a, t in zip(x, y))
+            worst["lengths"].update(a.shape[1] for a in x)
+        else:
+            loss_ref = cross_entropy(ref(x).logits, y)
+        loss_ref.backward()
+        worst["loss"] = max(worst["loss"], abs(loss - loss_ref.item()) / abs(loss_ref.item()))
+        worst["grad"] = max([worst["grad"]] + [rel(_full(a.grad), b.grad) for a, b in both])
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        opt_ref.step()
+        opt_ref.zero_grad()
+        worst["param"] = max([worst["param"]] + [rel(_full(a.detach()), b.detach()) for a, b in both])
+    return worst
+
+
+def _bf16_vs_fp32(folder: str, run_dir: str, dp: int, schedule: str, m: int = 2) -> dict:
+    """One step's gradients under train.precision=bf16 (float32 weights) against fp32's, as
+    scale_cases.precision_vs_fp32 does for the GPT; and the dtypes that crossed stage boundaries."""
+    from pipeflow.run.builder import build_run
+
+    import torch.distributed as dist
+
+    out, grads = {}, {}
+    for prec in ("fp32", "bf16"):
+        cfg = _trainer_config(folder, f"{run_dir}-{prec}-{dist.get_world_size()}", dp, schedule, m,
+                              train__dtype="float32", train__precision=prec)
+        trainer = build_run(cfg, torch.device("cpu"))
+        trainer.forward_backward(0)
+        grads[prec] = [_full(p.grad).clone() for p in trainer.params]
+        out[f"edges_{prec}"] = sorted({str(meta.dtype) for plan in trainer.pipeline.shapes.edges.values()
+                                       for metas in plan for meta in metas})
+    out["grad"] = max(rel(a, b) for a, b in zip(grads["bf16"], grads["fp32"]))
+    return out
+
+
 MP_CASES = (("llama", "1f1b"), ("llama", "zb_h1"), ("llama_tied", "1f1b"), ("llama_tied", "zb_h1"),
             ("mistral_window", "1f1b"), ("qwen2_tied", "zb_h1"), ("llama_packed", "1f1b"))
 MP_CASES_4 = (("llama_tied", "zb_h1"),)  # the tie spans ranks 0 and 3; split backward
@@ -111,27 +202,47 @@ def folders(tmp_path_factory):
     for kind in KINDS:
         made[kind] = str(tmp_path_factory.mktemp(kind))
         write_model(made[kind], kind)
+    made["runs"] = str(tmp_path_factory.mktemp("runs"))  # the Trainer cases' run directories
     return made
 
 
-def _world(folders: dict, world_size: int, pairs: tuple) -> dict:
+# the real Trainer (model=hf) against Hugging Face's model: name -> (kind, dp, schedule, m, overrides, tolerance)
+TRAINER_CASES = {
+    "ckpt-varlen-tied-1f1b": ("llama_tied", 1, "1f1b", 2, {"pipeline__checkpoint_activations": True,
+                                                           "data__variable_lengths": True}, TOLERANCE),
+    "float32-1f1b": ("llama", 1, "1f1b", 2, {"train__dtype": "float32"}, 1e-5),
+}
+TRAINER_CASES_4 = {  # dp2 x pp2
+    "full-shard-tied-1f1b": ("llama_tied", 2, "1f1b", 2, {"parallel__shard": "full"}, TOLERANCE),
+    "zbv-tied-zero1": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "optimizer"}, TOLERANCE),  # tie on rank 0
+    "zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full"}, TOLERANCE),
+}
+
+
+def _world(folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) -> dict:
     cases = [(f"{kind}-{schedule}", functools.partial(_pipelined_vs_hf, folders[kind.removesuffix("_packed")],
                                                       kind.removesuffix("_packed"), schedule, 4,
                                                       packed=kind.endswith("_packed")))
              for kind, schedule in pairs]
+    cases += [(name, functools.partial(_trainer_vs_hf, folders[kind], kind, os.path.join(folders["runs"], name), dp,
+                                       schedule, m, **overrides))
+              for name, (kind, dp, schedule, m, overrides, _) in trainer_cases.items()]
+    if world_size == 2:
+        cases.append(("bf16", functools.partial(_bf16_vs_fp32, folders["llama"], os.path.join(folders["runs"], "bf16"),
+                                                1, "1f1b")))
     return run_cases(world_size, cases)
 
 
 @pytest.fixture(scope="module")
 def world2(folders):
     """Every 2-process case, run once in one 2-process world."""
-    return _world(folders, 2, MP_CASES)
+    return _world(folders, 2, MP_CASES, TRAINER_CASES)
 
 
 @pytest.fixture(scope="module")
 def world4(folders):
     """Every 4-process case (each rank one decoder layer, the embedding and head with the ends)."""
-    return _world(folders, 4, MP_CASES_4)
+    return _world(folders, 4, MP_CASES_4, TRAINER_CASES_4)
 
 
 def _check(results: list) -> None:
@@ -150,6 +261,41 @@ def test_pipelined_equals_hugging_face_on_2_processes(world2, kind, schedule):
 @pytest.mark.parametrize("kind,schedule", MP_CASES_4)
 def test_pipelined_equals_hugging_face_on_4_processes(world4, kind, schedule):
     _check(world4[f"{kind}-{schedule}"])
+
+
+def _check_trainer(results: list, tolerance: float) -> None:
+    for rank, result in enumerate(results):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        assert result.value["compared"] > 0
+        for key in ("loss", "grad", "param"):
+            assert result.value[key] <= tolerance, (rank, key, result.value)
+
+
+@pytest.mark.parametrize("name", list(TRAINER_CASES))
+def test_trainer_equals_hugging_face_on_2_processes(world2, name):
+    """build_run(model=hf) with activation checkpointing and variable lengths (float64), and in float32."""
+    _check_trainer(world2[name], TRAINER_CASES[name][-1])
+    if "varlen" in name:
+        assert len(world2[name][0].value["lengths"]) > 1  # the micro-batches really differed in length
+
+
+@pytest.mark.parametrize("name", list(TRAINER_CASES_4))
+def test_trainer_equals_hugging_face_on_dp2_pp2(world4, name):
+    """dp2 x pp2: FSDP2 (parallel.shard=full) with 1f1b and zbv; zbv (V placement: embedding and head, so
+    the tie, on pipeline rank 0) with ZeRO-1 too."""
+    _check_trainer(world4[name], TRAINER_CASES_4[name][-1])
+    full = TRAINER_CASES_4[name][4]["parallel__shard"] == "full"
+    assert all((r.value["sharded"] == r.value["compared"]) == full for r in world4[name])  # FSDP2's DTensors
+
+
+def test_bf16_gradients_agree_with_fp32(world2):
+    """train.precision=bf16 (float32 weights): gradients near fp32's, activations sent in bfloat16."""
+    for rank, result in enumerate(world2["bf16"]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert 0 < v["grad"] < 0.05, (rank, v)
+        assert v["edges_fp32"] == ["torch.float32", "torch.int64"], (rank, v)  # hidden states, position ids
+        assert v["edges_bf16"] == ["torch.bfloat16", "torch.int64"], (rank, v)
 
 
 # --------------------------------------------------------------------------- one process
