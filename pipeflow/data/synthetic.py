@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -180,13 +181,18 @@ class TokenBatches:
     With `lengths` = (shortest, longest) the batch comes as `chunks` micro-batches (rows split as
     evenly as they go, sizes differing by at most one), each its own sequence length drawn
     uniformly from that range: ``([x_0, x_1, ...], [y_0, y_1, ...])``; deterministic per step.
+    A subclass reads its windows elsewhere (:meth:`windows`, token files) or makes other inputs of
+    them (:meth:`inputs`, packed documents); `labels` tag its seeds.
     """
 
+    labels = ("token-batch", "token-lengths")  # the seeds' tags: windows, lengths
+
     def __init__(
-        self, tokens: Tensor, seq_len: int, batch_size: int, seed: int, lengths: tuple[int, int] | None = None,
+        self, tokens: Any, seq_len: int, batch_size: int, seed: int, lengths: tuple[int, int] | None = None,
         chunks: int = 1,
     ) -> None:
-        """Args: tokens (1-D long), seq_len T, batch_size B, seed, lengths (variable lengths), chunks.
+        """Args: tokens (a 1-D long tensor, or a subclass's stream with a length), seq_len T,
+        batch_size B, seed, lengths (variable lengths), chunks.
 
         Raises:
             ConfigError: T or B < 1, the stream is shorter than T + 1 tokens, or the lengths
@@ -194,35 +200,42 @@ class TokenBatches:
         """
         if seq_len < 1 or batch_size < 1:
             raise ConfigError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
-        if tokens.dim() != 1 or len(tokens) < seq_len + 1:
+        if (isinstance(tokens, Tensor) and tokens.dim() != 1) or len(tokens) < seq_len + 1:
+            shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else (len(tokens),)
             raise ConfigError(
-                f"token stream of shape {tuple(tokens.shape)} is too short for seq_len={seq_len}; "
-                f"need a 1-D stream of at least {seq_len + 1} tokens"
+                f"token stream of shape {shape} is too short for seq_len={seq_len}; need a 1-D stream of at least "
+                f"{seq_len + 1} tokens (lower data.seq_len, or data.val_fraction for the validation stream)"
             )
         if lengths is not None and not 1 <= lengths[0] <= lengths[1] <= seq_len:
             raise ConfigError(f"sequence lengths {lengths[0]}..{lengths[1]} must lie in 1..data.seq_len={seq_len}")
         if not 1 <= chunks <= batch_size:
             raise ConfigError(f"{batch_size} rows cannot make {chunks} micro-batches of at least one row each")
-        self.tokens = tokens.long()
+        self.tokens = tokens.long() if isinstance(tokens, Tensor) else tokens
         self.seq_len = seq_len
         self.batch_size = batch_size
         self.seed = seed
         self.lengths, self.chunks = lengths, chunks
 
-    def get(self, step: int) -> tuple[Tensor, Tensor] | tuple[list[Tensor], list[Tensor]]:
+    def windows(self, starts: Tensor) -> Tensor:
+        """Tokens s .. s + T of the stream for each start s: (B,) -> (B, T + 1) long."""
+        return self.tokens[starts[:, None] + torch.arange(self.seq_len + 1)]
+
+    def inputs(self, x: Tensor) -> Any:
+        """A micro-batch's model input made of its tokens x (B, T): the tokens themselves."""
+        return x
+
+    def get(self, step: int) -> tuple[Any, Tensor] | tuple[list[Any], list[Tensor]]:
         """Return batch `step`: x (B, T) long and y (B, T) long, the same on every call and rank;
         with variable lengths, lists of `chunks` such pairs' halves, micro-batch k of shape (B_k, T_k)."""
-        gen = _generator("token-batch", self.seed, step)
+        gen = _generator(self.labels[0], self.seed, step)
         num_starts = len(self.tokens) - self.seq_len  # start s needs tokens s .. s + T
-        starts = torch.randint(num_starts, (self.batch_size,), generator=gen)  # (B,)
-        idx = starts[:, None] + torch.arange(self.seq_len + 1)  # (B, T + 1)
-        window = self.tokens[idx]
+        window = self.windows(torch.randint(num_starts, (self.batch_size,), generator=gen))  # (B, T + 1)
         if self.lengths is None:
-            return window[:, :-1], window[:, 1:]
+            return self.inputs(window[:, :-1]), window[:, 1:]
         low, high = self.lengths
-        sizes = torch.randint(low, high + 1, (self.chunks,), generator=_generator("token-lengths", self.seed, step))
+        sizes = torch.randint(low, high + 1, (self.chunks,), generator=_generator(self.labels[1], self.seed, step))
         parts = [w[:, : int(t) + 1] for w, t in zip(window.tensor_split(self.chunks), sizes)]
-        return [w[:, :-1] for w in parts], [w[:, 1:] for w in parts]
+        return [self.inputs(w[:, :-1]) for w in parts], [w[:, 1:] for w in parts]
 
 
 class ClassificationBatches:

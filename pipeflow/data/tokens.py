@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipeflow.data.synthetic import TokenBatches
 from pipeflow.errors import ConfigError
-from pipeflow.models.spec import derive_seed
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SUFFIXES = (".bin", ".npy")
@@ -121,41 +121,25 @@ def document_ids(x: Tensor, eos_id: int) -> Tensor:
     return (x == eos_id).long().cumsum(dim=1)
 
 
-class TokenFileBatches:
-    """Random windows of a :class:`TokenStream`: batch `step` is (x, y) with y = x shifted by one,
-    as :class:`pipeflow.data.synthetic.TokenBatches` makes them (same variable lengths: `chunks`
-    micro-batches, each its own length); with `eos_id` x is ``(tokens, document ids)``."""
+class TokenFileBatches(TokenBatches):
+    """Random windows of a :class:`TokenStream`, drawn as :class:`pipeflow.data.synthetic.TokenBatches`
+    draws them (same variable lengths: `chunks` micro-batches, each its own length); with
+    `eos_id` x is ``(tokens, document ids)``."""
+
+    labels = ("token-file-batch", "token-file-lengths")
 
     def __init__(self, stream: TokenStream, seq_len: int, batch_size: int, seed: int,
                  lengths: tuple[int, int] | None = None, chunks: int = 1, eos_id: int | None = None) -> None:
         """Raises: ConfigError: T or B < 1, a stream shorter than T + 1 tokens, bad lengths or chunks."""
-        if seq_len < 1 or batch_size < 1:
-            raise ConfigError(f"seq_len={seq_len} and batch_size={batch_size} must be >= 1")
-        if len(stream) < seq_len + 1:
-            raise ConfigError(f"the token stream has {len(stream)} tokens, too few for data.seq_len={seq_len} "
-                              f"(need {seq_len + 1}); lower data.val_fraction or data.seq_len")
-        if lengths is not None and not 1 <= lengths[0] <= lengths[1] <= seq_len:
-            raise ConfigError(f"sequence lengths {lengths[0]}..{lengths[1]} must lie in 1..data.seq_len={seq_len}")
-        if not 1 <= chunks <= batch_size:
-            raise ConfigError(f"{batch_size} rows cannot make {chunks} micro-batches of at least one row each")
-        self.stream, self.seq_len, self.batch_size, self.seed = stream, seq_len, batch_size, seed
-        self.lengths, self.chunks, self.eos_id = lengths, chunks, eos_id
+        super().__init__(stream, seq_len, batch_size, seed, lengths, chunks)
+        self.eos_id = eos_id
 
-    def get(self, step: int) -> tuple[Any, Any]:
-        """Batch `step`: x (B, T) long (or ``(x, doc)``) and y (B, T) long, the same on every call
-        and rank; with variable lengths, lists of `chunks` micro-batches as TokenBatches gives."""
-        gen = torch.Generator().manual_seed(derive_seed("token-file-batch", self.seed, step))
-        starts = torch.randint(len(self.stream) - self.seq_len, (self.batch_size,), generator=gen).tolist()
-        window = torch.from_numpy(np.stack([self.stream.read(s, self.seq_len + 1) for s in starts]))  # (B, T + 1)
-        if self.lengths is None:
-            return self._inputs(window[:, :-1]), window[:, 1:]
-        low, high = self.lengths
-        gen = torch.Generator().manual_seed(derive_seed("token-file-lengths", self.seed, step))
-        sizes = torch.randint(low, high + 1, (self.chunks,), generator=gen).tolist()
-        parts = [w[:, : t + 1] for w, t in zip(window.tensor_split(self.chunks), sizes)]
-        return [self._inputs(w[:, :-1]) for w in parts], [w[:, 1:] for w in parts]
+    def windows(self, starts: Tensor) -> Tensor:
+        """The B windows of T + 1 tokens, read from the memory maps (only they are copied)."""
+        return torch.from_numpy(np.stack([self.tokens.read(s, self.seq_len + 1) for s in starts.tolist()]))
 
-    def _inputs(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    def inputs(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        """The tokens, or with `eos_id` the tokens and their document ids."""
         return x if self.eos_id is None else (x, document_ids(x, self.eos_id))
 
 
