@@ -156,7 +156,7 @@ class Trainer:
         Raises:
             NonFiniteError: a weight holds NaN or Inf (nothing is written; ``latest`` stays).
         """
-        flags = nonfinite.stage_flags(self.stages, self.schedule.num_stages, self.device, what="params")
+        flags = nonfinite.param_flags(self.stages, self.schedule.num_stages, self.device)
         dist.all_reduce(flags)
         bad = [s for s, flag in enumerate(flags.tolist()) if flag > 0]
         if bad:
@@ -264,8 +264,9 @@ class Trainer:
         return packet_on_host(step, lr, torch.cat([norm.reshape(1), reduced]))
 
     def _stage_flags(self, with_grad: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:
-        """S flags, 1 where one of this rank's stages has a non-finite gradient norm (before any
-        reduction): summed over the world they name the stages, with no collective of their own."""
+        """S flags, 1 where one of this rank's stages has a non-finite gradient norm (`norms`, taken
+        after the dp and tie sums): summed over the world in the step's all-reduce they name the
+        stages, with no collective of their own."""
         S = self.schedule.num_stages
         norm_of = {id(p): n for p, n in zip(with_grad, norms)}
         flags = [torch.zeros((), device=self.device, dtype=torch.float64)] * S
@@ -480,21 +481,15 @@ class Trainer:
             preempted_at = self._train(start)
         finally:
             restore()
-        if preempted_at is not None:
-            result = {"first_loss": self.history[trained] if len(self.history) > trained else float("nan"),
-                      "last_loss": self.history[-1] if len(self.history) > trained else float("nan"),
-                      "first_val_loss": first_val, "val_loss": float("nan"), "preempted_at": preempted_at}
-            result.update(self.metrics.close(self.schedule))
-            self.close()
-            return result
-        final_val = self.evaluate()
+        # a preempted job saves and leaves: no final evaluation in the launcher's grace period
+        final_val = self.evaluate() if preempted_at is None else float("nan")
         losses = self.history[trained:]
         first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val,
-                  "preempted_at": None}
+                  "preempted_at": preempted_at}
         result.update(self.metrics.close(self.schedule))
         self.close()
-        if self.is_main:
+        if self.is_main and preempted_at is None:
             best = f" (best achievable {self.batches.best_loss:.4f})" if self.batches.best_loss is not None else ""
             log.info("loss %.4f -> %.4f | held-out loss %.4f -> %.4f%s", first_loss, last_loss, first_val, final_val, best)
         return result

@@ -1,8 +1,10 @@
 """Non-finite losses and gradients stop the run, naming the stage.
 
 Always: the Trainer's grad-norm all-reduce (every step) is non-finite exactly when some loss or
-gradient is; then :func:`stage_flags` (one more all-reduce, only then) names the stages and
-:func:`non_finite_step_error` is raised on every rank, before the optimizer step and any save.
+gradient is; per-stage flags of non-finite gradient norms ride in the same all-reduce and name the
+stages, and :func:`non_finite_step_error` is raised on every rank, before the optimizer step and
+any save.  Before a save, :func:`param_flags` (one all-reduce) names stages whose weights are not
+finite.
 
 ``train.check_finite`` adds :class:`FiniteCheck`: stop at the first non-finite value, naming the
 stage where it appeared.
@@ -123,13 +125,12 @@ class FiniteCheck:
         )
 
 
-def stage_flags(stages: dict[int, Any], num_stages: int, device: torch.device, what: str = "grads") -> torch.Tensor:
-    """S flags, 1 at each of this rank's stages whose parameter gradients (`what` = ``grads``) or
-    parameters (``params``) hold a NaN or Inf; summed over the world they name every such stage."""
+def param_flags(stages: dict[int, Any], num_stages: int, device: torch.device) -> torch.Tensor:
+    """S flags, 1 at each of this rank's stages whose parameters hold a NaN or Inf; summed over
+    the world they name every such stage."""
     flags = torch.zeros(num_stages, device=device)
     for s, stage in stages.items():
-        tensors = [p.grad if what == "grads" else p for p in stage.parameters()]
-        tensors = [local(t.detach()) for t in tensors if t is not None]
+        tensors = [local(p.detach()) for p in stage.parameters()]
         if tensors:
             flags[s] = torch.stack([~torch.isfinite(t).all() for t in tensors]).any().to(flags.dtype)
     return flags
@@ -211,7 +212,7 @@ def inputs_blamed(
     """
     try:
         yield
-    except NonFiniteError as exc:
+    except NonFiniteError:
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         counts = torch.zeros(world, num_microbatches, 2, dtype=torch.float64, device=device)
         counts[rank] = input_counts(inputs_of(), num_microbatches, device)
