@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -158,9 +157,9 @@ def check_same_program(schedule: Any, ranges: Sequence[range], group: dist.Proce
 # ----------------------------------------------------------------------------- failing fast
 # errors whose message says everything (no traceback logged)
 MESSAGE_SAYS_ALL = (ConfigError, ScheduleError, CheckpointError, RunDirLockedError, JoinTimeoutError)
-# words of a failure that only saw a peer go away (its connection closed or reset)
-LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "pair closure",
-                   "a peer stopped taking part")
+# words of a failure that only saw a peer go away (its connection closed or reset; a save's own
+# wording, pipeflow.run.checkpoint)
+LOST_PEER_SIGNS = (*failures.CONNECTION_LOST_SIGNS, "a peer stopped taking part")
 
 
 def first_failure_note(first: str) -> str:

@@ -23,12 +23,12 @@ from typing import Any
 import torch.distributed as dist
 
 from pipeflow.errors import CheckpointError, PipeflowError
+from pipeflow.runtime.failures import CONNECTION_LOST_SIGNS
 
 log = logging.getLogger("pipeflow")
 
 CHUNK = 1 << 22
-PEER_SIGNS = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe", "pair closure",
-              "Read error", "Socket closed")
+PEER_SIGNS = ("Timed out", "timed out", *CONNECTION_LOST_SIGNS)  # a peer left, or stopped answering
 # What an OSError's errno says about the file system, and what to do.
 OS_HINTS = {
     errno.ENOSPC: "the file system is full: free space there, or point train.run_dir at another disk",

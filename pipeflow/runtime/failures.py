@@ -120,9 +120,13 @@ def context(where: str) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------ collectives
+# how gloo, NCCL and sockets say that a peer's connection went away (one list for every reader:
+# the checkpoint's collectives, the first-failure note, the backend failures below)
+CONNECTION_LOST_SIGNS = ("Connection closed", "Connection reset", "Broken pipe", "pair closure", "Read error",
+                         "Socket closed")
 # words of the backends' own failures (gloo's pair.cc / unbound_buffer.cc, NCCL, the store)
-BACKEND_SIGNS = ("gloo", "NCCL", "Connection closed", "Connection reset", "Connection refused", "Broken pipe",
-                 "Timed out waiting", "timed out", "Socket Timeout")
+BACKEND_SIGNS = ("gloo", "NCCL", "Connection refused", "Timed out waiting", "timed out", "Socket Timeout",
+                 *CONNECTION_LOST_SIGNS)
 # what pipeflow's collectives are, by the function that calls them
 KNOWN_COLLECTIVES = {
     "clip_on_device": "the all-reduce of the global gradient norm (with the loss and the step's flags)",
