@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import CommError, JoinTimeoutError
+from pipeflow.runtime.failures import first_line
 
 PARENT_POLL_S = 1.0
 # set while a preemption save finishes (train.save_on_signal): the launcher may go first (a
@@ -172,7 +173,7 @@ def join_store(rank: int, world: int, timeout_s: float | None) -> dist.Store:
         raise JoinTimeoutError(
             f"rank {rank}: {where} went away while waiting for the other ranks to join (after "
             f"{time.monotonic() - started:.1f} s): its host (rank 0 or torchrun's agent) died; "
-            f"{_first_line(exc)}"
+            f"{first_line(exc)}"
         ) from exc
     if missing:
         raise JoinTimeoutError(
@@ -182,11 +183,6 @@ def join_store(rank: int, world: int, timeout_s: float | None) -> dist.Store:
             f"those ranks died or did not start"
         )
     return store
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _await_listener(addr: str, port: int, deadline: float) -> bool:
@@ -216,11 +212,11 @@ def _open_store(addr: str, port: int, world: int, hosts: bool, timeout_s: float,
     except (RuntimeError, ValueError) as exc:
         if hosts:
             raise JoinTimeoutError(
-                f"rank {rank}: could not host {where}: {_first_line(exc)}; is another job using MASTER_PORT={port}? "
+                f"rank {rank}: could not host {where}: {first_line(exc)}; is another job using MASTER_PORT={port}? "
                 f"Start the job with a free MASTER_PORT"
             ) from exc
         raise JoinTimeoutError(
-            f"rank {rank}: could not join {where}: {_first_line(exc)}; rank 0, which hosts it, may have died"
+            f"rank {rank}: could not join {where}: {first_line(exc)}; rank 0, which hosts it, may have died"
         ) from exc
 
 
@@ -287,7 +283,7 @@ def _bounded_barrier(timeout_s: float) -> None:
         raise CommError(
             f"rank {rank}: the barrier that ends the run failed within {timeout_s:g} s (comm.timeout_s): a peer died "
             f"or did not finish its run (its own error, if it printed one, is the job's first failure): "
-            f"{_first_line(exc)}"
+            f"{first_line(exc)}"
         ) from exc
 
 

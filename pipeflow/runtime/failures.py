@@ -153,7 +153,7 @@ def collective_failure(exc: BaseException, what: str, ranks: Sequence[int] | Non
     """The error for collective `what` (over global `ranks`, when known) that the backend failed
     with `exc`: which collective, on which rank, whether a peer left or stopped answering.
     Raise it ``from exc``; :func:`context` adds the training step."""
-    text = _first_line(exc)
+    text = first_line(exc)
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     if "timed out" in text.lower() or "timeout" in text.lower():
         why = ("no answer within the group's timeout: a peer in it stopped (SIGSTOP), hangs, or is far behind "
@@ -222,6 +222,7 @@ def _torch_call(frames: Sequence[TracebackType]) -> str | None:
     return None
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none)."""
     text = str(exc)
     return text.splitlines()[0] if text else type(exc).__name__
