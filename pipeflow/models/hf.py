@@ -166,18 +166,22 @@ class SafetensorsWeights:
         from safetensors import safe_open
 
         where = self.where()
+        by_file: dict[str, list[tuple[str, Tensor]]] = {}  # each file opened once for the piece's tensors
         for key, target in piece.state_dict(keep_vars=True).items():
             name = key if key in where else aliases.get(key, key)
             if name not in where:
                 raise ConfigError(f"layer {layer!r}: tensor {key!r} is in none of the safetensors files in "
                                   f"{self.folder!r} ({[os.path.basename(f) for f in self.files]})")
-            with safe_open(where[name], framework="pt") as f:
-                shape = list(f.get_slice(name).get_shape())
-                if shape != list(target.shape):
-                    raise ConfigError(f"layer {layer!r}: tensor {name!r} in {where[name]!r} has shape {shape}, "
-                                      f"the model's is {list(target.shape)}")
-                with torch.no_grad():
-                    target.copy_(f.get_tensor(name))
+            by_file.setdefault(where[name], []).append((name, target))
+        for file, tensors in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for name, target in tensors:
+                    shape = list(f.get_slice(name).get_shape())
+                    if shape != list(target.shape):
+                        raise ConfigError(f"layer {layer!r}: tensor {name!r} in {file!r} has shape {shape}, "
+                                          f"the model's is {list(target.shape)}")
+                    with torch.no_grad():
+                        target.copy_(f.get_tensor(name))
 
 
 class _Layers:
