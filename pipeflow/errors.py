@@ -91,3 +91,8 @@ class RunDirLostError(RunDirLockedError):
 
 class JoinTimeoutError(CommError):
     """Not every rank joined the process group within ``comm.join_timeout_s``; names the missing ranks."""
+
+
+class CompileFallbackWarning(UserWarning):
+    """``train.compile``: a layer (or a stage's layers) runs eager, and why (a graph break, an
+    unsupported op, a torch without the compiled backward split)."""

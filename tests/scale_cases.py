@@ -120,7 +120,7 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
              "shapes": trainer.pipeline.shapes.mode, "params": len(trainer.params),
              "owned": len(owned_parameters(trainer.optimizer)),
              "fused": bool(local_optimizer(trainer.optimizer).defaults.get("fused")),
-             "rehearsed": getattr(trainer.layout.step_costs, "rehearsed", None) is not None}
+             "rehearsed": getattr(trainer.layout.step_costs, "rehearsed", None) is not None, "lengths": set()}
     for step in range(steps):
         for group in trainer.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optim, cfg.train.max_steps)
@@ -133,6 +133,9 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
         trainer.optimizer.zero_grad(set_to_none=True)
         reference.step(step)
         worst["param"] = max([worst["param"]] + [rel_diff(a.detach(), b.detach()) for a, b in both])
+        x, _ = reference.batches.train.get(step)
+        worst["lengths"].update(a.shape[1] for a in x) if isinstance(x, list) else worst["lengths"].add(x.shape[1])
+    worst["compile"] = None if trainer.compiled is None else trainer.compiled.summary()  # train.compile
     return worst
 
 

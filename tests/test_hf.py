@@ -167,6 +167,7 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
         opt_ref.step()
         opt_ref.zero_grad()
         worst["param"] = max([worst["param"]] + [rel(_full(a.detach()), b.detach()) for a, b in both])
+    worst["compile"] = None if trainer.compiled is None else trainer.compiled.summary()  # train.compile
     return worst
 
 
@@ -211,6 +212,9 @@ TRAINER_CASES = {
     "ckpt-varlen-tied-1f1b": ("llama_tied", 1, "1f1b", 2, {"pipeline__checkpoint_activations": True,
                                                            "data__variable_lengths": True}, TOLERANCE),
     "float32-1f1b": ("llama", 1, "1f1b", 2, {"train__dtype": "float32"}, 1e-5),
+    # train.compile: every decoder layer compiled whole (aot_eager), the backward split for ZB-H1
+    "compiled-zb_h1": ("llama_tied", 1, "zb_h1", 2, {"train__compile": True, "train__compile_backend": "aot_eager"},
+                       TOLERANCE),
 }
 TRAINER_CASES_4 = {  # dp2 x pp2
     "full-shard-tied-1f1b": ("llama_tied", 2, "1f1b", 2, {"parallel__shard": "full"}, TOLERANCE),
@@ -273,10 +277,16 @@ def _check_trainer(results: list, tolerance: float) -> None:
 
 @pytest.mark.parametrize("name", list(TRAINER_CASES))
 def test_trainer_equals_hugging_face_on_2_processes(world2, name):
-    """build_run(model=hf) with activation checkpointing and variable lengths (float64), and in float32."""
+    """build_run(model=hf) with activation checkpointing and variable lengths (float64), in float32,
+    and compiled."""
     _check_trainer(world2[name], TRAINER_CASES[name][-1])
     if "varlen" in name:
         assert len(world2[name][0].value["lengths"]) > 1  # the micro-batches really differed in length
+    for result in world2[name]:
+        compiled = result.value["compile"]
+        assert (compiled is not None) == ("compiled" in name)
+        if compiled is not None:  # every layer of the rank compiled whole
+            assert compiled["layers"] > 0 and compiled["eager_layers"] == {}, compiled
 
 
 @pytest.mark.parametrize("name", list(TRAINER_CASES_4))

@@ -17,6 +17,7 @@ TOLERANCE = 1e-9
 CLIP = 0.05
 WORLD = 4
 
+COMPILED = {"train__compile": True, "train__compile_backend": "aot_eager"}
 EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-1f1b": (2, "1f1b", 2, {}),
     "dp2xpp2-zb_h1": (2, "zb_h1", 2, {}),
@@ -59,6 +60,10 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-zb_h1-rehearsed": (2, "zb_h1", 2, {"pipeline__profile": True, "metrics__rehearse_steps": 2}),
     "dp1xpp4-variable-lengths-rehearsed": (1, "1f1b", 3, {"data__variable_lengths": True, "data__batch_size": 25,
                                                           "pipeline__profile": True, "metrics__rehearse_steps": 2}),
+    # train.compile (aot_eager: the graphs without code generation), FSDP2 and ZeRO-1 around compiled layers
+    "dp2xpp2-full-zbv-compiled": (2, "zbv", 3, {"parallel__shard": "full", **COMPILED}),
+    "dp2xpp2-zb_h1-zero-actckpt-compiled": (2, "zb_h1", 2, {"parallel__shard": "optimizer",
+                                                            "pipeline__checkpoint_activations": True, **COMPILED}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
         "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }
@@ -141,6 +146,8 @@ def test_mesh_training_equals_unsplit_model_on_global_batch(world, name: str) ->
     for rank, v in enumerate(values):
         for key in ("loss", "grad", "param"):
             assert v[key] <= TOLERANCE, f"{name} rank {rank}: {key} differs by {v[key]:.3e}"
+        if "compiled" in name:  # every layer of the rank ran compiled
+            assert v["compile"]["layers"] > 0 and v["compile"]["eager_layers"] == {}, v
 
 
 @pytest.mark.parametrize("precision,tolerance", [("bf16", 0.05), ("fp16", 0.01)])

@@ -282,7 +282,16 @@ def build_hf(path: str | None = None, seed: int = 0) -> ModelSpec:
     specs = [LayerSpec(name, layers.build, (k,)) for k, (name, _, _) in enumerate(plans)]
     ties = {_TIE: [("embedding", _TIE), ("head", "lm_head.weight")]} if tied else {}
     return ModelSpec(f"hf-{config.model_type}", specs, loss_fn=cross_entropy, seed=seed, tied=ties,
-                     export_name=hf_name, save_config=config.save_pretrained)
+                     export_name=hf_name, save_config=config.save_pretrained, compile_unit=decoder_layer)
+
+
+def decoder_layer(index: int, layer: nn.Module) -> nn.Module:
+    """What ``train.compile`` compiles of layer `index`: a decoder layer's own module (its adapter's
+    shared mask and rotary cache, Python state Dynamo cannot trace, stays eager: cheap elementwise
+    work once per stage); the embedding and head pieces whole."""
+    decoders = getattr(getattr(layer, "model", None), "layers", None)
+    children = list(decoders.children()) if decoders is not None else []
+    return children[0] if len(children) == 1 else layer
 
 
 def hf_name(index: int, key: str) -> str:

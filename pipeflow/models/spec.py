@@ -81,6 +81,9 @@ class ModelSpec:
             model has no such names.
         save_config: ``save_config(directory)`` writes the model's own config there (a Hugging
             Face ``config.save_pretrained``), beside an exported checkpoint; None: none to write.
+        compile_unit: ``compile_unit(layer index, built layer)`` -> the module ``train.compile``
+            compiles for that layer (a submodule whose forward Dynamo can capture whole, the rest
+            of the layer staying eager); None: the layer itself.
     """
 
     name: str
@@ -90,6 +93,11 @@ class ModelSpec:
     tied: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     export_name: Callable[[int, str], str] | None = None
     save_config: Callable[[str], None] | None = None
+    compile_unit: Callable[[int, nn.Module], nn.Module] | None = None
+
+    def unit_to_compile(self, index: int, layer: nn.Module) -> nn.Module:
+        """What ``train.compile`` compiles of layer `index` (built as `layer`): see ``compile_unit``."""
+        return layer if self.compile_unit is None else self.compile_unit(index, layer)
 
     def __post_init__(self) -> None:
         if not self.layers:

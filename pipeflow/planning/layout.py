@@ -183,6 +183,7 @@ def choose_layout(
     evaluates: bool = True,
     sample_target: Any = None,
     autocast_dtype: torch.dtype | None = None,
+    compiled: Any = None,
 ) -> Layout:
     """Partition `spec` into the schedule's stages as the ``pipeline`` config says.
 
@@ -192,7 +193,8 @@ def choose_layout(
     `dp`, `shard`, `lowering` and `evaluates` are what the memory prediction assumes
     (`MemorySetting`), with the sizes of `sample_input` and `sample_target` (one micro-batch's
     targets; the loss is profiled on them).  `autocast_dtype` is the run's compute dtype
-    (``train.precision``), which the profile runs the layers in.
+    (``train.precision``), which the profile runs the layers in; `compiled` (``train.compile``'s
+    :class:`~pipeflow.runtime.compile.CompileOptions`, or None) how it compiles them.
 
     Raises:
         PartitionError: unknown balance method, bad split points, more stages than layers.
@@ -207,7 +209,7 @@ def choose_layout(
         # the B and W halves too where the schedule splits backwards, as the planner profiles them
         splits = bool(schedule.split_backwards())
         box = [profile_layers(spec, sample_input, device, dtype, split_backward=splits, sample_target=sample_target,
-                              autocast_dtype=autocast_dtype) if dist.get_rank() == 0 else None]
+                              autocast_dtype=autocast_dtype, compiled=compiled) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         profiles = box[0]
     source = profiles if needs_profile or (method == "params" and profiles is not None) else spec

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from pipeflow.models.spec import ModelSpec
+from pipeflow.runtime.compile import CompileOptions, compile_layer
+from pipeflow.runtime.compiled_backward import deferring_weight_grads
 from pipeflow.runtime.precision import to_compute_dtype
 from pipeflow.schedules.auto import StageCosts
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
@@ -170,6 +172,7 @@ def profile_layers(
     split_backward: bool = False,
     sample_target: Any = None,
     autocast_dtype: torch.dtype | None = None,
+    compiled: CompileOptions | None = None,
 ) -> list[LayerProfile]:
     """Profile every layer in order, the sample flowing through them, one layer alive at a time.
 
@@ -193,6 +196,8 @@ def profile_layers(
         autocast_dtype: the run's compute dtype (``train.precision``): forwards run under
             ``torch.autocast`` in it, as a stage runs them, and floating outputs are counted and
             passed on in it, as a stage sends them (None: fp32, no autocast).
+        compiled: ``train.compile``'s options: each layer compiled as a stage compiles it (its
+            warm-up run compiles it), so the profile times the compiled layer; None: eager.
 
     Returns:
         One `LayerProfile` per layer, in order.
@@ -206,7 +211,8 @@ def profile_layers(
     inputs = _to_device(sample_input, device, dtype, requires_grad=False)
     profiles = []
     for index in range(len(spec)):
-        profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats, split_backward, autocast_dtype)
+        profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats, split_backward, autocast_dtype,
+                                       compiled)
         profiles.append(profile)
     if sample_target is not None and profiles and spec.loss_fn is not None:
         target = sample_target.to(device) if isinstance(sample_target, Tensor) else sample_target
@@ -242,10 +248,12 @@ def _loss_bytes(loss_fn: Callable[[Any, Any], Tensor], outputs: tuple, target: A
 def _profile_one(
     spec: ModelSpec, index: int, inputs: tuple, device: torch.device,
     dtype: torch.dtype | None, repeats: int, split_backward: bool = False,
-    autocast_dtype: torch.dtype | None = None,
+    autocast_dtype: torch.dtype | None = None, compiled: CompileOptions | None = None,
 ) -> tuple[LayerProfile, tuple]:
     """Build, measure and free layer `index`; return its profile and the next layer's inputs."""
     module = spec.build_layers([index], device, dtype)[0]
+    if compiled is not None:
+        compile_layer(spec.unit_to_compile(index, module), spec.layers[index].name, compiled, split_backward)
     forward = _Forward(module, device, autocast_dtype)
     params = list(module.parameters())
     _run(forward, inputs, device)  # warm-up
@@ -332,7 +340,8 @@ def _run_split(module: _Forward, inputs: tuple, device: torch.device) -> tuple[f
             continue
         _sync(device)
         start = time.perf_counter()
-        torch.autograd.grad(roots, targets, grads, retain_graph=keep, allow_unused=True)
+        with deferring_weight_grads() if keep else contextlib.nullcontext():  # a compiled layer: its B half only
+            torch.autograd.grad(roots, targets, grads, retain_graph=keep, allow_unused=True)
         _sync(device)
         halves.append(time.perf_counter() - start)
     return halves[0], halves[1]

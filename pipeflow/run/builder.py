@@ -31,6 +31,7 @@ from pipeflow.planning.layout import Layout, choose_layout, with_step_costs
 from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.step_model import fused_adamw, measure_step_costs
 from pipeflow.run import guard
+from pipeflow.run.compile_phase import compile_and_warm_up, compile_options
 from pipeflow.run.config import check_config
 from pipeflow.run.faults import install_from_env
 from pipeflow.run.trainer import Trainer, unique_parameters
@@ -94,7 +95,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                            shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
                            lowering=posting.options(not comm.independent_ops)[0],
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
-                           autocast_dtype=compute_dtype(cfg.train.precision))
+                           autocast_dtype=compute_dtype(cfg.train.precision), compiled=compile_options(cfg))
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
         transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))
@@ -115,6 +116,13 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None, sharding)
+    compiled = None
+    if compile_options(cfg) is not None:  # before anything times the stages: they run compiled
+        units = {s: [(spec.layers[i].name, spec.unit_to_compile(i, layer))
+                     for i, layer in zip(layout.ranges[s], stage.module)] for s, stage in stages.items()}
+        compiled = compile_and_warm_up(compile_options(cfg), comm, schedule, stages, units, first, m, dtype,
+                                       shape_mode(cfg, dp * m), posting.options(not comm.independent_ops)[0], sharding,
+                                       evaluates=cfg.train.eval_batches > 0)
     params = unique_parameters(stage.parameters() for stage in stages.values())
     if layout.profiles is not None:  # the whole step: the runtime's own costs, measured here (collective)
         boundary = stage_boundary_bytes(layout.ranges, layout.profiles)
@@ -150,7 +158,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,
         reducer=reducer, scaler=LossScaler(cfg.train.precision == "fp16"),
         finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
-        workspace=workspace, memory=MemoryAccountant(stages, optimizer, device),
+        workspace=workspace, memory=MemoryAccountant(stages, optimizer, device), compiled=compiled,
     )
 
 

@@ -146,6 +146,11 @@ class TrainConfig:
     # signals that save a checkpoint at the next step boundary and end the job (exit code 75):
     # what a cluster scheduler sends before it kills a job; [] or null: off
     save_on_signal: Any = field(default_factory=lambda: ["SIGTERM"])  # a name, a list of names, or false
+    # torch.compile each layer (its forward and its backward; split-backward schedules compute B
+    # and W once each); docs/performance.md
+    compile: bool = False
+    compile_mode: str = "default"  # default | max-autotune-no-cudagraphs (CUDA-graph modes are refused)
+    compile_backend: str = "inductor"  # inductor | aot_eager (the same graphs, no code generated: tests, debugging)
 
 
 @dataclass
@@ -421,10 +426,13 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
                           "or null for 1F1B's p")
     if cfg.train.dtype not in DTYPES:
         raise ConfigError(f"train.dtype={cfg.train.dtype!r} is not one of {', '.join(DTYPES)}")
-    from pipeflow.runtime.precision import checkpoint_every, compute_dtype  # torch-heavy: only when checking
+    from pipeflow.runtime.compile import check_options  # torch-heavy: only when checking
+    from pipeflow.runtime.precision import checkpoint_every, compute_dtype
 
     compute_dtype(cfg.train.precision)
     checkpoint_every(cfg.pipeline.checkpoint_activations)
+    check_options(OmegaConf.select(cfg, "train.compile_mode", default="default"),
+                  OmegaConf.select(cfg, "train.compile_backend", default="inductor"))
     if cfg.train.max_steps < 1:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be at least 1 (the steps to train)")
     if cfg.train.save_every < 0:

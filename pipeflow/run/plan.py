@@ -30,6 +30,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.data import build_batches
+from pipeflow.run.compile_phase import compile_options
 from pipeflow.run.config import PlanConfig, register_configs, resolve_layout
 from pipeflow.runtime.distributed import choose_device
 from pipeflow.runtime.precision import compute_dtype
@@ -82,10 +83,12 @@ def profile_costs(cfg: DictConfig, sizes: Sequence[int], device: torch.device) -
     dtype = getattr(torch, cfg.train.dtype)
     b_low, b_high = min(sizes), max(sizes)
     amp = compute_dtype(cfg.train.precision)
-    low = profile_layers(spec, sample[:b_low], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp)
+    compiled = compile_options(cfg)  # train.compile: the layers' compiled costs
+    low = profile_layers(spec, sample[:b_low], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp,
+                         compiled=compiled)
     high = low if b_high == b_low else profile_layers(
-        spec, sample[:b_high], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp
-    )
+        spec, sample[:b_high], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp,
+        compiled=compiled)
     return interpolate(low, b_low, high, b_high)
 
 

@@ -31,6 +31,7 @@ from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout, describe_layout
 from pipeflow.run import checkpoint
+from pipeflow.run.compile_phase import CompilePhase
 from pipeflow.run.faults import FaultInjector
 from pipeflow.run.readback import PendingStep, StepValues, packet_on_host
 from pipeflow.run.signals import catch_signals, signal_names, signal_numbers
@@ -102,6 +103,7 @@ class Trainer:
         params, optimizer, metrics, run_dir: what is optimized, how, measured, and where written.
         workspace: the run directory's lock (released at the end of :meth:`fit`) and job token.
         memory: counts this rank's tensor bytes on the steps ``metrics.memory_steps`` names.
+        compiled: ``train.compile``'s start-up phase (None: eager), its recompiles reported at the end.
     """
 
     cfg: DictConfig
@@ -127,6 +129,7 @@ class Trainer:
     run_dir: str
     workspace: Workspace | None = None  # the run directory's lock and this job's token
     memory: MemoryAccountant | None = None
+    compiled: CompilePhase | None = None  # train.compile: the start-up compile phase
     history: list[float] = field(default_factory=list)  # the loss of every step this run trained
     _signalled: str | None = field(default=None, init=False, repr=False)  # the train.save_on_signal signal received
 
@@ -469,6 +472,8 @@ class Trainer:
             log.info("run directory: %s", self.run_dir)
             log.info("mesh: dp=%d x pp=%d, shard=%s, precision=%s, activation checkpointing=%s", self.dp, self.mesh.pp,
                      self.cfg.parallel.shard, self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
+            if self.compiled is not None:
+                log.info(self.compiled.describe())
             lengths = sequence_lengths(self.cfg.data)
             if lengths is not None or self.pipeline.shapes.mode == "per_microbatch":
                 drawn = f"; sequence lengths drawn from {lengths[0]}..{lengths[1]}" if lengths is not None else ""
@@ -488,6 +493,13 @@ class Trainer:
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val,
                   "preempted_at": preempted_at}
         result.update(self.metrics.close(self.schedule))
+        if self.compiled is not None:
+            result["compile"] = self.compiled.summary()
+            if self.is_main:
+                log.info("compile: %d recompiles on rank 0 after the compile phase (%.1f s at start-up)%s",
+                         result["compile"]["recompiles"], self.compiled.seconds,
+                         "" if result["compile"]["recompiles"] == 0 else
+                         " (new shapes, dtypes or modes: see TORCH_LOGS=recompiles)")
         self.close()
         if self.is_main and preempted_at is None:
             best = f" (best achievable {self.batches.best_loss:.4f})" if self.batches.best_loss is not None else ""

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipeflow.errors import ScheduleError
 from pipeflow.models.spec import ModelSpec, run_layers
+from pipeflow.runtime.compiled_backward import deferring_weight_grads
 from pipeflow.runtime.precision import to_compute_dtype
 
 Tensors = tuple[torch.Tensor, ...]
@@ -261,11 +262,13 @@ class Stage:
         """B of a split backward: input grads, plus the grads at every layer's outputs for W.
 
         One pass down the chain computes both; W then only walks each layer's own sub-graph
-        from its outputs to its parameters, never the chain again.
+        from its outputs to its parameters, never the chain again.  A compiled layer's backward
+        runs its input half here and leaves its weight half for W (runtime/compiled_backward.py).
         """
         per_layer = [[t for t in outs if t.requires_grad] for outs in boundaries]
         flat = [t for outs in per_layer for t in outs]
-        got = run_backward(roots, root_grads, wanted + flat, retain_graph=True)
+        with deferring_weight_grads():
+            got = run_backward(roots, root_grads, wanted + flat, retain_graph=True)
         grads_in, rest = got[: len(wanted)], list(got[len(wanted):])
         pending = []
         for layer_outs in per_layer:
@@ -293,8 +296,8 @@ class Stage:
         """
         modes = [(mod, mod.training) for mod in self.module.modules()]
         self.module.train(False)
-        try:
-            with torch.enable_grad(), self._autocast(inputs):
+        try:  # compiled layers (train.compile) run eager: a shape is not worth an eval-mode graph
+            with torch.enable_grad(), self._autocast(inputs), _eager():
                 outputs = self._to_compute_dtype(as_tuple(run_layers(list(self.module), unpack(inputs))))
                 return tuple(t.detach().requires_grad_(t.requires_grad) for t in outputs)
         finally:
@@ -308,6 +311,12 @@ class Stage:
         total = torch.stack(list(self.losses.values())).sum()
         self.losses.clear()
         return total
+
+
+def _eager() -> contextlib.AbstractContextManager:
+    """Compiled functions run eagerly within the block (``torch.compiler.set_stance``, torch >= 2.6)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
 
 
 def build_stages(
