@@ -18,7 +18,9 @@
 # gpu_run_check.py), and one with fp16, a forced gradient overflow and train.check_finite=true
 # (the step is skipped, the run goes on), then pipeflow on one rank against the plain PyTorch loop
 # over the same layers (vs_plain_loop.py: step ratio, steady-step allocator peak ratio, start-of-run
-# prediction beside the measured step; about 3 min; its lines also go to $OUT/RESULTS.md).  Two or
+# prediction beside the measured step; about 3 min; its lines also go to $OUT/RESULTS.md), and with
+# train.compile (--compile: eager vs compiled, the compiled plain loop, compiled zb_h1 against 1f1b
+# and against zb_h1 repeating the compiled backward; a few minutes of compiling).  Two or
 # more GPUs: also the NCCL equivalence, a 2-rank traced train.py and the side-by-side with
 # torch.distributed.pipelining (4 GPUs: more of each).
 # $OUT/gpu_check.md is the report (each step: exit status, seconds, the end of its output) and
@@ -123,6 +125,8 @@ step 60 check_fp16 "fp16 run: the overflow skipped, figures sane" $PY benchmarks
   --expect "step 4: inf/nan gradients (fp16 overflow); step skipped"
 step 420 vs_plain "pipeflow vs the plain PyTorch loop on one GPU (GPT 12x1024, bf16, m = 4 and 16)" \
   $PY benchmarks/vs_plain_loop.py --device cuda --out "$OUT/RESULTS.md"
+step 540 vs_plain_compile "train.compile on one GPU: eager vs compiled, compiled plain loop, zb_h1 vs 1f1b (m = 8)" \
+  $PY benchmarks/vs_plain_loop.py --device cuda --compile --repeat-backward --case m=8 --rounds 2 --out "$OUT/RESULTS.md"
 if [ "$gpus" -ge 2 ]; then
   step 150 nccl_eq_2 "NCCL equivalence, 2 GPUs" $PY -m torch.distributed.run --nproc-per-node 2 benchmarks/nccl_equivalence.py
   step 240 train_2gpu "train.py on 2 GPUs: bf16, a traced step" $PY -m torch.distributed.run --nproc-per-node 2 train.py \

@@ -3,6 +3,7 @@
     python benchmarks/vs_plain_loop.py                    # CPU: GPT 6 x 256, seq 256, batch 16, m = 4 and 16
     python benchmarks/vs_plain_loop.py --device cuda      # GPU: GPT 12 x 1024, 16 heads, seq 512, batch 64, bf16
     python benchmarks/vs_plain_loop.py --case n_layer=2 n_embd=32 seq=16 batch=4 m=2 --rounds 1 --steps 1
+    python benchmarks/vs_plain_loop.py --compile          # train.compile: eager vs compiled, and zb_h1 vs 1f1b
 
 Both run in this one process, on one process group of size 1 (gloo on the CPU, NCCL on CUDA):
 
@@ -41,6 +42,18 @@ rounds; ratio pipeflow / plain), on CUDA ``| peak plain <MiB> / pipeflow <MiB> M
 start-of-run predicted step (``trainer.layout.prediction.step_s``, what ``train.py`` logs as
 "predicted step") against its measured median.
 
+With ``--compile`` (issue 31) each case runs four steps side by side in alternating rounds, each
+checked first against the compiled plain loop's first step (rtol 1e-4 in float32: compiled
+kernels round differently): pipeflow eager (1F1B), pipeflow with ``train.compile=true`` (1F1B),
+the plain loop with every layer compiled (``layer.compile(fullgraph=True)``, as a user would),
+and pipeflow compiled with ``schedule=zb_h1`` (one rank, one stage: the same work as 1F1B when
+the compiled backward's weight half is not repeated).  Printed: ``compiled/eager`` (pipeflow
+eager / compiled: the speed-up), ``vs compiled plain`` (compiled pipeflow / compiled plain) and
+``zb_h1/1f1b`` (both compiled), and on CUDA each one's steady-step allocator peak (the peak of
+its timed block less what the others hold between steps: their parameters and AdamW state).
+``--repeat-backward`` adds compiled zb_h1 whose B and W each run the whole compiled backward
+(torch's own backend, what pipeflow's split avoids) and prints ``repeated/split zb_h1``.
+
 On CUDA each case ends with ``| sync check: ...``: pipeflow's steady steps run once more under
 ``torch.cuda.set_sync_debug_mode("error")`` (any host-device sync raises, naming the call),
 allowed only inside the one documented read-back per step (the previous step's figures,
@@ -49,6 +62,7 @@ allowed only inside the one documented read-back per step (the previous step's f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import os
@@ -58,7 +72,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -72,6 +86,7 @@ from pipeflow.data import split_microbatches  # noqa: E402
 from pipeflow.models.gpt import build_gpt  # noqa: E402
 from pipeflow.models.spec import run_layers  # noqa: E402
 from pipeflow.run.trainer import Trainer, lr_at, unique_parameters  # noqa: E402
+from pipeflow.runtime.compile import graphs_compiled  # noqa: E402
 from pipeflow.runtime.precision import compute_dtype  # noqa: E402
 from pipeflow.runtime.zero import local_optimizer  # noqa: E402
 
@@ -322,6 +337,130 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_roo
             torch.cuda.empty_cache()
 
 
+def resident_bytes(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    """What a training loop holds between steps: its parameters and optimizer state, each storage once."""
+    seen: dict[int, int] = {}
+    state = [t for values in optimizer.state.values() for t in values.values() if isinstance(t, torch.Tensor)]
+    for t in list(params) + state:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        if t.device.type == device.type:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+COMPILED = ("pipeflow eager", "pipeflow compiled", "plain compiled", "zb_h1 compiled")
+REPEATED = "zb_h1 compiled, backward repeated"
+
+
+@contextlib.contextmanager
+def repeated_backward(on: bool) -> Iterator[None]:
+    """Within the block (when `on`), split-backward stages compile with torch's own backend: B and
+    W each run the whole compiled backward (what pipeflow's split avoids; ``--repeat-backward``)."""
+    from pipeflow.runtime import compiled_backward
+
+    real = compiled_backward.split_backend
+    if on:
+        compiled_backward.split_backend = lambda backend, mode="default": backend
+    try:
+        yield
+    finally:
+        compiled_backward.split_backend = real
+
+
+def run_compile_case(case: Case, args: argparse.Namespace, device: torch.device, run_root: str) -> tuple[bool, str]:
+    """``--compile``: eager vs compiled pipeflow (1F1B), the compiled plain loop, and compiled
+    zb_h1 (module docstring); prints the case's lines; returns (checks passed, its last line)."""
+    from pipeflow.run.builder import build_run
+
+    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
+    base = [*case.overrides(), f"train.precision={precision}", f"dist.device={device}", "metrics.tensorboard=false",
+            "metrics.progress_bar=false", "metrics.memory_steps=[]", "train.eval_every=0", "train.eval_batches=0",
+            "pipeline.profile=true", *args.override]
+    compiled = ["train.compile=true", f"train.compile_backend={args.compile_backend}"]
+    settings = {"pipeflow eager": ["schedule=1f1b"], "pipeflow compiled": ["schedule=1f1b", *compiled],
+                "zb_h1 compiled": ["schedule=zb_h1", *compiled]}
+    if args.repeat_backward:
+        settings[REPEATED] = settings["zb_h1 compiled"]
+    names = [*COMPILED, REPEATED] if args.repeat_backward else list(COMPILED)
+    trainers: dict[str, Trainer] = {}
+    started = {}
+    for name, extra in settings.items():
+        start = time.perf_counter()
+        run_dir = tempfile.mkdtemp(prefix="run_", dir=run_root)
+        with repeated_backward(name == REPEATED):
+            trainers[name] = build_run(compose([*base, *extra, f"train.run_dir={run_dir}"]), device)
+        started[name] = time.perf_counter() - start
+    cfg = trainers["pipeflow compiled"].cfg
+    plain = Plain(cfg, device, trainers["pipeflow compiled"])
+    start = time.perf_counter()
+    for layer in plain.layers:
+        layer.compile(fullgraph=True, backend=args.compile_backend)
+    label = case.label(precision, device.type)
+    try:
+        rtol = args.rtol if args.rtol is not None else (1e-4 if precision == "fp32" else 1e-2)
+        want = plain.step(0, read_back=True)  # compiles the plain loop's layers
+        started["plain compiled"] = time.perf_counter() - start
+        ok, checks = True, []
+        for name, trainer in trainers.items():
+            got = trainer.train_step(0)
+            diffs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, want)]
+            ok = ok and max(diffs) <= rtol
+            checks.append(f"{name} {max(diffs):.1e}")
+        check = (f"{label} | check: first-step loss and grad norm against the compiled plain loop, rel diff "
+                 f"{', '.join(checks)} (rtol {rtol:g}): {'ok' if ok else 'DISAGREE'}; start-up s "
+                 + ", ".join(f"{name} {seconds:.1f}" for name, seconds in started.items()))
+        print(check, flush=True)
+        if not ok:
+            return False, check
+        warmup = args.warmup if args.warmup is not None else DEFAULT_RUNS[device.type][0]
+        steps = args.steps if args.steps is not None else DEFAULT_RUNS[device.type][1]
+        drivers = {name: PipeflowSteps(trainer, args.pipeflow_step) for name, trainer in trainers.items()}
+        runners = {name: (d.step, d.drain) for name, d in drivers.items()}
+        runners["plain compiled"] = (plain.step, lambda: None)
+        holds = {name: resident_bytes(t.params, local_optimizer(t.optimizer), device) for name, t in trainers.items()}
+        times: dict[str, list[float]] = {name: [] for name in names}
+        peaks: dict[str, list[float]] = {name: [] for name in names}
+        next_step = dict.fromkeys(names, 1)
+        graphs = graphs_compiled()
+        for _ in range(args.rounds):
+            for name in names:
+                holds["plain compiled"] = plain.resident_bytes()
+                at_rest = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+                run, drain = runners[name]
+                per_step, peak, next_step[name] = timed_block(run, next_step[name], warmup, steps, device, drain)
+                times[name].append(per_step)
+                if peak is not None:  # less what the others hold between steps
+                    peaks[name].append((peak - (at_rest - holds[name])) / MIB)
+        med = {name: statistics.median(values) for name, values in times.items()}
+        line = (f"{label} | " + " | ".join(f"{name} {1e3 * med[name]:.1f} ms" for name in names)
+                + f" | compiled/eager {med['pipeflow eager'] / med['pipeflow compiled']:.3f}x"
+                f" | vs compiled plain {med['pipeflow compiled'] / med['plain compiled']:.3f}"
+                f" | zb_h1/1f1b {med['zb_h1 compiled'] / med['pipeflow compiled']:.3f}")
+        if args.repeat_backward:
+            line += f" | repeated/split zb_h1 {med[REPEATED] / med['zb_h1 compiled']:.3f}"
+        if device.type == "cuda":
+            top = {name: max(values) for name, values in peaks.items()}
+            line += (" | peak MiB " + ", ".join(f"{name} {top[name]:.0f}" for name in names)
+                     + f" | peak vs compiled plain {top['pipeflow compiled'] / top['plain compiled']:.3f}")
+        predicted = trainers["pipeflow compiled"].layout.prediction.step_s
+        if math.isfinite(predicted):
+            line += f" | compiled predicted {1e3 * predicted:.1f} ms ({100 * predicted / med['pipeflow compiled']:.0f}%)"
+        line += f" | graphs compiled during the timed rounds {graphs_compiled() - graphs}"  # recompiles: 0 expected
+        print(line, flush=True)
+        if args.verbose:
+            print("  rounds (ms per step): " + "; ".join(f"{name} {[round(1e3 * t, 1) for t in times[name]]}"
+                                                        for name in names), flush=True)
+        return True, line
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
+        del trainers, plain
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def sync_check(trainer: Trainer, first: int, steps: int) -> str:
     """Run `steps` steady pipeflow steps under ``torch.cuda.set_sync_debug_mode("error")``, which
     raises at any host-device sync, except inside the documented one read-back per step (the
@@ -403,6 +542,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, metavar="FILE",
                         help="also append the case lines to FILE (markdown, e.g. benchmarks/RESULTS.md) with the "
                              "command, machine, torch and date")
+    parser.add_argument("--compile", action="store_true",
+                        help="train.compile: pipeflow eager and compiled (1f1b), the compiled plain loop, and "
+                             "compiled zb_h1, side by side (see the module docstring)")
+    parser.add_argument("--compile-backend", choices=("inductor", "aot_eager"), default="inductor",
+                        help="with --compile: train.compile_backend and the plain loop's backend (default inductor)")
+    parser.add_argument("--repeat-backward", action="store_true",
+                        help="with --compile: also compiled zb_h1 whose B and W each run the whole compiled backward "
+                             "(torch's own backend; what the split avoids), and the ratio to the split one")
     parser.add_argument("--verbose", action="store_true", help="also print each round's step times")
     args = parser.parse_args(argv)
     if args.rounds < 1 or (args.steps is not None and args.steps < 1) or (args.warmup is not None and args.warmup < 0):
@@ -428,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="pipeflow_vs_plain_") as run_root:
             for case in cases:
-                passed, line = run_case(case, args, device, run_root)
+                passed, line = (run_compile_case if args.compile else run_case)(case, args, device, run_root)
                 ok = ok and passed
                 lines.append(line)
     finally:
@@ -436,7 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         from results import append_result  # benchmarks/results.py
 
-        append_result(args.out, "pipeflow vs the plain PyTorch loop, one rank",
+        title = "train.compile: eager vs compiled, one rank" if args.compile else "pipeflow vs the plain PyTorch loop, one rank"
+        append_result(args.out, title,
                       f"python {' '.join(sys.argv)}", "\n".join(f"    {line}" for line in lines),
                       backend="nccl" if device.type == "cuda" else "gloo",
                       device_name=name if device.type == "cuda" else "")

@@ -307,3 +307,56 @@ def test_a_compiled_from_module_model_equals_the_module(world) -> None:
     for v in _values(world["from-module"]):
         assert v["compiled"] > 0 and v["eager"] == [], v
         assert v["loss"] <= TOLERANCE and v["grad"] <= TOLERANCE, v
+
+
+def test_compile_options_mark_the_dimensions_micro_batches_differ_in() -> None:
+    from omegaconf import OmegaConf
+
+    from pipeflow.run.compile_phase import compile_options
+    from pipeflow.run.config import Config
+
+    cfg = OmegaConf.structured(Config())
+    assert compile_options(cfg, 4) is None  # train.compile=false: eager
+    cfg.train.update(compile=True, compile_backend="aot_eager")
+    assert compile_options(cfg, 4) == CompileOptions(backend="aot_eager", dynamic_dims=())
+    cfg.data.variable_lengths = True
+    assert compile_options(cfg, 4).dynamic_dims == (1,)
+    cfg.data.batch_size = 30  # 30 rows do not split into 4 equal micro-batches
+    assert compile_options(cfg, 4).dynamic_dims == (0, 1)
+
+
+def test_a_compiled_layer_keeps_its_state_dict_names() -> None:
+    layer = Block()
+    names = list(layer.state_dict())
+    compile_layer(layer, "block.0", CompileOptions(backend="aot_eager"), split_backward=False)
+    assert list(layer.state_dict()) == names  # checkpoints and export see the same keys
+
+
+def test_b_keeps_no_input_gradient_for_w_when_the_compiled_region_is_the_whole_layer() -> None:
+    class Scaled(nn.Module):  # a parameter outside the compiled block: W must reach it through the block
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale, self.block = nn.Parameter(torch.tensor(1.5, dtype=F64)), Block().to(F64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x * self.scale)
+
+    whole = _compiled([Block().to(F64)])[0]
+    outer = Scaled()
+    ref = copy.deepcopy(outer)
+    units = {0: [("scaled", outer.block)]}
+    stage = Stage(0, 1, [outer], _mse)
+    assert compile_stage_layers({0: stage}, units, CompileOptions(backend="aot_eager"))[0].whole_layer is False
+    for layer, keeps in ((whole, False), (outer, True)):
+        x = torch.randn(2, 5, 8, dtype=F64, requires_grad=True)
+        out = layer(x)
+        node = out.grad_fn
+        with compiled_backward.deferring_weight_grads():
+            torch.autograd.grad(out, [x], torch.ones_like(out), retain_graph=True)
+        pending = getattr(node, compiled_backward.PENDING_ATTR)
+        assert bool(pending.args[0]) == keeps  # the input gradients kept from B to W
+    grads = torch.autograd.grad(out, list(outer.parameters()), torch.ones_like(out))
+    x2 = x.detach().requires_grad_()
+    out2 = ref(x2)
+    want = torch.autograd.grad(out2, list(ref.parameters()), torch.ones_like(out2))
+    assert _worst(list(grads), list(want)) <= 1e-14  # the outer scale's gradient came through the block

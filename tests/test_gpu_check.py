@@ -75,6 +75,21 @@ def test_vs_plain_loop_tiny_cpu_run_checks_then_prints_a_step_ratio_line() -> No
     assert "peak ratio" not in done.stdout  # the allocator peak is CUDA's
 
 
+def test_the_gpu_check_runs_the_compiled_comparison_on_cuda() -> None:
+    assert "benchmarks/vs_plain_loop.py --device cuda --compile --repeat-backward" in SCRIPT.read_text()
+
+
+def test_vs_plain_loop_compiled_tiny_cpu_run_prints_every_ratio() -> None:
+    done = _plain("--device", "cpu", *TINY, "--compile", "--compile-backend", "aot_eager", "--repeat-backward")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "check: first-step loss and grad norm against the compiled plain loop" in done.stdout and ": ok;" in done.stdout
+    assert re.search(r"^GPT 2x32 h4, .* \| pipeflow eager [\d.]+ ms \| pipeflow compiled [\d.]+ ms \| plain compiled "
+                     r"[\d.]+ ms \| zb_h1 compiled [\d.]+ ms \| zb_h1 compiled, backward repeated [\d.]+ ms \| "
+                     r"compiled/eager [\d.]+x \| vs compiled plain [\d.]+ \| zb_h1/1f1b [\d.]+ \| "
+                     r"repeated/split zb_h1 [\d.]+ .*\| graphs compiled during the timed rounds 0$", done.stdout, re.M), \
+        done.stdout
+
+
 def test_vs_plain_loop_exits_1_when_the_losses_disagree() -> None:
     done = _plain("--device", "cpu", *TINY, "--rtol", "-1")  # nothing agrees within a negative tolerance
     assert done.returncode == 1, done.stdout + done.stderr

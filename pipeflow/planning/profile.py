@@ -253,7 +253,9 @@ def _profile_one(
     """Build, measure and free layer `index`; return its profile and the next layer's inputs."""
     module = spec.build_layers([index], device, dtype)[0]
     if compiled is not None:
-        compile_layer(spec.unit_to_compile(index, module), spec.layers[index].name, compiled, split_backward)
+        unit = spec.unit_to_compile(index, module)
+        compile_layer(unit, spec.layers[index].name, compiled, split_backward,
+                      whole_layer=sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in module.parameters()))
     forward = _Forward(module, device, autocast_dtype)
     params = list(module.parameters())
     _run(forward, inputs, device)  # warm-up

@@ -95,7 +95,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                            shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
                            lowering=posting.options(not comm.independent_ops)[0],
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
-                           autocast_dtype=compute_dtype(cfg.train.precision), compiled=compile_options(cfg))
+                           autocast_dtype=compute_dtype(cfg.train.precision), compiled=compile_options(cfg, dp * m))
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
         transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))
@@ -116,11 +116,11 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None, sharding)
-    compiled = None
-    if compile_options(cfg) is not None:  # before anything times the stages: they run compiled
+    compiled, options = None, compile_options(cfg, dp * m)
+    if options is not None:  # before anything times the stages: they run compiled
         units = {s: [(spec.layers[i].name, spec.unit_to_compile(i, layer))
                      for i, layer in zip(layout.ranges[s], stage.module)] for s, stage in stages.items()}
-        compiled = compile_and_warm_up(compile_options(cfg), comm, schedule, stages, units, first, m, dtype,
+        compiled = compile_and_warm_up(options, comm, schedule, stages, units, first, m, dtype,
                                        shape_mode(cfg, dp * m), posting.options(not comm.independent_ops)[0], sharding,
                                        evaluates=cfg.train.eval_batches > 0)
     params = unique_parameters(stage.parameters() for stage in stages.values())

@@ -33,14 +33,22 @@ from pipeflow.schedules import PipelineSchedule
 log = logging.getLogger("pipeflow")
 
 
-def compile_options(cfg: DictConfig) -> CompileOptions | None:
-    """``train.compile``'s options, or None when the run is eager.  Variable-length micro-batches
-    mark the sequence dimension dynamic (one graph for every length)."""
+def compile_options(cfg: DictConfig, chunks: int | None = None) -> CompileOptions | None:
+    """``train.compile``'s options, or None when the run is eager.  The dimensions in which
+    micro-batches differ are marked dynamic, so one graph serves them all: the sequence with
+    variable lengths, the rows when the batch does not split into `chunks` (dp x m) equal parts,
+    both with ``comm.variable_shapes``."""
     if not OmegaConf.select(cfg, "train.compile", default=False):
         return None
-    varying = sequence_lengths(cfg.data) is not None or bool(cfg.comm.variable_shapes)
+    dims = set()
+    if sequence_lengths(cfg.data) is not None:
+        dims.add(1)
+    if chunks is not None and cfg.data.batch_size % chunks:
+        dims.add(0)
+    if OmegaConf.select(cfg, "comm.variable_shapes", default=False):
+        dims.update((0, 1))
     return CompileOptions(mode=cfg.train.compile_mode, backend=cfg.train.compile_backend,
-                          dynamic_dims=(1,) if varying else ())
+                          dynamic_dims=tuple(sorted(dims)))
 
 
 @dataclass

@@ -76,13 +76,16 @@ class CompiledForward:
         backend: the torch.compile backend (a name or a callable).
         mode: the compile mode (for a named backend).
         dynamic_dims: input dimensions marked dynamic before each call.
+        whole_layer: the compiled module holds every parameter of its pipeline layer, so a W of
+            the layer needs no input gradient of it (not kept from B to W).
     """
 
     def __init__(self, layer: nn.Module, name: str, backend: str | Callable[..., Any], mode: str = "default",
-                 dynamic_dims: tuple[int, ...] = ()) -> None:
+                 dynamic_dims: tuple[int, ...] = (), whole_layer: bool = True) -> None:
         self.eager = layer.forward
         self.name = name
         self.dynamic_dims = dynamic_dims
+        self.whole_layer = whole_layer
         options = {"mode": mode} if isinstance(backend, str) and backend == "inductor" and mode != "default" else {}
         self.compiled = torch.compile(self.eager, backend=backend, fullgraph=True, **options)
         self.fallback: str | None = None  # why this layer runs eager
@@ -96,17 +99,29 @@ class CompiledForward:
                     if t.dim() > d:
                         torch._dynamo.maybe_mark_dynamic(t, d)
         try:
-            return self.compiled(*args, **kwargs)
+            out = self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as exc:  # graph breaks, unsupported ops, backend failures
             self.fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
             warnings.warn(CompileFallbackWarning(
                 f"train.compile: layer {self.name!r} runs eager: torch.compile could not compile it whole "
                 f"({self.fallback}); fix the graph break or set train.compile=false"), stacklevel=2)
             return self.eager(*args, **kwargs)
+        if self.whole_layer:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                    try:  # a compiled graph's node takes attributes; an eager op's (force_eager stance) does not
+                        setattr(t.grad_fn, compiled_backward.NO_INPUT_GRADS_AT_W, True)
+                    except AttributeError:
+                        pass
+        return out
 
 
-def compile_layer(layer: nn.Module, name: str, options: CompileOptions, split_backward: bool) -> CompiledForward | None:
+def compile_layer(layer: nn.Module, name: str, options: CompileOptions, split_backward: bool,
+                  whole_layer: bool = True) -> CompiledForward | None:
     """Compile `layer`'s forward in place (see the module docstring); returns its wrapper.
+
+    `whole_layer`: `layer` holds every parameter of its pipeline layer (it is the layer, or a
+    submodule beside which the layer has no parameters).
 
     A layer already compiled keeps its wrapper.  With `split_backward` the split backend is used;
     where this torch cannot split (:func:`~pipeflow.runtime.compiled_backward.split_unavailable`)
@@ -119,7 +134,7 @@ def compile_layer(layer: nn.Module, name: str, options: CompileOptions, split_ba
         if compiled_backward.split_unavailable() is not None:
             return None
         backend = compiled_backward.split_backend(options.backend, options.mode)
-    wrapper = CompiledForward(layer, name, backend, options.mode, options.dynamic_dims)
+    wrapper = CompiledForward(layer, name, backend, options.mode, options.dynamic_dims, whole_layer)
     layer.forward = wrapper  # an instance attribute: module hooks (FSDP2's) run around it, eagerly
     return wrapper
 
@@ -127,8 +142,8 @@ def compile_layer(layer: nn.Module, name: str, options: CompileOptions, split_ba
 def compile_stage_layers(stages: dict, units: dict[int, list[tuple[str, nn.Module]]],
                          options: CompileOptions) -> list[CompiledForward]:
     """Compile this rank's `stages` (``{s: Stage}``): `units` gives each stage's (layer name,
-    module to compile) pairs (``ModelSpec.unit_to_compile``); warns once when split stages must
-    stay eager on this torch."""
+    module to compile) pairs, one per layer in order (``ModelSpec.unit_to_compile``); warns once
+    when split stages must stay eager on this torch."""
     reason = compiled_backward.split_unavailable()
     if reason is not None and any(stage.split_backward for stage in stages.values()):
         warnings.warn(CompileFallbackWarning(
@@ -136,8 +151,9 @@ def compile_stage_layers(stages: dict, units: dict[int, list[tuple[str, nn.Modul
             f"backward cannot be split into its B and W halves there)"), stacklevel=2)
     wrappers = []
     for s, stage in stages.items():
-        for name, unit in units[s]:
-            wrapper = compile_layer(unit, name, options, stage.split_backward)
+        for layer, (name, unit) in zip(stage.module, units[s]):
+            whole = sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in layer.parameters())
+            wrapper = compile_layer(unit, name, options, stage.split_backward, whole)
             if wrapper is not None:
                 wrappers.append(wrapper)
     return wrappers

@@ -38,6 +38,9 @@ log = logging.getLogger("pipeflow")
 
 MIN_TORCH = (2, 6)  # the oldest torch whose AOTAutograd backward-compiler contract this was checked against
 PENDING_ATTR = "_pipeflow_weight_half"  # where B leaves the weight half on the autograd node
+# set on a node by its layer's forward when the compiled region holds every parameter of the layer:
+# W, which walks the layer from its outputs to its parameters, then needs no input gradient from it
+NO_INPUT_GRADS_AT_W = "_pipeflow_no_input_grads_at_w"
 STATS = {"input_half": 0, "weight_half": 0, "whole": 0}  # backward halves run in this process (tests, benchmarks)
 _deferring = False  # a plain global: on CUDA the autograd engine runs backward on its own thread
 
@@ -134,10 +137,11 @@ class SplitBackward:
         self.count = len(results)
         self.inputs_pos = [k for k, r in enumerate(results) if k not in weights and r is not None]
         self.weights_pos = [k for k, r in enumerate(results) if k in weights and r is not None]
-        self.reason = None
         halves = _split(gm, results, self.inputs_pos, self.weights_pos) if self.weights_pos else None
         if halves is None:  # nothing to defer, or nodes neither half needs (side effects): run it whole
-            self.reason = "no weight gradients" if not self.weights_pos else "side-effect nodes"
+            if self.weights_pos:
+                log.info("a compiled backward runs whole at B (nodes neither half needs: side effects); "
+                         "W hands over its weight gradients")
             self.input_half, self.weight_half = self._compile(gm, example_inputs, compile_half), None
             self.weight_args = []
             return
@@ -172,7 +176,7 @@ class SplitBackward:
             if _deferring and node is not None and self.weights_pos:  # the weights' part handed over at W
                 inputs = [(k, got[k]) for k in self.inputs_pos]
                 weights = [(k, got[k]) for k in self.weights_pos]
-                setattr(node, PENDING_ATTR, functools.partial(self._fill, inputs + weights))
+                setattr(node, PENDING_ATTR, functools.partial(self._fill, _at_w(node, inputs) + weights))
                 return self._fill(inputs)
             return got
         STATS["input_half"] += 1
@@ -182,7 +186,7 @@ class SplitBackward:
         del values, got
         pairs = list(zip(self.inputs_pos, inputs_grads))
         if _deferring and node is not None:
-            setattr(node, PENDING_ATTR, functools.partial(self._weights, pairs, weight_inputs))
+            setattr(node, PENDING_ATTR, functools.partial(self._weights, _at_w(node, pairs), weight_inputs))
             return self._fill(pairs)
         return self._weights(pairs, weight_inputs)
 
@@ -196,6 +200,13 @@ class SplitBackward:
         for k, g in pairs:
             result[k] = g
         return result
+
+
+def _at_w(node: Any, inputs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """The input gradients W hands back again: none where the node's layer said W needs none (it
+    is not kept alive from B to W then), else those of B (ops of the layer around the compiled
+    region, walked by W as in eager, may lead to the layer's other parameters)."""
+    return [] if getattr(node, NO_INPUT_GRADS_AT_W, False) else inputs
 
 
 def _split(gm: torch.fx.GraphModule, results: list[Any], inputs_pos: list[int], weights_pos: list[int]) -> Any:
