@@ -64,6 +64,15 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-full-zbv-compiled": (2, "zbv", 3, {"parallel__shard": "full", **COMPILED}),
     "dp2xpp2-zb_h1-zero-actckpt-compiled": (2, "zb_h1", 2, {"parallel__shard": "optimizer",
                                                             "pipeline__checkpoint_activations": True, **COMPILED}),
+    # parallel.tp: pp 2 x tp 2, each stage's layers split over 2 ranks (DTensor plans; the GPT's
+    # tied embedding and head vocabulary-split on pipeline ranks 0 and 1), with and without
+    # sequence parallelism
+    "dp1xpp2xtp2-1f1b-clipped": (1, "1f1b", 2, {"parallel__tp": 2, "optim__grad_clip": CLIP}),
+    "dp1xpp2xtp2-1f1b-sp": (1, "1f1b", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),
+    "dp1xpp2xtp2-interleaved-sp": (1, "interleaved_1f1b", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True}),
+    "dp1xpp2xtp2-zbv": (1, "zbv", 2, {"parallel__tp": 2}),
+    "dp1xpp2xtp2-zbv-sp-actckpt": (1, "zbv", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True,
+                                                 "pipeline__checkpoint_activations": True}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
         "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }

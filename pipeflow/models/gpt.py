@@ -98,15 +98,20 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor, doc: Tensor | None = None) -> Tensor:
-        """Attend over the past (of the same document, with ``doc``): (B, T, C) -> (B, T, C)."""
-        B, T, C = x.shape
-        hs = C // self.n_head  # head size
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, H, T, hs)
+        """Attend over the past (of the same document, with ``doc``): (B, T, C) -> (B, T, C).
+
+        Under tensor parallelism c_attn yields this rank's heads only (and, with sequence
+        parallelism, the whole sequence from a slice of it), so heads and T are read off its output.
+        """
+        hs = x.size(-1) // self.n_head  # head size
+        qkv = self.c_attn(x)  # (B, T, 3 C) (this rank's 3 C / tp)
+        B, T, width = qkv.shape
+        q, k, v = qkv.split(width // 3, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
+        k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
+        v = v.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
         y = attend(q, k, v, doc, self.dropout if self.training else 0.0)  # (B, H, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, width // 3)  # heads side by side again
         return self.resid_drop(self.c_proj(y))
 
 
@@ -304,4 +309,28 @@ def build_gpt(
     layers += [LayerSpec(f"block.{k}", Block, (cfg,)) for k in range(n_layer)]
     layers.append(LayerSpec("head", Head, (cfg,)))
     tied = {"wte": [("embedding", "wte.weight"), ("head", "lm_head.weight")]} if tie_embeddings else {}
-    return ModelSpec(name="gpt", layers=layers, loss_fn=gpt_loss, seed=seed, tied=tied)
+    return ModelSpec(name="gpt", layers=layers, loss_fn=gpt_loss, seed=seed, tied=tied,
+                     tp_plan=functools.partial(gpt_tp_plan, cfg))
+
+
+GPT_BLOCK_PLAN = {"ln_1": "norm", "attn.c_attn": "colwise_qkv", "attn.c_proj": "rowwise", "attn.resid_drop": "norm",
+                  "ln_2": "norm", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise", "mlp.drop": "norm"}
+
+
+def gpt_tp_plan(cfg: GPTConfig, index: int, layer: nn.Module, tp: int) -> dict[str, str]:
+    """The GPT's tensor-parallel plan (Megatron's): attention heads and the MLP split column then
+    row; the vocabulary of the embedding and the head split; with sequence parallelism the norms,
+    dropouts and the activations between layers split along the sequence.
+
+    Raises:
+        ConfigError: n_head, 4 x n_embd or vocab_size not divisible by tp.
+    """
+    for key, value in (("n_head", cfg.n_head), ("vocab_size", cfg.vocab_size)):
+        if value % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide model.{key}={value}: each tp rank holds "
+                              f"{key}/tp of it; choose a tp that divides {value}")
+    if isinstance(layer, Embedding):
+        return {"wte": "embedding", "": "sequence_out"}
+    if isinstance(layer, Head):
+        return {"ln_f": "norm", "lm_head": "colwise_out"}
+    return dict(GPT_BLOCK_PLAN)

@@ -21,6 +21,20 @@ from pipeflow.errors import ConfigError
 
 LossFn = Callable[[Any, Tensor], Tensor]
 
+# How a tensor-parallel plan (ModelSpec.tp_plan) splits a submodule over the tp ranks of a stage
+# (pipeflow/runtime/tensor_parallel.py turns them into torch's DTensor parallel styles):
+TP_STYLES = {
+    "colwise": "a Linear's output features split (its weight's rows); the input whole",
+    "colwise_qkv": "a Linear whose output is [q; k; v] stacked: each third's rows split alike, so a rank "
+                   "holds the q, k and v of the same heads",
+    "rowwise": "a Linear's input features split (its weight's columns); the partial outputs summed",
+    "colwise_out": "a Linear's output features split and gathered again (an output head: whole logits)",
+    "embedding": "an Embedding's rows (the vocabulary) split; the looked-up rows summed",
+    "norm": "with parallel.sequence_parallel, a norm (or dropout) run on the rank's slice of the sequence",
+    "sequence_out": "with parallel.sequence_parallel, the layer's (whole) output cut to the rank's slice of "
+                    "the sequence",
+}
+
 
 def derive_seed(*parts: int | str) -> int:
     """Mix integers (and string tags) into one 63-bit seed, the same in every process and run.
@@ -84,6 +98,10 @@ class ModelSpec:
         compile_unit: ``compile_unit(layer index, built layer)`` -> the module ``train.compile``
             compiles for that layer (a submodule whose forward Dynamo can capture whole, the rest
             of the layer staying eager); None: the layer itself.
+        tp_plan: how ``parallel.tp`` splits each layer: ``tp_plan(layer index, built layer, tp)``
+            -> ``{submodule path: style}`` (styles: :data:`TP_STYLES`; "" is the layer itself;
+            raising ConfigError for sizes tp does not divide), or a dict ``{glob pattern of
+            submodule paths: style}`` applied to every layer; None: the model cannot run with tp.
     """
 
     name: str
@@ -94,6 +112,31 @@ class ModelSpec:
     export_name: Callable[[int, str], str] | None = None
     save_config: Callable[[str], None] | None = None
     compile_unit: Callable[[int, nn.Module], nn.Module] | None = None
+    tp_plan: Callable[[int, nn.Module, int], dict[str, str]] | dict[str, str] | None = None
+
+    def tensor_plan(self, index: int, layer: nn.Module, tp: int) -> dict[str, str]:
+        """Layer `index`'s tensor-parallel plan for `tp` ranks (see ``tp_plan``): {submodule path: style}.
+
+        Raises:
+            ConfigError: the model has no plan, a style is unknown, or (from the model's plan) a
+                size that tp does not divide.
+        """
+        if self.tp_plan is None:
+            raise ConfigError(f"model {self.name!r} has no tensor-parallel plan, so parallel.tp={tp} cannot split its "
+                              f"layers: give its ModelSpec a tp_plan (from_module: tp_plan={{'<glob of module paths>': "
+                              f"'colwise' | 'rowwise' | ...}}), or set parallel.tp=1")
+        if callable(self.tp_plan):
+            plan = dict(self.tp_plan(index, layer, tp))
+        else:
+            import fnmatch
+
+            plan = {path: style for path, _ in layer.named_modules() for pattern, style in self.tp_plan.items()
+                    if fnmatch.fnmatchcase(path, pattern)}
+        unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
+        if unknown:
+            raise ConfigError(f"model {self.name!r}, layer {self.layers[index].name!r}: tensor-parallel style(s) "
+                              f"{unknown} unknown; valid: {', '.join(TP_STYLES)}")
+        return plan
 
     def unit_to_compile(self, index: int, layer: nn.Module) -> nn.Module:
         """What ``train.compile`` compiles of layer `index` (built as `layer`): see ``compile_unit``."""

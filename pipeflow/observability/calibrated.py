@@ -30,10 +30,14 @@ class CalibrationLog:
         calibrate: recorded steps (``steps[n][r]``) -> the run's :class:`Calibration`
             (:func:`pipeflow.planning.calibration.calibrate` with the run's schedule and sizes).
         pp_rank, num_pp: this rank's pipeline rank and the pipeline size.
+        first_pipeline: this rank belongs to the first pipeline (the one holding global rank 0),
+            whose records are calibrated (default: global rank < num_pp, the 2-D mesh's).
     """
 
-    def __init__(self, calibrate: Callable[[list[list[RankStep]]], Calibration], pp_rank: int, num_pp: int) -> None:
+    def __init__(self, calibrate: Callable[[list[list[RankStep]]], Calibration], pp_rank: int, num_pp: int,
+                 first_pipeline: bool | None = None) -> None:
         self.calibrate, self.pp_rank, self.num_pp = calibrate, pp_rank, num_pp
+        self.first_pipeline = dist.get_rank() < num_pp if first_pipeline is None else first_pipeline
         self.steps: deque[tuple[int, RankStep]] = deque(maxlen=KEEP_STEPS)
 
     def keep(self, step: int, start: float, end: float, events: list[Any]) -> None:
@@ -45,7 +49,7 @@ class CalibrationLog:
         log the comparison on rank 0.  Returns (every rank) ``step_calibrated_s`` (NaN when there
         was nothing to calibrate), ``finish_calibrated_s`` and ``finish_measured_s`` per rank."""
         offset = clock_offsets()[dist.get_rank()]  # records onto rank 0's clock (several hosts: other boots)
-        mine = (self.pp_rank, [(n, on_rank0_clock(r, offset)) for n, r in self.steps]) if dist.get_rank() < self.num_pp else None
+        mine = (self.pp_rank, [(n, on_rank0_clock(r, offset)) for n, r in self.steps]) if self.first_pipeline else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         out: list[dict[str, Any]] = [{"step_calibrated_s": math.nan, "finish_calibrated_s": [],

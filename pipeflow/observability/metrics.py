@@ -98,11 +98,13 @@ class RunMetrics:
         items: (samples per step, tokens per step or None for non-token data).
         calibrate: recorded steps -> the run's costs (``pipeflow.planning.calibration.calibrate``
             bound to the run's schedule); None: no calibrated prediction.
+        first_pipeline: this rank is in the pipeline of global rank 0, whose steps are calibrated.
     """
 
     def __init__(
         self, cfg: Any, recorder: EventRecorder, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
         prediction: Prediction, items: tuple[int, int | None], calibrate: Any = None,
+        first_pipeline: bool | None = None,
     ) -> None:
         mc = cfg.metrics
         self.log_every = mc.log_every if mc.log_every is not None else cfg.train.log_every
@@ -116,7 +118,7 @@ class RunMetrics:
         self.recorder, self.pp_rank, self.num_pp, self.device = recorder, pp_rank, num_pp, device
         self.run_dir, self.predicted, self.items = run_dir, prediction.bubble, items
         self.predicted_step_s = prediction.step_s
-        self.calibration = CalibrationLog(calibrate, pp_rank, num_pp) if calibrate is not None else None
+        self.calibration = CalibrationLog(calibrate, pp_rank, num_pp, first_pipeline) if calibrate is not None else None
         self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
         self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
         self.timed_every = max(1, int(getattr(mc, "timed_every", 10) or 1))

@@ -90,7 +90,7 @@ def rehearse(
             if n >= warmup:
                 record.append(RankStep(start, recorder.stopped_at, [(e.kind, e.name, e.start, e.end) for e in events]))
     gathered: list[Any] = [None] * dist.get_world_size()
-    first_replica = dist.get_rank() < schedule.num_ranks  # as the run's own calibration: replica 0
+    first_replica = comm.global_rank(0) == 0  # as the run's own calibration: the pipeline of global rank 0
     offset = clock_offsets(comm.device)[dist.get_rank()]  # records onto rank 0's clock (several hosts: other boots)
     dist.all_gather_object(gathered, (comm.rank, [on_rank0_clock(r, offset) for r in record]) if first_replica else None)
     by_rank = dict(g for g in gathered if g is not None)

@@ -32,7 +32,7 @@ from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.step_model import fused_adamw, measure_step_costs
 from pipeflow.run import guard
 from pipeflow.run.compile_phase import compile_and_warm_up, compile_options
-from pipeflow.run.config import check_config
+from pipeflow.run.config import check_config, tensor_degree
 from pipeflow.run.faults import install_from_env
 from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
@@ -45,6 +45,7 @@ from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
 from pipeflow.runtime.stage import build_stages, layers_by_index
+from pipeflow.runtime.tensor_parallel import parallelize_stages
 from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.runtime.zero import build_optimizer
@@ -73,7 +74,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     dp, pp = check_config(cfg, dist.get_world_size())
     # every group the run uses times out a margin after pipeflow's own deadline (runtime/timeouts.py)
     deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
-    mesh = build_mesh(dp, pp, device)
+    mesh = build_mesh(dp, pp, device, tensor_degree(cfg.parallel))
     deadlines.own(mesh.pp_group)
     deadlines.own(mesh.dp_group)
     dtype = getattr(torch, cfg.train.dtype)
@@ -106,6 +107,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     guard.check_same_program(schedule, layout.ranges)
     stages = build_stages(spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
                           compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
+    if mesh.tp > 1:  # each layer split over the stage's tp ranks, before FSDP2 shards over dp
+        parallelize_stages(spec, stages, layout.ranges, mesh.tp_mesh, bool(cfg.parallel.sequence_parallel))
     sharding = full_shard(cfg, spec, stages, layout.ranges, mesh)  # before anything holds the parameters
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
@@ -152,7 +155,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
                          (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
                          calibrator(schedule, stage_boundary_bytes(layout.ranges, layout.profiles),
-                                    run_meta(cfg, schedule, layout, device, dp)))
+                                    run_meta(cfg, schedule, layout, device, dp)), first_pipeline=mesh.first_pipeline)
     return Trainer(
         cfg=cfg, device=device, config_hash=config_hash, mesh=mesh, spec=spec, schedule=schedule, layout=layout,
         batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,

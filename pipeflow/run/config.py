@@ -155,13 +155,17 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """The process layout: ``parallel.dp`` x ``parallel.pp`` = world size."""
+    """The process layout: ``parallel.dp`` x ``parallel.pp`` x ``parallel.tp`` = world size."""
 
     dp: int = 1
-    pp: int | None = None  # default: world size / dp
+    pp: int | None = None  # default: world size / (dp x tp)
     # what each stage's data-parallel group shards: none (full replicas), optimizer (ZeRO-1:
     # AdamW state and update), full (FSDP2: parameters and gradients too)
     shard: str = "none"
+    # tensor parallel: each stage's layers split over tp ranks (innermost: the GPUs of a node)
+    tp: int = 1
+    # with tp > 1: norms, dropout and the activations between stages sharded along the sequence
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -377,24 +381,33 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 
 def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
-    """(dp, pp) for this world size.
+    """(dp, pp) for this world size, with ``parallel.tp`` (:func:`tensor_degree`) ranks per stage.
 
     Raises:
-        ConfigError: if dp x pp does not equal the world size.
+        ConfigError: if dp x pp x tp does not equal the world size.
     """
-    dp = parallel.dp
-    if dp < 1 or world_size % dp:
+    dp, tp = parallel.dp, tensor_degree(parallel)
+    if tp < 1 or world_size % tp:
+        raise ConfigError(f"parallel.tp={tp} does not divide the world size {world_size}; choose a tp that divides "
+                          f"{world_size} (the GPUs of a node, e.g. 8)")
+    if dp < 1 or world_size % (dp * tp):
         raise ConfigError(
-            f"parallel.dp={dp} does not divide the world size {world_size}; "
-            f"choose a dp that divides {world_size}"
+            f"parallel.dp={dp} does not divide the world size {world_size}"
+            + (f" / parallel.tp={tp}" if tp > 1 else "") + f"; choose a dp that divides {world_size // tp}"
         )
-    pp = parallel.pp if parallel.pp is not None else world_size // dp
-    if dp * pp != world_size:
+    pp = parallel.pp if parallel.pp is not None else world_size // (dp * tp)
+    if dp * pp * tp != world_size:
+        shape = f"parallel.dp={dp} x parallel.pp={pp}" + (f" x parallel.tp={tp}" if tp > 1 else "")
         raise ConfigError(
-            f"parallel.dp={dp} x parallel.pp={pp} = {dp * pp} processes, but the world size is "
-            f"{world_size}; launch with torchrun --nproc-per-node {dp * pp} or set parallel.pp={world_size // dp}"
+            f"{shape} = {dp * pp * tp} processes, but the world size is {world_size}; launch with torchrun "
+            f"--nproc-per-node {dp * pp * tp} or set parallel.pp={world_size // (dp * tp)}"
         )
     return dp, pp
+
+
+def tensor_degree(parallel: Any) -> int:
+    """``parallel.tp`` (1 where the config predates it)."""
+    return int(getattr(parallel, "tp", 1) or 1)
 
 
 SHARD_MODES = ("none", "optimizer", "full")

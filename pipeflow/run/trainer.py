@@ -144,6 +144,11 @@ class Trainer:
         return self.mesh.dp
 
     @property
+    def pipelines(self) -> int:
+        """Pipelines running the same program (dp x tp): each holds its shard's loss on its last stage."""
+        return self.mesh.dp * self.mesh.tp
+
+    @property
     def ranges(self) -> list[range]:
         """The layers of every stage."""
         return self.layout.ranges
@@ -251,7 +256,7 @@ class Trainer:
         inputs, targets, weights = self._microbatches(self.batches.train, step)
         loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights, memory=memory)
         zero = torch.zeros(1, device=self.device, dtype=torch.float64)
-        own_loss = zero if loss is None else loss.detach().double().reshape(1) / self.dp
+        own_loss = zero if loss is None else loss.detach().double().reshape(1) / self.pipelines
         preempt = zero + (1.0 if self._signalled else 0.0)
         # train.check_finite's flags: before the dp and tie sums, which would spread a NaN to other stages
         checked = [self.finite.local_flags().to(torch.float64)] if self.finite is not None else []
@@ -263,7 +268,7 @@ class Trainer:
         norms = grad_norms([local(p.grad) for p in with_grad])
         extra = torch.cat([own_loss, preempt, self._stage_flags(with_grad, norms), *checked])
         norm, reduced = clip_on_device(self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(),
-                                       replicas=self.dp, norms=norms)
+                                       replicas=self.pipelines, norms=norms)
         return packet_on_host(step, lr, torch.cat([norm.reshape(1), reduced]))
 
     def _stage_flags(self, with_grad: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:
@@ -398,8 +403,8 @@ class Trainer:
                 loss = self.pipeline.eval(inputs, targets, loss_weights=weights)
             if loss is not None:
                 total += loss.double()
-        dist.all_reduce(total)  # the last stage of every replica holds its shard's mean loss
-        return float(total) / (self.cfg.train.eval_batches * self.dp)
+        dist.all_reduce(total)  # the last stage of every pipeline holds its dp shard's mean loss
+        return float(total) / (self.cfg.train.eval_batches * self.pipelines)
 
     def close(self) -> None:
         """Stop what runs beside the loop (the P2P watchdog's thread, joined) and release the run
@@ -470,8 +475,9 @@ class Trainer:
         if self.is_main:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
-            log.info("mesh: dp=%d x pp=%d, shard=%s, precision=%s, activation checkpointing=%s", self.dp, self.mesh.pp,
-                     self.cfg.parallel.shard, self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
+            tp = f", sequence parallel={self.cfg.parallel.sequence_parallel}" if self.mesh.tp > 1 else ""
+            log.info("mesh: %s, shard=%s%s, precision=%s, activation checkpointing=%s", self.mesh.describe(),
+                     self.cfg.parallel.shard, tp, self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
             if self.compiled is not None:
                 log.info(self.compiled.describe())
             lengths = sequence_lengths(self.cfg.data)

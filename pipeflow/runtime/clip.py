@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.runtime.fsdp import is_sharded, local
+from pipeflow.runtime.fsdp import is_sharded, local, splits
 
 
 def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -43,10 +43,11 @@ def clip_on_device(
     Equals ``torch.nn.utils.clip_grad_norm_`` on the unsplit model.  `extra` (e.g. the loss,
     non-zero on the last stage only) rides along in the same all-reduce.  Parameters whose id
     is in `skip` (copies of a tied parameter held elsewhere too) are scaled but not counted.
-    With data parallelism the group spans `replicas` identical copies of every replicated
-    gradient (after their dp all-reduce): each counts 1/replicas, while a gradient sharded over
-    the dp group (``parallel.shard=full``: a DTensor) counts its local shard once, so one
-    all-reduce over the world gives the norm of one model.  The coefficient
+    With data (and tensor) parallelism the group spans `replicas` (dp x tp) identical copies of
+    every whole gradient (after their dp all-reduce): each counts 1/replicas, while a gradient
+    sharded (a DTensor: over the dp group with ``parallel.shard=full``, over the tp group with
+    ``parallel.tp``) counts its local shard once per copy of that shard, so one all-reduce over
+    the world gives the norm of one model.  The coefficient
     ``min(1, max_norm / (norm + 1e-6))`` is a device tensor multiplied in (``_foreach_mul_``),
     as torch's clipping does; a non-finite norm makes the gradients non-finite, and the caller
     skips that update.
@@ -62,12 +63,17 @@ def clip_on_device(
     if norms is None:
         norms = grad_norms([local(p.grad) for p in with_grad])
     device = extra.device
-    # the norms squared and summed in float64.  A sharded gradient (parallel.shard=full) is counted
-    # by its local shard, once: the dp group holds each of its rows once, not `replicas` times
-    counted = [(n, is_sharded(p.grad)) for p, n in zip(with_grad, norms) if id(p) not in skip]
-    replicated = _sum_of_squares([n for n, sharded in counted if not sharded], device)
-    total_sq = (replicated / replicas if replicas > 1 else replicated) + _sum_of_squares(
-        [n for n, sharded in counted if sharded], device)
+    # the norms squared and summed in float64, each divided by how many ranks hold that same
+    # shard (a whole gradient: every dp and tp rank; a sharded one: only the ranks of the mesh
+    # dimensions it is not sharded over)
+    by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for p, n in zip(with_grad, norms):
+        if id(p) not in skip:
+            by_copies[copies(p.grad, replicas)].append(n)
+    total_sq = torch.zeros((), dtype=torch.float64, device=device)
+    for count, group_norms in sorted(by_copies.items()):
+        squares = _sum_of_squares(group_norms, device)
+        total_sq = total_sq + (squares / count if count > 1 else squares)
     packed = torch.cat([total_sq.reshape(1).to(device, torch.float64), extra.to(torch.float64).reshape(-1)])
     dist.all_reduce(packed, group=group)
     total = packed[0].sqrt()
@@ -75,6 +81,19 @@ def clip_on_device(
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         scale_grads([local(p.grad) for p in with_grad], coef)
     return total, packed[1:]
+
+
+def copies(grad: torch.Tensor, replicas: int) -> int:
+    """How many ranks of the world (of `replicas` holding each whole gradient) hold the same
+    values as this rank's `grad`: `replicas` for a whole one, fewer by the size of every mesh
+    dimension a DTensor gradient is sharded over."""
+    if not is_sharded(grad):
+        return replicas
+    split = 1
+    for dim, placement in enumerate(grad.placements):
+        if splits(placement):
+            split *= grad.device_mesh.size(dim)
+    return max(1, replicas // split)
 
 
 def scale_grads(grads: list[torch.Tensor], coef: torch.Tensor) -> None:

@@ -51,8 +51,15 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def is_sharded(tensor: torch.Tensor | None) -> bool:
-    """True for a DTensor sharded over some mesh dimension (a gradient of ``parallel.shard=full``)."""
-    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+    """True for a DTensor sharded over some mesh dimension (a gradient of ``parallel.shard=full``,
+    or of a tp-split weight)."""
+    return isinstance(tensor, DTensor) and any(splits(p) for p in tensor.placements)
+
+
+def splits(placement: Any) -> bool:
+    """True for a placement that splits a tensor over its mesh dimension: ``Shard``, and the
+    strided shard of a fused [q; k; v] weight (``_StridedShard``, whose ``is_shard()`` is False)."""
+    return placement.is_shard() or hasattr(placement, "split_factor")
 
 
 def check_internals() -> None:

@@ -1,10 +1,12 @@
-"""The 2-D process mesh (data parallel x pipeline parallel) and the data-parallel gradient reduction.
+"""The process mesh (data parallel x pipeline parallel x tensor parallel) and the data-parallel
+gradient reduction.
 
-Global rank g sits at mesh coordinate (d, r) = divmod(g, pp): the ranks of one pipeline are
-consecutive (pipeline rank r of replica d is global rank d * pp + r), and the dp group of a
-pipeline rank holds the same stages in every replica.  Put the pipeline inside a node when
-pp <= GPUs per node (its P2P traffic is the chattiest); across nodes the dp all-reduce runs
-once per step.
+Global rank g sits at mesh coordinate (d, r, t) with g = (d * pp + r) * tp + t: tensor parallel
+is innermost (the tp ranks of a stage are consecutive: the GPUs of a node, where its per-layer
+collectives run), then the pipeline, then data parallel.  Every (d, t) pair is one pipeline of
+pp ranks (tp rank t of stage k exchanges with tp rank t of stage k + 1, batched P2P in that
+pipeline's group); the dp group of a rank holds the same stages and the same tp shard in every
+replica.  Without tp (tp = 1) this is the 2-D mesh (d, r) = divmod(g, pp).
 
 Why not DDP: DDP reduces from autograd's AccumulateGrad hooks and expects one forward then one
 backward through the wrapped module.  A pipeline runs many micro-batch forwards before their
@@ -25,21 +27,25 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipeflow.runtime import failures
+from pipeflow.runtime.fsdp import local
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 
 
 @dataclass
 class Mesh:
-    """This rank's place in the dp x pp mesh.
+    """This rank's place in the dp x pp x tp mesh.
 
     Attributes:
-        dp, pp: the mesh shape.
+        dp, pp: the mesh shape (tp below).
         dp_rank, pp_rank: this rank's coordinates.
         pp_group: the process group of this rank's pipeline (P2P runs inside it).
-        dp_group: the ranks holding the same stages in every replica (gradient all-reduce).
-        replicas: ``replicas[d][r]``, the global rank of pipeline rank r in replica d.
-        device_mesh: torch's DeviceMesh (None for a 1 x 1 mesh).
+        dp_group: the ranks holding the same stages (and tp shard) in every replica (gradient all-reduce).
+        replicas: ``replicas[k][r]``, the global rank of pipeline rank r in pipeline k, one per
+            (d, t) pair (k = d * tp + t): every pipeline that runs the same program.
+        device_mesh: torch's DeviceMesh, dims ``("dp", "pp")`` or ``("dp", "pp", "tp")`` (None for one rank).
+        tp, tp_rank: the tensor-parallel degree and this rank's place in its tp group.
+        tp_group: the ranks that split this rank's stages' layers (None at tp = 1).
     """
 
     dp: int
@@ -50,39 +56,63 @@ class Mesh:
     dp_group: Any
     replicas: list[list[int]]
     device_mesh: DeviceMesh | None
+    tp: int = 1
+    tp_rank: int = 0
+    tp_group: Any = None
+
+    @property
+    def first_pipeline(self) -> bool:
+        """True on the ranks of pipeline (d, t) = (0, 0): the one whose figures stand for all."""
+        return self.dp_rank == 0 and self.tp_rank == 0
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The one-dimensional mesh of this rank's tp group (None at tp = 1)."""
+        return self.device_mesh["tp"] if self.tp > 1 and self.device_mesh is not None else None
+
+    def describe(self) -> str:
+        """``dp=2 x pp=4 x tp=8`` (without tp at tp = 1)."""
+        return f"dp={self.dp} x pp={self.pp}" + (f" x tp={self.tp}" if self.tp > 1 else "")
 
 
-def build_mesh(dp: int, pp: int, device: torch.device) -> Mesh:
-    """Build the (dp, pp) mesh over the default process group (collective: every rank calls it).
+def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1) -> Mesh:
+    """Build the (dp, pp[, tp]) mesh over the default process group (collective: every rank calls it).
 
     Args:
         dp: data-parallel degree.
-        pp: pipeline degree; dp * pp must equal the world size (checked by config.check_config).
+        pp: pipeline degree; dp * pp * tp must equal the world size (checked by config.check_config).
         device: this rank's device (its type names the mesh's device type).
+        tp: tensor-parallel degree (innermost).
     """
     rank = dist.get_rank()
-    dp_rank, pp_rank = divmod(rank, pp)
-    replicas = [[d * pp + r for r in range(pp)] for d in range(dp)]
-    if dp * pp == 1:
+    (dp_rank, pp_rank), tp_rank = divmod(rank // tp, pp), rank % tp
+    replicas = [[(d * pp + r) * tp + t for r in range(pp)] for d in range(dp) for t in range(tp)]
+    if dp * pp * tp == 1:
         return Mesh(1, 1, 0, 0, None, None, replicas, None)
-    device_mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    return Mesh(
-        dp, pp, dp_rank, pp_rank, device_mesh.get_group("pp"), device_mesh.get_group("dp"), replicas, device_mesh
-    )
+    if tp == 1:
+        device_mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
+        return Mesh(
+            dp, pp, dp_rank, pp_rank, device_mesh.get_group("pp"), device_mesh.get_group("dp"), replicas, device_mesh
+        )
+    device_mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    return Mesh(dp, pp, dp_rank, pp_rank, device_mesh.get_group("pp"), device_mesh.get_group("dp"), replicas,
+                device_mesh, tp, tp_rank, device_mesh.get_group("tp"))
 
 
 def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
-    """Consecutive parameters grouped by dtype and device, each group under `bucket_bytes`."""
+    """Consecutive parameters grouped by dtype and device, each group under `bucket_bytes`
+    (a tp-sharded parameter counted by its local shard)."""
     buckets: list[list[torch.nn.Parameter]] = []
     size = 0
     for p in params:
+        shard = local(p)
         last = buckets[-1] if buckets else None
         fits = last is not None and last[0].dtype == p.dtype and last[0].device == p.device
-        if not fits or size + p.numel() * p.element_size() > bucket_bytes:
+        if not fits or size + shard.numel() * shard.element_size() > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(p)
-        size += p.numel() * p.element_size()
+        size += shard.numel() * shard.element_size()
     return buckets
 
 
@@ -128,8 +158,8 @@ class GradReducer:
             self._launched.add(id(p))
             if p.grad is None:  # a missing gradient counts as zeros, so the collective stays matched
                 p.grad = torch.zeros_like(p)
-        for bucket in _buckets(params, self.bucket_bytes):
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        for bucket in _buckets(params, self.bucket_bytes):  # a tp-sharded parameter: its local shard
+            flat = torch.cat([local(p.grad).reshape(-1) for p in bucket])
             with failures.collective(self._describe(s, len(self._pending), flat), self.group):
                 work = dist.all_reduce(flat, group=self.group, async_op=True)
             self._pending.append((bucket, flat, work, s))
@@ -149,8 +179,9 @@ class GradReducer:
             flat.div_(self.world)
             offset = 0
             for p in bucket:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
+                grad = local(p.grad)
+                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
         self._ready.clear()
         self._launched.clear()
         self._pending.clear()

@@ -17,6 +17,7 @@ from pipeflow.errors import ScheduleError
 from pipeflow.models.spec import ModelSpec, run_layers
 from pipeflow.runtime.compiled_backward import deferring_weight_grads
 from pipeflow.runtime.precision import to_compute_dtype
+from pipeflow.runtime.tensor_parallel import like_param
 
 Tensors = tuple[torch.Tensor, ...]
 _ENGINE = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
@@ -286,6 +287,7 @@ class Stage:
                 continue
             for p, g in zip(params, run_backward(outs, grads, params)):
                 if g is not None:
+                    g = like_param(p, g)  # a tp-split weight's gradient in the weight's own placement
                     p.grad = g if p.grad is None else p.grad + g
 
     def trial_forward(self, inputs: Tensors) -> Tensors:
