@@ -119,7 +119,8 @@ def _trainer_config(folder: str, run_dir: str, dp: int, schedule: str, m: int, *
 def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t  # collective over the dp group: every replica calls it
+    # a collective over the tensor's mesh (dp replicas with FSDP2, a stage's tp ranks with tp): every rank calls it
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str, m: int = 2, steps: int = 2,
@@ -221,6 +222,10 @@ TRAINER_CASES_4 = {  # dp2 x pp2
     "zbv-tied-zero1": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "optimizer"}, TOLERANCE),  # tie on rank 0
     "zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full"}, TOLERANCE),
 }
+TP_CASES_4 = {  # dp1 x pp2 x tp2: each stage's layers split by the config's base_model_tp_plan
+    "pp2-tp2-tied-1f1b": ("llama_tied", 1, "1f1b", 2, {"parallel__tp": 2}, TOLERANCE),
+    "pp2-tp2-tied-zbv": ("llama_tied", 1, "zbv", 2, {"parallel__tp": 2}, TOLERANCE),  # tied pair on one stage
+}
 
 
 def _world(folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) -> dict:
@@ -246,7 +251,7 @@ def world2(folders):
 @pytest.fixture(scope="module")
 def world4(folders):
     """Every 4-process case (each rank one decoder layer, the embedding and head with the ends)."""
-    return _world(folders, 4, MP_CASES_4, TRAINER_CASES_4)
+    return _world(folders, 4, MP_CASES_4, {**TRAINER_CASES_4, **TP_CASES_4})
 
 
 def _check(results: list) -> None:
@@ -296,6 +301,15 @@ def test_trainer_equals_hugging_face_on_dp2_pp2(world4, name):
     _check_trainer(world4[name], TRAINER_CASES_4[name][-1])
     full = TRAINER_CASES_4[name][4]["parallel__shard"] == "full"
     assert all((r.value["sharded"] == r.value["compared"]) == full for r in world4[name])  # FSDP2's DTensors
+
+
+@pytest.mark.parametrize("name", list(TP_CASES_4))
+def test_trainer_equals_hugging_face_on_pp2_tp2(world4, name):
+    """pp2 x tp2 (parallel.tp=2): attention heads, MLP, and the tied embedding and head's vocabulary split
+    over two ranks per stage, with 1f1b and zbv, equal to Hugging Face's unsplit model (float64)."""
+    _check_trainer(world4[name], TP_CASES_4[name][-1])
+    for result in world4[name]:  # linear and embedding weights split (DTensors), the norms whole on every tp rank
+        assert 0 < result.value["sharded"] < result.value["compared"], result.value
 
 
 def test_bf16_gradients_agree_with_fp32(world2):
@@ -382,6 +396,61 @@ def test_named_errors(tmp_path):
     with pytest.raises(ConfigError, match=missing):
         spec.build_layers([len(spec) - 1])
     spec.build_layers([0, 1])  # the layers whose tensors are there still build
+
+
+def test_tp_plan_follows_the_configs_base_model_tp_plan(tmp_path):
+    """parallel.tp's plan: base_model_tp_plan's keys under ``model.``, the vocabulary of the embedding and
+    the head split alike."""
+    write_model(str(tmp_path), "llama_tied", weights=False)
+    spec = build_hf(str(tmp_path))
+    last = len(spec) - 1
+    embedding, decoder, head = spec.build_layers([0, 2, last])
+    assert spec.tensor_plan(0, embedding, 2) == {"model.embed_tokens": "embedding"}
+    assert spec.tensor_plan(last, head, 2) == {"lm_head": "colwise_out"}
+    attn, mlp = "model.layers.1.self_attn", "model.layers.1.mlp"
+    assert spec.tensor_plan(2, decoder, 2) == {
+        f"{attn}.q_proj": "colwise", f"{attn}.k_proj": "colwise", f"{attn}.v_proj": "colwise",
+        f"{attn}.o_proj": "rowwise", f"{mlp}.gate_proj": "colwise", f"{mlp}.up_proj": "colwise",
+        f"{mlp}.down_proj": "rowwise"}
+
+
+def test_tp_plan_named_errors(tmp_path):
+    """A tp that does not divide the heads, the kv heads or the vocabulary; a config without a
+    base_model_tp_plan, or with a style model=hf does not support: ConfigErrors naming them."""
+    write_model(str(tmp_path / "llama"), "llama", weights=False)
+    spec = build_hf(str(tmp_path / "llama"))
+    embedding, decoder = spec.build_layers([0, 1])
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 does not divide .*num_attention_heads=4"):
+        spec.tensor_plan(1, decoder, 3)
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 does not divide .*num_key_value_heads=2"):
+        spec.tensor_plan(0, embedding, 4)
+    folder = str(tmp_path / "vocab")
+    transformers.LlamaConfig(**{**SMALL, "vocab_size": 66, "num_key_value_heads": 4}).save_pretrained(folder)
+    wide = build_hf(folder)
+    with pytest.raises(ConfigError, match=r"parallel.tp=4 does not divide .*vocab_size=66"):
+        wide.tensor_plan(0, wide.build_layers([0])[0], 4)
+    config = spec.tp_plan.args[0]  # the config the plan reads
+    config.base_model_tp_plan = {**config.base_model_tp_plan, "layers.*.mlp.up_proj": "colwise_rep"}
+    with pytest.raises(ConfigError, match=r"'layers.\*.mlp.up_proj': 'colwise_rep'.*supported: colwise, rowwise"):
+        spec.tensor_plan(1, decoder, 2)
+    config.base_model_tp_plan = None
+    with pytest.raises(ConfigError, match="has no base_model_tp_plan.*parallel.tp=1"):
+        spec.tensor_plan(1, decoder, 2)
+
+
+def test_sequence_parallel_is_refused_with_a_named_error(tmp_path):
+    """model=hf's plan has no norm entries: parallel.sequence_parallel=true is a ConfigError saying so
+    (raised before anything is split, so a stand-in for the tp mesh suffices)."""
+    from types import SimpleNamespace
+
+    from pipeflow.runtime.tensor_parallel import parallelize_layer
+
+    write_model(str(tmp_path), "llama", weights=False)
+    spec = build_hf(str(tmp_path))
+    mesh = SimpleNamespace(size=lambda: 2)
+    for index, layer in zip((0, 1, len(spec) - 1), spec.build_layers([0, 1, len(spec) - 1])):
+        with pytest.raises(ConfigError, match="no 'norm' or 'sequence_out' entry.*parallel.sequence_parallel=false"):
+            parallelize_layer(spec, index, layer, mesh, sequence_parallel=True)
 
 
 def test_importing_pipeflow_never_imports_transformers():

@@ -27,9 +27,16 @@ Weights: each layer reads only its own tensors from the safetensors files in ``p
 (``safe_open``; a missing tensor or a wrong shape is a `ConfigError` naming the tensor and file);
 without safetensors files, layer i is initialised by the model's own ``_init_weights`` under the
 layer's seed. ``transformers`` and ``safetensors`` are imported only here, when the builder runs.
+
+Tensor parallelism (``parallel.tp``): :func:`hf_tp_plan` splits the layers by the config's own
+``base_model_tp_plan`` (attention heads and the MLP column then row), the embedding's and the
+head's vocabulary alike (so a tied pair stays tied shard for shard). Sequence parallelism is not
+supported yet (the plan has no norm entries).
 """
 from __future__ import annotations
 
+import fnmatch
+import functools
 import glob
 import inspect
 import json
@@ -57,6 +64,9 @@ SUPPORTED = {
 TESTED_TRANSFORMERS = ("5.25",)  # major.minor versions the exactness tests ran on
 _DECODER_KWARGS = ("attention_mask", "position_ids", "position_embeddings")
 _TIE = "model.embed_tokens.weight"
+# Hugging Face's tensor-parallel style names (base_model_tp_plan values) -> pipeflow's (TP_STYLES)
+HF_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise"}
+_TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "vocab_size")  # each tp rank holds 1/tp of these
 
 
 def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[Tensor, ...]:
@@ -282,7 +292,55 @@ def build_hf(path: str | None = None, seed: int = 0) -> ModelSpec:
     specs = [LayerSpec(name, layers.build, (k,)) for k, (name, _, _) in enumerate(plans)]
     ties = {_TIE: [("embedding", _TIE), ("head", "lm_head.weight")]} if tied else {}
     return ModelSpec(f"hf-{config.model_type}", specs, loss_fn=cross_entropy, seed=seed, tied=ties,
-                     export_name=hf_name, save_config=config.save_pretrained, compile_unit=decoder_layer)
+                     export_name=hf_name, save_config=config.save_pretrained, compile_unit=decoder_layer,
+                     tp_plan=functools.partial(hf_tp_plan, config))
+
+
+def hf_tp_plan(config: Any, index: int, layer: nn.Module, tp: int) -> dict[str, str]:
+    """Layer `index`'s tensor-parallel plan (``ModelSpec.tp_plan``) from the config's own
+    ``base_model_tp_plan``: each key, relative to the base model, is matched (fnmatch) as
+    ``"model." + key`` against the layer's submodule paths, its style mapped by
+    :data:`HF_TP_STYLES`; the embedding piece's ``model.embed_tokens`` is split by the
+    vocabulary ('embedding') and the head's ``lm_head`` by its output features, gathered again
+    ('colwise_out'), so a tied embedding and head are split alike.
+
+    Args:
+        config: the model's Hugging Face config.
+        index: the layer's index (unused: the layer's own submodule paths say what it holds).
+        layer: the built layer (a piece keeping the model's paths, e.g. ``model.layers.3``).
+        tp: the tensor-parallel degree.
+
+    Returns:
+        ``{submodule path: pipeflow style}`` for the layer.
+
+    Raises:
+        ConfigError: tp does not divide num_attention_heads, num_key_value_heads or vocab_size;
+            the config has no ``base_model_tp_plan``; or the plan uses a style pipeflow does not
+            support.
+    """
+    for key in _TP_DIVIDES:
+        value = getattr(config, key, None)
+        if value is not None and value % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide the Hugging Face config's {key}={value}: each tp "
+                              f"rank holds {key}/tp of it; choose a tp that divides {value}")
+    hf_plan = getattr(config, "base_model_tp_plan", None)
+    if not hf_plan:
+        raise ConfigError(f"the Hugging Face config ({type(config).__name__}) has no base_model_tp_plan, so "
+                          f"parallel.tp={tp} does not know how to split model=hf's layers; set parallel.tp=1")
+    unsupported = {key: style for key, style in hf_plan.items() if style not in HF_TP_STYLES}
+    if unsupported:
+        raise ConfigError(f"the Hugging Face config's base_model_tp_plan uses style(s) {unsupported} that model=hf "
+                          f"does not support (supported: {', '.join(HF_TP_STYLES)}); set parallel.tp=1")
+    plan: dict[str, str] = {}
+    for path, _ in layer.named_modules():
+        for key, style in hf_plan.items():
+            if fnmatch.fnmatchcase(path, f"model.{key}"):
+                plan[path] = HF_TP_STYLES[style]
+        if path == "model.embed_tokens":
+            plan[path] = "embedding"
+        elif path == "lm_head":
+            plan[path] = "colwise_out"
+    return plan
 
 
 def decoder_layer(index: int, layer: nn.Module) -> nn.Module:
