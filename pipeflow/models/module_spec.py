@@ -171,6 +171,7 @@ def from_module(
     init_from: str | None = None,
     names: tuple[str, str] = ("before", "after"),
     name: str | None = None,
+    tp_plan: dict[str, str] | None = None,
 ) -> ModelSpec:
     """Describe an existing ``nn.Module`` as pipeline layers (see the module docstring for the forms).
 
@@ -195,6 +196,10 @@ def from_module(
             to load instead; each rank reads only its own layers' tensors.
         names: the names of the `before` and `after` layers.
         name: the model's name (default: its class name).
+        tp_plan: how ``parallel.tp`` splits the layers: ``{glob of submodule paths: style}`` (the
+            paths as the model names them, e.g. ``{"blocks.*.attn.qkv": "colwise_qkv",
+            "blocks.*.attn.proj": "rowwise"}``; styles: ``pipeflow.models.spec.TP_STYLES``),
+            matched in every layer; None: the model cannot run with tp > 1.
 
     Returns:
         A ModelSpec whose layers hold the model's own modules under their own paths (state dict
@@ -231,7 +236,7 @@ def from_module(
     specs = [LayerSpec(plan.name, layers.build, (k,)) for k, plan in enumerate(plans)]
     # export_name: the layers' keys are the module's own (checkpoint export writes them as they are)
     return ModelSpec(name or type(root).__name__.lower(), specs, loss_fn=loss_fn, seed=seed, tied=_ties(root, plans),
-                     export_name=original_name)
+                     export_name=original_name, tp_plan=dict(tp_plan) if tp_plan else None)
 
 
 def original_name(index: int, key: str) -> str:
@@ -252,6 +257,7 @@ def build_module(
     init: Any = None,
     init_from: str | None = None,
     seed: int = 0,
+    tp_plan: Any = None,
 ) -> ModelSpec:
     """A user's own nn.Module from the config (``model=module``): `from_module` with its keys.
 
@@ -269,6 +275,8 @@ def build_module(
         init: the per-layer init hook.
         init_from: a state dict file of the unsplit model.
         seed: the model seed.
+        tp_plan: ``parallel.tp``'s plan, ``{glob of submodule paths: style}``
+            (``model.tp_plan={'blocks.*.mlp.fc1': colwise, 'blocks.*.mlp.fc2': rowwise}``).
 
     Raises:
         ConfigError: model.module is not set.
@@ -279,4 +287,4 @@ def build_module(
         module, before=list(before or []), blocks=blocks if isinstance(blocks, (str, type(None))) else list(blocks),
         after=list(after or []), split_points=list(split_points) if split_points else None,
         before_fn=before_fn, after_fn=after_fn, loss_fn=loss_fn or cross_entropy, init=init, init_from=init_from,
-        seed=seed)
+        seed=seed, tp_plan=dict(tp_plan) if tp_plan else None)

@@ -108,7 +108,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     stages = build_stages(spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
                           compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
     if mesh.tp > 1:  # each layer split over the stage's tp ranks, before FSDP2 shards over dp
-        parallelize_stages(spec, stages, layout.ranges, mesh.tp_mesh, bool(cfg.parallel.sequence_parallel))
+        parallelize_stages(spec, stages, layout.ranges, mesh.tp_mesh, bool(cfg.parallel.sequence_parallel),
+                           OmegaConf.select(cfg, "parallel.shard", default="none"))
     sharding = full_shard(cfg, spec, stages, layout.ranges, mesh)  # before anything holds the parameters
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)

@@ -135,10 +135,26 @@ def parallelize_layer(spec: ModelSpec, index: int, layer: nn.Module, tp_mesh: An
     return len(chosen)
 
 
-def parallelize_stages(spec: ModelSpec, stages: dict, ranges: list[range], tp_mesh: Any, sequence_parallel: bool) -> int:
+def parallelize_stages(spec: ModelSpec, stages: dict, ranges: list[range], tp_mesh: Any, sequence_parallel: bool,
+                       shard: str = "none") -> int:
     """Split every layer of this rank's `stages` over its tp mesh (before FSDP2 and ties); returns
     the number of modules split.  Every split parameter's gradient is kept in the parameter's own
-    placement (:func:`like_param`) as autograd accumulates it."""
+    placement (:func:`like_param`) as autograd accumulates it.
+
+    Raises:
+        ConfigError: as :func:`parallelize_layer`; and ``parallel.shard=full`` with a fused
+            [q; k; v] split (FSDP2 does not compose with its strided placement: its gradients
+            came out wrong in the dp 2 x pp 2 x tp 2 test).
+    """
+    tp = tp_mesh.size()
+    for s, stage in stages.items():
+        for i, layer in zip(ranges[s], stage.module):
+            fused = [path for path, style in spec.tensor_plan(i, layer, tp).items() if style == "colwise_qkv"]
+            if fused and shard == "full":
+                raise ConfigError(
+                    f"parallel.shard=full with parallel.tp={tp}: layer {spec.layers[i].name!r} splits a fused "
+                    f"[q; k; v] projection ({fused[0]}), whose strided split FSDP2 does not compose with; use "
+                    f"parallel.shard=none with tp, or a model with separate q, k, v projections (model=hf)")
     split = sum(parallelize_layer(spec, i, layer, tp_mesh, sequence_parallel)
                 for s, stage in stages.items() for i, layer in zip(ranges[s], stage.module))
     from torch.distributed.tensor import DTensor

@@ -1,0 +1,136 @@
+"""parallel.tp, in one process: the layout's arithmetic and named errors, the plans (the GPT's, a
+from_module glob plan), the checks that refuse what tp cannot split, and one layer split over a
+one-rank mesh equal to itself.  The multi-process proofs (pp 2 x tp 2 against the unsplit model
+for 1F1B, interleaved and ZB-V, with and without sequence parallelism; dp 2 x pp 2 x tp 2 with
+FSDP2) run in tests/test_scale.py's worlds; model=hf's plan in tests/test_hf.py.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from pipeflow.errors import ConfigError
+from pipeflow.models import from_module
+from pipeflow.models.gpt import GPT_BLOCK_PLAN, build_gpt
+from pipeflow.models.spec import TP_STYLES, LayerSpec, ModelSpec
+from pipeflow.run.config import ParallelConfig, resolve_layout
+
+
+def _parallel(**keys) -> ParallelConfig:
+    return OmegaConf.structured(ParallelConfig(**keys))
+
+
+def test_the_world_is_dp_x_pp_x_tp_with_pp_inferred() -> None:
+    assert resolve_layout(_parallel(tp=2), 8) == (1, 4)
+    assert resolve_layout(_parallel(dp=2, tp=2), 8) == (2, 2)
+    assert resolve_layout(_parallel(dp=2, pp=2, tp=2), 8) == (2, 2)
+    with pytest.raises(ConfigError, match="parallel.tp=3 does not divide the world size 8"):
+        resolve_layout(_parallel(tp=3), 8)
+    with pytest.raises(ConfigError, match=r"parallel.dp=2 x parallel.pp=4 x parallel.tp=2 = 16 processes, but the "
+                                          r"world size is 8; .*set parallel.pp=2"):
+        resolve_layout(_parallel(dp=2, pp=4, tp=2), 8)
+    with pytest.raises(ConfigError, match="parallel.dp=3 does not divide the world size 8 / parallel.tp=2"):
+        resolve_layout(_parallel(dp=3, tp=2), 8)
+
+
+def test_the_gpt_plan_splits_heads_mlp_and_vocabulary_and_names_what_tp_does_not_divide() -> None:
+    spec = build_gpt(vocab_size=64, n_head=4, n_embd=32, n_layer=1)
+    layers = spec.build_layers(range(3))
+    assert spec.tensor_plan(0, layers[0], 2) == {"wte": "embedding", "": "sequence_out"}
+    assert spec.tensor_plan(1, layers[1], 4) == GPT_BLOCK_PLAN
+    assert spec.tensor_plan(2, layers[2], 2) == {"ln_f": "norm", "lm_head": "colwise_out"}
+    assert set(GPT_BLOCK_PLAN.values()) <= set(TP_STYLES)
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 does not divide model.n_head=4"):
+        spec.tensor_plan(1, layers[1], 3)
+    odd = build_gpt(vocab_size=65, n_head=4, n_embd=32, n_layer=1)
+    with pytest.raises(ConfigError, match=r"parallel.tp=2 does not divide model.vocab_size=65"):
+        odd.tensor_plan(0, odd.build_layers([0])[0], 2)
+
+
+def test_a_model_without_a_plan_and_an_unknown_style_are_named() -> None:
+    bare = ModelSpec("bare", [LayerSpec("fc", nn.Linear, (4, 4))], loss_fn=lambda o, t: o.sum())
+    with pytest.raises(ConfigError, match="model 'bare' has no tensor-parallel plan, so parallel.tp=2"):
+        bare.tensor_plan(0, bare.build_layers([0])[0], 2)
+    wrong = ModelSpec("wrong", [LayerSpec("fc", nn.Linear, (4, 4))], loss_fn=lambda o, t: o.sum(), tp_plan={"": "cols"})
+    with pytest.raises(ConfigError, match=r"style\(s\) \['cols'\] unknown"):
+        wrong.tensor_plan(0, wrong.build_layers([0])[0], 2)
+
+
+class _MLPBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_MLPBlock() for _ in range(2)])
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_from_module_glob_plan_matches_every_layers_own_paths() -> None:
+    spec = from_module(_Net, blocks="blocks", after=["head"],
+                       tp_plan={"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"})
+    block, head = spec.build_layers([1])[0], spec.build_layers([2])[0]
+    assert spec.tensor_plan(1, block, 2) == {"blocks.1.fc1": "colwise", "blocks.1.fc2": "rowwise"}
+    assert spec.tensor_plan(2, head, 2) == {}  # the head stays whole
+
+
+def test_sizes_tp_does_not_divide_are_refused_by_module(one_rank_group) -> None:
+    from pipeflow.runtime.tensor_parallel import _check_divisible
+
+    with pytest.raises(ConfigError, match=r"layer 'block.0', module 'mlp.c_fc' \(colwise\): its 5 weight rows are not "
+                                          r"divisible by parallel.tp=2"):
+        _check_divisible("block.0", "mlp.c_fc", "colwise", nn.Linear(4, 5), 2)
+    with pytest.raises(ConfigError, match=r"its 3 weight columns are not divisible"):
+        _check_divisible("block.0", "mlp.c_proj", "rowwise", nn.Linear(3, 4), 2)
+    with pytest.raises(ConfigError, match=r"its 3 weight rows per third"):
+        _check_divisible("block.0", "attn.c_attn", "colwise_qkv", nn.Linear(4, 9), 2)
+
+
+def test_a_layer_split_over_one_rank_is_itself_and_sequence_parallel_needs_norms(one_rank_group) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeflow.runtime.tensor_parallel import parallelize_layer
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    spec = build_gpt(vocab_size=32, n_head=2, n_embd=16, n_layer=1, block_size=8)
+    block = spec.build_layers([1], dtype=torch.float64)[0]
+    ref = copy.deepcopy(block)
+    assert parallelize_layer(spec, 1, block, mesh, sequence_parallel=True) == len(GPT_BLOCK_PLAN)
+    x = torch.randn(2, 8, 16, dtype=torch.float64)
+    torch.testing.assert_close(block(x), ref(x), rtol=1e-12, atol=1e-12)
+    plain = ModelSpec("plain", [LayerSpec("fc", nn.Linear, (4, 4))], loss_fn=lambda o, t: o.sum(),
+                      tp_plan={"": "colwise"})
+    with pytest.raises(ConfigError, match="no 'norm' or 'sequence_out' entry.*parallel.sequence_parallel=false"):
+        parallelize_layer(plain, 0, plain.build_layers([0])[0], mesh, sequence_parallel=True)
+
+
+def test_zero_and_fsdp2_over_a_fused_qkv_split_are_refused_by_name(one_rank_group) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeflow.run.config import check_config
+    from pipeflow.runtime.stage import Stage
+    from pipeflow.runtime.tensor_parallel import parallelize_stages
+    from scale_cases import make_config
+
+    with pytest.raises(ConfigError, match="parallel.shard=optimizer \\(ZeRO-1\\) does not run with parallel.tp=2"):
+        check_config(make_config(1, parallel__tp=2, parallel__shard="optimizer"), 4)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    spec = build_gpt(vocab_size=32, n_head=2, n_embd=16, n_layer=1, block_size=8)
+    stages = {0: Stage(0, 1, spec.build_layers(range(3)))}
+    with pytest.raises(ConfigError, match=r"layer 'block.0' splits a fused \[q; k; v\] projection \(attn.c_attn\)"):
+        parallelize_stages(spec, stages, [range(3)], mesh, False, shard="full")
