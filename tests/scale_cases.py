@@ -290,9 +290,11 @@ def _shared_dir(prefix: str) -> str:
     return box[0]
 
 
-def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: str = "float32", shard: str = "none") -> Trainer:
+def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: str = "float32", shard: str = "none",
+         **overrides: Any) -> Trainer:
     cfg = make_config(dp, "1f1b", m, train__dtype=dtype, train__max_steps=6, train__save_every=3,
-                      train__run_dir=run_dir, train__resume=resume, optim__grad_clip=1.0, parallel__shard=shard)
+                      train__run_dir=run_dir, train__resume=resume, optim__grad_clip=1.0, parallel__shard=shard,
+                      **overrides)
     trainer = build_run(cfg, torch.device("cpu"))
     trainer.fit()
     return trainer
@@ -367,6 +369,33 @@ def resume_across_layouts() -> dict[str, Any] | None:
     with torch.no_grad():
         out["export_val_loss"] = float(spec.loss_fn(run_layers(list(model), x), y))
     out["trainer_val_loss"] = val
+    return out
+
+
+def resume_across_tp() -> dict[str, Any] | None:
+    """Checkpoints across tensor-parallel degrees (float64, 4 ranks): 6 steps of pp 2 x tp 2 and of
+    pp 4 (tp 1) straight; the tp 2 run's step 3 resumed with tp 1 (pp 4), and the tp 1 run's step
+    3 resumed with tp 2 (pp 2, sequence parallel); every step-6 checkpoint's export (whole tensors)
+    against the tp 1 straight run's.  Rank 0 returns the figures."""
+    from pipeflow.run.checkpoint import find_latest
+
+    tp1 = _fit(1, _shared_dir("pf-tp1-"), dtype="float64")
+    tp2 = _fit(1, _shared_dir("pf-tp2-"), dtype="float64", parallel__tp=2)
+    runs = {"tp2_to_tp1": _fit(1, _shared_dir("pf-tp2to1-"), dtype="float64",
+                               resume=f"{tp2.checkpoint_root}/step_00000003"),
+            "tp1_to_tp2_sp": _fit(1, _shared_dir("pf-tp1to2-"), dtype="float64", parallel__tp=2,
+                                  parallel__sequence_parallel=True, resume=f"{tp1.checkpoint_root}/step_00000003"),
+            "tp2_straight": tp2}
+    if dist.get_rank() != 0:
+        return None
+    reference = _exported(find_latest(tp1.checkpoint_root))
+    out: dict[str, Any] = {"keys": len(reference), "tp1_history": tp1.history}
+    for name, trainer in runs.items():
+        got = _exported(find_latest(trainer.checkpoint_root))
+        out[f"{name}_same_keys"] = sorted(got) == sorted(reference)
+        out[f"{name}_shapes"] = all(got[k].shape == reference[k].shape for k in reference if k in got)
+        out[f"{name}_param"] = max(rel_diff(got[k], reference[k]) for k in reference if k in got)
+        out[f"{name}_history"] = trainer.history
     return out
 
 

@@ -102,6 +102,7 @@ def _cases() -> list[tuple[str, object]]:
         ("inf-weights", cases.non_finite_weights_are_not_saved),
         ("resume", cases.resume_across_layouts),
         ("resume-shard", cases.resume_across_shard_modes),
+        ("resume-tp", cases.resume_across_tp),
         ("full-shard-counts", functools.partial(cases.full_shard_gathers_and_reduces_once_per_step, "zbv", 4)),
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
@@ -229,6 +230,16 @@ def test_resume_equals_training_straight_through_and_survives_a_layout_change(wo
         assert out[f"{name}_same_keys"]
         assert out[f"{name}_param"] < TOLERANCE, f"{name}: {out[f'{name}_param']:.3e}"
         assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE
+
+
+def test_checkpoints_resume_across_tensor_parallel_degrees(world) -> None:
+    """tp 2 -> tp 1 and tp 1 -> tp 2 (sequence parallel): DCP reshards the tp-split weights; the
+    exports hold whole tensors and equal the tp 1 run's after 6 steps (float64)."""
+    v = _values(world["resume-tp"])[0]
+    for name in ("tp2_to_tp1", "tp1_to_tp2_sp", "tp2_straight"):
+        assert v[f"{name}_same_keys"] and v[f"{name}_shapes"], (name, v)
+        assert v[f"{name}_param"] <= TOLERANCE, (name, v[f"{name}_param"])
+        assert len(v[f"{name}_history"]) == (6 if name == "tp2_straight" else 3), v
 
 
 def test_resume_across_shard_modes_restores_model_and_optimizer_state(world) -> None:

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipeflow.errors import CheckpointError, CheckpointPeerLostError, ConfigError
 from pipeflow.models.dcp_metadata import SafeReader
@@ -65,6 +66,7 @@ from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's
     LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
 )
 from pipeflow.run.export import export, main  # noqa: F401 - part of this module's API (the CLI)
+from pipeflow.runtime.fsdp import local
 from pipeflow.runtime.zero import local_optimizer
 
 log = logging.getLogger("pipeflow")
@@ -210,7 +212,7 @@ def save(
     final = os.path.join(root, f"step_{step:08d}")
     saving = _Saving(root, step, final, f"{final}.{job}.tmp" if job else f"{final}.tmp", rank)
     saving.agree("preparing", integrity.attempt(lambda: _prepare(saving, job) if rank == 0 else None, rank))
-    state = {**model_state(layers), **optimizer_state(optimizer, layers, fill=False)}
+    state, _ = whole_strided({**model_state(layers), **optimizer_state(optimizer, layers, fill=False)}, gather=True)
     outcome = integrity.attempt(lambda: dcp.save(state, checkpoint_id=saving.tmp), rank)
     if not outcome.errors:
         outcome = integrity.attempt(lambda: _save_rng(saving.tmp, rank), rank)
@@ -287,10 +289,34 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
     if any(key not in saved for key in optim):  # saved before any optimizer step (e.g. all fp16 steps skipped)
         local_optimizer(optimizer).state.clear()
         optim = {}
-    integrity.call_named(lambda: dcp.load({**model, **optim}, storage_reader=reader), f"loading checkpoint {path}")
+    state, strided = whole_strided({**model, **optim}, gather=False)
+    integrity.call_named(lambda: dcp.load(state, storage_reader=reader), f"loading checkpoint {path}")
+    for target, whole in strided:  # this rank's rows of each whole strided tensor, into its shard
+        with torch.no_grad():
+            local(target).copy_(distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+                                .to_local())
     if meta.get("world_size") == dist.get_world_size():
         _load_rng(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"))
     return meta
+
+
+def whole_strided(state: dict[str, torch.Tensor], gather: bool) -> tuple[dict[str, Any], list[tuple[Any, Any]]]:
+    """`state` with every strided-shard DTensor (a fused [q; k; v] weight split over tp: rank t
+    holds rows t of each third) as a whole tensor, since DCP describes a shard as one block of
+    rows and would see the ranks' blocks overlap.  Saving (`gather`): the whole values, gathered
+    over the tp group (collective; tp peers and dp replicas hold the same, DCP writes it once).
+    Loading: empty whole buffers, with the (DTensor, buffer) pairs to copy back after the load."""
+    out: dict[str, Any] = {}
+    pairs: list[tuple[Any, Any]] = []
+    for key, value in state.items():
+        if isinstance(value, DTensor) and any(hasattr(p, "split_factor") for p in value.placements):
+            device = local(value).device
+            whole = value.full_tensor() if gather else torch.empty(value.shape, dtype=value.dtype, device=device)
+            out[key] = whole
+            pairs.append((value, whole))
+        else:
+            out[key] = value
+    return out, pairs
 
 
 def _load_rng(file: str) -> None:
