@@ -1,8 +1,9 @@
 """parallel.tp, in one process: the layout's arithmetic and named errors, the plans (the GPT's, a
 from_module glob plan), the checks that refuse what tp cannot split, and one layer split over a
 one-rank mesh equal to itself.  The multi-process proofs (pp 2 x tp 2 against the unsplit model
-for 1F1B, interleaved and ZB-V, with and without sequence parallelism; dp 2 x pp 2 x tp 2 with
-FSDP2) run in tests/test_scale.py's worlds; model=hf's plan in tests/test_hf.py.
+for 1F1B, interleaved and ZB-V, with and without sequence parallelism; checkpoints across tp)
+run in tests/test_scale.py's 4-process world; model=hf's plan, and dp 2 x pp 2 x tp 2 with FSDP2
+on 8 processes, in tests/test_hf.py.
 """
 from __future__ import annotations
 
