@@ -163,7 +163,7 @@ def table(result: tuple[LayerProfile, list[tuple]], args: argparse.Namespace) ->
         "action times (each action's median time in the run fed to the simulator) also what the "
         "four ranks sharing the CPU add to the actions, leaving what the runtime adds between "
         "actions: communication, waits and Python."
-        + (" Strict rendezvous (`Posting(lowering="rendezvous")`: every op of a step completes before "
+        + (" Strict rendezvous (`Posting(lowering='rendezvous')`: every op of a step completes before "
            "its action, nothing posted ahead; the runtime before the optimisations) ran in "
            "alternation with the default runtime, step by step." if args.compare_strict else ""),
     ]

@@ -62,3 +62,11 @@ def test_train_py_help_is_hydras_help_with_our_usage_and_config_groups(tmp_path:
     assert "schedule: 1f1b," in run.stdout and "model: " in run.stdout  # $APP_CONFIG_GROUPS
     assert "hydra.run.dir" in run.stdout and "num_microbatches: 8" in run.stdout
     assert list(tmp_path.iterdir()) == []  # --help makes no directory
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_script_compiles_on_this_python(script: str) -> None:
+    """A script that does not even parse (benchmarks/schedule_efficiency.py had a quote inside a
+    string of the same quotes, fine in 3.12's f-strings only) fails here, not on a lent GPU."""
+    source = (ROOT / "benchmarks" / script).read_text()
+    compile(source, script, "exec")
