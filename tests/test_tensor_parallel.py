@@ -135,3 +135,17 @@ def test_zero_and_fsdp2_over_a_fused_qkv_split_are_refused_by_name(one_rank_grou
     stages = {0: Stage(0, 1, spec.build_layers(range(3)))}
     with pytest.raises(ConfigError, match=r"layer 'block.0' splits a fused \[q; k; v\] projection \(attn.c_attn\)"):
         parallelize_stages(spec, stages, [range(3)], mesh, False, shard="full")
+
+
+def test_ranks_are_named_by_their_dp_pp_tp_coordinates() -> None:
+    from pipeflow.observability.console import grid_coordinates, rank_label
+    from pipeflow.observability.trace import chrome_trace
+
+    assert [grid_coordinates(g, 2, 2) for g in range(8)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    assert rank_label(5, 2, 2) == "rank 5 (dp 1, pp 0, tp 1)"
+    assert rank_label(3, 2) == "rank 3 (pipeline rank 1)"  # without tp, as before
+    per_rank = [((g // 2) % 2, 0.0, 1.0, []) for g in range(4)]  # pp 2 x tp 2
+    names = [e["args"]["name"] for e in chrome_trace({0: per_rank}, tp=2)["traceEvents"] if e["name"] == "process_name"]
+    assert names == ["rank 0 (dp 0, pp 0, tp 0)", "rank 1 (dp 0, pp 0, tp 1)", "rank 2 (dp 0, pp 1, tp 0)",
+                     "rank 3 (dp 0, pp 1, tp 1)"]

@@ -38,6 +38,17 @@ class RankFilter(logging.Filter):
         return True
 
 
+def grid_coordinates(rank: int, num_pp: int, tp: int = 1) -> tuple[int, int, int]:
+    """Global rank -> its (dp, pp, tp) coordinates in the mesh (tp innermost: g = (d * pp + r) * tp + t)."""
+    return rank // (num_pp * tp), (rank // tp) % num_pp, rank % tp
+
+
+def rank_label(rank: int, num_pp: int, tp: int = 1) -> str:
+    """``rank 5 (dp 1, pp 0, tp 1)`` with tensor parallelism, else ``rank 5 (pipeline rank 1)``."""
+    d, r, t = grid_coordinates(rank, num_pp, tp)
+    return f"rank {rank} (dp {d}, pp {r}, tp {t})" if tp > 1 else f"rank {rank} (pipeline rank {r})"
+
+
 def setup_logging(rank: int) -> None:
     """Rank 0 logs INFO to stdout; other ranks only warnings and errors to stderr; every line is
     tagged ``[rank N]``.  Python ``warnings`` go through logging too (so they are tagged)."""

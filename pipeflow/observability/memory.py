@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from pipeflow.observability.console import grid_coordinates
 from pipeflow.schedules.memory import CATEGORIES, RankMemory, TensorBytes
 
 if TYPE_CHECKING:
@@ -49,10 +50,12 @@ class MemoryMetrics:
         pp_rank: this rank's pipeline rank (its prediction is the pipeline rank's).
         device: this rank's device.
         prediction: the layout's prediction (``memory`` empty without profiles).
+        tp: the tensor-parallel degree (the table then names each rank's dp and tp coordinates too).
     """
 
     def __init__(self, steps: Iterable[int], max_steps: int, pp_rank: int, device: torch.device,
-                 prediction: Prediction) -> None:
+                 prediction: Prediction, tp: int = 1) -> None:
+        self.tp = tp
         self.steps = {min(int(s), max_steps - 1) for s in steps if int(s) >= 0}
         self.pp_rank, self.device = pp_rank, device
         self.predicted = prediction.memory
@@ -122,12 +125,17 @@ class MemoryMetrics:
     def table(self) -> str:
         """Per global rank: measured tensor MB by category (resident, then in-step peak) beside
         the prediction, then RSS and (GPU) the allocator's peak, each in its own column."""
-        heads = ["rank", "pp", "params", "grads", "optimizer", "peak: params", "grads", "optimizer", "activations",
-                 "comm", "tensor MB measured", "predicted", "RSS MB", "allocator peak MB"]
+        grid = self.tp > 1  # each rank's (dp, pp, tp) coordinates, its share of the stage's split weights
+        heads = ["rank", *(["dp"] if grid else []), "pp", *(["tp"] if grid else []), "params", "grads", "optimizer",
+                 "peak: params", "grads", "optimizer", "activations", "comm", "tensor MB measured", "predicted", "RSS MB",
+                 "allocator peak MB"]
         rows = []
+        num_pp = max((row["pp_rank"] for row in self.rows), default=0) + 1
         for g, row in enumerate(self.rows):
             predicted = row["predicted"]
-            rows.append([str(g), str(row["pp_rank"]), *(_mb(v) for v in row["resident"].as_tuple()[:3]),
+            d, _, t = grid_coordinates(g, num_pp, self.tp)
+            place = [str(d), str(row["pp_rank"]), str(t)] if grid else [str(row["pp_rank"])]
+            rows.append([str(g), *place, *(_mb(v) for v in row["resident"].as_tuple()[:3]),
                          *(_mb(v) for v in row["peak"].as_tuple()), _mb(row["peak"].total),
                          "-" if predicted is None else _mb(predicted.peak.total), f"{row['rss_mb']:.0f}",
                          "-" if math.isnan(row["allocator_peak_mb"]) else f"{row['allocator_peak_mb']:.1f}"])

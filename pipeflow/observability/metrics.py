@@ -130,7 +130,9 @@ class RunMetrics:
         self.step_times: list[float] = []
         self.traced: dict[int, tuple[float, float, list[tuple[str, str, float, float]]]] = {}
         self._start = 0.0
-        self.memory = MemoryMetrics(getattr(mc, "memory_steps", [1]), self.max_steps, pp_rank, device, prediction)
+        self.tp = int(getattr(getattr(cfg, "parallel", None), "tp", 1) or 1)  # tensor parallel: ranks named (dp, pp, tp)
+        self.memory = MemoryMetrics(getattr(mc, "memory_steps", [1]), self.max_steps, pp_rank, device, prediction,
+                                    self.tp)
 
     def memory_measured(self, step: int, measured: RankMemory) -> None:
         """Gather this measured step's tensor memory from every rank (collective) and write it."""
@@ -248,7 +250,8 @@ class RunMetrics:
             self.bar.close()
         means, peaks = gather_figures(self.steady, self.steady_steps, self.pp_rank, self.num_pp, self.device)
         if self.trace_steps:
-            trace.write_traces(self.traced, self.pp_rank, schedule, self.run_dir, self.device, self.predicted, self.writer)
+            trace.write_traces(self.traced, self.pp_rank, schedule, self.run_dir, self.device, self.predicted, self.writer,
+                               self.tp)
         step_s = statistics.median(self.step_times) if self.step_times else float("nan")
         samples, tokens = self.items
         summary = [{
