@@ -73,6 +73,9 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp1xpp2xtp2-zbv": (1, "zbv", 2, {"parallel__tp": 2}),
     "dp1xpp2xtp2-zbv-sp-actckpt": (1, "zbv", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True,
                                                  "pipeline__checkpoint_activations": True}),
+    "dp1xpp2xtp2-dualpipev": (1, "dualpipev", 4, {"parallel__tp": 2}),
+    "dp1xpp2xtp2-v_min-variable-lengths": (1, "v_min", 4, {"parallel__tp": 2, "data__variable_lengths": True,
+                                                         "data__min_seq_len": 3}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
         "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }
@@ -103,6 +106,8 @@ def _cases() -> list[tuple[str, object]]:
         ("resume", cases.resume_across_layouts),
         ("resume-shard", cases.resume_across_shard_modes),
         ("resume-tp", cases.resume_across_tp),
+        ("tp-bf16", functools.partial(cases.dp_equivalence, 1, "1f1b", 2, 1, train__precision="bf16",
+                                      train__dtype="float32", parallel__tp=2)),
         ("full-shard-counts", functools.partial(cases.full_shard_gathers_and_reduces_once_per_step, "zbv", 4)),
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
@@ -230,6 +235,12 @@ def test_resume_equals_training_straight_through_and_survives_a_layout_change(wo
         assert out[f"{name}_same_keys"]
         assert out[f"{name}_param"] < TOLERANCE, f"{name}: {out[f'{name}_param']:.3e}"
         assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE
+
+
+def test_tensor_parallel_under_bf16_gives_the_gradients_of_fp32(world) -> None:
+    """pp 2 x tp 2 under train.precision=bf16 against the unsplit fp32 model: the bound eager bf16 meets."""
+    for v in _values(world["tp-bf16"]):
+        assert 0 < v["grad"] < 0.05 and v["loss"] < 0.05, v
 
 
 def test_checkpoints_resume_across_tensor_parallel_degrees(world) -> None:

@@ -149,3 +149,17 @@ def test_ranks_are_named_by_their_dp_pp_tp_coordinates() -> None:
     names = [e["args"]["name"] for e in chrome_trace({0: per_rank}, tp=2)["traceEvents"] if e["name"] == "process_name"]
     assert names == ["rank 0 (dp 0, pp 0, tp 0)", "rank 1 (dp 0, pp 0, tp 1)", "rank 2 (dp 0, pp 1, tp 0)",
                      "rank 3 (dp 0, pp 1, tp 1)"]
+
+
+def test_sequence_parallel_needs_tp_and_a_sequence_it_splits_evenly(one_rank_group) -> None:
+    from pipeflow.run.config import check_sequence_parallel
+    from scale_cases import make_config
+
+    check_sequence_parallel(make_config(1, parallel__tp=2, parallel__sequence_parallel=True))  # seq_len 8
+    with pytest.raises(ConfigError, match="needs parallel.tp > 1"):
+        check_sequence_parallel(make_config(1, parallel__sequence_parallel=True))
+    with pytest.raises(ConfigError, match="data.variable_lengths=true: every sequence length must split"):
+        check_sequence_parallel(make_config(1, parallel__tp=2, parallel__sequence_parallel=True,
+                                            data__variable_lengths=True))
+    with pytest.raises(ConfigError, match="data.seq_len=8 does not split into parallel.tp=3"):
+        check_sequence_parallel(make_config(1, parallel__tp=3, parallel__sequence_parallel=True))

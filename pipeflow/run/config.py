@@ -405,6 +405,24 @@ def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]
     return dp, pp
 
 
+def check_sequence_parallel(cfg: Any) -> None:
+    """Raise ConfigError for ``parallel.sequence_parallel`` where the sequence cannot be cut into tp
+    equal slices: without tp, with variable lengths, or a sequence length tp does not divide."""
+    if not OmegaConf.select(cfg, "parallel.sequence_parallel", default=False):
+        return
+    tp = tensor_degree(cfg.parallel)
+    if tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over the tp "
+                          "ranks of a stage)")
+    if OmegaConf.select(cfg, "data.variable_lengths", default=False):
+        raise ConfigError(f"parallel.sequence_parallel=true with data.variable_lengths=true: every sequence length must "
+                          f"split into parallel.tp={tp} equal slices; set one of them to false")
+    seq_len = OmegaConf.select(cfg, "data.seq_len", default=None)
+    if seq_len is not None and seq_len % tp:
+        raise ConfigError(f"parallel.sequence_parallel=true: data.seq_len={seq_len} does not split into parallel.tp={tp} "
+                          f"equal slices; choose a length divisible by {tp}")
+
+
 def tensor_degree(parallel: Any) -> int:
     """``parallel.tp`` (1 where the config predates it)."""
     return int(getattr(parallel, "tp", 1) or 1)
@@ -429,6 +447,7 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
         raise ConfigError(f"parallel.shard=optimizer (ZeRO-1) does not run with parallel.tp={tensor_degree(cfg.parallel)}: "
                           "torch's ZeroRedundancyOptimizer cannot hold tp-split (DTensor) weights; use parallel.shard=full "
                           "(FSDP2 over the dp dimension) or none")
+    check_sequence_parallel(cfg)
     m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
     if m < 1:
         raise ConfigError(f"pipeline.num_microbatches={m} must be at least 1")
