@@ -163,3 +163,53 @@ def test_sequence_parallel_needs_tp_and_a_sequence_it_splits_evenly(one_rank_gro
                                             data__variable_lengths=True))
     with pytest.raises(ConfigError, match="data.seq_len=8 does not split into parallel.tp=3"):
         check_sequence_parallel(make_config(1, parallel__tp=3, parallel__sequence_parallel=True))
+
+
+def test_a_layer_split_over_tp_ranks_costs_its_share_plus_its_collectives() -> None:
+    from pipeflow.planning.profile import LayerProfile
+    from pipeflow.planning.tensor_cost import TensorLink, split_profile
+
+    p = LayerProfile("block", params=1000, param_bytes=4000, forward_s=1.0, backward_s=2.0, activation_bytes=800,
+                     input_grad_s=1.2, weight_grad_s=0.8, output_bytes=100, tp_split=0.8, tp_forward_bytes=200,
+                     tp_backward_bytes=200, tp_forward_collectives=2, tp_backward_collectives=2)
+    link = TensorLink(bandwidth_Bps=100.0, latency_s=0.01)
+    one = split_profile(p, 4, link)
+    scale = 0.2 + 0.8 / 4
+    comm = 2 * 3 / 4 * 200 / 100.0 + 2 * 0.01  # two ring all-reduces of 100 bytes each over 4 ranks
+    assert one.param_bytes == round(4000 * scale) and one.activation_bytes == round(800 * scale)
+    assert one.forward_s == pytest.approx(scale + comm) and one.input_grad_s == pytest.approx(1.2 * scale + comm)
+    assert one.weight_grad_s == pytest.approx(0.8 * scale) and one.output_bytes == 100
+    sp = split_profile(p, 4, link, sequence_parallel=True)
+    assert sp.activation_bytes == 200 and sp.output_bytes == 25  # a quarter of the sequence
+    assert split_profile(p, 1, link) == p
+
+
+def test_the_profile_counts_what_the_gpt_plan_would_split_and_send() -> None:
+    from pipeflow.planning.profile import profile_layers
+
+    spec = build_gpt(vocab_size=64, n_head=4, n_embd=32, n_layer=1, block_size=16)
+    embedding, block, head = profile_layers(spec, torch.randint(0, 64, (2, 16)), repeats=1)
+    activation = 2 * 16 * 32 * 4  # B x T x C float32
+    assert block.tp_forward_bytes == 2 * activation and block.tp_backward_bytes == 2 * activation  # proj, mlp out / c_attn, c_fc in
+    assert (block.tp_forward_collectives, block.tp_backward_collectives) == (2, 2)
+    assert 0.95 < block.tp_split < 1.0  # every weight but the LayerNorms'
+    assert embedding.tp_forward_bytes == activation and embedding.tp_backward_bytes == 0
+    assert head.tp_forward_bytes == head.output_bytes // 2  # the logits gathered: half an all-reduce
+
+
+def test_the_planner_searches_tp_beside_the_schedules(one_rank_group) -> None:
+    from pipeflow.planning.profile import LayerProfile
+    from pipeflow.planning.search import SearchSpace
+    from pipeflow.run.plan import search_tp
+    from scale_cases import make_config
+
+    layers = [LayerProfile(f"l{k}", 10**6, 4 * 10**6, 1e-3, 2e-3, 10**6, 1.2e-3, 0.8e-3, 10**5, tp_split=0.9,
+                           tp_forward_bytes=2 * 10**5, tp_backward_bytes=2 * 10**5, tp_forward_collectives=2,
+                           tp_backward_collectives=2) for k in range(4)]
+    cfg = make_config(1, plan__tp=[1, 2])
+    space = SearchSpace(("1f1b",), (4,), (1,))
+    result = search_tp(cfg, lambda b: layers, 2, 8, space, None, 0.0, 0.0, None)
+    by_tp = {c.tp: c for c in result.candidates}
+    assert set(by_tp) == {1, 2} and "parallel.tp=2" in by_tp[2].overrides() and "parallel.tp" not in by_tp[1].overrides()
+    assert by_tp[2].peak_bytes < 0.7 * by_tp[1].peak_bytes  # the split weights' share
+    assert result.candidates == sorted(result.candidates, key=lambda c: c.step_s)

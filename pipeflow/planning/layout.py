@@ -19,6 +19,7 @@ import torch.distributed as dist
 from pipeflow.errors import PartitionError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.partition import BALANCE_METHODS, format_partition, plan_partition
+from pipeflow.planning.tensor_cost import split_profiles
 from pipeflow.planning.profile import LayerProfile, action_costs, count_layer_params, profile_layers
 from pipeflow.schedules import PipelineSchedule, forward_only, lower, simulate
 from pipeflow.planning.step_model import StepCosts, describe_costs, predict_step
@@ -184,6 +185,8 @@ def choose_layout(
     sample_target: Any = None,
     autocast_dtype: torch.dtype | None = None,
     compiled: Any = None,
+    tp: int = 1,
+    sequence_parallel: bool = False,
 ) -> Layout:
     """Partition `spec` into the schedule's stages as the ``pipeline`` config says.
 
@@ -194,7 +197,9 @@ def choose_layout(
     (`MemorySetting`), with the sizes of `sample_input` and `sample_target` (one micro-batch's
     targets; the loss is profiled on them).  `autocast_dtype` is the run's compute dtype
     (``train.precision``), which the profile runs the layers in; `compiled` (``train.compile``'s
-    :class:`~pipeflow.runtime.compile.CompileOptions`, or None) how it compiles them.
+    :class:`~pipeflow.runtime.compile.CompileOptions`, or None) how it compiles them.  With `tp`
+    > 1 the unsplit profiles become one tp rank's (`pipeflow.planning.tensor_cost`: compute and
+    memory of the split share, the plan's collectives over an assumed NVLink-class link).
 
     Raises:
         PartitionError: unknown balance method, bad split points, more stages than layers.
@@ -212,6 +217,8 @@ def choose_layout(
                               autocast_dtype=autocast_dtype, compiled=compiled) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         profiles = box[0]
+        if tp > 1:
+            profiles = split_profiles(profiles, tp, sequence_parallel=sequence_parallel)
     source = profiles if needs_profile or (method == "params" and profiles is not None) else spec
     ranges = plan_partition(source, schedule.num_stages, method, pipeline_cfg.split_points, inflight=inflight)
     setting = MemorySetting(dp, shard, lowering, float(_input_bytes(sample_input)),

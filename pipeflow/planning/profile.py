@@ -54,6 +54,12 @@ class LayerProfile:
         cpu_fraction: CPU time of the process over wall time while the layer ran (0 for a layer
             that waits, about 1 for one thread computing, more for several); how much cores shared
             with other ranks slow it down (`pipeflow.planning.step_model`).
+        tp_split: the fraction of the layer's parameters its tensor-parallel plan splits (0 for a
+            model without a plan); `pipeflow.planning.tensor_cost` scales compute and memory by it.
+        tp_forward_bytes, tp_backward_bytes: what the plan's collectives would carry in the
+            forward (row-wise outputs summed, a head's output gathered: counted as half) and in the
+            backward (column-wise inputs' gradients summed), as all-reduce payloads in bytes.
+        tp_forward_collectives, tp_backward_collectives: how many collectives carry them.
     """
 
     name: str
@@ -68,6 +74,11 @@ class LayerProfile:
     loss_bytes: int | None = None
     cpu_fraction: float = 1.0
     loss_saves_output: bool = True
+    tp_split: float = 0.0
+    tp_forward_bytes: int = 0
+    tp_backward_bytes: int = 0
+    tp_forward_collectives: int = 0
+    tp_backward_collectives: int = 0
 
     @property
     def seconds(self) -> float:
@@ -258,7 +269,9 @@ def _profile_one(
                       whole_layer=sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in module.parameters()))
     forward = _Forward(module, device, autocast_dtype)
     params = list(module.parameters())
-    _run(forward, inputs, device)  # warm-up
+    traffic = _TensorTraffic(spec, index, module)
+    _run(forward, inputs, device)  # warm-up (and the tp plan's modules' sizes)
+    traffic.stop()
     activation_bytes, outputs = _activation_bytes(forward, inputs, params)
     outputs = to_compute_dtype(outputs, autocast_dtype)  # what a stage sends on (and the next layer receives)
     times, fractions = [], []
@@ -281,8 +294,62 @@ def _profile_one(
         weight_grad_s=min(h[1] for h in halves),
         output_bytes=sum(t.numel() * t.element_size() for t in outputs if isinstance(t, Tensor)),
         cpu_fraction=fractions[min(range(repeats), key=lambda k: sum(times[k]))],
+        **traffic.figures(),
     )
     return profile, _to_device(outputs, device, None, requires_grad=True)
+
+
+class _TensorTraffic:
+    """What layer `index`'s tensor-parallel plan would split and send (``LayerProfile.tp_*``): the
+    plan for tp = 2 (a model without one, or one tp = 2 cannot split, splits nothing), and the
+    sizes of its modules' inputs and outputs, seen by hooks during one forward."""
+
+    FORWARD = {"rowwise": 1.0, "embedding": 1.0, "colwise_out": 0.5}  # output: summed, or gathered (half)
+    BACKWARD = ("colwise", "colwise_qkv", "colwise_out")  # input gradient summed
+
+    def __init__(self, spec: ModelSpec, index: int, module: nn.Module) -> None:
+        from pipeflow.errors import ConfigError
+
+        self.total = sum(p.numel() for p in module.parameters())
+        self.plan: dict[str, str] = {}
+        if spec.tp_plan is not None:
+            try:
+                self.plan = spec.tensor_plan(index, module, 2)
+            except ConfigError:
+                self.plan = {}
+        self.split = sum(p.numel() for path, style in self.plan.items() if style in self.FORWARD or style in self.BACKWARD
+                         for p in (module.get_submodule(path) if path else module).parameters())
+        self.bytes: dict[str, tuple[int, int]] = {}
+        self.hooks = [(module.get_submodule(path) if path else module).register_forward_hook(self._hook(path))
+                      for path, style in self.plan.items() if style in self.FORWARD or style in self.BACKWARD]
+
+    def _hook(self, path: str) -> Callable:
+        def record(mod: nn.Module, args: tuple, out: Any) -> None:
+            self.bytes.setdefault(path, (_tensor_bytes(args), _tensor_bytes(out)))
+        return record
+
+    def stop(self) -> None:
+        """Remove the hooks (after the warm-up forward)."""
+        for hook in self.hooks:
+            hook.remove()
+
+    def figures(self) -> dict[str, Any]:
+        """The ``LayerProfile.tp_*`` fields."""
+        forward = sum(self.FORWARD[s] * self.bytes.get(p, (0, 0))[1] for p, s in self.plan.items() if s in self.FORWARD)
+        backward = sum(self.bytes.get(p, (0, 0))[0] for p, s in self.plan.items() if s in self.BACKWARD)
+        return {"tp_split": self.split / self.total if self.total else 0.0, "tp_forward_bytes": int(forward),
+                "tp_backward_bytes": int(backward),
+                "tp_forward_collectives": sum(1 for s in self.plan.values() if s in self.FORWARD),
+                "tp_backward_collectives": sum(1 for s in self.plan.values() if s in self.BACKWARD)}
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of the floating tensors in `value` (a tensor or a tuple of them)."""
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size() if value.is_floating_point() else 0
+    if isinstance(value, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 class _Forward:

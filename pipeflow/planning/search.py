@@ -113,6 +113,7 @@ class Candidate:
     takes_chunks: bool = False
     max_activations: float | None = None  # schedule=auto: the limit it was synthesised for
     rehearsed_s: float | None = None  # plan.rehearse: the step its run predicted from a rehearsal on this host
+    tp: int = 1  # parallel.tp: each stage split over tp ranks (its costs one tp rank's)
 
     @property
     def peak_bytes(self) -> float:
@@ -122,6 +123,8 @@ class Candidate:
     def overrides(self) -> str:
         """Ready-to-paste Hydra overrides for train.py (shell-quoted split points)."""
         parts = [f"schedule={self.schedule}", f"pipeline.num_microbatches={self.num_microbatches}"]
+        if self.tp > 1:
+            parts.append(f"parallel.tp={self.tp}")
         if self.takes_chunks:
             parts.append(f"pipeline.stages_per_rank={self.stages_per_rank}")
         if self.max_activations is not None:

@@ -96,7 +96,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                            shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
                            lowering=posting.options(not comm.independent_ops)[0],
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
-                           autocast_dtype=compute_dtype(cfg.train.precision), compiled=compile_options(cfg, dp * m))
+                           autocast_dtype=compute_dtype(cfg.train.precision), compiled=compile_options(cfg, dp * m),
+                           tp=tensor_degree(cfg.parallel), sequence_parallel=bool(cfg.parallel.sequence_parallel))
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
         transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))

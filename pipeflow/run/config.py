@@ -231,6 +231,11 @@ class PlanConfig:
     csv: str | None = None  # also write every simulated layout to this CSV file
     calibration: str | None = None  # a run directory (its costs.json): rank layouts with what that run measured
     rehearse: int = 0  # CPU hosts: build the k fastest layouts as train.py would and re-rank them by their rehearsed step
+    # tensor-parallel degrees searched beside the schedules (each pick: parallel.tp=N, dp x pp x N processes);
+    # null: parallel.tp alone.  Their collectives are costed over this link (a node's NVLink by default)
+    tp: list[int] | None = None
+    tp_bandwidth_gbps: float = 150.0
+    tp_latency_us: float = 10.0
 
 
 @dataclass

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.data import build_batches
 from pipeflow.run.compile_phase import compile_options
-from pipeflow.run.config import PlanConfig, register_configs, resolve_layout
+from pipeflow.run.config import PlanConfig, register_configs, resolve_layout, tensor_degree
 from pipeflow.runtime.distributed import choose_device
 from pipeflow.runtime.precision import compute_dtype
 from pipeflow.errors import ConfigError
@@ -40,10 +40,11 @@ from pipeflow.planning.profile import LayerProfile, profile_layers
 from pipeflow.schedules import GENERATORS
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-_PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points"}
+_PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points", "parallel.tp"}
 _HELP_FLAGS = ("-h", "--help")
 USAGE = "usage: python -m pipeflow.plan [key=value ...]"
-_SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes")
+_SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes",
+           "tp_forward_bytes", "tp_backward_bytes")
 
 
 def compose_config(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> DictConfig:
@@ -143,16 +144,48 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
                 comm += busy
         finally:
             torch.set_num_threads(threads)
-        result = search(costs, pp, batch, space, limit, cfg.plan.optimizer_factor, latency, overhead_s, model)
+        result = search_tp(cfg, costs, pp, batch, space, limit, latency, overhead_s, model)
         amp = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
+        degrees = tp_degrees(cfg)
+        tp_note = "" if degrees == [1] else (
+            f"; tp {', '.join(map(str, degrees))} costed over {cfg.plan.tp_bandwidth_gbps:g} GB/s + "
+            f"{cfg.plan.tp_latency_us:g} us per collective (plan.tp_bandwidth_gbps, plan.tp_latency_us)")
         header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}{amp}) "
-                  f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}")
+                  f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}{tp_note}")
     if cfg.plan.rehearse > 0 and result.candidates:
         result, rehearsed = rehearse_shortlist(result, cfg, overrides, dp * pp)
         header += f"; {rehearsed}"
     if cfg.plan.csv:
         write_csv(result, cfg.plan.csv)
     return result, header + "\n" + format_plan(result, cfg.plan.top, dp * pp, limit, overrides)
+
+
+def tp_degrees(cfg: DictConfig) -> list[int]:
+    """The tensor-parallel degrees the planner searches: ``plan.tp``, else ``parallel.tp``."""
+    degrees = [int(t) for t in (OmegaConf.select(cfg, "plan.tp", default=None) or [tensor_degree(cfg.parallel)])]
+    if any(t < 1 for t in degrees):
+        raise ConfigError(f"plan.tp={degrees}: every degree must be at least 1")
+    return sorted(set(degrees))
+
+
+def search_tp(cfg: DictConfig, costs: CostModel, pp: int, batch: int, space: Any, limit: float | None,
+              latency: Any, overhead_s: float, model: Any) -> PlanResult:
+    """:func:`search` once per tensor-parallel degree (:func:`tp_degrees`), each on the layers' costs
+    as one tp rank runs them (`pipeflow.planning.tensor_cost`), merged into one ranking."""
+    from pipeflow.planning.tensor_cost import TensorLink, split_profiles
+
+    link = TensorLink(cfg.plan.tp_bandwidth_gbps * 1e9, cfg.plan.tp_latency_us * 1e-6)
+    sp = bool(OmegaConf.select(cfg, "parallel.sequence_parallel", default=False))
+    merged = PlanResult()
+    for tp in tp_degrees(cfg):
+        per_rank = costs if tp == 1 else (lambda b, tp=tp: split_profiles(costs(b), tp, link, sp))
+        got = search(per_rank, pp, batch, space, limit, cfg.plan.optimizer_factor, latency, overhead_s, model)
+        merged.candidates += [dataclasses.replace(c, tp=tp) for c in got.candidates]
+        merged.over_memory += [dataclasses.replace(c, tp=tp) for c in got.over_memory]
+        for reason, n in got.skipped.items():
+            merged.skipped[reason] = merged.skipped.get(reason, 0) + n
+    merged.candidates.sort(key=lambda c: c.step_s)
+    return merged
 
 
 def rehearse_shortlist(result: PlanResult, cfg: DictConfig, overrides: Sequence[str], world: int
@@ -286,12 +319,13 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
     """The top layouts as a table (rank, predicted step, bubble, memory, overrides) and a summary;
     `num_ranks` is the world size the pick is launched with."""
     rehearsed = any(c.rehearsed_s is not None for c in result.candidates)
-    rows = [("#", "schedule", "m", "v", "step (ms)", *(("rehearsed (ms)",) if rehearsed else ()), "bubble",
-             "peak mem/rank (MB)", "overrides")]
+    tp = any(c.tp > 1 for c in result.candidates + result.over_memory)  # a tp column where tp was searched
+    rows = [("#", "schedule", "m", "v", *(("tp",) if tp else ()), "step (ms)",
+             *(("rehearsed (ms)",) if rehearsed else ()), "bubble", "peak mem/rank (MB)", "overrides")]
     for k, c in enumerate(result.candidates[:top], 1):
         step = (f"{1e3 * c.rehearsed_s:.2f}" if c.rehearsed_s is not None else "-",) if rehearsed else ()
-        rows.append((str(k), c.schedule, str(c.num_microbatches), str(c.stages_per_rank), f"{1e3 * c.step_s:.2f}",
-                     *step, f"{c.bubble:.1%}", f"{c.peak_bytes / 1e6:.1f}", c.overrides()))
+        rows.append((str(k), c.schedule, str(c.num_microbatches), str(c.stages_per_rank), *((str(c.tp),) if tp else ()),
+                     f"{1e3 * c.step_s:.2f}", *step, f"{c.bubble:.1%}", f"{c.peak_bytes / 1e6:.1f}", c.overrides()))
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]) - 1)]
     lines = [" | ".join([cell.ljust(w) for cell, w in zip(r, widths)] + [r[-1]]) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths) + "-+-" + "-" * 9)
@@ -307,7 +341,7 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
         keep = [shlex.quote(o) for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _PICK_KEYS
                 and not o.startswith("plan.")]
         command = " ".join(["train.py", *keep, result.candidates[0].overrides()])
-        lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks} {command}")
+        lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks * result.candidates[0].tp} {command}")
     else:
         lines.append("no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches)")
     return "\n".join(lines)

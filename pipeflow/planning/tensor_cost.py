@@ -1,0 +1,63 @@
+"""What a layer costs when its stage is split over tp ranks (``parallel.tp``), from its unsplit profile.
+
+The profile (`pipeflow.planning.profile.LayerProfile`) says what fraction of a layer's
+parameters its tensor-parallel plan splits (``tp_split``, f) and what the plan's collectives
+carry (``tp_forward_bytes``, ``tp_backward_bytes``, as all-reduce payloads).  Split over tp
+ranks, a layer's compute and its parameter bytes scale by ``1 - f + f / tp`` (the split weights'
+matmuls shrink by tp, the rest runs whole on every rank), and each action adds its collectives,
+timed as ring all-reduces over the tp link: ``2 (tp - 1) / tp x bytes / bandwidth`` plus a
+latency per collective (the forward's in F, the backward's input-gradient sums in B; with
+sequence parallelism the same bytes move as all-gathers and reduce-scatters).  Activations kept
+for the backward scale like the compute without sequence parallelism (the split modules' inputs
+and outputs are a tp-th; the rest is whole on every rank), by 1 / tp with it, and so does what
+crosses a stage boundary with it.  A model, not a measurement: `benchmarks/tensor_parallel.py`
+measures the bytes; the link is the planner's ``plan.tp_bandwidth_gbps`` and ``plan.tp_latency_us``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from pipeflow.planning.profile import LayerProfile
+
+
+@dataclass(frozen=True)
+class TensorLink:
+    """The link between the tp ranks of a stage (the GPUs of a node): bytes per second and the
+    latency of one collective."""
+
+    bandwidth_Bps: float = 150e9  # NVLink-class; the planner's plan.tp_bandwidth_gbps
+    latency_s: float = 10e-6
+
+    def all_reduce_s(self, payload_bytes: float, tp: int, collectives: int) -> float:
+        """Seconds for ring all-reduces of `payload_bytes` in all over `tp` ranks, `collectives` of them."""
+        if tp <= 1 or payload_bytes <= 0:
+            return 0.0
+        return 2 * (tp - 1) / tp * payload_bytes / self.bandwidth_Bps + collectives * self.latency_s
+
+
+def split_profile(p: LayerProfile, tp: int, link: TensorLink, sequence_parallel: bool = False) -> LayerProfile:
+    """Layer profile `p` as one of `tp` ranks runs it (the module docstring's model)."""
+    if tp <= 1:
+        return p
+    scale = 1.0 - p.tp_split + p.tp_split / tp
+    forward_comm = link.all_reduce_s(p.tp_forward_bytes, tp, p.tp_forward_collectives)
+    backward_comm = link.all_reduce_s(p.tp_backward_bytes, tp, p.tp_backward_collectives)
+    activations = p.activation_bytes / tp if sequence_parallel else p.activation_bytes * scale
+    return replace(
+        p,
+        params=round(p.params * scale),
+        param_bytes=round(p.param_bytes * scale),
+        forward_s=p.forward_s * scale + forward_comm,
+        backward_s=p.backward_s * scale + backward_comm,
+        input_grad_s=p.input_grad_s * scale + backward_comm if p.input_grad_s else 0.0,
+        weight_grad_s=p.weight_grad_s * scale,
+        activation_bytes=round(activations),
+        output_bytes=round(p.output_bytes / tp) if sequence_parallel else p.output_bytes,
+    )
+
+
+def split_profiles(profiles: Sequence[LayerProfile], tp: int, link: TensorLink | None = None,
+                   sequence_parallel: bool = False) -> list[LayerProfile]:
+    """Every layer's profile as one of `tp` ranks runs it."""
+    return [split_profile(p, tp, link or TensorLink(), sequence_parallel) for p in profiles]
