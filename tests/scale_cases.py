@@ -36,8 +36,10 @@ TMP_ENV = "PIPEFLOW_TEST_TMP"  # where run directories go (the test's tmp dir; i
 def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected| (a sharded `actual` gathered whole first: collective
     over its dp group, called by every replica alike)."""
-    if isinstance(actual, DTensor):
-        actual = actual.full_tensor()
+    if isinstance(actual, DTensor):  # a fused [q; k; v] tp split gathered in its own order
+        from pipeflow.runtime.tensor_parallel import gathered
+
+        actual = gathered(actual)
     scale = expected.abs().max().item()
     err = (actual.to(expected.dtype) - expected).abs().max().item()
     return err / scale if scale > 0 else err
@@ -372,18 +374,18 @@ def resume_across_layouts() -> dict[str, Any] | None:
     return out
 
 
-def resume_across_tp() -> dict[str, Any] | None:
-    """Checkpoints across tensor-parallel degrees (float64, 4 ranks): 6 steps of pp 2 x tp 2 and of
-    pp 4 (tp 1) straight; the tp 2 run's step 3 resumed with tp 1 (pp 4), and the tp 1 run's step
-    3 resumed with tp 2 (pp 2, sequence parallel); every step-6 checkpoint's export (whole tensors)
+def resume_across_tp(dp: int = 1, shard: str = "none") -> dict[str, Any] | None:
+    """Checkpoints across tensor-parallel degrees (float64): 6 steps of tp 2 and of tp 1 straight
+    (pp = world / (dp x tp)); the tp 2 run's step 3 resumed with tp 1, and the tp 1 run's step 3
+    resumed with tp 2 (sequence parallel); every step-6 checkpoint's export (whole tensors)
     against the tp 1 straight run's.  Rank 0 returns the figures."""
     from pipeflow.run.checkpoint import find_latest
 
-    tp1 = _fit(1, _shared_dir("pf-tp1-"), dtype="float64")
-    tp2 = _fit(1, _shared_dir("pf-tp2-"), dtype="float64", parallel__tp=2)
-    runs = {"tp2_to_tp1": _fit(1, _shared_dir("pf-tp2to1-"), dtype="float64",
+    tp1 = _fit(dp, _shared_dir("pf-tp1-"), dtype="float64", shard=shard)
+    tp2 = _fit(dp, _shared_dir("pf-tp2-"), dtype="float64", shard=shard, parallel__tp=2)
+    runs = {"tp2_to_tp1": _fit(dp, _shared_dir("pf-tp2to1-"), dtype="float64", shard=shard,
                                resume=f"{tp2.checkpoint_root}/step_00000003"),
-            "tp1_to_tp2_sp": _fit(1, _shared_dir("pf-tp1to2-"), dtype="float64", parallel__tp=2,
+            "tp1_to_tp2_sp": _fit(dp, _shared_dir("pf-tp1to2-"), dtype="float64", shard=shard, parallel__tp=2,
                                   parallel__sequence_parallel=True, resume=f"{tp1.checkpoint_root}/step_00000003"),
             "tp2_straight": tp2}
     if dist.get_rank() != 0:

@@ -226,12 +226,6 @@ TP_CASES_4 = {  # dp1 x pp2 x tp2: each stage's layers split by the config's bas
     "pp2-tp2-tied-1f1b": ("llama_tied", 1, "1f1b", 2, {"parallel__tp": 2}, TOLERANCE),
     "pp2-tp2-tied-zbv": ("llama_tied", 1, "zbv", 2, {"parallel__tp": 2}, TOLERANCE),  # tied pair on one stage
 }
-CASES_8 = {  # dp2 x pp2 x tp2: FSDP2 over the dp dimension of the 3-D mesh, around tp-split layers
-    "dp2-pp2-tp2-full-tied-1f1b": ("llama_tied", 2, "1f1b", 2, {"parallel__tp": 2, "parallel__shard": "full"},
-                                   TOLERANCE),
-}
-
-
 def _world(folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) -> dict:
     cases = [(f"{kind}-{schedule}", functools.partial(_pipelined_vs_hf, folders[kind.removesuffix("_packed")],
                                                       kind.removesuffix("_packed"), schedule, 4,
@@ -256,12 +250,6 @@ def world2(folders):
 def world4(folders):
     """Every 4-process case (each rank one decoder layer, the embedding and head with the ends)."""
     return _world(folders, 4, MP_CASES_4, {**TRAINER_CASES_4, **TP_CASES_4})
-
-
-@pytest.fixture(scope="module")
-def world8(folders):
-    """The 8-process case (each rank a quarter of a stage's replica: 2 replicas x 2 stages x 2 tp)."""
-    return _world(folders, 8, (), CASES_8)
 
 
 def _check(results: list) -> None:
@@ -320,14 +308,6 @@ def test_trainer_equals_hugging_face_on_pp2_tp2(world4, name):
     _check_trainer(world4[name], TP_CASES_4[name][-1])
     for result in world4[name]:  # linear and embedding weights split (DTensors), the norms whole on every tp rank
         assert 0 < result.value["sharded"] < result.value["compared"], result.value
-
-
-@pytest.mark.parametrize("name", list(CASES_8))
-def test_trainer_equals_hugging_face_on_dp2_pp2_tp2_with_fsdp2(world8, name):
-    """The 3-D mesh: dp 2 (FSDP2, parallel.shard=full) x pp 2 x tp 2 on 8 processes, equal to Hugging
-    Face's unsplit model (float64); every parameter a DTensor (sharded over dp, the weights over tp too)."""
-    _check_trainer(world8[name], CASES_8[name][-1])
-    assert all(r.value["sharded"] == r.value["compared"] for r in world8[name])
 
 
 def test_bf16_gradients_agree_with_fp32(world2):

@@ -1,9 +1,10 @@
-"""parallel.tp, in one process: the layout's arithmetic and named errors, the plans (the GPT's, a
-from_module glob plan), the checks that refuse what tp cannot split, and one layer split over a
-one-rank mesh equal to itself.  The multi-process proofs (pp 2 x tp 2 against the unsplit model
-for 1F1B, interleaved and ZB-V, with and without sequence parallelism; checkpoints across tp)
-run in tests/test_scale.py's 4-process world; model=hf's plan, and dp 2 x pp 2 x tp 2 with FSDP2
-on 8 processes, in tests/test_hf.py.
+"""parallel.tp.  In one process: the layout's arithmetic and named errors, the plans (the GPT's, a
+from_module glob plan), the checks that refuse what tp cannot split, one layer split over a
+one-rank mesh equal to itself, one tp rank's costs and the planner's tp search.  In this
+module's 8-process world: dp 2 x pp 2 x tp 2 with FSDP2 (the GPT, a tied Llama) against the
+unsplit model, and its checkpoints across tp.  pp 2 x tp 2 for every schedule family, with and
+without sequence parallelism, and checkpoints across tp run in tests/test_scale.py's 4-process
+world; model=hf's plan at pp 2 x tp 2 in tests/test_hf.py.
 """
 from __future__ import annotations
 
@@ -120,21 +121,12 @@ def test_a_layer_split_over_one_rank_is_itself_and_sequence_parallel_needs_norms
         parallelize_layer(plain, 0, plain.build_layers([0])[0], mesh, sequence_parallel=True)
 
 
-def test_zero_and_fsdp2_over_a_fused_qkv_split_are_refused_by_name(one_rank_group) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
+def test_zero_with_tp_is_refused_by_name(one_rank_group) -> None:
     from pipeflow.run.config import check_config
-    from pipeflow.runtime.stage import Stage
-    from pipeflow.runtime.tensor_parallel import parallelize_stages
     from scale_cases import make_config
 
     with pytest.raises(ConfigError, match="parallel.shard=optimizer \\(ZeRO-1\\) does not run with parallel.tp=2"):
         check_config(make_config(1, parallel__tp=2, parallel__shard="optimizer"), 4)
-    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
-    spec = build_gpt(vocab_size=32, n_head=2, n_embd=16, n_layer=1, block_size=8)
-    stages = {0: Stage(0, 1, spec.build_layers(range(3)))}
-    with pytest.raises(ConfigError, match=r"layer 'block.0' splits a fused \[q; k; v\] projection \(attn.c_attn\)"):
-        parallelize_stages(spec, stages, [range(3)], mesh, False, shard="full")
 
 
 def test_ranks_are_named_by_their_dp_pp_tp_coordinates() -> None:
@@ -213,3 +205,55 @@ def test_the_planner_searches_tp_beside_the_schedules(one_rank_group) -> None:
     assert set(by_tp) == {1, 2} and "parallel.tp=2" in by_tp[2].overrides() and "parallel.tp" not in by_tp[1].overrides()
     assert by_tp[2].peak_bytes < 0.7 * by_tp[1].peak_bytes  # the split weights' share
     assert result.candidates == sorted(result.candidates, key=lambda c: c.step_s)
+
+
+# --------------------------------------------------------------------------- dp 2 x pp 2 x tp 2: 8 processes
+def _hf_case(folder: str, run_root: str) -> dict:
+    import test_hf
+
+    return test_hf._trainer_vs_hf(folder, "llama_tied", run_root, 2, "1f1b", 2, parallel__tp=2, parallel__shard="full")
+
+
+@pytest.fixture(scope="module")
+def world8(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    import functools
+
+    import scale_cases
+    from mp_harness import run_cases
+
+    pytest.importorskip("transformers")
+    import test_hf
+
+    runs, model = tmp_path_factory.mktemp("runs8"), tmp_path_factory.mktemp("llama_tied")
+    test_hf.write_model(str(model), "llama_tied")
+    cases = [("gpt-full-1f1b", functools.partial(scale_cases.dp_equivalence, 2, "1f1b", 2, parallel__tp=2,
+                                                 parallel__shard="full")),
+             ("gpt-full-zbv-sp", functools.partial(scale_cases.dp_equivalence, 2, "zbv", 2, parallel__tp=2,
+                                                   parallel__shard="full", parallel__sequence_parallel=True)),
+             ("hf-full-1f1b", functools.partial(_hf_case, str(model), str(runs / "hf"))),
+             ("resume-tp-full", functools.partial(scale_cases.resume_across_tp, 2, "full"))]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(scale_cases.TMP_ENV, str(runs))
+        return run_cases(8, cases)
+
+
+@pytest.mark.parametrize("name", ["gpt-full-1f1b", "gpt-full-zbv-sp", "hf-full-1f1b"])
+def test_dp2_pp2_tp2_with_fsdp2_equals_the_unsplit_model(world8, name: str) -> None:
+    """The 3-D mesh on 8 processes: FSDP2 (parallel.shard=full) over dp around tp-split layers, the
+    GPT's fused [q; k; v] included (gathered in its own order), sequence parallel with ZB-V, and a
+    tied Hugging Face Llama; loss, every gradient and parameter against the unsplit model (float64)."""
+    for rank, result in enumerate(world8[name]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert v["loss"] <= 1e-9 and v["grad"] <= 1e-9 and v["param"] <= 1e-9, (rank, v)
+
+
+def test_fsdp2_checkpoints_resume_across_tensor_parallel_degrees(world8) -> None:
+    """dp 2 with FSDP2: tp 2 (pp 2) -> tp 1 (pp 4) and tp 1 -> tp 2 with sequence parallelism equal
+    the tp 1 run after 6 steps (float64); the GPT's fused [q; k; v] saved whole, loaded by rows."""
+    results = world8["resume-tp-full"]
+    assert all(r.error is None for r in results), [r.error for r in results if r.error][:1]
+    v = results[0].value
+    for name in ("tp2_to_tp1", "tp1_to_tp2_sp", "tp2_straight"):
+        assert v[f"{name}_same_keys"] and v[f"{name}_shapes"], (name, v)
+        assert v[f"{name}_param"] <= 1e-9, (name, v[f"{name}_param"])

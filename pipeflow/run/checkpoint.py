@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from pipeflow.errors import CheckpointError, CheckpointPeerLostError, ConfigError
 from pipeflow.models.dcp_metadata import SafeReader
@@ -67,6 +67,7 @@ from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's
 )
 from pipeflow.run.export import export, main  # noqa: F401 - part of this module's API (the CLI)
 from pipeflow.runtime.fsdp import local
+from pipeflow.runtime.tensor_parallel import gathered, rows_of
 from pipeflow.runtime.zero import local_optimizer
 
 log = logging.getLogger("pipeflow")
@@ -293,8 +294,7 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
     integrity.call_named(lambda: dcp.load(state, storage_reader=reader), f"loading checkpoint {path}")
     for target, whole in strided:  # this rank's rows of each whole strided tensor, into its shard
         with torch.no_grad():
-            local(target).copy_(distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
-                                .to_local())
+            local(target).copy_(rows_of(whole, target))
     if meta.get("world_size") == dist.get_world_size():
         _load_rng(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"))
     return meta
@@ -311,7 +311,7 @@ def whole_strided(state: dict[str, torch.Tensor], gather: bool) -> tuple[dict[st
     for key, value in state.items():
         if isinstance(value, DTensor) and any(hasattr(p, "split_factor") for p in value.placements):
             device = local(value).device
-            whole = value.full_tensor() if gather else torch.empty(value.shape, dtype=value.dtype, device=device)
+            whole = gathered(value) if gather else torch.empty(value.shape, dtype=value.dtype, device=device)
             out[key] = whole
             pairs.append((value, whole))
         else:

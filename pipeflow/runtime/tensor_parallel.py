@@ -142,19 +142,8 @@ def parallelize_stages(spec: ModelSpec, stages: dict, ranges: list[range], tp_me
     placement (:func:`like_param`) as autograd accumulates it.
 
     Raises:
-        ConfigError: as :func:`parallelize_layer`; and ``parallel.shard=full`` with a fused
-            [q; k; v] split (FSDP2 does not compose with its strided placement: its gradients
-            came out wrong in the dp 2 x pp 2 x tp 2 test).
+        ConfigError: as :func:`parallelize_layer`.
     """
-    tp = tp_mesh.size()
-    for s, stage in stages.items():
-        for i, layer in zip(ranges[s], stage.module):
-            fused = [path for path, style in spec.tensor_plan(i, layer, tp).items() if style == "colwise_qkv"]
-            if fused and shard == "full":
-                raise ConfigError(
-                    f"parallel.shard=full with parallel.tp={tp}: layer {spec.layers[i].name!r} splits a fused "
-                    f"[q; k; v] projection ({fused[0]}), whose strided split FSDP2 does not compose with; use "
-                    f"parallel.shard=none with tp, or a model with separate q, k, v projections (model=hf)")
     split = sum(parallelize_layer(spec, i, layer, tp_mesh, sequence_parallel)
                 for s, stage in stages.items() for i, layer in zip(ranges[s], stage.module))
     from torch.distributed.tensor import DTensor
@@ -181,8 +170,51 @@ def like_param(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor |
     return grad
 
 
-def gathered(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor made whole on every rank of its mesh (collective), a plain tensor as it is."""
+def is_fused_qkv(tensor: Any) -> bool:
+    """True for a DTensor split as a fused [q; k; v] over the tp ranks (``colwise_qkv``)."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return isinstance(tensor, DTensor) and any(getattr(p, "split_factor", None) == 3 for p in tensor.placements)
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor made whole on every rank of its mesh (collective), a plain tensor as it is.
+
+    A fused [q; k; v] split (also under FSDP2, which cuts each tp rank's rows into dp chunks) is
+    gathered by hand: DTensor's own redistribution of the nested strided placements returned
+    rows in the wrong order (torch 2.14)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if not is_fused_qkv(tensor):
+        return tensor.full_tensor()
+    import torch.distributed as dist
+
+    mesh, block = tensor.device_mesh, tensor.to_local().detach()
+    tp_dim = next(i for i, p in enumerate(tensor.placements) if getattr(p, "split_factor", None) == 3)
+    for i in range(mesh.ndim):  # the dp chunks of this tp rank's rows, in order
+        if i != tp_dim and hasattr(tensor.placements[i], "dim"):
+            parts = [torch.empty_like(block) for _ in range(mesh.size(i))]
+            dist.all_gather(parts, block.contiguous(), group=mesh.get_group(i))
+            block = torch.cat(parts)
+    blocks = [torch.empty_like(block) for _ in range(mesh.size(tp_dim))]
+    dist.all_gather(blocks, block.contiguous(), group=mesh.get_group(tp_dim))
+    return torch.cat([torch.cat([b.chunk(3)[j] for b in blocks]) for j in range(3)])  # [q; k; v]
+
+
+def rows_of(whole: torch.Tensor, like: Any) -> torch.Tensor:
+    """This rank's local part of `whole` as DTensor `like` holds it (the inverse of :func:`gathered`
+    for a fused [q; k; v] split, with FSDP2's dp chunks; no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if not is_fused_qkv(like):
+        return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
+    mesh = like.device_mesh
+    tp_dim = next(i for i, p in enumerate(like.placements) if getattr(p, "split_factor", None) == 3)
+    t = mesh.get_local_rank(tp_dim)
+    block = torch.cat([third.chunk(mesh.size(tp_dim))[t] for third in whole.chunk(3)])
+    for i in range(mesh.ndim):
+        if i != tp_dim and hasattr(like.placements[i], "dim"):
+            block = block.chunk(mesh.size(i))[mesh.get_local_rank(i)]
+    return block
