@@ -117,7 +117,9 @@ def test_models_import_only_torch_torchvision_and_their_spec():
                      # form fixes a forward's defaulted arguments, read from its signature (inspect)
                      "copy", "inspect",
                      # model.init_from and checkpoints read DCP's .metadata with an allowlist (dcp_metadata)
-                     "os", "pickle"}
+                     "os", "pickle",
+                     # tensor-parallel plans name submodules by glob patterns (ModelSpec.tp_plan)
+                     "fnmatch"}
     # model=hf (hf.py only): Hugging Face's own modules and lazy tensor reads, imported inside its functions;
     # it lists a folder's safetensors files (glob) and reads its config / index (json), warns on untested versions
     only_in = {"hf.py": {"transformers", "safetensors", "glob", "json", "importlib", "warnings"}}
