@@ -121,14 +121,6 @@ def test_a_layer_split_over_one_rank_is_itself_and_sequence_parallel_needs_norms
         parallelize_layer(plain, 0, plain.build_layers([0])[0], mesh, sequence_parallel=True)
 
 
-def test_zero_with_tp_is_refused_by_name(one_rank_group) -> None:
-    from pipeflow.run.config import check_config
-    from scale_cases import make_config
-
-    with pytest.raises(ConfigError, match="parallel.shard=optimizer \\(ZeRO-1\\) does not run with parallel.tp=2"):
-        check_config(make_config(1, parallel__tp=2, parallel__shard="optimizer"), 4)
-
-
 def test_ranks_are_named_by_their_dp_pp_tp_coordinates() -> None:
     from pipeflow.observability.console import grid_coordinates, rank_label
     from pipeflow.observability.trace import chrome_trace
@@ -231,7 +223,10 @@ def world8(tmp_path_factory: pytest.TempPathFactory) -> dict:
              ("gpt-full-zbv-sp", functools.partial(scale_cases.dp_equivalence, 2, "zbv", 2, parallel__tp=2,
                                                    parallel__shard="full", parallel__sequence_parallel=True)),
              ("hf-full-1f1b", functools.partial(_hf_case, str(model), str(runs / "hf"))),
-             ("resume-tp-full", functools.partial(scale_cases.resume_across_tp, 2, "full"))]
+             ("resume-tp-full", functools.partial(scale_cases.resume_across_tp, 2, "full")),
+             ("zero-zbv-clipped", functools.partial(scale_cases.dp_equivalence, 2, "zbv", 2, parallel__tp=2,
+                                                    parallel__shard="optimizer", optim__grad_clip=0.05)),
+             ("resume-tp-zero", functools.partial(scale_cases.resume_across_tp, 2, "optimizer"))]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(scale_cases.TMP_ENV, str(runs))
         return run_cases(8, cases)
@@ -257,3 +252,19 @@ def test_fsdp2_checkpoints_resume_across_tensor_parallel_degrees(world8) -> None
     for name in ("tp2_to_tp1", "tp1_to_tp2_sp", "tp2_straight"):
         assert v[f"{name}_same_keys"] and v[f"{name}_shapes"], (name, v)
         assert v[f"{name}_param"] <= 1e-9, (name, v[f"{name}_param"])
+
+
+def test_zero1_over_tp_shards_equals_the_unsplit_model_and_resumes_across_tp(world8) -> None:
+    """parallel.shard=optimizer with tp: ZeRO-1 over each DTensor's local shard (runtime/zero.py's
+    LocalShards), each dp rank owning part of them; ZB-V, clipped, against the unsplit model; and
+    its checkpoints (AdamW state saved as DTensors of the parameters' placements) across tp."""
+    for rank, result in enumerate(world8["zero-zbv-clipped"]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert v["loss"] <= 1e-9 and v["grad"] <= 1e-9 and v["param"] <= 1e-9, (rank, v)
+        assert 0 < v["owned"] < v["params"] and v["norm"] > 0.1, (rank, v)  # sharded; the clip bites
+    results = world8["resume-tp-zero"]
+    assert all(r.error is None for r in results), [r.error for r in results if r.error][:1]
+    v = results[0].value
+    for name in ("tp2_to_tp1", "tp1_to_tp2_sp", "tp2_straight"):
+        assert v[f"{name}_same_keys"] and v[f"{name}_param"] <= 1e-9, (name, v)

@@ -68,7 +68,7 @@ from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's
 from pipeflow.run.export import export, main  # noqa: F401 - part of this module's API (the CLI)
 from pipeflow.runtime.fsdp import local
 from pipeflow.runtime.tensor_parallel import gathered, rows_of
-from pipeflow.runtime.zero import local_optimizer
+from pipeflow.runtime.zero import local_optimizer, parameter_of
 
 log = logging.getLogger("pipeflow")
 
@@ -98,20 +98,31 @@ def optimizer_state(optimizer: torch.optim.Optimizer, layers: dict[int, nn.Modul
     appears under its first name only.
     """
     names = param_names(layers)
-    local = local_optimizer(optimizer)
+    held = local_optimizer(optimizer)
     out: dict[str, torch.Tensor] = {}
-    for group in local.param_groups:
+    for group in held.param_groups:
         for p in group["params"]:
-            state = local.state[p]
+            state = held.state[p]
             if fill and not state:
                 state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
             if not state:
                 continue
             if sorted(state) != sorted(ADAM_FIELDS):
                 raise ConfigError(f"checkpoints support AdamW state {ADAM_FIELDS}; found {sorted(state)}")
-            for name in names[id(p)][:1] if fill else names[id(p)]:
-                out.update({f"optim.{name}.{field}": state[field] for field in ADAM_FIELDS})
+            param = parameter_of(optimizer, p)  # ZeRO over tp shards: the view's DTensor parameter
+            fields = {field: _like(param, state[field]) for field in ADAM_FIELDS}
+            for name in names[id(param)][:1] if fill else names[id(param)]:
+                out.update({f"optim.{name}.{field}": fields[field] for field in ADAM_FIELDS})
     return out
+
+
+def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """An AdamW state tensor as its parameter holds it: a local shard of a DTensor parameter becomes
+    a DTensor of the same placement (sharing its storage, so a load writes into it)."""
+    if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.dim() > 0:
+        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
 
 
 def _rng_state() -> dict[str, Any]:

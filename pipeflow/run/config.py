@@ -448,10 +448,6 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
     if shard not in SHARD_MODES:
         raise ConfigError(f"parallel.shard={shard!r} is unknown; valid: {', '.join(SHARD_MODES)} "
                           "(none: full replicas, optimizer: ZeRO-1, full: FSDP2)")
-    if tensor_degree(cfg.parallel) > 1 and shard == "optimizer":
-        raise ConfigError(f"parallel.shard=optimizer (ZeRO-1) does not run with parallel.tp={tensor_degree(cfg.parallel)}: "
-                          "torch's ZeroRedundancyOptimizer cannot hold tp-split (DTensor) weights; use parallel.shard=full "
-                          "(FSDP2 over the dp dimension) or none")
     check_sequence_parallel(cfg)
     m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
     if m < 1:
