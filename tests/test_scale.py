@@ -74,6 +74,10 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp1xpp2xtp2-zbv-sp-actckpt": (1, "zbv", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True,
                                                  "pipeline__checkpoint_activations": True}),
     "dp1xpp2xtp2-dualpipev": (1, "dualpipev", 4, {"parallel__tp": 2}),
+    # train.compile with tp: 1F1B with the sequence-parallel collectives inside the compiled graphs
+    # (split-backward stages stay eager with tp: runtime/compile_phase.py says why)
+    "dp1xpp2xtp2-1f1b-sp-compiled": (1, "1f1b", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True,
+                                                    **COMPILED}),
     "dp1xpp2xtp2-v_min-variable-lengths": (1, "v_min", 4, {"parallel__tp": 2, "data__variable_lengths": True,
                                                          "data__min_seq_len": 3}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {

@@ -47,8 +47,15 @@ def compile_options(cfg: DictConfig, chunks: int | None = None) -> CompileOption
         dims.add(0)
     if OmegaConf.select(cfg, "comm.variable_shapes", default=False):
         dims.update((0, 1))
+    # The compiled B/W split over tp-split (DTensor) weights gave wrong gradients: with sequence
+    # parallelism (ZB-V, pp 2 x tp 2), and without it once a compiled split run of plain weights
+    # had run in the same process (a sweep, tests), though right alone.  Until that is understood
+    # those stages run eager, named; tp with 1F1B-family schedules compiles.
+    tp = int(OmegaConf.select(cfg, "parallel.tp", default=1) or 1)
+    no_split = (f"parallel.tp={tp}: the compiled B/W split over tensor-parallel weights is not verified "
+                f"(wrong gradients in tests)") if tp > 1 else None
     return CompileOptions(mode=cfg.train.compile_mode, backend=cfg.train.compile_backend,
-                          dynamic_dims=tuple(sorted(dims)))
+                          dynamic_dims=tuple(sorted(dims)), no_split=no_split)
 
 
 @dataclass

@@ -49,11 +49,13 @@ class CompileOptions:
         dynamic_dims: dimensions of every input tensor marked dynamic before the first call
             (``(1,)``, the sequence, when micro-batches vary in length), so new lengths reuse
             the compiled graph instead of compiling again.
+        no_split: why this run's split-backward stages must stay eager (None: they compile).
     """
 
     mode: str = "default"
     backend: str = "inductor"
     dynamic_dims: tuple[int, ...] = ()
+    no_split: str | None = None  # why the stages that split their backward must run eager in this run
 
 
 def check_options(mode: str, backend: str) -> None:
@@ -144,13 +146,15 @@ def compile_stage_layers(stages: dict, units: dict[int, list[tuple[str, nn.Modul
     """Compile this rank's `stages` (``{s: Stage}``): `units` gives each stage's (layer name,
     module to compile) pairs, one per layer in order (``ModelSpec.unit_to_compile``); warns once
     when split stages must stay eager on this torch."""
-    reason = compiled_backward.split_unavailable()
+    reason = options.no_split or compiled_backward.split_unavailable()
     if reason is not None and any(stage.split_backward for stage in stages.values()):
         warnings.warn(CompileFallbackWarning(
             f"train.compile: the stages that split their backward (B and W) run eager: {reason} (the compiled "
             f"backward cannot be split into its B and W halves there)"), stacklevel=2)
     wrappers = []
     for s, stage in stages.items():
+        if stage.split_backward and options.no_split is not None:
+            continue
         for layer, (name, unit) in zip(stage.module, units[s]):
             whole = sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in layer.parameters())
             wrapper = compile_layer(unit, name, options, stage.split_backward, whole)

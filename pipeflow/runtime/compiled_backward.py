@@ -137,6 +137,12 @@ class SplitBackward:
         self.count = len(results)
         self.inputs_pos = [k for k, r in enumerate(results) if k not in weights and r is not None]
         self.weights_pos = [k for k, r in enumerate(results) if k in weights and r is not None]
+        # what B hands autograd for a deferred weight gradient, and W for an input gradient it does
+        # not hand back: a zero of its shape (no memory: an expanded scalar).  autograd drops it (B
+        # asks for the inputs' gradients only, W for the weights'), but the wrapper of a
+        # tensor-subclass (DTensor: tp-split weights) graph reads every output's size
+        # (weights' shapes are static; an input gradient's shape is the one B computed)
+        self.placeholders = {k: _zeros_like_meta(results[k].meta.get("val")) for k in self.weights_pos}
         halves = _split(gm, results, self.inputs_pos, self.weights_pos) if self.weights_pos else None
         if halves is None:  # nothing to defer, or nodes neither half needs (side effects): run it whole
             if self.weights_pos:
@@ -176,8 +182,8 @@ class SplitBackward:
             if _deferring and node is not None and self.weights_pos:  # the weights' part handed over at W
                 inputs = [(k, got[k]) for k in self.inputs_pos]
                 weights = [(k, got[k]) for k in self.weights_pos]
-                setattr(node, PENDING_ATTR, functools.partial(self._fill, _at_w(node, inputs) + weights))
-                return self._fill(inputs)
+                setattr(node, PENDING_ATTR, functools.partial(self._fill, _at_w(node, inputs) + weights, True))
+                return self._fill(inputs, deferred=True)
             return got
         STATS["input_half"] += 1
         split = len(self.inputs_pos)
@@ -187,26 +193,46 @@ class SplitBackward:
         pairs = list(zip(self.inputs_pos, inputs_grads))
         if _deferring and node is not None:
             setattr(node, PENDING_ATTR, functools.partial(self._weights, _at_w(node, pairs), weight_inputs))
-            return self._fill(pairs)
+            return self._fill(pairs, deferred=True)
         return self._weights(pairs, weight_inputs)
 
     def _weights(self, pairs: list[tuple[int, Any]], weight_inputs: list[Any]) -> list[Any]:
         STATS["weight_half"] += 1
         assert self.weight_half is not None
-        return self._fill(pairs + list(zip(self.weights_pos, self.weight_half(weight_inputs))))
+        return self._fill(pairs + list(zip(self.weights_pos, self.weight_half(weight_inputs))), deferred=True)
 
-    def _fill(self, pairs: list[tuple[int, Any]]) -> list[Any]:
+    def _fill(self, pairs: list[tuple[int, Any]], deferred: bool = False) -> list[Any]:
         result: list[Any] = [None] * self.count
+        if deferred:  # B: the weights' places hold zeros until W; W: the inputs' it does not hand back
+            for k, make in self.placeholders.items():
+                result[k] = make() if make is not None else None
         for k, g in pairs:
             result[k] = g
         return result
 
 
+def _zeros_like_meta(meta: Any) -> Callable[[], torch.Tensor] | None:
+    """A maker of zeros shaped like fake tensor `meta` (an expanded scalar), or None without one."""
+    if not isinstance(meta, torch.Tensor):
+        return None
+    shape, dtype, device = tuple(int(s) for s in meta.shape), meta.dtype, meta.device
+    return lambda: torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
 def _at_w(node: Any, inputs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
-    """The input gradients W hands back again: none where the node's layer said W needs none (it
-    is not kept alive from B to W then), else those of B (ops of the layer around the compiled
-    region, walked by W as in eager, may lead to the layer's other parameters)."""
-    return [] if getattr(node, NO_INPUT_GRADS_AT_W, False) else inputs
+    """The input gradients W hands back again: zeros of their shapes (expanded scalars: nothing is
+    kept from B to W) where the node's layer said W needs none, else those of B (ops of the layer
+    around the compiled region, walked by W as in eager, may lead to the layer's other parameters)."""
+    if not getattr(node, NO_INPUT_GRADS_AT_W, False):
+        return inputs
+    return [(k, _zeros_of(g)) for k, g in inputs]
+
+
+def _zeros_of(grad: Any) -> Any:
+    """A maker-free zero like `grad` (an expanded scalar), or None for None."""
+    if not isinstance(grad, torch.Tensor):
+        return None
+    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
 
 
 def _split(gm: torch.fx.GraphModule, results: list[Any], inputs_pos: list[int], weights_pos: list[int]) -> Any:

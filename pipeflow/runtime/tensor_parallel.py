@@ -165,7 +165,12 @@ def like_param(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor |
     (data parallel, ties, the norm) work on local shards, which must be the parameter's."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and tuple(grad.placements) != tuple(param.placements):
+    if not (isinstance(grad, DTensor) and isinstance(param, DTensor)):
+        return grad
+    if grad.device_mesh is not param.device_mesh:  # a compiled graph's gradient: an equal mesh, another object
+        grad = DTensor.from_local(grad.to_local(), param.device_mesh, grad.placements, run_check=False,
+                                  shape=grad.shape, stride=grad.stride())
+    if tuple(grad.placements) != tuple(param.placements):
         return grad.redistribute(param.device_mesh, param.placements)
     return grad
 
