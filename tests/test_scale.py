@@ -112,6 +112,8 @@ def _cases() -> list[tuple[str, object]]:
         ("resume-tp", cases.resume_across_tp),
         ("tp-bf16", functools.partial(cases.dp_equivalence, 1, "1f1b", 2, 1, train__precision="bf16",
                                       train__dtype="float32", parallel__tp=2)),
+        ("tp-fp16", functools.partial(cases.dp_equivalence, 1, "1f1b", 2, 1, train__precision="fp16",
+                                      train__dtype="float32", parallel__tp=2)),
         ("full-shard-counts", functools.partial(cases.full_shard_gathers_and_reduces_once_per_step, "zbv", 4)),
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
@@ -241,10 +243,12 @@ def test_resume_equals_training_straight_through_and_survives_a_layout_change(wo
         assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE
 
 
-def test_tensor_parallel_under_bf16_gives_the_gradients_of_fp32(world) -> None:
-    """pp 2 x tp 2 under train.precision=bf16 against the unsplit fp32 model: the bound eager bf16 meets."""
-    for v in _values(world["tp-bf16"]):
-        assert 0 < v["grad"] < 0.05 and v["loss"] < 0.05, v
+@pytest.mark.parametrize("precision,tolerance", [("bf16", 0.05), ("fp16", 0.01)])
+def test_tensor_parallel_under_half_precision_gives_the_gradients_of_fp32(world, precision: str, tolerance: float) -> None:
+    """pp 2 x tp 2 under train.precision=bf16 / fp16 (its loss scaler) against the unsplit fp32 model:
+    the bounds eager half precision meets."""
+    for v in _values(world[f"tp-{precision}"]):
+        assert 0 < v["grad"] < tolerance and v["loss"] < tolerance, v
 
 
 def test_checkpoints_resume_across_tensor_parallel_degrees(world) -> None:

@@ -150,6 +150,8 @@ def test_sequence_parallel_needs_tp_and_a_sequence_it_splits_evenly(one_rank_gro
 
 
 def test_a_layer_split_over_tp_ranks_costs_its_share_plus_its_collectives() -> None:
+    from dataclasses import replace
+
     from pipeflow.planning.profile import LayerProfile
     from pipeflow.planning.tensor_cost import TensorLink, split_profile
 
@@ -163,8 +165,9 @@ def test_a_layer_split_over_tp_ranks_costs_its_share_plus_its_collectives() -> N
     assert one.param_bytes == round(4000 * scale) and one.activation_bytes == round(800 * scale)
     assert one.forward_s == pytest.approx(scale + comm) and one.input_grad_s == pytest.approx(1.2 * scale + comm)
     assert one.weight_grad_s == pytest.approx(0.8 * scale) and one.output_bytes == 100
-    sp = split_profile(p, 4, link, sequence_parallel=True)
+    sp = split_profile(replace(p, tp_norm_bytes=100), 4, link, sequence_parallel=True)
     assert sp.activation_bytes == 200 and sp.output_bytes == 25  # a quarter of the sequence
+    assert sp.weight_grad_s == pytest.approx(0.8 * scale + 2 * 3 / 4 * 100 / 100.0 + 0.01)  # norms' grads summed in W
     assert split_profile(p, 1, link) == p
 
 
@@ -226,7 +229,8 @@ def world8(tmp_path_factory: pytest.TempPathFactory) -> dict:
              ("resume-tp-full", functools.partial(scale_cases.resume_across_tp, 2, "full")),
              ("zero-zbv-clipped", functools.partial(scale_cases.dp_equivalence, 2, "zbv", 2, parallel__tp=2,
                                                     parallel__shard="optimizer", optim__grad_clip=0.05)),
-             ("resume-tp-zero", functools.partial(scale_cases.resume_across_tp, 2, "optimizer"))]
+             ("resume-tp-zero", functools.partial(scale_cases.resume_across_tp, 2, "optimizer")),
+             ("vit", functools.partial(_vision_case, "vit")), ("convnext", functools.partial(_vision_case, "convnext"))]
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(scale_cases.TMP_ENV, str(runs))
         return run_cases(8, cases)
@@ -268,3 +272,39 @@ def test_zero1_over_tp_shards_equals_the_unsplit_model_and_resumes_across_tp(wor
     v = results[0].value
     for name in ("tp2_to_tp1", "tp1_to_tp2_sp", "tp2_straight"):
         assert v[f"{name}_same_keys"] and v[f"{name}_param"] <= 1e-9, (name, v)
+
+
+def _vision_case(family: str) -> dict:
+    """A small torchvision ViT / ConvNeXt (the zoo's recipe and tp plan) split over tp 2 (pairs of the
+    8 ranks), one forward and backward against the unsplit model: loss and every gradient."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeflow.models import run_layers, zoo
+    from pipeflow.runtime.tensor_parallel import gathered, parallelize_layer
+    from test_model_zoo import _images, _small_convnext, _small_vit
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("pairs", "tp"))["tp"]
+    constructor, recipe = (_small_vit, zoo.VIT) if family == "vit" else (_small_convnext, zoo.CONVNEXT)
+    spec = from_module(constructor, before=recipe.before, blocks=recipe.blocks, after=recipe.after,
+                       before_fn=recipe.before_fn, after_fn=recipe.after_fn, init=recipe.init, tp_plan=recipe.tp_plan)
+    layers = spec.build_all(dtype=torch.float64)
+    reference = copy.deepcopy(layers)
+    split = sum(parallelize_layer(spec, i, layer, mesh, False) for i, layer in enumerate(layers))
+    x, y = _images(), torch.tensor([1, 7])
+    losses = [spec.loss_fn(run_layers(ls, x), y) for ls in (layers, reference)]
+    for loss in losses:
+        loss.backward()
+    grads = [float((gathered(a.grad) - b.grad).abs().max() / b.grad.abs().max().clamp(min=1e-30))
+             for la, lb in zip(layers, reference) for a, b in zip(la.parameters(), lb.parameters())]
+    return {"split": split, "loss": abs(float(losses[0] - losses[1])), "grad": max(grads)}
+
+
+@pytest.mark.parametrize("family,modules", [("vit", 6), ("convnext", 10)])
+def test_torchvision_vit_and_convnext_split_their_mlps_over_tp(world8, family: str, modules: int) -> None:
+    """model=torchvision's ViT and ConvNeXt: each block's MLP split column then row (the zoo's tp
+    plan), equal to the unsplit model in float64 (a small model of each, tp 2)."""
+    for rank, result in enumerate(world8[family]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        assert result.value["split"] == modules, result.value
+        assert result.value["loss"] <= 1e-12 and result.value["grad"] <= 1e-9, (rank, result.value)

@@ -58,6 +58,7 @@ class Recipe:
     before_fn: Adapter | None = None
     after_fn: Adapter | None = None
     init: Callable[[str, nn.Module], None] | None = None
+    tp_plan: dict[str, str] | None = None  # parallel.tp: {glob of module paths: style} (None: no plan)
 
 
 # ----------------------------------------------------------------- ResNet
@@ -123,8 +124,11 @@ def vit_init(name: str, module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
+# parallel.tp: each encoder block's MLP column then row (nn.MultiheadAttention checks its whole
+# width, so attention stays whole on every tp rank)
 VIT = Recipe(["conv_proj", "class_token", "encoder.pos_embedding", "encoder.dropout"], ["encoder.layers"],
-             ["encoder.ln", "heads"], before_fn=vit_stem, after_fn=vit_head, init=vit_init)
+             ["encoder.ln", "heads"], before_fn=vit_stem, after_fn=vit_head, init=vit_init,
+             tp_plan={"encoder.layers.*.mlp.0": "colwise", "encoder.layers.*.mlp.3": "rowwise"})
 
 
 # ----------------------------------------------------------------- ConvNeXt
@@ -143,8 +147,9 @@ def convnext_init(name: str, module: nn.Module, layer_scale: float = 1e-6) -> No
         nn.init.constant_(module.layer_scale, layer_scale)
 
 
+# parallel.tp: each CNBlock's pointwise MLP (Linear 4x, GELU, Linear back) column then row
 CONVNEXT = Recipe(["features.0"], [f"features.{k}" for k in range(1, 8)], ["avgpool", "classifier"],
-                  init=convnext_init)
+                  init=convnext_init, tp_plan={"features.*.*.block.3": "colwise", "features.*.*.block.5": "rowwise"})
 
 
 def _recipe(name: str) -> Recipe:
@@ -208,7 +213,8 @@ def build_torchvision(
         kwargs["stochastic_depth_prob"] = stochastic_depth_prob
     return from_module(_constructor(name, **kwargs), before=recipe.before, blocks=recipe.blocks, after=recipe.after,
                        before_fn=recipe.before_fn, after_fn=recipe.after_fn, init=recipe.init, seed=seed,
-                       init_from=init_from, loss_fn=classification_loss, names=("stem", "head"), name=name)
+                       init_from=init_from, loss_fn=classification_loss, names=("stem", "head"), name=name,
+                       tp_plan=recipe.tp_plan)
 
 
 def _small_resnet(arch: str, num_classes: int, small_input: bool, in_channels: int) -> nn.Module:

@@ -60,6 +60,8 @@ class LayerProfile:
             forward (row-wise outputs summed, a head's output gathered: counted as half) and in the
             backward (column-wise inputs' gradients summed), as all-reduce payloads in bytes.
         tp_forward_collectives, tp_backward_collectives: how many collectives carry them.
+        tp_norm_bytes: with sequence parallelism, the bytes of the parameters of the plan's
+            ``norm`` modules, whose gradients (partial on each rank's slice) are summed over tp in W.
     """
 
     name: str
@@ -79,6 +81,7 @@ class LayerProfile:
     tp_backward_bytes: int = 0
     tp_forward_collectives: int = 0
     tp_backward_collectives: int = 0
+    tp_norm_bytes: int = 0
 
     @property
     def seconds(self) -> float:
@@ -319,6 +322,8 @@ class _TensorTraffic:
                 self.plan = {}
         self.split = sum(p.numel() for path, style in self.plan.items() if style in self.FORWARD or style in self.BACKWARD
                          for p in (module.get_submodule(path) if path else module).parameters())
+        self.norm_bytes = sum(p.numel() * p.element_size() for path, style in self.plan.items() if style == "norm"
+                              for p in (module.get_submodule(path) if path else module).parameters())
         self.bytes: dict[str, tuple[int, int]] = {}
         self.hooks = [(module.get_submodule(path) if path else module).register_forward_hook(self._hook(path))
                       for path, style in self.plan.items() if style in self.FORWARD or style in self.BACKWARD]
@@ -340,7 +345,8 @@ class _TensorTraffic:
         return {"tp_split": self.split / self.total if self.total else 0.0, "tp_forward_bytes": int(forward),
                 "tp_backward_bytes": int(backward),
                 "tp_forward_collectives": sum(1 for s in self.plan.values() if s in self.FORWARD),
-                "tp_backward_collectives": sum(1 for s in self.plan.values() if s in self.BACKWARD)}
+                "tp_backward_collectives": sum(1 for s in self.plan.values() if s in self.BACKWARD),
+                "tp_norm_bytes": self.norm_bytes}
 
 
 def _tensor_bytes(value: Any) -> int:

@@ -7,7 +7,8 @@ ranks, a layer's compute and its parameter bytes scale by ``1 - f + f / tp`` (th
 matmuls shrink by tp, the rest runs whole on every rank), and each action adds its collectives,
 timed as ring all-reduces over the tp link: ``2 (tp - 1) / tp x bytes / bandwidth`` plus a
 latency per collective (the forward's in F, the backward's input-gradient sums in B; with
-sequence parallelism the same bytes move as all-gathers and reduce-scatters).  Activations kept
+sequence parallelism the same bytes move as all-gathers and reduce-scatters, and W sums the
+norms' weight gradients, partial on each rank's slice of the sequence).  Activations kept
 for the backward scale like the compute without sequence parallelism (the split modules' inputs
 and outputs are a tp-th; the rest is whole on every rank), by 1 / tp with it, and so does what
 crosses a stage boundary with it.  A model, not a measurement: `benchmarks/tensor_parallel.py`
@@ -51,7 +52,9 @@ def split_profile(p: LayerProfile, tp: int, link: TensorLink, sequence_parallel:
         forward_s=p.forward_s * scale + forward_comm,
         backward_s=p.backward_s * scale + backward_comm,
         input_grad_s=p.input_grad_s * scale + backward_comm if p.input_grad_s else 0.0,
-        weight_grad_s=p.weight_grad_s * scale,
+        # with sequence parallelism the norms' weight gradients are partial per slice: summed in W
+        weight_grad_s=p.weight_grad_s * scale + (link.all_reduce_s(p.tp_norm_bytes, tp, 1) if sequence_parallel
+                                                 else 0.0),
         activation_bytes=round(activations),
         output_bytes=round(p.output_bytes / tp) if sequence_parallel else p.output_bytes,
     )
