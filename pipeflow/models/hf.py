@@ -65,7 +65,7 @@ TESTED_TRANSFORMERS = ("5.25",)  # major.minor versions the exactness tests ran 
 _DECODER_KWARGS = ("attention_mask", "position_ids", "position_embeddings")
 _TIE = "model.embed_tokens.weight"
 # Hugging Face's tensor-parallel style names (base_model_tp_plan values) -> pipeflow's (TP_STYLES)
-HF_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise"}
+HF_TP_STYLES = {"colwise": "colwise_whole", "rowwise": "rowwise"}  # a decoder's norms gather their output
 _TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "vocab_size")  # each tp rank holds 1/tp of these
 
 
@@ -105,7 +105,10 @@ class _Decoder:
 
     def __call__(self, piece: Piece, hidden: Tensor, position_ids: Tensor,
                  doc: Tensor | None = None) -> tuple[Tensor, ...]:
-        mask, cos_sin = self._shared(piece, hidden, position_ids, doc is not None)
+        whole = hidden  # with sequence parallelism `hidden` is a slice: mask and rotary are the sequence's
+        if hidden.shape[1] != position_ids.shape[1]:
+            whole = hidden.new_empty((hidden.shape[0], position_ids.shape[1], *hidden.shape[2:]))
+        mask, cos_sin = self._shared(piece, whole, position_ids, doc is not None)
         layer = piece.model.layers.get_submodule(str(self.index))  # type: ignore[union-attr]
         out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
         out = out[0] if isinstance(out, tuple) else out
@@ -338,8 +341,15 @@ def hf_tp_plan(config: Any, index: int, layer: nn.Module, tp: int) -> dict[str, 
                 plan[path] = HF_TP_STYLES[style]
         if path == "model.embed_tokens":
             plan[path] = "embedding"
+            plan[""] = "sequence_out"  # with sequence parallelism: the hidden states leave as this rank's slice
         elif path == "lm_head":
             plan[path] = "colwise_out"
+        elif path == "model.norm":
+            plan[path] = "norm"  # with sequence parallelism: on this rank's slice (lm_head gathers it)
+        elif fnmatch.fnmatchcase(path, "model.layers.*.*_layernorm"):
+            # with sequence parallelism: on this rank's slice, gathered whole for the projections after it
+            # (Hugging Face's attention reads the sequence's length off its input)
+            plan[path] = "norm_gathered"
     return plan
 
 

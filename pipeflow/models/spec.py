@@ -31,6 +31,9 @@ TP_STYLES = {
     "colwise_out": "a Linear's output features split and gathered again (an output head: whole logits)",
     "embedding": "an Embedding's rows (the vocabulary) split; the looked-up rows summed",
     "norm": "with parallel.sequence_parallel, a norm (or dropout) run on the rank's slice of the sequence",
+    "norm_gathered": "with parallel.sequence_parallel, a norm run on the rank's slice, its output gathered whole "
+                     "(for modules after it that read the sequence's length off their input: Hugging Face's attention)",
+    "colwise_whole": "as colwise, its input whole even with sequence parallelism (after a norm_gathered)",
     "sequence_out": "with parallel.sequence_parallel, the layer's (whole) output cut to the rank's slice of "
                     "the sequence",
 }

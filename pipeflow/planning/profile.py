@@ -308,7 +308,7 @@ class _TensorTraffic:
     sizes of its modules' inputs and outputs, seen by hooks during one forward."""
 
     FORWARD = {"rowwise": 1.0, "embedding": 1.0, "colwise_out": 0.5}  # output: summed, or gathered (half)
-    BACKWARD = ("colwise", "colwise_qkv", "colwise_out")  # input gradient summed
+    BACKWARD = ("colwise", "colwise_whole", "colwise_qkv", "colwise_out")  # input gradient summed
 
     def __init__(self, spec: ModelSpec, index: int, module: nn.Module) -> None:
         from pipeflow.errors import ConfigError

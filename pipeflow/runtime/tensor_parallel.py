@@ -35,8 +35,24 @@ def _styles(sequence_parallel: bool) -> dict[str, Any]:
         "colwise_out": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
         "embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "norm": SequenceParallel(use_local_output=True) if sequence_parallel else None,
+        "norm_gathered": _norm_gathered() if sequence_parallel else None,
+        "colwise_whole": ColwiseParallel(input_layouts=Replicate()),
         "sequence_out": "sequence_out" if sequence_parallel else None,  # a hook: see _cut_sequence
     }
+
+
+def _norm_gathered() -> Any:
+    """SequenceParallel on a norm, its output then gathered whole over the tp ranks."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleOutput, SequenceParallel
+
+    class NormGathered(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            SequenceParallel(use_local_output=False)._apply(module, device_mesh)
+            return PrepareModuleOutput(output_layouts=Shard(SEQUENCE_DIM), desired_output_layouts=Replicate(),
+                                       use_local_output=True)._apply(module, device_mesh)
+
+    return NormGathered()
 
 
 def _cut_sequence(tp_mesh: Any) -> Any:
@@ -88,9 +104,10 @@ def _fused_qkv_colwise(input_layout: Any) -> Any:
 def _check_divisible(layer_name: str, path: str, style: str, module: nn.Module, tp: int) -> None:
     """Raise ConfigError when `style` would split a dimension of `module` that tp does not divide."""
     weight = getattr(module, "weight", None)
-    if weight is None or style in ("norm", "sequence_out"):
+    if weight is None or style in ("norm", "norm_gathered", "sequence_out"):
         return
-    dims = {"colwise": (0, 1), "colwise_out": (0, 1), "embedding": (0, 1), "rowwise": (1, 1), "colwise_qkv": (0, 3)}
+    dims = {"colwise": (0, 1), "colwise_whole": (0, 1), "colwise_out": (0, 1), "embedding": (0, 1), "rowwise": (1, 1),
+            "colwise_qkv": (0, 3)}
     dim, parts = dims[style]
     size = weight.shape[dim] // parts
     if size % tp:
@@ -123,7 +140,7 @@ def parallelize_layer(spec: ModelSpec, index: int, layer: nn.Module, tp_mesh: An
         _check_divisible(name, path, style, module, tp)
         if styles[style] is not None:
             chosen[path] = styles[style]
-    if sequence_parallel and not any(style in ("norm", "sequence_out") for style in plan.values()):
+    if sequence_parallel and not any(style in ("norm", "norm_gathered", "sequence_out") for style in plan.values()):
         raise ConfigError(f"layer {name!r}: the model's tensor-parallel plan has no 'norm' or 'sequence_out' entry, so "
                           f"it does not run on a slice of the sequence; set parallel.sequence_parallel=false")
     own = {path: style for path, style in chosen.items() if not isinstance(style, str)}
