@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeflow.models.spec import ModelSpec
-from pipeflow.runtime.compile import CompileOptions, compile_layer
+from pipeflow.runtime.compile import CompileOptions, compile_layer, holds_all_parameters
 from pipeflow.runtime.compiled_backward import deferring_weight_grads
 from pipeflow.runtime.precision import to_compute_dtype
 from pipeflow.schedules.auto import StageCosts
@@ -268,8 +268,7 @@ def _profile_one(
     module = spec.build_layers([index], device, dtype)[0]
     if compiled is not None:
         unit = spec.unit_to_compile(index, module)
-        compile_layer(unit, spec.layers[index].name, compiled, split_backward,
-                      whole_layer=sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in module.parameters()))
+        compile_layer(unit, spec.layers[index].name, compiled, split_backward, holds_all_parameters(unit, module))
     forward = _Forward(module, device, autocast_dtype)
     params = list(module.parameters())
     traffic = _TensorTraffic(spec, index, module)
@@ -320,13 +319,12 @@ class _TensorTraffic:
                 self.plan = spec.tensor_plan(index, module, 2)
             except ConfigError:
                 self.plan = {}
-        self.split = sum(p.numel() for path, style in self.plan.items() if style in self.FORWARD or style in self.BACKWARD
-                         for p in (module.get_submodule(path) if path else module).parameters())
+        sends = [path for path, style in self.plan.items() if style in self.FORWARD or style in self.BACKWARD]
+        self.split = sum(p.numel() for path in sends for p in module.get_submodule(path).parameters())
         self.norm_bytes = sum(p.numel() * p.element_size() for path, style in self.plan.items() if style == "norm"
-                              for p in (module.get_submodule(path) if path else module).parameters())
+                              for p in module.get_submodule(path).parameters())
         self.bytes: dict[str, tuple[int, int]] = {}
-        self.hooks = [(module.get_submodule(path) if path else module).register_forward_hook(self._hook(path))
-                      for path, style in self.plan.items() if style in self.FORWARD or style in self.BACKWARD]
+        self.hooks = [module.get_submodule(path).register_forward_hook(self._hook(path)) for path in sends]
 
     def _hook(self, path: str) -> Callable:
         def record(mod: nn.Module, args: tuple, out: Any) -> None:

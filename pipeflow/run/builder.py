@@ -92,12 +92,13 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     # the chosen setting for most of their steps
     posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
                       agree_over_world=True)
+    options = compile_options(cfg, dp * m)  # train.compile (None: eager): the profile and the stages alike
     layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype, dp=dp,
                            shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
                            lowering=posting.options(not comm.independent_ops)[0],
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
-                           autocast_dtype=compute_dtype(cfg.train.precision), compiled=compile_options(cfg, dp * m),
-                           tp=tensor_degree(cfg.parallel), sequence_parallel=bool(cfg.parallel.sequence_parallel))
+                           autocast_dtype=compute_dtype(cfg.train.precision), compiled=options,
+                           tp=mesh.tp, sequence_parallel=bool(cfg.parallel.sequence_parallel))
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
         transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))
@@ -121,12 +122,12 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None, sharding)
-    compiled, options = None, compile_options(cfg, dp * m)
+    compiled = None
     if options is not None:  # before anything times the stages: they run compiled
         units = {s: [(spec.layers[i].name, spec.unit_to_compile(i, layer))
                      for i, layer in zip(layout.ranges[s], stage.module)] for s, stage in stages.items()}
-        compiled = compile_and_warm_up(options, comm, schedule, stages, units, first, m, dtype,
-                                       shape_mode(cfg, dp * m), posting.options(not comm.independent_ops)[0], sharding,
+        compiled = compile_and_warm_up(options, comm, schedule, stages, units, first, m, dtype, pipeline.shapes.mode,
+                                       posting.options(not comm.independent_ops)[0], sharding,
                                        evaluates=cfg.train.eval_batches > 0)
     params = unique_parameters(stage.parameters() for stage in stages.values())
     if layout.profiles is not None:  # the whole step: the runtime's own costs, measured here (collective)

@@ -66,7 +66,7 @@ from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's
     LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
 )
 from pipeflow.run.export import export, main  # noqa: F401 - part of this module's API (the CLI)
-from pipeflow.runtime.fsdp import local
+from pipeflow.runtime.fsdp import local, strided
 from pipeflow.runtime.tensor_parallel import gathered, rows_of
 from pipeflow.runtime.zero import local_optimizer, parameter_of
 
@@ -320,7 +320,7 @@ def whole_strided(state: dict[str, torch.Tensor], gather: bool) -> tuple[dict[st
     out: dict[str, Any] = {}
     pairs: list[tuple[Any, Any]] = []
     for key, value in state.items():
-        if isinstance(value, DTensor) and any(hasattr(p, "split_factor") for p in value.placements):
+        if isinstance(value, DTensor) and any(strided(p) is not None for p in value.placements):
             device = local(value).device
             whole = gathered(value) if gather else torch.empty(value.shape, dtype=value.dtype, device=device)
             out[key] = whole

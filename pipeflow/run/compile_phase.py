@@ -23,6 +23,7 @@ from torch import nn
 
 from pipeflow.data import microbatch_inputs, microbatch_targets, sequence_lengths
 from pipeflow.planning.rehearsal import untouched
+from pipeflow.run.config import tensor_degree
 from pipeflow.runtime.compile import CompiledForward, CompileOptions, compile_stage_layers, fallbacks, graphs_compiled
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.runtime.pipeline import Pipeline
@@ -51,7 +52,7 @@ def compile_options(cfg: DictConfig, chunks: int | None = None) -> CompileOption
     # parallelism (ZB-V, pp 2 x tp 2), and without it once a compiled split run of plain weights
     # had run in the same process (a sweep, tests), though right alone.  Until that is understood
     # those stages run eager, named; tp with 1F1B-family schedules compiles.
-    tp = int(OmegaConf.select(cfg, "parallel.tp", default=1) or 1)
+    tp = tensor_degree(cfg.parallel)
     no_split = (f"parallel.tp={tp}: the compiled B/W split over tensor-parallel weights is not verified "
                 f"(wrong gradients in tests)") if tp > 1 else None
     return CompileOptions(mode=cfg.train.compile_mode, backend=cfg.train.compile_backend,

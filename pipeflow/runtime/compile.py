@@ -25,6 +25,7 @@ from torch import nn
 
 from pipeflow.errors import CompileFallbackWarning, ConfigError
 from pipeflow.runtime import compiled_backward
+from pipeflow.runtime.failures import first_line
 
 log = logging.getLogger("pipeflow")
 
@@ -103,7 +104,7 @@ class CompiledForward:
         try:
             out = self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as exc:  # graph breaks, unsupported ops, backend failures
-            self.fallback = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            self.fallback = f"{type(exc).__name__}: {first_line(exc)}"
             warnings.warn(CompileFallbackWarning(
                 f"train.compile: layer {self.name!r} runs eager: torch.compile could not compile it whole "
                 f"({self.fallback}); fix the graph break or set train.compile=false"), stacklevel=2)
@@ -153,14 +154,17 @@ def compile_stage_layers(stages: dict, units: dict[int, list[tuple[str, nn.Modul
             f"backward cannot be split into its B and W halves there)"), stacklevel=2)
     wrappers = []
     for s, stage in stages.items():
-        if stage.split_backward and options.no_split is not None:
+        if stage.split_backward and reason is not None:
             continue
         for layer, (name, unit) in zip(stage.module, units[s]):
-            whole = sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in layer.parameters())
-            wrapper = compile_layer(unit, name, options, stage.split_backward, whole)
-            if wrapper is not None:
-                wrappers.append(wrapper)
+            wrappers.append(compile_layer(unit, name, options, stage.split_backward, holds_all_parameters(unit, layer)))
     return wrappers
+
+
+def holds_all_parameters(unit: nn.Module, layer: nn.Module) -> bool:
+    """True when `unit` (what is compiled of `layer`) holds every parameter of `layer` (then a W
+    of the layer needs no input gradient of the compiled region: ``CompiledForward.whole_layer``)."""
+    return sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in layer.parameters())
 
 
 def graphs_compiled() -> int:

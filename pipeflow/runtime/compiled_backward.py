@@ -67,7 +67,20 @@ def split_unavailable(version: str | None = None) -> str | None:
     version = torch.__version__ if version is None else version
     if _version(version) < MIN_TORCH:
         return f"torch {version} is older than {'.'.join(map(str, MIN_TORCH))}"
-
+    try:
+        from torch._dynamo.backends import common
+        from torch._functorch import config as functorch_config
+        from torch._inductor import compile_fx
+    except ImportError as exc:
+        return f"torch {version} lacks {exc.name or exc}"
+    needed = {"torch._C._current_autograd_node": hasattr(torch._C, "_current_autograd_node"),
+              "aot_autograd": hasattr(common, "aot_autograd"),
+              "compile_fx(inner_compile=)": hasattr(compile_fx, "compile_fx_inner"),
+              "functorch config donated_buffer": hasattr(functorch_config, "donated_buffer"),
+              "functorch config enable_autograd_cache": hasattr(functorch_config, "enable_autograd_cache")}
+    missing = [name for name, present in needed.items() if not present]
+    if missing:
+        return f"torch {version} lacks {', '.join(missing)}"
     return None
 
 
@@ -212,11 +225,15 @@ class SplitBackward:
 
 
 def _zeros_like_meta(meta: Any) -> Callable[[], torch.Tensor] | None:
-    """A maker of zeros shaped like fake tensor `meta` (an expanded scalar), or None without one."""
+    """A maker of zeros shaped like fake tensor `meta` (:func:`_zeros`), or None without one."""
     if not isinstance(meta, torch.Tensor):
         return None
-    shape, dtype, device = tuple(int(s) for s in meta.shape), meta.dtype, meta.device
-    return lambda: torch.zeros((), dtype=dtype, device=device).expand(shape)
+    return functools.partial(_zeros, tuple(int(s) for s in meta.shape), meta.dtype, meta.device)
+
+
+def _zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros of `shape` that hold no memory: one scalar, expanded."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def _at_w(node: Any, inputs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
@@ -225,14 +242,7 @@ def _at_w(node: Any, inputs: list[tuple[int, Any]]) -> list[tuple[int, Any]]:
     around the compiled region, walked by W as in eager, may lead to the layer's other parameters)."""
     if not getattr(node, NO_INPUT_GRADS_AT_W, False):
         return inputs
-    return [(k, _zeros_of(g)) for k, g in inputs]
-
-
-def _zeros_of(grad: Any) -> Any:
-    """A maker-free zero like `grad` (an expanded scalar), or None for None."""
-    if not isinstance(grad, torch.Tensor):
-        return None
-    return torch.zeros((), dtype=grad.dtype, device=grad.device).expand(grad.shape)
+    return [(k, _zeros(g.shape, g.dtype, g.device) if isinstance(g, torch.Tensor) else None) for k, g in inputs]
 
 
 def _split(gm: torch.fx.GraphModule, results: list[Any], inputs_pos: list[int], weights_pos: list[int]) -> Any:

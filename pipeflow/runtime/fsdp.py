@@ -59,7 +59,13 @@ def is_sharded(tensor: torch.Tensor | None) -> bool:
 def splits(placement: Any) -> bool:
     """True for a placement that splits a tensor over its mesh dimension: ``Shard``, and the
     strided shard of a fused [q; k; v] weight (``_StridedShard``, whose ``is_shard()`` is False)."""
-    return placement.is_shard() or hasattr(placement, "split_factor")
+    return placement.is_shard() or strided(placement) is not None
+
+
+def strided(placement: Any) -> int | None:
+    """A strided shard's split factor (``_StridedShard``: a fused [q; k; v] split over tp, 3, or
+    FSDP2's dp split of a tp-split weight), None for any other placement."""
+    return getattr(placement, "split_factor", None)
 
 
 def check_internals() -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
+from pipeflow.runtime.fsdp import strided
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, ...)
 
@@ -133,7 +134,7 @@ def parallelize_layer(spec: ModelSpec, index: int, layer: nn.Module, tp_mesh: An
     chosen = {}
     for path, style in plan.items():
         try:
-            module = layer.get_submodule(path) if path else layer
+            module = layer.get_submodule(path)  # "": the layer itself
         except AttributeError:
             raise ConfigError(f"layer {name!r}: the tensor-parallel plan names {path!r}, which is not a submodule "
                               f"of {type(layer).__name__}") from None
@@ -148,7 +149,7 @@ def parallelize_layer(spec: ModelSpec, index: int, layer: nn.Module, tp_mesh: An
         parallelize_module(layer, tp_mesh, own)
     for path, style in chosen.items():
         if style == "sequence_out":
-            (layer.get_submodule(path) if path else layer).register_forward_hook(_cut_sequence(tp_mesh))
+            layer.get_submodule(path).register_forward_hook(_cut_sequence(tp_mesh))
     return len(chosen)
 
 
@@ -192,11 +193,19 @@ def like_param(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor |
     return grad
 
 
-def is_fused_qkv(tensor: Any) -> bool:
-    """True for a DTensor split as a fused [q; k; v] over the tp ranks (``colwise_qkv``)."""
+def _qkv_dim(tensor: Any) -> int | None:
+    """The mesh dimension over which DTensor `tensor` is split as a fused [q; k; v] (``colwise_qkv``:
+    a strided shard of factor 3), None for any other tensor."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(tensor, DTensor) and any(getattr(p, "split_factor", None) == 3 for p in tensor.placements)
+    if not isinstance(tensor, DTensor):
+        return None
+    return next((i for i, p in enumerate(tensor.placements) if strided(p) == 3), None)
+
+
+def is_fused_qkv(tensor: Any) -> bool:
+    """True for a DTensor split as a fused [q; k; v] over the tp ranks (``colwise_qkv``)."""
+    return _qkv_dim(tensor) is not None
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor:
@@ -213,8 +222,7 @@ def gathered(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.full_tensor()
     import torch.distributed as dist
 
-    mesh, block = tensor.device_mesh, tensor.to_local().detach()
-    tp_dim = next(i for i, p in enumerate(tensor.placements) if getattr(p, "split_factor", None) == 3)
+    mesh, block, tp_dim = tensor.device_mesh, tensor.to_local().detach(), _qkv_dim(tensor)
     for i in range(mesh.ndim):  # the dp chunks of this tp rank's rows, in order
         if i != tp_dim and hasattr(tensor.placements[i], "dim"):
             parts = [torch.empty_like(block) for _ in range(mesh.size(i))]
@@ -232,8 +240,7 @@ def rows_of(whole: torch.Tensor, like: Any) -> torch.Tensor:
 
     if not is_fused_qkv(like):
         return distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None).to_local()
-    mesh = like.device_mesh
-    tp_dim = next(i for i, p in enumerate(like.placements) if getattr(p, "split_factor", None) == 3)
+    mesh, tp_dim = like.device_mesh, _qkv_dim(like)
     t = mesh.get_local_rank(tp_dim)
     block = torch.cat([third.chunk(mesh.size(tp_dim))[t] for third in whole.chunk(3)])
     for i in range(mesh.ndim):
