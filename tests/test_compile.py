@@ -161,6 +161,9 @@ def test_cuda_graph_modes_and_unknown_settings_are_refused_by_name() -> None:
 def test_an_old_torch_leaves_split_stages_eager_with_one_warning(monkeypatch) -> None:
     assert compiled_backward.split_unavailable() is None  # this torch splits
     assert "older than" in compiled_backward.split_unavailable("2.4.1+cu121")
+    with monkeypatch.context() as patch:  # a torch that has the version but not the names
+        patch.delattr(torch._C, "_current_autograd_node")
+        assert "lacks torch._C._current_autograd_node" in compiled_backward.split_unavailable()
     monkeypatch.setattr(compiled_backward, "split_unavailable", lambda version=None: "torch 2.4 is older than 2.6")
     split, whole = Stage(0, 2, [Block()], split_backward=True), Stage(1, 2, [Block()], split_backward=False)
     with pytest.warns(CompileFallbackWarning, match="split their backward .* run eager: torch 2.4"):
