@@ -93,6 +93,12 @@ class JoinTimeoutError(CommError):
     """Not every rank joined the process group within ``comm.join_timeout_s``; names the missing ranks."""
 
 
+class OffloadError(PipeflowError, RuntimeError):
+    """``pipeline.offload``: a held activation was needed while it was on the host (its reload was
+    never issued or not waited for), or a group was offloaded or reloaded twice; the message names
+    the stage and micro-batch."""
+
+
 class CompileFallbackWarning(UserWarning):
     """``train.compile``: a layer (or a stage's layers) runs eager, and why (a graph break, an
     unsupported op, a torch without the compiled backward split)."""
