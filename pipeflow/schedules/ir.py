@@ -145,6 +145,8 @@ class Step:
     after: tuple[CommOp, ...] = ()
     unshard: tuple[int, ...] = ()
     reshard: tuple[int, ...] = ()
+    offload: tuple[tuple[int, int], ...] = ()
+    reload: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.waits is None:
@@ -160,6 +162,10 @@ class Step:
         text = f"[{ops}] {self.action if self.action is not None else '-'}"
         if self.unshard:
             text = f"unshard{list(self.unshard)} {text}"
+        if self.reload:
+            text = f"reload{[f'{s}:{i}' for s, i in self.reload]} {text}"
+        if self.offload:
+            text = f"{text} offload{[f'{s}:{i}' for s, i in self.offload]}"
         return f"reshard{list(self.reshard)} {text}" if self.reshard else text
 
 

@@ -82,6 +82,7 @@ from pipeflow.schedules.ir import (
     Program,
     Step,
 )
+from pipeflow.schedules.offload import OffloadPlan
 from pipeflow.schedules.timing import Times, asap, rendezvous
 
 
@@ -108,7 +109,8 @@ def sends_produced(action: Action, schedule: PipelineSchedule) -> tuple[CommOp, 
 POSTINGS = ("rendezvous", "group", "at_step", "ahead")
 
 
-def lower(schedule: PipelineSchedule, posting: str = "rendezvous", shard: bool = False) -> list[Program]:
+def lower(schedule: PipelineSchedule, posting: str = "rendezvous", shard: bool = False,
+          offload: OffloadPlan | None = None) -> list[Program]:
     """Lower every rank's actions into its program of explicit steps.
 
     Args:
@@ -116,6 +118,8 @@ def lower(schedule: PipelineSchedule, posting: str = "rendezvous", shard: bool =
         posting: when ops are posted and waited for, one of :data:`POSTINGS` (module docstring).
         shard: mark where each stage's sharded parameters are gathered and freed
             (:func:`shard_points`; ``parallel.shard=full``).  False leaves the steps as they are.
+        offload: mark which groups' activations go to the host after their F and where each
+            comes back (``pipeline.offload``; :meth:`OffloadPlan.mark`).  None: no marks.
 
     Returns:
         ``programs[r]``: rank r's steps, the last one flushing the sends of its last action.
@@ -145,7 +149,8 @@ def lower(schedule: PipelineSchedule, posting: str = "rendezvous", shard: bool =
         programs.append(steps + ([Step(_sorted_ops(ops[-1]), None)] if ops[-1] else []))
     if posting != "rendezvous":
         programs = [_repost(program, posting) for program in programs]
-    return [shard_points(program) for program in programs] if shard else programs
+    programs = [shard_points(program) for program in programs] if shard else programs
+    return [offload.mark(program) for program in programs] if offload is not None else programs
 
 
 def shard_points(program: Program) -> Program:

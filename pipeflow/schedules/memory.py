@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, WEIGHT, CommOp, PipelineSchedule, Program, Step
 
@@ -119,6 +120,9 @@ class StageBytes:
             split B frees them, as they sit above the layers' outputs that W starts from.
         data: bytes of the step's data the stage reads, held for the whole step (stage 0: every
             micro-batch's input; the last stage: every micro-batch's targets).
+        offloadable: bytes of one micro-batch's activations that offloading moves to the host
+            (``pipeline.offload``): what autograd saved, less what the stage keeps on the device
+            anyway (its received inputs, the outputs it keeps for a split backward's W).
     """
 
     params: float
@@ -127,6 +131,7 @@ class StageBytes:
     boundary: float = 0.0
     loss: float = 0.0
     data: float = 0.0
+    offloadable: float = 0.0
 
 
 def _param_side(params: float, dp: int, shard: str, optimizer_factor: float, in_step: bool, grads_on: bool
@@ -155,6 +160,7 @@ def tensor_memory(
     programs: Sequence[Program] | None = None,
     microbatch_sizes: Sequence[float] | None = None,
     eval_programs: Sequence[Program] | None = None,
+    timing: Any = None,
 ) -> list[RankMemory]:
     """Predict each rank's tensor bytes (`TensorBytes`) resident between steps and at its in-step peak.
 
@@ -168,7 +174,10 @@ def tensor_memory(
     `microbatch_sizes`: each micro-batch's activations relative to the profiled one's (variable
     lengths); default 1 each.  `eval_programs`: the forward-only programs of the run's
     evaluation, which holds every buffer it receives until its pass ends; the pool keeps, per
-    buffer size, the larger count of the two passes.
+    buffer size, the larger count of the two passes.  Programs with offload marks
+    (``pipeline.offload``) release a group's ``offloadable`` bytes after the sample of its F (with
+    `timing`, the simulated run of those programs: at the first sample after its copy to the host
+    has ended) and take them back before the sample of the step that reloads it.
     """
     if shard not in SHARD_MODES:
         raise ValueError(f"shard={shard!r}; use one of {SHARD_MODES}")
@@ -184,8 +193,15 @@ def tensor_memory(
         resident = [_param_side(stages[s].params, dp, shard, optimizer_factor, False, True) for s in mine]
         data = math.fsum(stages[s].data for s in mine)
         held, grads_on, best = 0.0, set(), None
+        leaving: list[tuple[float, float]] = []  # (when the copy to the host ends, bytes) not released yet
         for k, step in enumerate(steps):
             a = step.action
+            for s, i in step.reload:
+                held += stages[s].offloadable * size[i]
+            if leaving:
+                now_t = timing.step_times[r][k][2] if timing is not None else math.inf
+                held -= math.fsum(n for t, n in leaving if t <= now_t)
+                leaving = [(t, n) for t, n in leaving if t > now_t]
             if a is None:
                 continue
             last = a.kind == WEIGHT or (a.kind == BACKWARD and (a.stage, a.microbatch) not in split)
@@ -205,6 +221,9 @@ def tensor_memory(
                               pool + sends[k])
             if best is None or now.total > best.total:
                 best = now
+            for s, i in step.offload:
+                ends = timing.offload_ends.get((s, i), 0.0) if timing is not None else 0.0
+                leaving.append((ends, stages[s].offloadable * size[i]))
         res = TensorBytes(*(math.fsum(x[c] for x in resident) for c in range(3)), 0.0, pool)
         result.append(RankMemory(res, best if best is not None else res))
     return result

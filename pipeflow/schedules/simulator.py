@@ -3,6 +3,7 @@
 and measures time and memory."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from pipeflow.errors import DeadlockError, ScheduleError
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, KINDS, WEIGHT, Action, CommOp
 from pipeflow.schedules.ir import PipelineSchedule, Program, Step
 from pipeflow.schedules.lowering import lower, recvs_needed
+from pipeflow.schedules.offload import Group, HostLink, OffloadCosts, OffloadPlan, plan_offload
 
 CostFn = Callable[[Action], float]
 Costs = Mapping[str, float] | CostFn
@@ -45,6 +47,13 @@ class SimResult:
             (``parallel.shard=full``); 0 for programs without them.
         shard_timeline: ``(rank, what, start, end)`` of every gather (``unshard 0``) and
             reduction (``reshard 0``) at the programs' shard points; empty without them.
+        step_times: ``step_times[r][k]``: (post, action start, action end) of rank r's step k
+            (a step without an action: its end twice).
+        offloaded_bytes: ``offloaded_bytes[r]``, bytes rank r copies to the host in the step
+            (``Step.offload``; each comes back once).
+        reload_waits: per offloaded group, how long its B waited for its reload to end.
+        offload_ends: per offloaded group, when its copy to the host ends (its device memory is
+            free from then on).
     """
 
     makespan: float
@@ -57,6 +66,10 @@ class SimResult:
     shard_timeline: list[tuple[int, str, float, float]] = field(default_factory=list)
     finish: list[float] = field(default_factory=list)
     events: list[list[tuple[str, str, float, float]]] = field(default_factory=list)
+    step_times: list[list[tuple[float, float, float]]] = field(default_factory=list)
+    offloaded_bytes: list[float] = field(default_factory=list)
+    reload_waits: dict[Group, float] = field(default_factory=dict)
+    offload_ends: dict[Group, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,7 @@ def simulate(
     runtime: RuntimeCosts | None = None,
     shard: bool = False,
     shard_cost: float = 0.0,
+    offload: OffloadCosts | None = None,
 ) -> SimResult:
     """Interpret the per-rank programs as the runtime does, checking and measuring them.
 
@@ -120,6 +134,13 @@ def simulate(
             (``unshard``, started after those; the action starts no earlier than its end).
             Programs with shard points are checked: every stage of a rank unsharded once at or
             before its first action and resharded once after its last.
+        offload: each group's bytes and the host link, timing the programs' offload marks
+            (``Step.offload``/``reload``, :mod:`~pipeflow.schedules.offload`): a group's copy to
+            the host starts when its F ends and the device-to-host link is free, its copy back
+            when its reload step starts, the link is free and the first copy is done; its B
+            starts no earlier than that end.  Copies on a link that is not ``overlapped`` take the
+            rank's own time.  None: the marks cost nothing.  Marks are checked: each group
+            offloaded at its F, reloaded once after that and at or before its B.
 
     Returns:
         The :class:`SimResult`.
@@ -142,7 +163,29 @@ def simulate(
     runtime = runtime or RuntimeCosts()
     if runtime.transfer is None:
         runtime = RuntimeCosts(lambda op: comm_latency, runtime.step_overhead, runtime.post, runtime.start)
-    return _Simulation(schedule, programs, _cost_function(costs), runtime, sizes, shard_cost).run()
+    return _Simulation(schedule, programs, _cost_function(costs), runtime, sizes, shard_cost, offload).run()
+
+
+def simulated_plan(
+    schedule: PipelineSchedule,
+    mode: str,
+    offload: OffloadCosts,
+    costs: Costs | None = None,
+    posting: str = "rendezvous",
+    runtime: RuntimeCosts | None = None,
+    microbatch_sizes: Sequence[float] | None = None,
+    shard: bool = False,
+) -> OffloadPlan:
+    """``pipeline.offload``'s plan (:func:`~pipeflow.schedules.offload.plan_offload`) for the
+    programs ``lower(schedule, posting, shard)`` simulated with these costs (as :func:`simulate`)."""
+
+    def run(plan: OffloadPlan) -> tuple[float, list[list[tuple[float, float, float]]], dict[Group, float]]:
+        programs = lower(schedule, posting, shard=shard, offload=plan)
+        sim = simulate(schedule, programs, costs, posting=posting, microbatch_sizes=microbatch_sizes,
+                       runtime=runtime, offload=offload)
+        return sim.makespan, sim.step_times, sim.reload_waits
+
+    return plan_offload(schedule, mode, offload, run)
 
 
 def validate(schedule: PipelineSchedule, programs: list[Program] | None = None, posting: str = "rendezvous") -> SimResult:
@@ -198,6 +241,40 @@ def _check_programs(schedule: PipelineSchedule, programs: list[Program]) -> None
     if any(step.unshard or step.reshard for program in programs for step in program):
         _raise_problems(f"misplaced shard points in {name}",
                         [p for r, program in enumerate(programs) for p in _shard_problems(r, program)])
+    if any(step.offload or step.reload for program in programs for step in program):
+        _raise_problems(f"misplaced offload marks in {name}",
+                        [p for r, program in enumerate(programs) for p in _offload_problems(schedule, r, program)])
+
+
+def _offload_problems(schedule: PipelineSchedule, r: int, program: Program) -> list[str]:
+    """Each offloaded group of rank r offloaded once, at the step of its own F, and reloaded once,
+    after that step and at or before its B; nothing reloaded that was not offloaded."""
+    if not schedule.training:
+        return [f"rank {r}: a forward-only program offloads nothing (it keeps no activations)"]
+    offloaded: dict[Group, list[int]] = defaultdict(list)
+    reloaded: dict[Group, list[int]] = defaultdict(list)
+    backward_at: dict[Group, int] = {}
+    problems = []
+    for k, step in enumerate(program):
+        a = step.action
+        for g in step.offload:
+            offloaded[g].append(k)
+            if a is None or a.kind != FORWARD or (a.stage, a.microbatch) != g:
+                problems.append(f"rank {r} step {k}: offloads stage {g[0]} micro-batch {g[1]} after "
+                                f"{a if a is not None else 'no action'}, not after its F")
+        for g in step.reload:
+            reloaded[g].append(k)
+        if a is not None and a.kind == BACKWARD:
+            backward_at[(a.stage, a.microbatch)] = k
+    for g in sorted(set(offloaded) | set(reloaded)):
+        where = f"rank {r}: stage {g[0]} micro-batch {g[1]}"
+        if len(offloaded[g]) != 1 or len(reloaded[g]) != 1:
+            problems.append(f"{where} is offloaded at steps {offloaded[g]} and reloaded at steps {reloaded[g]}; "
+                            "expected once each")
+        elif not offloaded[g][0] < reloaded[g][0] <= backward_at.get(g, -1):
+            problems.append(f"{where} is reloaded at step {reloaded[g][0]}; expected after its F (step "
+                            f"{offloaded[g][0]}) and at or before its B (step {backward_at.get(g)})")
+    return problems
 
 
 def _shard_problems(r: int, program: Program) -> list[str]:
@@ -362,9 +439,17 @@ class _Simulation:
 
     def __init__(
         self, schedule: PipelineSchedule, programs: list[Program], cost: CostFn, runtime: RuntimeCosts,
-        sizes: list[float], shard_cost: float = 0.0,
+        sizes: list[float], shard_cost: float = 0.0, offload: OffloadCosts | None = None,
     ) -> None:
         p = schedule.num_ranks
+        self.offload = offload
+        self.link = offload.link if offload is not None else HostLink(math.inf, math.inf)
+        self.d2h_free, self.h2d_free = [0.0] * p, [0.0] * p  # when each rank's copy links are free
+        self.offloaded_by: dict[Group, float] = {}  # when a group's copy to the host ends
+        self.reloaded_by: dict[Group, float] = {}  # when its copy back ends
+        self.reload_waits: dict[Group, float] = {}
+        self.offloaded_bytes = [0.0] * p
+        self.step_times: list[list[tuple[float, float, float]]] = [[] for _ in range(p)]
         self.schedule, self.programs, self.cost, self.sizes = schedule, programs, cost, sizes
         self.runtime, self.transfer = runtime, runtime.transfer
         self.shard_cost = shard_cost
@@ -396,7 +481,8 @@ class _Simulation:
         bubble = 1.0 - sum(self.busy) / (p * makespan) if makespan > 0 else 0.0
         self.timeline.sort(key=lambda entry: (entry[2], entry[0]))
         return SimResult(makespan, self.busy, bubble, self.peak, self.timeline, self.peak_memory, self.peak_unsharded,
-                         self.shard_timeline, list(self.clock), self.events)
+                         self.shard_timeline, list(self.clock), self.events, self.step_times, self.offloaded_bytes,
+                         self.reload_waits, self.offloaded_by)
 
     def _advance(self, r: int) -> bool:
         k = self.next_step[r]
@@ -420,6 +506,12 @@ class _Simulation:
                 self.shard_timeline.append((r, f"unshard {s}", self.clock[r] + j * c, self.clock[r] + (j + 1) * c))
             self.unsharded[r] += len(step.unshard) - len(step.reshard)
             self.peak_unsharded[r] = max(self.peak_unsharded[r], self.unsharded[r])
+            for g in step.reload:  # issued once the ops are posted; the B waits for the copy's end
+                start = max(self.clock[r], self.h2d_free[r], self.offloaded_by.get(g, 0.0))
+                end = self.h2d_free[r] = self.reloaded_by[g] = start + self.link.h2d_s(self._group_bytes(g))
+                self.events[r].append(("h2d", f"reload {g[0]}:{g[1]}", start, end))
+                if not self.link.overlapped:
+                    self.clock[r] = end
             self.phase[r] = _WAIT
             return True
         done = self._wait(r, step.waits if phase == _WAIT else step.after)
@@ -476,12 +568,29 @@ class _Simulation:
             )
         return slot
 
+    def _group_bytes(self, g: Group) -> float:
+        return self.offload.group_bytes(g) if self.offload is not None else 0.0
+
     def _compute(self, r: int, k: int, step: Step, start: float) -> None:
+        action = step.action
+        group = (action.stage, action.microbatch) if action is not None else None
+        if action is not None and action.kind == BACKWARD and group in self.reloaded_by:
+            ready = max(start, self.reloaded_by[group])
+            self.reload_waits[group] = ready - start
+            start = ready
         end = start + _step_cost(step, self.cost)
         self.clock[r] = end
-        if step.action is None:
+        self.step_times[r].append((self.posted_at[r], start, end))
+        for g in step.offload:  # the copy to the host starts when the F is done and the link free
+            nbytes = self._group_bytes(g)
+            begin = max(end, self.d2h_free[r])
+            done = self.d2h_free[r] = self.offloaded_by[g] = begin + self.link.d2h_s(nbytes)
+            self.offloaded_bytes[r] += nbytes
+            self.events[r].append(("d2h", f"offload {g[0]}:{g[1]}", begin, done))
+            if not self.link.overlapped:
+                self.clock[r] = done
+        if action is None:
             return
-        action = step.action
         self._check_inputs(r, k, action, start)
         self.finished_at[action] = end
         self.busy[r] += end - start
