@@ -44,7 +44,8 @@ def build_pipeline(
     """This rank's stages of `spec` under `schedule`, uniform partition, float64 on CPU."""
     rank = dist.get_rank()
     ranges = partition_layers(len(spec.layers), schedule.num_stages, names=spec.layer_names())
-    stages = build_stages(spec, ranges, schedule.stages_of(rank), dtype=DTYPE)
+    stages = build_stages(spec, ranges, schedule.stages_of(rank), dtype=DTYPE,
+                          checkpoint_every=kwargs.pop("checkpoint_every", 0))
     comm = P2PComm(None, torch.device("cpu"), timeout_s=kwargs.pop("timeout_s", 120.0))
     comm.warmup()
     tied = TiedWeights(spec, ranges, schedule.stage_to_rank, layers_by_index(stages, ranges), list(range(comm.size)), rank)
@@ -130,9 +131,19 @@ def split_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, m: int) -> tup
     return inputs, targets
 
 
+def offload_plan(schedule: PipelineSchedule, mode: str) -> Any:
+    """``pipeline.offload=mode``'s plan for `schedule` on unit costs over a link a copy engine runs
+    beside compute (each group's copy a quarter of an F): ``auto`` then hides most groups."""
+    from pipeflow.schedules.offload import HostLink, OffloadCosts
+    from pipeflow.schedules.simulator import simulated_plan
+
+    return simulated_plan(schedule, mode, OffloadCosts(lambda g: 1.0, HostLink(4.0, 4.0)), posting="ahead")
+
+
 def equivalence(
     model: str, schedule: str, m: int, steps: int = 3, batch: int = BATCH, clip: float = 0.0,
     reversed_placement: bool = False, runtime: str = "default", against_module: bool = False,
+    offload: str = "none", checkpoint_every: int = 0,
 ) -> dict[str, float]:
     """Train `steps` AdamW steps pipelined and unsplit; return worst relative differences.
 
@@ -147,6 +158,8 @@ def equivalence(
     With `reversed_placement`, rank r's stages run on rank p-1-r (``pipeline.stage_to_rank``).
     With `against_module` (from_module's models), the reference is the user's own nn.Module, its
     forward unchanged, loaded with the weights from_module made; parameters pair by name.
+    `offload`: ``pipeline.offload``'s mode (:func:`offload_plan`); the bytes it moved are
+    returned as ``offloaded`` (the last step's).  `checkpoint_every`: activation checkpointing.
     """
     p = dist.get_world_size()
     spec = make_spec(model)
@@ -158,7 +171,9 @@ def equivalence(
         "auto": Posting("auto", tuner=AheadTuner(trials=1, warmup=1)),  # auto decides after step 3
         "grouped": Posting(lowering="group"), "strict": Posting(lowering="rendezvous"),
     }
-    pipe, ranges, tied = build_pipeline(spec, plan, posting=postings[runtime])
+    moved = offload_plan(plan, offload) if offload != "none" else None
+    pipe, ranges, tied = build_pipeline(spec, plan, posting=postings[runtime], offload=moved,
+                                        checkpoint_every=checkpoint_every)
     reference = spec.build_all(dtype=DTYPE)
     tie_in_place(spec, dict(enumerate(reference)))
     freeze_batchnorm(reference)
@@ -202,6 +217,9 @@ def equivalence(
             worst["param"] = max(worst["param"], rel_diff(mine.detach(), ref.detach()))
     if runtime == "auto":
         worst["ahead_choice"] = pipe.posting.tuner.choice
+    if pipe.offloaded is not None:
+        worst["offloaded"] = pipe.offloaded.bytes
+        worst["groups_offloaded"] = pipe.offloaded.groups
     return worst
 
 
@@ -221,7 +239,7 @@ def ragged_batch(model: str, m: int, seed: int) -> tuple[list[torch.Tensor], lis
     return xs, ys
 
 
-def variable_equivalence(model: str, schedule: str, m: int, steps: int = 3) -> dict[str, float]:
+def variable_equivalence(model: str, schedule: str, m: int, steps: int = 3, offload: str = "none") -> dict[str, float]:
     """Micro-batches of different shapes in one step (``per_microbatch`` shapes: rows that do not
     split evenly, GPT sequence lengths that differ): pipelined training equals the unsplit model
     on the batch's element-weighted mean loss (each micro-batch's mean loss weighted n_i / N);
@@ -229,7 +247,8 @@ def variable_equivalence(model: str, schedule: str, m: int, steps: int = 3) -> d
     pool made after the first step (steady state: none)."""
     spec = make_spec(model)
     plan = build_schedule(schedule, dist.get_world_size(), m)
-    pipe, ranges, tied = build_pipeline(spec, plan, shapes="per_microbatch")
+    pipe, ranges, tied = build_pipeline(spec, plan, shapes="per_microbatch",
+                                        offload=offload_plan(plan, offload) if offload != "none" else None)
     reference = spec.build_all(dtype=DTYPE)
     tie_in_place(spec, dict(enumerate(reference)))
     pairs = [

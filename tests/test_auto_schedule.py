@@ -151,3 +151,20 @@ def test_max_activations_below_one_is_a_config_error() -> None:
     cfg = compose_config(["pipeline.max_activations=0.5"])
     with pytest.raises(ConfigError, match="pipeline.max_activations=0.5 must be at least 1"):
         check_config(cfg, 4)
+
+
+def test_auto_with_offload_fits_a_faster_schedule_under_the_same_limit():
+    """With pipeline.offload=auto a candidate counts only what its plan leaves on the device: under
+    a 2-micro-batch limit a schedule holding more (hidden copies over a fast link) wins."""
+    from pipeflow.schedules.offload import HostLink, OffloadCosts, group_bytes_of
+
+    costs = StageCosts.uniform(4, 1.0, 1.0, 1.0)
+    plain = synthesize(4, 8, 1, costs, 0.0, 2.0)
+    copies = OffloadCosts(group_bytes_of([1.0] * 4), HostLink(4.0, 4.0))
+    offloaded = synthesize(4, 8, 1, costs, 0.0, 2.0, offload=("auto", copies, [0.9] * 4))
+    assert offloaded.chosen.makespan < plain.chosen.makespan
+    assert offloaded.chosen.peak <= 2.0 and "offload=auto" in offloaded.chosen.label
+    # a link that hides nothing: the same choice as without offloading
+    crawl = OffloadCosts(group_bytes_of([1.0] * 4), HostLink(1e-3, 1e-3))
+    assert synthesize(4, 8, 1, costs, 0.0, 2.0, offload=("auto", crawl, [0.9] * 4)).chosen.makespan == \
+        plain.chosen.makespan

@@ -19,6 +19,7 @@ from pipeflow.planning.search import SearchSpace, rank_memory, search
 from pipeflow.planning.profile import LayerProfile
 from pipeflow.schedules import GENERATORS, LAYOUTS, build_schedule, simulate
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
+from pipeflow.schedules.offload import HostLink
 
 ROOT = Path(__file__).resolve().parents[1]
 MS = 1e-3
@@ -117,6 +118,28 @@ def test_memory_limit_filters_gpipe_with_many_microbatches() -> None:
     assert {c.schedule for c in limited.candidates} == {"1f1b"}
     assert {c.schedule for c in limited.over_memory} == {"gpipe"}
     assert all(c.peak_bytes <= 13e6 for c in limited.candidates)
+
+
+def test_offload_makes_a_memory_limit_reachable_at_no_simulated_cost() -> None:
+    """GPipe over a limit without offloading fits with pipeline.offload=auto, whose copies hide in
+    the gaps (same simulated step); the pick says pipeline.offload=auto."""
+    heavy = lambda b: [layer(f"l{i}", MS, MS, MS, act=10**6 * b, param_bytes=4000) for i in range(4)]  # noqa: E731
+    limit = 5 * 4e6
+    plain = search(heavy, 2, 16, SearchSpace(("gpipe",), (8,)), memory_limit_bytes=limit)
+    assert not plain.candidates
+    space = SearchSpace(("gpipe",), (8,), offload=("none", "auto", "all"))
+    result = search(heavy, 2, 16, space, memory_limit_bytes=limit)
+    assert {c.offload for c in result.candidates} >= {"auto"}
+    assert {c.offload for c in result.over_memory} == {"none"}
+    by_mode = {c.offload: c for c in result.candidates + result.over_memory}
+    assert by_mode["auto"].step_s == pytest.approx(by_mode["none"].step_s)
+    assert by_mode["auto"].peak_bytes < by_mode["none"].peak_bytes
+    assert "pipeline.offload=auto" in by_mode["auto"].overrides()
+    # a link too slow to hide a copy: auto offloads nothing, all pays for it in time
+    slow = SearchSpace(("gpipe",), (8,), offload=("none", "auto", "all"), host_link=HostLink(1e6, 1e6))
+    crawl = {c.offload: c for c in search(heavy, 2, 16, slow).candidates}
+    assert crawl["auto"].peak_bytes == crawl["none"].peak_bytes
+    assert crawl["all"].step_s > 10 * crawl["none"].step_s
 
 
 def test_rank_memory_charges_the_activations_each_rank_holds() -> None:

@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pipeflow.runtime.events import SHARD
+from pipeflow.runtime.events import COPY_KINDS, SHARD
 from pipeflow.schedules.ir import KINDS
 
-COMM_KINDS = ("comm", SHARD)  # batched P2P calls; gathers and reductions (parallel.shard=full)
+# batched P2P calls; gathers and reductions (parallel.shard=full); activation copies issued (pipeline.offload)
+COMM_KINDS = ("comm", SHARD, *COPY_KINDS)
 
 
 @dataclass

@@ -59,6 +59,7 @@ class MemoryMetrics:
         self.steps = {min(int(s), max_steps - 1) for s in steps if int(s) >= 0}
         self.pp_rank, self.device = pp_rank, device
         self.predicted = prediction.memory
+        self.offloaded_predicted = prediction.offloaded_bytes  # per pipeline rank; empty: no offloading
         self.rows: list[dict[str, Any]] = []  # per global rank, of the last measured step
         self.step: int | None = None
 
@@ -66,10 +67,11 @@ class MemoryMetrics:
         """True if `step`'s tensor memory is measured."""
         return step in self.steps
 
-    def record(self, step: int, measured: RankMemory, writer: Any = None) -> None:
-        """Gather every rank's measurement of `step` (collective) and write it to TensorBoard."""
-        packet = torch.tensor([self.pp_rank, *measured.resident.as_tuple(), *measured.peak.as_tuple(), rss_mb(),
-                               allocator_peak_mb(self.device)], dtype=torch.float64, device=self.device)
+    def record(self, step: int, measured: RankMemory, writer: Any = None, offloaded: float = math.nan) -> None:
+        """Gather every rank's measurement of `step` (collective) and write it to TensorBoard;
+        `offloaded`: the bytes this rank copied to the host in the step (``pipeline.offload``)."""
+        packet = torch.tensor([self.pp_rank, *measured.resident.as_tuple(), *measured.peak.as_tuple(), offloaded,
+                               rss_mb(), allocator_peak_mb(self.device)], dtype=torch.float64, device=self.device)
         gathered = [torch.empty_like(packet) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, packet)
         self.step, self.rows = step, []
@@ -78,7 +80,7 @@ class MemoryMetrics:
             predicted = self.predicted[pp] if pp < len(self.predicted) else None
             self.rows.append({
                 "pp_rank": pp, "resident": TensorBytes(*row[1:1 + _N]), "peak": TensorBytes(*row[1 + _N:1 + 2 * _N]),
-                "predicted": predicted, "rss_mb": row[-2], "allocator_peak_mb": row[-1],
+                "predicted": predicted, "offloaded": row[-3], "rss_mb": row[-2], "allocator_peak_mb": row[-1],
             })
         if writer is not None:
             for tag, value in self.scalars().items():
@@ -89,7 +91,8 @@ class MemoryMetrics:
         ``grads_mb``, ``optimizer_mb`` (resident between steps), ``tensor_mb`` (the in-step
         peak), ``tensor_predicted_mb``, ``tensor_resident_mb``, ``peak_params_mb`` (the in-step
         peak's parameters: the unsharded copy included), ``activations_mb``, ``comm_mb``,
-        ``rss_mb`` and, on a GPU, ``allocator_peak_mb``."""
+        ``rss_mb``, with ``pipeline.offload`` ``offloaded_mb`` (copied to the host in the step) and,
+        on a GPU, ``allocator_peak_mb``."""
         out: dict[str, float] = {}
         for g, row in enumerate(self.rows):
             resident, peak, predicted = row["resident"], row["peak"], row["predicted"]
@@ -100,6 +103,8 @@ class MemoryMetrics:
             }
             if predicted is not None:
                 tags["tensor_predicted_mb"] = predicted.peak.total
+            if not math.isnan(row["offloaded"]):
+                tags["offloaded_mb"] = row["offloaded"]
             out.update({f"memory/{g}/{name}": v / MB for name, v in tags.items()})
             out[f"memory/{g}/rss_mb"] = row["rss_mb"]
             if not math.isnan(row["allocator_peak_mb"]):
@@ -109,8 +114,11 @@ class MemoryMetrics:
     def summary(self, num_pp: int) -> dict[str, Any]:
         """Per pipeline rank (data-parallel replicas: the largest): ``tensor_mb`` (measured in-step
         peak, NaN when no step was measured), ``tensor_predicted_mb`` (NaN without profiles),
-        ``rss_mb`` and ``allocator_peak_mb`` (NaN off a GPU); ``memory_step``: the step measured."""
+        ``rss_mb`` and ``allocator_peak_mb`` (NaN off a GPU); ``memory_step``: the step measured;
+        with ``pipeline.offload``, ``offloaded_mb`` (copied to the host in the measured step) and
+        ``offloaded_predicted_mb``."""
         measured = [math.nan] * num_pp
+        offloaded = [math.nan] * num_pp
         rss = [math.nan] * num_pp
         allocator = [math.nan] * num_pp
         for row in self.rows:
@@ -118,9 +126,13 @@ class MemoryMetrics:
             measured[r] = _max(measured[r], row["peak"].total / MB)
             rss[r] = _max(rss[r], row["rss_mb"])
             allocator[r] = _max(allocator[r], row["allocator_peak_mb"])
+            offloaded[r] = _max(offloaded[r], row["offloaded"] / MB)
         predicted = [m.peak.total / MB for m in self.predicted] or [math.nan] * num_pp
-        return {"tensor_mb": measured, "tensor_predicted_mb": predicted, "rss_mb": rss,
-                "allocator_peak_mb": allocator, "memory_step": self.step}
+        figures = {"tensor_mb": measured, "tensor_predicted_mb": predicted, "rss_mb": rss,
+                   "allocator_peak_mb": allocator, "memory_step": self.step}
+        if self.offloaded_predicted:
+            figures.update(offloaded_mb=offloaded, offloaded_predicted_mb=[b / MB for b in self.offloaded_predicted])
+        return figures
 
     def table(self) -> str:
         """Per global rank: measured tensor MB by category (resident, then in-step peak) beside
@@ -129,6 +141,8 @@ class MemoryMetrics:
         heads = ["rank", *(["dp"] if grid else []), "pp", *(["tp"] if grid else []), "params", "grads", "optimizer",
                  "peak: params", "grads", "optimizer", "activations", "comm", "tensor MB measured", "predicted", "RSS MB",
                  "allocator peak MB"]
+        moved = any(not math.isnan(row["offloaded"]) for row in self.rows)
+        heads += ["offloaded MB"] if moved else []
         rows = []
         num_pp = max((row["pp_rank"] for row in self.rows), default=0) + 1
         for g, row in enumerate(self.rows):
@@ -138,7 +152,8 @@ class MemoryMetrics:
             rows.append([str(g), *place, *(_mb(v) for v in row["resident"].as_tuple()[:3]),
                          *(_mb(v) for v in row["peak"].as_tuple()), _mb(row["peak"].total),
                          "-" if predicted is None else _mb(predicted.peak.total), f"{row['rss_mb']:.0f}",
-                         "-" if math.isnan(row["allocator_peak_mb"]) else f"{row['allocator_peak_mb']:.1f}"])
+                         "-" if math.isnan(row["allocator_peak_mb"]) else f"{row['allocator_peak_mb']:.1f}",
+                         *([_mb(row["offloaded"])] if moved else [])])
         widths = [max(len(h), *(len(r[k]) for r in rows)) for k, h in enumerate(heads)]
         lines = [f"tensor memory at step {self.step} (MB; parameters, gradients, optimizer state resident between "
                  "steps, then the in-step peak), measured beside predicted:"]
@@ -163,4 +178,7 @@ def memory_line(summary: dict[str, Any]) -> str:
             f"process RSS {', '.join(f'{v:.0f}' for v in summary['rss_mb'])} MB")
     if not all(math.isnan(v) for v in summary["allocator_peak_mb"]):
         line += f" | allocator peak {', '.join(f'{v:.0f}' for v in summary['allocator_peak_mb'])} MB"
+    if "offloaded_mb" in summary:
+        moved = ", ".join(f"{m:.2f} | {p:.2f}" for m, p in zip(summary["offloaded_mb"], summary["offloaded_predicted_mb"]))
+        line += f" | activations offloaded to the host per step, MB measured | predicted: {moved}"
     return line

@@ -134,9 +134,10 @@ class RunMetrics:
         self.memory = MemoryMetrics(getattr(mc, "memory_steps", [1]), self.max_steps, pp_rank, device, prediction,
                                     self.tp)
 
-    def memory_measured(self, step: int, measured: RankMemory) -> None:
-        """Gather this measured step's tensor memory from every rank (collective) and write it."""
-        self.memory.record(step, measured, self.writer)
+    def memory_measured(self, step: int, measured: RankMemory, offloaded: float = math.nan) -> None:
+        """Gather this measured step's tensor memory from every rank (collective) and write it;
+        `offloaded`: this rank's bytes copied to the host in the step (``pipeline.offload``)."""
+        self.memory.record(step, measured, self.writer, offloaded)
         if self.writer is not None:
             self.writer.flush()
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pipeflow.observability.console import rank_label
 from pipeflow.observability.figures import pipeline_bubble, step_figures
 from pipeflow.runtime.clocks import clock_offsets, host_offsets  # noqa: F401 - host_offsets: also read from here
-from pipeflow.runtime.events import SHARD, TimedEvent
+from pipeflow.runtime.events import COPY_KINDS, SHARD, TimedEvent
 from pipeflow.schedules import PipelineSchedule
 from pipeflow.schedules.ir import KINDS, Action
 from pipeflow.schedules.pictures import draw_timeline
@@ -57,10 +57,10 @@ def chrome_trace(steps: dict[int, list[RankStep]], tp: int = 1) -> dict[str, Any
                 if kind in KINDS:
                     action = Action.parse(name)
                     args.update(microbatch=action.microbatch, stage=action.stage)
-                elif kind != SHARD:
+                elif kind != SHARD and kind not in COPY_KINDS:
                     args["ops"] = name
                 events.append({
-                    "ph": "X", "name": name if kind in KINDS or kind == SHARD else "comm", "cat": kind,
+                    "ph": "X", "name": name if kind in KINDS or kind == SHARD or kind in COPY_KINDS else "comm", "cat": kind,
                     "pid": r, "tid": 0,
                     "ts": 1e6 * (start - origin), "dur": 1e6 * (end - start), "args": args,
                 })
@@ -82,7 +82,7 @@ def draw_step(per_rank: Sequence[RankStep], num_pp: int, title: str, out_path: s
             if kind in KINDS:
                 boxes.append((pp, Action.parse(name), *span))
             else:
-                (shards if kind == SHARD else waits).append((pp, *span))
+                (shards if kind == SHARD or kind in COPY_KINDS else waits).append((pp, *span))
     # as wide as the schedule picture would be with unit costs: the span in typical actions
     unit = statistics.median(end - start for *_, start, end in boxes) if boxes else 1.0
     return str(draw_timeline(boxes, num_pp, title, out_path, waits=waits, xlabel="ms", unit=unit, shards=shards))

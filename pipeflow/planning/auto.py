@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from pipeflow.planning.layout import Layout, predict
+from pipeflow.planning.layout import Layout, predict, stage_bytes
 from pipeflow.planning.profile import stage_costs
 from pipeflow.schedules import PipelineSchedule, Synthesis, synthesize
 from pipeflow.schedules.memory import stage_inflight
+from pipeflow.schedules.offload import HostLink, OffloadCosts, group_bytes_of
 
 
 def auto_for_layout(
     schedule: PipelineSchedule, layout: Layout, max_activations: float | None, placement: str | None,
-    comm_s: float = 0.0,
+    comm_s: float = 0.0, offload: tuple[str, HostLink] | None = None,
 ) -> tuple[PipelineSchedule, Layout, Synthesis]:
     """Synthesise ``auto`` for `layout`'s stages (profiled costs, or F = B = W without profiles).
 
@@ -26,6 +27,9 @@ def auto_for_layout(
         max_activations: ``pipeline.max_activations`` (None: p micro-batches, 1F1B's).
         placement: ``pipeline.placement`` (None: either).
         comm_s: seconds of one transfer between neighbouring ranks.
+        offload: ``pipeline.offload`` and the host link: candidates are judged by what their
+            offload plan leaves on the device (needs profiles: without them the activations'
+            bytes are unknown and the synthesis counts every micro-batch held).
 
     Returns:
         The schedule, the layout re-predicted for it (its report holds the synthesis's lines),
@@ -34,7 +38,14 @@ def auto_for_layout(
     p, m = schedule.num_ranks, schedule.num_microbatches
     v = schedule.num_stages // p
     costs = None if layout.profiles is None else stage_costs(layout.ranges, layout.profiles)
-    synthesis = synthesize(p, m, v, costs, comm_s, max_activations, placement)
+    copies = None
+    if offload is not None and offload[0] != "none" and layout.profiles is not None:
+        held = stage_bytes(layout.ranges, layout.profiles, schedule)
+        moved = [c.offloadable for c in held]
+        fractions = [min(1.0, o / (c.activations + c.loss)) if c.activations + c.loss > 0 else 0.0
+                     for o, c in zip(moved, held)]
+        copies = (offload[0], OffloadCosts(group_bytes_of(moved), offload[1]), fractions)
+    synthesis = synthesize(p, m, v, costs, comm_s, max_activations, placement, copies)
     chosen = synthesis.chosen.schedule
     basis = "profiled stage costs" if costs is not None else "F = B = W (pipeline.profile=false)"
     note = f"schedule=auto from {basis} ({synthesis.chosen.label}):\n{synthesis.report()}"

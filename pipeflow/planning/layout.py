@@ -25,6 +25,8 @@ from pipeflow.schedules import PipelineSchedule, forward_only, lower, simulate
 from pipeflow.planning.step_model import StepCosts, describe_costs, predict_step
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
 from pipeflow.schedules.memory import RankMemory, StageBytes, stage_inflight, tensor_memory
+from pipeflow.schedules.offload import HostLink, OffloadCosts, OffloadPlan, check_mode, group_bytes_of, plan_offload
+from pipeflow.schedules.simulator import simulated_plan
 
 PROFILED, UNIT_COSTS = "profiled layer costs", "F = B = W"
 WHOLE_STEP = "profiled layers and the measured runtime"
@@ -46,6 +48,8 @@ class Prediction:
         memory: per pipeline rank, the predicted tensor bytes by category resident between
             steps and at the in-step peak (`pipeflow.schedules.memory.tensor_memory`: the same
             quantity ``pipeflow.runtime.memory`` measures; empty without profiles).
+        offloaded_bytes: per pipeline rank, the activation bytes ``pipeline.offload`` copies to
+            the host in a step (empty without offloading).
     """
 
     basis: str
@@ -53,6 +57,7 @@ class Prediction:
     step_s: float
     memory_bytes: tuple[float, ...]
     memory: tuple[RankMemory, ...] = ()
+    offloaded_bytes: tuple[float, ...] = ()
 
 
 def stage_bytes(
@@ -70,7 +75,9 @@ def stage_bytes(
     each layer's output gradients until W.
     Stage 0 holds every micro-batch's input (`input_bytes` each) for the whole step, the last
     stage every micro-batch's targets (`target_bytes` each).  The boundary is the last layer's
-    output bytes.
+    output bytes.  What offloading moves (``offloadable``) is the rest of the kept bytes and the
+    loss's: a split stage keeps its layers' outputs on the device for W, and an output handed to
+    a stage on the same rank is that stage's input.
     """
     result, m = [], schedule.num_microbatches
     split = {s for s, _ in schedule.split_backwards()}
@@ -87,9 +94,13 @@ def stage_bytes(
             if s not in split and not layers[-1].loss_saves_output:
                 act -= out
         data = m * ((input_bytes if s == 0 else 0.0) + (target_bytes if last else 0.0))
+        sent = not last and schedule.stage_to_rank[s + 1] != schedule.stage_to_rank[s]
+        stays = math.fsum(p.output_bytes for p in layers[:-1]) if s in split else 0.0
+        if not sent and (s in split or not last):
+            stays += out
         result.append(StageBytes(params=math.fsum(p.param_bytes for p in layers), activations=max(act, 0.0),
                                  split_held=math.fsum(p.output_bytes for p in layers), boundary=out, loss=loss,
-                                 data=data))
+                                 data=data, offloadable=max(act - stays, 0.0) + loss))
     return result
 
 
@@ -150,6 +161,8 @@ class Layout:
         note: lines added to the start-of-run report (``schedule=auto``: its synthesis).
         memory_setting: what the memory prediction assumed (sharding, lowering, input).
         step_costs: the runtime's costs measured at start, when the prediction includes them.
+        offload: ``pipeline.offload``'s plan (:func:`with_offload`; empty: nothing offloaded).
+        host_link: the host link the plan was made for (None without offloading).
     """
 
     ranges: list[range]
@@ -159,6 +172,54 @@ class Layout:
     note: str = ""
     memory_setting: MemorySetting = MemorySetting()
     step_costs: StepCosts | None = None
+    offload: OffloadPlan = OffloadPlan()
+    host_link: HostLink | None = None
+
+
+def with_offload(layout: Layout, schedule: PipelineSchedule, mode: str, link: HostLink) -> Layout:
+    """The layout with ``pipeline.offload=mode``'s plan made for this run (`link`: the host link
+    measured at start) and its prediction re-made with it: the step with the copies timed, each
+    rank's tensor bytes with the offloaded groups released and the bytes offloaded.
+
+    The plan is made on the same simulation as the prediction (the whole step with the runtime's
+    costs when measured, else the profiled layers); without profiles no group's bytes are known:
+    ``all`` offloads every group, reloaded right before its B, ``auto`` none.
+    """
+    check_mode(mode)
+    if mode == "none":
+        return replace(layout, offload=OffloadPlan(mode), host_link=link)
+    setting = layout.memory_setting
+    if layout.profiles is None:
+        copies = OffloadCosts(lambda g: 0.0, replace(link, overlapped=False))
+        plan = simulated_plan(schedule, mode, copies, posting=setting.lowering)
+        return replace(layout, offload=plan, host_link=link)
+    costs = stage_bytes(layout.ranges, layout.profiles, schedule, setting.input_bytes, setting.target_bytes)
+    copies = OffloadCosts(group_bytes_of([c.offloadable for c in costs]), link)
+
+    def simulated(plan: OffloadPlan):
+        if layout.step_costs is not None:
+            return predict_step(schedule, layout.ranges, layout.profiles, layout.step_costs, (plan, copies))
+        programs = lower(schedule, setting.lowering, offload=plan)
+        return simulate(schedule, programs, action_costs(layout.ranges, layout.profiles, schedule), offload=copies)
+
+    def timed(plan: OffloadPlan):
+        sim = simulated(plan)
+        return sim.makespan, sim.step_times, sim.reload_waits
+
+    plan = plan_offload(schedule, mode, copies, timed)
+    sim = simulated(plan)
+    evaluation = None
+    if setting.evaluates:
+        evaluation = lower(forward_only(schedule.num_ranks, schedule.num_microbatches, schedule.stage_to_rank),
+                           setting.lowering)
+    memory = tuple(tensor_memory(schedule, costs, 2.0, setting.dp, setting.shard,
+                                 programs=lower(schedule, setting.lowering, offload=plan), eval_programs=evaluation,
+                                 timing=sim))
+    tail = layout.step_costs.tail_s if layout.step_costs is not None else 0.0
+    prediction = replace(layout.prediction, bubble=sim.bubble, step_s=sim.makespan + tail,
+                         memory_bytes=tuple(m.peak.total for m in memory), memory=memory,
+                         offloaded_bytes=tuple(sim.offloaded_bytes))
+    return replace(layout, prediction=prediction, offload=plan, host_link=link)
 
 
 def with_step_costs(layout: Layout, schedule: PipelineSchedule, costs: StepCosts) -> Layout:
@@ -250,12 +311,26 @@ def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule)
         table = format_partition(layout.ranges, names, schedule.stage_to_rank, layer_params=count_layer_params(spec))
         step = ""
     note = f"\n{layout.note}" if layout.note else ""
+    if layout.offload.mode != "none":
+        note += f"\n{describe_offload(layout, schedule)}"
     memory = f"\n{format_memory(prediction.memory, layout.memory_setting)}" if prediction.memory else ""
     return (
         f"pipeline: {schedule.num_ranks} ranks, {schedule.num_stages} stages, schedule={schedule.name}, "
         f"{schedule.num_microbatches} micro-batches, predicted bubble {prediction.bubble:.1%} "
         f"({prediction.basis}){step}{note}\n{table}{memory}"
     )
+
+
+def describe_offload(layout: Layout, schedule: PipelineSchedule) -> str:
+    """The start-of-run line of ``pipeline.offload``: the groups offloaded, the link planned for
+    and the predicted bytes copied per step."""
+    link, groups = layout.host_link, len(layout.offload.reloads)
+    total = schedule.num_stages * schedule.num_microbatches
+    where = ("" if link is None else f"; host link {link.d2h_bytes_per_s / 1e9:.1f} GB/s out, "
+             f"{link.h2d_bytes_per_s / 1e9:.1f} GB/s back{'' if link.overlapped else ', on the compute thread (no copy engine)'}")
+    moved = layout.prediction.offloaded_bytes
+    per_rank = f"; predicted {', '.join(f'{b / 1e6:.2f}' for b in moved)} MB to the host per step per rank" if moved else ""
+    return f"pipeline.offload={layout.offload.mode}: {groups} of {total} (stage, micro-batch) activation groups{where}{per_rank}"
 
 
 def format_memory(memory: tuple[RankMemory, ...], setting: MemorySetting) -> str:

@@ -22,11 +22,15 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from pipeflow.planning.balance import balance_by_memory, balance_contiguous
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.partition import partition_layers
+from pipeflow.planning.layout import stage_bytes
 from pipeflow.planning.profile import action_costs, stage_costs
 from pipeflow.planning.step_model import HostShare, simulate_shared, stage_cpu
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate, synthesize
 from pipeflow.schedules.auto import AUTO
+from pipeflow.schedules.ir import Step
 from pipeflow.schedules.memory import StageBytes, stage_inflight, tensor_memory
+from pipeflow.schedules.offload import HostLink, OffloadCosts, OffloadPlan, group_bytes_of, plan_offload
+from pipeflow.schedules.simulator import SimResult
 
 if TYPE_CHECKING:
     from pipeflow.planning.profile import LayerProfile
@@ -49,6 +53,10 @@ class SearchSpace:
         max_splits: the most splits ``all`` may try per (schedule, m, v).
         dp, shard: what the memory estimate assumes: ``parallel.dp`` replicas of each stage and
             ``parallel.shard`` (none | optimizer | full; see `rank_memory`).
+        offload: ``pipeline.offload`` modes tried with every layout (``plan.offload``): each
+            planned for `host_link` (:func:`~pipeflow.schedules.offload.plan_offload`) on the
+            layout's own simulation, its copies timed and its groups' bytes released.
+        host_link: the device-host link the offload plans assume (``plan.host_link_gbps``).
     """
 
     schedules: tuple[str, ...]
@@ -58,6 +66,8 @@ class SearchSpace:
     max_splits: int = 2000
     dp: int = 1
     shard: str = "none"
+    offload: tuple[str, ...] = ("none",)
+    host_link: HostLink = HostLink(50e9, 50e9, 10e-6)  # about a PCIe 5.0 x16 link, both ways
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,7 @@ class Candidate:
     max_activations: float | None = None  # schedule=auto: the limit it was synthesised for
     rehearsed_s: float | None = None  # plan.rehearse: the step its run predicted from a rehearsal on this host
     tp: int = 1  # parallel.tp: each stage split over tp ranks (its costs one tp rank's)
+    offload: str = "none"  # pipeline.offload: activations copied to the host in the gaps
 
     @property
     def peak_bytes(self) -> float:
@@ -129,6 +140,8 @@ class Candidate:
             parts.append(f"pipeline.stages_per_rank={self.stages_per_rank}")
         if self.max_activations is not None:
             parts.append(f"pipeline.max_activations={self.max_activations:g}")
+        if self.offload != "none":
+            parts.append(f"pipeline.offload={self.offload}")
         points = ",".join(str(i) for i in self.split_points)
         parts.append(f"'pipeline.split_points=[{points}]'")
         return " ".join(parts)
@@ -209,10 +222,12 @@ def search(
         for ranges in splits:
             if name == AUTO:  # synthesised for this split's costs, at a few memory limits
                 cands = _auto_candidates(num_ranks, m, v, ranges, profiles, optimizer_factor, (latency, action_overhead_s),
-                                         model, (space.dp, space.shard))
+                                         model, (space.dp, space.shard), space)
             else:
                 cands = [_evaluate(schedule, programs, ranges, profiles, optimizer_factor,
-                                   (latency, action_overhead_s), takes_chunks, weighted, model, (space.dp, space.shard))]
+                                   (latency, action_overhead_s), takes_chunks, weighted, model, (space.dp, space.shard),
+                                   (mode, space.host_link))
+                         for mode in space.offload]
             for cand in cands:
                 fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
                 (result.candidates if fits else result.over_memory).append(cand)
@@ -292,14 +307,18 @@ def auto_limits(num_ranks: int) -> list[float]:
 def _auto_candidates(
     p: int, m: int, v: int, ranges: list[range], profiles: Sequence[LayerProfile], optimizer_factor: float,
     overheads: tuple[float, float], model: StepModel, sharding: tuple[int, str] = (1, "none"),
+    space: SearchSpace | None = None,
 ) -> list[Candidate]:
     costs = stage_costs(ranges, profiles)
+    modes = space.offload if space is not None else ("none",)
+    link = space.host_link if space is not None else None
     out = []
     for limit in auto_limits(p):
         schedule = synthesize(p, m, v, costs, overheads[0], limit).chosen.schedule
-        cand = _evaluate(schedule, lower(schedule, model.posting), ranges, profiles, optimizer_factor, overheads, True,
-                         schedule.split_backwards(), model, sharding)
-        out.append(replace(cand, max_activations=limit))
+        for mode in modes:
+            cand = _evaluate(schedule, lower(schedule, model.posting), ranges, profiles, optimizer_factor, overheads,
+                             True, schedule.split_backwards(), model, sharding, (mode, link))
+            out.append(replace(cand, max_activations=limit))
     return out
 
 
@@ -307,20 +326,39 @@ def _evaluate(
     schedule: PipelineSchedule, programs: list, ranges: list[range], profiles: Sequence[LayerProfile],
     optimizer_factor: float, overheads: tuple[float, float], takes_chunks: bool,
     weighted: set[tuple[int, int]], model: StepModel | None = None, sharding: tuple[int, str] = (1, "none"),
+    offload: tuple[str, HostLink | None] = ("none", None),
 ) -> Candidate:
     """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
     schedule's `split_backwards()`, computed once per schedule by the caller; `sharding`: dp
-    and ``parallel.shard``)."""
+    and ``parallel.shard``; `offload`: the ``pipeline.offload`` mode and the host link its plan
+    assumes)."""
     comm_s, action_s = overheads
     model = model or StepModel()
     cost = action_costs(ranges, profiles, schedule, action_s, weighted)
-    if model.share is None:
-        sim = simulate(schedule, programs, cost, runtime=model.runtime(schedule.num_ranks, comm_s))
-    else:
+    mode, link = offload
+    copies = None
+    offloadable = [0.0] * schedule.num_stages
+    if mode != "none":
+        offloadable = [c.offloadable for c in stage_bytes(ranges, list(profiles), schedule)]
+        copies = OffloadCosts(group_bytes_of(offloadable), link or SearchSpace.host_link)
+
+    def simulated(programs_run: list) -> SimResult:
+        runtime = replace(model.runtime(schedule.num_ranks, comm_s), offload=copies)
+        if model.share is None:
+            return simulate(schedule, programs_run, cost, runtime=runtime)
         cpu = [stage_cpu(profiles, r) for r in ranges]
         busy = None if model.busy_factor == 1.0 else (lambda op: comm_s * model.busy_factor)
-        sim = simulate_shared(schedule, programs, cost, model.runtime(schedule.num_ranks, comm_s), model.share,
-                              lambda action: cpu[action.stage], busy)
+        return simulate_shared(schedule, programs_run, cost, runtime, model.share, lambda action: cpu[action.stage], busy)
+
+    plan = None
+    if copies is not None:
+        def timed(candidate_plan: OffloadPlan) -> tuple:
+            got = simulated([candidate_plan.mark(program) for program in programs])
+            return got.makespan, got.step_times, got.reload_waits
+
+        plan = plan_offload(schedule, mode, copies, timed)
+        programs = [plan.mark(program) for program in programs]
+    sim = simulated(programs)
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     return Candidate(
@@ -328,8 +366,9 @@ def _evaluate(
         stages_per_rank=schedule.num_stages // schedule.num_ranks,
         split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan + model.tail_s, bubble=sim.bubble,
         rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted,
-                                     dp=sharding[0], shard=sharding[1])),
-        takes_chunks=takes_chunks,
+                                     dp=sharding[0], shard=sharding[1],
+                                     offload=None if plan is None else (plan, offloadable, sim))),
+        takes_chunks=takes_chunks, offload=mode,
     )
 
 
@@ -337,6 +376,7 @@ def rank_memory(
     schedule: PipelineSchedule, param_bytes: Sequence[float], act_bytes: Sequence[float],
     optimizer_factor: float = 2.0, weighted: set[tuple[int, int]] | None = None,
     microbatch_sizes: Sequence[float] | None = None, dp: int = 1, shard: str = "none",
+    offload: tuple[OffloadPlan, Sequence[float], SimResult] | None = None,
 ) -> list[float]:
     """Peak tensor bytes of each rank (`pipeflow.schedules.memory.tensor_memory`, comm buffers
     left out): its stages' parameters, grads (from their first backward on) and optimizer state
@@ -345,7 +385,16 @@ def rank_memory(
     in its order.  `weighted` is accepted for callers that have ``schedule.split_backwards()``
     (unused).  `microbatch_sizes`: each micro-batch's size relative to the one `act_bytes` was
     profiled on (variable lengths: its tokens over the sample's); which micro-batches are in
-    flight together then matters."""
-    stages = [StageBytes(p, a) for p, a in zip(param_bytes, act_bytes)]
-    memory = tensor_memory(schedule, stages, optimizer_factor, dp, shard, microbatch_sizes=microbatch_sizes)
+    flight together then matters.  `offload`: ``pipeline.offload``'s plan, each stage's
+    offloadable bytes per micro-batch and the simulated run of the plan (when each copy to the
+    host ends): the groups' bytes leave the device and come back as planned."""
+    if offload is None:
+        stages = [StageBytes(p, a) for p, a in zip(param_bytes, act_bytes)]
+        memory = tensor_memory(schedule, stages, optimizer_factor, dp, shard, microbatch_sizes=microbatch_sizes)
+        return [m.peak.total for m in memory]
+    plan, offloadable, sim = offload
+    stages = [StageBytes(p, a, offloadable=o) for p, a, o in zip(param_bytes, act_bytes, offloadable)]
+    marked = [plan.mark([Step((), a) for a in actions]) for actions in schedule.actions]  # actions only: no comm
+    memory = tensor_memory(schedule, stages, optimizer_factor, dp, shard, microbatch_sizes=microbatch_sizes,
+                           timing=sim, programs=marked)
     return [m.peak.total for m in memory]

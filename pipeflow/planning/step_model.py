@@ -34,6 +34,7 @@ from pipeflow.planning.profile import release_cached_memory
 from pipeflow.runtime.clip import grad_norms, scale_grads
 from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, SimResult, simulate
 from pipeflow.schedules.ir import Action, CommOp
+from pipeflow.schedules.offload import OffloadCosts, OffloadPlan
 
 _ITERATIONS = 12  # processor-sharing fixed point: simulations at most
 _REPEATS = 20
@@ -285,26 +286,31 @@ def measure_step_costs(
 
 def predict_step(
     schedule: PipelineSchedule, ranges: Sequence[range], profiles: Sequence[Any], costs: StepCosts,
+    offload: tuple[OffloadPlan, OffloadCosts] | None = None,
 ) -> SimResult:
     """Simulate the whole step (see the module docstring); its makespan excludes the tail.  A
-    rehearsed program (`costs.rehearsed`) is simulated with the rehearsal's calibrated costs."""
+    rehearsed program (`costs.rehearsed`) is simulated with the rehearsal's calibrated costs.
+    `offload`: ``pipeline.offload``'s plan marked in the programs and its copies timed."""
     from pipeflow.planning.profile import action_costs
     from pipeflow.schedules import lower
 
+    plan, copies = offload if offload is not None else (None, None)
     if costs.rehearsed is not None:
         cal = costs.rehearsed
-        return simulate(schedule, lower(schedule, cal.posting), cal.action_cost(schedule), runtime=cal.runtime())
+        return simulate(schedule, lower(schedule, cal.posting, offload=plan), cal.action_cost(schedule),
+                        runtime=replace(cal.runtime(), offload=copies))
 
     boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]
     bytes_of, p = op_bytes(boundary), schedule.num_ranks
-    runtime = RuntimeCosts(lambda op: costs.latency_s + costs.per_byte_s * bytes_of(op), [0.0] * p, [costs.post_s] * p)
+    runtime = RuntimeCosts(lambda op: costs.latency_s + costs.per_byte_s * bytes_of(op), [0.0] * p, [costs.post_s] * p,
+                           offload=copies)
     cost = action_costs(ranges, profiles, schedule, costs.action_overhead_s)
     fraction = [stage_cpu(profiles, r) for r in ranges]
     busy = None
     if costs.busy_latency_s is not None:
         per_byte = costs.per_byte_s if costs.busy_per_byte_s is None else costs.busy_per_byte_s
         busy = lambda op: costs.busy_latency_s + per_byte * bytes_of(op)  # noqa: E731
-    return simulate_shared(schedule, lower(schedule, costs.posting), cost, runtime, costs.share,
+    return simulate_shared(schedule, lower(schedule, costs.posting, offload=plan), cost, runtime, costs.share,
                            lambda action: fraction[action.stage], busy)
 
 

@@ -27,7 +27,7 @@ from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
 from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
-from pipeflow.planning.layout import Layout, choose_layout, with_step_costs
+from pipeflow.planning.layout import Layout, choose_layout, with_offload, with_step_costs
 from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.step_model import fused_adamw, measure_step_costs
 from pipeflow.run import guard
@@ -41,6 +41,7 @@ from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
+from pipeflow.runtime.offload import measure_link
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
@@ -51,6 +52,7 @@ from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.runtime.zero import build_optimizer
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
 from pipeflow.schedules.auto import AUTO, write_schedule
+from pipeflow.schedules.offload import HostLink
 
 log = logging.getLogger("pipeflow")
 
@@ -99,11 +101,14 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
                            autocast_dtype=compute_dtype(cfg.train.precision), compiled=options,
                            tp=mesh.tp, sequence_parallel=bool(cfg.parallel.sequence_parallel))
+    offload = OmegaConf.select(cfg, "pipeline.offload", default="none")
+    link = host_link(device) if offload != "none" else None  # collective
     synthesis = None
     if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
         transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))
         schedule, layout, synthesis = auto_for_layout(schedule, layout, cfg.pipeline.max_activations,
-                                                      cfg.pipeline.placement, transfer_s)
+                                                      cfg.pipeline.placement, transfer_s,
+                                                      None if link is None else (offload, link))
         if cfg.pipeline.stage_to_rank is not None:
             schedule = relabel_ranks(schedule, cfg.pipeline.stage_to_rank)
     guard.check_same_program(schedule, layout.ranges)
@@ -120,13 +125,11 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     tied.sync_initial_values()
     reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 and sharding is None else None
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
-    pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
-                        reducer.stage_ready if reducer is not None else None, sharding)
     compiled = None
     if options is not None:  # before anything times the stages: they run compiled
         units = {s: [(spec.layers[i].name, spec.unit_to_compile(i, layer))
                      for i, layer in zip(layout.ranges[s], stage.module)] for s, stage in stages.items()}
-        compiled = compile_and_warm_up(options, comm, schedule, stages, units, first, m, dtype, pipeline.shapes.mode,
+        compiled = compile_and_warm_up(options, comm, schedule, stages, units, first, m, dtype, shape_mode(cfg, dp * m),
                                        posting.options(not comm.independent_ops)[0], sharding,
                                        evaluates=cfg.train.eval_batches > 0)
     params = unique_parameters(stage.parameters() for stage in stages.values())
@@ -142,6 +145,10 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
             costs = with_rehearsal(costs, comm, schedule, layout.ranges, layout.profiles, stages, inputs, targets,
                                    boundary, options, rehearsal, shape_mode(cfg, dp * m))
         layout = with_step_costs(layout, schedule, costs)
+    if link is not None:  # planned on the prediction's own simulation, for the host link measured at start
+        layout = with_offload(layout, schedule, offload, link)
+    pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
+                        reducer.stage_ready if reducer is not None else None, sharding, layout.offload)
     optimizer = build_optimizer(params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0, lr=cfg.optim.lr,
                                 betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay,
                                 fused=fused_adamw(cfg.optim.fused, device) or None)  # None: torch's default
@@ -166,6 +173,20 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
         workspace=workspace, memory=MemoryAccountant(stages, optimizer, device), compiled=compiled,
     )
+
+
+def host_link(device: torch.device) -> HostLink:
+    """The host link ``pipeline.offload`` plans for: this rank's copies measured
+    (:func:`~pipeflow.runtime.offload.measure_link`), the slowest rank's bandwidths taken by every
+    rank (collective), so every rank plans and predicts with the same link."""
+    measured = measure_link(device)
+    both = torch.tensor([measured.d2h_bytes_per_s, measured.h2d_bytes_per_s], dtype=torch.float64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    d2h, h2d = both.tolist()
+    return HostLink(d2h, h2d, COPY_LATENCY_S if measured.overlapped else 0.0, measured.overlapped)
+
+
+COPY_LATENCY_S = 10e-6  # launching one group's copy on its stream (a few small launches and an event)
 
 
 def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device: torch.device, dp: int) -> dict:

@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from pipeflow.errors import ConfigError
+from pipeflow.schedules.offload import check_mode
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.hf import build_hf
 from pipeflow.models.mlp import build_mlp
@@ -85,6 +86,7 @@ class PipelineConfig:
     balance: str = "uniform"  # uniform | params | time | memory (ignored with split_points)
     profile: bool = True  # profile layers (on pipeline rank 0) for the partition table
     checkpoint_activations: Any = False  # true | false | n: recompute every n-th layer in backward
+    offload: str = "none"  # none | auto | all: held activations copied to host memory in the pipeline's gaps
 
 
 @dataclass
@@ -236,6 +238,10 @@ class PlanConfig:
     tp: list[int] | None = None
     tp_bandwidth_gbps: float = 150.0
     tp_latency_us: float = 10.0
+    # pipeline.offload modes tried with every layout (none | auto | all), their copies over a
+    # device-host link of this bandwidth each way (PCIe 5.0 x16 by default; measured by train.py)
+    offload: list[str] = field(default_factory=lambda: ["none"])
+    host_link_gbps: float = 50.0
 
 
 @dataclass
@@ -468,6 +474,7 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
 
     compute_dtype(cfg.train.precision)
     checkpoint_every(cfg.pipeline.checkpoint_activations)
+    check_mode(OmegaConf.select(cfg, "pipeline.offload", default="none"))
     check_options(OmegaConf.select(cfg, "train.compile_mode", default="default"),
                   OmegaConf.select(cfg, "train.compile_backend", default="inductor"))
     if cfg.train.max_steps < 1:

@@ -38,9 +38,11 @@ from pipeflow.errors import ConfigError
 from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, StepModel, search
 from pipeflow.planning.profile import LayerProfile, profile_layers
 from pipeflow.schedules import GENERATORS
+from pipeflow.schedules.offload import HostLink, check_mode
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-_PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points", "parallel.tp"}
+_PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points", "parallel.tp",
+              "pipeline.offload"}
 _HELP_FLAGS = ("-h", "--help")
 USAGE = "usage: python -m pipeflow.plan [key=value ...]"
 _SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes",
@@ -105,8 +107,15 @@ def search_space(cfg: DictConfig, batch_size: int) -> SearchSpace:
         raise ConfigError(f"plan.max_chunks={plan.max_chunks} must be at least 1")
     if plan.rehearse < 0:
         raise ConfigError(f"plan.rehearse={plan.rehearse} must be >= 0 (layouts rehearsed; 0: none)")
+    modes = tuple(check_mode(str(mode)) for mode in OmegaConf.select(cfg, "plan.offload", default=["none"]))
+    if not modes:
+        raise ConfigError("plan.offload=[] tries nothing; use [none], [none,auto] or [none,auto,all]")
+    if plan.host_link_gbps <= 0:
+        raise ConfigError(f"plan.host_link_gbps={plan.host_link_gbps} must be > 0 (GB/s each way)")
+    link = HostLink(plan.host_link_gbps * 1e9, plan.host_link_gbps * 1e9, SearchSpace.host_link.latency_s)
     return SearchSpace(names, tuple(int(m) for m in counts), tuple(range(1, plan.max_chunks + 1)), plan.splits,
-                       dp=cfg.parallel.dp, shard=OmegaConf.select(cfg, "parallel.shard", default="none"))
+                       dp=cfg.parallel.dp, shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
+                       offload=modes, host_link=link)
 
 
 def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequence[str] = ()) -> tuple[PlanResult, str]:
@@ -320,11 +329,13 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
     `num_ranks` is the world size the pick is launched with."""
     rehearsed = any(c.rehearsed_s is not None for c in result.candidates)
     tp = any(c.tp > 1 for c in result.candidates + result.over_memory)  # a tp column where tp was searched
-    rows = [("#", "schedule", "m", "v", *(("tp",) if tp else ()), "step (ms)",
+    offload = any(c.offload != "none" for c in result.candidates + result.over_memory)  # likewise plan.offload
+    rows = [("#", "schedule", "m", "v", *(("tp",) if tp else ()), *(("offload",) if offload else ()), "step (ms)",
              *(("rehearsed (ms)",) if rehearsed else ()), "bubble", "peak mem/rank (MB)", "overrides")]
     for k, c in enumerate(result.candidates[:top], 1):
         step = (f"{1e3 * c.rehearsed_s:.2f}" if c.rehearsed_s is not None else "-",) if rehearsed else ()
         rows.append((str(k), c.schedule, str(c.num_microbatches), str(c.stages_per_rank), *((str(c.tp),) if tp else ()),
+                     *((c.offload,) if offload else ()),
                      f"{1e3 * c.step_s:.2f}", *step, f"{c.bubble:.1%}", f"{c.peak_bytes / 1e6:.1f}", c.overrides()))
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]) - 1)]
     lines = [" | ".join([cell.ljust(w) for cell, w in zip(r, widths)] + [r[-1]]) for r in rows]
@@ -343,7 +354,8 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
         command = " ".join(["train.py", *keep, result.candidates[0].overrides()])
         lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks * result.candidates[0].tp} {command}")
     else:
-        lines.append("no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches)")
+        hint = "" if offload else ", or let held activations go to host memory (plan.offload=[none,auto,all])"
+        lines.append(f"no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches){hint}")
     return "\n".join(lines)
 
 
@@ -353,11 +365,11 @@ def write_csv(result: PlanResult, path: str) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["schedule", "num_microbatches", "stages_per_rank", "split_points", "step_ms", "bubble",
-                         "peak_memory_mb", "fits", "overrides", "rehearsed_ms"])
+                         "peak_memory_mb", "fits", "overrides", "rehearsed_ms", "offload"])
         for c, fits in sorted(rows, key=lambda row: row[0].step_s):
             writer.writerow([c.schedule, c.num_microbatches, c.stages_per_rank, " ".join(map(str, c.split_points)),
                              f"{1e3 * c.step_s:.4f}", f"{c.bubble:.4f}", f"{c.peak_bytes / 1e6:.3f}", fits,
-                             c.overrides(), "" if c.rehearsed_s is None else f"{1e3 * c.rehearsed_s:.4f}"])
+                             c.overrides(), "" if c.rehearsed_s is None else f"{1e3 * c.rehearsed_s:.4f}", c.offload])
 
 
 def _schema_keys(schema: type) -> list[str]:

@@ -346,7 +346,8 @@ class Trainer:
         """After step `step`'s update: its memory measurement, the gradients released, the posting
         note, the steady deadline."""
         if memory is not None:  # what stays: after the optimizer step, before the grads are released
-            self.metrics.memory_measured(step, memory.end(self.pipeline.comm_tensors()))
+            moved = self.pipeline.offloaded.bytes if self.pipeline.offloaded is not None else math.nan
+            self.metrics.memory_measured(step, memory.end(self.pipeline.comm_tensors()), moved)
         self.optimizer.zero_grad(set_to_none=True)
         note = self.posting.choice_note()
         if note is not None and self.is_main:

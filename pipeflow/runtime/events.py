@@ -21,6 +21,8 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 SHARD = "shard"  # the kind of a sharded stage's gather (unshard) or reduction (reshard) event
+D2H, H2D = "d2h", "h2d"  # an offloaded group's copy to the host (offload 0:3) and back (reload 0:3) issued
+COPY_KINDS = (D2H, H2D)
 
 
 class TimedEvent(NamedTuple):

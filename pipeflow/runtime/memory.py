@@ -136,9 +136,11 @@ class MemoryAccountant:
         for stage in self.stages.values():
             yield from tensors_in([stage._inputs, stage._outputs, stage._boundaries, stage._pending_weight])
 
-    def count(self, comm: Iterable[torch.Tensor] = (), data: Any = ()) -> TensorBytes:
+    def count(self, comm: Iterable[torch.Tensor] = (), data: Any = (), held: Iterable[torch.Tensor] = ()
+              ) -> TensorBytes:
         """This rank's tensor bytes now, by category (`comm`: the transport's buffers now;
-        `data`: the step's inputs and targets, which count with the activations)."""
+        `data`: the step's inputs and targets, which count with the activations; `held`: saved
+        tensors kept elsewhere than autograd's own records, on the device now: the offloader's)."""
         ledger = _Ledger(self.device)
         params = self.parameters()
         return TensorBytes(
@@ -146,16 +148,16 @@ class MemoryAccountant:
             grads=ledger.claim(p.grad for p in params if p.grad is not None),
             optimizer=ledger.claim(optimizer_state(self.optimizer)),
             comm=ledger.claim(comm),
-            activations=ledger.claim(self.kept()) + ledger.claim(tensors_in(data)),
+            activations=ledger.claim(self.kept()) + ledger.claim(tensors_in(data)) + ledger.claim(held),
         )
 
     def begin(self) -> None:
         """Start a measured step (its peak starts from nothing)."""
         self.peak, self.samples = None, 0
 
-    def sample(self, comm: Iterable[torch.Tensor] = (), data: Any = ()) -> None:
+    def sample(self, comm: Iterable[torch.Tensor] = (), data: Any = (), held: Iterable[torch.Tensor] = ()) -> None:
         """Count now (after a compute action); keep it if it is the step's largest total."""
-        now = self.count(comm, data)
+        now = self.count(comm, data, held)
         self.samples += 1
         if self.peak is None or now.total > self.peak.total:
             self.peak = now

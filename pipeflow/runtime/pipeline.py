@@ -13,6 +13,7 @@ schedule produced the program is unknown here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -23,14 +24,16 @@ import torch.distributed as dist
 from pipeflow.errors import CommError, PipeflowError, ScheduleError
 from pipeflow.runtime import failures
 from pipeflow.runtime.buffers import BufferPool
-from pipeflow.runtime.events import SHARD, EventRecorder
+from pipeflow.runtime.events import D2H, H2D, SHARD, EventRecorder
 from pipeflow.runtime.fsdp import FullShard
+from pipeflow.runtime.offload import ActivationOffloader, OffloadStats
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.shapes import ShapePlan
 from pipeflow.runtime.stage import Stage, Tensors
 from pipeflow.runtime.transport import P2PComm
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
+from pipeflow.schedules.offload import OffloadPlan
 from pipeflow.schedules.simulator import validate
 
 if TYPE_CHECKING:
@@ -66,6 +69,10 @@ class Pipeline:
             with shard points (``Step.unshard``/``reshard``), which gather a stage's parameters
             at its first action of a pass and reduce-scatter its gradients and free them after its
             last (recorded as ``shard`` events).
+        offload: ``pipeline.offload``'s plan: the training programs are lowered with its marks
+            (``Step.offload``/``reload``) and an :class:`~pipeflow.runtime.offload.ActivationOffloader`
+            copies each planned group's saved activations to the host after its F and back from
+            its reload step on, its B waiting for the copy (recorded as ``d2h``/``h2d`` events).
     """
 
     def __init__(
@@ -78,9 +85,13 @@ class Pipeline:
         recorder: EventRecorder | None = None,
         on_stage_grads_ready: Callable[[int], None] | None = None,
         sharding: FullShard | None = None,
+        offload: OffloadPlan | None = None,
     ) -> None:
         self.stages = stages
         self.sharding = sharding
+        self.offload = offload if offload is not None and offload.reloads else None
+        self.offloader = ActivationOffloader(comm.device) if self.offload is not None else None
+        self.offloaded: OffloadStats | None = None  # the last training pass's (None without offloading)
         self.schedule = schedule
         self.comm = comm
         self.rank = comm.rank
@@ -98,7 +109,8 @@ class Pipeline:
                 f"{schedule.stages_of(self.rank)} on it"
             )
         self._coalescing = not comm.independent_ops
-        self.programs = {option: self._checked_program(schedule, option) for option in self.posting.options(self._coalescing)}
+        self.programs = {option: self._checked_program(schedule, option, self.offload)
+                         for option in self.posting.options(self._coalescing)}
         for s, stage in stages.items():  # a stage keeps its layers' outputs for backward only where B and W split
             stage.split_backward = any(st.action is not None and st.action.stage == s and st.action.kind == BACKWARD
                                        and not st.backward_weights for program in self.programs.values() for st in program)
@@ -108,8 +120,8 @@ class Pipeline:
         self._lent: dict[tuple[int, int], list[torch.Tensor]] = {}  # receive buffers by (stage, micro-batch)
         self._weights_left: dict[int, int] = {}
 
-    def _checked_program(self, schedule: PipelineSchedule, posting: str) -> Program:
-        programs = lower(schedule, posting, shard=self.sharding is not None)
+    def _checked_program(self, schedule: PipelineSchedule, posting: str, offload: OffloadPlan | None = None) -> Program:
+        programs = lower(schedule, posting, shard=self.sharding is not None, offload=offload)
         validate(schedule, programs)
         return programs[self.rank]
 
@@ -228,6 +240,8 @@ class Pipeline:
                     recorder.record("comm", step.ops_text, t0, recorder.mark())
                 gathers = self._shard_points(step, train, recorder)
                 t0 = recorder.mark() if recorder is not None else None
+            if step.reload:  # issued once the ops are posted; each B waits for its own copy
+                t0 = self._reload(step, recorder, t0)
             self._wait(step.waits, posted, inbox, program, k)
             if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
                 recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
@@ -242,7 +256,13 @@ class Pipeline:
                 if recorder is not None:
                     recorder.record(step.action.kind, str(step.action), t1, recorder.mark())
                 if memory is not None:  # after the recorder: the action's time does not include it
-                    memory.sample(self.comm_tensors(outbox, posted), (inputs, targets))
+                    memory.sample(self.comm_tensors(outbox, posted), (inputs, targets),
+                                  self.offloader.device_tensors() if self.offloader is not None else ())
+            for s, i in step.offload:  # after the sample: the F's activations are on the device until copied
+                t0 = recorder.mark() if recorder is not None else None
+                self.offloader.offload((s, i), self.stages[s].kept_tensors(i))
+                if recorder is not None:
+                    recorder.record(D2H, f"offload {s}:{i}", t0, recorder.mark())
             if step.after:  # by now the peer has long posted its recvs; the sent tensors are freed
                 t0 = recorder.mark() if recorder is not None else None
                 self._wait(step.after, posted, inbox, program, k, after=True)
@@ -251,9 +271,22 @@ class Pipeline:
         for key in list(self._lent):  # evaluation's, and any a pass left
             self.buffers.give(self._lent.pop(key))
         self.buffers.end_pass()
+        if train and self.offloader is not None:
+            self.offloaded = self.offloader.end_pass()
         if inbox or outbox or posted:
             left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
+
+    def _reload(self, step: Step, recorder: EventRecorder | None, t0: float | None) -> float | None:
+        """Start copying back the groups `step` reloads; returns the comm event's new start."""
+        if recorder is not None and step.ops and not (step.unshard or step.reshard):  # those recorded it
+            recorder.record("comm", step.ops_text, t0, recorder.mark())
+        for s, i in step.reload:
+            t1 = recorder.mark() if recorder is not None else None
+            self.offloader.reload((s, i))
+            if recorder is not None:
+                recorder.record(H2D, f"reload {s}:{i}", t1, recorder.mark())
+        return recorder.mark() if recorder is not None else None
 
     def _shard_points(self, step: Step, train: bool, recorder: EventRecorder | None) -> list:
         """Reduce and free the stages done (``step.reshard``), then start gathering the stages this
@@ -352,7 +385,8 @@ class Pipeline:
             if action.kind == FORWARD:
                 x = inputs[i] if s == 0 and inputs is not None else inbox.pop((ACTIVATION, i, s))
                 target = targets[i] if stage.is_last and targets is not None else None
-                out = stage.forward(i, x, target, loss_weights[i], keep_for_backward=train, grad_scale=grad_scale)
+                with self._saving(step, stage, x):
+                    out = stage.forward(i, x, target, loss_weights[i], keep_for_backward=train, grad_scale=grad_scale)
                 if not stage.is_last:
                     self.shapes.check(s, i, out, train)
                     self._deliver(ACTIVATION, i, s, s + 1, tuple(t.detach() for t in out), inbox, outbox)
@@ -360,6 +394,8 @@ class Pipeline:
                         stage.deallocate_outputs(i)  # the sent copy holds the storage until sent
             elif action.kind == BACKWARD:
                 grads = None if stage.is_last else inbox.pop((GRADIENT, i, s))
+                if self.offloader is not None and (s, i) in self._offloaded_groups:
+                    self.offloader.ready((s, i))
                 grads_in = stage.backward(i, grads, weights=step.backward_weights)
                 if s > 0:
                     sent = tuple(
@@ -373,11 +409,25 @@ class Pipeline:
             if action.kind != FORWARD and (action.kind != BACKWARD or step.backward_weights):
                 self._weights_done(s)
                 self.buffers.give(self._lent.pop((s, i), ()))  # its last backward: nothing reads them now
+                if self.offloader is not None and (s, i) in self._offloaded_groups:
+                    self.offloader.release((s, i))
         except PipeflowError:
             raise
         except Exception as exc:  # a user's layer failed: say where
             where = f"pipeline rank {self.rank}, stage {s}, micro-batch {i}, action {action}"
             raise self._stage_failure(exc, where) from exc
+
+    def _saving(self, step: Step, stage: Stage, inputs: Tensors) -> contextlib.AbstractContextManager:
+        """Around an offloaded group's F: what autograd saves goes to the offloader (never the
+        stage's parameters, buffers or this micro-batch's inputs)."""
+        if not step.offload:
+            return contextlib.nullcontext()
+        keep = [*stage.module.parameters(), *stage.module.buffers(), *inputs]
+        return self.offloader.saving(step.offload[0], keep)
+
+    @functools.cached_property
+    def _offloaded_groups(self) -> set[tuple[int, int]]:
+        return self.offload.groups if self.offload is not None else set()
 
     def _weights_done(self, s: int) -> None:
         """One more micro-batch's weight gradients of stage s are in; tell the hook after the last."""

@@ -126,6 +126,12 @@ class Stage:
         """How many micro-batches' activations this stage keeps for backward."""
         return len(set(self._outputs) | set(self._pending_weight))
 
+    def kept_tensors(self, i: int) -> list[torch.Tensor]:
+        """What the stage itself keeps of micro-batch `i` until its backward: its inputs, its
+        outputs and, for a split backward, each layer's outputs (offloading leaves them be)."""
+        kept = [*self._inputs.get(i, ()), *self._outputs.get(i, ())]
+        return kept + [t for outs in self._boundaries.get(i, ()) for t in outs]
+
     def forward(
         self,
         i: int,

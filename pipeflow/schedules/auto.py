@@ -9,7 +9,11 @@ that these costs leave (:func:`~pipeflow.schedules.synthesis.refill_weights`).  
 it); the fastest whose peak fits the limit wins, ties going to the smaller peak.  Pure, no torch.
 
 Memory as elsewhere: micro-batches of a rank's share = (stage, micro-batch) pairs held / stages
-per rank.
+per rank.  With activations offloaded (``pipeline.offload``, the `offload` argument), a pair
+counts only while its activations are on the device: each candidate gets its own offload plan
+(:func:`~pipeflow.schedules.simulator.simulated_plan`, its copies timed in its makespan) and is
+judged by the pairs its plan leaves on the device, so schedules that hold more micro-batches
+(larger list-scheduler budgets, GPipe-like orders) can fit the same limit.
 """
 from __future__ import annotations
 
@@ -19,9 +23,11 @@ from dataclasses import dataclass
 from pipeflow.errors import ScheduleError
 from pipeflow.schedules.generators import _check, loop_placement, v_placement
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
-from pipeflow.schedules.memory import rank_peaks
+from pipeflow.schedules.lowering import lower
+from pipeflow.schedules.memory import StageBytes, rank_peaks, tensor_memory
+from pipeflow.schedules.offload import OffloadCosts
 from pipeflow.schedules.registry import SCHEDULES, register_schedule
-from pipeflow.schedules.simulator import simulate
+from pipeflow.schedules.simulator import RuntimeCosts, simulate, simulated_plan
 from pipeflow.schedules.timing import dependencies
 from pipeflow.schedules.synthesis import Policy, list_schedule, refill_weights
 
@@ -102,6 +108,7 @@ def synthesize(
     comm: float = 0.0,
     max_activations: float | None = None,
     placement: str | None = None,
+    offload: tuple[str, OffloadCosts, Sequence[float]] | None = None,
 ) -> Synthesis:
     """The fastest schedule (simulated) for these costs that holds at most `max_activations`.
 
@@ -113,6 +120,9 @@ def synthesize(
         comm: transfer time between two ranks (the simulator's ``comm_latency``).
         max_activations: micro-batches of a rank's share each rank may hold (None: p, 1F1B's).
         placement: ``loop`` or ``v`` to restrict the choice, None for either.
+        offload: ``(mode, copies, fractions)``: ``pipeline.offload``'s mode, each group's bytes and
+            the host link, and per stage the fraction of a micro-batch's activations offloading
+            moves; candidates are then planned, timed and held as the module docstring says.
 
     Returns:
         The :class:`Synthesis`; its chosen schedule is named ``auto``.
@@ -131,17 +141,26 @@ def synthesize(
         raise ScheduleError(f"auto: pipeline.max_activations={limit:g} is below one micro-batch of a rank's share; use >= 1")
     placements = _placements(p, v, placement)
     every_builtin = _builtins(p, m, v, placements)
-    builtins = [_measure(name, s, costs, comm) for name, s in every_builtin if _peak(s) <= limit + _EPS]
+    # what may hold more than the limit before offloading: offloading decides whether it fits
+    reach = float(m) if offload is not None and offload[0] != "none" else limit
+    builtins = [_measure(name, s, costs, comm, offload) for name, s in every_builtin if _peak(s) <= reach + _EPS]
+    builtins = [c for c in builtins if c.peak <= limit + _EPS]
     pairs = (int(limit * v + _EPS),) * p
     made = _synthesised(p, m, costs, comm, limit, v, placements)
+    if reach > limit:
+        made += _synthesised(p, m, costs, comm, min(2 * limit, reach), v, placements)
     for name, s in every_builtin:
         if _peak(s) <= 2 * limit:
             made.append((f"{name} with its Ws refilled", refill_weights(s, pairs, costs.of, comm)))
-    made = [(label, s) for label, s in made if _peak(s) <= limit + _EPS]
+    made = [(label, s) for label, s in made if _peak(s) <= reach + _EPS]
     # simulating proves and times exactly but costs most: only the few the estimate ranks first
     made.sort(key=lambda item: _estimate(item[1], costs, comm))
-    found = [_measure(label, s, costs, comm) for label, s in made[:_SIMULATED]]
+    found = [_measure(label, s, costs, comm, offload) for label, s in made[:_SIMULATED]]
+    found = [c for c in found if c.peak <= limit + _EPS]
     best_builtin = min(builtins, key=_rank, default=None)
+    if not found and not builtins:
+        raise ScheduleError(f"auto: no schedule holds at most {limit:g} micro-batches of a rank's share; raise "
+                            "pipeline.max_activations")
     chosen = min(found + builtins, key=_rank)
     named = PipelineSchedule(AUTO, p, p * v, m, chosen.schedule.stage_to_rank, chosen.schedule.actions)
     return Synthesis(Candidate(chosen.label, named, chosen.makespan, chosen.bubble, chosen.peak), best_builtin)
@@ -163,10 +182,20 @@ def _placements(p: int, v: int, placement: str | None) -> dict[str, tuple[int, .
     return {placement: usable[placement]}
 
 
-def _measure(label: str, schedule: PipelineSchedule, costs: StageCosts, comm: float) -> Candidate:
-    result = simulate(schedule, costs=costs.action, comm_latency=comm)
+def _measure(label: str, schedule: PipelineSchedule, costs: StageCosts, comm: float,
+             offload: tuple[str, OffloadCosts, Sequence[float]] | None = None) -> Candidate:
     v = schedule.num_stages // schedule.num_ranks
-    return Candidate(label, schedule, result.makespan, result.bubble, max(result.peak_activations) / v)
+    if offload is None or offload[0] == "none":
+        result = simulate(schedule, costs=costs.action, comm_latency=comm)
+        return Candidate(label, schedule, result.makespan, result.bubble, max(result.peak_activations) / v)
+    mode, copies, fractions = offload
+    plan = simulated_plan(schedule, mode, copies, costs.action, runtime=RuntimeCosts(lambda op: comm))
+    programs = lower(schedule, offload=plan)
+    result = simulate(schedule, programs, costs.action, comm_latency=comm, offload=copies)
+    held = tensor_memory(schedule, [StageBytes(0.0, 1.0, offloadable=f) for f in fractions], programs=programs,
+                         timing=result)
+    return Candidate(f"{label}, offload={mode}", schedule, result.makespan, result.bubble,
+                     max(h.peak.activations for h in held) / v)
 
 
 def _synthesised(p: int, m: int, costs: StageCosts, comm: float, limit: float, v: int,

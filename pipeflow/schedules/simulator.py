@@ -83,12 +83,15 @@ class RuntimeCosts:
             (interpreting it, recording it).
         post: ``post[r]``, rank r's time to post a step's ops (a step that posts none: 0).
         start: ``start[r]``, when rank r's program starts.
+        offload: each activation group's bytes and the host link, timing the programs' offload
+            marks (``pipeline.offload``; the `offload` argument of :func:`simulate`).
     """
 
     transfer: TransferFn | None = None
     step_overhead: Sequence[float] = ()
     post: Sequence[float] = ()
     start: Sequence[float] = ()
+    offload: OffloadCosts | None = None
 
     def of(self, what: Sequence[float], r: int) -> float:
         """`what`'s value for rank r (0 where not given)."""
@@ -134,7 +137,7 @@ def simulate(
             (``unshard``, started after those; the action starts no earlier than its end).
             Programs with shard points are checked: every stage of a rank unsharded once at or
             before its first action and resharded once after its last.
-        offload: each group's bytes and the host link, timing the programs' offload marks
+        offload: each group's bytes and the host link (default: the `runtime`'s), timing the programs' offload marks
             (``Step.offload``/``reload``, :mod:`~pipeflow.schedules.offload`): a group's copy to
             the host starts when its F ends and the device-to-host link is free, its copy back
             when its reload step starts, the link is free and the first copy is done; its B
@@ -162,7 +165,9 @@ def simulate(
         raise ScheduleError(f"got {len(sizes)} micro-batch sizes for {schedule.num_microbatches} micro-batches")
     runtime = runtime or RuntimeCosts()
     if runtime.transfer is None:
-        runtime = RuntimeCosts(lambda op: comm_latency, runtime.step_overhead, runtime.post, runtime.start)
+        runtime = RuntimeCosts(lambda op: comm_latency, runtime.step_overhead, runtime.post, runtime.start,
+                               runtime.offload)
+    offload = offload if offload is not None else runtime.offload
     return _Simulation(schedule, programs, _cost_function(costs), runtime, sizes, shard_cost, offload).run()
 
 
