@@ -421,10 +421,10 @@ def module_own_bytes(model: str = "module_gpt_tied", m: int = 4) -> dict[str, in
     return {"allocated": acc.total, "own": held_bytes(layers), "whole": whole}
 
 
-def memory_matches(model: str = "gpt", schedule: str = "1f1b", m: int = 4) -> dict[str, Any]:
+def memory_matches(model: str = "gpt", schedule: str = "1f1b", m: int = 4, offload: str = "none") -> dict[str, Any]:
     """The second step's tensor memory (AdamW's state exists), measured by the accountant after
     every action, beside `tensor_memory`'s prediction from the profiled layers (and loss), on this
-    rank."""
+    rank; with `offload` (:func:`offload_plan`) also the bytes offloaded, measured and predicted."""
     from pipeflow.planning.layout import stage_bytes
     from pipeflow.planning.profile import profile_layers
     from pipeflow.runtime.memory import MemoryAccountant
@@ -433,7 +433,8 @@ def memory_matches(model: str = "gpt", schedule: str = "1f1b", m: int = 4) -> di
 
     spec, rank = make_spec(model), dist.get_rank()
     sched = build_schedule(schedule, dist.get_world_size(), m)
-    pipe, ranges, _ = build_pipeline(spec, sched, posting=Posting(True))
+    plan = offload_plan(sched, offload) if offload != "none" else None
+    pipe, ranges, _ = build_pipeline(spec, sched, posting=Posting(True), offload=plan)
     optimizer = torch.optim.AdamW(unique_parameters(stage.parameters() for stage in pipe.stages.values()))
     accountant = MemoryAccountant(pipe.stages, optimizer, torch.device("cpu"))
     x, y = make_batch(model, BATCH, seed=1)
@@ -447,6 +448,9 @@ def memory_matches(model: str = "gpt", schedule: str = "1f1b", m: int = 4) -> di
     sample, target = x.chunk(m)[0], y.chunk(m)[0]
     costs = stage_bytes(ranges, profile_layers(spec, sample, dtype=DTYPE, sample_target=target), sched,
                         sample.numel() * sample.element_size(), target.numel() * target.element_size())
-    predicted = tensor_memory(sched, costs, programs=lower(sched, "ahead"))[rank]
+    predicted = tensor_memory(sched, costs, programs=lower(sched, "ahead", offload=plan))[rank]
+    moved = [step.offload[0] for step in lower(sched, "ahead", offload=plan)[rank] if step.offload]
     return {"measured": (measured.resident.as_tuple(), measured.peak.as_tuple()),
-            "predicted": (predicted.resident.as_tuple(), predicted.peak.as_tuple())}
+            "predicted": (predicted.resident.as_tuple(), predicted.peak.as_tuple()),
+            "offloaded": pipe.offloaded.bytes if pipe.offloaded is not None else 0,
+            "offloaded_predicted": sum(costs[s].offloadable for s, _ in moved)}

@@ -73,7 +73,22 @@ def _equivalence_cases() -> list[tuple[str, object]]:
         for model in ("module_seq", "module_gpt_tied", "module_traced_skip")
         for schedule, m in (("1f1b", 4), ("gpipe", 3))
     ]
-    return plain + tied + chunked + new + flexible + tied_v + own + resnet + clipped + runtimes + modules
+    offloaded = [  # pipeline.offload=all: every schedule, each (stage, micro-batch) group copied out and back
+        (f"eq-gpt8-{schedule}-m8-offload_all", functools.partial(cases.equivalence, "gpt8", schedule, 8, offload="all"))
+        for schedule in OFFLOAD_SCHEDULES
+    ] + [  # with activation checkpointing (what is saved: the checkpoints' inputs), and auto's plans
+        ("eq-gpt8-zbv-m4-offload_all-ckpt",
+         functools.partial(cases.equivalence, "gpt8", "zbv", 4, offload="all", checkpoint_every=2)),
+        ("eq-gpt8-interleaved_1f1b-m4-offload_auto-ckpt",
+         functools.partial(cases.equivalence, "gpt8", "interleaved_1f1b", 4, offload="auto", checkpoint_every=1)),
+        ("eq-masked_mlp-gpipe-m4-offload_auto", functools.partial(cases.equivalence, "masked_mlp", "gpipe", 4, offload="auto")),
+        ("eq-gpt8-zbv-m4-grouped-offload_all",
+         functools.partial(cases.equivalence, "gpt8", "zbv", 4, runtime="grouped", offload="all")),
+    ]
+    return plain + tied + chunked + new + flexible + tied_v + own + resnet + clipped + runtimes + modules + offloaded
+
+
+OFFLOAD_SCHEDULES = ("gpipe", "1f1b") + CHUNKED_SCHEDULES + NEW_SCHEDULES
 
 
 VARIABLE_SCHEDULES = ("gpipe", "1f1b") + CHUNKED_SCHEDULES + NEW_SCHEDULES
@@ -91,6 +106,8 @@ def _variable_cases() -> list[tuple[str, object]]:
         ("var-gpt-1f1b-m8", functools.partial(cases.variable_equivalence, "gpt", "1f1b", 8)),
         # packed documents: (tokens, document ids) through every layer, block-diagonal attention
         ("var-gpt_packed-1f1b-m3", functools.partial(cases.variable_equivalence, "gpt_packed", "1f1b", 3)),
+        ("var-gpt-1f1b-m8-offload_all", functools.partial(cases.variable_equivalence, "gpt", "1f1b", 8, offload="all")),
+        ("var-gpt8-zbv-m4-offload_all", functools.partial(cases.variable_equivalence, "gpt8", "zbv", 4, offload="all")),
     ]
 
 
@@ -102,11 +119,14 @@ def _variable_nth_count(model: str, schedule: str) -> dict:
 
 
 MEMORY_CASES = (("gpt", "gpipe", 4), ("gpt", "1f1b", 8), ("gpt8", "interleaved_1f1b", 8), ("gpt8", "zbv", 8))
+OFFLOAD_MEMORY_CASES = (("gpt", "gpipe", 4, "all"), ("gpt8", "zbv", 8, "all"), ("gpt", "gpipe", 8, "auto"))
 
 
 def _memory_cases() -> list[tuple[str, object]]:
     return [(f"memory-{schedule}", functools.partial(cases.memory_matches, model, schedule, m))
-            for model, schedule, m in MEMORY_CASES]
+            for model, schedule, m in MEMORY_CASES] + [
+        (f"memory-{schedule}-m{m}-offload_{mode}", functools.partial(cases.memory_matches, model, schedule, m, mode))
+        for model, schedule, m, mode in OFFLOAD_MEMORY_CASES]
 
 
 def _all_cases() -> list[tuple[str, object]]:
@@ -150,6 +170,11 @@ def test_pipelined_training_equals_unsplit_model(world, name: str) -> None:
         k = int(name[-1])
         expected = cases.chunked_microbatch_counts(name.split("-")[2], p)[k]
         assert all(v["microbatches"] == expected for v in values)
+    if "offload_all" in name:  # every group of every rank (its stages x m) went to the host and came back
+        m = int(name.split("-m")[1].split("-")[0])
+        assert all(v["groups_offloaded"] in (m, 2 * m) for v in values), values
+        # a checkpointed stage of one layer saves only its input, which stays (a receive buffer)
+        assert all(v["offloaded"] > 0 for v in values) or name.endswith("-ckpt"), values
     for rank, v in enumerate(values):
         for key in ("loss", "grad", "param"):
             assert v[key] <= TOLERANCE, f"p={p} rank {rank}: {key} differs by {v[key]:.3e}"
@@ -179,6 +204,10 @@ def test_measured_tensor_memory_is_the_predicted(world, name: str) -> None:
         assert 0 <= resident[2] - resident_p[2] <= 4 * 64, (rank, resident, resident_p)  # one step counter a tensor
         assert peak[:2] == peak_p[:2] and peak[4] == peak_p[4], (rank, peak, peak_p)
         assert abs(sum(peak_p) / sum(peak) - 1) <= 0.02, f"p={p} rank {rank}: measured {peak}, predicted {peak_p}"
+        if "offload_all" in name:  # the bytes copied to the host: the profile's saved tensors less what stays
+            assert v["offloaded"] == v["offloaded_predicted"] > 0, (rank, v["offloaded"], v["offloaded_predicted"])
+        elif "offload" in name:
+            assert v["offloaded"] == v["offloaded_predicted"], (rank, v["offloaded"], v["offloaded_predicted"])
 
 
 def test_forward_only_eval_equals_unsplit_loss(world) -> None:

@@ -72,7 +72,8 @@ def stage_bytes(
     ``loss_bytes`` (when not profiled, estimated as one more copy of the outputs: cross-entropy's
     log-probabilities); its last outputs only when the loss saves them or the stage splits its
     backward (a stage keeps each layer's outputs for W only then).  A split backward's B keeps
-    each layer's output gradients until W.
+    each layer's output gradients until W (the last layer's is a receive buffer when the
+    outputs went to another rank).
     Stage 0 holds every micro-batch's input (`input_bytes` each) for the whole step, the last
     stage every micro-batch's targets (`target_bytes` each).  The boundary is the last layer's
     output bytes.  What offloading moves (``offloadable``) is the rest of the kept bytes and the
@@ -98,8 +99,11 @@ def stage_bytes(
         stays = math.fsum(p.output_bytes for p in layers[:-1]) if s in split else 0.0
         if not sent and (s in split or not last):
             stays += out
+        # a split B keeps the gradient at each layer's outputs for W; the last one's is the received
+        # gradient itself when the outputs went to another rank (a receive buffer, counted as comm)
+        split_held = math.fsum(p.output_bytes for p in layers) - (out if sent else 0.0)
         result.append(StageBytes(params=math.fsum(p.param_bytes for p in layers), activations=max(act, 0.0),
-                                 split_held=math.fsum(p.output_bytes for p in layers), boundary=out, loss=loss,
+                                 split_held=split_held, boundary=out, loss=loss,
                                  data=data, offloadable=max(act - stays, 0.0) + loss))
     return result
 

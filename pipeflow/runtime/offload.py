@@ -226,6 +226,9 @@ class ActivationOffloader:
         for saved in state.saved():
             if id(saved.block) in moved:
                 saved.tensor = None
+        for ptr, block in state.blocks.items():  # a block that stays lives in its holders' aliases alone
+            if ptr in staying:
+                block.dev = None
         if self.cuda:
             self.side.wait_stream(torch.cuda.current_stream(self.device))  # the forward's kernels
         for block in moving:
@@ -290,6 +293,13 @@ class ActivationOffloader:
                 block.dev.record_stream(current)  # the backward uses it and frees it there
         for block in blocks:
             block.ready = True
+        # from now on the holders alone keep the reloaded storages: a storage goes as soon as
+        # autograd frees the nodes that saved it (a split B frees the loss's above the layers)
+        for saved in state.saved():
+            if saved.tensor is None and saved.block is not None and saved.block.dev is not None:
+                saved.tensor = _view(saved)
+        for block in blocks:
+            block.dev = None
         state.phase = _READY
 
     def release(self, group: Group) -> None:
@@ -321,7 +331,7 @@ class ActivationOffloader:
         not offloaded or reloaded (for the memory accountant; host buffers are not included)."""
         found = []
         for state in self._groups.values():
-            found += [s.tensor for s in state.saved() if s.block is None and s.tensor is not None and self._here(s.tensor)]
+            found += [s.tensor for s in state.saved() if s.tensor is not None and self._here(s.tensor)]
             found += [b.dev for b in state.blocks.values() if b.dev is not None]
         return found
 
@@ -360,8 +370,14 @@ def _unpack(saved: _Saved) -> torch.Tensor:
     if not block.ready:
         raise OffloadError(f"{_name(block.key)}: a saved activation was unpacked before its reload was "
                            "waited for (call ready before the backward)")
+    return _view(saved)
+
+
+def _view(saved: _Saved) -> torch.Tensor:
+    """The saved tensor rebuilt on its block's device storage, as it was viewed."""
     dtype, offset, size, stride = saved.view
-    return torch.empty(0, dtype=dtype, device=block.dev.device).set_(block.dev.untyped_storage(), offset, size, stride)
+    storage = saved.block.dev.untyped_storage()
+    return torch.empty(0, dtype=dtype, device=saved.block.dev.device).set_(storage, offset, size, stride)
 
 
 def _name(group: Group) -> str:
