@@ -138,6 +138,10 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
         x, _ = reference.batches.train.get(step)
         worst["lengths"].update(a.shape[1] for a in x) if isinstance(x, list) else worst["lengths"].add(x.shape[1])
     worst["compile"] = None if trainer.compiled is None else trainer.compiled.summary()  # train.compile
+    moved = trainer.pipeline.offloaded  # pipeline.offload: the last step's copies, and the groups planned here
+    program = next(iter(trainer.pipeline.programs.values()))
+    worst["offloaded"] = None if moved is None else {"bytes": moved.bytes, "groups": moved.groups,
+                                                    "planned": sum(len(step.offload) for step in program)}
     return worst
 
 

@@ -127,3 +127,14 @@ def test_mode_names_are_checked():
     assert check_mode("auto") == "auto"
     with pytest.raises(ConfigError, match="none, auto, all"):
         check_mode("some")
+
+
+def test_all_without_known_bytes_still_takes_every_group_reloaded_at_its_backward():
+    """Without profiles a group's bytes are unknown (0): ``all`` offloads every group anyway, each
+    reloaded right before its B on a link without a copy engine; ``auto`` gains nothing."""
+    schedule = build_schedule("1f1b", 2, 4)
+    unknown = OffloadCosts(lambda g: 0.0, HostLink(1.0, 1.0, 0.0, overlapped=False))
+    plan = simulated_plan(schedule, "all", unknown, COSTS)
+    assert plan.groups == {(s, i) for s in range(2) for i in range(4)}
+    assert all(action == Action(BACKWARD, g[1], g[0]) for g, action in plan.reloads)
+    assert simulated_plan(schedule, "auto", OffloadCosts(lambda g: 0.0, HostLink(4.0, 4.0)), COSTS).reloads == ()

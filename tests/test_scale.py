@@ -80,6 +80,17 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
                                                     **COMPILED}),
     "dp1xpp2xtp2-v_min-variable-lengths": (1, "v_min", 4, {"parallel__tp": 2, "data__variable_lengths": True,
                                                          "data__min_seq_len": 3}),
+    # pipeline.offload: every group's saved activations to a second buffer and back (the CPU's
+    # copies), over dp (FSDP2 with checkpointing; ZeRO-1 with variable lengths) and tp (DTensor
+    # activations stay: only plain tensors move); auto on the CPU, where no gap hides a copy
+    "dp2xpp2-zbv-offload-all": (2, "zbv", 3, {"pipeline__offload": "all"}),
+    "dp2xpp2-full-1f1b-offload-all-actckpt": (2, "1f1b", 2, {"parallel__shard": "full", "pipeline__offload": "all",
+                                                             "pipeline__checkpoint_activations": 2}),
+    "dp2xpp2-v_min-zero-offload-all-variable-lengths": (2, "v_min", 4, {
+        "parallel__shard": "optimizer", "pipeline__offload": "all", "data__variable_lengths": True,
+        "data__min_seq_len": 3}),
+    "dp1xpp2xtp2-1f1b-offload-all": (1, "1f1b", 2, {"parallel__tp": 2, "pipeline__offload": "all"}),
+    "dp2xpp2-1f1b-offload-auto": (2, "1f1b", 2, {"pipeline__offload": "auto", "pipeline__profile": True}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
         "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }
@@ -169,6 +180,10 @@ def test_mesh_training_equals_unsplit_model_on_global_batch(world, name: str) ->
             assert v[key] <= TOLERANCE, f"{name} rank {rank}: {key} differs by {v[key]:.3e}"
         if "compiled" in name:  # every layer of the rank ran compiled
             assert v["compile"]["layers"] > 0 and v["compile"]["eager_layers"] == {}, v
+        if "offload-all" in name:  # every group went out and came back (the last step's)
+            assert v["offloaded"]["groups"] == v["offloaded"]["planned"] > 0 and v["offloaded"]["bytes"] > 0, v
+        elif "offload-auto" in name:  # the CPU's copies take the compute thread's time: nothing hides
+            assert v["offloaded"] is None, v
 
 
 @pytest.mark.parametrize("precision,tolerance", [("bf16", 0.05), ("fp16", 0.01)])

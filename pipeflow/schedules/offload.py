@@ -182,7 +182,7 @@ def _rank_plan(
     h2d_start = math.inf  # where the reload placed after this one starts (placing latest B first)
     for g, b in sorted(((g, backward_at[g]) for g in offloaded_by), key=lambda item: -item[1]):
         f, nbytes = forward_at[g], costs.group_bytes(g)
-        if nbytes <= 0:
+        if nbytes <= 0 and not everything:  # nothing to gain (or bytes unknown: no profiles)
             continue
         duration = link.h2d_s(nbytes)
         latest = min(steps[b][1], h2d_start) - duration  # the latest start that ends before the B
