@@ -289,6 +289,21 @@ def non_finite_weights_are_not_saved() -> dict[str, Any]:
     return {"error": error, "latest": find_latest(trainer.checkpoint_root)}
 
 
+def offload_run_summary(mode: str = "all", schedule: str = "gpipe", m: int = 4) -> dict[str, Any]:
+    """A whole run (``fit``) on pp 4 with ``pipeline.offload`` and the profile on: its summary's
+    bytes offloaded per pipeline rank beside the prediction, and the measured peak beside the
+    predicted one; the same run without offloading beside it."""
+    out: dict[str, Any] = {}
+    for offload in (mode, "none"):
+        cfg = make_config(1, schedule, m, pipeline__offload=offload, pipeline__profile=True, train__max_steps=2,
+                          metrics__memory_steps=[1], metrics__rehearse_steps=0)
+        trainer = build_run(cfg, torch.device("cpu"))
+        out[offload] = {k: v for k, v in trainer.fit().items()
+                        if k in ("tensor_mb", "tensor_predicted_mb", "offloaded_mb", "offloaded_predicted_mb")}
+        out[offload]["groups"] = len(trainer.layout.offload.reloads)
+    return out
+
+
 def _shared_dir(prefix: str) -> str:
     """A fresh directory made by rank 0 (under $TMP_ENV if set), its path on every rank."""
     box = [tempfile.mkdtemp(prefix=prefix, dir=os.environ.get(TMP_ENV)) if dist.get_rank() == 0 else None]

@@ -189,6 +189,9 @@ def test_the_console_labels_each_memory_figure() -> None:
                                 "2.99 | 3.00 | process RSS 760, 735 MB")
     gpu = dict(cpu, allocator_peak_mb=[40.0, 12.0])
     assert memory_line(gpu).endswith("| process RSS 760, 735 MB | allocator peak 40, 12 MB")
+    moved = dict(cpu, offloaded_mb=[1.5, 0.25], offloaded_predicted_mb=[1.5, 0.3])  # pipeline.offload
+    assert memory_line(moved).endswith("| activations offloaded to the host per step, MB measured | predicted: "
+                                       "1.50 | 1.50, 0.25 | 0.30")
     run = {"samples_per_s": 780.4, "tokens_per_s": None, "step_time_s": 0.041, "bubble_measured": 0.3,
            "bubble_predicted": 0.273, "peak_memory_mb": [40.0, 12.0]}
     assert summary_line(dict(run, **gpu)).endswith("| process peak memory (allocator) per pipeline rank 40, 12 MB")

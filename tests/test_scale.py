@@ -121,6 +121,7 @@ def _cases() -> list[tuple[str, object]]:
         ("resume", cases.resume_across_layouts),
         ("resume-shard", cases.resume_across_shard_modes),
         ("resume-tp", cases.resume_across_tp),
+        ("offload-summary", cases.offload_run_summary),
         ("tp-bf16", functools.partial(cases.dp_equivalence, 1, "1f1b", 2, 1, train__precision="bf16",
                                       train__dtype="float32", parallel__tp=2)),
         ("tp-fp16", functools.partial(cases.dp_equivalence, 1, "1f1b", 2, 1, train__precision="fp16",
@@ -368,3 +369,15 @@ def test_checkpoints_resume_across_shard_modes_dp_and_pp(world) -> None:
         assert out[f"{name}_param"] < TOLERANCE, f"{name}: {out[f'{name}_param']:.3e}"
     for name in ("to_full", "to_none"):
         assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE, name
+
+
+def test_an_offloading_run_states_its_bytes_offloaded_and_peaks_beside_the_prediction(world) -> None:
+    """pipeline.offload=all with GPipe on 4 pipeline ranks: the summary's bytes offloaded per rank are
+    the predicted ones, the measured peak is the predicted one (within 3%), below the run without."""
+    for v in _values(world["offload-summary"]):
+        moved, plain = v["all"], v["none"]
+        assert moved["groups"] == 4 * 4 and plain["groups"] == 0 and "offloaded_mb" not in plain
+        assert all(b > 0 for b in moved["offloaded_mb"])
+        assert moved["offloaded_mb"] == pytest.approx(moved["offloaded_predicted_mb"], rel=1e-6)
+        assert moved["tensor_mb"] == pytest.approx(moved["tensor_predicted_mb"], rel=0.03)
+        assert all(a < b for a, b in zip(moved["tensor_mb"], plain["tensor_mb"]))

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
 from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, lower, simulate
-from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, WEIGHT, Action, CommOp
+from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, KINDS, WEIGHT, Action, CommOp
 
 COSTS_FILE = "costs.json"
 _AFTER = "sends of the step done"
@@ -186,10 +186,17 @@ def expected_events(program: Program) -> list[tuple[str, str, int]]:
     return out
 
 
+def program_events(events: Sequence[Event]) -> list[Event]:
+    """The events a program's steps record (batched calls and actions), without those of its
+    shard points and activation copies (``parallel.shard=full``, ``pipeline.offload``), whose
+    time the calibration leaves in the gaps between actions."""
+    return [e for e in events if e[0] == "comm" or e[0] in KINDS]
+
+
 def which_posting(step: Sequence[RankStep], programs: dict[str, list[Program]]) -> str | None:
     """The lowering whose programs every rank's events of this step follow, or None."""
     for option, progs in programs.items():
-        if all([(e[0], e[1]) for e in rank.events] == [(k, n) for k, n, _ in expected_events(progs[r])]
+        if all([(e[0], e[1]) for e in program_events(rank.events)] == [(k, n) for k, n, _ in expected_events(progs[r])]
                for r, rank in enumerate(step)):
             return option
     return None
@@ -254,7 +261,7 @@ def calibrate(
     p, S = schedule.num_ranks, schedule.num_stages
     sums, walks = _Sums(p), []
     for option, step in matched:
-        walked = [_walk(programs[option][r], step[r].events) for r in range(p)]
+        walked = [_walk(programs[option][r], program_events(step[r].events)) for r in range(p)]
         walks.append((programs[option], walked))
         sums.add(programs[option], walked, step, schedule.split_backwards())
     compute, gaps, posts, heads = sums.compute, sums.gaps, sums.posts, sums.heads
