@@ -40,3 +40,16 @@ print("pipeflow.schedules.show" in sys.modules, "matplotlib.pyplot" in sys.modul
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["[]", "False True"]
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+def test_show_draws_the_offload_copies_beside_f_and_b(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """pipeline.offload=auto on one GPipe rank: every group's copy out and back hides in the gaps
+    (the makespan is the one without copies), and the picture is written."""
+    from pipeflow.schedules.show import show
+
+    out = tmp_path / "gpipe.png"
+    path, bubble = show({"name": "gpipe", "ranks": 1, "microbatches": 4, "offload": "auto", "copy_cost": 0.5,
+                         "B": 2.0, "out": out})
+    assert path == out and out.stat().st_size > 0 and bubble == 0.0
+    assert main(["schedule=gpipe", "parallel.pp=1", "pipeline.offload=sometimes", f"--out={out}"]) == 2
+    assert "pipeline.offload" in capsys.readouterr().err

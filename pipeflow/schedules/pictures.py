@@ -16,6 +16,7 @@ Timeline = Sequence[tuple[int, Action, float, float]]  # (rank, action, start, e
 _CMAPS = {"F": "Blues", "B": "Oranges", "W": "Greens"}
 _NAMES = {"F": "F forward", "B": "B backward", "W": "W weight grads"}
 _SHARD_COLOUR = "tab:purple"
+_COPY_COLOURS = {"d2h": "tab:red", "h2d": "tab:cyan"}
 
 
 def chunk_colour(kind: str, chunk: int) -> tuple[float, float, float, float]:
@@ -34,6 +35,7 @@ def draw_timeline(
     xlabel: str = "time",
     unit: float = 1.0,
     shards: Sequence[tuple[int, float, float]] = (),
+    copies: Sequence[tuple[int, str, float, float]] = (),
 ) -> Path:
     """Draw a timeline of compute actions (simulated or measured) to an image file.
 
@@ -49,6 +51,9 @@ def draw_timeline(
             (1 for unit costs; a measured timeline passes its median action time).
         shards: ``(rank, start, end)`` of the gathers and reductions of sharded stages
             (``parallel.shard=full``), drawn as thin purple bars.
+        copies: ``(rank, kind, start, end)`` of activation copies (``pipeline.offload``): kind
+            ``d2h`` (to the host, after an F) as a thin red bar under the rank's row, ``h2d``
+            (back, before a B) as a thin teal bar over it.
 
     Returns:
         The path written.
@@ -63,13 +68,16 @@ def draw_timeline(
     for rank, action, _, _ in timeline:
         stages[rank].add(action.stage)
     chunk = {(r, s): k for r, held in stages.items() for k, s in enumerate(sorted(held))}
-    end = max([stop for *_, stop in timeline] + [stop for *_, stop in [*waits, *shards]], default=1.0)
+    end = max([stop for *_, stop in timeline] + [stop for *_, stop in [*waits, *shards, *copies]], default=1.0)
     width = min(28.0, max(8.0, 0.3 * end / max(unit, 1e-9) + 2))
     fig, ax = plt.subplots(figsize=(width, 0.55 * num_ranks + 1.6))
     for rank, start, stop in waits:
         ax.broken_barh([(start, stop - start)], (rank - 0.15, 0.3), facecolors="0.75", linewidth=0)
     for rank, start, stop in shards:
         ax.broken_barh([(start, stop - start)], (rank - 0.15, 0.3), facecolors=_SHARD_COLOUR, linewidth=0)
+    for rank, kind, start, stop in copies:  # under the row going out, over it coming back
+        ax.broken_barh([(start, stop - start)], (rank + (0.4 if kind == "d2h" else -0.5), 0.1),
+                       facecolors=_COPY_COLOURS[kind], linewidth=0)
     for rank, action, start, stop in timeline:
         colour = chunk_colour(action.kind, chunk[rank, action.stage])
         ax.broken_barh([(start, stop - start)], (rank - 0.4, 0.8), facecolors=colour,
@@ -87,6 +95,9 @@ def draw_timeline(
     chunks = max((len(held) for held in stages.values()), default=1)
     handles = _legend(timeline, chunks) + ([Patch(facecolor="0.75", label="comm (batched call)")] if waits else [])
     handles += [Patch(facecolor=_SHARD_COLOUR, label="unshard / reduce-scatter + reshard")] if shards else []
+    if copies:
+        handles += [Patch(facecolor=_COPY_COLOURS["d2h"], label="offload: activations to the host"),
+                    Patch(facecolor=_COPY_COLOURS["h2d"], label="reload: back to the device")]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0),
               fontsize=7, frameon=False)
     fig.tight_layout()

@@ -9,13 +9,16 @@ lists the keys)::
         pipeline.stages_per_rank=2 costs.F=1 costs.B=2 costs.W=1
     python -m pipeflow.schedules.show schedule=custom schedule.path=my_schedule.txt
     python -m pipeflow.schedules.show schedule=zbv parallel.shard=full costs.shard=0.5
+    python -m pipeflow.schedules.show schedule=gpipe parallel.pp=1 pipeline.offload=auto costs.copy=0.5
     python -m pipeflow.schedules.show --gallery docs/schedules   # every schedule, p=4, m=8
 
 ``pipeline.num_stages`` (or ``parallel.pp``) is the number of pipeline ranks p (default 4, m 8;
 a custom file gives its own).  Costs are per
 action; a B that also computes weight grads (no W scheduled) costs B + W.  ``parallel.shard=full``
 lowers with the shard points and draws each stage's gather and reduction (``costs.shard`` each,
-default 0).  The drawing itself is
+default 0).  ``pipeline.offload=auto|all`` plans the activation copies (each group's copy out
+and back ``costs.copy``, default 0.25, on a copy engine beside compute) and draws them under
+and over each rank's row.  The drawing itself is
 ``pipeflow.schedules.pictures``.
 """
 from __future__ import annotations
@@ -27,8 +30,10 @@ from pathlib import Path
 from typing import NoReturn
 
 from pipeflow.errors import PipeflowError, ScheduleError
-from pipeflow.schedules import GENERATORS, build_schedule, load_schedule, simulate
+from pipeflow.schedules import GENERATORS, build_schedule, load_schedule, lower, simulate
+from pipeflow.schedules.offload import HostLink, OffloadCosts, check_mode
 from pipeflow.schedules.pictures import draw_timeline
+from pipeflow.schedules.simulator import simulated_plan
 
 _KEYS = {
     "schedule": "name",
@@ -44,6 +49,8 @@ _KEYS = {
     "costs.W": "W",
     "parallel.shard": "shard",
     "costs.shard": "shard_cost",
+    "pipeline.offload": "offload",
+    "costs.copy": "copy_cost",
 }
 
 
@@ -93,7 +100,7 @@ def _convert(key: str, value: str) -> object:
     try:
         if target in ("ranks", "microbatches", "stages_per_rank"):
             return int(value)
-        if target in ("F", "B", "W", "shard_cost"):
+        if target in ("F", "B", "W", "shard_cost", "copy_cost"):
             return float(value)
     except ValueError:
         raise ScheduleError(f"{key}={value!r}: expected a number") from None
@@ -117,7 +124,14 @@ def show(settings: dict[str, object]) -> tuple[Path, float]:
     costs = {kind: float(settings[kind]) for kind in "FBW" if kind in settings}  # type: ignore[arg-type]
     shard = settings.get("shard", "none") == "full"
     cost = float(settings.get("shard_cost", 0.0))  # type: ignore[arg-type]
-    result = simulate(schedule, costs=costs, shard=shard, shard_cost=cost)
+    offload = str(settings.get("offload", "none"))
+    if offload != "none":  # each group's copy out (and back) takes costs.copy over a copy engine's link
+        copy = float(settings.get("copy_cost", 0.25))  # type: ignore[arg-type]
+        copies = OffloadCosts(lambda g: copy, HostLink(1.0, 1.0))
+        plan = simulated_plan(schedule, check_mode(offload), copies, costs, shard=shard)
+        result = simulate(schedule, lower(schedule, shard=shard, offload=plan), costs, shard_cost=cost, offload=copies)
+    else:
+        result = simulate(schedule, costs=costs, shard=shard, shard_cost=cost)
     p, S = schedule.num_ranks, schedule.num_stages
     layout = f"{S // p} stage{'s' if S > p else ''}/rank" if S % p == 0 else f"{S} stages"
     title = (
@@ -126,7 +140,11 @@ def show(settings: dict[str, object]) -> tuple[Path, float]:
     )
     out = Path(str(settings.get("out") or f"{name}.png"))
     shards = [(rank, start, end) for rank, _, start, end in result.shard_timeline]
-    return draw_timeline(result.timeline, p, title, out, shards=shards), result.bubble
+    copied = [(rank, kind, start, end) for rank, events in enumerate(result.events)
+              for kind, _, start, end in events if kind in ("d2h", "h2d")]
+    if copied:
+        title += f", offload={offload} ({sum(1 for c in copied if c[1] == 'd2h')} groups, copy {copy:g} each way)"
+    return draw_timeline(result.timeline, p, title, out, shards=shards, copies=copied), result.bubble
 
 
 def gallery(out_dir: str | Path, num_ranks: int = 4, num_microbatches: int = 8) -> list[Path]:
