@@ -108,7 +108,7 @@ def compile_and_warm_up(
     Args:
         options: ``train.compile``'s options.
         comm, schedule, stages: the run's transport, schedule and this rank's stages (their
-            ``split_backward`` already set by the run's Pipeline).
+            ``split_backward`` set here from the program, by the warm-up's Pipeline).
         units: each stage's (layer name, module to compile) pairs (``ModelSpec.unit_to_compile``).
         first: the first batch's (inputs, targets), this replica's share.
         m, dtype: micro-batches per step and the floating dtype of the inputs.
@@ -117,11 +117,12 @@ def compile_and_warm_up(
         evaluates: the run evaluates (``train.eval_batches``): its no-grad graphs are compiled too.
     """
     start, graphs = time.perf_counter(), graphs_compiled()
+    # first: the Pipeline sets each stage's split_backward from its program, which the compiling reads
+    pipeline = Pipeline(stages, schedule, comm, shapes, Posting(lowering=lowering), EventRecorder(), None, sharding)
     layers = compile_stage_layers(stages, units, options)
     device = comm.device
     inputs = microbatch_inputs(first[0], m, device, dtype) if 0 in stages else None
     targets = microbatch_targets(first[1], m, device) if schedule.num_stages - 1 in stages else None
-    pipeline = Pipeline(stages, schedule, comm, shapes, Posting(lowering=lowering), EventRecorder(), None, sharding)
     with untouched(stages):
         pipeline.run(inputs, targets)
         if evaluates:
