@@ -1,5 +1,5 @@
 """pipeline.offload in the schedules layer: plans, marks in the lowered programs, their checks,
-their timing in the simulator and their memory in the tensor-bytes walk (pure, no torch)."""
+their timing in the simulator and their memory in the tensor-bytes walk (pure); the config key's check."""
 from __future__ import annotations
 
 import dataclasses
@@ -138,3 +138,12 @@ def test_all_without_known_bytes_still_takes_every_group_reloaded_at_its_backwar
     assert plan.groups == {(s, i) for s in range(2) for i in range(4)}
     assert all(action == Action(BACKWARD, g[1], g[0]) for g, action in plan.reloads)
     assert simulated_plan(schedule, "auto", OffloadCosts(lambda g: 0.0, HostLink(4.0, 4.0)), COSTS).reloads == ()
+
+
+def test_an_unknown_offload_mode_is_a_config_error_at_start() -> None:
+    from pipeflow.run.config import check_config
+    from pipeflow.run.plan import compose_config
+
+    with pytest.raises(ConfigError, match="pipeline.offload='sometimes'; use one of none, auto, all"):
+        check_config(compose_config(["pipeline.offload=sometimes"]), 4)
+    assert check_config(compose_config(["pipeline.offload=auto"]), 4) == (1, 4)

@@ -288,3 +288,16 @@ def test_the_planner_rehearses_each_layout_longer_than_a_run_does() -> None:
 
     assert steps(0.1) == "metrics.rehearse_steps=24" and steps(0.165) == "metrics.rehearse_steps=15"
     assert steps(5.0) == "metrics.rehearse_steps=3" and steps(0.0) == "metrics.rehearse_steps=24"
+
+
+def test_plan_offload_keys_reach_the_search_space() -> None:
+    from pipeflow.errors import ConfigError
+    from pipeflow.run.plan import search_space
+
+    cfg = compose_config(["model.n_layer=2", "data.batch_size=8", "parallel.pp=2", "plan.offload=[none,auto]",
+                          "plan.host_link_gbps=25"])
+    space = search_space(cfg, 8)
+    assert space.offload == ("none", "auto") and space.host_link.d2h_bytes_per_s == 25e9
+    assert search_space(compose_config(["parallel.pp=2"]), 8).offload == ("none",)  # the default: as before
+    with pytest.raises(ConfigError, match="pipeline.offload='sometimes'"):
+        search_space(compose_config(["parallel.pp=2", "plan.offload=[sometimes]"]), 8)

@@ -91,6 +91,7 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
         "data__min_seq_len": 3}),
     "dp1xpp2xtp2-1f1b-offload-all": (1, "1f1b", 2, {"parallel__tp": 2, "pipeline__offload": "all"}),
     "dp2xpp2-1f1b-offload-auto": (2, "1f1b", 2, {"pipeline__offload": "auto", "pipeline__profile": True}),
+    "dp2xpp2-zb_h1-offload-all-compiled": (2, "zb_h1", 2, {"pipeline__offload": "all", **COMPILED}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
         "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }
