@@ -1,6 +1,7 @@
 """Interpreting one rank's lowered program: the only place where communication and compute meet.
 
-For every step of the program: post its one batched call (``step.ops``), with
+For every step of the program: start its reloads (``step.reload``, ``pipeline.offload``), post
+its one batched call (``step.ops``), with
 ``parallel.shard=full`` reduce and free the stages done (``step.reshard``) and start gathering
 those starting (``step.unshard``), wait for the posted ops it names (``step.waits``) and the
 gathers, run its compute action on the local Stage, then wait for the ops it names after
@@ -232,6 +233,8 @@ class Pipeline:
         self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
         recorder = self.recorder if self.recorder.on else None  # marks: perf_counter, or CUDA events
         for k, step in enumerate(program):
+            if step.reload:  # first: each B waits for its own copy, which runs beside what follows
+                self._reload(step, recorder)
             t0 = recorder.mark() if recorder is not None else None
             self._post(step, outbox, posted, program, k)
             gathers = ()
@@ -240,8 +243,6 @@ class Pipeline:
                     recorder.record("comm", step.ops_text, t0, recorder.mark())
                 gathers = self._shard_points(step, train, recorder)
                 t0 = recorder.mark() if recorder is not None else None
-            if step.reload:  # issued once the ops are posted; each B waits for its own copy
-                t0 = self._reload(step, recorder, t0)
             self._wait(step.waits, posted, inbox, program, k)
             if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
                 recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
@@ -277,16 +278,13 @@ class Pipeline:
             left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
 
-    def _reload(self, step: Step, recorder: EventRecorder | None, t0: float | None) -> float | None:
-        """Start copying back the groups `step` reloads; returns the comm event's new start."""
-        if recorder is not None and step.ops and not (step.unshard or step.reshard):  # those recorded it
-            recorder.record("comm", step.ops_text, t0, recorder.mark())
+    def _reload(self, step: Step, recorder: EventRecorder | None) -> None:
+        """Start copying back the groups `step` reloads (each an ``h2d`` event)."""
         for s, i in step.reload:
-            t1 = recorder.mark() if recorder is not None else None
+            t0 = recorder.mark() if recorder is not None else None
             self.offloader.reload((s, i))
             if recorder is not None:
-                recorder.record(H2D, f"reload {s}:{i}", t1, recorder.mark())
-        return recorder.mark() if recorder is not None else None
+                recorder.record(H2D, f"reload {s}:{i}", t0, recorder.mark())
 
     def _shard_points(self, step: Step, train: bool, recorder: EventRecorder | None) -> list:
         """Reduce and free the stages done (``step.reshard``), then start gathering the stages this

@@ -136,6 +136,12 @@ class Step:
     for with `waits`): each stage of a rank once per pass, at its first action and at the step
     after its last (:func:`~pipeflow.schedules.lowering.shard_points`).  Both are empty without
     sharding.
+
+    With activations offloaded (``pipeline.offload``, :mod:`~pipeflow.schedules.offload`), `offload`
+    names the (stage, micro-batch) groups whose saved activations start going to host memory
+    right after this step's action (their F), and `reload` those whose copy back to the device is
+    issued when this step starts, before its ops are posted, ahead of their B.  Both are empty
+    without it.
     """
 
     ops: tuple[CommOp, ...]

@@ -140,7 +140,8 @@ def simulate(
         offload: each group's bytes and the host link (default: the `runtime`'s), timing the programs' offload marks
             (``Step.offload``/``reload``, :mod:`~pipeflow.schedules.offload`): a group's copy to
             the host starts when its F ends and the device-to-host link is free, its copy back
-            when its reload step starts, the link is free and the first copy is done; its B
+            when its reload step starts (before its ops are posted), the link is free and the
+            first copy is done; its B
             starts no earlier than that end.  Copies on a link that is not ``overlapped`` take the
             rank's own time.  None: the marks cost nothing.  Marks are checked: each group
             offloaded at its F, reloaded once after that and at or before its B.
@@ -496,6 +497,12 @@ class _Simulation:
         step, phase = self.programs[r][k], self.phase[r]
         if phase == _POST:
             self.clock[r] += self.runtime.of(self.runtime.step_overhead, r)
+            for g in step.reload:  # issued first; the B waits for the copy's end
+                start = max(self.clock[r], self.h2d_free[r], self.offloaded_by.get(g, 0.0))
+                end = self.h2d_free[r] = self.reloaded_by[g] = start + self.link.h2d_s(self._group_bytes(g))
+                self.events[r].append(("h2d", f"reload {g[0]}:{g[1]}", start, end))
+                if not self.link.overlapped:
+                    self.clock[r] = end
             self.posted_at[r] = self.clock[r]
             for op in step.ops:
                 self.posted[r][op] = self._post(_Posted(r, k, op, self.clock[r]))
@@ -511,12 +518,6 @@ class _Simulation:
                 self.shard_timeline.append((r, f"unshard {s}", self.clock[r] + j * c, self.clock[r] + (j + 1) * c))
             self.unsharded[r] += len(step.unshard) - len(step.reshard)
             self.peak_unsharded[r] = max(self.peak_unsharded[r], self.unsharded[r])
-            for g in step.reload:  # issued once the ops are posted; the B waits for the copy's end
-                start = max(self.clock[r], self.h2d_free[r], self.offloaded_by.get(g, 0.0))
-                end = self.h2d_free[r] = self.reloaded_by[g] = start + self.link.h2d_s(self._group_bytes(g))
-                self.events[r].append(("h2d", f"reload {g[0]}:{g[1]}", start, end))
-                if not self.link.overlapped:
-                    self.clock[r] = end
             self.phase[r] = _WAIT
             return True
         done = self._wait(r, step.waits if phase == _WAIT else step.after)
