@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check for a lent machine, unattended: one markdown report, every step's exit status.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_check.sh        # on the GPU machine (about 6 min on one GPU)
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_check.sh        # on the GPU machine (about 8 min on one GPU)
 #   OUT=/tmp/dry bash benchmarks/gpu_check.sh            # here, without CUDA: a dry run, exit 2
 #
 # The GPU machine has its own torch (2.11) but no hydra-core, omegaconf or antlr4 and no network:
@@ -18,7 +18,10 @@
 # gpu_run_check.py), and one with fp16, a forced gradient overflow and train.check_finite=true
 # (the step is skipped, the run goes on), then pipeflow on one rank against the plain PyTorch loop
 # over the same layers (vs_plain_loop.py: step ratio, steady-step allocator peak ratio, start-of-run
-# prediction beside the measured step; about 3 min; its lines also go to $OUT/RESULTS.md), and with
+# prediction beside the measured step; about 3 min; its lines also go to $OUT/RESULTS.md), activation
+# offload (offload.py: pipeline.offload=none, auto and all on a GPipe GPT 12x1024, seq 1024, m = 8,
+# bf16: the host link measured, step, allocator and tensor peaks and bytes offloaded beside the
+# prediction; about 1.5 min; its lines also go to $OUT/RESULTS.md), and with
 # train.compile (--compile: eager vs compiled, the compiled plain loop, compiled zb_h1 against 1f1b
 # and against zb_h1 repeating the compiled backward; a few minutes of compiling).  Two or
 # more GPUs: also the NCCL equivalence, a 2-rank traced train.py and the side-by-side with
@@ -125,6 +128,8 @@ step 60 check_fp16 "fp16 run: the overflow skipped, figures sane" $PY benchmarks
   --expect "step 4: inf/nan gradients (fp16 overflow); step skipped"
 step 420 vs_plain "pipeflow vs the plain PyTorch loop on one GPU (GPT 12x1024, bf16, m = 4 and 16)" \
   $PY benchmarks/vs_plain_loop.py --device cuda --out "$OUT/RESULTS.md"
+step 300 offload "activation offload on one GPU: pipeline.offload none, auto, all (GPT 12x1024, seq 1024, gpipe, m = 8, bf16)" \
+  $PY benchmarks/offload.py --device cuda --out "$OUT/RESULTS.md"
 step 540 vs_plain_compile "train.compile on one GPU: eager vs compiled, compiled plain loop, zb_h1 vs 1f1b (m = 8)" \
   $PY benchmarks/vs_plain_loop.py --device cuda --compile --repeat-backward --case m=8 --rounds 2 --out "$OUT/RESULTS.md"
 if [ "$gpus" -ge 2 ]; then

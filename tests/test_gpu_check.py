@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.sh without a GPU: it parses, a dry run stops where CUDA is needed and says
 so (exit 2), and a failing step's own exit status reaches the report (not the status of an echo);
 its benchmark vs_plain_loop.py answers --help, runs a tiny CPU case to its step-ratio line, and
-exits 1 when its correctness check fails."""
+exits 1 when its correctness check fails; so does offload.py (pipeline.offload none vs all, one
+line per mode and the targets' line)."""
 from __future__ import annotations
 
 import os
@@ -94,3 +95,50 @@ def test_vs_plain_loop_exits_1_when_the_losses_disagree() -> None:
     done = _plain("--device", "cpu", *TINY, "--rtol", "-1")  # nothing agrees within a negative tolerance
     assert done.returncode == 1, done.stdout + done.stderr
     assert "DISAGREE" in done.stdout and "step ratio" not in done.stdout
+
+
+OFFLOAD = ROOT / "benchmarks" / "offload.py"
+OFFLOAD_TINY = ["--case", "n_layer=2", "n_embd=32", "seq=16", "batch=8", "m=4", "--rounds", "1", "--steps", "1",
+                "--warmup", "0"]
+
+
+def _offload(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(OFFLOAD), *args], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_gpu_check_runs_the_offload_benchmark_on_cuda() -> None:
+    text = SCRIPT.read_text()
+    assert "benchmarks/offload.py --device cuda --out \"$OUT/RESULTS.md\"" in text
+
+
+def test_offload_answers_help() -> None:
+    done = _offload("--help")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("usage: python benchmarks/offload.py") and "--modes" in done.stdout
+
+
+def test_offload_tiny_cpu_run_checks_then_prints_one_line_per_mode(tmp_path: Path) -> None:
+    out = tmp_path / "results.md"
+    done = _offload(*OFFLOAD_TINY, "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^host link \(memcpy on the compute thread\): [\d.]+ GB/s to the host, [\d.]+ GB/s back, "
+                     r"not overlapped$", done.stdout, re.M), done.stdout
+    assert done.stdout.count("first-step loss") == 2 and "DISAGREE" not in done.stdout
+    field = r"[\d.]+ MiB \(predicted [\d.]+ MiB, \d+%\)"
+    for mode, groups in (("none", 0), ("all", 4)):
+        assert re.search(rf"^GPT 2x32 h4, seq 16, batch 8, m 4, gpipe, fp32, cpu \| offload={mode} \| groups {groups}/4 "
+                         rf"\| step [\d.]+ ms \(predicted [\d.]+ ms, \d+%\) \| peak {field} \| offloaded [\d.]+ "
+                         rf"MiB/step \(predicted [\d.]+\) \| vs none: step [\d.]+x, peak [\d.]+x$", done.stdout, re.M), \
+            done.stdout
+    assert re.search(r"^targets: auto step vs none: not run \| step within 10% of predicted: .* \| peak within 10% of "
+                     r"predicted: none [\d.]+%, all [\d.]+% \((does not )?hold(s)?\) \| peak cut vs none: all \d+% \([\d.]+x\)$",
+                     done.stdout, re.M), done.stdout  # tensor bytes: the prediction's own quantity
+    assert "tensor peak" not in done.stdout  # the allocator's peak beside it is CUDA's
+    assert "offload=all" in out.read_text() and "### Activation offload" in out.read_text()
+
+
+def test_offload_exits_1_when_the_losses_disagree() -> None:
+    done = _offload(*OFFLOAD_TINY, "--modes", "none", "--rtol", "-1")  # nothing agrees within a negative tolerance
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "DISAGREE" in done.stdout and "| offload=" not in done.stdout
