@@ -403,15 +403,19 @@ def measure_link(device: torch.device | str, nbytes: int | None = None, repeats:
 
     Args:
         device: a CUDA device (pinned host memory, copies on a side stream timed with CUDA events)
-            or the CPU (a memcpy timed with ``perf_counter``, the same both ways).
-        nbytes: bytes per copy; None: 64 MiB on CUDA, 16 MiB on the CPU.
+            or the CPU (memcpys timed with ``perf_counter``: into a reused buffer, as an offload
+            copies into its pool, and into fresh memory, as a reload allocates; page faults
+            make the second several times slower).
+        nbytes: bytes per copy; None: 64 MiB on CUDA, 32 MiB on the CPU (beyond the caches).
         repeats: timed copies per direction (after one untimed).
     """
     device = torch.device(device)
-    if device.type != "cuda":
-        src = torch.ones(nbytes or 16 * 2**20, dtype=torch.uint8)
-        rate = src.numel() / _median_s(lambda: src.clone(), repeats)
-        return HostLinkMeasure(rate, rate, overlapped=False)
+    if device.type != "cuda":  # as the CPU's copies run: out into a pooled buffer, back into a fresh one
+        src = torch.ones(nbytes or 32 * 2**20, dtype=torch.uint8)
+        pooled = torch.empty_like(src)
+        out = src.numel() / _median_s(lambda: pooled.copy_(src), repeats)
+        back = src.numel() / _median_s(lambda: torch.empty_like(src).copy_(src), repeats)
+        return HostLinkMeasure(out, back, overlapped=False)
     nbytes = nbytes or 64 * 2**20
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
