@@ -11,7 +11,7 @@ real on one device.  Each mode is the Hydra config composed from ``configs/`` (a
 ``vs_plain_loop.py`` composes it: TensorBoard, evaluation, the progress bar and the memory steps
 off, ``pipeline.profile=true`` since the prediction needs the profile) with
 ``pipeline.offload=<mode>``, built by ``pipeflow.run.builder.build_run``.  On CUDA the script first
-measures the host link (``pipeflow.runtime.offload.measure_link``: pinned memory, a side stream)
+measures the host link (``pipeflow.runtime.host_link.measure_link``: pinned memory, a side stream)
 and prints it; ``auto`` offloads the groups whose copies the simulated gaps hide on that link.
 On the CPU the copies are synchronous memcpys on the compute thread (no copy engine): ``auto``
 plans nothing there, so the CPU default compares none with all, and shows memory, not hidden time.
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         kwargs["device_id"] = device
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                             rank=0, world_size=1, **kwargs)
-    from pipeflow.runtime.offload import measure_link
+    from pipeflow.runtime.host_link import measure_link
 
     name = torch.cuda.get_device_name(device) if cuda else f"{os.cpu_count()} CPU cores"
     link = measure_link(device)

@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeflow.errors import OffloadError
-from pipeflow.runtime.offload import ActivationOffloader, PinnedPool, measure_link
+from pipeflow.runtime.host_link import measure_link
+from pipeflow.runtime.offload import ActivationOffloader, PinnedPool
 
 D = 4
 G = (1, 2)  # the group: stage 1, micro-batch 2

@@ -41,7 +41,7 @@ from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
-from pipeflow.runtime.offload import measure_link
+from pipeflow.runtime.host_link import HostLinkMeasure, measure_link
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
@@ -177,13 +177,13 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
 
 def host_link(device: torch.device) -> HostLink:
     """The host link ``pipeline.offload`` plans for: this rank's copies measured
-    (:func:`~pipeflow.runtime.offload.measure_link`), the slowest rank's bandwidths taken by every
+    (:func:`~pipeflow.runtime.host_link.measure_link`), the slowest rank's bandwidths taken by every
     rank (collective), so every rank plans and predicts with the same link."""
     measured = measure_link(device)
     both = torch.tensor([measured.d2h_bytes_per_s, measured.h2d_bytes_per_s], dtype=torch.float64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MIN)
-    d2h, h2d = both.tolist()
-    return HostLink(d2h, h2d, COPY_LATENCY_S if measured.overlapped else 0.0, measured.overlapped)
+    slowest = HostLinkMeasure(*both.tolist(), overlapped=measured.overlapped)
+    return slowest.link(COPY_LATENCY_S if measured.overlapped else 0.0)
 
 
 COPY_LATENCY_S = 10e-6  # launching one group's copy on its stream (a few small launches and an event)
