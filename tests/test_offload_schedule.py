@@ -147,3 +147,23 @@ def test_an_unknown_offload_mode_is_a_config_error_at_start() -> None:
     with pytest.raises(ConfigError, match="pipeline.offload='sometimes'; use one of none, auto, all"):
         check_config(compose_config(["pipeline.offload=sometimes"]), 4)
     assert check_config(compose_config(["pipeline.offload=auto"]), 4) == (1, 4)
+
+
+def test_auto_under_a_memory_limit_adds_groups_the_gaps_do_not_hide_until_it_fits():
+    """One GPipe rank, copies out fast and back slowly: auto hides 5 groups (peak 6 micro-batches);
+    under a limit of 5 it adds the largest other group (slower, but it fits); under a limit
+    nothing reaches it keeps the hidden groups alone."""
+    schedule = build_schedule("gpipe", 1, 8)
+    costs = OffloadCosts(lambda g: 1.0 + g[1] / 100, HostLink(4.0, 0.3))
+
+    def predicted(plan):
+        programs = lower(schedule, offload=plan)
+        sim = simulate(schedule, programs, COSTS, offload=costs)
+        return _peaks(schedule, programs, sim)[0], sim.makespan
+
+    hidden = simulated_plan(schedule, "auto", costs, COSTS)
+    assert len(hidden.groups) == 5 and predicted(hidden) == (pytest.approx(6.0, abs=0.1), 32.0)
+    fitted = simulated_plan(schedule, "auto", costs, COSTS, fits=lambda p: predicted(p)[0] <= 5.1)
+    assert fitted.groups > hidden.groups and len(fitted.groups) == 6
+    assert predicted(fitted)[0] <= 5.1 and predicted(fitted)[1] > 32.0
+    assert simulated_plan(schedule, "auto", costs, COSTS, fits=lambda p: False) == hidden

@@ -180,10 +180,13 @@ class Layout:
     host_link: HostLink | None = None
 
 
-def with_offload(layout: Layout, schedule: PipelineSchedule, mode: str, link: HostLink) -> Layout:
+def with_offload(layout: Layout, schedule: PipelineSchedule, mode: str, link: HostLink,
+                 memory_limit: float | None = None) -> Layout:
     """The layout with ``pipeline.offload=mode``'s plan made for this run (`link`: the host link
-    measured at start) and its prediction re-made with it: the step with the copies timed, each
-    rank's tensor bytes with the offloaded groups released and the bytes offloaded.
+    measured at start; `memory_limit`: the bytes a rank's predicted peak should fit, which
+    ``auto`` offloads more for where the hidden groups do not suffice) and its prediction re-made
+    with it: the step with the copies timed, each rank's tensor bytes with the offloaded groups
+    released and the bytes offloaded.
 
     The plan is made on the same simulation as the prediction (the whole step with the runtime's
     costs when measured, else the profiled layers); without profiles no group's bytes are known:
@@ -210,15 +213,22 @@ def with_offload(layout: Layout, schedule: PipelineSchedule, mode: str, link: Ho
         sim = simulated(plan)
         return sim.makespan, sim.step_times, sim.reload_waits
 
-    plan = plan_offload(schedule, mode, copies, timed)
-    sim = simulated(plan)
     evaluation = None
     if setting.evaluates:
         evaluation = lower(forward_only(schedule.num_ranks, schedule.num_microbatches, schedule.stage_to_rank),
                            setting.lowering)
-    memory = tuple(tensor_memory(schedule, costs, 2.0, setting.dp, setting.shard,
-                                 programs=lower(schedule, setting.lowering, offload=plan), eval_programs=evaluation,
-                                 timing=sim))
+
+    def memory_of(plan: OffloadPlan, sim) -> tuple[RankMemory, ...]:
+        return tuple(tensor_memory(schedule, costs, 2.0, setting.dp, setting.shard,
+                                   programs=lower(schedule, setting.lowering, offload=plan), eval_programs=evaluation,
+                                   timing=sim))
+
+    def fits(plan: OffloadPlan) -> bool:
+        return max(m.peak.total for m in memory_of(plan, simulated(plan))) <= memory_limit
+
+    plan = plan_offload(schedule, mode, copies, timed, fits if memory_limit is not None else None)
+    sim = simulated(plan)
+    memory = memory_of(plan, sim)
     tail = layout.step_costs.tail_s if layout.step_costs is not None else 0.0
     prediction = replace(layout.prediction, bubble=sim.bubble, step_s=sim.makespan + tail,
                          memory_bytes=tuple(m.peak.total for m in memory), memory=memory,

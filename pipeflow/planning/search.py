@@ -222,11 +222,11 @@ def search(
         for ranges in splits:
             if name == AUTO:  # synthesised for this split's costs, at a few memory limits
                 cands = _auto_candidates(num_ranks, m, v, ranges, profiles, optimizer_factor, (latency, action_overhead_s),
-                                         model, (space.dp, space.shard), space)
+                                         model, (space.dp, space.shard), space, memory_limit_bytes)
             else:
                 cands = [_evaluate(schedule, programs, ranges, profiles, optimizer_factor,
                                    (latency, action_overhead_s), takes_chunks, weighted, model, (space.dp, space.shard),
-                                   (mode, space.host_link))
+                                   (mode, space.host_link), memory_limit_bytes)
                          for mode in space.offload]
             for cand in cands:
                 fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
@@ -307,7 +307,7 @@ def auto_limits(num_ranks: int) -> list[float]:
 def _auto_candidates(
     p: int, m: int, v: int, ranges: list[range], profiles: Sequence[LayerProfile], optimizer_factor: float,
     overheads: tuple[float, float], model: StepModel, sharding: tuple[int, str] = (1, "none"),
-    space: SearchSpace | None = None,
+    space: SearchSpace | None = None, memory_limit_bytes: float | None = None,
 ) -> list[Candidate]:
     costs = stage_costs(ranges, profiles)
     modes = space.offload if space is not None else ("none",)
@@ -317,7 +317,7 @@ def _auto_candidates(
         schedule = synthesize(p, m, v, costs, overheads[0], limit).chosen.schedule
         for mode in modes:
             cand = _evaluate(schedule, lower(schedule, model.posting), ranges, profiles, optimizer_factor, overheads,
-                             True, schedule.split_backwards(), model, sharding, (mode, link))
+                             True, schedule.split_backwards(), model, sharding, (mode, link), memory_limit_bytes)
             out.append(replace(cand, max_activations=limit))
     return out
 
@@ -326,12 +326,13 @@ def _evaluate(
     schedule: PipelineSchedule, programs: list, ranges: list[range], profiles: Sequence[LayerProfile],
     optimizer_factor: float, overheads: tuple[float, float], takes_chunks: bool,
     weighted: set[tuple[int, int]], model: StepModel | None = None, sharding: tuple[int, str] = (1, "none"),
-    offload: tuple[str, HostLink | None] = ("none", None),
+    offload: tuple[str, HostLink | None] = ("none", None), memory_limit_bytes: float | None = None,
 ) -> Candidate:
     """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
     schedule's `split_backwards()`, computed once per schedule by the caller; `sharding`: dp
     and ``parallel.shard``; `offload`: the ``pipeline.offload`` mode and the host link its plan
-    assumes)."""
+    assumes; `memory_limit_bytes`: what ``auto``'s plan offloads more for where its hidden
+    groups leave the layout over it)."""
     comm_s, action_s = overheads
     model = model or StepModel()
     cost = action_costs(ranges, profiles, schedule, action_s, weighted)
@@ -350,17 +351,22 @@ def _evaluate(
         busy = None if model.busy_factor == 1.0 else (lambda op: comm_s * model.busy_factor)
         return simulate_shared(schedule, programs_run, cost, runtime, model.share, lambda action: cpu[action.stage], busy)
 
+    param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
+    act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     plan = None
     if copies is not None:
         def timed(candidate_plan: OffloadPlan) -> tuple:
             got = simulated([candidate_plan.mark(program) for program in programs])
             return got.makespan, got.step_times, got.reload_waits
 
-        plan = plan_offload(schedule, mode, copies, timed)
+        def fits(candidate_plan: OffloadPlan) -> bool:
+            got = simulated([candidate_plan.mark(program) for program in programs])
+            return max(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, dp=sharding[0],
+                                   shard=sharding[1], offload=(candidate_plan, offloadable, got))) <= memory_limit_bytes
+
+        plan = plan_offload(schedule, mode, copies, timed, fits if memory_limit_bytes is not None else None)
         programs = [plan.mark(program) for program in programs]
     sim = simulated(programs)
-    param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
-    act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     return Candidate(
         schedule=schedule.name, num_microbatches=schedule.num_microbatches,
         stages_per_rank=schedule.num_stages // schedule.num_ranks,

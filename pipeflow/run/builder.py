@@ -146,7 +146,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                                    boundary, options, rehearsal, shape_mode(cfg, dp * m))
         layout = with_step_costs(layout, schedule, costs)
     if link is not None:  # planned on the prediction's own simulation, for the host link measured at start
-        layout = with_offload(layout, schedule, offload, link)
+        layout = with_offload(layout, schedule, offload, link, device_memory_limit(device))
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
                         reducer.stage_ready if reducer is not None else None, sharding, layout.offload)
     optimizer = build_optimizer(params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0, lr=cfg.optim.lr,
@@ -186,6 +186,16 @@ def host_link(device: torch.device) -> HostLink:
     return slowest.link(COPY_LATENCY_S if measured.overlapped else 0.0)
 
 
+def device_memory_limit(device: torch.device) -> float | None:
+    """The tensor bytes a rank's predicted peak should fit (``pipeline.offload=auto`` offloads
+    more where it would not): on CUDA :data:`DEVICE_MEMORY_SHARE` of the device's memory (the
+    rest for the allocator's caching, workspaces and the CUDA context), no limit elsewhere."""
+    if torch.device(device).type != "cuda":
+        return None
+    return DEVICE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+
+DEVICE_MEMORY_SHARE = 0.85
 COPY_LATENCY_S = 10e-6  # launching one group's copy on its stream (a few small launches and an event)
 
 

@@ -13,14 +13,18 @@ the runtime (:mod:`pipeflow.runtime.offload`) runs exactly those copies.
 :func:`plan_offload` makes the plan from one simulated timing of the program:
 
 - ``all``: every group of every rank; each reload issued as late as its copy still ends before
-  the group's B (and not before the step after its F).
+  the group's B, or at the B's own step where no step starts early enough (the B then waits for
+  the copy, and the group spends the least time back on the device).
 - ``auto``: the groups whose copies the gaps hide.  Offloads queue on the device-to-host link in
   F order; reloads are placed as late as possible on the host-to-device link, latest B first,
   each at the last step that starts early enough.  A group is kept when its reload ends before
   its B and it is off the device for a while (its offload ends before its reload starts); the
   plan is then simulated and any group whose B still waits is dropped, until none waits.  On a
   link that is not overlapped (a CPU: the copies take the compute thread's time) no gap hides
-  anything and ``auto`` offloads nothing.
+  anything and ``auto`` offloads nothing.  Given a memory limit (the device's; the planner's
+  ``plan.memory_limit_gb``) that the hidden groups do not bring the prediction under, ``auto``
+  adds the other groups, largest first, until it fits: a slower step rather than one that
+  does not fit.
 """
 from __future__ import annotations
 
@@ -125,6 +129,7 @@ def plan_offload(
     mode: str,
     costs: OffloadCosts,
     simulate_plan: Callable[[OffloadPlan], tuple[float, list[list[tuple[float, float, float]]], dict[Group, float]]],
+    fits: Callable[[OffloadPlan], bool] | None = None,
 ) -> OffloadPlan:
     """The plan for `mode` (module docstring).
 
@@ -136,6 +141,11 @@ def plan_offload(
             and step ``(post, action start, action end)``, per group how long its B waited for
             its reload): the same simulation as the run's prediction, so the plan is made for the
             costs the run is predicted with.
+        fits: whether a plan's predicted memory fits the memory limit (the device's, or
+            ``plan.memory_limit_gb``); None: no limit.  Where the hidden groups do not bring the
+            prediction under it, ``auto`` adds the others, largest first, until it fits (a
+            slower step that fits rather than one that does not); where none fits, the hidden
+            groups alone.
 
     Returns:
         The plan (empty for ``none`` and for a forward-only schedule).
@@ -144,13 +154,27 @@ def plan_offload(
     if mode == "none" or not schedule.training:
         return OffloadPlan(mode)
     makespan, steps, _ = simulate_plan(OffloadPlan(mode))
-    everything = mode == "all"
-    if not everything and not costs.link.overlapped:
-        return OffloadPlan(mode)
-    plan = OffloadPlan(mode, tuple(pair for r in range(schedule.num_ranks)
-                                   for pair in _rank_plan(schedule, r, steps[r], costs, everything)))
-    if everything:
+    every = [pair for r in range(schedule.num_ranks) for pair in _rank_plan(schedule, r, steps[r], costs, True)]
+    if mode == "all":
+        return OffloadPlan(mode, tuple(every))
+    plan = _hidden(schedule, mode, costs, simulate_plan, makespan, steps) if costs.link.overlapped else OffloadPlan(mode)
+    if fits is None or fits(plan):
         return plan
+    grown = plan
+    for pair in sorted((p for p in every if p[0] not in plan.groups), key=lambda p: -costs.group_bytes(p[0])):
+        grown = OffloadPlan(mode, grown.reloads + (pair,))
+        if fits(grown):
+            return grown
+    return plan  # nothing fits: no slower step for nothing
+
+
+def _hidden(
+    schedule: PipelineSchedule, mode: str, costs: OffloadCosts, simulate_plan: Callable, makespan: float,
+    steps: list[list[tuple[float, float, float]]],
+) -> OffloadPlan:
+    """``auto``'s groups: those whose copies the gaps hide, checked by simulating them."""
+    plan = OffloadPlan(mode, tuple(pair for r in range(schedule.num_ranks)
+                                   for pair in _rank_plan(schedule, r, steps[r], costs, False)))
     for _ in range(_AUTO_ROUNDS):
         if not plan.reloads:
             return plan
@@ -190,10 +214,8 @@ def _rank_plan(
         hidden = j is not None and offloaded_by[g] <= latest and offloaded_by[g] < steps[j][0]
         if not hidden and not everything:
             continue
-        if not link.overlapped:  # the copy takes the compute thread's time wherever it runs: as late as can be
+        if not link.overlapped or j is None:  # the B waits for it anyway: back as late as can be, at the B
             j = b
-        elif j is None:
-            j = f + 1
         begins = max(steps[j][0], offloaded_by[g])
         h2d_start = min(h2d_start, begins)
         plan.append((g, actions[j]))

@@ -181,9 +181,11 @@ def simulated_plan(
     runtime: RuntimeCosts | None = None,
     microbatch_sizes: Sequence[float] | None = None,
     shard: bool = False,
+    fits: Callable[[OffloadPlan], bool] | None = None,
 ) -> OffloadPlan:
-    """``pipeline.offload``'s plan (:func:`~pipeflow.schedules.offload.plan_offload`) for the
-    programs ``lower(schedule, posting, shard)`` simulated with these costs (as :func:`simulate`)."""
+    """``pipeline.offload``'s plan (:func:`~pipeflow.schedules.offload.plan_offload`, with its
+    memory check `fits`) for the programs ``lower(schedule, posting, shard)`` simulated with these
+    costs (as :func:`simulate`)."""
 
     def run(plan: OffloadPlan) -> tuple[float, list[list[tuple[float, float, float]]], dict[Group, float]]:
         programs = lower(schedule, posting, shard=shard, offload=plan)
@@ -191,7 +193,7 @@ def simulated_plan(
                        runtime=runtime, offload=offload)
         return sim.makespan, sim.step_times, sim.reload_waits
 
-    return plan_offload(schedule, mode, offload, run)
+    return plan_offload(schedule, mode, offload, run, fits)
 
 
 def validate(schedule: PipelineSchedule, programs: list[Program] | None = None, posting: str = "rendezvous") -> SimResult:
