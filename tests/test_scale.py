@@ -92,6 +92,8 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp1xpp2xtp2-1f1b-offload-all": (1, "1f1b", 2, {"parallel__tp": 2, "pipeline__offload": "all"}),
     "dp2xpp2-1f1b-offload-auto": (2, "1f1b", 2, {"pipeline__offload": "auto", "pipeline__profile": True}),
     "dp2xpp2-zb_h1-offload-all-compiled": (2, "zb_h1", 2, {"pipeline__offload": "all", **COMPILED}),
+    # schedule=auto synthesised with the offload plan in view (profiled costs and bytes)
+    "dp2xpp2-auto-offload-all-profiled": (2, "auto", 2, {"pipeline__offload": "all", "pipeline__profile": True}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
         "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
 }
