@@ -14,7 +14,6 @@ schedule produced the program is unknown here.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
@@ -93,6 +92,7 @@ class Pipeline:
         self.offload = offload if offload is not None and offload.reloads else None
         self.offloader = ActivationOffloader(comm.device) if self.offload is not None else None
         self.offloaded: OffloadStats | None = None  # the last training pass's (None without offloading)
+        self._offloaded_groups = self.offload.groups if self.offload is not None else set()
         self.schedule = schedule
         self.comm = comm
         self.rank = comm.rank
@@ -392,7 +392,7 @@ class Pipeline:
                         stage.deallocate_outputs(i)  # the sent copy holds the storage until sent
             elif action.kind == BACKWARD:
                 grads = None if stage.is_last else inbox.pop((GRADIENT, i, s))
-                if self.offloader is not None and (s, i) in self._offloaded_groups:
+                if (s, i) in self._offloaded_groups:
                     self.offloader.ready((s, i))
                 grads_in = stage.backward(i, grads, weights=step.backward_weights)
                 if s > 0:
@@ -407,7 +407,7 @@ class Pipeline:
             if action.kind != FORWARD and (action.kind != BACKWARD or step.backward_weights):
                 self._weights_done(s)
                 self.buffers.give(self._lent.pop((s, i), ()))  # its last backward: nothing reads them now
-                if self.offloader is not None and (s, i) in self._offloaded_groups:
+                if (s, i) in self._offloaded_groups:
                     self.offloader.release((s, i))
         except PipeflowError:
             raise
@@ -422,10 +422,6 @@ class Pipeline:
             return contextlib.nullcontext()
         keep = [*stage.module.parameters(), *stage.module.buffers(), *inputs]
         return self.offloader.saving(step.offload[0], keep)
-
-    @functools.cached_property
-    def _offloaded_groups(self) -> set[tuple[int, int]]:
-        return self.offload.groups if self.offload is not None else set()
 
     def _weights_done(self, s: int) -> None:
         """One more micro-batch's weight gradients of stage s are in; tell the hook after the last."""

@@ -143,9 +143,9 @@ def plan_offload(
             costs the run is predicted with.
         fits: whether a plan's predicted memory fits the memory limit (the device's, or
             ``plan.memory_limit_gb``); None: no limit.  Where the hidden groups do not bring the
-            prediction under it, ``auto`` adds the others, largest first, until it fits (a
-            slower step that fits rather than one that does not); where none fits, the hidden
-            groups alone.
+            prediction under it, ``auto`` adds the fewest of the others, largest first, that
+            make it fit (found by bisection: a slower step that fits rather than one that does
+            not); where even all of them do not, the hidden groups alone.
 
     Returns:
         The plan (empty for ``none`` and for a forward-only schedule).
@@ -160,12 +160,18 @@ def plan_offload(
     plan = _hidden(schedule, mode, costs, simulate_plan, makespan, steps) if costs.link.overlapped else OffloadPlan(mode)
     if fits is None or fits(plan):
         return plan
-    grown = plan
-    for pair in sorted((p for p in every if p[0] not in plan.groups), key=lambda p: -costs.group_bytes(p[0])):
-        grown = OffloadPlan(mode, grown.reloads + (pair,))
-        if fits(grown):
-            return grown
-    return plan  # nothing fits: no slower step for nothing
+    others = sorted((p for p in every if p[0] not in plan.groups), key=lambda p: -costs.group_bytes(p[0]))
+
+    def grown(k: int) -> OffloadPlan:
+        return OffloadPlan(mode, plan.reloads + tuple(others[:k]))
+
+    low, high = 0, len(others)  # more groups off the device hold less: the fewest that fit, by bisection
+    if not fits(grown(high)):
+        return plan  # nothing fits: no slower step for nothing
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(grown(middle)) else (middle, high)
+    return grown(high)
 
 
 def _hidden(
