@@ -125,6 +125,7 @@ class Candidate:
     rehearsed_s: float | None = None  # plan.rehearse: the step its run predicted from a rehearsal on this host
     tp: int = 1  # parallel.tp: each stage split over tp ranks (its costs one tp rank's)
     offload: str = "none"  # pipeline.offload: activations copied to the host in the gaps
+    offloaded_groups: int = 0  # how many (stage, micro-batch) groups its plan offloads
 
     @property
     def peak_bytes(self) -> float:
@@ -229,6 +230,8 @@ def search(
                                    (mode, space.host_link), memory_limit_bytes)
                          for mode in space.offload]
             for cand in cands:
+                if cand.offload != "none" and not cand.offloaded_groups and "none" in space.offload:
+                    continue  # a plan that offloads nothing is the layout without offloading, listed already
                 fits = memory_limit_bytes is None or cand.peak_bytes <= memory_limit_bytes
                 (result.candidates if fits else result.over_memory).append(cand)
     result.candidates.sort(key=_rank_key)
@@ -374,7 +377,7 @@ def _evaluate(
         rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted,
                                      dp=sharding[0], shard=sharding[1],
                                      offload=None if plan is None else (plan, offloadable, sim))),
-        takes_chunks=takes_chunks, offload=mode,
+        takes_chunks=takes_chunks, offload=mode, offloaded_groups=0 if plan is None else len(plan.reloads),
     )
 
 

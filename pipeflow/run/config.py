@@ -239,9 +239,10 @@ class PlanConfig:
     tp_bandwidth_gbps: float = 150.0
     tp_latency_us: float = 10.0
     # pipeline.offload modes tried with every layout (none | auto | all), their copies over a
-    # device-host link of this bandwidth each way (PCIe 5.0 x16 by default; measured by train.py)
+    # device-host link of this bandwidth each way, on a copy engine beside compute (a GPU's PCIe);
+    # null: measured on this machine's device as train.py measures it (a CPU: memcpys on the compute thread)
     offload: list[str] = field(default_factory=lambda: ["none"])
-    host_link_gbps: float = 50.0
+    host_link_gbps: float | None = None
 
 
 @dataclass

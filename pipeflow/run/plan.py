@@ -33,6 +33,7 @@ from pipeflow.data import build_batches
 from pipeflow.run.compile_phase import compile_options
 from pipeflow.run.config import PlanConfig, register_configs, resolve_layout, tensor_degree
 from pipeflow.runtime.distributed import choose_device
+from pipeflow.runtime.host_link import measure_link
 from pipeflow.runtime.precision import compute_dtype
 from pipeflow.errors import ConfigError
 from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, StepModel, search
@@ -110,12 +111,29 @@ def search_space(cfg: DictConfig, batch_size: int) -> SearchSpace:
     modes = tuple(check_mode(str(mode)) for mode in OmegaConf.select(cfg, "plan.offload", default=["none"]))
     if not modes:
         raise ConfigError("plan.offload=[] tries nothing; use [none], [none,auto] or [none,auto,all]")
-    if plan.host_link_gbps <= 0:
-        raise ConfigError(f"plan.host_link_gbps={plan.host_link_gbps} must be > 0 (GB/s each way)")
-    link = HostLink(plan.host_link_gbps * 1e9, plan.host_link_gbps * 1e9, SearchSpace.host_link.latency_s)
+    gbps = OmegaConf.select(cfg, "plan.host_link_gbps", default=None)
+    if gbps is not None and gbps <= 0:
+        raise ConfigError(f"plan.host_link_gbps={gbps} must be > 0 (GB/s each way), or null: measured here")
+    link = SearchSpace.host_link if gbps is None else HostLink(gbps * 1e9, gbps * 1e9, SearchSpace.host_link.latency_s)
     return SearchSpace(names, tuple(int(m) for m in counts), tuple(range(1, plan.max_chunks + 1)), plan.splits,
                        dp=cfg.parallel.dp, shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
                        offload=modes, host_link=link)
+
+
+def host_link_for(cfg: DictConfig, space: SearchSpace, device: torch.device) -> tuple[SearchSpace, str]:
+    """The search space with the host link its offload plans assume: ``plan.host_link_gbps``, or
+    measured on `device` as ``train.py`` measures it (null); and a phrase saying which."""
+    if space.offload == ("none",):
+        return space, ""
+    gbps = OmegaConf.select(cfg, "plan.host_link_gbps", default=None)
+    if gbps is not None:
+        return space, f"; offload over {gbps:g} GB/s each way (plan.host_link_gbps)"
+    measured = measure_link(device)
+    link = measured.link(SearchSpace.host_link.latency_s if measured.overlapped else 0.0)
+    where = "beside compute" if measured.overlapped else "on the compute thread: auto hides nothing"
+    return dataclasses.replace(space, host_link=link), (
+        f"; offload over the host link measured here ({link.d2h_bytes_per_s / 1e9:.1f} GB/s out, "
+        f"{link.h2d_bytes_per_s / 1e9:.1f} back, {where}; plan.host_link_gbps sets a GPU's)")
 
 
 def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequence[str] = ()) -> tuple[PlanResult, str]:
@@ -153,6 +171,7 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
                 comm += busy
         finally:
             torch.set_num_threads(threads)
+        space, link_note = host_link_for(cfg, space, device)
         result = search_tp(cfg, costs, pp, batch, space, limit, latency, overhead_s, model)
         amp = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
         degrees = tp_degrees(cfg)
@@ -160,7 +179,7 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
             f"; tp {', '.join(map(str, degrees))} costed over {cfg.plan.tp_bandwidth_gbps:g} GB/s + "
             f"{cfg.plan.tp_latency_us:g} us per collective (plan.tp_bandwidth_gbps, plan.tp_latency_us)")
         header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}{amp}) "
-                  f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}{tp_note}")
+                  f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}{tp_note}{link_note}")
     if cfg.plan.rehearse > 0 and result.candidates:
         result, rehearsed = rehearse_shortlist(result, cfg, overrides, dp * pp)
         header += f"; {rehearsed}"
