@@ -9,6 +9,7 @@ every rank then derives the same partition from the same numbers.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -144,13 +145,22 @@ def predict(
         return Prediction(UNIT_COSTS, sim.bubble, math.nan, ())
     sim = simulate(schedule, costs=action_costs(ranges, profiles, schedule))
     costs = stage_bytes(ranges, profiles, schedule, setting.input_bytes, setting.target_bytes)
+    memory = predicted_memory(schedule, costs, setting)
+    return Prediction(PROFILED, sim.bubble, sim.makespan, tuple(m.peak.total for m in memory), memory)
+
+
+def predicted_memory(schedule: PipelineSchedule, costs: list[StageBytes], setting: MemorySetting,
+                     offload: OffloadPlan | None = None, timing: Any = None) -> tuple[RankMemory, ...]:
+    """Each rank's tensor bytes (`tensor_memory`, AdamW's two states per parameter) walked over the
+    lowering the runtime interprets (with `offload`'s marks, their copies' ends from `timing`) and,
+    where the run evaluates, over its forward-only programs."""
     evaluation = None
     if setting.evaluates:
         evaluation = lower(forward_only(schedule.num_ranks, schedule.num_microbatches, schedule.stage_to_rank),
                            setting.lowering)
-    memory = tuple(tensor_memory(schedule, costs, 2.0, setting.dp, setting.shard,
-                                 programs=lower(schedule, setting.lowering), eval_programs=evaluation))
-    return Prediction(PROFILED, sim.bubble, sim.makespan, tuple(m.peak.total for m in memory), memory)
+    return tuple(tensor_memory(schedule, costs, 2.0, setting.dp, setting.shard,
+                               programs=lower(schedule, setting.lowering, offload=offload), eval_programs=evaluation,
+                               timing=timing))
 
 
 @dataclass(frozen=True)
@@ -203,6 +213,7 @@ def with_offload(layout: Layout, schedule: PipelineSchedule, mode: str, link: Ho
     costs = stage_bytes(layout.ranges, layout.profiles, schedule, setting.input_bytes, setting.target_bytes)
     copies = OffloadCosts(group_bytes_of([c.offloadable for c in costs]), link)
 
+    @functools.lru_cache(maxsize=None)  # a plan is simulated once, whether timed, checked or predicted
     def simulated(plan: OffloadPlan):
         if layout.step_costs is not None:
             return predict_step(schedule, layout.ranges, layout.profiles, layout.step_costs, (plan, copies))
@@ -213,22 +224,12 @@ def with_offload(layout: Layout, schedule: PipelineSchedule, mode: str, link: Ho
         sim = simulated(plan)
         return sim.makespan, sim.step_times, sim.reload_waits
 
-    evaluation = None
-    if setting.evaluates:
-        evaluation = lower(forward_only(schedule.num_ranks, schedule.num_microbatches, schedule.stage_to_rank),
-                           setting.lowering)
-
-    def memory_of(plan: OffloadPlan, sim) -> tuple[RankMemory, ...]:
-        return tuple(tensor_memory(schedule, costs, 2.0, setting.dp, setting.shard,
-                                   programs=lower(schedule, setting.lowering, offload=plan), eval_programs=evaluation,
-                                   timing=sim))
-
     def fits(plan: OffloadPlan) -> bool:
-        return max(m.peak.total for m in memory_of(plan, simulated(plan))) <= memory_limit
+        return max(m.peak.total for m in predicted_memory(schedule, costs, setting, plan, simulated(plan))) <= memory_limit
 
     plan = plan_offload(schedule, mode, copies, timed, fits if memory_limit is not None else None)
     sim = simulated(plan)
-    memory = memory_of(plan, sim)
+    memory = predicted_memory(schedule, costs, setting, plan, sim)
     tail = layout.step_costs.tail_s if layout.step_costs is not None else 0.0
     prediction = replace(layout.prediction, bubble=sim.bubble, step_s=sim.makespan + tail,
                          memory_bytes=tuple(m.peak.total for m in memory), memory=memory,

@@ -14,6 +14,7 @@ in order (an F adds its stage's activation bytes, the last backward half frees t
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -346,30 +347,30 @@ def _evaluate(
         offloadable = [c.offloadable for c in stage_bytes(ranges, list(profiles), schedule)]
         copies = OffloadCosts(group_bytes_of(offloadable), link or SearchSpace.host_link)
 
-    def simulated(programs_run: list) -> SimResult:
+    @functools.lru_cache(maxsize=None)  # a plan is simulated once, whether timed, checked or ranked
+    def simulated(plan: OffloadPlan | None) -> SimResult:
+        marked = programs if plan is None else [plan.mark(program) for program in programs]
         runtime = replace(model.runtime(schedule.num_ranks, comm_s), offload=copies)
         if model.share is None:
-            return simulate(schedule, programs_run, cost, runtime=runtime)
+            return simulate(schedule, marked, cost, runtime=runtime)
         cpu = [stage_cpu(profiles, r) for r in ranges]
         busy = None if model.busy_factor == 1.0 else (lambda op: comm_s * model.busy_factor)
-        return simulate_shared(schedule, programs_run, cost, runtime, model.share, lambda action: cpu[action.stage], busy)
+        return simulate_shared(schedule, marked, cost, runtime, model.share, lambda action: cpu[action.stage], busy)
 
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     plan = None
     if copies is not None:
         def timed(candidate_plan: OffloadPlan) -> tuple:
-            got = simulated([candidate_plan.mark(program) for program in programs])
+            got = simulated(candidate_plan)
             return got.makespan, got.step_times, got.reload_waits
 
         def fits(candidate_plan: OffloadPlan) -> bool:
-            got = simulated([candidate_plan.mark(program) for program in programs])
-            return max(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, dp=sharding[0],
-                                   shard=sharding[1], offload=(candidate_plan, offloadable, got))) <= memory_limit_bytes
+            return max(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, dp=sharding[0], shard=sharding[1],
+                                   offload=(candidate_plan, offloadable, simulated(candidate_plan)))) <= memory_limit_bytes
 
         plan = plan_offload(schedule, mode, copies, timed, fits if memory_limit_bytes is not None else None)
-        programs = [plan.mark(program) for program in programs]
-    sim = simulated(programs)
+    sim = simulated(plan)
     return Candidate(
         schedule=schedule.name, num_microbatches=schedule.num_microbatches,
         stages_per_rank=schedule.num_stages // schedule.num_ranks,
@@ -397,13 +398,11 @@ def rank_memory(
     flight together then matters.  `offload`: ``pipeline.offload``'s plan, each stage's
     offloadable bytes per micro-batch and the simulated run of the plan (when each copy to the
     host ends): the groups' bytes leave the device and come back as planned."""
-    if offload is None:
-        stages = [StageBytes(p, a) for p, a in zip(param_bytes, act_bytes)]
-        memory = tensor_memory(schedule, stages, optimizer_factor, dp, shard, microbatch_sizes=microbatch_sizes)
-        return [m.peak.total for m in memory]
-    plan, offloadable, sim = offload
+    plan, offloadable, sim = offload if offload is not None else (None, [0.0] * len(param_bytes), None)
     stages = [StageBytes(p, a, offloadable=o) for p, a, o in zip(param_bytes, act_bytes, offloadable)]
-    marked = [plan.mark([Step((), a) for a in actions]) for actions in schedule.actions]  # actions only: no comm
+    marked = None  # with a plan: its marks on the actions alone (no comm ops: comm buffers stay left out)
+    if plan is not None:
+        marked = [plan.mark([Step((), a) for a in actions]) for actions in schedule.actions]
     memory = tensor_memory(schedule, stages, optimizer_factor, dp, shard, microbatch_sizes=microbatch_sizes,
                            timing=sim, programs=marked)
     return [m.peak.total for m in memory]
