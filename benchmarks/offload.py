@@ -54,7 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vs_plain_loop import PipeflowSteps, compose, free_port, sync, timed_block  # benchmarks/vs_plain_loop.py
+from vs_plain_loop import PipeflowSteps, compose, start_one_rank, sync, timed_block  # benchmarks/vs_plain_loop.py
 
 CASE_KEYS = ("n_layer", "n_embd", "n_head", "seq", "batch", "m")
 DEFAULT_CASE = {"cpu": {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq": 128, "batch": 16, "m": 8},
@@ -264,18 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
     case = parse_case(args.device, args.case)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    device = start_one_rank(args.device, args.threads)
     cuda = device.type == "cuda"
     precision = args.precision or ("bf16" if cuda else "fp32")
     rtol = args.rtol if args.rtol is not None else (1e-5 if precision == "fp32" else 1e-3)
-    kwargs: dict[str, Any] = {}
-    if cuda:
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1, **kwargs)
     from pipeflow.runtime.host_link import measure_link
 
     name = torch.cuda.get_device_name(device) if cuda else f"{os.cpu_count()} CPU cores"

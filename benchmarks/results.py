@@ -9,6 +9,7 @@ import platform
 import re
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,20 @@ def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace) -> Any:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(worker, args=(args.ranks, port, args, queue), nprocs=args.ranks, start_method="spawn")
     return queue.get()
+
+
+def spawn_per_degree(worker: Callable[..., None], args: argparse.Namespace, degrees: list[int], name: str
+                     ) -> dict[int, Any]:
+    """:func:`spawn_ranks` once per degree (``args.pp`` x degree processes, a shared
+    ``args.tmp`` directory): ``{degree: rank 0's result}``, a ``<name>=<degree> done`` line each."""
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        args.tmp = tmp
+        for degree in degrees:
+            args.ranks = degree * args.pp
+            results[degree] = spawn_ranks(worker, args)
+            print(f"{name}={degree} done", flush=True)
+    return results
 
 
 def failure_line(log: str) -> str:

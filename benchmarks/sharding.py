@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -32,7 +31,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import report, spawn_ranks  # noqa: E402
+from benchmarks.results import report, spawn_per_degree  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
 from pipeflow.run.config import register_configs  # noqa: E402
 
@@ -142,13 +141,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per mode")
     parser.add_argument("--out", default=None, help="also append the tables to this file")
     args = parser.parse_args()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        args.tmp = tmp
-        for dp in args.dps:
-            args.ranks = dp * args.pp
-            results[dp] = spawn_ranks(worker, args)
-            print(f"dp={dp} done", flush=True)
+    results = spawn_per_degree(worker, args, args.dps, "dp")
     report("parallel.shard: tensor bytes per rank and step time", table(results, args), args.out)
 
 

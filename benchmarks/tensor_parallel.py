@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -35,7 +34,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import report, spawn_ranks  # noqa: E402
+from benchmarks.results import report, spawn_per_degree  # noqa: E402
 from benchmarks.sharding import compose  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
 from pipeflow.runtime.fsdp import local  # noqa: E402
@@ -183,13 +182,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per degree")
     parser.add_argument("--out", default=None, help="also append the tables to this file")
     args = parser.parse_args()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        args.tmp = tmp
-        for tp in args.tps:
-            args.ranks = tp * args.pp
-            results[tp] = spawn_ranks(worker, args)
-            print(f"tp={tp} done", flush=True)
+    results = spawn_per_degree(worker, args, args.tps, "tp")
     report("parallel.tp: tensor bytes per rank and step time", table(results, args), args.out)
 
 

@@ -505,6 +505,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def start_one_rank(device_type: str, threads: int | None) -> torch.device:
+    """The device ``--device`` names (``cuda`` is GPU 0), ``--threads`` applied, and a process
+    group of one rank on it (NCCL on CUDA, gloo on the CPU), as the benchmarks here run."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    kwargs: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                            rank=0, world_size=1, **kwargs)
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python benchmarks/vs_plain_loop.py",
@@ -558,15 +573,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: no CUDA device here", file=sys.stderr)
         return 2
     cases = parse_cases(args.device, args.case)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    kwargs: dict[str, Any] = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        kwargs["device_id"] = device
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1, **kwargs)
+    device = start_one_rank(args.device, args.threads)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{os.cpu_count()} CPU cores"
     print(f"pipeflow vs the plain loop: {name}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.1f}; {args.rounds} rounds, medians over rounds, "

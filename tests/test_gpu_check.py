@@ -52,9 +52,13 @@ TINY = ["--case", "n_layer=2", "n_embd=32", "seq=16", "batch=4", "m=2", "--round
         "--warmup", "0"]
 
 
-def _plain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(PLAIN), *args], cwd=ROOT, capture_output=True, text=True, timeout=180,
+def _benchmark(script: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _plain(*args: str) -> subprocess.CompletedProcess:
+    return _benchmark(PLAIN, *args)
 
 
 def test_the_gpu_check_runs_the_plain_loop_benchmark_on_cuda() -> None:
@@ -103,8 +107,7 @@ OFFLOAD_TINY = ["--case", "n_layer=2", "n_embd=32", "seq=16", "batch=8", "m=4", 
 
 
 def _offload(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(OFFLOAD), *args], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return _benchmark(OFFLOAD, *args)
 
 
 def test_the_gpu_check_runs_the_offload_benchmark_on_cuda() -> None:
