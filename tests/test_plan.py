@@ -269,6 +269,20 @@ def test_plan_rehearse_builds_the_shortlist_and_ranks_it_by_the_rehearsed_step(t
         assert sum(1 for r in csv.DictReader(f) if r["rehearsed_ms"]) == 2
 
 
+def test_the_planner_takes_parallel_tp_as_the_degree_it_plans_for() -> None:
+    """``python -m pipeflow.plan parallel.pp=2 parallel.tp=2`` stopped with 'the world size is 2'
+    (issue 38): the planner has no world; it plans dp x pp x tp processes."""
+    from pipeflow.planning.profile import LayerProfile
+    from pipeflow.run.plan import run_plan
+
+    words = ["model=gpt", "model.n_layer=2", "model.n_embd=16", "data.batch_size=8", "parallel.pp=2", "parallel.tp=2",
+             "plan.schedules=[1f1b]", "plan.microbatches=[4]", "plan.comm_latency_ms=0", "plan.action_overhead_ms=0"]
+    flat = lambda b: [LayerProfile(f"l{i}", 10, 40, 1e-3, 2e-3, 100, 1e-3, 1e-3, 4000) for i in range(4)]  # noqa: E731
+    result, report = run_plan(compose_config(words), costs=flat, overrides=words)
+    assert [c.tp for c in result.candidates] == [2], report
+    assert "run the pick: torchrun --nproc-per-node 4 train.py " in report, report
+
+
 def test_the_shortlist_takes_the_best_split_of_each_kind() -> None:
     from pipeflow.planning.search import Candidate
     from pipeflow.run.plan_rehearsal import shortlist

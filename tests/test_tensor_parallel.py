@@ -37,6 +37,18 @@ def test_the_world_is_dp_x_pp_x_tp_with_pp_inferred() -> None:
         resolve_layout(_parallel(dp=2, pp=4, tp=2), 8)
     with pytest.raises(ConfigError, match="parallel.dp=3 does not divide the world size 8 / parallel.tp=2"):
         resolve_layout(_parallel(dp=3, tp=2), 8)
+    with pytest.raises(ConfigError, match=r"^parallel.tp=0 must be at least 1"):  # ran as tp 1 (issue 38)
+        resolve_layout(_parallel(tp=0), 8)
+
+
+def test_the_resume_line_names_every_saved_layout_dimension() -> None:
+    """A tp 2 checkpoint was announced as 'saved with dp=1, pp=2' (issue 38)."""
+    from pipeflow.run.checkpoint import saved_layout
+
+    meta = {"step": 4, "dp": 1, "pp": 2, "shard": "none", "world_size": 4}  # as saves write it: tp from the world
+    assert saved_layout(meta) == "dp=1, pp=2, tp=2, shard=none (4 processes)"
+    assert saved_layout({**meta, "dp": 2, "tp": 1, "shard": "full"}) == "dp=2, pp=2, tp=1, shard=full (4 processes)"
+    assert saved_layout({"dp": 1, "pp": 2}) == "dp=1, pp=2, tp=unknown, shard=none"
 
 
 def test_the_gpt_plan_splits_heads_mlp_and_vocabulary_and_names_what_tp_does_not_divide() -> None:

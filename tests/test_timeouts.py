@@ -143,6 +143,20 @@ def test_a_rank_whose_peer_never_starts_waits_the_join_timeout_once(lone_rank_en
     assert text.startswith(f"rank {rank}: ") and missing in text, text
 
 
+def test_under_torchrun_rank_0_blames_the_agent_that_hosts_the_store(lone_rank_env: int, monkeypatch) -> None:
+    """With torchrun's agent hosting the store, rank 0 is a client too: when nothing listens it
+    names the agent, not 'rank 0, which hosts it, never arrived' (itself; issue 38)."""
+    from pipeflow.errors import JoinTimeoutError
+    from pipeflow.runtime import distributed
+
+    monkeypatch.setattr(distributed, "_agent_serves", lambda addr, port: True)
+    with pytest.raises(JoinTimeoutError) as caught:
+        distributed.join_store(0, 2, 0.3)
+    text = str(caught.value)
+    assert text.startswith("rank 0: could not reach the rendezvous store") and "torchrun's agent, which hosts it" in text
+    assert "rank 0, which hosts it" not in text, text
+
+
 def test_a_rank_that_starts_late_still_joins(lone_rank_env: int) -> None:
     """The client polls for its host (rank 0 here starts 0.5 s after rank 1) and joins well within the deadline."""
     from pipeflow.runtime.distributed import join_store

@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from pipeflow.errors import ConfigError
+from pipeflow.run.config_values import check_counts, check_deadlines, check_layout_counts
 from pipeflow.schedules.offload import check_mode
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.hf import build_hf
@@ -159,7 +160,7 @@ class TrainConfig:
 class ParallelConfig:
     """The process layout: ``parallel.dp`` x ``parallel.pp`` x ``parallel.tp`` = world size."""
 
-    dp: int = 1
+    dp: Any = 1  # replicas; auto: world size / (pp x tp), so one command fits any node count (needs pp)
     pp: int | None = None  # default: world size / (dp x tp)
     # what each stage's data-parallel group shards: none (full replicas), optimizer (ZeRO-1:
     # AdamW state and update), full (FSDP2: parameters and gradients too)
@@ -399,10 +400,13 @@ def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]
         ConfigError: if dp x pp x tp does not equal the world size.
     """
     dp, tp = parallel.dp, tensor_degree(parallel)
-    if tp < 1 or world_size % tp:
+    check_layout_counts(parallel)
+    if world_size % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide the world size {world_size}; choose a tp that divides "
                           f"{world_size} (the GPUs of a node, e.g. 8)")
-    if dp < 1 or world_size % (dp * tp):
+    if dp == "auto":
+        dp = auto_replicas(parallel.pp, tp, world_size)
+    if world_size % (dp * tp):
         raise ConfigError(
             f"parallel.dp={dp} does not divide the world size {world_size}"
             + (f" / parallel.tp={tp}" if tp > 1 else "") + f"; choose a dp that divides {world_size // tp}"
@@ -415,6 +419,22 @@ def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]
             f"--nproc-per-node {dp * pp * tp} or set parallel.pp={world_size // (dp * tp)}"
         )
     return dp, pp
+
+
+def auto_replicas(pp: int | None, tp: int, world_size: int) -> int:
+    """``parallel.dp=auto``: the replicas that fill the world with `pp` x `tp` ranks each (an
+    elastic job keeps its pipeline and changes its replicas as nodes come and go).
+
+    Raises:
+        ConfigError: pp not given, or pp x tp does not divide the world size.
+    """
+    if pp is None:
+        raise ConfigError("parallel.dp=auto needs parallel.pp (the pipeline to replicate); set e.g. parallel.pp=2")
+    if world_size % (pp * tp):
+        shape = f"parallel.pp={pp}" + (f" x parallel.tp={tp}" if tp > 1 else "")
+        raise ConfigError(f"parallel.dp=auto: {shape} = {pp * tp} ranks per replica does not divide the world size "
+                          f"{world_size}; launch a multiple of {pp * tp} processes or change parallel.pp")
+    return world_size // (pp * tp)
 
 
 def check_sequence_parallel(cfg: Any) -> None:
@@ -436,8 +456,9 @@ def check_sequence_parallel(cfg: Any) -> None:
 
 
 def tensor_degree(parallel: Any) -> int:
-    """``parallel.tp`` (1 where the config predates it)."""
-    return int(getattr(parallel, "tp", 1) or 1)
+    """``parallel.tp`` (1 where the config predates it or sets null; 0 stays 0, for the checks to refuse)."""
+    tp = getattr(parallel, "tp", None)
+    return 1 if tp is None else int(tp)
 
 
 SHARD_MODES = ("none", "optimizer", "full")
@@ -449,6 +470,7 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
     Raises:
         ConfigError: naming the key and what to change.
     """
+    check_values(cfg)
     dp, pp = resolve_layout(cfg.parallel, world_size)
     check_targets(cfg)
     shard = OmegaConf.select(cfg, "parallel.shard", default="none")
@@ -457,8 +479,6 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
                           "(none: full replicas, optimizer: ZeRO-1, full: FSDP2)")
     check_sequence_parallel(cfg)
     m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
-    if m < 1:
-        raise ConfigError(f"pipeline.num_microbatches={m} must be at least 1")
     if batch < dp * m:
         raise ConfigError(
             f"data.batch_size={batch} cannot be split into pipeline.num_microbatches={m} micro-batches "
@@ -478,19 +498,23 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
     check_mode(OmegaConf.select(cfg, "pipeline.offload", default="none"))
     check_options(OmegaConf.select(cfg, "train.compile_mode", default="default"),
                   OmegaConf.select(cfg, "train.compile_backend", default="inductor"))
-    if cfg.train.max_steps < 1:
-        raise ConfigError(f"train.max_steps={cfg.train.max_steps} must be at least 1 (the steps to train)")
-    if cfg.train.save_every < 0:
-        raise ConfigError(f"train.save_every={cfg.train.save_every} must be >= 0 (0: never save)")
-    rehearse = OmegaConf.select(cfg, "metrics.rehearse_steps", default=None)
-    if rehearse is not None and rehearse < 0:
-        raise ConfigError(f"metrics.rehearse_steps={rehearse} must be >= 0 (0: no rehearsal; null: automatic)")
-    check_comm(cfg.comm)
     check_paths(cfg)
     backend = OmegaConf.select(cfg, "dist.backend")
     if backend is not None and backend not in BACKENDS:
         raise ConfigError(f"dist.backend={backend!r} is unknown; valid: {', '.join(BACKENDS)} (or null: automatic)")
     return dp, pp
+
+
+def check_values(cfg: Any) -> None:
+    """The checks that need neither the world size nor a process group: every count and deadline
+    (:mod:`pipeflow.run.config_values`) and the ``comm.*`` settings.  ``train.py`` runs them before
+    joining, so a bad ``comm.join_timeout_s`` is named as such, not as a rank that never arrived.
+
+    Raises:
+        ConfigError: naming the key, its value and the values allowed.
+    """
+    check_counts(cfg)
+    check_comm(cfg.comm)
 
 
 BACKENDS = ("nccl", "gloo", "mpi", "ucc")
@@ -508,11 +532,7 @@ def check_comm(comm: Any) -> None:
     if comm.dynamic_shapes and comm.variable_shapes:
         raise ConfigError("comm.dynamic_shapes and comm.variable_shapes are both true; variable_shapes already "
                           "learns every micro-batch's shapes at every step: set comm.dynamic_shapes=false")
-    if not comm.timeout_s > 0:
-        raise ConfigError(f"comm.timeout_s={comm.timeout_s} must be > 0 seconds (default 300)")
-    join = getattr(comm, "join_timeout_s", 120.0)
-    if not join > 0:
-        raise ConfigError(f"comm.join_timeout_s={join} must be > 0 seconds (default 120)")
+    check_deadlines(comm)
     if comm.first_step_timeout_s < comm.timeout_s:
         raise ConfigError(
             f"comm.first_step_timeout_s={comm.first_step_timeout_s} is shorter than "

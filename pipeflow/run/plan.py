@@ -147,7 +147,10 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
     """
     if cfg.parallel.pp is None:
         raise ConfigError("the planner needs the pipeline size: add parallel.pp=<ranks>")
-    dp, pp = resolve_layout(cfg.parallel, cfg.parallel.dp * cfg.parallel.pp)
+    if cfg.parallel.dp == "auto":
+        raise ConfigError("parallel.dp=auto takes the replicas from the world size, which the planner does not have: "
+                          "give the replicas to plan for, e.g. parallel.dp=2")
+    dp, pp = resolve_layout(cfg.parallel, cfg.parallel.dp * cfg.parallel.pp * tensor_degree(cfg.parallel))
     batch = cfg.data.batch_size // dp
     space = search_space(cfg, batch)
     sizes = [batch // m for m in space.microbatches if batch % m == 0]
@@ -392,14 +395,59 @@ def write_csv(result: PlanResult, path: str) -> None:
 
 
 def _schema_keys(schema: type) -> list[str]:
-    """``key: default  # comment`` for every field of a config dataclass: its defaults and the
-    comments beside them in its source, the one place they are written."""
-    comments = dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(schema), re.MULTILINE))
+    """``key: default  # comment`` for every field of a config dataclass: its defaults (made by
+    its default factory where it has one) and the comments in its source, the one place they are
+    written: beside the key, or as ``# ...`` lines above it where the source has them there."""
+    beside, above = _field_comments(inspect.getsource(schema))
     lines = []
     for f in dataclasses.fields(schema):
-        default = "null" if f.default is None else f.default
-        lines.append(f"{f.name}: {default}" + (f"  # {comments[f.name]}" if f.name in comments else ""))
+        lines += [f"# {text}" for text in above.get(f.name, [])]
+        lines.append(f"{f.name}: {default_text(f)}" + (f"  # {beside[f.name]}" if f.name in beside else ""))
     return lines
+
+
+def _field_comments(source: str) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """The comment beside each field of a dataclass's `source`, and the comment lines just above it."""
+    beside: dict[str, str] = {}
+    above: dict[str, list[str]] = {}
+    pending: list[str] = []
+    for line in source.splitlines():
+        comment = re.match(r"^\s+#\s?(.*)$", line)
+        key = re.match(r"^\s+(\w+):[^#]*(?:#\s*(.*))?$", line)
+        if comment:
+            pending.append(comment.group(1))
+        elif key:
+            if key.group(2):
+                beside[key.group(1)] = key.group(2)
+            if pending:
+                above[key.group(1)] = pending
+            pending = []
+        else:
+            pending = []
+    return beside, above
+
+
+def default_text(f: dataclasses.Field) -> str:
+    """A dataclass field's default as a YAML override writes it (``[none]``, ``null``, ``true``;
+    ``???`` for a field without one)."""
+    if f.default is not dataclasses.MISSING:
+        return _yaml_text(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        return _yaml_text(f.default_factory())
+    return "???"
+
+
+def _yaml_text(value: Any) -> str:
+    """`value` in YAML's flow style, as a ``key=value`` override takes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_yaml_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def help_text() -> str:

@@ -11,6 +11,7 @@ rank's slice of the sequence (dimension 1), which is also what crosses a stage b
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -171,6 +172,20 @@ def parallelize_stages(spec: ModelSpec, stages: dict, ranges: list[range], tp_me
             if isinstance(p, DTensor) and p.requires_grad:
                 p.register_post_accumulate_grad_hook(_align_grad)
     return split
+
+
+def tensor_parallel_ranks(stages: Iterable[Any]) -> list[int] | None:
+    """The global ranks of the tp group that `stages`' parameters are split over (None: no
+    parameter is split over a mesh dimension named ``tp``)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for stage in stages:
+        for param in stage.parameters():
+            mesh = param.device_mesh if isinstance(param, DTensor) else None
+            if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+                return list(dist.get_process_group_ranks(mesh.get_group("tp")))
+    return None
 
 
 def _align_grad(param: torch.Tensor) -> None:
