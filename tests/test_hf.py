@@ -380,24 +380,130 @@ def test_named_errors(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         build_hf(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ConfigError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+    with pytest.raises(ConfigError, match=r"^model=hf does not support GPT2LMHeadModel \(model_type 'gpt2', .*config.json\); "
+                                          r"supported: LlamaForCausalLM \(model_type 'llama'\), MistralForCausalLM"):
         build_hf(str(tmp_path))
-    folder = tmp_path / "llama"
-    write_model(str(folder), "llama")
+
+
+def _damaged_tensors(folder, change) -> None:
+    """Rewrite `folder`'s model.safetensors after `change(tensors)`."""
     from safetensors.torch import load_file, save_file
 
-    file = str(folder / "model.safetensors")
-    tensors = load_file(file)
-    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
-    del tensors["model.norm.weight"]
-    save_file(tensors, file, metadata={"format": "pt"})
-    spec = build_hf(str(folder))
-    with pytest.raises(ConfigError, match=r"model.layers.1.mlp.up_proj.weight.*model.safetensors.*\[3, 3\]"):
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_a_missing_or_misshaped_tensor_is_named_by_build_hf_on_every_rank(tmp_path):
+    """Issue 38: a tensor missing from the safetensors files, or of another shape, was named only
+    by the rank that built its layer; build_hf (which every rank runs before any collective) now
+    checks the files' headers against every tensor of the model."""
+    write_model(str(tmp_path / "a"), "llama")
+    write_model(str(tmp_path / "b"), "llama")
+    _damaged_tensors(tmp_path / "a", lambda t: t.pop("model.norm.weight"))
+    _damaged_tensors(tmp_path / "b", lambda t: t.update({"model.layers.1.mlp.up_proj.weight": torch.zeros(3, 3)}))
+    with pytest.raises(ConfigError, match=r"^1 tensor\(s\) of the model .*/a/config.json describes are in none of the "
+                                          r"safetensors files in .*\['model.safetensors'\]\): 'model.norm.weight'; .*"
+                                          r"re-download or re-export the model folder$"):
+        build_hf(str(tmp_path / "a"))
+    with pytest.raises(ConfigError, match=r"^tensor 'model.layers.1.mlp.up_proj.weight' in .*/b/model.safetensors has "
+                                          r"shape \[3, 3\], the model's is \[64, 32\]: the weights do not match"):
+        build_hf(str(tmp_path / "b"))
+
+
+def _truncate(folder, keep) -> None:
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:keep(len(data))])
+
+
+DAMAGES = {  # damage -> the one line build_hf raises
+    "no-folder": r"^model.path='.*/nowhere' does not exist; give a local Hugging Face model folder",
+    "a-file": (r"^model.path='.*/config.json' is a file, not a folder; give the folder that holds config.json .*"
+               r"\(model.path='.*/m'\?\)$"),
+    "not-json": (r"^.*/m/config.json is not JSON \(JSONDecodeError: .*\); model=hf reads the model's config from it: "
+                 r"re-download or re-export the model folder$"),
+    "json-list": (r"^.*/m/config.json holds a JSON list, not an object of config keys .*re-download or re-export"),
+    "contradiction": (r"^.*/m/config.json contradicts itself: model_type 'gpt2' but architectures \['LlamaForCausalLM'\] "
+                      r"\(LlamaForCausalLM is model_type 'llama'\); correct whichever is wrong"),
+    "truncated": (r"^.*/m/model.safetensors is not a readable safetensors file: its header describes \d+ bytes but the "
+                  r"file holds \d+: truncated .*; re-download or re-export it \(safetensors: .*incomplete metadata"),
+    "100-bytes": (r"^.*/m/model.safetensors is not a readable safetensors file: its header length \(\d+ bytes\) runs "
+                  r"past the end of the file \(100 bytes\): truncated.*; re-download or re-export it"),
+    "index-names-a-missing-file": (r"^.*/m/model.safetensors.index.json names .*/m/model-00002-of-00002.safetensors, "
+                                   r"which is missing \(an incomplete download\?\)"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_model_folder_is_one_named_line_from_build_hf(tmp_path, damage):
+    """Issue 38: each used to be a raw error (SafetensorError without the file, JSONDecodeError or
+    AttributeError inside Hydra's traceback, a "does not support LlamaForCausalLM ... supported:
+    LlamaForCausalLM" contradiction); now build_hf, on every rank before anything is built, names
+    the file or the key, what is wrong and the fix."""
+    from pipeflow.errors import PipeflowError
+
+    folder = tmp_path / "m"
+    write_model(str(folder), "llama")
+    path = str(folder)
+    config = folder / "config.json"
+    if damage == "no-folder":
+        path = str(tmp_path / "nowhere")
+    elif damage == "a-file":
+        path = str(config)
+    elif damage == "not-json":
+        config.write_text('{"model_type": "llama",')
+    elif damage == "json-list":
+        config.write_text("[1, 2]")
+    elif damage == "contradiction":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "gpt2"}))
+    elif damage == "truncated":
+        _truncate(folder, lambda n: n // 2)
+    elif damage == "100-bytes":
+        _truncate(folder, lambda n: 100)
+    else:
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(PipeflowError, match=DAMAGES[damage]) as caught:
+        build_hf(path)
+    assert "\n" not in str(caught.value)
+
+
+def test_nan_in_a_loaded_weight_names_the_tensor_and_file_not_the_learning_rate(tmp_path):
+    """Issue 38: NaN in the safetensors weights surfaced as a NonFiniteError at step 0 blaming
+    optim.lr; the layer that loads the tensor now names it and its file."""
+    from pipeflow.errors import CheckpointError
+
+    write_model(str(tmp_path), "llama")
+
+    def poison(tensors):
+        tensors["model.layers.1.mlp.up_proj.weight"][0, :3] = torch.tensor([float("nan"), float("inf"), float("nan")])
+
+    _damaged_tensors(tmp_path, poison)
+    spec = build_hf(str(tmp_path))
+    spec.build_layers([0, 1])  # the layers whose tensors are finite build
+    with pytest.raises(CheckpointError, match=r"^layer 'layer.1': tensor 'model.layers.1.mlp.up_proj.weight' in "
+                                              r".*model.safetensors holds 2 NaN and 1 Inf of its 2048 values: .*"
+                                              r"re-download or re-export it \(nothing has trained yet: not a learning-rate"):
         spec.build_layers([2])
-    missing = r"'model.norm.weight' is in none of the safetensors files.*model.safetensors"
-    with pytest.raises(ConfigError, match=missing):
-        spec.build_layers([len(spec) - 1])
-    spec.build_layers([0, 1])  # the layers whose tensors are there still build
+
+
+def test_init_from_loads_a_state_dict_under_the_hugging_face_names(tmp_path):
+    """model=hf model.init_from=<torch.save of the model's state dict>: instead of the folder's
+    safetensors (here a folder with config.json alone); a NaN there is named alike."""
+    from pipeflow.errors import CheckpointError
+
+    ref = write_model(str(tmp_path / "m"), "llama_tied", weights=False)
+    torch.save(ref.state_dict(), tmp_path / "sd.pt")
+    spec = build_hf(str(tmp_path / "m"), init_from=str(tmp_path / "sd.pt"))
+    layers = spec.build_all()
+    tie_in_place(spec, dict(enumerate(layers)))
+    assert all(torch.equal(p, ref.get_parameter(k)) for layer in layers for k, p in layer.named_parameters())
+    state = ref.state_dict()
+    state["model.norm.weight"][0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    with pytest.raises(CheckpointError, match=r"^layer 'head': 'model.norm.weight' in model.init_from='.*nan.pt' holds 1 NaN"):
+        build_hf(str(tmp_path / "m"), init_from=str(tmp_path / "nan.pt")).build_layers([len(spec) - 1])
 
 
 def test_tp_plan_follows_the_configs_base_model_tp_plan(tmp_path):

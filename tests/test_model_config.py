@@ -117,3 +117,64 @@ def test_a_custom_model_config_without_target_is_one_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^model has no _target_: .* set model._target_=<import path of a function "
                                           r"returning a pipeflow ModelSpec>"):
         config.check_config(cfg, world_size=4)
+
+
+@pytest.mark.parametrize("name", ["mlp", "gpt", "sleep"])
+def test_model_init_from_loads_every_built_in_model_from_its_export(tmp_path: Path, name: str) -> None:
+    """Issue 38: ``model.init_from`` was refused for model=gpt|mlp|sleep with Hydra's
+    ``+model.init_from`` hint, which then failed inside the builder. Every model takes it now; the
+    built-in ones read ``<layer index>.<key>``, what ``python -m pipeflow.checkpoint export``
+    writes for them, each layer its own keys."""
+    import torch
+    from pipeflow.run.builder import build_spec
+
+    extra = ["data=gaussian"] if name == "mlp" else ["model.tie_embeddings=true"] if name == "gpt" else []
+    spec = build_spec(_compose(f"model={name}", *extra).model)
+    state = {key: value + 1 for key, value in torch.nn.ModuleList(spec.build_all()).state_dict().items()}
+    torch.save(state, tmp_path / "export.pt")
+    cfg = _compose(f"model={name}", *extra, f"model.init_from={tmp_path / 'export.pt'}")
+    loaded = torch.nn.ModuleList(build_spec(cfg.model).build_all()).state_dict()
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+    last = max(int(key.split(".")[0]) for key in state)
+    torch.save({k: v for k, v in state.items() if not k.startswith(f"{last}.")}, tmp_path / "part.pt")
+    cfg.model.init_from = str(tmp_path / "part.pt")
+    with pytest.raises(ConfigError, match=rf"^layer '[\w.]+': model.init_from='.*part.pt' has no '{last}\.[\w.]+'; it must "
+                                          r"hold the keys <layer index>.<key> .* as python -m pipeflow.checkpoint export"):
+        build_spec(cfg.model).build_layers([last])
+
+
+def test_a_builders_own_error_is_its_one_line_not_hydras_wrapper(tmp_path: Path) -> None:
+    """Issue 38: every model=hf ConfigError arrived inside Hydra's InstantiationException (the
+    builder's line buried in a traceback); build_spec raises the builder's own error, Hydra's
+    wrapper kept as its context."""
+    from hydra.errors import InstantiationException
+    from pipeflow.run.builder import build_spec
+
+    with pytest.raises(ConfigError, match=r"^model=hf needs model.path=") as caught:
+        build_spec(_compose("model=hf").model)
+    assert isinstance(caught.value.__context__, InstantiationException)
+    with pytest.raises(ConfigError, match=rf"^model.path='{tmp_path}/none' does not exist"):
+        build_spec(_compose("model=hf", f"model.path={tmp_path}/none").model)
+
+
+def test_a_key_the_builder_does_not_take_is_one_config_error() -> None:
+    """``+model.foo=1`` (Hydra's own hint for an unknown key) used to reach the builder as a
+    TypeError inside Hydra's traceback: it is one line naming the key and the builder's arguments."""
+    from pipeflow.run.builder import build_spec
+
+    cfg = _compose("model=mlp", "data=gaussian", "+model.width=3")
+    with pytest.raises(ConfigError, match=r"^model.width is not an argument of pipeflow.models.mlp.build_mlp, which takes: "
+                                          r"in_features, hidden, num_layers, num_classes, seed, init_from; remove model.width"):
+        build_spec(cfg.model)
+
+
+def test_a_users_builder_on_a_built_in_schema_is_not_passed_its_null_keys() -> None:
+    """examples/configs/model/residual_mlp.yaml builds with its own builder on ``base_mlp``, which
+    gained ``init_from`` (null): a null key the builder does not take is not passed to it; set,
+    it is one line naming the builder's arguments."""
+    from pipeflow.run.builder import build_spec
+
+    overrides = (f"hydra.searchpath=[file://{ROOT / 'examples' / 'configs'}]", "model=residual_mlp", "data=gaussian")
+    assert build_spec(_compose(*overrides).model).name
+    with pytest.raises(ConfigError, match=r"^model.init_from is not an argument of examples.custom_model.build_residual_mlp"):
+        build_spec(_compose(*overrides, "model.init_from=x.pt").model)

@@ -296,3 +296,9 @@ def test_a_second_job_is_refused_before_it_writes_anything(tmp_path: Path) -> No
         proc.stdout + proc.stderr[-2000:]
     assert (run / "config.yaml").read_text() == "the first job's config\n"
     assert (run / "checkpoints" / "step_00000002.theirs.tmp").is_dir()
+
+
+def test_a_key_added_since_with_a_null_default_is_no_difference() -> None:
+    assert discover.differences({"model.n_layer": 2}, {"model.n_layer": 2, "model.init_from": None}) == []
+    assert discover.differences({"model.init_from": "/w.pt"}, {}) == [("model.init_from", "/w.pt", "(absent)")]
+    assert discover.differences({"data.splits": [1, 2]}, {"data.splits": [1, 3]})[0][0] == "data.splits"

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeflow.errors import ConfigError
+from pipeflow.models.materialise import layers_from
 from pipeflow.models.spec import LayerSpec, ModelSpec
 
 INIT_STD = 0.02  # GPT-2 init: weights ~ N(0, 0.02), biases 0
@@ -282,6 +283,7 @@ def build_gpt(
     bias: bool = True,
     seed: int = 0,
     tie_embeddings: bool = False,
+    init_from: str | None = None,
 ) -> ModelSpec:
     """Describe a GPT decoder as n_layer + 2 lazy layers: embedding, block.0.., head.
 
@@ -296,6 +298,9 @@ def build_gpt(
         seed: the model seed every layer's init derives from.
         tie_embeddings: share the token embedding with the output head (GPT-2 style); the two
             copies live on different stages and their gradients are summed every step.
+        init_from: a file (or torch.distributed.checkpoint directory) holding the layers' weights under
+            ``<layer index>.<key>`` (what ``python -m pipeflow.checkpoint export`` writes for it), loaded
+            instead of the seeded init, each rank reading only its own layers.
 
     Returns:
         A ModelSpec whose loss is the mean token cross entropy.
@@ -309,7 +314,7 @@ def build_gpt(
     layers += [LayerSpec(f"block.{k}", Block, (cfg,)) for k in range(n_layer)]
     layers.append(LayerSpec("head", Head, (cfg,)))
     tied = {"wte": [("embedding", "wte.weight"), ("head", "lm_head.weight")]} if tie_embeddings else {}
-    return ModelSpec(name="gpt", layers=layers, loss_fn=gpt_loss, seed=seed, tied=tied,
+    return ModelSpec(name="gpt", layers=layers_from(layers, init_from), loss_fn=gpt_loss, seed=seed, tied=tied,
                      tp_plan=functools.partial(gpt_tp_plan, cfg))
 
 

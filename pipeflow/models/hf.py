@@ -24,9 +24,11 @@ boundary, while recomputing costs O(B*T*head_dim + B*T*T) elementwise work per s
 one layer's attention, O(B*H*T*T*head_dim).
 
 Weights: each layer reads only its own tensors from the safetensors files in ``path``
-(``safe_open``; a missing tensor or a wrong shape is a `ConfigError` naming the tensor and file);
-without safetensors files, layer i is initialised by the model's own ``_init_weights`` under the
-layer's seed. ``transformers`` and ``safetensors`` are imported only here, when the builder runs.
+(``safe_open``), or from ``init_from`` (a state dict under the Hugging Face names); without
+either, layer i is initialised by the model's own ``_init_weights`` under the layer's seed.
+The folder is checked first, on every rank (:mod:`pipeflow.models.hf_folder`: config.json, the
+files' headers against every tensor of the model); each loaded tensor is checked to be finite.
+``transformers`` and ``safetensors`` are imported only when the builder runs.
 
 Tensor parallelism (``parallel.tp``): :func:`hf_tp_plan` splits the layers by the config's own
 ``base_model_tp_plan`` (attention heads and the MLP column then row), the embedding's and the
@@ -37,12 +39,8 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import glob
 import inspect
-import json
-import os
-import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -50,18 +48,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import document_positions
-from pipeflow.models.materialise import skeleton, zero_parameters
+from pipeflow.models.hf_folder import SUPPORTED, SafetensorsWeights, load_config
+from pipeflow.models.materialise import StateDictFile, skeleton, zero_parameters
 from pipeflow.models.module_spec import cross_entropy
 from pipeflow.models.pieces import Piece, cut
 from pipeflow.models.spec import LayerSpec, ModelSpec
 
-# model_type -> (the modeling module under transformers.models, the *ForCausalLM class name)
-SUPPORTED = {
-    "llama": ("llama.modeling_llama", "LlamaForCausalLM"),
-    "mistral": ("mistral.modeling_mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
-}
-TESTED_TRANSFORMERS = ("5.25",)  # major.minor versions the exactness tests ran on
 _DECODER_KWARGS = ("attention_mask", "position_ids", "position_embeddings")
 _TIE = "model.embed_tokens.weight"
 # Hugging Face's tensor-parallel style names (base_model_tp_plan values) -> pipeflow's (TP_STYLES)
@@ -141,69 +133,12 @@ def _sliding(model_type: str, config: Any, index: int) -> bool:
     return bool(layer_types) and layer_types[index] == "sliding_attention"
 
 
-class SafetensorsWeights:
-    """The safetensors files of a folder, read one tensor at a time (each rank only its own).
-
-    Args:
-        folder: holds ``*.safetensors`` (and optionally ``model.safetensors.index.json``).
-    """
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self.files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
-        self._where: dict[str, str] | None = None
-
-    def where(self) -> dict[str, str]:
-        """Tensor name -> the file that holds it (from the index, else each file's header)."""
-        if self._where is None:
-            from safetensors import safe_open
-
-            index = os.path.join(self.folder, "model.safetensors.index.json")
-            if os.path.exists(index):
-                with open(index) as f:
-                    mapping = json.load(f)["weight_map"]
-                self._where = {k: os.path.join(self.folder, v) for k, v in mapping.items()}
-            else:
-                self._where = {}
-                for file in self.files:
-                    with safe_open(file, framework="pt") as f:
-                        self._where.update({key: file for key in f.keys()})
-        return self._where
-
-    def load_into(self, piece: nn.Module, layer: str, aliases: dict[str, str]) -> None:
-        """Copy the piece's tensors (its keys are the model's names) from the files.
-
-        Raises:
-            ConfigError: a tensor is in no file, or its shape differs from the model's.
-        """
-        from safetensors import safe_open
-
-        where = self.where()
-        by_file: dict[str, list[tuple[str, Tensor]]] = {}  # each file opened once for the piece's tensors
-        for key, target in piece.state_dict(keep_vars=True).items():
-            name = key if key in where else aliases.get(key, key)
-            if name not in where:
-                raise ConfigError(f"layer {layer!r}: tensor {key!r} is in none of the safetensors files in "
-                                  f"{self.folder!r} ({[os.path.basename(f) for f in self.files]})")
-            by_file.setdefault(where[name], []).append((name, target))
-        for file, tensors in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for name, target in tensors:
-                    shape = list(f.get_slice(name).get_shape())
-                    if shape != list(target.shape):
-                        raise ConfigError(f"layer {layer!r}: tensor {name!r} in {file!r} has shape {shape}, "
-                                          f"the model's is {list(target.shape)}")
-                    with torch.no_grad():
-                        target.copy_(f.get_tensor(name))
-
-
 class _Layers:
     """Builds layer k: cut it from the meta skeleton, give it real tensors (loaded or initialised)."""
 
-    def __init__(self, root: nn.Module, plans: list[tuple[str, list[str], Any]], weights: SafetensorsWeights | None,
-                 tied: bool) -> None:
-        self.root, self.plans, self.weights = root, plans, weights
-        self.aliases = {"lm_head.weight": _TIE} if tied else {}
+    def __init__(self, root: nn.Module, plans: list[tuple[str, list[str], Any]],
+                 load: Callable[[nn.Module, str], None] | None) -> None:
+        self.root, self.plans, self.load = root, plans, load  # load(piece, layer name): its tensors from disk
 
     def build(self, k: int) -> nn.Module:
         name, paths, adapter = self.plans[k]
@@ -211,8 +146,8 @@ class _Layers:
         if torch.get_default_device().type == "meta":  # counting parameters: keep it on meta
             return piece
         zero_parameters(piece, torch.device("cpu"))
-        if self.weights is not None:
-            self.weights.load_into(piece, name, self.aliases)
+        if self.load is not None:
+            self.load(piece, name)
         else:
             with torch.no_grad():
                 for sub in piece.modules():
@@ -223,40 +158,36 @@ class _Layers:
         return piece
 
 
-def load_config(path: str) -> Any:
-    """The Hugging Face config in `path` (a folder with config.json), checked to be supported.
+def _weights(root: nn.Module, path: str, tied: bool, init_from: str | None) -> Callable[[nn.Module, str], None] | None:
+    """How a layer's tensors are loaded: from `init_from` (a state dict under the Hugging Face
+    names), else from the folder's safetensors files, whose headers are checked against every
+    tensor of the model here (so on every rank, before any collective); None: nothing to load.
 
     Raises:
-        ConfigError: no config.json there, or an architecture pipeflow does not support.
+        CheckpointError: a safetensors file or index that cannot be read.
+        ConfigError: a tensor of the model in no file, or with another shape there.
     """
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"model.path={path!r} has no config.json; give a local Hugging Face model folder")
-    import transformers
-    from transformers import AutoConfig
-
-    version = ".".join(transformers.__version__.split(".")[:2])
-    if version not in TESTED_TRANSFORMERS:
-        warnings.warn(f"transformers {transformers.__version__} is untested with pipeflow's model=hf "
-                      f"(tested: {', '.join(TESTED_TRANSFORMERS)}); check the results", stacklevel=3)
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
-    model_type = raw.get("model_type")
-    architectures = raw.get("architectures") or []
-    wanted = SUPPORTED.get(model_type, (None, None))[1]
-    if model_type not in SUPPORTED or any(a != wanted for a in architectures):
-        named = ", ".join(architectures) or f"model_type {model_type!r}"
-        raise ConfigError(f"model=hf does not support {named} ({path}); supported: "
-                          f"{', '.join(cls for _, cls in SUPPORTED.values())}")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    if init_from:
+        return StateDictFile(init_from, "the model's state dict under its Hugging Face names").load_into
+    weights = SafetensorsWeights(path)
+    if not weights.files:
+        return None
+    aliases = {"lm_head.weight": _TIE} if tied else {}
+    if torch.get_default_device().type != "meta":  # on meta (export, counting) nothing is loaded
+        weights.check({key: list(t.shape) for key, t in root.state_dict(keep_vars=True).items()}, aliases)
+    return functools.partial(weights.load_into, aliases=aliases)
 
 
-def build_hf(path: str | None = None, seed: int = 0) -> ModelSpec:
+def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = None) -> ModelSpec:
     """A Hugging Face ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2) as pipeline layers.
 
     Args:
         path: a local folder with the model's config.json, and its ``*.safetensors`` to load
             (without them the weights are initialised from the config, seeded).
         seed: layer i is initialised under a RNG seeded from (seed, i) when nothing is loaded.
+        init_from: a state dict file (``torch.save``) or torch.distributed.checkpoint directory
+            under the Hugging Face names (``python -m pipeflow.checkpoint export`` writes one),
+            loaded instead of the folder's safetensors files.
 
     Returns:
         A ModelSpec of ``num_hidden_layers + 2`` layers (embedding, decoder layers, head) whose
@@ -265,12 +196,13 @@ def build_hf(path: str | None = None, seed: int = 0) -> ModelSpec:
         Hugging Face name and ``save_config(dir)`` writes config.json.
 
     Raises:
-        ConfigError: no path, no config.json, an unsupported architecture, a decoder layer whose
-            forward does not take the keywords pipeflow passes, or (when a layer is built) a
-            tensor missing from the safetensors files or of the wrong shape.
+        ConfigError: no path, a path that is no folder with config.json, a config.json that is not
+            a JSON object or contradicts itself, an unsupported architecture, a decoder layer whose
+            forward does not take the keywords pipeflow passes, or a tensor of the model missing
+            from the safetensors files or of another shape there.
+        CheckpointError: a damaged safetensors file (or index); (when a layer is built) NaN or
+            Inf in a loaded tensor.
     """
-    if not path:
-        raise ConfigError("model=hf needs model.path=<a local folder with config.json [and *.safetensors]>")
     config = load_config(path)
     import importlib
 
@@ -290,8 +222,7 @@ def build_hf(path: str | None = None, seed: int = 0) -> ModelSpec:
               for i in range(n)]
     plans.append(("head", ["model.norm", "lm_head"], _head))
     tied = bool(getattr(config, "tie_word_embeddings", False))
-    weights = SafetensorsWeights(path)
-    layers = _Layers(root, plans, weights if weights.files else None, tied)
+    layers = _Layers(root, plans, _weights(root, path, tied, init_from))
     specs = [LayerSpec(name, layers.build, (k,)) for k, (name, _, _) in enumerate(plans)]
     ties = {_TIE: [("embedding", _TIE), ("head", "lm_head.weight")]} if tied else {}
     return ModelSpec(f"hf-{config.model_type}", specs, loss_fn=cross_entropy, seed=seed, tied=ties,

@@ -17,13 +17,14 @@ or `StateDictFile` copies the piece's own tensors from a state dict file of the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from pipeflow.errors import ConfigError, UnsafeCheckpointError
+from pipeflow.errors import CheckpointError, ConfigError, UnsafeCheckpointError
 
 InitHook = Callable[[str, nn.Module], None]  # (qualified name in the whole model, module)
 
@@ -154,6 +155,26 @@ def materialise(piece: nn.Module, init: InitHook | None = None, device: torch.de
     return piece
 
 
+def check_finite(tensor: Tensor, what: str, fix: str = "re-download or re-export it") -> None:
+    """Refuse a loaded floating tensor that holds NaN or Inf (one pass over it, at load time).
+
+    Args:
+        tensor: the tensor just loaded.
+        what: where it came from, e.g. ``"layer 'head': tensor 'lm_head.weight' in <file>"``.
+        fix: what to do about the file.
+
+    Raises:
+        CheckpointError: naming `what`, the counts, and that training is not the cause.
+    """
+    if not tensor.is_floating_point() or bool(torch.isfinite(tensor).all()):
+        return
+    nan = int(torch.isnan(tensor).sum())
+    inf = int(torch.isinf(tensor).sum())
+    raise CheckpointError(f"{what} holds {nan} NaN and {inf} Inf of its {tensor.numel()} values: the weights "
+                          f"file is damaged or was saved from a diverged run; {fix} (nothing has trained yet: "
+                          f"not a learning-rate problem)")
+
+
 class StateDictFile:
     """The unsplit model's weights on disk, read a layer at a time: each rank reads only its own.
 
@@ -164,10 +185,11 @@ class StateDictFile:
 
     Args:
         path: the file or the DCP directory.
+        holds: what its keys must be, for the message naming a key it lacks.
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, path: str, holds: str = "the state dict of the unsplit model") -> None:
+        self.path, self.holds = path, holds
         self._tensors: Mapping[str, Tensor] | None = None
         self._shapes: dict[str, list[int]] | None = None  # a DCP checkpoint's keys and shapes
 
@@ -224,7 +246,7 @@ class StateDictFile:
                 shapes.get(key) if shapes is not None else None)
             if shape is None:
                 raise ConfigError(f"layer {layer!r}: model.init_from={self.path!r} has no {key!r}; "
-                                  f"it must hold the state dict of the unsplit model")
+                                  f"it must hold {self.holds}")
             if shape != list(target.shape):
                 raise ConfigError(f"layer {layer!r}: {key!r} in model.init_from={self.path!r} has shape "
                                   f"{shape}, the model's is {list(target.shape)}")
@@ -238,3 +260,35 @@ class StateDictFile:
                 from pipeflow.models.dcp_metadata import SafeReader
 
                 load({key: t.data for key, t in targets.items()}, storage_reader=SafeReader(self.path), no_dist=True)
+        for key, target in targets.items():
+            check_finite(target, f"layer {layer!r}: {key!r} in model.init_from={self.path!r}",
+                         "give another model.init_from or re-export it")
+
+
+class LayerFile:
+    """A layer builder that loads what it built from `file` under ``<layer index>.<key>``: the keys
+    of ``nn.ModuleList(spec.build_all()).state_dict()``, which ``python -m pipeflow.checkpoint
+    export`` writes for a model without original names (the built-in GPT, MLP, sleep model).
+    On the meta device (parameter counting, export) nothing is read."""
+
+    def __init__(self, file: StateDictFile, index: int, name: str, builder: Callable[..., nn.Module]) -> None:
+        self.file, self.index, self.name, self.builder = file, index, name, builder
+
+    def __call__(self, *args: Any, **kwargs: Any) -> nn.Module:
+        """Build the layer, then copy its tensors from the file (a missing or mis-shaped key, or
+        NaN/Inf in one, is an error naming the layer, the key and the file)."""
+        layer = self.builder(*args, **kwargs)
+        if isinstance(layer, nn.Module) and torch.get_default_device().type != "meta":
+            self.file.load_into(nn.ModuleDict({str(self.index): layer}), self.name)
+        return layer
+
+
+def layers_from(layers: list[Any], init_from: str | None) -> list[Any]:
+    """`layers` (LayerSpecs) whose builders load ``model.init_from`` (see :class:`LayerFile`);
+    unchanged without it."""
+    if not init_from:
+        return layers
+    file = StateDictFile(init_from, "the keys <layer index>.<key> of nn.ModuleList(spec.build_all()).state_dict(), "
+                                    "as python -m pipeflow.checkpoint export writes for this model")
+    return [dataclasses.replace(spec, builder=LayerFile(file, i, spec.name, spec.builder))
+            for i, spec in enumerate(layers)]

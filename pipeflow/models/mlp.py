@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeflow.errors import ConfigError
+from pipeflow.models.materialise import layers_from
 from pipeflow.models.spec import LayerSpec, ModelSpec
 
 
@@ -24,6 +25,7 @@ def build_mlp(
     num_layers: int = 4,
     num_classes: int = 10,
     seed: int = 0,
+    init_from: str | None = None,
 ) -> ModelSpec:
     """Describe an MLP classifier as num_layers + 2 lazy layers.
 
@@ -33,6 +35,9 @@ def build_mlp(
         num_layers: number of hidden blocks (Linear + GELU) between ``input`` and ``head``.
         num_classes: number of classes (logit width).
         seed: the model seed every layer's init derives from.
+        init_from: a file (or torch.distributed.checkpoint directory) holding the layers' weights under
+            ``<layer index>.<key>`` (what ``python -m pipeflow.checkpoint export`` writes for it), loaded
+            instead of the seeded init, each rank reading only its own layers.
 
     Returns:
         A ModelSpec: ``input`` (Linear in->hidden + GELU), ``hidden.k`` (Linear + GELU),
@@ -50,4 +55,4 @@ def build_mlp(
     layers = [LayerSpec("input", _linear_gelu, (in_features, hidden))]
     layers += [LayerSpec(f"hidden.{k}", _linear_gelu, (hidden, hidden)) for k in range(num_layers)]
     layers.append(LayerSpec("head", nn.Linear, (hidden, num_classes)))
-    return ModelSpec(name="mlp", layers=layers, loss_fn=classification_loss, seed=seed)
+    return ModelSpec(name="mlp", layers=layers_from(layers, init_from), loss_fn=classification_loss, seed=seed)

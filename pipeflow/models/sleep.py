@@ -12,6 +12,7 @@ import time
 import torch
 from torch import nn
 
+from pipeflow.models.materialise import layers_from
 from pipeflow.models.spec import LayerSpec, ModelSpec
 
 
@@ -79,14 +80,15 @@ def build_sleep(
     backward_ms: float = 10.0,
     weight_ms: float = 10.0,
     seed: int = 0,
+    init_from: str | None = None,
 ) -> ModelSpec:
     """A model of `num_layers` sleep layers on (B, width) float inputs; loss = mean square.
 
     With one layer per stage, stage costs are exactly F = forward_ms, B = backward_ms,
-    W = weight_ms (a full backward costs B + W).
+    W = weight_ms (a full backward costs B + W). `init_from`: as for ``build_mlp``.
     """
     layers = [LayerSpec(f"sleep.{k}", SleepLayer, (forward_ms, backward_ms, weight_ms)) for k in range(num_layers)]
-    return ModelSpec("sleep", layers, loss_fn=sleep_loss, seed=seed)
+    return ModelSpec("sleep", layers_from(layers, init_from), loss_fn=sleep_loss, seed=seed)
 
 
 def sleep_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

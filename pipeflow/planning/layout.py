@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.errors import PartitionError
+from pipeflow.errors import PartitionError, PipeflowError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.partition import BALANCE_METHODS, format_partition, plan_partition
 from pipeflow.planning.tensor_cost import split_profiles
@@ -289,9 +289,12 @@ def choose_layout(
     if needs_profile or pipeline_cfg.profile:
         # the B and W halves too where the schedule splits backwards, as the planner profiles them
         splits = bool(schedule.split_backwards())
-        box = [profile_layers(spec, sample_input, device, dtype, split_backward=splits, sample_target=sample_target,
-                              autocast_dtype=autocast_dtype, compiled=compiled) if dist.get_rank() == 0 else None]
+        profile = functools.partial(profile_layers, spec, sample_input, device, dtype, split_backward=splits,
+                                    sample_target=sample_target, autocast_dtype=autocast_dtype, compiled=compiled)
+        box = [_profiled_or_error(profile) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], PipeflowError):  # every rank names what rank 0 found (a damaged weights file)
+            raise box[0]
         profiles = box[0]
         if tp > 1:
             profiles = split_profiles(profiles, tp, sequence_parallel=sequence_parallel)
@@ -300,6 +303,16 @@ def choose_layout(
     setting = MemorySetting(dp, shard, lowering, float(_input_bytes(sample_input)),
                             float(_input_bytes(sample_target)), evaluates)
     return Layout(ranges, profiles, inflight, predict(schedule, ranges, profiles, setting), memory_setting=setting)
+
+
+def _profiled_or_error(profile: Any) -> list[LayerProfile] | PipeflowError:
+    """`profile()`'s layer profiles, or the pipeflow error it raised (building a layer: a tensor
+    missing from ``model.init_from``, NaN in a loaded weight), for rank 0 to broadcast in their
+    place, so that every rank raises it rather than rank 0 alone."""
+    try:
+        return profile()
+    except PipeflowError as exc:
+        return exc
 
 
 def _input_bytes(sample: Any) -> int:

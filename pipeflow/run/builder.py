@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import platform
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
+from hydra.errors import InstantiationException
+from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.data import (TOKEN_DATA, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
                            split_microbatches, varies)
-from pipeflow.errors import ConfigError
+from pipeflow.errors import ConfigError, PipeflowError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
@@ -55,6 +58,7 @@ from pipeflow.schedules.auto import AUTO, write_schedule
 from pipeflow.schedules.offload import HostLink
 
 log = logging.getLogger("pipeflow")
+T = TypeVar("T")
 
 
 def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
@@ -112,8 +116,9 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         if cfg.pipeline.stage_to_rank is not None:
             schedule = relabel_ranks(schedule, cfg.pipeline.stage_to_rank)
     guard.check_same_program(schedule, layout.ranges)
-    stages = build_stages(spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
-                          compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations))
+    stages = built_on_every_rank(functools.partial(
+        build_stages, spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
+        compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations)))
     if mesh.tp > 1:  # each layer split over the stage's tp ranks, before FSDP2 shards over dp
         parallelize_stages(spec, stages, layout.ranges, mesh.tp_mesh, bool(cfg.parallel.sequence_parallel),
                            OmegaConf.select(cfg, "parallel.shard", default="none"))
@@ -281,13 +286,47 @@ def _watchdog(device: torch.device, rank: int) -> DeadlineWatchdog | None:
     return DeadlineWatchdog(functools.partial(guard.fail, rank=rank), device=device)
 
 
+def built_on_every_rank(build: Callable[[], T]) -> T:
+    """`build()` (this rank's stages), agreed over the world by one small all-gather: a pipeflow
+    error that only the rank building a layer can see (NaN in the weights it loads, a key missing
+    from ``model.init_from``) is raised by every rank, one named line each, rather than by that
+    rank alone while its peers meet a closed connection later.
+
+    Raises:
+        PipeflowError: this rank's own, else the lowest failing rank's.
+    """
+    try:
+        built, error = build(), None
+    except PipeflowError as exc:
+        built, error = None, exc
+    errors = [error]
+    if dist.get_world_size() > 1:
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+    first = error or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return built  # type: ignore[return-value]
+
+
 def build_spec(model_cfg: DictConfig) -> ModelSpec:
     """The model the ``model`` config's builder (``_target_``) returns.
 
+    A pipeflow error the builder raises (a ConfigError naming ``model.path``, a CheckpointError
+    naming a damaged weights file) reaches the caller as itself, one line, not wrapped in Hydra's
+    ``InstantiationException`` (which stays its ``__context__``).
+
     Raises:
-        ConfigError: the builder returned something else than a ModelSpec.
+        ConfigError: a key the builder takes no argument for, the builder's own, or the builder
+            returned something else than a ModelSpec.
     """
-    spec = instantiate(model_cfg)
+    try:
+        spec = instantiate(builder_config(model_cfg))
+    except InstantiationException as exc:
+        named = _named_cause(exc)
+        if named is None:
+            raise
+        raise named  # noqa: B904 - the builder's own error, its cause kept; Hydra's wrapper its context
     if not isinstance(spec, ModelSpec):
         target = OmegaConf.select(model_cfg, "_target_")
         raise ConfigError(
@@ -295,3 +334,41 @@ def build_spec(model_cfg: DictConfig) -> ModelSpec:
             f"builder must return ModelSpec(layers=[LayerSpec(...), ...], loss_fn=...): see docs/models.md"
         )
     return spec
+
+
+def _named_cause(exc: BaseException) -> PipeflowError | None:
+    """The pipeflow error under Hydra's (possibly nested) instantiation wrappers, if any."""
+    seen: set[int] = set()
+    while isinstance(exc, InstantiationException) and exc.__cause__ is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        exc = exc.__cause__
+    return exc if isinstance(exc, PipeflowError) else None
+
+
+def builder_config(model_cfg: DictConfig) -> DictConfig:
+    """The ``model`` config with only keys its builder (``_target_``) takes: a key left at null that
+    the builder has no argument for is dropped (a user's builder on a built-in schema, such as
+    ``base_mlp``, which gained ``init_from``); any other such key is one line naming it and the
+    builder's arguments, not a TypeError inside Hydra's instantiation traceback. A builder that
+    cannot be imported or takes ``**kwargs`` is left to Hydra.
+
+    Raises:
+        ConfigError: naming the key (``+model.foo=1``), the builder and the keys it takes.
+    """
+    target = OmegaConf.select(model_cfg, "_target_")
+    try:
+        params = inspect.signature(get_method(target)).parameters
+    except Exception:  # noqa: BLE001 - no importable target: Hydra's own error says so
+        return model_cfg
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return model_cfg
+    unknown = [key for key in model_cfg if not str(key).startswith("_") and key not in params]
+    given = [key for key in unknown if OmegaConf.select(model_cfg, str(key)) is not None]
+    if given:
+        taken = ", ".join(name for name, p in params.items() if p.kind != p.VAR_POSITIONAL)
+        raise ConfigError(f"model.{given[0]} is not an argument of {target}, which takes: {taken}; remove "
+                          f"model.{given[0]} (a key added with +model.{given[0]}=... reaches the builder as is)")
+    if not unknown:
+        return model_cfg
+    kept = OmegaConf.to_container(model_cfg, resolve=True)
+    return OmegaConf.create({key: value for key, value in kept.items() if key not in unknown})

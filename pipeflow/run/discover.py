@@ -42,10 +42,13 @@ def ignored(key: str) -> bool:
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[tuple[str, Any, Any]]:
-    """(key, saved value, value now) for every key whose value differs (absent: ``"(absent)"``)."""
+    """(key, saved value, value now) for every key whose value differs (absent: ``"(absent)"``).
+    A key absent on one side and null on the other is no difference: a key added since, unset."""
     out = []
     for key in sorted(set(saved) | set(now)):
         old, new = saved.get(key, "(absent)"), now.get(key, "(absent)")
+        if (old is None and new == "(absent)") or (new is None and old == "(absent)"):
+            continue
         if json.dumps(old, default=str) != json.dumps(new, default=str):
             out.append((key, old, new))
     return out
