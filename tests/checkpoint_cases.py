@@ -1,6 +1,7 @@
 """Save failures on 2 gloo ranks, run inside tests/test_faults.py's world (see mp_harness): a full
-disk on one rank, a run-directory lock that vanished or changed hands, a peer lost mid-save, and
-the deadline the save's collectives wait with after the first step.
+disk on one rank, a run-directory lock that vanished or changed hands, a peer lost mid-save, the
+deadline the save's collectives wait with after the first step, and a run directory removed while
+training (both ranks stop at the same step).
 
 Not collected on its own: the ``test_*`` functions below are imported by test_faults.py, whose
 ``world`` fixture has run the cases (:data:`WORLD_CASES`) once for the whole module.
@@ -11,6 +12,7 @@ import contextlib
 import errno
 import functools
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from typing import Any
@@ -193,11 +195,46 @@ def save_deadline_after_the_first_step() -> list[float | None]:
     return seen
 
 
+def training_with_the_run_dir_removed() -> dict[str, Any]:
+    """A 2-stage GPT on both ranks; after step 1 rank 0 removes the run directory: its lock watch
+    sees it (every 0.02 s here), the flag rides the next step's all-reduce, and both ranks raise
+    RunDirLostError at the same step (rank 1 holds no lock: it finds the loss itself)."""
+    import time
+
+    import scale_cases
+    from pipeflow.run import lock
+    from pipeflow.run.builder import build_run
+    from pipeflow.runtime import timeouts
+
+    watch_s, lock.WATCH_S = lock.WATCH_S, 0.02
+    parent = _shared_dir()
+    run_dir = os.path.join(parent, "run")
+    cfg = scale_cases.make_config(1, "1f1b", 2, train__run_dir=run_dir, train__max_steps=400, train__save_every=0,
+                                  metrics__memory_steps=[])
+    trainer = build_run(cfg, torch.device("cpu"))
+    try:
+        trainer.advance(0, late=False)
+        if dist.get_rank() == 0:
+            shutil.rmtree(run_dir)
+            deadline = time.monotonic() + 2.0
+            while not trainer.workspace.lost and time.monotonic() < deadline:
+                time.sleep(0.01)
+        error = _error(lambda: trainer._train(1))
+        return {"run_dir": run_dir, "error": error, "steps": len(trainer.history),
+                "made_again": os.path.exists(run_dir)}
+    finally:
+        lock.WATCH_S = watch_s
+        trainer.close()
+        timeouts.set_group_timeout(None, 60.0)  # the harness's own timeout, for the cases after
+        _on_rank0(lambda: shutil.rmtree(parent, ignore_errors=True))
+
+
 WORLD_CASES = [
     ("save-disk-full", save_on_a_full_disk),
     ("save-lock-lost", save_with_a_lost_lock),
     ("save-peer-lost", save_losing_a_peer),
     ("save-deadline", save_deadline_after_the_first_step),
+    ("run-dir-removed", training_with_the_run_dir_removed),
 ]
 
 
@@ -247,6 +284,17 @@ def test_a_peer_lost_during_a_save_is_a_named_checkpoint_error(world) -> None:
                                f"a peer stopped taking part while writing its files (it died, was stopped, or hangs"), text
         assert "Connection closed by peer" in text and f"latest still names {root}/step_00000001" in text, text
         assert out["left"] == ["latest", "step_00000001"]
+
+
+def test_a_run_dir_removed_while_training_stops_every_rank_at_the_same_step(world) -> None:
+    """Issue 38 item 7: the job trained on (440 steps in one case) until its next save noticed."""
+    outs = _values(world["run-dir-removed"])
+    run_dir = outs[0]["run_dir"]
+    said = [re.match(rf"RunDirLostError: training stopped at step (\d+): run directory {re.escape(run_dir)} no "
+                     rf"longer exists \(removed while this job ran\); the job stops", out["error"]) for out in outs]
+    assert all(said), outs
+    assert len({m.group(1) for m in said}) == 1 and int(said[0].group(1)) <= 3, outs  # the same step, at once
+    assert all(out["steps"] == outs[0]["steps"] and not out["made_again"] for out in outs), outs
 
 
 def test_the_saves_collectives_wait_with_the_steady_deadline_after_the_first_step(world) -> None:

@@ -1,8 +1,10 @@
 """Checkpoints that can neither stop a resume nor run code: a damaged ``latest`` is a warning and
 the newest verified step is used; a planted ``.metadata`` pickle is refused before anything in it
-runs (resume and export); a run directory whose lock vanished or changed hands refuses a save;
-the first failure of a job whose culprit died without a word is named honestly.  One process, no
-process group (the 2-rank save failures are in checkpoint_cases.py, run by test_faults.py)."""
+runs (resume and export); a run directory whose lock vanished or changed hands refuses a save and,
+noticed by the lock's watch, stops the training within seconds; a checkpoints folder removed after
+this job saved there is not made again; a ``latest`` that is a directory is named; the first failure
+of a job whose culprit died without a word is named honestly.  One process: no process group, or
+one in-process gloo rank (the 2-rank save failures are in checkpoint_cases.py, run by test_faults.py)."""
 from __future__ import annotations
 
 import io
@@ -24,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from pipeflow.errors import CheckpointError, RunDirLostError, UnsafeCheckpointError
 from pipeflow.run import checkpoint as ck
 from pipeflow.run import checkpoint_find, guard, integrity, lock
+from pipeflow.run.workspace import Workspace
 from pipeflow.models import dcp_metadata
 from pipeflow.models.dcp_metadata import METADATA_CLASSES, SafeReader, read_dcp_metadata
 
@@ -191,6 +194,128 @@ def test_the_lock_is_verified_gone_foreign_or_its_run_dir_removed(tmp_path: Path
     finally:
         held.release()
     lock.verify_held(token, "checkpoint of step 4")  # released: no longer checked
+
+
+def _wait_for(condition, seconds: float = 2.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(condition())
+
+
+@pytest.mark.parametrize("damage", ["dir-removed", "lock-deleted", "lock-foreign", "own-process-again"])
+def test_the_lock_watch_notices_a_lost_run_dir_within_seconds(tmp_path: Path, monkeypatch, damage: str) -> None:
+    """Issue 38 item 7: a removed run directory went unnoticed until the next save (440 steps)."""
+    monkeypatch.setattr(lock, "WATCH_S", 0.02)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    held = lock.RunLock(str(run_dir))
+    token = held.acquire()
+    again = lock.RunLock(str(run_dir)) if damage == "own-process-again" else None
+    try:
+        if damage == "dir-removed":
+            shutil.rmtree(run_dir)
+        elif damage == "lock-deleted":
+            (run_dir / lock.LOCK_FILE).unlink()
+        elif damage == "lock-foreign":
+            (run_dir / lock.LOCK_FILE).write_text(json.dumps({"host": "node-7", "pid": 4242, "token": "theirs"}))
+        else:
+            again.acquire()  # a sweep's next job in this process: the new lock renews, the old one goes quiet
+        if damage == "own-process-again":
+            assert _wait_for(lambda: not held._thread.is_alive()) and held.lost is None
+            return
+        assert _wait_for(lambda: held.lost is not None)
+        said = str(Workspace(str(run_dir), token, held).lost_error(7))
+        path = run_dir / lock.LOCK_FILE
+        expected = {"dir-removed": f"run directory {run_dir} no longer exists (removed while this job ran)",
+                    "lock-deleted": f"this job's lock {path} is gone",
+                    "lock-foreign": f"{path} now names another job: pid 4242 on host node-7"}[damage]
+        assert said.startswith(f"training stopped at step 7: {expected}"), said
+        assert f"train.resume=auto train.run_dir={run_dir}" in said
+        # a rank without the lock finds the same on the shared file system
+        assert str(Workspace(str(run_dir), token).lost_error(7)) == said
+        assert damage != "dir-removed" or not run_dir.exists()  # nothing made again
+    finally:
+        for taken in (held, again):
+            if taken is not None:
+                taken.release()
+
+
+def test_a_removed_run_dir_stops_the_training_at_the_next_step(one_rank_group, tmp_path: Path, monkeypatch) -> None:
+    """The watch's flag rides in the step's all-reduce: every rank raises at the same step boundary."""
+    import scale_cases
+    from pipeflow.run.builder import build_run
+
+    monkeypatch.setattr(lock, "WATCH_S", 0.02)
+    run_dir = tmp_path / "run"
+    cfg = scale_cases.make_config(1, "1f1b", 2, train__run_dir=str(run_dir), train__max_steps=400,
+                                  train__save_every=0, metrics__memory_steps=[])
+    trainer = build_run(cfg, torch.device("cpu"))
+    try:
+        trainer.advance(0, late=False)
+        shutil.rmtree(run_dir)
+        assert _wait_for(lambda: trainer.workspace.lost)
+        with pytest.raises(RunDirLostError, match=rf"training stopped at step [12]: run directory {run_dir} no longer "
+                                                 rf"exists \(removed while this job ran\); the job stops"):
+            trainer._train(1)
+        assert len(trainer.history) <= 3 and not run_dir.exists()  # stopped at once, nothing made again
+    finally:
+        trainer.close()
+
+
+def _layer() -> tuple[dict[int, torch.nn.Module], torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    layers = {0: torch.nn.Linear(4, 4)}
+    opt = torch.optim.AdamW(layers[0].parameters(), lr=0.1)
+    layers[0](torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return layers, opt
+
+
+def test_a_checkpoints_folder_removed_after_this_job_saved_there_is_not_made_again(one_rank_group,
+                                                                                  tmp_path: Path) -> None:
+    """Issue 38 item 6: <run_dir>/checkpoints deleted mid-run was silently made again, the earlier steps lost."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    held = lock.RunLock(str(run_dir))
+    token = held.acquire()
+    root = run_dir / "checkpoints"
+    layers, opt = _layer()
+    try:
+        ck.save(str(root), 50, layers, opt, {"scaler": {}}, job=token)  # the first save makes the folder
+        shutil.rmtree(root)
+        with pytest.raises(RunDirLostError, match=rf"checkpoint of step 60 refused: the checkpoints folder {root} is "
+                                                 rf"gone \(removed while this job ran\), and with it step_00000050"):
+            ck.save(str(root), 60, layers, opt, {"scaler": {}}, job=token)
+        assert not root.exists()
+        ck.save(str(tmp_path / "other"), 60, layers, opt, {"scaler": {}}, job="another-job")  # a first save: made
+    finally:
+        held.release()
+
+
+def test_a_latest_that_is_a_directory_is_named_at_resume_and_left_at_save(one_rank_group, tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 38 item 6: resume went on without a word; the save then failed saying the checkpoint was not
+    written (it was) and left latest.part behind."""
+    root = tmp_path / "checkpoints"
+    layers, opt = _layer()
+    for step in (2, 4):
+        ck.save(str(root), step, layers, opt, {"scaler": {}}, job="jobA")
+    (root / ck.LATEST).unlink()
+    (root / ck.LATEST).mkdir()
+    (root / ck.LATEST / "mine.txt").write_text("kept")
+    checkpoint_find._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="pipeflow"):
+        assert ck.choose("auto", str(root)) == str(root / "step_00000004")
+        assert ck.save(str(root), 6, layers, opt, {"scaler": {}}, job="jobA") == str(root / "step_00000006")
+    said = [r.getMessage() for r in caplog.records]
+    pointer = root / ck.LATEST
+    assert any(m.startswith(f"{pointer} is a directory, not the file naming the newest checkpoint: ignored") and
+               "move it away" in m for m in said), said
+    assert any(m.startswith(f"{pointer} is a directory") and "left as it is, so it does not name "
+               f"{root / 'step_00000006'} (saved and complete)" in m for m in said), said
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002", "step_00000004", "step_00000006"]  # no latest.part
+    assert (pointer / "mine.txt").read_text() == "kept" and ck.find_latest(str(root)) == str(root / "step_00000006")
 
 
 # ---------------------------------------------------------------------------- first failure

@@ -19,6 +19,7 @@ trained a few steps), then exported in the same process, no group needed:
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import shutil
@@ -325,3 +326,41 @@ def test_a_trained_tiny_llama_exports_to_what_from_pretrained_loads_with_the_sam
 
     initial = build_hf(str(source)).build_layers([0])[0]
     assert not torch.equal(model.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # trained, not init
+
+
+@pytest.mark.parametrize(("fmt", "call", "code"), [
+    ("pt", "replace", errno.EROFS), ("hf", "makedirs", errno.EROFS), ("hf", "rename", errno.EBUSY),
+    ("pt", "replace", errno.EBUSY)], ids=["pt-read-only", "hf-read-only", "hf-busy", "pt-busy"])
+def test_a_target_that_cannot_be_written_is_one_error_line_naming_it(fake_hf_checkpoint, tmp_path: Path, capsys,
+                                                                      monkeypatch, fmt: str, call: str,
+                                                                      code: int) -> None:
+    """Issue 38 item 5: a read-only or busy target printed a 16-line OSError traceback.  Tests run as
+    root, which chmod does not stop: the write itself is made to fail."""
+    path, _ = fake_hf_checkpoint
+    out = tmp_path / ("m.pt" if fmt == "pt" else "hf")
+    real = getattr(os, call)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        if str(args[0]).endswith(".part"):
+            raise OSError(code, os.strerror(code), str(args[0]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(os, call, refuse)
+    assert ck.main(["export", "--format", fmt, "--force", path, str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: CheckpointError: export target {out} not written: "
+                                               f"{os.strerror(code)} [{errno.errorcode[code]}]"), err
+    assert ("read-only: export to a writable path" if code == errno.EROFS else "cannot be replaced") in err[0]
+    assert sorted(os.listdir(tmp_path)) == ["run"]  # no .part left behind
+
+
+def test_force_onto_a_mount_point_is_refused_before_anything_is_removed(fake_hf_checkpoint, tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    path, _ = fake_hf_checkpoint
+    out = tmp_path / "mnt"
+    ck.export(path, str(out), format="hf")
+    before = sorted(os.listdir(out))
+    monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(out))
+    with pytest.raises(CheckpointError, match=rf"export target {out} is a mount point, which --force cannot replace"):
+        ck.export(path, str(out), format="hf", force=True)
+    assert sorted(os.listdir(out)) == before

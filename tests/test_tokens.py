@@ -117,6 +117,34 @@ def test_named_errors(tmp_path) -> None:
         build_batches(data_cfg(tmp_path / "big.bin", token_dtype="int8"), model(300))
 
 
+def test_uint32_ids_read_as_uint16_are_named_and_real_uint16_data_is_not(tmp_path) -> None:
+    """Issue 38 item 4: a uint32 file read with data.token_dtype=uint16 trained on interleaved zeros."""
+    rng = np.random.default_rng(4)
+    rng.integers(1, 900, 3000).astype(np.uint32).tofile(tmp_path / "u32.bin")
+    with pytest.raises(ConfigError, match=r"u32\.bin.*looks like uint32 tokens read as data\.token_dtype=uint16.*"
+                                          r"set data\.token_dtype=uint32"):
+        build_batches(data_cfg(tmp_path / "u32.bin"), model())
+    build_batches(data_cfg(tmp_path / "u32.bin", token_dtype="uint32"), model())  # the right dtype: fine
+    wide = rng.integers(1, 200_000, 3000).astype(np.uint32)  # ids above 2**16: high halves 0..3
+    wide.tofile(tmp_path / "wide.bin")
+    with pytest.raises(ConfigError, match=r"wide\.bin.*looks like uint32"):
+        build_batches(data_cfg(tmp_path / "wide.bin"), model(65536))
+    for name, tokens in (("eos.bin", np.where(rng.random(6000) < 0.4, 0, rng.integers(1, 900, 6000))),
+                         ("even0.bin", np.stack([np.zeros(3000), rng.integers(1, 900, 3000)], 1).ravel()),
+                         ("tiny.bin", rng.integers(0, 5, 6000))):  # zeros and tiny vocabularies: real uint16
+        tokens.astype(np.uint16).tofile(tmp_path / name)
+        build_batches(data_cfg(tmp_path / name), model())
+
+
+def test_a_negative_id_is_named_with_its_file_and_position(tmp_path) -> None:
+    """Issue 38 item 4: negative ids in an int64 .npy reached the embedding (an IndexError blamed on the layer)."""
+    tokens = np.arange(500, dtype=np.int64) % 97
+    tokens[123] = -7
+    np.save(tmp_path / "neg.npy", tokens)
+    with pytest.raises(ConfigError, match=r"neg\.npy' holds a negative id: -7 at position 123 \(of 500, int64\)"):
+        build_batches(data_cfg(tmp_path / "neg.npy"), model())
+
+
 def test_model_hf_vocabulary_is_read_from_its_config_json(tmp_path) -> None:
     """model=hf has no model.vocab_size: the check reads vocab_size from <model.path>/config.json."""
     folder = tmp_path / "llama"

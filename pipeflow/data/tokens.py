@@ -26,6 +26,8 @@ from pipeflow.errors import ConfigError
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 SUFFIXES = (".bin", ".npy")
 _SCAN = 1 << 24  # tokens per chunk when the largest id is looked for (64 MiB of uint32)
+_SAMPLE = 1 << 14  # tokens per window sampled for uint32 ids read as uint16
+_MIN_PAIRS = 16  # fewer sampled pairs say nothing about the dtype
 
 
 def token_paths(path: str | Path) -> list[Path]:
@@ -82,7 +84,85 @@ def open_tokens(path: Path, token_dtype: str = "uint16") -> np.ndarray:
 
 def largest_id(tokens: np.ndarray) -> int:
     """The largest token id of a memory map, read in chunks (never whole)."""
-    return max(int(tokens[i : i + _SCAN].max()) for i in range(0, len(tokens), _SCAN))
+    return id_range(tokens)[1]
+
+
+def id_range(tokens: np.ndarray) -> tuple[int, int]:
+    """The smallest and the largest token id of a memory map, in one pass of chunks (never
+    whole); the smallest is 0 for unsigned dtypes (not looked for)."""
+    lows, highs = [], []
+    for i in range(0, len(tokens), _SCAN):
+        chunk = tokens[i : i + _SCAN]
+        highs.append(int(chunk.max()))
+        if tokens.dtype.kind == "i":
+            lows.append(int(chunk.min()))
+    return min(lows, default=0), max(highs)
+
+
+def first_negative(tokens: np.ndarray) -> tuple[int, int] | None:
+    """(position, value) of the first negative id of a memory map, read in chunks; None when
+    there is none (always for unsigned dtypes)."""
+    if tokens.dtype.kind != "i":
+        return None
+    for i in range(0, len(tokens), _SCAN):
+        below = np.flatnonzero(tokens[i : i + _SCAN] < 0)
+        if len(below):
+            return i + int(below[0]), int(tokens[i + int(below[0])])
+    return None
+
+
+def _sample_pairs(tokens: np.ndarray) -> np.ndarray:
+    """Token pairs (k, 2) from the start, the middle and the end of a file (all of a small one),
+    each window at an even offset: the two uint16 halves of what would be little-endian uint32s."""
+    n = len(tokens) - len(tokens) % 2
+    if n <= 3 * _SAMPLE:
+        return np.asarray(tokens[:n]).reshape(-1, 2)
+    starts = (0, (n - _SAMPLE) // 4 * 2, n - _SAMPLE)  # even, as n and _SAMPLE are
+    return np.concatenate([np.asarray(tokens[s : s + _SAMPLE]) for s in starts]).reshape(-1, 2)
+
+
+def looks_uint32(tokens: np.ndarray) -> int | None:
+    """Whether a headerless file read as uint16 holds little-endian uint32 ids: ids below 2**16
+    put a 0 at every odd position (ids below 2**18: 0..3), while in real uint16 text every other
+    token is essentially never 0 (nor 256 of them all at most 3 while the others are not).
+    Judged on a sample (:func:`_sample_pairs`).
+
+    Returns:
+        The number of token pairs sampled when it looks so, else None (also for an odd count of
+        tokens, which no uint32 file has, and for fewer than 16 pairs).
+    """
+    if len(tokens) % 2:
+        return None
+    pairs = _sample_pairs(tokens)
+    low, high = pairs[:, 0], pairs[:, 1]
+    if len(pairs) < _MIN_PAIRS or not low.any():
+        return None
+    if not high.any():
+        return len(pairs)
+    high_halves = len(pairs) >= 16 * _MIN_PAIRS and int(high.max()) <= 3 < int(low.max())
+    return len(pairs) if high_halves else None
+
+
+def check_ids(path: Path, tokens: np.ndarray, token_dtype: str, vocab: int | None, where: str, fix: str) -> None:
+    """Refuse a token file whose ids cannot be the model's: a negative id (a signed ``.npy``),
+    one at or above `vocab`, or uint32 ids read as ``data.token_dtype=uint16``.
+
+    Raises:
+        ConfigError: naming the file, the first offending position and value, or the dtype to set.
+    """
+    low, top = id_range(tokens)
+    if low < 0:
+        at, value = first_negative(tokens) or (-1, low)
+        raise ConfigError(f"token file {str(path)!r} holds a negative id: {value} at position {at} (of {len(tokens)}, "
+                          f"{tokens.dtype}); token ids are 0..vocab_size - 1: rewrite the file without it")
+    if vocab is not None and top >= vocab:
+        raise ConfigError(f"token file {str(path)!r} holds id {top}, outside the model's vocabulary "
+                          f"({where}={vocab}); {fix} >= {top + 1} or check data.token_dtype={token_dtype}")
+    pairs = looks_uint32(tokens) if path.suffix != ".npy" and token_dtype == "uint16" else None
+    if pairs is not None:
+        raise ConfigError(f"token file {str(path)!r} looks like uint32 tokens read as data.token_dtype=uint16: in "
+                          f"{pairs} sampled token pairs the second token is 0 (or at most 3), as the high half of a "
+                          f"uint32 id is; set data.token_dtype=uint32")
 
 
 class TokenStream:
@@ -165,12 +245,13 @@ def model_vocab(model_cfg: Any) -> tuple[int | None, str]:
 def build_token_batches(cfg: Any, model_cfg: Any, lengths: tuple[int, int] | None,
                         chunks: int = 1) -> tuple[TokenFileBatches, TokenFileBatches]:
     """Train and validation batches of ``data.path``'s token files, checked against the model's
-    vocabulary (``model.vocab_size``, or model=hf's config.json; every file's largest id is read
-    once, in chunks).
+    vocabulary (``model.vocab_size``, or model=hf's config.json; every file's ids are read
+    once, in chunks, and a sample checked for uint32 ids read as uint16: :func:`check_ids`).
 
     Raises:
-        ConfigError: no files, a bad file (see :func:`open_tokens`), an id or ``data.eos_id``
-            outside the vocabulary, ``pack_documents`` without ``eos_id``, a bad val_fraction.
+        ConfigError: no files, a bad file (see :func:`open_tokens`), a negative id, an id or
+            ``data.eos_id`` outside the vocabulary, uint32 ids read as uint16 (:func:`check_ids`),
+            ``pack_documents`` without ``eos_id``, a bad val_fraction.
     """
     if cfg.path is None:
         raise ConfigError("data=tokens needs data.path=<a token file, a folder of them or a glob>")
@@ -179,10 +260,7 @@ def build_token_batches(cfg: Any, model_cfg: Any, lengths: tuple[int, int] | Non
     files = []
     for path in token_paths(cfg.path):
         tokens = open_tokens(path, cfg.token_dtype)
-        top = largest_id(tokens)
-        if vocab is not None and top >= vocab:
-            raise ConfigError(f"token file {str(path)!r} holds id {top}, outside the model's vocabulary "
-                              f"({where}={vocab}); {fix} >= {top + 1} or check data.token_dtype={cfg.token_dtype}")
+        check_ids(path, tokens, cfg.token_dtype, vocab, where, fix)
         files.append(tokens)
     eos = cfg.eos_id if cfg.pack_documents else None
     if cfg.pack_documents and eos is None:

@@ -16,9 +16,10 @@ step: batch k is a pure function of k.
 Atomicity: every rank writes into ``step_<n>.<job>.tmp`` (``<job>``: the token of the job that
 holds the run directory's lock, :mod:`pipeflow.run.lock`); after a barrier the ranks hash every
 file together, rank 0 writes ``meta.json`` (with the digests, :mod:`pipeflow.run.integrity`)
-last and renames the directory to ``step_<n>``, then points ``latest`` at it.  A complete
-checkpoint is a ``step_<n>`` directory (it always holds ``meta.json``); a crash mid-save leaves
-only a ``.tmp`` directory, which loading ignores.  A save removes only its own job's leftovers;
+last and renames the directory to ``step_<n>``, then points ``latest`` at it (a ``latest`` that
+is a directory is left alone, with a warning: the newest step folder is found without it).  A
+complete checkpoint is a ``step_<n>`` directory (it always holds ``meta.json``); a crash mid-save
+leaves only a ``.tmp`` directory, which loading ignores.  A save removes only its own job's leftovers;
 those of dead jobs are removed when the run directory's lock is taken (:func:`remove_leftovers`).
 The Trainer saves only after a step whose loss and gradients were finite and checks the weights
 themselves before the save (:class:`~pipeflow.errors.NonFiniteError`), so ``latest`` only ever
@@ -27,7 +28,8 @@ one across nodes).
 
 Every step of a save ends with the ranks sharing their outcome (one all-gather), so a failure on
 any rank (a full disk, a lost run-directory lock: :func:`pipeflow.run.lock.verify_held`, checked
-first) stops every rank with the same error naming each rank's own cause (``rank 1: OSError:
+first, then a checkpoints folder removed after this job saved there, which is not made again)
+stops every rank with the same error naming each rank's own cause (``rank 1: OSError:
 [Errno 28] No space left on device``), and rank 0 removes the partial folder at once; a peer that
 dies or stops during the save is a :class:`~pipeflow.errors.CheckpointPeerLostError` naming the
 step.  Its collectives run under the process group's timeout, ``comm.timeout_s`` (plus a margin)
@@ -46,6 +48,7 @@ folder::
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -59,7 +62,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from pipeflow.errors import CheckpointError, CheckpointPeerLostError, ConfigError
+from pipeflow.errors import CheckpointError, CheckpointPeerLostError, ConfigError, RunDirLostError
 from pipeflow.models.dcp_metadata import SafeReader
 from pipeflow.run import integrity, lock
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
@@ -73,6 +76,8 @@ from pipeflow.runtime.zero import local_optimizer, parameter_of
 log = logging.getLogger("pipeflow")
 
 ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
+_written: dict[tuple[str, str], str] = {}  # (job, checkpoints folder) -> the newest checkpoint that job wrote there
+_warned_latest: set[str] = set()  # the `latest` paths found to be directories (warned once)
 
 
 def param_names(layers: dict[int, nn.Module]) -> dict[int, list[str]]:
@@ -236,14 +241,37 @@ def save(
     meta = {**meta, "step": step, "world_size": world, "files": files}
     committed = integrity.attempt(lambda: _commit(root, saving.tmp, final, meta) if rank == 0 else None, rank)
     saving.agree("committing it", committed)
+    if job:
+        _written[(job, os.path.abspath(root))] = final
     return final
 
 
 def _prepare(saving: _Saving, job: str) -> None:
-    """Rank 0: check the run directory's lock, make the folder, remove this job's own leftover."""
+    """Rank 0: check the run directory's lock and that the folder this job saved into is still
+    there, make the folder (the first save), remove this job's own leftover."""
     lock.verify_held(job, saving.what)
+    _check_not_removed(saving, job)
     os.makedirs(saving.root, exist_ok=True)
     shutil.rmtree(saving.tmp, ignore_errors=True)  # this job's own leftover of an interrupted save of this step
+
+
+def _check_not_removed(saving: _Saving, job: str) -> None:
+    """Refuse to make the checkpoints folder again once job `job` has saved there: it was removed
+    while the job ran, and a new folder would hold only later steps, the loss unsaid.
+
+    Raises:
+        RunDirLostError: naming the folder, the newest checkpoint this job wrote there and what to do.
+    """
+    last = _written.get((job, os.path.abspath(saving.root)))
+    if last is None or os.path.isdir(saving.root):
+        return
+    run_dir = os.path.dirname(os.path.abspath(saving.root))
+    raise RunDirLostError(
+        f"{saving.what} refused: the checkpoints folder {saving.root} is gone (removed while this job ran), and with "
+        f"it {os.path.basename(last)} and every earlier checkpoint this job saved there; the job stops rather than "
+        f"start a new folder that would hold only later steps. To go on, restore {saving.root} and resume "
+        f"(train.resume=auto train.run_dir={run_dir}), or start the run again"
+    )
 
 
 def _save_rng(tmp: str, rank: int) -> None:
@@ -252,11 +280,16 @@ def _save_rng(tmp: str, rank: int) -> None:
 
 
 def _write_atomic(path: str, text: str) -> None:
-    with open(path + ".part", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".part", path)
+    try:
+        with open(path + ".part", "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".part", path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".part")  # no half-written file left beside `path`
+        raise
 
 
 def _commit(root: str, tmp: str, final: str, meta: dict[str, Any]) -> None:
@@ -267,7 +300,21 @@ def _commit(root: str, tmp: str, final: str, meta: dict[str, Any]) -> None:
         os.rename(final, old)
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
-    _write_atomic(os.path.join(root, LATEST), os.path.basename(final))
+    _point_latest(root, final)
+
+
+def _point_latest(root: str, final: str) -> None:
+    """Rank 0: write ``<root>/latest`` naming `final`; a ``latest`` that is a directory is left as
+    it is, with a warning once (the checkpoint is complete; ``train.resume=auto`` and export take
+    the newest step folder when ``latest`` names none)."""
+    pointer = os.path.join(root, LATEST)
+    if not os.path.isdir(pointer):
+        _write_atomic(pointer, os.path.basename(final))
+    elif pointer not in _warned_latest:
+        _warned_latest.add(pointer)
+        log.warning("%s is a directory, not the file naming the newest checkpoint: left as it is, so it does not name "
+                    "%s (saved and complete); train.resume=auto takes the newest complete step_<n> folder instead. "
+                    "Move it away to have saves write it again", pointer, final)
 
 
 def remove_leftovers(root: str) -> list[str]:
@@ -309,6 +356,18 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
     if meta.get("world_size") == dist.get_world_size():
         _load_rng(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"))
     return meta
+
+
+def saved_layout(meta: dict[str, Any]) -> str:
+    """The process layout a checkpoint's meta records, for the resume line:
+    ``dp=1, pp=2, tp=2, shard=none (4 processes)``.  tp is the meta's own, else the saved world
+    size over dp x pp (checkpoints written before it was recorded)."""
+    dp, pp, world = meta.get("dp"), meta.get("pp"), meta.get("world_size")
+    tp = meta.get("tp")
+    if tp is None and isinstance(world, int) and isinstance(dp, int) and isinstance(pp, int) and dp * pp > 0:
+        tp = world // (dp * pp)
+    parts = [f"dp={dp}", f"pp={pp}", f"tp={tp if tp is not None else 'unknown'}", f"shard={meta.get('shard', 'none')}"]
+    return ", ".join(parts) + (f" ({world} processes)" if world is not None else "")
 
 
 def whole_strided(state: dict[str, torch.Tensor], gather: bool) -> tuple[dict[str, Any], list[tuple[Any, Any]]]:

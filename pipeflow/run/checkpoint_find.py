@@ -2,9 +2,9 @@
 ``train.resume`` names, whether its files are intact (digests, :mod:`pipeflow.run.integrity`),
 and reading DCP's ``.metadata`` without letting it run code (:mod:`pipeflow.models.dcp_metadata`).
 
-``latest`` is followed only inside its own checkpoints folder; a damaged one (not a name, or a
-name that is no complete checkpoint) is ignored with a warning naming it, and the newest step
-folder is used instead.
+``latest`` is followed only inside its own checkpoints folder; a damaged one (not a name, a
+name that is no complete checkpoint, a directory) is ignored with a warning naming it, and the
+newest step folder is used instead.
 """
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, META)) and not path.rstrip("/").endswith((".tmp", ".old"))
 
 
-def _warn_once(pointer: str, why: str) -> None:
-    """Warn (once per process and reason) that ``latest`` file `pointer` is ignored because `why`."""
+def _warn_once(pointer: str, why: str, after: str = f"the next save rewrites {LATEST}") -> None:
+    """Warn (once per process and reason) that ``latest`` file `pointer` is ignored because `why`;
+    `after` says what happens to it next."""
     if (pointer, why) not in _warned:
         _warned.add((pointer, why))
-        log.warning("%s %s: ignored; the newest complete step_<n> folder beside it is used instead "
-                    "(the next save rewrites %s)", pointer, why, LATEST)
+        log.warning("%s %s: ignored; the newest complete step_<n> folder beside it is used instead (%s)",
+                    pointer, why, after)
 
 
 def _pointed_name(pointer: str) -> str | None:
@@ -59,8 +60,13 @@ def _pointed_name(pointer: str) -> str | None:
 
 def _pointed(root: str) -> str | None:
     """The checkpoint ``<root>/latest`` names, if it is a complete one inside `root`; a damaged
-    ``latest`` (not a name, outside `root`, no complete checkpoint) is None, with a warning."""
+    ``latest`` (not a name, outside `root`, no complete checkpoint, a directory) is None, with a
+    warning."""
     pointer = os.path.join(root, LATEST)
+    if os.path.isdir(pointer):
+        _warn_once(pointer, "is a directory, not the file naming the newest checkpoint",
+                   f"saves leave it as it is: move it away to have {LATEST} written again")
+        return None
     if not os.path.isfile(pointer):
         return None
     name = _pointed_name(pointer)

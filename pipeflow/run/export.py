@@ -22,18 +22,23 @@ of the model they came from:
   ``lm_head.weight``: not at all), so ``AutoModelForCausalLM.from_pretrained(<dir>)`` loads it.
 
 The target must not exist (a :class:`~pipeflow.errors.CheckpointError` naming it); ``--force``
-replaces an earlier export (a file, or a folder holding only what an export writes).  The
-target is written beside itself (``<out>.part``) and renamed into place.
+replaces an earlier export (a file, or a folder holding only what an export writes; never a
+mount point, which cannot be removed).  The target is written beside itself (``<out>.part``) and
+renamed into place; a write that fails (a read-only file system, a busy target, a full disk) is
+one ``CheckpointError`` naming the target, the errno and what to do, and leaves no ``.part``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -53,6 +58,16 @@ DEFAULT_MAX_SHARD = 5 * 1024**3  # bytes; save_pretrained's classic default ("5G
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 HF_FILES = ("config.json", "generation_config.json", SAFETENSORS, INDEX)  # what --force may replace
+# What an OSError's errno says about an export target, and what to do.
+TARGET_HINTS = {
+    errno.EROFS: "the file system is read-only: export to a writable path",
+    errno.EBUSY: "it is busy (a mount point, or held by another process), so it cannot be replaced: export to "
+                 "another path (a folder inside a mount point)",
+    errno.EACCES: "permission denied: export to a path this user may write",
+    errno.EPERM: "not permitted: export to a path this user may write",
+    errno.ENOSPC: "the file system is full: free space there, or export elsewhere",
+    errno.EDQUOT: "the disk quota is used up: free space, or export elsewhere",
+}
 
 
 def read_layers(path: str) -> dict[int, dict[str, torch.Tensor]]:
@@ -158,6 +173,9 @@ def _check_target(out: str, force: bool, hf: bool) -> None:
                                   f"replaces an earlier export only; choose another folder")
     elif os.path.isdir(out):
         raise CheckpointError(f"export target {out} is a directory; give the .pt file to write")
+    if os.path.ismount(out):  # removing it fails with EBUSY, after --force emptied it
+        raise CheckpointError(f"export target {out} is a mount point, which --force cannot replace; export into a "
+                              f"folder inside it (e.g. {os.path.join(out, 'export')}) or elsewhere")
 
 
 def _remove(path: str) -> None:
@@ -165,6 +183,26 @@ def _remove(path: str) -> None:
         shutil.rmtree(path)
     elif os.path.lexists(path):
         os.remove(path)
+
+
+def target_error(out: str, exc: OSError) -> CheckpointError:
+    """One error naming export target `out`, the errno and its file, and what to do."""
+    code = errno.errorcode.get(exc.errno or 0, "")
+    where = f" ({exc.filename})" if exc.filename and str(exc.filename) != out else ""
+    hint = TARGET_HINTS.get(exc.errno or 0, "export to another path")
+    return CheckpointError(f"export target {out} not written: {exc.strerror or exc} [{code}]{where}; {hint}")
+
+
+@contextlib.contextmanager
+def _writing(out: str, part: str) -> Iterator[None]:
+    """Writing export target `out` through `part`: an OSError becomes :func:`target_error`, and
+    the partial `part` is removed."""
+    try:
+        yield
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            _remove(part)
+        raise target_error(out, exc) from exc
 
 
 def write_safetensors(tensors: dict[str, torch.Tensor], folder: str, max_shard_bytes: int) -> list[str]:
@@ -208,16 +246,17 @@ def _export_hf(layers: dict[int, dict[str, torch.Tensor]], spec: ModelSpec | Non
         raise CheckpointError(mismatch)
     tensors = named(layers, spec, tied_once=True)
     part = out.rstrip("/") + ".part"
-    _remove(part)
-    os.makedirs(part)
-    try:
-        save_config(part)
-        write_safetensors(tensors, part, max_shard_bytes)
-    except BaseException:
-        shutil.rmtree(part, ignore_errors=True)
-        raise
-    _remove(out)
-    os.rename(part, out)
+    with _writing(out, part):
+        _remove(part)
+        os.makedirs(part)
+        try:
+            save_config(part)
+            write_safetensors(tensors, part, max_shard_bytes)
+        except BaseException:
+            shutil.rmtree(part, ignore_errors=True)
+            raise
+        _remove(out)
+        os.rename(part, out)
     return len(tensors)
 
 
@@ -237,8 +276,9 @@ def export(path: str, out: str, format: str = "pt", force: bool = False,
         The number of tensors written.
 
     Raises:
-        CheckpointError: a damaged checkpoint; `out` exists (without `force`); ``hf`` without
-            the run's model. ConfigError: ``hf`` for a model without ``save_config``.
+        CheckpointError: a damaged checkpoint; `out` exists (without `force`), is a mount point,
+            or cannot be written (naming it and the errno); ``hf`` without the run's model.
+            ConfigError: ``hf`` for a model without ``save_config``.
     """
     if format not in FORMATS:
         raise ConfigError(f"export format {format!r} is not one of {list(FORMATS)}")
@@ -257,8 +297,10 @@ def export(path: str, out: str, format: str = "pt", force: bool = False,
     else:
         log.warning("note: writing <layer index>.<key> names (they load into nn.ModuleList(spec.build_all())): %s", why)
         model = {f"{i}.{key}": value for i in sorted(layers) for key, value in layers[i].items()}
-    torch.save(model, out + ".part")
-    os.replace(out + ".part", out)
+    with _writing(out, out + ".part"):
+        with open(out + ".part", "wb") as f:  # opened here: torch.save's own open says no errno
+            torch.save(model, f)
+        os.replace(out + ".part", out)
     return len(model)
 
 
@@ -314,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                        max_shard_bytes=args.max_shard_size)
     except (CheckpointError, ConfigError) as exc:  # the message names the file and what to do
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # one not met while writing the target (that one is named above)
+        print(f"error: {type(exc).__name__}: {exc}; check that path, or export elsewhere", file=sys.stderr)
         return 1
     print(f"wrote {count} tensors to {args.out}")
     return 0

@@ -11,7 +11,10 @@ contender can do.  The same process may take its own lock again (a sweep's jobs,
 The lock is checked again before every checkpoint is written (:func:`verify_held`): a run
 directory removed during training, a lock file that vanished or that now names another job
 stops the job with a :class:`~pipeflow.errors.RunDirLostError` instead of a write that would
-mix two runs' checkpoints in one folder.
+mix two runs' checkpoints in one folder.  Between saves the lease thread looks every
+:data:`WATCH_S` seconds (a stat and a read of the small lock file, on rank 0 only) and sets
+:attr:`RunLock.lost`; the Trainer carries that flag in the step's all-reduce, so every rank stops
+at the same step boundary with that error within seconds instead of training on until its next save.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ log = logging.getLogger("pipeflow")
 
 LOCK_FILE = "pipeflow.lock"
 LEASE_S = 60.0
+WATCH_S = 2.0  # how often the lease thread checks that the run directory and the lock are still this job's
 _HELD: dict[str, RunLock] = {}  # the locks this process holds, by job token
 
 
@@ -92,6 +96,49 @@ def _is_me(holder: Holder) -> bool:
     return holder.host == socket.gethostname() and holder.pid == os.getpid()
 
 
+@dataclass(frozen=True)
+class Loss:
+    """How a job lost its run directory: `found` says what was seen; `dir_gone` when the
+    directory itself is."""
+
+    run_dir: str
+    found: str
+    dir_gone: bool = False
+    holder: Holder | None = None  # who the lock names now, if anyone
+
+
+def find_loss(run_dir: str, token: str) -> Loss | None:
+    """What shows that job `token` no longer holds `run_dir` (the directory gone, its lock gone,
+    unreadable or naming another job); None while it does."""
+    path = os.path.join(run_dir, LOCK_FILE)
+    if not os.path.isdir(run_dir):
+        return Loss(run_dir, f"run directory {run_dir} no longer exists (removed while this job ran)", dir_gone=True)
+    holder = read_holder(path)
+    if holder is not None and holder.token == token:
+        return None
+    if holder is None:
+        return Loss(run_dir, f"this job's lock {path} is gone (deleted, or the run directory was emptied)")
+    if holder.host == "?":
+        return Loss(run_dir, f"this job's lock {path} now holds something unreadable", holder=holder)
+    return Loss(run_dir, f"{path} now names another job: {holder}", holder=holder)
+
+
+def lost_error(lead: str, loss: Loss) -> RunDirLostError:
+    """The error for `loss`, its message opening with `lead` (``checkpoint of step 4 refused``)."""
+    run_dir = loss.run_dir
+    if loss.dir_gone:
+        return RunDirLostError(
+            f"{lead}: {loss.found}; the job stops rather than make it again, since another job may be using that "
+            f"path by now. To go on, restore the directory with its checkpoints and resume (train.resume=auto "
+            f"train.run_dir={run_dir})"
+        )
+    return RunDirLostError(
+        f"{lead}: {loss.found}, so another job may be writing into {run_dir} and the two runs' checkpoints "
+        f"would mix; this job stops. Let the other job (if any) finish or stop it, then resume this run from "
+        f"its last checkpoint (train.resume=auto train.run_dir={run_dir}), or give it another train.run_dir"
+    )
+
+
 class RunLock:
     """The lock of one run directory, held by this process until :meth:`release`.
 
@@ -105,6 +152,7 @@ class RunLock:
         self.lease_s = lease_s
         self.token = uuid.uuid4().hex[:12]
         self.taken_over: Holder | None = None  # the dead job whose stale lock was taken over
+        self.lost: Loss | None = None  # what the lease thread found: the run directory or the lock gone or taken
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -123,7 +171,7 @@ class RunLock:
             with os.fdopen(fd, "w") as f:
                 json.dump({"host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
                            "started": time.time()}, f)
-            self._thread = threading.Thread(target=self._renew, name="pipeflow-lock-lease", daemon=True)
+            self._thread = threading.Thread(target=self._watch, name="pipeflow-lock-lease", daemon=True)
             self._thread.start()
             _HELD[self.token] = self
             return self.token
@@ -151,14 +199,23 @@ class RunLock:
             self.taken_over = holder
             log.warning("took over the stale lock of a job that is gone: %s", holder)
 
-    def _renew(self) -> None:
-        while not self._stop.wait(self.lease_s / 4):
-            holder = read_holder(self.path)
-            if holder is None or holder.token != self.token:
-                log.warning("%s is no longer this job's lock (now: %s)", self.path, holder)
+    def _watch(self) -> None:
+        """Every :data:`WATCH_S` s: check the run directory and the lock are still this job's (else
+        set :attr:`lost` and stop); renew the lease every ``lease_s / 4`` s."""
+        renewed = time.monotonic()
+        while not self._stop.wait(min(WATCH_S, self.lease_s / 4)):
+            loss = find_loss(os.path.dirname(self.path), self.token)
+            if loss is not None:
+                if loss.holder is not None and _is_me(loss.holder):
+                    return  # this process took its own run directory again (a sweep, tests): the new lock renews
+                if not self._stop.is_set():  # not a release racing this look
+                    self.lost = loss
+                    log.warning("%s; every rank stops at the next step boundary", loss.found)
                 return
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+            if time.monotonic() - renewed >= self.lease_s / 4:
+                with contextlib.suppress(OSError):
+                    os.utime(self.path)
+                renewed = time.monotonic()
 
     def verify(self, what: str) -> None:
         """Check that this job still holds its run directory before `what` (e.g. ``checkpoint of step 4``) writes.
@@ -167,27 +224,9 @@ class RunLock:
             RunDirLostError: the run directory is gone, or the lock file is, or it names another
                 job (naming the directory, what was found and what to do).
         """
-        run_dir = os.path.dirname(self.path)
-        if not os.path.isdir(run_dir):
-            raise RunDirLostError(
-                f"{what} refused: run directory {run_dir} no longer exists (removed while this job ran); the job "
-                f"stops rather than make it again, since another job may be using that path by now. To go on, "
-                f"restore the directory with its checkpoints and resume (train.resume=auto train.run_dir={run_dir})"
-            )
-        holder = read_holder(self.path)
-        if holder is not None and holder.token == self.token:
-            return
-        if holder is None:
-            found = f"this job's lock {self.path} is gone (deleted, or the run directory was emptied)"
-        elif holder.host == "?":
-            found = f"this job's lock {self.path} now holds something unreadable"
-        else:
-            found = f"{self.path} now names another job: {holder}"
-        raise RunDirLostError(
-            f"{what} refused: {found}, so another job may be writing into {run_dir} and the two runs' checkpoints "
-            f"would mix; this job stops. Let the other job (if any) finish or stop it, then resume this run from "
-            f"its last checkpoint (train.resume=auto train.run_dir={run_dir}), or give it another train.run_dir"
-        )
+        loss = find_loss(os.path.dirname(self.path), self.token)
+        if loss is not None:
+            raise lost_error(f"{what} refused", loss)
 
     def release(self) -> None:
         """Stop renewing and remove the lock file if it is still this job's."""

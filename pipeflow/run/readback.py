@@ -1,6 +1,7 @@
 """A training step's figures on their way to the host: the packet of the step's one all-reduce
-(``[norm, loss, preempt, S non-finite stage flags, check_finite flags ...]``), copied into pinned
-memory without waiting, and read back when the Trainer asks (a step late, in a steady step)."""
+(``[norm, loss, preempt, run directory lost, S non-finite stage flags, check_finite flags ...]``),
+copied into pinned memory without waiting, and read back when the Trainer asks (a step late, in a
+steady step)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from pipeflow.observability.metrics import StepTiming
 class PendingStep:
     """A queued training step whose figures are still on the device.
 
-    ``reduced`` is the step's all-reduced packet ``[norm, loss, preempt, S non-finite stage
-    flags, train.check_finite flags ...]`` (float64, on the device); ``host`` is its copy on the
+    ``reduced`` is the step's all-reduced packet ``[norm, loss, preempt, run directory lost, S
+    non-finite stage flags, train.check_finite flags ...]`` (float64, on the device); ``host`` is its copy on the
     host (pinned, filled asynchronously on a GPU) and ``ready`` the event recorded after that copy
     (None on the CPU, where the copy is done when it returns).
     """

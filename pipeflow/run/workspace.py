@@ -14,10 +14,10 @@ from typing import Any
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.errors import ConfigError, PipeflowError
+from pipeflow.errors import ConfigError, PipeflowError, RunDirLostError
 from pipeflow.run import checkpoint, discover
 from pipeflow.run import run_dir as run_dirs
-from pipeflow.run.lock import RunLock
+from pipeflow.run.lock import Loss, RunLock, find_loss, lost_error
 
 
 @dataclass
@@ -32,6 +32,21 @@ class Workspace:
         """Give the run directory up (rank 0; a no-op elsewhere)."""
         if self.lock is not None:
             self.lock.release()
+
+    @property
+    def lost(self) -> bool:
+        """True once the lock's watch (rank 0) found the run directory or its lock gone or taken;
+        read at every step (an attribute: no file system access, no device sync)."""
+        return self.lock is not None and self.lock.lost is not None
+
+    def lost_error(self, step: int) -> RunDirLostError:
+        """What every rank raises when step `step`'s all-reduce says rank 0 lost the run directory:
+        rank 0's finding, or on the other ranks what they find themselves (the directory is shared)."""
+        loss = self.lock.lost if self.lock is not None else None
+        if loss is None:
+            loss = find_loss(self.run_dir, self.token) or Loss(
+                self.run_dir, f"rank 0 found that this job no longer holds run directory {self.run_dir}")
+        return lost_error(f"training stopped at step {step}", loss)
 
 
 def _source_key(cfg: DictConfig) -> str:
