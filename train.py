@@ -22,12 +22,12 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from pipeflow.run import guard
-from pipeflow.run.config import register_configs
+from pipeflow.run.config import check_values, register_configs
 from pipeflow.observability.console import setup_logging
 from pipeflow.runtime.distributed import choose_device, end_process_group, init_distributed
 from pipeflow.run.sweep import is_multirun, run_sweep_job
 from pipeflow.run.builder import build_run
-from pipeflow.run.signals import PREEMPTED_EXIT_CODE
+from pipeflow.run.signals import PREEMPTED_EXIT_CODE, leave_at_once_on, signal_numbers
 
 register_configs()
 
@@ -41,6 +41,7 @@ def main(cfg: DictConfig) -> None:
     backend, device = choose_device(cfg.dist.backend, cfg.dist.device)
     setup_logging(int(os.environ.get("RANK", "0")))
     try:  # a rank that never joins is named (comm.join_timeout_s), not waited for
+        check_values(cfg)  # counts and deadlines first: a bad comm.join_timeout_s is not a missing rank
         init_distributed(backend, device, cfg.comm.first_step_timeout_s, cfg.comm.join_timeout_s)
     except BaseException as exc:  # noqa: BLE001 - every failure is named and ends the process
         guard.fail(exc, int(os.environ.get("RANK", "0")))
@@ -52,7 +53,12 @@ def main(cfg: DictConfig) -> None:
     if dist.get_world_size() > 1:  # a rank that is not in a transfer leaves when another has failed
         watchers.append((training, guard.watch_for_failures(rank, stop=training)))
     try:
-        result = build_run(cfg, device).fit()
+        # a signal during start-up leaves at once (nothing trained yet); fit() saves on one from its first evaluation
+        startup = leave_at_once_on(signal_numbers(cfg.train.save_on_signal), rank, guard.leave)
+        try:
+            result = build_run(cfg, device).fit()
+        finally:
+            startup()  # from here a signal ends the process as usual: the run is over, or failed
         # Stop and join the failure watch (from here the store may go away with a rank that is
         # done), wait for every rank (bounded), then destroy the groups: a thread still in a store
         # call, or a group destroyed while a peer still uses it, aborts at exit (exit -6).

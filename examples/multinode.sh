@@ -2,11 +2,24 @@
 # Train on several machines: run this same command on every node (torchrun's c10d rendezvous
 # gathers them; any node's address can serve as the endpoint). Hydra overrides follow.
 #
-#   NNODES=2 NPROC=8 ENDPOINT=node0.example:29500 examples/multinode.sh parallel.dp=4 parallel.pp=4
+#   NNODES=2 NPROC=8 ENDPOINT=10.0.0.1:29500 examples/multinode.sh parallel.dp=4 parallel.pp=4
 #
-# Global rank = node rank * NPROC + local rank, and the ranks of one pipeline are consecutive
-# (pipeline rank r of replica d is global rank d * pp + r): with pp <= NPROC a pipeline stays
-# inside a node (P2P on NVLink), and only the once-per-step dp all-reduce crosses nodes.
+# It runs python -m pipeflow.launch (torchrun, plus): each node finds its own address on the
+# route to ENDPOINT and passes it as --local-addr (torchrun would publish the hostname, which
+# other hosts may not resolve, or which resolves to 127.0.0.1), sets GLOO_SOCKET_IFNAME and
+# NCCL_SOCKET_IFNAME to that interface unless you set them, and the node that owns ENDPOINT's
+# address hosts the rendezvous; a node that cannot reach ENDPOINT stops at once saying why.
+# Exit status: 0 done, 75 preempted (saved: run it again with train.resume=auto), else failed.
+#
+# Settings (environment):
+#   NNODES    nodes: N, or MIN:MAX for an elastic job (e.g. 1:2 survives losing a node)
+#   NPROC     processes per node (one per GPU)
+#   ENDPOINT  host:port of the rendezvous, on one of the nodes (an IP is safest)
+#   RUN_ID    the rendezvous id, the same on every node (default pipeflow)
+#   TORCHRUN_ARGS  more torchrun options (e.g. "--max-restarts 3")
+#   PYTHON    the interpreter (default python3)
+#
+# Global rank = node rank * NPROC + local rank; docs/scaling.md says where each rank's stage goes.
 # Checkpoints (train.save_every) need a directory every node sees (train.run_dir on a shared FS).
 set -euo pipefail
 NNODES=${NNODES:-2}
@@ -14,5 +27,6 @@ NPROC=${NPROC:-8}
 ENDPOINT=${ENDPOINT:?set ENDPOINT=host:port of one node}
 RUN_ID=${RUN_ID:-pipeflow}
 cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" \
-    --rdzv-backend c10d --rdzv-endpoint "$ENDPOINT" --rdzv-id "$RUN_ID" train.py "$@"
+# shellcheck disable=SC2086 # TORCHRUN_ARGS is a list of words
+exec "${PYTHON:-python3}" -m pipeflow.launch --nnodes "$NNODES" --nproc-per-node "$NPROC" \
+    --rdzv-backend c10d --rdzv-endpoint "$ENDPOINT" --rdzv-id "$RUN_ID" ${TORCHRUN_ARGS:-} train.py "$@"

@@ -16,7 +16,10 @@
 #   PIPEFLOW_RELAUNCH_DELAY_S  seconds between launches (default 2: the dead job's port is freed)
 #   PYTHON                 the interpreter (default python)
 # Each launch gets PIPEFLOW_ATTEMPT=0, 1, ... (fault drills: PIPEFLOW_FAULT_INJECT=...:attempt=0).
+# A launch that was preempted (SIGTERM from a scheduler: saved, status 75) is not relaunched here:
+# the script exits 75 at once, for the scheduler's requeue to continue the run on a new allocation.
 #
+# Each launch runs python -m pipeflow.launch (torchrun that exits 75 on a preemption).
 # Why not torchrun --max-restarts: on gloo, torch's own restart fails (static rendezvous: connection
 # refused; c10d: sometimes hangs in init_process_group), reproduced without pipeflow; a fresh
 # torchrun per attempt does not share that state.  On NCCL the same loop works unchanged.
@@ -29,8 +32,12 @@ for ((attempt = 0; attempt < attempts; attempt++)); do
     export PIPEFLOW_ATTEMPT=$attempt
     echo "[relaunch] launch $((attempt + 1)) of $attempts" >&2
     # shellcheck disable=SC2086 # torchrun_args is a list of words
-    "${PYTHON:-python}" -m torch.distributed.run $torchrun_args "$here/train.py" train.resume=auto "$@" && exit 0
+    "${PYTHON:-python}" -m pipeflow.launch $torchrun_args "$here/train.py" train.resume=auto "$@" && exit 0
     status=$?
+    if [ "$status" -eq 75 ]; then
+        echo "[relaunch] launch $((attempt + 1)) was preempted (saved); exiting with status 75" >&2
+        exit 75
+    fi
     echo "[relaunch] launch $((attempt + 1)) exited with status $status" >&2
     [ $((attempt + 1)) -lt "$attempts" ] && sleep "${PIPEFLOW_RELAUNCH_DELAY_S:-2}"
 done

@@ -188,3 +188,12 @@ def test_plan_calibration_refuses_a_run_of_another_pipeline(tmp_path) -> None:
                           f"plan.calibration={path}"])
     with pytest.raises(ConfigError, match="measured 2 pipeline ranks"):
         run_plan(cfg)
+
+
+def test_the_calibration_line_says_when_nothing_was_predicted_at_start() -> None:
+    from pipeflow.observability.calibrated import calibration_line
+
+    schedule, truth = known("1f1b", 4, 8, None)
+    cal = calibrate(schedule, log_of(schedule, truth, "ahead"), truth.boundary_bytes)
+    assert "predicted at start none (no profile), calibrated" in calibration_line(cal, 0.01, [0.01] * 4, math.nan, "c.json")
+    assert "predicted at start 12.0 ms, calibrated" in calibration_line(cal, 0.01, [0.01] * 4, 0.012, "c.json")

@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 
 from pipeflow.data import prepare
-from pipeflow.run import checkpoint, plan
+from pipeflow.run import checkpoint, launch, plan
 from pipeflow.schedules import compare, show
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMANDS: dict[str, Callable] = {
     "pipeflow.plan": plan.main,
     "pipeflow.checkpoint": checkpoint.main,
+    "pipeflow.launch": launch.main,
     "pipeflow.data.prepare": prepare.main,
     "pipeflow.schedules.compare": compare.main,
     "pipeflow.schedules.show": show.main,
@@ -46,6 +47,32 @@ def test_plan_help_shows_the_usage_the_groups_and_the_plan_keys(capsys: pytest.C
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m pipeflow.plan [key=value ...]")
     assert "schedule: 1f1b," in out and "memory_limit_gb:" in out and "parallel.pp" in out
+
+
+def test_plan_help_writes_every_keys_default_as_an_override_takes_it(capsys: pytest.CaptureFixture) -> None:
+    """A default made by a factory was shown as ``offload: <dataclasses._MISSING_TYPE object at 0x...>``
+    (issue 38): every plan.* key is listed with its default in YAML's flow style, and the comment
+    lines above a key in the schema's source come with it."""
+    import dataclasses
+
+    from pipeflow.run.config import PlanConfig
+
+    assert plan.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "object at 0x" not in out and "_MISSING_TYPE" not in out, out
+    keys = out.split("== The planner's keys (plan.<key>=value, defaults) ==\n")[1].split("\n\n")[0].splitlines()
+    shown = {line.split(":")[0]: line.split(": ", 1)[1].split("  #")[0] for line in keys if not line.startswith("#")}
+    assert list(shown) == [f.name for f in dataclasses.fields(PlanConfig)]
+    assert shown["offload"] == "[none]" and shown["top"] == "10" and shown["tp"] == "null", shown
+    assert keys[keys.index("offload: [none]") - 1].startswith("# null: measured on this machine's device")
+
+    @dataclasses.dataclass
+    class Made:
+        required: int
+        flags: dict = dataclasses.field(default_factory=lambda: {"a": True, "b": None})
+        steps: list = dataclasses.field(default_factory=lambda: [1, 2.5, "x"])
+
+    assert [plan.default_text(f) for f in dataclasses.fields(Made)] == ["???", "{a: true, b: null}", "[1, 2.5, x]"]
 
 
 def test_plan_refuses_an_unknown_option_with_its_usage(capsys: pytest.CaptureFixture) -> None:

@@ -59,13 +59,14 @@ def test_relaunch_loop_survives_a_killed_worker_and_matches_an_uninterrupted_run
     assert sorted(reference) == sorted(resumed) and all(torch.equal(reference[k], resumed[k]) for k in reference)
 
 
-def test_sigterm_to_torchrun_saves_at_the_next_step_and_resume_continues_there(tmp_path: Path) -> None:
+def test_sigterm_to_the_launcher_saves_at_the_next_step_exits_75_and_resume_continues_there(tmp_path: Path) -> None:
     """train.save_on_signal (default SIGTERM): what a cluster scheduler sends before it kills a job.
-    Every rank saves at the same step boundary, says so, and exits 75; train.resume=auto continues
-    from that step, so at most the step in flight is lost."""
+    Every rank saves at the same step boundary, says so, and exits 75, and so does the launcher
+    (python -m pipeflow.launch: torchrun alone exits 1); the run directory records the step;
+    train.resume=auto continues from that step, so at most the step in flight is lost."""
     run_dir = tmp_path / "run"
     long = [a for a in RUN if not a.startswith(("train.max_steps", "train.save_every"))]
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    args = [sys.executable, "-m", "pipeflow.launch", "--standalone", "--nproc-per-node", "2",
             str(ROOT / "train.py"), *long, "train.max_steps=100000", "train.save_every=0", f"train.run_dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PIPEFLOW_FAULT_INJECT", None)
@@ -86,8 +87,10 @@ def test_sigterm_to_torchrun_saves_at_the_next_step_and_resume_continues_there(t
     step = int(saved.group(1))
     logged = max(int(s) for s in re.findall(r"step\s+(\d+)/100000 \| loss", text))
     assert step >= logged + 1  # every step logged before the signal is in the checkpoint
-    assert re.search(r"exitcode\s*: 75", text) or "preempted" in text, text[-4000:]
+    assert job.returncode == 75 and f"[pipeflow.launch] preempted at step {step}: checkpoint " in text, text[-4000:]
+    assert (run_dir / "preempted").read_text().startswith(f"preempted at step {step}: ")
     resumed = subprocess.run([*args[:-3], "train.max_steps=%d" % (step + 2), "train.resume=auto", f"train.run_dir={run_dir}"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert re.search(rf"resumed from checkpoint \S+step_{step:08d} at step {step}", resumed.stdout + resumed.stderr)
+    assert not (run_dir / "preempted").exists()  # the run went on: no longer preempted

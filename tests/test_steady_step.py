@@ -128,6 +128,51 @@ def test_a_signal_saves_at_the_next_step_boundary_and_the_run_resumes(one_rank_g
     assert PREEMPTED_EXIT_CODE == 75
 
 
+def _signal_in_evaluation_call(trainer: Trainer, monkeypatch, call: int) -> None:
+    """Raise SIGUSR1 (as a scheduler would) while the trainer's `call`-th evaluation batch runs."""
+    evaluate, calls = trainer.pipeline.eval, [0]
+
+    def eval_and_signal(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == call:
+            signal.raise_signal(signal.SIGUSR1)
+        return evaluate(*args, **kwargs)
+    monkeypatch.setattr(trainer.pipeline, "eval", eval_and_signal)
+
+
+def _saved_steps(run_dir: Path) -> list[str]:
+    root = run_dir / "checkpoints"
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step_")) if root.exists() else []
+
+
+@pytest.mark.parametrize(("call", "stopped", "saved"), [
+    (5, 2, ["step_00000002"]),  # the 2nd batch of the evaluation after step 2 (3 batches each)
+    (1, 0, []),  # the first evaluation, before any step: nothing to save
+    (8, 4, ["step_00000004"]),  # the final evaluation, train.save_every=0: the last step is saved
+])
+def test_a_signal_during_an_evaluation_saves_at_its_next_batch_and_records_it(
+        one_rank_group, tmp_path, monkeypatch, call, stopped, saved) -> None:
+    trainer = _trainer(tmp_path, train__max_steps=4, train__save_every=0, train__eval_every=2,
+                       train__eval_batches=3, train__save_on_signal=["SIGUSR1"])
+    _signal_in_evaluation_call(trainer, monkeypatch, call)
+    result = trainer.fit()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+    assert result["preempted_at"] == stopped and _saved_steps(tmp_path) == saved
+    record = (tmp_path / "preempted").read_text()
+    assert record.startswith(f"preempted at step {stopped}: ")
+    assert ("nothing saved" in record) == (not saved)
+    if saved:
+        again = _trainer(tmp_path, train__max_steps=4, train__resume="auto")
+        assert again.resume() == stopped
+        assert all(torch.equal(a, b) for a, b in zip(trainer.params, again.params))
+
+
+def test_a_run_that_trains_again_clears_the_preemption_record(one_rank_group, tmp_path) -> None:
+    (tmp_path / "preempted").write_text("preempted at step 3: checkpoint x\n")
+    _trainer(tmp_path, train__max_steps=1).fit()
+    assert not (tmp_path / "preempted").exists()
+
+
 def test_save_on_signal_names() -> None:
     assert signal_numbers(["SIGTERM", "usr1"]) == [signal.SIGTERM, signal.SIGUSR1]
     assert signal_numbers(None) == signal_numbers(False) == signal_numbers([]) == []

@@ -82,8 +82,10 @@ def calibration_line(cal: Calibration, step_s: float, finish_s: list[float], pre
     """The comparison logged at the end: the step measured, predicted at start and calibrated, and
     each rank's end of program measured and calibrated."""
     ms = lambda xs: "/".join(f"{1e3 * x:.1f}" for x in xs)  # noqa: E731
+    # no time predicted at start (no profile: F = B = W units) is said so, not printed as nan
+    at_start = f"{1e3 * predicted_s:.1f} ms" if math.isfinite(predicted_s) else "none (no profile)"
     return (f"calibration over {cal.steps} steps ({cal.posting}): step measured {1e3 * cal.measured_step_s:.1f} ms, "
-            f"predicted at start {1e3 * predicted_s:.1f} ms, calibrated {1e3 * step_s:.1f} ms; end of program per "
+            f"predicted at start {at_start}, calibrated {1e3 * step_s:.1f} ms; end of program per "
             f"rank measured {ms(cal.measured_finish_s)} ms, calibrated {ms(finish_s)} ms; transfer "
             f"{1e3 * cal.latency_s:.3f} ms + {1e9 * cal.per_byte_s:.3f} ms/MB, tail {1e3 * cal.tail_s:.1f} ms; "
             f"costs in {path}")

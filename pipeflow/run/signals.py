@@ -3,6 +3,8 @@ with :data:`PREEMPTED_EXIT_CODE` (what a cluster scheduler sends before it kills
 from __future__ import annotations
 
 import logging
+import os
+import re
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -61,3 +63,75 @@ def catch_signals(numbers: list[int], on_signal: Callable[[str], None]) -> Calla
         for number, handler_before in previous.items():
             signal.signal(number, handler_before)
     return restore
+
+
+PREEMPTED_RECORD = "preempted"  # <run_dir>/preempted: "preempted at step N: ..." while a relaunch is due
+STATUS_FILE_ENV = "PIPEFLOW_STATUS_FILE"  # set by pipeflow's launcher: where rank 0 says how the job ended
+
+
+def record_preemption(run_dir: str | None, step: int | None, checkpoint: str | None) -> str:
+    """Rank 0: write ``<run_dir>/preempted`` (and the launcher's status file, where
+    ``PIPEFLOW_STATUS_FILE`` names one) saying ``preempted at step N``, so that a launcher or a
+    scheduler's script can tell a preemption (relaunch: exit 75, requeue) from a failure even
+    where torchrun's own status is 1.  Returns the line written; a write that fails is logged.
+
+    Args:
+        run_dir: the run directory (None: not known yet, only the launcher's file is written).
+        step: the step the job stopped at (a relaunch with ``train.resume=auto`` continues there);
+            None: during start-up, before the step to resume from was known.
+        checkpoint: the checkpoint folder that holds that step, or None (nothing trained yet).
+    """
+    held = f"checkpoint {checkpoint}" if checkpoint else "nothing saved: no step trained since the start"
+    at = f"step {step}" if step is not None else "start-up"
+    line = f"preempted at {at}: {held}; run directory {run_dir or 'not made yet'}\n"
+    for path in (run_dir and os.path.join(run_dir, PREEMPTED_RECORD), os.environ.get(STATUS_FILE_ENV)):
+        if not path:
+            continue
+        try:
+            with open(path, "w") as f:
+                f.write(line)
+        except OSError as exc:
+            log.warning("could not record the preemption in %s: %s", path, exc)
+    return line
+
+
+def clear_preemption(run_dir: str) -> None:
+    """Rank 0, when a run starts training: remove a ``<run_dir>/preempted`` left by the launch before."""
+    try:
+        os.remove(os.path.join(run_dir, PREEMPTED_RECORD))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("could not remove the old preemption record %s: %s", os.path.join(run_dir, PREEMPTED_RECORD), exc)
+
+
+def preemption_recorded(status_file: str) -> str | None:
+    """The line a launcher's status file (``PIPEFLOW_STATUS_FILE``) holds when the job was
+    preempted (``preempted at step N: ...``), or None (no preemption recorded)."""
+    try:
+        with open(status_file) as f:
+            text = f.read(4096)
+    except OSError:
+        return None
+    return text.strip() if re.match(r"preempted at (step \d+|start-up)", text) else None
+
+
+def leave_at_once_on(numbers: list[int], rank: int, leave: Callable[[int], None]) -> Callable[[], None]:
+    """Until training starts: a ``train.save_on_signal`` signal ends this process at once with
+    :data:`PREEMPTED_EXIT_CODE` (nothing was trained in this launch, so nothing is lost, and a
+    long start-up phase, a compile or a profile, never outlives the launcher's grace); returns a
+    function that restores the previous handlers.
+
+    Args:
+        numbers: the signals (:func:`signal_numbers`).
+        rank: this process's global rank (rank 0 records the preemption for the launcher).
+        leave: ends the process with the given status (flushing the logs first).
+    """
+    def on_signal(name: str) -> None:
+        log.warning("rank %d: %s during start-up, before the first step of this launch: nothing to save; leaving "
+                    "with status %d (the same command with train.resume=auto starts again)", rank, name,
+                    PREEMPTED_EXIT_CODE)
+        if rank == 0:
+            record_preemption(None, None, None)
+        leave(PREEMPTED_EXIT_CODE)
+    return catch_signals(numbers, on_signal)

@@ -6,9 +6,10 @@ micro-batches, hands them over, then finishes the step (clip, optimizer, log) on
 
 A steady step never makes the host wait for the device.  The global grad norm, the clip
 coefficient and the finite check stay on the device (one all-reduce carries the norm, the loss,
-per-stage non-finite flags and the preemption flag); with fused AdamW a non-finite step is
-skipped *on the device* (its ``found_inf``), and step t's loss and norm are read back one step
-late, while step t + 1 is already queued: an event wait, not a device drain.  A non-finite step
+per-stage non-finite flags, the preemption flag and rank 0's run-directory-lost flag); with
+fused AdamW a non-finite step is skipped *on the device* (its ``found_inf``), and step t's loss
+and norm are read back one step late, while step t + 1 is already queued: an event wait, not a
+device drain.  A non-finite step
 is raised there, named as before, before the next optimizer step and before any checkpoint.
 Without fused AdamW (ZeRO, ``optim.fused=false``) or with the fp16 loss scaler (whose next
 scale depends on this step's overflow) the values are read back in the step, before the update.
@@ -34,7 +35,7 @@ from pipeflow.run import checkpoint
 from pipeflow.run.compile_phase import CompilePhase
 from pipeflow.run.faults import FaultInjector
 from pipeflow.run.readback import PendingStep, StepValues, packet_on_host
-from pipeflow.run.signals import catch_signals, signal_names, signal_numbers
+from pipeflow.run.signals import catch_signals, clear_preemption, record_preemption, signal_names, signal_numbers
 from pipeflow.run.workspace import Workspace
 from pipeflow.runtime import distributed, failures
 from pipeflow.runtime import finite as nonfinite
@@ -132,6 +133,8 @@ class Trainer:
     compiled: CompilePhase | None = None  # train.compile: the start-up compile phase
     history: list[float] = field(default_factory=list)  # the loss of every step this run trained
     _signalled: str | None = field(default=None, init=False, repr=False)  # the train.save_on_signal signal received
+    _watching_signals: bool = field(default=False, init=False, repr=False)  # evaluations check for it
+    _saved: tuple[int, str] | None = field(default=None, init=False, repr=False)  # last saved or resumed: (step, folder)
 
     @property
     def is_main(self) -> bool:
@@ -174,8 +177,10 @@ class Trainer:
             )
         meta = {"dp": self.dp, "pp": self.mesh.pp, "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
         job = self.workspace.token if self.workspace is not None else ""
-        return checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer,
+        path = checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer,
                                meta, job=job)
+        self._saved = (step, path)
+        return path
 
     def resume(self) -> int:
         """Load the checkpoint ``train.resume`` names, if any; returns the step to start from.
@@ -192,8 +197,9 @@ class Trainer:
         meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer)
         self.scaler.load_state_dict(meta["scaler"])
         if self.is_main:
-            log.info("resumed from checkpoint %s at step %d (saved with dp=%s, pp=%s, shard=%s)", path, meta["step"],
-                     meta["dp"], meta["pp"], meta.get("shard", "none"))
+            log.info("resumed from checkpoint %s at step %d (saved with %s)", path, meta["step"],
+                     checkpoint.saved_layout(meta))
+        self._saved = (int(meta["step"]), path)
         return int(meta["step"])
 
     def describe(self) -> str:
@@ -258,6 +264,8 @@ class Trainer:
         zero = torch.zeros(1, device=self.device, dtype=torch.float64)
         own_loss = zero if loss is None else loss.detach().double().reshape(1) / self.pipelines
         preempt = zero + (1.0 if self._signalled else 0.0)
+        # rank 0's lock watch found the run directory gone or taken: every rank stops at this step
+        lost = zero + (1.0 if self.workspace is not None and self.workspace.lost else 0.0)
         # train.check_finite's flags: before the dp and tie sums, which would spread a NaN to other stages
         checked = [self.finite.local_flags().to(torch.float64)] if self.finite is not None else []
         if self.reducer is not None:  # before the tie sums: it writes back what it snapshotted
@@ -266,7 +274,7 @@ class Trainer:
         self.scaler.unscale_(self.params)
         with_grad = [p for p in self.params if p.grad is not None]
         norms = grad_norms([local(p.grad) for p in with_grad])
-        extra = torch.cat([own_loss, preempt, self._stage_flags(with_grad, norms), *checked])
+        extra = torch.cat([own_loss, preempt, lost, self._stage_flags(with_grad, norms), *checked])
         norm, reduced = clip_on_device(self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(),
                                        replicas=self.pipelines, norms=norms)
         return packet_on_host(step, lr, torch.cat([norm.reshape(1), reduced]))
@@ -290,11 +298,15 @@ class Trainer:
 
         Raises:
             NonFiniteError: NaN/Inf that the loss scaler does not explain.
+            RunDirLostError: rank 0's lock watch found the run directory or its lock gone or taken
+                (:mod:`pipeflow.run.lock`); every rank raises it at this step.
         """
         values = pending.values()
         S = self.schedule.num_stages
         norm, loss, preempt = values[0], values[1], values[2] > 0
-        grad_stages, checked = values[3:3 + S], values[3 + S:]
+        if values[3] > 0 and self.workspace is not None:
+            raise self.workspace.lost_error(pending.step)
+        grad_stages, checked = values[4:4 + S], values[4 + S:]
         # a non-finite step whose input batch holds NaN/Inf is named by its batch, not blamed on optim.lr
         with nonfinite.inputs_blamed(pending.step, lambda: self._microbatches(self.batches.train, pending.step)[0],
                                      self.schedule.num_microbatches, self.device):
@@ -395,8 +407,14 @@ class Trainer:
             return pending, done
         return None, done + [(pending, values)]
 
-    def evaluate(self) -> float:
-        """Mean loss over ``train.eval_batches`` held-out batches (forward only)."""
+    def evaluate(self) -> float | None:
+        """Mean loss over ``train.eval_batches`` held-out batches (forward only).
+
+        Returns:
+            The loss, or None when a ``train.save_on_signal`` signal reached some rank during it:
+            after each batch every rank learns that from one small all-reduce, so all of them
+            leave the evaluation at the same batch and the job saves within the launcher's grace.
+        """
         total = torch.zeros(1, device=self.device, dtype=torch.float64)
         for k in range(self.cfg.train.eval_batches):
             inputs, targets, weights = self._microbatches(self.batches.val, k)
@@ -404,8 +422,18 @@ class Trainer:
                 loss = self.pipeline.eval(inputs, targets, loss_weights=weights)
             if loss is not None:
                 total += loss.double()
+            if self._watching_signals and self._signal_reached_a_rank():
+                return None
         dist.all_reduce(total)  # the last stage of every pipeline holds its dp shard's mean loss
         return float(total) / (self.cfg.train.eval_batches * self.pipelines)
+
+    def _signal_reached_a_rank(self) -> bool:
+        """True on every rank when a ``train.save_on_signal`` signal reached any rank (one all-reduce
+        and a read-back: for phases between steps, which wait for the host anyway)."""
+        flag = torch.tensor([1.0 if self._signalled else 0.0], device=self.device)
+        with failures.context("the preemption check between evaluation batches"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
 
     def close(self) -> None:
         """Stop what runs beside the loop (the P2P watchdog's thread, joined) and release the run
@@ -441,20 +469,62 @@ class Trainer:
                 preempt |= self._record(previous, self.finish(previous))  # read back before what follows
                 previous = None
             if preempt:
-                distributed.saving_on_signal(True)  # a launcher that dies first must not end the save
-            if save or preempt:
-                path = self.save_checkpoint(step + 1)
-            if preempt:
-                if self.is_main:
-                    log.warning("preempted at step %d: saved %s (a signal of train.save_on_signal=%s reached a rank); "
-                                "the same command with train.resume=auto continues from here", step + 1, path,
-                                list(map(str, signal_names(cfg.save_on_signal))))
-                return step + 1
+                return self._leave_on_signal(step + 1, saved=None)
+            path = self.save_checkpoint(step + 1) if save else None
             if evaluate:
                 val = self.evaluate()
+                if val is None:
+                    return self._leave_on_signal(step + 1, saved=path, during="an evaluation")
                 if self.is_main:
                     log.info("step %4d | held-out loss %.4f", step + 1, val)
         return None
+
+    def _leave_on_signal(self, step: int, saved: str | None, during: str = "") -> int:
+        """Save the state after `step` (unless `saved` already holds it), say so, record it in the
+        run directory (:func:`pipeflow.run.signals.record_preemption`) and return `step`.
+
+        Args:
+            step: the steps trained so far; the checkpoint's step.
+            saved: the checkpoint of this step already written, or None.
+            during: the phase the signal stopped (``an evaluation``), for the message.
+        """
+        distributed.saving_on_signal(True)  # a launcher that dies first must not end the save
+        path = saved if saved is not None else self.save_checkpoint(step)
+        names = list(map(str, signal_names(self.cfg.train.save_on_signal)))
+        if self.is_main:
+            where = f" during {during}" if during else ""
+            log.warning("preempted at step %d%s: saved %s (a signal of train.save_on_signal=%s reached a rank); "
+                        "the same command with train.resume=auto continues from here", step, where, path, names)
+            record_preemption(self.run_dir, step, path)
+        return step
+
+    def _evaluate_and_train(self, start: int) -> tuple[int | None, float, float]:
+        """The first evaluation, the steps from `start`, the final evaluation, each of which a
+        ``train.save_on_signal`` signal ends with a save (nothing is saved before the first
+        step: the checkpoint resumed from, or nothing, already holds that state).
+
+        Returns:
+            (the step a signal stopped at, or None; the first held-out loss; the last one, NaN
+            when a signal stopped the run).
+        """
+        nan = float("nan")
+        first_val = self.evaluate()
+        if first_val is None:
+            if self.is_main:
+                log.warning("preempted at step %d during the first evaluation, before any step of this launch: "
+                            "nothing to save (%s); the same command with train.resume=auto starts from there", start,
+                            "the checkpoint resumed from holds it" if start else "nothing trained yet")
+                record_preemption(self.run_dir, start, None)
+            return start, nan, nan
+        preempted_at = self._train(start)
+        if preempted_at is not None:  # a preempted job saves and leaves: no final evaluation in the grace period
+            return preempted_at, first_val, nan
+        final_val = self.evaluate()
+        if final_val is None:
+            steps = self.cfg.train.max_steps
+            saved = self._saved[1] if self._saved is not None and self._saved[0] == steps else None
+            return self._leave_on_signal(steps, saved=saved, during="the final evaluation"), first_val, nan
+        return None, first_val, final_val
 
     def _on_signal(self, name: str) -> None:
         """A ``train.save_on_signal`` signal reached this rank: the next step's all-reduce carries it."""
@@ -486,15 +556,17 @@ class Trainer:
                 drawn = f"; sequence lengths drawn from {lengths[0]}..{lengths[1]}" if lengths is not None else ""
                 log.info("micro-batches of a step may differ in shape (each learned per step)%s", drawn)
         start = self.resume()
-        first_val = self.evaluate()
+        if self.is_main:
+            clear_preemption(self.run_dir)
         trained = len(self.history)
-        restore = catch_signals(signal_numbers(cfg.save_on_signal), self._on_signal)
-        try:
-            preempted_at = self._train(start)
+        numbers = signal_numbers(cfg.save_on_signal)
+        restore = catch_signals(numbers, self._on_signal)
+        self._watching_signals = bool(numbers)
+        try:  # every phase between the first and the last step saves and leaves on a signal
+            preempted_at, first_val, final_val = self._evaluate_and_train(start)
         finally:
+            self._watching_signals = False
             restore()
-        # a preempted job saves and leaves: no final evaluation in the launcher's grace period
-        final_val = self.evaluate() if preempted_at is None else float("nan")
         losses = self.history[trained:]
         first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val,

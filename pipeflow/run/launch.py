@@ -1,0 +1,281 @@
+"""``python -m pipeflow.launch [torchrun options] train.py [overrides]``: torchrun, and two things
+torchrun does not do.
+
+**A preemption is not a failure.**  The workers of a job stopped by a ``train.save_on_signal``
+signal save and exit 75, but torchrun itself reports a failed child (status 1): a relaunch
+script or a scheduler's requeue cannot tell.  This launcher runs torchrun in its own process
+(so a signal reaches torchrun once, whoever sends it), gives the workers a status file
+(``PIPEFLOW_STATUS_FILE``) in which rank 0 records ``preempted at step N``, and exits with
+:data:`~pipeflow.run.signals.PREEMPTED_EXIT_CODE` when it does.
+
+**Each node finds its own address** (``--nnodes`` above 1 with a c10d ``--rdzv-endpoint``).
+torchrun publishes the rank-0 node's ``socket.getfqdn()`` as ``MASTER_ADDR`` and gloo binds
+what the hostname resolves to, falling back to loopback; on hosts whose names do not resolve
+to each other, or resolve to 127.0.0.1, the job stops in the rendezvous or silently talks to
+itself.  The launcher asks the kernel which local address routes to the endpoint, passes it as
+``--local-addr``, sets ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` to its interface (unless
+set), and hosts the rendezvous (``--rdzv-conf is_host=1``) exactly when the endpoint is one of
+this node's own addresses.  Where it cannot, it stops at once with a :class:`LaunchError` that
+says what to set.  It also sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun's workers
+otherwise share the agent's store across restarts under a prefix made of each agent's own
+restart count, which differs between agents, and a restart reuses stale addresses
+(pytorch#135712); with it, each round's rank 0 hosts a fresh store on a fresh port.
+"""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import socket
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pipeflow.errors import LaunchError
+from pipeflow.run.signals import PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
+from pipeflow.runtime.hosts import interface_addresses
+
+USAGE = """usage: python -m pipeflow.launch [torchrun options] train.py [overrides ...]
+
+torchrun (python -m torch.distributed.run) with two additions:
+  * exit status 75 when the job was preempted (a train.save_on_signal signal: saved, relaunch
+    with train.resume=auto to continue), where torchrun alone reports 1 as for a failure;
+    0 when the job finished, torchrun's own status otherwise;
+  * on several nodes (--nnodes N or MIN:MAX with N, MAX > 1, --rdzv-backend c10d,
+    --rdzv-endpoint HOST:PORT) it finds this node's address on the route to the endpoint and
+    passes --local-addr, sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to that interface
+    (unless already set) and --rdzv-conf is_host=1 on the node that owns the endpoint's
+    address (is_host=0 elsewhere), and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (unless set:
+    each restart's workers get a fresh store, so no address of the attempt before is reused,
+    pytorch#135712).  Options given explicitly are left as they are.
+
+Every torchrun option is accepted (python -m torch.distributed.run --help lists them).
+Environment: PIPEFLOW_LAUNCH_VERBOSE=1 prints the address decisions.
+"""
+
+@dataclass(frozen=True)
+class NodeAddress:
+    """Where this node talks to the others.
+
+    Attributes:
+        address: the local IP the kernel routes to the endpoint from.
+        interface: the network interface that holds `address`.
+        hosts_endpoint: the endpoint's address is one of this node's own.
+    """
+
+    address: str
+    interface: str
+    hosts_endpoint: bool
+
+
+def option(argv: list[str], name: str) -> str | None:
+    """The value of torchrun option ``--name`` in `argv` (either spelling: dashes or underscores,
+    ``--opt value`` or ``--opt=value``), looking only before the training script; None if absent."""
+    spellings = {f"--{name}", f"--{name.replace('-', '_')}"}
+    for i, arg in enumerate(argv[:script_index(argv)]):
+        key, eq, value = arg.partition("=")
+        if key in spellings:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    return None
+
+
+# torchrun's options that take no value (torch.distributed.run.get_args_parser(), torch 2.11-2.14)
+_FLAGS = {"-h", "--help", "--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",
+          "--virtual-local-rank", "--virtual_local_rank"}
+
+
+def script_index(argv: list[str]) -> int:
+    """The index of the training script in `argv` (the first word that is neither an option nor
+    an option's value); len(argv) when there is none."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("-"):
+            return i
+        if "=" not in arg and arg not in _FLAGS:
+            i += 1  # the option's value
+        i += 1
+    return len(argv)
+
+
+def max_nodes(argv: list[str]) -> int:
+    """The largest node count ``--nnodes`` allows (``N`` or ``MIN:MAX``; 1 when absent)."""
+    text = option(argv, "nnodes") or "1"
+    try:
+        return int(text.rpartition(":")[2])
+    except ValueError:
+        raise LaunchError(f"--nnodes {text!r} is not N or MIN:MAX (e.g. --nnodes 2 or --nnodes 1:2)") from None
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too; port 29400 when absent, as torchrun) as (host, port)."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or "]" in port:
+        host, port = endpoint, "29400"
+    host = host.strip("[]")
+    try:
+        return host, int(port)
+    except ValueError:
+        raise LaunchError(f"--rdzv-endpoint {endpoint!r}: the port {port!r} is not a number") from None
+
+
+def resolve(host: str, what: str) -> str:
+    """`host`'s IPv4 address (an IP passes through).
+
+    Raises:
+        LaunchError: the name does not resolve on this node.
+    """
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except OSError as exc:
+        raise LaunchError(
+            f"{what} names host {host!r}, which does not resolve on this node ({socket.gethostname()}): {exc}; "
+            f"give the first node's IP address instead (ENDPOINT=10.0.0.1:29500), or add the name to /etc/hosts here"
+        ) from None
+
+
+def local_addresses() -> dict[str, str]:
+    """This node's IPv4 addresses, each with its interface (``{"10.0.0.2": "eth0", ...}``)."""
+    return {address: name for name, address in interface_addresses().items()}
+
+
+def route_source(ip: str, port: int) -> str:
+    """The local address the kernel would send from to reach `ip` (a UDP connect sends nothing).
+
+    Raises:
+        LaunchError: no route from this node to `ip`.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((ip, port))
+        except OSError as exc:
+            raise LaunchError(
+                f"no route from this node ({socket.gethostname()}) to the rendezvous endpoint {ip}:{port}: {exc}; "
+                f"give ENDPOINT an address of the first node that this node can reach (check `ip route get {ip}`)"
+            ) from None
+        return probe.getsockname()[0]
+
+
+def find_address(endpoint: str) -> NodeAddress:
+    """This node's address and interface on the route to `endpoint`, and whether it hosts it.
+
+    Raises:
+        LaunchError: the endpoint does not resolve, cannot be reached, or this node's address
+            for it is loopback while the endpoint is not.
+    """
+    host, port = split_endpoint(endpoint)
+    ip = resolve(host, f"--rdzv-endpoint {endpoint!r}")
+    mine = local_addresses()
+    source = route_source(ip, port)
+    interface = mine.get(source)
+    if interface is None:
+        raise LaunchError(f"this node routes to the endpoint {ip} from {source}, which no interface here holds "
+                          f"(seen: {mine}); pass --local-addr and set GLOO_SOCKET_IFNAME yourself")
+    if ipaddress.ip_address(source).is_loopback and not ipaddress.ip_address(ip).is_loopback:
+        raise LaunchError(f"this node would reach the endpoint {ip} over loopback ({source}); other nodes cannot "
+                          f"reach that address: give ENDPOINT the first node's address on the network between them")
+    return NodeAddress(source, interface, hosts_endpoint=ip in mine)
+
+
+def with_node_address(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str], NodeAddress | None]:
+    """`argv` and `env` with this node's address added (see the module's docstring), or as they
+    are on one node, without a c10d endpoint, or with a loopback endpoint (agents on one machine).
+
+    Returns:
+        (torchrun's arguments, the environment variables to add, the address found or None).
+    """
+    endpoint = option(argv, "rdzv-endpoint")
+    backend = option(argv, "rdzv-backend") or "static"
+    if max_nodes(argv) <= 1 or not endpoint or backend != "c10d":
+        return argv, {}, None
+    host, _ = split_endpoint(endpoint)
+    if ipaddress.ip_address(resolve(host, f"--rdzv-endpoint {endpoint!r}")).is_loopback:
+        return argv, {}, None  # several agents on one machine: loopback is right
+    node = find_address(endpoint)
+    cut = script_index(argv)
+    head, tail = list(argv[:cut]), argv[cut:]
+    if option(argv, "local-addr") is None:
+        head += ["--local-addr", node.address]
+    conf = option(argv, "rdzv-conf")
+    if conf is None:
+        head += ["--rdzv-conf", f"is_host={int(node.hosts_endpoint)}"]
+    elif "is_host" not in conf:
+        head = [_with_is_host(arg, node.hosts_endpoint) for arg in head]
+    added = {name: node.interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not env.get(name)}
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:  # a fresh store per rendezvous round (pytorch#135712)
+        added["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return head + tail, added, node
+
+
+def _with_is_host(arg: str, hosts: bool) -> str:
+    """An ``--rdzv-conf`` argument (or its value) with ``is_host`` appended; others unchanged."""
+    if arg.startswith(("--rdzv-conf=", "--rdzv_conf=")) or ("=" in arg and not arg.startswith("-")):
+        return f"{arg},is_host={int(hosts)}"
+    return arg
+
+
+@contextlib.contextmanager
+def status_file() -> Iterator[str]:
+    """A fresh file the workers' rank 0 writes its ending into (``PIPEFLOW_STATUS_FILE``)."""
+    handle, path = tempfile.mkstemp(prefix="pipeflow-status-", suffix=".txt")
+    os.close(handle)
+    try:
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _rendezvous_lost(exc: BaseException) -> bool:
+    """Whether torchrun failed because its rendezvous (its endpoint's host) went away."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__name__ in ("RendezvousConnectionError", "RendezvousClosedError"):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _say(text: str) -> None:
+    print(f"[pipeflow.launch] {text}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run torchrun with `argv`; returns 0 (finished), 75 (preempted and saved) or torchrun's status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    try:
+        argv, added, node = with_node_address(argv, dict(os.environ))
+    except LaunchError as exc:
+        _say(f"error: {exc}")
+        return 2
+    if node is not None and os.environ.get("PIPEFLOW_LAUNCH_VERBOSE"):
+        _say(f"this node: {node.address} on {node.interface}"
+             f"{', hosting the rendezvous' if node.hosts_endpoint else ''}; {added or 'socket interfaces as set'}")
+    os.environ.update(added)
+    from torch.distributed import run as torchrun  # late: --help and address errors need no torch
+
+    with status_file() as path:
+        os.environ[STATUS_FILE_ENV] = path
+        try:
+            torchrun.main(argv)
+            status = 0
+        except SystemExit as stop:
+            status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException as exc:  # noqa: BLE001 - torchrun's ChildFailedError, its SignalException
+            sigval = getattr(exc, "sigval", None)
+            status = 128 + int(sigval) if sigval is not None else 1
+            if _rendezvous_lost(exc):
+                _say(f"lost the rendezvous at {option(argv, 'rdzv-endpoint')} ({type(exc).__name__}): the node that "
+                     f"hosts it is gone, and with it this elastic job (torchrun cannot move a rendezvous); start the "
+                     f"job again on the nodes left, with ENDPOINT on one of them and train.resume=auto (the newest "
+                     f"verified checkpoint is taken)")
+        preempted = preemption_recorded(path)
+    if preempted is not None:
+        _say(f"{preempted}; exiting with status {PREEMPTED_EXIT_CODE} (relaunch with train.resume=auto to continue)")
+        return PREEMPTED_EXIT_CODE
+    return status
