@@ -85,12 +85,19 @@ class RunDirLockedError(PipeflowError, RuntimeError):
 
 
 class RunDirLostError(RunDirLockedError):
-    """This job's run directory or its lock vanished, or the lock now belongs to another job (seen
-    at a save, which is refused); the message names the directory, what was found and what to do."""
+    """This job's run directory, its lock or the checkpoints folder it saved into vanished, or the
+    lock now belongs to another job (seen at a save, which is refused, or within seconds by rank 0's
+    lock watch, which stops every rank at the next step); the message names the directory, what
+    was found and what to do."""
 
 
 class JoinTimeoutError(CommError):
     """Not every rank joined the process group within ``comm.join_timeout_s``; names the missing ranks."""
+
+
+class LaunchError(PipeflowError, RuntimeError):
+    """The launcher (``python -m pipeflow.launch``) cannot start this node: an endpoint that does
+    not resolve, no route to it, an address other hosts cannot reach; the message names the fix."""
 
 
 class OffloadError(PipeflowError, RuntimeError):

@@ -302,3 +302,77 @@ def dp_peer_stops_answering() -> str:
         return "took no part"
     reducer = GradReducer({3: _OneLayer()}, group, 2)
     return _error(reducer.finish)
+
+
+class _SplitBlock(torch.nn.Module):
+    """fc1 split by columns, fc2 by rows over the tp ranks: fc2's output is all-reduced over them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def tp_peer_lost() -> str:
+    """A tp group of both ranks splits stage 0 of each rank's own two-stage pipeline; after a clean
+    step rank 1 stops taking part (a lost peer, as a cut-off host is: no reset) and rank 0's next
+    step meets gloo's raw timeout inside a layer (its tp group's deadline lowered to 1 s): it must
+    name the tensor-parallel collective and the tp group, not blame the layer."""
+    import datetime
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from pipeflow.models.spec import LayerSpec, ModelSpec
+    from pipeflow.runtime.tensor_parallel import parallelize_stages
+    from pipeflow.runtime.timeouts import set_group_timeout
+
+    tp = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
+    spec = ModelSpec("split", [LayerSpec("block", _SplitBlock, ()), LayerSpec("head", torch.nn.Linear, (8, 4))],
+                     loss_fn=lambda o, t: ((o - t) ** 2).mean(), tp_plan={"fc1": "colwise", "fc2": "rowwise"})
+    ranges = partition_layers(2, 2)
+    stages = build_stages(spec, ranges, [0, 1], dtype=torch.float64)
+    parallelize_stages(spec, {0: stages[0]}, ranges, DeviceMesh.from_group(tp, "cpu", mesh_dim_names=("tp",)), False)
+    schedule = build_schedule("interleaved_1f1b", 1, 2, stages_per_rank=2)
+    pipe = Pipeline(stages, schedule, P2PComm(_own_group(), torch.device("cpu"), timeout_s=10.0))
+    x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    pipe.run([(mb,) for mb in x.chunk(2)], list(y.chunk(2)))  # both tp ranks take part
+    dist.barrier()
+    if dist.get_rank() == 1:
+        return "stopped"
+    set_group_timeout(tp, 1.0)
+    return _error(lambda: pipe.run([(mb,) for mb in x.chunk(2)], list(y.chunk(2))))
+
+
+def _layer_with_nan_weights() -> torch.nn.Module:
+    """A layer whose loading fails as NaN in a weights file does (model=hf, model.init_from)."""
+    from pipeflow.errors import CheckpointError
+
+    raise CheckpointError("layer 'head': tensor 'lm_head.weight' in /models/x/model.safetensors holds 1 NaN and 0 Inf")
+
+
+def weights_error_in_the_profile() -> str:
+    """Rank 0 profiles every layer, so it alone builds (and loads) layer 'head', which fails: every
+    rank must raise that error, not rank 0 alone with rank 1 left in the profiles' broadcast."""
+    from pipeflow.models.spec import LayerSpec, ModelSpec
+    from pipeflow.planning.layout import choose_layout
+
+    spec = ModelSpec("damaged", [LayerSpec("body", torch.nn.Linear, (4, 4)), LayerSpec("head", _layer_with_nan_weights)],
+                     loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    pipeline = OmegaConf.create({"balance": "uniform", "split_points": None, "profile": True})
+    schedule = build_schedule("1f1b", 2, 2)
+    return _error(lambda: choose_layout(spec, schedule, pipeline, torch.zeros(2, 4), torch.device("cpu"), torch.float32))
+
+
+def weights_error_in_one_ranks_build() -> str:
+    """pipeline.profile=false: only rank 1 builds layer 'head', whose weights hold NaN; the build
+    is agreed over the world (one all-gather), so rank 0 raises rank 1's error too."""
+    from pipeflow.run.builder import built_on_every_rank
+
+    def build() -> dict:
+        if dist.get_rank() == 1:
+            _layer_with_nan_weights()
+        return {0: "stage 0"}
+
+    return _error(lambda: built_on_every_rank(build))

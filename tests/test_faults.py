@@ -21,6 +21,7 @@ import fault_cases as cases
 from checkpoint_cases import (  # noqa: F401 - save-failure tests, run on this module's world
     test_a_full_disk_on_one_rank_names_its_errno_on_every_rank_and_removes_the_partial_folder,
     test_a_peer_lost_during_a_save_is_a_named_checkpoint_error,
+    test_a_run_dir_removed_while_training_stops_every_rank_at_the_same_step,
     test_a_save_with_a_lost_or_foreign_lock_stops_every_rank_and_writes_nothing,
     test_the_saves_collectives_wait_with_the_steady_deadline_after_the_first_step,
 )
@@ -49,11 +50,61 @@ ROOT = Path(__file__).resolve().parents[1]
         (["comm.recvs_ahead=sometimes"], r"comm.recvs_ahead='sometimes' must be true, false or auto"),
         (["comm.recvs_ahead=1"], r"comm.recvs_ahead=1 must be true, false or auto"),
         (["parallel.shard=zero3"], r"parallel.shard='zero3' is unknown; valid: none, optimizer, full"),
+        (["parallel.dp=auto"], r"parallel.dp=auto needs parallel.pp .*parallel.pp=2"),
+        (["parallel.dp=auto", "parallel.pp=3"], r"parallel.dp=auto: parallel.pp=3 = 3 ranks per replica does not divide"),
+        (["parallel.dp=two"], r"parallel.dp='two' must be a whole number"),
+        # issue 38: counts below their least value were accepted (tp=0 ran as tp 1) or blamed another key
+        (["parallel.tp=0"], r"^parallel.tp=0 must be at least 1 \(ranks per stage; 1: no tensor parallelism\)$"),
+        (["parallel.pp=0"], r"^parallel.pp=0 must be at least 1 \(pipeline ranks; null: world size"),
+        (["parallel.dp=0"], r"^parallel.dp=0 must be at least 1 \(data-parallel replicas; auto: world size / \(pp x tp\)\)$"),
+        (["pipeline.stages_per_rank=0"], r"^pipeline.stages_per_rank=0 must be at least 1 \(model chunks per rank"),
+        (["train.log_every=0"], r"^train.log_every=0 must be at least 1"),
+        (["train.eval_every=-1"], r"^train.eval_every=-1 must be >= 0 \(0: never evaluate\)$"),
+        (["train.eval_batches=-1"], r"^train.eval_batches=-1 must be >= 0"),
+        (["metrics.timed_every=0"], r"^metrics.timed_every=0 must be at least 1"),
+        (["comm.first_step_timeout_s=nan"], r"^comm.first_step_timeout_s=nan must be > 0 seconds \(default 900\)$"),
+        (["comm.join_timeout_s=inf"], r"^comm.join_timeout_s=inf must be a finite number of seconds \(default 120\)"),
     ],
 )
 def test_config_errors_say_what_to_change(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         check_config(compose_config(*overrides), world_size=2)
+
+
+class _Failed(Exception):
+    """What the stand-in for guard.fail raises, carrying the error train.py would have reported."""
+
+
+def test_train_py_refuses_bad_deadlines_and_counts_before_joining(monkeypatch: pytest.MonkeyPatch) -> None:
+    """comm.join_timeout_s=0 was reported on rank 0 as 'rank 0, which hosts it, never arrived'
+    (issue 38): train.py checks the counts and deadlines before it joins, naming the key, and the
+    join itself refuses a deadline that is no deadline."""
+    import importlib.util
+    import types
+
+    from pipeflow.runtime.distributed import join_store
+
+    spec = importlib.util.spec_from_file_location("pipeflow_train_entry", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    joined: list[tuple] = []
+
+    def fail(exc: BaseException, rank: int) -> None:
+        raise _Failed(exc)
+
+    monkeypatch.setattr(train, "init_distributed", lambda *args: joined.append(args))
+    monkeypatch.setattr(train.guard, "fail", fail)
+    monkeypatch.setattr(train, "setup_logging", lambda rank: None)
+    monkeypatch.setattr(train, "faulthandler", types.SimpleNamespace(enable=lambda **kw: None))
+    for override, message in [("comm.join_timeout_s=0", r"^comm.join_timeout_s=0.0 must be > 0 seconds"),
+                              ("parallel.tp=0", r"^parallel.tp=0 must be at least 1")]:
+        with pytest.raises(_Failed) as caught:
+            train.main(compose_config(override))  # Hydra's main runs a config handed to it as is
+        error = caught.value.args[0]
+        assert isinstance(error, ConfigError) and re.match(message, str(error)), error
+    assert joined == []  # no rank waited for a peer, nor blamed one
+    with pytest.raises(ConfigError, match=r"^comm.join_timeout_s=0.0 must be a finite number of seconds > 0"):
+        join_store(0, 2, 0.0)
 
 
 def _with_resume(value: str):
@@ -68,6 +119,12 @@ def test_resume_must_be_auto_or_an_existing_path(tmp_path: Path) -> None:
         check_config(_with_resume("/no/such/ckpt"), world_size=2)
     assert check_config(_with_resume("auto"), world_size=2) == (1, 2)
     assert check_config(_with_resume(str(tmp_path)), world_size=2) == (1, 2)
+
+
+def test_parallel_dp_auto_fills_the_world_with_replicas_of_the_pipeline() -> None:
+    cfg = compose_config("parallel.dp=auto", "parallel.pp=2", "data.batch_size=32")
+    assert [check_config(cfg, world) for world in (2, 4, 8)] == [(1, 2), (2, 2), (4, 2)]
+    assert check_config(compose_config("parallel.dp=auto", "parallel.pp=1", "parallel.tp=2", "data.batch_size=16"), 4) == (2, 1)
 
 
 def test_existing_paths_pass(tmp_path: Path) -> None:
@@ -171,6 +228,8 @@ def _world_cases() -> list[tuple[str, object]]:
         ("same-config", functools.partial(cases.config_agreement, False)),
         ("config-mismatch", functools.partial(cases.config_agreement, True)),
         ("program-mismatch", cases.program_agreement),
+        ("weights-in-profile", cases.weights_error_in_the_profile),
+        ("weights-in-one-build", cases.weights_error_in_one_ranks_build),
         ("fault-raise", functools.partial(cases.stage_fault, "raise")),
         ("fault-oom", functools.partial(cases.stage_fault, "oom")),
         ("fault-dtype", functools.partial(cases.stage_fault, "dtype")),
@@ -186,6 +245,7 @@ def _world_cases() -> list[tuple[str, object]]:
         ("nan-input", functools.partial(cases.nan_input_blamed, True)),
         ("finite-input", functools.partial(cases.nan_input_blamed, False)),
         ("dp-peer-stops", cases.dp_peer_stops_answering),
+        ("tp-peer-lost", cases.tp_peer_lost),
         *checkpoint_cases.WORLD_CASES,
     ]
 
@@ -213,6 +273,16 @@ def test_ranks_started_with_different_overrides_stop_with_the_difference(world) 
         assert "comm.timeout_s: 300.0 on rank 0; 60.0 on rank 1" in text
         assert re.search(r"config hashes: [0-9a-f]{12} on rank 0; [0-9a-f]{12} on rank 1", text)
         assert "train.run_dir" not in text  # differs too, but rank 0's is broadcast
+
+
+def test_a_weights_error_found_by_one_rank_is_raised_on_every_rank(world) -> None:
+    """Issue 38: a layer whose loaded weights hold NaN (or lack a tensor) was named by the one rank
+    that loads it: rank 0, which profiles every layer (rank 1 then waited in the profiles'
+    broadcast for a CommError), or with pipeline.profile=false the rank that owns the layer."""
+    for name in ("weights-in-profile", "weights-in-one-build"):  # pipeline.profile=true (default), false
+        for text in _values(world[name]):
+            assert text.startswith("CheckpointError: layer 'head': tensor 'lm_head.weight' in /models/x/model.safetensors "
+                                   "holds 1 NaN"), (name, text)
 
 
 def test_ranks_that_built_different_schedules_stop_before_communicating(world) -> None:
@@ -326,6 +396,17 @@ def test_a_dp_peer_that_stops_answering_is_a_named_comm_error(world) -> None:
     assert text.startswith("CommError: rank 0: the data-parallel gradient all-reduce of stage 3 (bucket 1 of this "
                            "step, 0.00 MiB) over global ranks [0, 1] failed: no answer within the group's timeout: "
                            "a peer in it stopped (SIGSTOP)"), text
+    assert "The backend said: " in text and text.endswith("| cause: RuntimeError"), text
+
+
+def test_a_lost_tp_peer_is_a_comm_error_naming_the_tp_group_not_the_layer(world) -> None:
+    """Issue 38: a killed tensor-parallel peer was a layer's ``StageError ...: RuntimeError: gloo
+    Read error`` naming neither the tp group nor a lost peer."""
+    text, other = _values(world["tp-peer-lost"])
+    assert other == "stopped"
+    assert text.startswith("CommError: rank 0: the tensor-parallel collective at pipeline rank 0, stage "), text
+    assert ("(this rank's layers are split over its tp group) over global ranks [0, 1] failed: no answer within the "
+            "group's timeout") in text, text
     assert "The backend said: " in text and text.endswith("| cause: RuntimeError"), text
 
 

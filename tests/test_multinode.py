@@ -31,6 +31,6 @@ def test_two_nodes_train_and_a_single_node_resumes_with_another_dp(tmp_path: Pat
     run = torchrun(2, *SMALL, "pipeline.num_microbatches=2", "train.max_steps=45", "train.eval_every=0",
                    "train.resume=auto", f"train.run_dir={tmp_path}")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "at step 40 (saved with dp=2, pp=2, shard=none)" in run.stdout, run.stdout[-3000:]
+    assert "at step 40 (saved with dp=2, pp=2, tp=1, shard=none (4 processes))" in run.stdout, run.stdout[-3000:]
     resumed_first = float(re.search(r"loss ([\d.]+) -> ([\d.]+) \|", run.stdout).group(1))
     assert resumed_first < first - 0.3  # it continued from the trained weights

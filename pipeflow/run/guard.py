@@ -10,13 +10,16 @@ Naming where a failure happened (stage, micro-batch, transfer) is the runtime's
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -26,7 +29,7 @@ from omegaconf import OmegaConf
 from pipeflow.errors import (
     CheckpointError, ConfigError, ConfigMismatchError, JoinTimeoutError, RunDirLockedError, ScheduleError,
 )
-from pipeflow.runtime import failures
+from pipeflow.runtime import failures, hosts
 
 log = logging.getLogger("pipeflow")
 
@@ -226,9 +229,13 @@ def watch_for_failures(
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     stop = stop if stop is not None else threading.Event()
 
+    beat = heartbeat_key(rank)
+
     def watch() -> None:
         while not stop.wait(poll_s):
             try:
+                if beat is not None:
+                    store.add(beat, 1)
                 if not store.check([FIRST_FAILURE_KEY]):
                     continue
                 first = store.get(FIRST_FAILURE_KEY).decode()
@@ -236,15 +243,68 @@ def watch_for_failures(
                 if stop.is_set():
                     return
                 first = f"unknown: the rendezvous store is gone ({type(exc).__name__}); its host (rank 0 or the launcher) ended"
-            if first.startswith(f"rank {rank}:"):  # this rank's own failure: fail() is ending it
+            if first.startswith(f"rank {rank}:") or _FAILING.is_set():  # fail() is ending this rank
                 return
             log.error("rank %d: leaving because the job failed elsewhere; %s", rank, first_failure_note(first))
+            _say_lost_hosts(rank, store)
             _flush()
             os._exit(1)
 
     thread = threading.Thread(target=watch, name="pipeflow-failure-watch", daemon=True)
     thread.start()
     return thread
+
+
+_FAILING = threading.Event()  # set by fail(): the failure watch leaves the ending to it
+HEARTBEAT_PREFIX = "pipeflow/alive/"  # + a host's first global rank: a count its failure watch raises every poll
+LOST_PROBE_S = 2.5  # how long a failing rank watches the other hosts' heartbeats (two polls and a half)
+
+
+def heartbeat_key(rank: int) -> str | None:
+    """The heartbeat this rank keeps for its host (the first rank of each host keeps one), on
+    several hosts only; else None."""
+    table = hosts.table()
+    if len(table.hosts) < 2:
+        return None
+    mine = table.host_of(rank)
+    return f"{HEARTBEAT_PREFIX}{mine[2][0]}" if mine is not None and mine[2][0] == rank else None
+
+
+def lost_hosts(rank: int, store: Any = None, probe_s: float = LOST_PROBE_S) -> str | None:
+    """On several hosts: which hosts stopped answering (their heartbeats did not move over
+    `probe_s`), as a line naming each with its address and global ranks; a line saying this
+    host is cut off when the store cannot be reached; None on one host or when all answer.
+    Never raises; returns within about ``2 * probe_s``."""
+    table = hosts.table()
+    if len(table.hosts) < 2:
+        return None
+    found: list[str] = []
+
+    def probe() -> None:
+        try:
+            st = store if store is not None else dist.distributed_c10d._get_default_store()
+            keys = [f"{HEARTBEAT_PREFIX}{ranks[0]}" for _, _, ranks in table.hosts]
+            beat, mine = heartbeat_key(rank), table.host_of(rank)
+            before = [st.add(k, 0) for k in keys]
+            for _ in range(2):  # this host's heartbeat goes on while its keeper probes
+                if beat is not None:
+                    st.add(beat, 1)
+                time.sleep(probe_s / 2)
+            after = [st.add(k, 0) for k in keys]
+            gone = [(name, bind, ranks) for (name, bind, ranks), a, b in zip(table.hosts, before, after)
+                    if a == b and (name, bind, ranks) != mine]
+            if gone:
+                found.append("lost host" + ("s " if len(gone) > 1 else " ") + "; ".join(
+                    f"{name} ({bind}, global ranks {hosts.rank_ranges(ranks)})" for name, bind, ranks in gone)
+                    + f": no heartbeat for {probe_s:g} s (its processes died, or its network is cut off)")
+        except Exception as exc:  # noqa: BLE001 - reporting must never hide the real error
+            mine = table.host_of(rank)
+            found.append(f"the rendezvous store cannot be reached from host {mine[0] if mine else '?'} "
+                         f"({type(exc).__name__}): this host is cut off, or the store's host is lost")
+    thread = threading.Thread(target=probe, name="pipeflow-lost-hosts", daemon=True)
+    thread.start()
+    thread.join(2 * probe_s)
+    return found[0] if found else None
 
 
 def _flush() -> None:
@@ -280,6 +340,7 @@ def fail(exc: BaseException, rank: int) -> NoReturn:
     A backend's raw failure of a collective that reached here unnamed (outside a training step)
     is logged and shared as a named ``CommError`` (:func:`pipeflow.runtime.failures.collective_failure`).
     """
+    _FAILING.set()
     exc = named_failure(exc)
     first = record_failure(exc, rank)
     if isinstance(exc, MESSAGE_SAYS_ALL):
@@ -288,5 +349,22 @@ def fail(exc: BaseException, rank: int) -> NoReturn:
         log.error("rank %d failed with %s; its traceback ends with the message:", rank, type(exc).__name__, exc_info=exc)
     if first is not None:
         log.error("rank %d: %s", rank, first_failure_note(first))
+    if failures.is_peer_failure(exc):
+        _say_lost_hosts(rank)
     _flush()
     os._exit(1)
+
+
+def _say_lost_hosts(rank: int, store: Any = None) -> None:
+    """Log :func:`lost_hosts` (on several hosts).  While it watches, a SIGTERM (the launcher
+    stopping the workers that are left) is ignored: this process ends right after anyway."""
+    if len(hosts.table().hosts) < 2:
+        return
+    with contextlib.suppress(ValueError):  # not the main thread: then the launcher may end it first
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    lost = lost_hosts(rank, store)
+    if lost is not None:
+        log.error("rank %d: %s", rank, lost)
+    if rank == 0:  # it may host the store: the others' probes, started a little later, still need it
+        _flush()
+        time.sleep(LOST_PROBE_S / 2)

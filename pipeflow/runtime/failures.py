@@ -1,7 +1,8 @@
 """Naming the culprit: a failure inside a stage or a transfer says where it happened.
 
 * :func:`stage_failure`: a user's layer that raised (or ran out of memory) becomes a
-  :class:`StageError` naming rank, stage, micro-batch and action.
+  :class:`StageError` naming rank, stage, micro-batch and action; a backend failure of a
+  tensor-parallel collective inside a layer a :class:`CommError` naming the tp group.
 * :func:`with_progress` / :func:`context`: a failed transfer also says what this rank had
   already done and during which training step.
 * :func:`collective_failure` / :func:`collective`: a collective that the backend failed (a peer
@@ -20,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import CommError, PipeflowError, StageError, StageOutOfMemoryError
+from pipeflow.runtime import hosts
+from pipeflow.runtime.tensor_parallel import tensor_parallel_ranks
 
 OOM_HINTS = (
     "To fit: use smaller micro-batches (more pipeline.num_microbatches for the same data.batch_size), "
@@ -67,12 +70,16 @@ def memory_report(stages: Mapping[int, Any], device: torch.device) -> str:
     return "; ".join(parts)
 
 
-def stage_failure(exc: BaseException, where: str, stages: Mapping[int, Any], device: torch.device) -> StageError:
+def stage_failure(exc: BaseException, where: str, stages: Mapping[int, Any], device: torch.device) -> PipeflowError:
     """The error to raise for `exc`, raised by a user's layer at `where` (rank, stage, micro-batch, action).
 
     Out-of-memory becomes a :class:`StageOutOfMemoryError` with :func:`memory_report` and
-    :data:`OOM_HINTS`; anything else a :class:`StageError`.  Raise it ``from exc``.
+    :data:`OOM_HINTS`; a backend's failure with layers split over a tp group a :class:`CommError`
+    (:func:`tensor_parallel_failure`); anything else a :class:`StageError`.  Raise it ``from exc``.
     """
+    lost = tensor_parallel_failure(exc, where, stages)
+    if lost is not None:
+        return lost
     first_line = (str(exc).splitlines() or [""])[0]
     if is_out_of_memory(exc):
         return StageOutOfMemoryError(
@@ -80,6 +87,23 @@ def stage_failure(exc: BaseException, where: str, stages: Mapping[int, Any], dev
             f"  memory: {memory_report(stages, device)}\n  {OOM_HINTS}"
         )
     return StageError(f"{where}: {type(exc).__name__}: {exc}")
+
+
+def tensor_parallel_failure(exc: BaseException, where: str, stages: Mapping[int, Any]) -> CommError | None:
+    """For a backend's failure (:func:`is_backend_failure`) met inside the layers of `stages` when
+    they are split over a tp group: a :class:`CommError` naming the tensor-parallel collective, the
+    group's global ranks and whether a peer left or stopped answering.  None for anything else.
+
+    `where` says where it was met: tp collectives are waited for lazily, so the one that failed may
+    belong to an earlier layer of this rank than the action named.
+    """
+    if not is_backend_failure(exc):
+        return None
+    ranks = tensor_parallel_ranks(stages.values())
+    if ranks is None:
+        return None
+    what = f"the tensor-parallel collective at {where} (this rank's layers are split over its tp group)"
+    return collective_failure(exc, what, ranks)
 
 
 def progress_note(program: Sequence[Any], position: int, last: int = 4) -> str:
@@ -149,6 +173,12 @@ def is_backend_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(sign in str(exc) for sign in BACKEND_SIGNS)
 
 
+def is_peer_failure(exc: BaseException) -> bool:
+    """True for a failure that a lost or unreachable peer can cause: a named ``CommError`` (a
+    transfer, a collective, a save's peer) or a backend's raw failure of a communication."""
+    return isinstance(exc, CommError) or is_backend_failure(exc)
+
+
 def collective_failure(exc: BaseException, what: str, ranks: Sequence[int] | None = None) -> CommError:
     """The error for collective `what` (over global `ranks`, when known) that the backend failed
     with `exc`: which collective, on which rank, whether a peer left or stopped answering.
@@ -164,7 +194,7 @@ def collective_failure(exc: BaseException, what: str, ranks: Sequence[int] | Non
     return CommError(
         f"rank {rank}: {what}{over} failed: {why}. Look for the rank that failed first: the job's first "
         f"failure (logged after this, when a rank recorded one), or the launcher's exitcode lines for a rank "
-        f"killed outright. The backend said: {text}"
+        f"killed outright. The backend said: {text}{hosts.of_addresses(text)}"
     )
 
 

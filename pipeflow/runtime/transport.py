@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import CommError, PipelineTimeoutError, UnsendableDtypeError
-from pipeflow.runtime import timeouts
+from pipeflow.runtime import hosts, timeouts
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -361,7 +361,7 @@ class P2PComm:
                 f"A peer is stuck, dead or running a different program; raise comm.timeout_s if "
                 f"the step is just slow. Backend said: {text.splitlines()[0] if text else ''}"
             )
-        return CommError(f"{where}: batched P2P call failed while trying to {what}: {text}")
+        return CommError(f"{where}: batched P2P call failed while trying to {what}: {text}{hosts.of_addresses(text)}")
 
     def send_metas(self, peer: int, plan: Sequence[Sequence[TensorMeta]], what: str = "") -> None:
         """Send the tensor metadata of one or more micro-batches to `peer` (one small batched send

@@ -1,0 +1,134 @@
+"""Drill: lose a host at a random step, N times, and check the elastic job survives every time.
+
+Two emulated hosts (examples/emulated_hosts.py; root) x 2 ranks each run one elastic job:
+
+    NNODES=1:2 TORCHRUN_ARGS="--max-restarts 3" examples/multinode.sh \
+        parallel.pp=2 parallel.dp=auto train.resume=auto train.save_every=10 ...
+
+and host 1 is killed (every process of its namespace) once the job has logged a step drawn at
+random.  Each trial prints whether the job finished (status 0), the seconds from the kill to the
+first step of the restarted job, the steps lost (the step killed at minus the step resumed
+from) and whether every step's loss from the resumed step on equals that of an uninterrupted
+run in one process (float64, as printed).  Exit status 1 when any trial fails.
+
+    python benchmarks/node_loss_drill.py --trials 10
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from hosts import SMALL64, launch_on_hosts, step_losses  # noqa: E402
+from examples.emulated_hosts import EmulatedHosts, unavailable  # noqa: E402
+
+# rendezvous knobs that bound the recovery: a lost node's restart re-rendezvouses within
+# last_call_timeout once the survivors are there; join_timeout bounds waiting for the minimum
+RDZV = "--max-restarts 3 --rdzv-conf join_timeout=60,last_call_timeout=2"
+
+
+def overrides(run_dir: str, steps: int, save_every: int) -> list[str]:
+    """The drill's job: a tiny float64 GPT, pp 2 x dp auto, saving every `save_every` steps."""
+    return [*SMALL64, f"train.max_steps={steps}", f"train.save_every={save_every}", "train.resume=auto",
+            f"train.run_dir={run_dir}", "parallel.pp=2", "parallel.dp=auto", "pipeline.num_microbatches=2"]
+
+
+def reference(steps: int, workdir: str) -> dict[int, float]:
+    """Per-step losses of the same job uninterrupted, in one process."""
+    run_dir = os.path.join(workdir, "reference")
+    done = subprocess.run([sys.executable, "train.py", *overrides(run_dir, steps, 0)[:-3], "pipeline.num_microbatches=2",
+                           f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if done.returncode != 0:
+        raise SystemExit(f"the reference run failed:\n{done.stderr[-3000:]}")
+    return step_losses(done.stdout + done.stderr)
+
+
+def trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: float, shared_store: bool) -> dict:
+    """One job, host 1 killed once step `kill_step` is logged; what happened."""
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=workdir)
+    lines: list[tuple[float, str]] = []
+    with EmulatedHosts(2, names="missing") as hosts:
+        procs = launch_on_hosts(hosts, overrides(run_dir, steps, save_every), nnodes="1:2", torchrun_args=RDZV,
+                                timeout_s=timeout_s, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if shared_store else "1"})
+        pump = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in procs[0].stdout))
+        pump.start()
+        killed_at = None
+        pattern = re.compile(rf"step\s+{kill_step}/{steps} \|")
+        while procs[0].poll() is None:
+            if killed_at is None and any(pattern.search(line) for _, line in list(lines)):
+                hosts.kill(1)
+                killed_at = time.monotonic()
+            time.sleep(0.02)
+        pump.join()
+        status = procs[0].returncode
+    text = "".join(line for _, line in lines)
+    resumed = re.search(r"resumed from checkpoint \S+ at step (\d+)", text)
+    after = text.split("resumed from checkpoint", 1)[1] if resumed else ""
+    after_resume = False
+    first_after = None
+    for t, line in lines:  # the first step logged after the resume
+        after_resume = after_resume or (resumed is not None and "resumed from checkpoint" in line)
+        if after_resume and re.search(r"step\s+\d+/\d+ \| loss", line):
+            first_after = t
+            break
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"status": status, "killed": killed_at is not None, "resumed_at": int(resumed.group(1)) if resumed else None,
+            "recovery_s": (first_after - killed_at) if (first_after and killed_at) else None,
+            "losses": step_losses(after), "text": text}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the trials and print one line each, then a summary."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per trial")
+    parser.add_argument("--store", choices=["shared", "fresh"], default="shared",
+                        help="torchrun's shared agent store across restarts (plain torchrun's default), or a fresh "
+                             "one per restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, pipeflow.launch's default)")
+    args = parser.parse_args(argv)
+    reason = unavailable()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    rng = random.Random(args.seed)
+    workdir = tempfile.mkdtemp(prefix="pipeflow-drill-")
+    try:
+        expected = reference(args.steps, workdir)
+        failures = 0
+        for k in range(args.trials):
+            kill_step = rng.randrange(args.save_every + 1, args.steps - 5)
+            got = trial(kill_step, args.steps, args.save_every, workdir, args.timeout, args.store == "shared")
+            same = bool(got["losses"]) and all(expected.get(s) == v for s, v in got["losses"].items())
+            ok = got["status"] == 0 and got["killed"] and got["resumed_at"] is not None and same
+            failures += not ok
+            lost = kill_step - got["resumed_at"] if got["resumed_at"] is not None else None
+            recovery = f"{got['recovery_s']:.1f} s" if got["recovery_s"] is not None else "-"
+            print(f"trial {k + 1:2d}: killed at step {kill_step:3d} | status {got['status']} | resumed at step "
+                  f"{got['resumed_at']} | steps lost {lost} | kill -> first resumed step {recovery} | losses from the "
+                  f"resumed step {'equal' if same else 'DIFFER'} to the uninterrupted run's | {'ok' if ok else 'FAILED'}",
+                  flush=True)
+            if not ok:
+                print(got["text"][-4000:], flush=True)
+        print(f"{args.trials - failures} of {args.trials} trials finished with the uninterrupted run's losses "
+              f"({args.store} store)")
+        return 1 if failures else 0
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

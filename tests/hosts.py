@@ -1,0 +1,63 @@
+"""Emulated hosts for the multi-host tests (:class:`examples.emulated_hosts.EmulatedHosts`):
+network namespaces with their own addresses, names and links on one machine.  Every test that
+uses them skips with the reason where they cannot be made (not root, namespaces refused)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from examples.emulated_hosts import EmulatedHosts, unavailable  # noqa: E402
+
+__all__ = ["EmulatedHosts", "emulated_hosts", "launch_on_hosts", "outputs", "SMALL64"]
+
+# a tiny float64 GPT: per-step losses across hosts must equal one process's to rounding
+SMALL64 = ["model.n_layer=4", "model.n_embd=16", "model.n_head=2", "data.batch_size=8", "data.num_tokens=4000",
+           "data.seq_len=16", "model.block_size=16", "train.dtype=float64", "train.eval_every=0", "train.eval_batches=1",
+           "train.log_every=1", "pipeline.profile=false", "metrics.tensorboard=false", "comm.timeout_s=5",
+           "comm.first_step_timeout_s=60", "comm.join_timeout_s=60"]
+
+
+@pytest.fixture
+def emulated_hosts() -> Iterator[type[EmulatedHosts]]:
+    """:class:`EmulatedHosts`, or a skip saying why they cannot be made here; use it as a context
+    manager (every process, namespace and file is removed when it closes)."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    yield EmulatedHosts
+
+
+def launch_on_hosts(hosts: EmulatedHosts, overrides: list[str], nproc: int = 2, torchrun_args: str = "",
+                    nnodes: str | None = None, timeout_s: float = 120, env: dict[str, str] | None = None,
+                    on: list[int] | None = None) -> list[subprocess.Popen]:
+    """``examples/multinode.sh`` with `overrides` on every host (or those in `on`), the endpoint on host 0."""
+    base = {"NNODES": nnodes or str(hosts.count), "NPROC": str(nproc), "ENDPOINT": hosts.endpoint(),
+            "RUN_ID": f"t{os.getpid()}", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+            "TORCHRUN_ARGS": torchrun_args, **(env or {})}
+    return [hosts.run(i, [str(ROOT / "examples" / "multinode.sh"), *overrides], base, timeout_s)
+            for i in (on if on is not None else range(hosts.count))]
+
+
+def outputs(procs: list[subprocess.Popen], timeout_s: float = 150) -> list[str]:
+    """Each process's output once it ended (killed at `timeout_s`)."""
+    texts = []
+    for proc in procs:
+        try:
+            texts.append(proc.communicate(timeout=timeout_s)[0])
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            texts.append(proc.communicate()[0] + "\n[test: killed at the timeout]")
+    return texts
+
+
+def step_losses(text: str) -> dict[int, float]:
+    """``step N/M | loss L`` lines as {N: L}."""
+    return {int(s): float(v) for s, v in re.findall(r"step\s+(\d+)/\d+ \| loss ([\d.]+)", text)}

@@ -1,0 +1,128 @@
+"""Across emulated hosts (tests/hosts.py: network namespaces with their own addresses, names and
+links), each host launched as the README says (examples/multinode.sh): dp x pp, pp 4 and pp x tp
+train with the losses and weights of one process; the launcher finds each node's address where
+host names do not resolve or resolve to loopback; a lost or cut-off host is named by the
+survivors; a lost host is survived by an elastic job that resumes on the smaller world."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hosts import SMALL64, emulated_hosts, launch_on_hosts, outputs, step_losses  # noqa: F401 - a fixture
+from pipeflow.run.checkpoint import export, find_latest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 40
+
+
+def _weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    export(find_latest(str(run_dir / "checkpoints")), str(out))
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
+    """The same training in one process (one stage): its per-step losses and final weights."""
+    run_dir = tmp_path_factory.mktemp("one_process")
+    done = subprocess.run([sys.executable, "train.py", *SMALL64, f"train.max_steps={STEPS}", f"train.save_every={STEPS}",
+                           "pipeline.num_microbatches=2", f"train.run_dir={run_dir}", f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return step_losses(done.stdout + done.stderr), _weights(run_dir, run_dir / "w.pt")
+
+
+@pytest.mark.parametrize(("names", "layout"), [
+    ("missing", ["parallel.dp=2", "parallel.pp=2"]),  # host names resolve nowhere
+    ("loopback", ["parallel.pp=4"]),  # each host's own name resolves to 127.0.0.1
+    ("resolve", ["parallel.pp=2", "parallel.tp=2"]),
+])
+def test_a_layout_across_two_hosts_trains_as_one_process(emulated_hosts, one_process, tmp_path, names, layout) -> None:
+    losses, weights = one_process
+    run_dir = tmp_path / "run"
+    with emulated_hosts(2, names=names) as hosts:
+        texts = outputs(launch_on_hosts(hosts, [*SMALL64, *layout, f"train.max_steps={STEPS}", "pipeline.num_microbatches=2",
+                                                f"train.save_every={STEPS}", f"train.run_dir={run_dir}"]))
+        codes = [p.returncode for p in hosts._procs]
+    assert codes == [0, 0], "\n=====\n".join(t[-3000:] for t in texts)
+    assert step_losses(texts[0]) == losses  # printed to 4 places; the weights below to 1e-9
+    got = _weights(run_dir, tmp_path / "w.pt")
+    assert sorted(got) == sorted(weights)
+    for name, value in weights.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def _watch(procs: list[subprocess.Popen]) -> tuple[list[list[tuple[float, str]]], list[threading.Thread]]:
+    """Each process's output lines with the time each arrived, collected by a thread per process."""
+    lines: list[list[tuple[float, str]]] = [[] for _ in procs]
+    threads = [threading.Thread(target=lambda p=p, out=out: out.extend((time.monotonic(), line) for line in p.stdout))
+               for p, out in zip(procs, lines)]
+    for thread in threads:
+        thread.start()
+    return lines, threads
+
+
+def _when(lines: list[tuple[float, str]], pattern: str, timeout_s: float) -> float:
+    """The time the first line matching `pattern` arrived, waiting up to `timeout_s`."""
+    regex, deadline = re.compile(pattern), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for at, line in list(lines):
+            if regex.search(line):
+                return at
+        time.sleep(0.02)
+    raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s:\n" + "".join(l for _, l in lines)[-3000:])
+
+
+def test_a_host_cut_off_is_named_by_the_survivors_within_the_collective_deadline(emulated_hosts, tmp_path) -> None:
+    """No reset reaches the survivors: they wait out the deadline (comm.timeout_s, plus the
+    collectives' margin for the dp all-reduce), then name the host that stopped answering."""
+    overrides = [*SMALL64, "parallel.dp=2", "parallel.pp=2", "pipeline.num_microbatches=2", "train.max_steps=100000",
+                 "train.log_every=10", "comm.timeout_s=3", f"train.run_dir={tmp_path}"]
+    with emulated_hosts(2) as hosts:
+        procs = launch_on_hosts(hosts, overrides)
+        lines, threads = _watch(procs)
+        _when(lines[0], r"step\s+20/", 90)
+        cut = time.monotonic()
+        hosts.partition(1)
+        named = _when(lines[0], r"lost host host1 \(10\.213\.\d+\.2, global ranks 2-3\): no heartbeat", 60) - cut
+        procs[0].wait(timeout=30)
+        ended = time.monotonic() - cut
+    for thread in threads:
+        thread.join(timeout=10)
+    text = "".join(line for _, line in lines[0])
+    assert procs[0].returncode == 1 and "CommError" in text, text[-3000:]
+    assert named < 3 + 15 + 5 and ended < 3 + 15 + 10, (named, ended)  # comm.timeout_s, the margin, the probe
+
+
+def test_a_lost_host_is_survived_by_an_elastic_job_that_resumes_on_the_smaller_world(
+        emulated_hosts, one_process, tmp_path) -> None:
+    """--nnodes 1:2 --max-restarts 3 with parallel.pp=2 parallel.dp=auto, on torchrun's shared
+    store: host 1 killed after step 25; host 0 names it, restarts, resumes from step 20 with dp 1
+    and finishes with the losses of one uninterrupted process."""
+    losses, _ = one_process
+    overrides = [*SMALL64, "parallel.pp=2", "parallel.dp=auto", "pipeline.num_microbatches=2",
+                 f"train.max_steps={STEPS}", "train.save_every=10", "train.resume=auto", f"train.run_dir={tmp_path}"]
+    with emulated_hosts(2, names="missing") as hosts:
+        # torchrun's shared agent store, as plain torchrun has it: the restart meets in a new epoch
+        procs = launch_on_hosts(hosts, overrides, nnodes="1:2", env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"},
+                                torchrun_args="--max-restarts 3 --rdzv-conf join_timeout=60,last_call_timeout=2")
+        lines, threads = _watch(procs)
+        _when(lines[0], rf"step\s+25/{STEPS}", 90)
+        hosts.kill(1)
+        procs[0].wait(timeout=120)
+    for thread in threads:
+        thread.join(timeout=10)
+    text = "".join(line for _, line in lines[0])
+    assert procs[0].returncode == 0, text[-4000:]
+    assert re.search(r"lost host host1 \(10\.213\.\d+\.2, global ranks 2-3\)", text), text[-4000:]
+    assert re.search(r"resumed from checkpoint \S+step_00000020 at step 20 \(saved with dp=2, pp=2", text), text[-4000:]
+    assert re.search(r"mesh: dp=2 x pp=2.*mesh: dp=1 x pp=2", text, re.S), text[-4000:]
+    after = step_losses(text.split("resumed from checkpoint", 1)[1])
+    assert sorted(after) == list(range(20, STEPS)) and all(after[s] == losses[s] for s in after), (after, losses)

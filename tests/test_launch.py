@@ -1,0 +1,173 @@
+"""The launcher (python -m pipeflow.launch) and the hosts' checks, without launching: torchrun's
+arguments it adds for each node, its status on a preemption, the address checks across hosts
+and the host table that names peers' hosts in messages."""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from pipeflow.errors import LaunchError
+from pipeflow.run import launch
+from pipeflow.run.signals import PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, leave_at_once_on, record_preemption
+from pipeflow.runtime import hosts
+from pipeflow.runtime.hosts import HostInfo, HostTable
+
+ELASTIC = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.9.0.1:29500",
+           "train.py", "parallel.pp=2"]
+
+
+@pytest.fixture
+def node(monkeypatch):
+    """This node as host 10.9.0.2 on eth0 (or the endpoint's host, 10.9.0.1, when asked)."""
+    def make(address: str = "10.9.0.2") -> None:
+        monkeypatch.setattr(launch, "local_addresses", lambda: {"127.0.0.1": "lo", address: "eth0"})
+        monkeypatch.setattr(launch, "route_source", lambda ip, port: address if ip != "127.0.0.1" else "127.0.0.1")
+    make()
+    return make
+
+
+def test_torchrun_options_are_read_in_either_spelling_before_the_script_only() -> None:
+    argv = ["--standalone", "--nnodes=1:4", "--rdzv_endpoint", "h:1", "train.py", "--nnodes", "9"]
+    assert launch.script_index(argv) == 4
+    assert launch.option(argv, "nnodes") == "1:4" and launch.option(argv, "rdzv-endpoint") == "h:1"
+    assert launch.max_nodes(argv) == 4 and launch.max_nodes(["train.py"]) == 1
+    assert launch.split_endpoint("[::1]:7") == ("::1", 7) and launch.split_endpoint("node0") == ("node0", 29400)
+    with pytest.raises(LaunchError, match="--nnodes 'x'"):
+        launch.max_nodes(["--nnodes", "x", "train.py"])
+
+
+def test_each_node_gets_its_address_interface_and_whether_it_hosts_the_rendezvous(node) -> None:
+    argv, env, found = launch.with_node_address(ELASTIC, {})
+    assert found == launch.NodeAddress("10.9.0.2", "eth0", hosts_endpoint=False)
+    cut = argv.index("train.py")
+    assert argv[cut:] == ["train.py", "parallel.pp=2"]  # the script's own arguments untouched
+    assert argv[:cut][-4:] == ["--local-addr", "10.9.0.2", "--rdzv-conf", "is_host=0"]
+    assert env == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    node("10.9.0.1")
+    argv, env, found = launch.with_node_address([*ELASTIC[:-2], "--rdzv-conf", "join_timeout=60", *ELASTIC[-2:]],
+                                                {"GLOO_SOCKET_IFNAME": "ib0"})
+    assert found.hosts_endpoint and "join_timeout=60,is_host=1" in argv and "GLOO_SOCKET_IFNAME" not in env
+
+
+def test_one_node_or_a_loopback_endpoint_is_left_as_torchrun_has_it(node) -> None:
+    for argv in (["--standalone", "--nproc-per-node", "2", "train.py"],
+                 ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500", "train.py"]):
+        assert launch.with_node_address(argv, {}) == (argv, {}, None)
+
+
+def test_an_endpoint_this_node_cannot_use_stops_at_once_naming_the_fix(node, monkeypatch) -> None:
+    with pytest.raises(LaunchError, match=r"names host 'nowhere\.invalid', which does not resolve.*IP address instead"):
+        launch.with_node_address([*ELASTIC[:7], "nowhere.invalid:29500", *ELASTIC[8:]], {})
+    monkeypatch.setattr(launch, "route_source", lambda ip, port: "127.0.0.1")
+    with pytest.raises(LaunchError, match=r"over loopback \(127\.0\.0\.1\).*first node's address"):
+        launch.with_node_address(ELASTIC, {})
+
+
+def _torchrun_that(monkeypatch, outcome: BaseException | None, preempted: bool) -> None:
+    from torch.distributed import run as torchrun
+
+    def main(argv):
+        if preempted:
+            record_preemption(None, 7, "/runs/a/checkpoints/step_00000007")
+        if outcome is not None:
+            raise outcome
+    monkeypatch.setattr(torchrun, "main", main)
+
+
+@pytest.mark.parametrize(("outcome", "preempted", "status"), [
+    (None, False, 0),
+    (RuntimeError("ChildFailedError: train.py FAILED"), False, 1),
+    (RuntimeError("ChildFailedError: train.py FAILED"), True, PREEMPTED_EXIT_CODE),
+    (SystemExit(3), False, 3),
+])
+def test_the_launchers_status_tells_a_preemption_from_a_failure(monkeypatch, capsys, outcome, preempted, status) -> None:
+    _torchrun_that(monkeypatch, outcome, preempted)
+    monkeypatch.delenv(STATUS_FILE_ENV, raising=False)
+    assert launch.main(["--standalone", "train.py"]) == status
+    if preempted:
+        assert "preempted at step 7: checkpoint /runs/a/checkpoints/step_00000007" in capsys.readouterr().err
+
+
+def test_a_signal_during_start_up_leaves_at_once_with_75_and_says_so(monkeypatch, tmp_path) -> None:
+    status = tmp_path / "status"
+    monkeypatch.setenv(STATUS_FILE_ENV, str(status))
+    left: list[int] = []
+    restore = leave_at_once_on([signal.SIGUSR1], 0, left.append)
+    try:
+        signal.raise_signal(signal.SIGUSR1)
+    finally:
+        restore()
+    assert left == [PREEMPTED_EXIT_CODE] and status.read_text().startswith("preempted at start-up: nothing saved")
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def _infos(*rows: tuple[str, str, str], master: str = "10.9.0.1") -> list[HostInfo]:
+    return [HostInfo(name, machine, bind, master) for name, machine, bind in rows]
+
+
+TWO_HOSTS = [("host0", "a", "10.9.0.1"), ("host0", "a", "10.9.0.1"), ("host1", "b", "10.9.0.2"), ("host1", "b", "10.9.0.2")]
+
+
+def test_addresses_that_cannot_work_across_hosts_are_named_with_the_host_and_the_fix() -> None:
+    hosts.check_addresses(_infos(*TWO_HOSTS))
+    hosts.check_addresses(_infos(("a", "m", "127.0.0.1"), ("b", "m", "127.0.0.1"), master="127.0.0.1"))  # one host
+    with pytest.raises(LaunchError, match=r"spans 2 hosts \(host0, host1\), but MASTER_ADDR=127\.0\.0\.1 is a loopback"):
+        hosts.check_addresses(_infos(*TWO_HOSTS, master="127.0.0.1"))
+    loopback = [*TWO_HOSTS[:2], ("host1", "b", "127.0.0.1"), ("host1", "b", "127.0.0.1")]
+    with pytest.raises(LaunchError, match=r"ranks on host host1 \(global ranks 2-3\) would talk over loopback: its "
+                                          r"host name 'host1' resolves to 127\.0\.0\.1.*GLOO_SOCKET_IFNAME"):
+        hosts.check_addresses(_infos(*loopback))
+    hosts.check_addresses(_infos(*loopback), gloo=False)  # NCCL picks its own interface
+    shared = [*TWO_HOSTS[:2], ("node", "b", "10.9.0.1"), ("node", "b", "10.9.0.1")]
+    with pytest.raises(LaunchError, match=r"hosts host0 \(global ranks 0-1\), node \(global ranks 2-3\) all bind "
+                                          r"address 10\.9\.0\.1"):
+        hosts.check_addresses(_infos(*shared))
+
+
+def test_the_host_table_names_the_hosts_of_peers_and_of_addresses(monkeypatch) -> None:
+    table = HostTable.of(_infos(*TWO_HOSTS))
+    assert HostTable.from_json(table.to_json()) == table
+    assert table.host_of(3) == ("host1", "10.9.0.2", (2, 3))
+    monkeypatch.setattr(hosts, "_TABLE", table)
+    assert hosts.of_ranks([2]) == " (on host host1 (10.9.0.2), which runs global ranks 2-3)"
+    assert hosts.of_addresses("Read error [10.9.0.2]:6818: Connection reset by peer") == \
+        " (10.9.0.2 is host host1, which runs global ranks 2-3)"
+    monkeypatch.setattr(hosts, "_TABLE", HostTable.of(_infos(*TWO_HOSTS[:2])))
+    assert hosts.of_ranks([1]) == "" and hosts.of_addresses("[10.9.0.1]:1") == ""  # one host: nothing to add
+    assert HostInfo.from_json("node-3:4242") == HostInfo("node-3", "?", "?", "?")
+
+
+def test_a_failing_rank_names_the_hosts_whose_heartbeat_stopped(monkeypatch) -> None:
+    import torch.distributed as dist
+
+    from pipeflow.run import guard
+
+    monkeypatch.setattr(hosts, "_TABLE", HostTable.of(_infos(*TWO_HOSTS, ("host2", "c", "10.9.0.3"))))
+    store = dist.HashStore()
+    assert guard.heartbeat_key(0) == "pipeflow/alive/0" and guard.heartbeat_key(1) is None
+    store.add("pipeflow/alive/4", 1)  # host2 beat once, before: it stopped too
+    said = guard.lost_hosts(0, store, probe_s=0.1)  # host0's keeper beats while it probes; its own host is alive
+    assert said == ("lost hosts host1 (10.9.0.2, global ranks 2-3); host2 (10.9.0.3, global ranks 4): no heartbeat "
+                    "for 0.1 s (its processes died, or its network is cut off)")
+    assert guard.lost_hosts(3, store, probe_s=0.1).startswith("lost hosts host0 (10.9.0.1, global ranks 0-1); host2")
+
+    class Gone:
+        def add(self, *args):
+            raise RuntimeError("Connection refused")
+    assert "cannot be reached from host host0 (RuntimeError): this host is cut off" in guard.lost_hosts(0, Gone(), 0.1)
+
+
+def test_a_lost_rendezvous_host_is_named_with_the_way_out(monkeypatch, capsys) -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    try:
+        raise RendezvousConnectionError("The connection to the C10d store has failed.")
+    except RendezvousConnectionError as cause:
+        failure = RuntimeError("agent failed")
+        failure.__cause__ = cause
+    _torchrun_that(monkeypatch, failure, preempted=False)
+    monkeypatch.delenv(STATUS_FILE_ENV, raising=False)
+    assert launch.main(["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29500", "train.py"]) == 1
+    assert ("lost the rendezvous at 127.0.0.1:29500 (RuntimeError): the node that hosts it is gone"
+            in capsys.readouterr().err)
