@@ -34,7 +34,7 @@ from examples.emulated_hosts import EmulatedHosts, unavailable  # noqa: E402
 
 # rendezvous knobs that bound the recovery: a lost node's restart re-rendezvouses within
 # last_call_timeout once the survivors are there; join_timeout bounds waiting for the minimum
-RDZV = "--max-restarts 3 --rdzv-conf join_timeout=60,last_call_timeout=2"
+RDZV_CONF = "join_timeout=60,last_call_timeout=2"
 
 
 def overrides(run_dir: str, steps: int, save_every: int) -> list[str]:
@@ -54,12 +54,14 @@ def reference(steps: int, workdir: str) -> dict[int, float]:
     return step_losses(done.stdout + done.stderr)
 
 
-def trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: float, shared_store: bool) -> dict:
+def trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: float, shared_store: bool,
+          rdzv_conf: str = RDZV_CONF) -> dict:
     """One job, host 1 killed once step `kill_step` is logged; what happened."""
     run_dir = tempfile.mkdtemp(prefix="run-", dir=workdir)
     lines: list[tuple[float, str]] = []
     with EmulatedHosts(2, names="missing") as hosts:
-        procs = launch_on_hosts(hosts, overrides(run_dir, steps, save_every), nnodes="1:2", torchrun_args=RDZV,
+        procs = launch_on_hosts(hosts, overrides(run_dir, steps, save_every), nnodes="1:2",
+                                torchrun_args=f"--max-restarts 3 --rdzv-conf {rdzv_conf}",
                                 timeout_s=timeout_s, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if shared_store else "1"})
         pump = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in procs[0].stdout))
         pump.start()
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per trial")
+    parser.add_argument("--rdzv-conf", default=RDZV_CONF, help=f"torchrun's --rdzv-conf (default {RDZV_CONF})")
     parser.add_argument("--store", choices=["shared", "fresh"], default="shared",
                         help="torchrun's shared agent store across restarts (plain torchrun's default), or a fresh "
                              "one per restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, pipeflow.launch's default)")
@@ -111,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         failures = 0
         for k in range(args.trials):
             kill_step = rng.randrange(args.save_every + 1, args.steps - 5)
-            got = trial(kill_step, args.steps, args.save_every, workdir, args.timeout, args.store == "shared")
+            got = trial(kill_step, args.steps, args.save_every, workdir, args.timeout, args.store == "shared",
+                        args.rdzv_conf)
             same = bool(got["losses"]) and all(expected.get(s) == v for s, v in got["losses"].items())
             ok = got["status"] == 0 and got["killed"] and got["resumed_at"] is not None and same
             failures += not ok
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             if not ok:
                 print(got["text"][-4000:], flush=True)
         print(f"{args.trials - failures} of {args.trials} trials finished with the uninterrupted run's losses "
-              f"({args.store} store)")
+              f"({args.store} store, --rdzv-conf {args.rdzv_conf})")
         return 1 if failures else 0
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -59,6 +59,25 @@ def test_a_layout_across_two_hosts_trains_as_one_process(emulated_hosts, one_pro
         torch.testing.assert_close(got[name], value, rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_plain_torchrun_whose_gloo_would_bind_loopback_across_hosts_stops_every_rank_at_start(
+        emulated_hosts, tmp_path) -> None:
+    """Without the launcher's interface (torchrun given --local-addr only), on hosts whose own
+    names resolve to 127.0.0.1: gloo would bind loopback; every rank stops at the join, naming
+    the host and the fix, before any process group exists."""
+    with emulated_hosts(2, names="loopback") as hosts:
+        procs = [hosts.run(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", hosts.endpoint(), "--rdzv-id", "bind",
+                               "--local-addr", hosts.addresses[i], "--rdzv-conf", f"is_host={int(i == 0)}", "train.py",
+                               *SMALL64, "parallel.dp=2", "parallel.pp=2", f"train.run_dir={tmp_path}"],
+                           {"OMP_NUM_THREADS": "1"}, timeout_s=90) for i in range(2)]
+        texts = outputs(procs)
+    said = [line for text in texts for line in text.splitlines() if "failed: LaunchError" in line]
+    assert sorted(int(re.search(r"rank (\d+) failed", line).group(1)) for line in said) == [0, 1, 2, 3], texts[0][-3000:]
+    assert all("the job spans 2 hosts (host0, host1), but the ranks on host host" in line and
+               "resolves to 127.0.0.1" in line for line in said), said
+    assert [p.returncode for p in procs] == [1, 1]
+
+
 def _watch(procs: list[subprocess.Popen]) -> tuple[list[list[tuple[float, str]]], list[threading.Thread]]:
     """Each process's output lines with the time each arrived, collected by a thread per process."""
     lines: list[list[tuple[float, str]]] = [[] for _ in procs]

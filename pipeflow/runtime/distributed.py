@@ -265,10 +265,10 @@ class _Meeting:
         except LaunchError as exc:
             table, verdict = None, {"error": str(exc), "kind": "LaunchError", "heard": [a["token"] for a in answers]}
         self.store.set(self._key(epoch, "hosts"), json.dumps(verdict))
+        if table is None:  # every other rank reads the error in place of its confirmation
+            raise LaunchError(f"rank 0: {verdict['error']}")
         if answers:
             self.store.multi_set([self._key(epoch, f"ok/{r}") for r in range(1, self.world)], [a["token"] for a in answers])
-        if table is None:
-            raise LaunchError(f"rank 0: {verdict['error']}")
         return epoch, table
 
     def join(self) -> tuple[str, hosts_of_job.HostTable]:
