@@ -59,10 +59,14 @@ class EmulatedHosts:
             own name to 127.0.0.1, as many cloud images and containers have it; the others to
             their addresses).
         rate_mbit: a bandwidth limit on each host's link (tbf), or None.
+        private: folders that each host sees as its own disk: a host's processes find, at each of
+            these paths, a folder of their host alone (``disk(host, path)``, bound over the path in
+            a mount namespace of the host's), as nodes with local disks do.
     """
 
-    def __init__(self, count: int = 2, names: NAMES = "resolve", rate_mbit: float | None = None) -> None:
-        self.count, self.names, self.rate_mbit = count, names, rate_mbit
+    def __init__(self, count: int = 2, names: NAMES = "resolve", rate_mbit: float | None = None,
+                 private: tuple[str, ...] = ()) -> None:
+        self.count, self.names, self.rate_mbit, self.private = count, names, rate_mbit, tuple(private)
         tag = secrets.token_hex(2)
         self.bridge_ns = f"pf{tag}br"
         self.namespaces = [f"pf{tag}h{i}" for i in range(count)]
@@ -70,6 +74,7 @@ class EmulatedHosts:
         subnet = 16 + secrets.randbelow(200)
         self.addresses = [f"10.213.{subnet}.{i + 1}" for i in range(count)]
         self._procs: list[subprocess.Popen] = []
+        self._disks = Path(f"/tmp/pipeflow-hosts-{tag}")
 
     def __enter__(self) -> EmulatedHosts:
         try:
@@ -97,6 +102,9 @@ class EmulatedHosts:
                 for where, dev in ((ns, "eth0"), (self.bridge_ns, f"port{i}")):
                     _ip("netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
                         f"{self.rate_mbit}mbit", "burst", "256kb", "latency", "50ms")
+            for path in self.private:
+                self.disk(i, path).mkdir(parents=True, exist_ok=True)
+                Path(path).mkdir(parents=True, exist_ok=True)
             etc = Path("/etc/netns") / ns
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(self._hosts_file(i))
@@ -111,6 +119,10 @@ class EmulatedHosts:
                       if self.names == "resolve" or j != i]
         return "\n".join(lines) + "\n"
 
+    def disk(self, host: int, path: str) -> Path:
+        """The folder that `host` sees at `path` (one of ``private``), as this machine sees it."""
+        return self._disks / f"host{host}" / str(Path(path).resolve()).strip("/").replace("/", "__")
+
     def endpoint(self, port: int = 29500) -> str:
         """``host0``'s address and `port`: where the rendezvous is hosted."""
         return f"{self.addresses[0]}:{port}"
@@ -119,8 +131,10 @@ class EmulatedHosts:
             **popen: object) -> subprocess.Popen:
         """Start `argv` on `host` (its namespace and hostname, cwd the repository) under
         ``timeout -k 5 timeout_s``; stdout and stderr merged into a text pipe unless given."""
+        binds = "".join(f'mount --bind "{self.disk(host, path)}" "{path}" && ' for path in self.private)
         command = ["timeout", "-k", "5", str(timeout_s), "ip", "netns", "exec", self.namespaces[host],
-                   "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.hostnames[host], *argv]
+                   "unshare", "--uts", "--mount", "sh", "-c", f'hostname "$0" && {binds}exec "$@"',
+                   self.hostnames[host], *argv]
         popen = {"cwd": ROOT, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, **popen}
         proc = subprocess.Popen(command, env={**os.environ, **(env or {})}, **popen)  # type: ignore[call-overload]
         self._procs.append(proc)
@@ -163,6 +177,7 @@ class EmulatedHosts:
         for ns in [*self.namespaces, self.bridge_ns]:
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        shutil.rmtree(self._disks, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
