@@ -145,3 +145,37 @@ def test_a_lost_host_is_survived_by_an_elastic_job_that_resumes_on_the_smaller_w
     assert re.search(r"mesh: dp=2 x pp=2.*mesh: dp=1 x pp=2", text, re.S), text[-4000:]
     after = step_losses(text.split("resumed from checkpoint", 1)[1])
     assert sorted(after) == list(range(20, STEPS)) and all(after[s] == losses[s] for s in after), (after, losses)
+
+
+def test_a_slurm_job_saves_on_the_time_limits_signal_and_requeues_itself(emulated_hosts, tmp_path) -> None:
+    """examples/slurm.sbatch under stand-ins for srun and scontrol (tests/slurm/) that set the
+    SLURM_* variables per host as Slurm does: SIGTERM to every process of the step (what
+    --signal=TERM@120 sends) saves, the launchers and srun return 75, and the job is requeued."""
+    import json
+    import signal
+
+    run_dir = tmp_path / "run"
+    with emulated_hosts(2, names="resolve") as hosts:
+        env = {**os.environ, "PATH": f"{ROOT / 'tests' / 'slurm'}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
+               "PIPEFLOW_TEST_HOSTS": json.dumps([[ns, name] for ns, name in zip(hosts.namespaces, hosts.hostnames)]),
+               "PIPEFLOW_TEST_REQUEUED": str(tmp_path / "requeued"), "SLURM_JOB_ID": "4242",
+               "SLURM_JOB_NODELIST": "host[0-1]", "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(ROOT),
+               "NPROC": "2", "PYTHON": sys.executable}
+        job = subprocess.Popen(["timeout", "-k", "5", "150", "bash", str(ROOT / "examples" / "slurm.sbatch"), *SMALL64,
+                                "parallel.pp=2", "parallel.dp=auto", "pipeline.num_microbatches=2",
+                                "train.max_steps=100000", "train.save_every=0", f"train.run_dir={run_dir}"],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines, threads = _watch([job])
+        _when(lines[0], r"step\s+10/100000", 90)
+        for host in range(2):  # Slurm signals every process of the step, on every node
+            for pid in hosts.pids(host):
+                os.kill(pid, signal.SIGTERM)
+        job.wait(timeout=90)
+    for thread in threads:
+        thread.join(timeout=10)
+    text = "".join(line for _, line in lines[0])
+    saved = re.search(r"preempted at step (\d+): saved \S+step_(\d+)", text)
+    assert job.returncode == 75 and saved, text[-4000:]
+    assert "[srun stand-in] task statuses [75, 75]" in text and "requeueing job 4242" in text, text[-3000:]
+    assert (tmp_path / "requeued").read_text() == "4242\n"
+    assert (run_dir / "checkpoints" / f"step_{int(saved.group(2)):08d}" / "meta.json").is_file()

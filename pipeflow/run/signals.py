@@ -124,14 +124,15 @@ def leave_at_once_on(numbers: list[int], rank: int, leave: Callable[[int], None]
 
     Args:
         numbers: the signals (:func:`signal_numbers`).
-        rank: this process's global rank (rank 0 records the preemption for the launcher).
+        rank: this process's global rank (each node's first rank records the preemption for
+            its launcher).
         leave: ends the process with the given status (flushing the logs first).
     """
     def on_signal(name: str) -> None:
         log.warning("rank %d: %s during start-up, before the first step of this launch: nothing to save; leaving "
                     "with status %d (the same command with train.resume=auto starts again)", rank, name,
                     PREEMPTED_EXIT_CODE)
-        if rank == 0:
+        if os.environ.get("LOCAL_RANK", str(rank)) == "0":
             record_preemption(None, None, None)
         leave(PREEMPTED_EXIT_CODE)
     return catch_signals(numbers, on_signal)

@@ -495,8 +495,14 @@ class Trainer:
             where = f" during {during}" if during else ""
             log.warning("preempted at step %d%s: saved %s (a signal of train.save_on_signal=%s reached a rank); "
                         "the same command with train.resume=auto continues from here", step, where, path, names)
-            record_preemption(self.run_dir, step, path)
+        self._record_preemption(step, path)
         return step
+
+    def _record_preemption(self, step: int, path: str | None) -> None:
+        """Rank 0 records the preemption in the run directory, and each node's first rank tells its
+        own launcher (every node's launcher exits 75, not only the one with rank 0)."""
+        if self.is_main or distributed.local_rank() == 0:
+            record_preemption(self.run_dir if self.is_main else None, step, path)
 
     def _evaluate_and_train(self, start: int) -> tuple[int | None, float, float]:
         """The first evaluation, the steps from `start`, the final evaluation, each of which a
@@ -514,7 +520,7 @@ class Trainer:
                 log.warning("preempted at step %d during the first evaluation, before any step of this launch: "
                             "nothing to save (%s); the same command with train.resume=auto starts from there", start,
                             "the checkpoint resumed from holds it" if start else "nothing trained yet")
-                record_preemption(self.run_dir, start, None)
+            self._record_preemption(start, None)
             return start, nan, nan
         preempted_at = self._train(start)
         if preempted_at is not None:  # a preempted job saves and leaves: no final evaluation in the grace period

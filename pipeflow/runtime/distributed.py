@@ -46,6 +46,11 @@ MIN_CONNECT_S = 1.0  # the store's own connect timeout once its host listens
 THREAD_JOIN_S = 5.0  # how long the teardown waits for a watcher thread to end
 
 
+def local_rank() -> int:
+    """This process's rank on its node (torchrun's ``LOCAL_RANK``; 0 without a launcher)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def choose_device(backend: str | None, device: str | None) -> tuple[str, torch.device]:
     """(backend, device) for this rank: NCCL on ``cuda:LOCAL_RANK`` when CUDA is present, else gloo/CPU.
 
@@ -53,11 +58,10 @@ def choose_device(backend: str | None, device: str | None) -> tuple[str, torch.d
         backend: ``dist.backend`` override (``nccl`` or ``gloo``), or None for automatic.
         device: ``dist.device`` override (``cpu``, ``cuda``, ``cuda:3``), or None for automatic.
     """
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+        device = f"cuda:{local_rank()}" if torch.cuda.is_available() else "cpu"
     elif device == "cuda":
-        device = f"cuda:{local_rank}"
+        device = f"cuda:{local_rank()}"
     dev = torch.device(device)
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
