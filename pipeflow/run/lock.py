@@ -1,9 +1,13 @@
 """One job per run directory: ``<run_dir>/pipeflow.lock``, taken by rank 0 at start.
 
-The lock file holds the holder's host, pid and job token; its modification time is a lease that
-a thread renews every ``lease_s / 4`` seconds while the job lives.  A second job is refused with
-a :class:`~pipeflow.errors.RunDirLockedError` naming the holder while the holder is live: on
-this host, while its pid exists; on another host, while its lease is fresher than ``lease_s``.
+The lock file holds the holder's host name, machine (boot id and network namespace:
+:func:`~pipeflow.runtime.hosts.machine_id`), pid namespace, pid and job token; its modification
+time is a lease that a thread renews every ``lease_s / 4`` seconds while the job lives.  A second
+job is refused with a :class:`~pipeflow.errors.RunDirLockedError` naming the holder while the
+holder is live: on this machine (and pid namespace), while its pid exists; anywhere else, while its
+lease is fresher than ``lease_s``.  A host name is not enough to tell: containers and cloned images
+often share one, and a live job on another machine of our name must not be judged by a pid here.
+A lock written before the machine was recorded is judged by its host name, as it was then.
 A stale lock (its job died, on any host) is taken over.  Taking the lock is atomic
 (``O_CREAT | O_EXCL``); a take-over first renames the stale file away, which only one
 contender can do.  The same process may take its own lock again (a sweep's jobs, tests).
@@ -29,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 
 from pipeflow.errors import RunDirLockedError, RunDirLostError
+from pipeflow.runtime.hosts import machine_id
 
 log = logging.getLogger("pipeflow")
 
@@ -46,9 +51,39 @@ class Holder:
     pid: int
     token: str
     age_s: float
+    machine: str = ""  # boot id and network namespace; "" in a lock written before it was recorded
+    pid_ns: str = ""  # the pid namespace its pid counts in; "" where unknown
 
     def __str__(self) -> str:
-        return f"pid {self.pid} on host {self.host} (lease renewed {self.age_s:.0f} s ago)"
+        return f"pid {self.pid} on {self.where()} (lease renewed {self.age_s:.0f} s ago)"
+
+    def where(self) -> str:
+        """``host H``, with its machine where that has this host's name but is not this one (or its
+        pid namespace, where only that differs)."""
+        if not self.machine or self.host != socket.gethostname() or self.local():
+            return f"host {self.host}"
+        if self.machine != machine_id():
+            return (f"host {self.host} (machine {self.machine}: another machine than this one, which has the same "
+                    f"name; judged by its lease)")
+        return (f"host {self.host} (this machine, but pid namespace {self.pid_ns}: another container; "
+                f"judged by its lease)")
+
+    def local(self) -> bool:
+        """Whether its pid is one this process can look up: same machine and pid namespace (by name
+        alone for a lock that does not record them)."""
+        if self.host != socket.gethostname():
+            return False
+        if not self.machine:
+            return True
+        return self.machine == machine_id() and self.pid_ns in ("", pid_namespace())
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:<inode>``; ``?`` where it cannot be read)."""
+    try:
+        return f"pid:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return "?"
 
 
 def read_holder(path: str) -> Holder | None:
@@ -58,7 +93,8 @@ def read_holder(path: str) -> Holder | None:
         age = time.time() - os.stat(path).st_mtime
         with open(path) as f:
             data = json.load(f)
-        return Holder(str(data["host"]), int(data["pid"]), str(data["token"]), age)
+        return Holder(str(data["host"]), int(data["pid"]), str(data["token"]), age,
+                      str(data.get("machine", "")), str(data.get("pid_ns", "")))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
@@ -78,8 +114,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def is_live(holder: Holder, lease_s: float = LEASE_S) -> bool:
-    """Whether `holder`'s job still runs: on this host, its pid exists; elsewhere, a fresh lease."""
-    if holder.host == socket.gethostname():
+    """Whether `holder`'s job still runs: on this machine, its pid exists; elsewhere, a fresh lease."""
+    if holder.local():
         return _pid_alive(holder.pid)
     return holder.age_s < lease_s
 
@@ -93,7 +129,7 @@ def live_holder(run_dir: str, lease_s: float = LEASE_S) -> Holder | None:
 
 
 def _is_me(holder: Holder) -> bool:
-    return holder.host == socket.gethostname() and holder.pid == os.getpid()
+    return holder.local() and holder.pid == os.getpid()
 
 
 @dataclass(frozen=True)
@@ -169,8 +205,8 @@ class RunLock:
                 self._clear_stale()
                 continue
             with os.fdopen(fd, "w") as f:
-                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
-                           "started": time.time()}, f)
+                json.dump({"host": socket.gethostname(), "machine": machine_id(), "pid_ns": pid_namespace(),
+                           "pid": os.getpid(), "token": self.token, "started": time.time()}, f)
             self._thread = threading.Thread(target=self._watch, name="pipeflow-lock-lease", daemon=True)
             self._thread.start()
             _HELD[self.token] = self
@@ -186,8 +222,8 @@ class RunLock:
             raise RunDirLockedError(
                 f"run directory {os.path.dirname(self.path)} is in use by another live job: {holder} "
                 f"({self.path}). Wait for it to end, stop it, or give this job another train.run_dir; "
-                f"a lock left by a job that died is taken over by itself (at once on the same host, "
-                f"{self.lease_s:.0f} s after its last renewal from another host)"
+                f"a lock left by a job that died is taken over by itself (at once on the same machine, "
+                f"{self.lease_s:.0f} s after its last renewal from another one)"
             )
         stale = f"{self.path}.stale.{self.token}"
         try:

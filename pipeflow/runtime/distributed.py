@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from pipeflow.errors import CommError, ConfigError, JoinTimeoutError, LaunchError, PipeflowError
 from pipeflow.runtime import hosts as hosts_of_job
+from pipeflow.runtime.clocks import check_wall_clocks
 from pipeflow.runtime.failures import first_line
 
 log = logging.getLogger("pipeflow")
@@ -107,7 +108,8 @@ def run_local_ranks(target: Callable[..., None], world: int, args: tuple, timeou
 
 def init_distributed(backend: str, device: torch.device, timeout_s: float | None = None,
                      join_timeout_s: float | None = None) -> None:
-    """Initialise the default process group (from torchrun's env, or as a 1-process group).
+    """Initialise the default process group (from torchrun's env, or as a 1-process group); on
+    several hosts, compare their wall clocks once (:func:`~pipeflow.runtime.clocks.check_wall_clocks`).
 
     Args:
         backend, device: from :func:`choose_device`.
@@ -135,6 +137,8 @@ def init_distributed(backend: str, device: torch.device, timeout_s: float | None
         # peer's address, the first failure) of the attempt before
         dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
                                 **kwargs)
+        if len(hosts_of_job.table().hosts) > 1:  # several machines: are their wall clocks together?
+            check_wall_clocks()
     else:  # plain `python train.py`: a pipeline of one rank
         dist.init_process_group(
             backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kwargs

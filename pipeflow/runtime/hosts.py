@@ -95,6 +95,19 @@ def machine_id() -> str:
     return f"{boot}/net:{net}"
 
 
+def host_labels(infos: Sequence[HostInfo]) -> dict[str, str]:
+    """What a message calls each machine of `infos` (in order of their first rank): its host name,
+    or ``node (machine <boot id>/net:<inode>)`` where several machines share that name."""
+    first: dict[str, HostInfo] = {}
+    for info in infos:
+        first.setdefault(info.machine, info)
+    counts: dict[str, int] = {}
+    for info in first.values():
+        counts[info.name] = counts.get(info.name, 0) + 1
+    return {machine: info.name if counts[info.name] == 1 else f"{info.name} (machine {machine})"
+            for machine, info in first.items()}
+
+
 def this_host() -> HostInfo:
     """This rank's announcement."""
     return HostInfo(socket.gethostname(), machine_id(), gloo_bind_address(), os.environ.get("MASTER_ADDR", "127.0.0.1"))
@@ -126,7 +139,8 @@ def check_addresses(infos: Sequence[HostInfo], gloo: bool = True) -> None:
         machines.setdefault(info.machine, []).append(rank)
     if len(machines) < 2 or any(info.machine == "?" for info in infos):
         return
-    names = ", ".join(sorted({info.name for info in infos}))
+    labels = host_labels(infos)
+    names = ", ".join(labels.values())
     fix = ("launch each node with examples/multinode.sh (python -m pipeflow.launch finds the address and "
            "interface itself), or pass torchrun --local-addr <this node's address> and set GLOO_SOCKET_IFNAME "
            "and NCCL_SOCKET_IFNAME to the interface between the hosts")
@@ -141,9 +155,9 @@ def check_addresses(infos: Sequence[HostInfo], gloo: bool = True) -> None:
         if _loopback(info.bind):
             how = (f"GLOO_SOCKET_IFNAME names an interface with address {info.bind}" if info.bind != "127.0.0.1"
                    else f"its host name {info.name!r} resolves to {info.bind} (or not at all), and gloo binds that")
-            raise LaunchError(f"the job spans {len(machines)} hosts ({names}), but the ranks on host {info.name} "
+            raise LaunchError(f"the job spans {len(machines)} hosts ({names}), but the ranks on host {labels[machine]} "
                               f"(global ranks {rank_ranges(ranks)}) would talk over loopback: {how}; {fix}")
-        binds.setdefault(info.bind, set()).add(f"{info.name} (global ranks {rank_ranges(ranks)})")
+        binds.setdefault(info.bind, set()).add(f"{labels[machine]} (global ranks {rank_ranges(ranks)})")
     shared = {address: hosts for address, hosts in binds.items() if len(hosts) > 1}
     if shared:
         address, hosts = next(iter(shared.items()))
@@ -171,10 +185,12 @@ class HostTable:
 
     @staticmethod
     def of(infos: Sequence[HostInfo]) -> HostTable:
-        """The table of `infos` (by global rank), hosts in order of their first rank."""
+        """The table of `infos` (by global rank), hosts in order of their first rank, each named as
+        :func:`host_labels` says (with its machine where several share a name)."""
+        labels = host_labels(infos)
         by_machine: dict[str, tuple[str, str, list[int]]] = {}
         for rank, info in enumerate(infos):
-            by_machine.setdefault(info.machine, (info.name, info.bind, []))[2].append(rank)
+            by_machine.setdefault(info.machine, (labels[info.machine], info.bind, []))[2].append(rank)
         return HostTable(tuple((name, bind, tuple(ranks)) for name, bind, ranks in by_machine.values()))
 
     def to_json(self) -> str:
