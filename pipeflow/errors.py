@@ -80,6 +80,11 @@ class CheckpointPeerLostError(CheckpointError, CommError):
     checkpoint, its step, what the ranks were doing and the backend's words."""
 
 
+class RunDirNotSharedError(ConfigError):
+    """The job's hosts do not see one run directory (each its own disk) while
+    ``train.checkpoint_storage=shared``; the message lists which hosts see what and the fix."""
+
+
 class RunDirLockedError(PipeflowError, RuntimeError):
     """Another live job holds the run directory; the message names its host and pid."""
 

@@ -24,7 +24,10 @@ those of dead jobs are removed when the run directory's lock is taken (:func:`re
 The Trainer saves only after a step whose loss and gradients were finite and checks the weights
 themselves before the save (:class:`~pipeflow.errors.NonFiniteError`), so ``latest`` only ever
 points at a finite, complete checkpoint.  Needs a file system that every rank sees (a shared
-one across nodes).
+one across nodes), unless ``train.checkpoint_storage=local``: then each host writes its own part
+into its own folder (its ranks' shards under their global ranks, its own ``.metadata``,
+``meta.json`` and ``latest``; :func:`_finish_part`, :mod:`pipeflow.run.storage`), and
+``python -m pipeflow.checkpoint gather`` merges the parts (:mod:`pipeflow.run.checkpoint_gather`).
 
 Every step of a save ends with the ranks sharing their outcome (one all-gather), so a failure on
 any rank (a full disk, a lost run-directory lock: :func:`pipeflow.run.lock.verify_held`, checked
@@ -65,10 +68,12 @@ from torch.distributed.tensor import DTensor
 from pipeflow.errors import CheckpointError, CheckpointPeerLostError, ConfigError, RunDirLostError
 from pipeflow.models.dcp_metadata import SafeReader
 from pipeflow.run import integrity, lock
+from pipeflow.run.storage import HostPart, host_part
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
     LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
 )
 from pipeflow.run.export import export, main  # noqa: F401 - part of this module's API (the CLI)
+from pipeflow.runtime import hosts
 from pipeflow.runtime.fsdp import local, strided
 from pipeflow.runtime.tensor_parallel import gathered, rows_of
 from pipeflow.runtime.zero import local_optimizer, parameter_of
@@ -146,6 +151,8 @@ class _Saving:
     final: str
     tmp: str
     rank: int
+    tidy: int = 0  # the rank that removes a partial folder: rank 0, or each host's first with local storage
+    renamed: bool = False  # local storage: this host's part was renamed into place (removed if another's failed)
 
     @property
     def what(self) -> str:
@@ -169,8 +176,10 @@ class _Saving:
 
     def _remove_partial(self) -> str:
         """Rank 0: remove the partial folder; returns what ``latest`` still names, in words."""
-        if self.rank == 0:
+        if self.rank == self.tidy:
             shutil.rmtree(self.tmp, ignore_errors=True)
+            if self.renamed:  # another host's part failed: this one alone is no checkpoint
+                shutil.rmtree(self.final, ignore_errors=True)
         last = find_latest(self.root)
         return f"latest still names {last}" if last else "there is no earlier checkpoint"
 
@@ -199,7 +208,7 @@ class _Saving:
 
 def save(
     root: str, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-    job: str = "",
+    job: str = "", storage: str = "shared",
 ) -> str:
     """Write checkpoint ``<root>/step_<step>`` atomically (collective: every rank calls it).
 
@@ -216,6 +225,8 @@ def save(
         job: the token of the job saving (in the temporary directory's name, so that a save
             removes only its own leftovers); when this process holds that job's run directory
             lock, the lock is checked first (:func:`pipeflow.run.lock.verify_held`).
+        storage: ``shared`` (one folder every rank sees) or ``local`` (each host writes its own
+            part: :func:`_finish_part`).
 
     Returns:
         The checkpoint directory.
@@ -226,14 +237,18 @@ def save(
         CheckpointError: the write failed (naming the directory and each rank's error).
     """
     rank = dist.get_rank()
+    part = host_part() if storage == "local" else None
     final = os.path.join(root, f"step_{step:08d}")
-    saving = _Saving(root, step, final, f"{final}.{job}.tmp" if job else f"{final}.tmp", rank)
-    saving.agree("preparing", integrity.attempt(lambda: _prepare(saving, job) if rank == 0 else None, rank))
+    tmp = f"{final}.{job}.tmp" if job else f"{final}.tmp"
+    saving = _Saving(root, step, final, tmp, rank, part.first if part else 0)
+    saving.agree("preparing", integrity.attempt(lambda: _prepare(saving, job) if rank == saving.tidy else None, rank))
     state, _ = whole_strided({**model_state(layers), **optimizer_state(optimizer, layers, fill=False)}, gather=True)
-    outcome = integrity.attempt(lambda: dcp.save(state, checkpoint_id=saving.tmp), rank)
+    outcome = integrity.attempt(lambda: _write(state, saving.tmp, part), rank)
     if not outcome.errors:
         outcome = integrity.attempt(lambda: _save_rng(saving.tmp, rank), rank)
     saving.agree("writing its files", outcome)
+    if part is not None:
+        return _finish_part(saving, meta, part, job)
     world = dist.get_world_size()
     hashed = integrity.attempt(lambda: integrity.digest_share(saving.tmp, rank, world), rank)
     shares = saving.agree("hashing its files", hashed)
@@ -244,6 +259,45 @@ def save(
     if job:
         _written[(job, os.path.abspath(root))] = final
     return final
+
+
+def _write(state: dict[str, Any], tmp: str, part: HostPart | None) -> None:
+    """DCP's save into `tmp`: by every rank into one folder, or by each host's ranks into their own
+    folder (`part`: shards named by global rank, the host's first rank writing its ``.metadata``)."""
+    if part is None:
+        dcp.save(state, checkpoint_id=tmp)
+    else:
+        dcp.save(state, storage_writer=part.writer(tmp), process_group=part.group)
+
+
+def _finish_part(saving: _Saving, meta: dict[str, Any], part: HostPart, job: str) -> str:
+    """Local storage, after every host wrote its files: each host hashes its own (shared among its
+    ranks), its first rank writes the host's ``meta.json`` and renames its folder; only once every
+    host's part is in place does each point its own ``latest`` at it."""
+    rank, world = saving.rank, dist.get_world_size()
+    hashed = integrity.attempt(lambda: integrity.digest_share(saving.tmp, part.index, len(part.ranks)), rank)
+    shares = saving.agree("hashing its files", hashed)
+    files = {rel: digest for r in part.ranks for rel, digest in shares[r].items()}
+    meta = {**meta, "step": saving.step, "world_size": world, "files": files, "storage": "local", "host": part.host,
+            "host_ranks": list(part.ranks), "hosts": [[name, list(ranks)] for name, ranks in part.hosts]}
+    committed = integrity.attempt(lambda: _commit_part(saving, meta) if rank == saving.tidy else None, rank)
+    saving.agree("committing its host's part", committed)
+    pointed = integrity.attempt(lambda: _point_latest(saving.root, saving.final) if rank == saving.tidy else None, rank)
+    saving.agree(f"pointing {LATEST} at it", pointed)
+    if job:
+        _written[(job, os.path.abspath(saving.root))] = saving.final
+    return saving.final
+
+
+def _commit_part(saving: _Saving, meta: dict[str, Any]) -> None:
+    """A host's first rank: its ``meta.json`` last, then the rename (``latest`` waits for every host)."""
+    _write_atomic(os.path.join(saving.tmp, META), json.dumps(meta, indent=1))
+    old = saving.tmp.removesuffix(".tmp") + ".old"
+    if os.path.exists(saving.final):
+        os.rename(saving.final, old)
+    os.rename(saving.tmp, saving.final)
+    saving.renamed = True
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _prepare(saving: _Saving, job: str) -> None:
@@ -328,10 +382,11 @@ def remove_leftovers(root: str) -> list[str]:
     return gone
 
 
-def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer,
+         storage: str = "shared") -> dict[str, Any]:
     """Load this rank's layers and their optimizer state from checkpoint `path` (collective);
     restores this rank's RNG states when the checkpoint had the same world size.  Verify it
-    first (:func:`verify`).
+    first (:func:`verify`).  With `storage` ``local`` each host's ranks read their host's part.
 
     Returns:
         The checkpoint's meta (``step``, layout, loss scale).
@@ -343,13 +398,15 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
     reader = SafeReader(path)
     saved = integrity.call_named(reader.read_metadata, f"reading checkpoint {path}").state_dict_metadata
     model = model_state(layers)
-    _check_model(path, model, saved)
+    _check_model(path, model, saved, per_host=storage == "local")
     optim = optimizer_state(optimizer, layers, fill=True)
     if any(key not in saved for key in optim):  # saved before any optimizer step (e.g. all fp16 steps skipped)
         local_optimizer(optimizer).state.clear()
         optim = {}
     state, strided = whole_strided({**model, **optim}, gather=False)
-    integrity.call_named(lambda: dcp.load(state, storage_reader=reader), f"loading checkpoint {path}")
+    group = host_part().group if storage == "local" else None
+    integrity.call_named(lambda: dcp.load(state, storage_reader=reader, process_group=group),
+                         f"loading checkpoint {path}")
     for target, whole in strided:  # this rank's rows of each whole strided tensor, into its shard
         with torch.no_grad():
             local(target).copy_(rows_of(whole, target))
@@ -401,15 +458,23 @@ def _load_rng(file: str) -> None:
         torch.cuda.set_rng_state_all(saved["cuda"])
 
 
-def _check_model(path: str, model: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
+def _check_model(path: str, model: dict[str, torch.Tensor], saved: dict[str, Any], per_host: bool = False) -> None:
     """Raise on every rank (agreed by one all-gather) if any rank's model entries are missing
-    from the checkpoint or have another shape, naming the first such rank and entries."""
+    from the checkpoint (`per_host`, local storage: from its host's part) or have another shape,
+    naming the first such rank and entries."""
     bad = sorted(k for k, v in model.items() if k not in saved or tuple(saved[k].size) != tuple(v.shape))
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, bad)
     culprit = next((r for r, keys in enumerate(everyone) if keys), None)
     if culprit is not None:
         keys = everyone[culprit]
+        if per_host:
+            raise ConfigError(
+                f"rank {culprit}{hosts.of_ranks([culprit])}: its host's part of checkpoint {path} has no "
+                f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} (train.checkpoint_storage=local: each host holds "
+                f"only what its own ranks saved, and this host's ranks now hold other layers); resume with the hosts "
+                f"in the order that saved it, or gather the parts (python -m pipeflow.checkpoint gather) and resume "
+                f"from the merged checkpoint")
         raise ConfigError(
             f"rank {culprit}: checkpoint {path} has no {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} "
             f"of this shape ({len(keys)} of that rank's model entries missing or reshaped): it was saved from "

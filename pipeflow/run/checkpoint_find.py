@@ -146,14 +146,17 @@ def read_meta(path: str) -> dict[str, Any]:
     return meta
 
 
-def verify(path: str, collective: bool = True) -> str | None:
+def verify(path: str, collective: bool = True, share: tuple[int, int] | None = None, label: str = "") -> str | None:
     """What is wrong with checkpoint `path` (garbled meta, a missing or changed file), or None
-    (collective unless `collective` is false; every rank gets the same answer)."""
+    (collective unless `collective` is false; every rank gets the same answer; `share` and
+    `label`: see :func:`pipeflow.run.integrity.first_problem`)."""
     try:
         meta = read_meta(path)
     except CheckpointError as exc:
+        if collective and dist.is_initialized() and dist.get_world_size() > 1:  # hosts of their own disks
+            return integrity.first_problem(path, {}, collective, share, label, known=str(exc))  # others gather too
         return str(exc)
-    return integrity.first_problem(path, meta.get("files"), collective)
+    return integrity.first_problem(path, meta.get("files"), collective, share, label)
 
 
 def choose(resume: str | None, root: str) -> str | None:

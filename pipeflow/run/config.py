@@ -144,6 +144,9 @@ class TrainConfig:
     run_dir: str | None = None  # default: an explicit hydra.run.dir, else outputs/<timestamp>; chosen by rank 0
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast compute dtype; weights stay in train.dtype
     save_every: int = 0  # write a checkpoint every n steps (and at the end); 0: never
+    # shared: one run directory every host sees; local: each host its own disk, each writes its
+    # ranks' part (python -m pipeflow.checkpoint gather merges them); docs/multinode.md "Storage"
+    checkpoint_storage: str = "shared"
     resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
     check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage (fp16 overflow: skipped)
     # signals that save a checkpoint at the next step boundary and end the job (exit code 75):
@@ -515,8 +518,13 @@ def check_values(cfg: Any) -> None:
     """
     check_counts(cfg)
     check_comm(cfg.comm)
+    storage = OmegaConf.select(cfg, "train.checkpoint_storage", default="shared")
+    if storage not in STORAGES:
+        raise ConfigError(f"train.checkpoint_storage={storage!r} is not one of {', '.join(STORAGES)}: shared (one run "
+                          f"directory every host sees) or local (each host its own disk)")
 
 
+STORAGES = ("shared", "local")  # train.checkpoint_storage
 BACKENDS = ("nccl", "gloo", "mpi", "ucc")
 RESUME_WORDS = ("auto", "none", "never", "latest", "")  # train.resume values that are not paths
 

@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from pipeflow.errors import CheckpointError, ConfigError
 from pipeflow.models.dcp_metadata import SafeReader
 from pipeflow.models.spec import ModelSpec
-from pipeflow.run import integrity
+from pipeflow.run import checkpoint_gather, integrity
 from pipeflow.run.checkpoint_find import resolve, verify
 
 log = logging.getLogger("pipeflow")
@@ -324,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Work with the checkpoints train.py writes (train.save_every) under <run_dir>/checkpoints.",
         epilog="examples:\n"
                "  python -m pipeflow.checkpoint export outputs/<time>/checkpoints model.pt\n"
-               "  python -m pipeflow.checkpoint export --format hf outputs/<time>/checkpoints exported/",
+               "  python -m pipeflow.checkpoint export --format hf outputs/<time>/checkpoints exported/\n"
+               "  python -m pipeflow.checkpoint gather node0/step_00000020 node1/step_00000020 merged/step_00000020",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser(
@@ -348,9 +349,12 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--force", action="store_true", help="replace an earlier export at <out>")
     exp.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD, metavar="SIZE",
                      help="--format hf: the largest safetensors file before sharding (default 5GB)")
+    checkpoint_gather.add_parser(sub)
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers and not log.handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.command == "gather":
+        return _gather(args.parts, args.out)
     try:
         count = export(args.checkpoint, args.out, format=args.format, force=args.force,
                        max_shard_bytes=args.max_shard_size)
@@ -361,6 +365,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}; check that path, or export elsewhere", file=sys.stderr)
         return 1
     print(f"wrote {count} tensors to {args.out}")
+    return 0
+
+
+def _gather(parts: list[str], out: str) -> int:
+    """``gather``: the exit status (errors printed as one line naming the part and the fix)."""
+    try:
+        checkpoint_gather.gather(parts, out)
+    except (CheckpointError, ConfigError, OSError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"gathered {len(parts)} parts into {out}")
     return 0
 
 

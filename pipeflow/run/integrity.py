@@ -89,10 +89,15 @@ def digest_files(folder: str) -> dict[str, str]:
     return merged
 
 
-def first_problem(folder: str, digests: Mapping[str, str] | None, collective: bool = True) -> str | None:
+def first_problem(folder: str, digests: Mapping[str, str] | None, collective: bool = True,
+                  share: tuple[int, int] | None = None, label: str = "", known: str | None = None) -> str | None:
     """What is wrong with the files of checkpoint `folder` against `digests` (from its meta), or
     None when every file is present and unchanged.  Collective unless `collective` is false (one
-    process checks every file).  No digests (an older checkpoint): None, with a warning once."""
+    process checks every file).  `share` (index, count): this process's share of the files, where
+    not (rank, world size): a host's ranks checking their host's own part; `label` starts each of
+    this process's findings (``on host node1: ``); `known`: a problem found already (its meta
+    unreadable), shared with the others in the same gather.  No digests (an older checkpoint):
+    None, with a warning once."""
     global _warned_no_digests
     if digests is None:
         if not _warned_no_digests:
@@ -100,13 +105,14 @@ def first_problem(folder: str, digests: Mapping[str, str] | None, collective: bo
             _warned_no_digests = True
         return None
     rank, world = (dist.get_rank(), dist.get_world_size()) if collective and dist.is_initialized() else (0, 1)
-    problems = []
+    rank, world = share if share is not None and collective else (rank, world)
+    problems = [f"{label}{known}"] if known and rank == 0 else []  # said once (per host)
     for rel in _share(sorted(digests), rank, world):
         path = os.path.join(folder, rel)
         if not os.path.isfile(path):
-            problems.append(f"{path} is missing")
+            problems.append(f"{label}{path} is missing")
         elif sha256(path) != digests[rel]:
-            problems.append(f"{path} does not match its digest in {os.path.join(folder, META)} (the file was changed or damaged)")
+            problems.append(f"{label}{path} does not match its digest in {os.path.join(folder, META)} (the file was changed or damaged)")
     found = [p for part in (_gather(problems) if collective else [problems]) for p in part]  # type: ignore[union-attr]
     return found[0] + (f" (and {len(found) - 1} more files)" if len(found) > 1 else "") if found else None
 

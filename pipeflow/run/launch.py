@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException as exc:  # noqa: BLE001 - torchrun's ChildFailedError, its SignalException
             sigval = getattr(exc, "sigval", None)
             status = 128 + int(sigval) if sigval is not None else 1
+            print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)  # torchrun's report (exitcode lines)
             if _rendezvous_lost(exc):
                 _say(f"lost the rendezvous at {option(argv, 'rdzv-endpoint')} ({type(exc).__name__}): the node that "
                      f"hosts it is gone, and with it this elastic job (torchrun cannot move a rendezvous); start the "

@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.data import Batches, loss_counts, microbatch_inputs, microbatch_targets, sequence_lengths, shard
 from pipeflow.errors import NonFiniteError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout, describe_layout
-from pipeflow.run import checkpoint
+from pipeflow.run import checkpoint, storage
 from pipeflow.run.compile_phase import CompilePhase
 from pipeflow.run.faults import FaultInjector
 from pipeflow.run.readback import PendingStep, StepValues, packet_on_host
@@ -161,6 +161,11 @@ class Trainer:
         """Where checkpoints go: ``<run_dir>/checkpoints``."""
         return os.path.join(self.run_dir, "checkpoints")
 
+    @property
+    def checkpoint_storage(self) -> str:
+        """``train.checkpoint_storage``: ``shared`` (one folder every rank sees) or ``local``."""
+        return str(OmegaConf.select(self.cfg, "train.checkpoint_storage", default="shared"))
+
     def save_checkpoint(self, step: int) -> str:
         """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.checkpoint).
 
@@ -178,7 +183,7 @@ class Trainer:
         meta = {"dp": self.dp, "pp": self.mesh.pp, "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
         job = self.workspace.token if self.workspace is not None else ""
         path = checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer,
-                               meta, job=job)
+                               meta, job=job, storage=self.checkpoint_storage)
         self._saved = (step, path)
         return path
 
@@ -191,10 +196,11 @@ class Trainer:
         Raises:
             CheckpointError: an explicitly named checkpoint is damaged (naming the file).
         """
-        path = checkpoint.choose(self.cfg.train.resume, self.checkpoint_root)
+        choose = storage.choose_local if self.checkpoint_storage == "local" else checkpoint.choose
+        path = choose(self.cfg.train.resume, self.checkpoint_root)
         if path is None:
             return 0
-        meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer)
+        meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer, self.checkpoint_storage)
         self.scaler.load_state_dict(meta["scaler"])
         if self.is_main:
             log.info("resumed from checkpoint %s at step %d (saved with %s)", path, meta["step"],

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.errors import ConfigError, PipeflowError, RunDirLostError
-from pipeflow.run import checkpoint, discover
+from pipeflow.run import checkpoint, discover, storage
 from pipeflow.run import run_dir as run_dirs
 from pipeflow.run.lock import Loss, RunLock, find_loss, lost_error
 
@@ -103,6 +103,15 @@ def prepare(cfg: DictConfig) -> Workspace:
         dist.broadcast_object_list(outcome, src=0)
     if outcome[1] is not None:
         raise outcome[1]
+    try:
+        own_disks = storage.check_shared(run_dir, outcome[0], OmegaConf.select(cfg, "train.checkpoint_storage",
+                                                                               default="shared"))
+    except PipeflowError:
+        if lock is not None:
+            lock.release()  # this job never starts: the run directory is free again
+        raise
+    if own_disks and rank != 0 and storage.first_of_host():  # no other live job saves on this host's disk
+        checkpoint.remove_leftovers(os.path.join(run_dir, "checkpoints"))
     return Workspace(run_dir, outcome[0], lock)
 
 
