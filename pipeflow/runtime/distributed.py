@@ -10,6 +10,7 @@ and only then destroys the groups.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import ipaddress
@@ -18,6 +19,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -41,6 +43,7 @@ PARENT_POLL_S = 1.0
 # second signal ends torchrun before its 30 s grace), and its workers must not leave mid-save
 _SAVING_ON_SIGNAL = threading.Event()
 JOIN_POLL_S = 0.2
+VERDICT_READ_S = 3.0  # how long rank 0 waits for the others to read the join's error before it leaves
 DEFAULT_JOIN_TIMEOUT_S = 900.0  # no comm.join_timeout_s given
 CONNECT_ATTEMPT_S = 2.0  # one connect attempt to the store's host (an unanswered SYN)
 MIN_CONNECT_S = 1.0  # the store's own connect timeout once its host listens
@@ -215,6 +218,13 @@ def _loopback_master_note(addr: str) -> str:
             f"with examples/multinode.sh, or pass torchrun --local-addr <node 0's address>)")
 
 
+def _leaving() -> None:
+    """This rank leaves with the join's error in a moment: a launcher's SIGTERM, sent as soon as
+    the first of its node's workers has left, must not end it before it has said why."""
+    with contextlib.suppress(ValueError):  # not the main thread
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class _Meeting:
     """The join's protocol in the rendezvous store, under one deadline.
 
@@ -263,6 +273,7 @@ class _Meeting:
                     f"at why those ranks died or did not start{_loopback_master_note(self.addr)}")
             self.store.set(self._key(epoch, "hosts"), json.dumps({"error": text, "kind": "JoinTimeoutError",
                                                                   "heard": heard}))
+            self._await_readers(epoch, len(heard))
             raise JoinTimeoutError(f"rank 0: {text}")  # no local holds it: its frame would keep the store alive
         answers = [json.loads(v) for v in self.store.multi_get(acks)] if acks else []
         infos = [hosts_of_job.this_host(), *(hosts_of_job.HostInfo.from_json(a["host"]) for a in answers)]
@@ -274,10 +285,22 @@ class _Meeting:
             table, verdict = None, {"error": str(exc), "kind": "LaunchError", "heard": [a["token"] for a in answers]}
         self.store.set(self._key(epoch, "hosts"), json.dumps(verdict))
         if table is None:  # every other rank reads the error in place of its confirmation
+            self._await_readers(epoch, len(answers))
             raise LaunchError(f"rank 0: {verdict['error']}")
         if answers:
             self.store.multi_set([self._key(epoch, f"ok/{r}") for r in range(1, self.world)], [a["token"] for a in answers])
         return epoch, table
+
+    def _await_readers(self, epoch: str, count: int) -> None:
+        """Before raising the join's error: wait (at most :data:`VERDICT_READ_S`) until the `count`
+        ranks rank 0 heard from have read it, so that all leave together and each names it (a
+        launcher stops a node's other workers as soon as one exits)."""
+        if count == 0:  # no one else to wait for
+            return
+        _leaving()
+        until = time.monotonic() + VERDICT_READ_S
+        while self.store.add(self._key(epoch, "read"), 0) < count and time.monotonic() < until:
+            time.sleep(JOIN_POLL_S / 4)
 
     def join(self) -> tuple[str, hosts_of_job.HostTable]:
         """Every other rank: acknowledge rank 0's epoch (again when it changes) until confirmed.
@@ -302,6 +325,9 @@ class _Meeting:
                 if self.store.check([self._key(epoch, "hosts")]):
                     verdict = json.loads(self.store.get(self._key(epoch, "hosts")))
                     if "error" in verdict and self.token in verdict["heard"]:  # not an earlier attempt's
+                        _leaving()
+                        self.store.add(self._key(epoch, "read"), 1)
+                        self._await_readers(epoch, len(verdict["heard"]))  # all leave together, each naming it
                         kind = LaunchError if verdict.get("kind") == "LaunchError" else JoinTimeoutError
                         raise kind(f"rank {self.rank}: {verdict['error']}")
             time.sleep(JOIN_POLL_S)
