@@ -116,7 +116,8 @@ def test_a_host_cut_off_is_named_by_the_survivors_within_the_collective_deadline
     for thread in threads:
         thread.join(timeout=10)
     text = "".join(line for _, line in lines[0])
-    assert procs[0].returncode == 1 and "CommError" in text, text[-3000:]
+    # a P2P wait (PipelineTimeoutError, after comm.timeout_s) or the dp all-reduce (CommError, after the margin too)
+    assert procs[0].returncode == 1 and re.search(r"(CommError|PipelineTimeoutError): ", text), text[-3000:]
     assert named < 3 + 15 + 5 and ended < 3 + 15 + 10, (named, ended)  # comm.timeout_s, the margin, the probe
 
 
