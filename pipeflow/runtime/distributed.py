@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import ipaddress
 import json
 import logging
 import multiprocessing as mp
@@ -208,11 +207,7 @@ def join_store(rank: int, world: int, timeout_s: float | None, backend: str = "g
 def _loopback_master_note(addr: str) -> str:
     """A hint for a join that failed while several agents were launched and MASTER_ADDR is loopback."""
     several = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) < int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        loopback = ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
-    except (OSError, ValueError):
-        loopback = False
-    if not (several and loopback and os.environ.get("LOCAL_WORLD_SIZE")):
+    if not (several and os.environ.get("LOCAL_WORLD_SIZE") and hosts_of_job.is_loopback(addr)):
         return ""
     return (f"; MASTER_ADDR={addr} is a loopback address: ranks on other hosts cannot reach it (launch every node "
             f"with examples/multinode.sh, or pass torchrun --local-addr <node 0's address>)")

@@ -113,7 +113,9 @@ def this_host() -> HostInfo:
     return HostInfo(socket.gethostname(), machine_id(), gloo_bind_address(), os.environ.get("MASTER_ADDR", "127.0.0.1"))
 
 
-def _loopback(address: str) -> bool:
+def is_loopback(address: str) -> bool:
+    """Whether `address` (an IP, or a name as this host resolves it) is a loopback address; a
+    name that does not resolve is not."""
     try:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
@@ -144,7 +146,7 @@ def check_addresses(infos: Sequence[HostInfo], gloo: bool = True) -> None:
     fix = ("launch each node with examples/multinode.sh (python -m pipeflow.launch finds the address and "
            "interface itself), or pass torchrun --local-addr <this node's address> and set GLOO_SOCKET_IFNAME "
            "and NCCL_SOCKET_IFNAME to the interface between the hosts")
-    if _loopback(infos[0].master):
+    if is_loopback(infos[0].master):
         raise LaunchError(f"the job spans {len(machines)} hosts ({names}), but MASTER_ADDR={infos[0].master} is a "
                           f"loopback address that only its own host reaches; {fix}")
     if not gloo:
@@ -152,7 +154,7 @@ def check_addresses(infos: Sequence[HostInfo], gloo: bool = True) -> None:
     binds: dict[str, set[str]] = {}
     for machine, ranks in machines.items():
         info = infos[ranks[0]]
-        if _loopback(info.bind):
+        if is_loopback(info.bind):
             how = (f"GLOO_SOCKET_IFNAME names an interface with address {info.bind}" if info.bind != "127.0.0.1"
                    else f"its host name {info.name!r} resolves to {info.bind} (or not at all), and gloo binds that")
             raise LaunchError(f"the job spans {len(machines)} hosts ({names}), but the ranks on host {labels[machine]} "
