@@ -137,6 +137,29 @@ def test_non_zero_ranks_log_only_warnings_tagged_with_their_rank(monkeypatch: py
     assert "[rank 2]" in err.getvalue() and "WARNING stage 1 is slow" in err.getvalue()
 
 
+def test_each_log_line_reaches_the_stream_in_one_write() -> None:
+    """With unbuffered streams (PYTHONUNBUFFERED=1) every write is a syscall: a line and its
+    newline written apart let another rank's line land between them in a shared pipe (found in
+    CI: one rank's error line spliced onto another's)."""
+    from pipeflow.observability.console import RankFilter, TqdmHandler
+
+    class Writes(io.StringIO):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.calls.append(text)
+            return super().write(text)
+
+    stream = Writes()
+    handler = TqdmHandler(stream)
+    handler.addFilter(RankFilter(1))
+    handler.setFormatter(logging.Formatter("[rank %(rank)d] %(message)s"))
+    handler.handle(logging.makeLogRecord({"msg": "rank 1 failed: X", "levelno": logging.ERROR}))
+    assert stream.calls == ["[rank 1] rank 1 failed: X\n"]
+
+
 def test_clock_offsets_are_zero_on_rank_0s_host_and_a_median_per_other_host() -> None:
     from pipeflow.observability.trace import host_offsets
 

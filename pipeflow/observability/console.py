@@ -17,9 +17,13 @@ class TqdmHandler(logging.StreamHandler):
     """A stream handler that writes around an active tqdm progress bar."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        """Write the formatted record above the bar (or plainly when there is none)."""
+        """Write the formatted record above the bar (or plainly when there is none), line and
+        newline in one write: ``tqdm.write`` writes them apart, and with unbuffered streams
+        (``PYTHONUNBUFFERED=1``, common under Slurm) ranks sharing one terminal or pipe then
+        splice each other's lines."""
         try:
-            tqdm.write(self.format(record), file=self.stream)
+            with tqdm.external_write_mode(file=self.stream):
+                self.stream.write(self.format(record) + self.terminator)
             self.flush()
         except Exception:  # as logging.StreamHandler: never raise from logging
             self.handleError(record)
