@@ -65,6 +65,18 @@ class NonFiniteError(PipeflowError, FloatingPointError):
     """NaN or Inf in a loss or gradient (always checked; ``train.check_finite`` adds per-layer checks); names the stage and step."""
 
 
+class AllTargetsMaskedError(PipeflowError, ValueError):
+    """Every target of a training step's batch is masked (the loss's ``ignore_index``, -100): the
+    step has no loss to learn from.  The message names the step and the rank that found it (every
+    rank that holds the batch raises it, before any transfer)."""
+
+
+class ChatDataError(ConfigError):
+    """``data=chat`` cannot use a conversation: a row without messages, a message without a role,
+    a role the chat template rejects, a conversation longer than the sequence with
+    ``data.overlong=error``; the message names the file and line and how to fix it."""
+
+
 class CheckpointError(PipeflowError, RuntimeError):
     """A checkpoint cannot be used: damaged (digest mismatch), incomplete, unreadable or outside
     its folder; the message names the file and how to go on."""

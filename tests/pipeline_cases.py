@@ -454,3 +454,37 @@ def memory_matches(model: str = "gpt", schedule: str = "1f1b", m: int = 4, offlo
             "predicted": (predicted.resident.as_tuple(), predicted.peak.as_tuple()),
             "offloaded": pipe.offloaded.bytes if pipe.offloaded is not None else 0,
             "offloaded_predicted": sum(costs[s].offloadable for s, _ in moved)}
+
+
+def masked_equivalence(model: str, schedule: str, k: int = 1, steps: int = 2) -> dict[str, Any]:
+    """Targets masked with -100 (a seeded 40% of them and every target of micro-batch 1), each
+    micro-batch weighed by the targets its loss counts over the batch's (the Trainer's weights):
+    the pipelined loss and every gradient equal the unsplit model's mean over the unmasked targets
+    of the whole batch; the all-masked micro-batch adds zero, never NaN.  m is the k-th of
+    :func:`chunked_microbatch_counts` (at least 2) for this world size."""
+    from pipeflow.data import microbatch_counts
+
+    m = max(2, chunked_microbatch_counts(schedule, dist.get_world_size())[k])
+    spec = make_spec(model)
+    pipe, ranges, tied = build_pipeline(spec, build_schedule(schedule, dist.get_world_size(), m))
+    reference = spec.build_all(dtype=DTYPE)
+    tie_in_place(spec, dict(enumerate(reference)))
+    pairs = [(mine, ref) for s, stage in pipe.stages.items() for layer, idx in zip(stage.module, ranges[s])
+             for mine, ref in zip(layer.parameters(), reference[idx].parameters())]
+    worst = {"loss": 0.0, "grad": 0.0, "losses_compared": 0, "microbatches": m}
+    for step in range(steps):
+        x, y = make_batch(model, BATCH, seed=step)
+        y = y.masked_fill(torch.rand(y.shape, generator=torch.Generator().manual_seed(step)) < 0.4, -100)
+        y.chunk(m)[1].fill_(-100)
+        spec.loss_fn(run_layers(reference, x), y).backward()
+        counts = microbatch_counts(y, m, spec.loss_count)
+        loss = pipe.run(*split_batch(pipe, x, y, m), loss_weights=[c / sum(counts) for c in counts])
+        tied.reduce_grads()
+        if loss is not None:
+            expected = spec.loss_fn(run_layers(reference, x), y).detach()
+            worst["loss"] = max(worst["loss"], rel_diff(loss, expected))
+            worst["losses_compared"] += 1
+        worst["grad"] = max([worst["grad"]] + [rel_diff(a.grad, b.grad) for a, b in pairs])
+        for a, b in pairs:
+            a.grad = b.grad = None
+    return worst

@@ -3,7 +3,7 @@ split: into data-parallel shards, then into micro-batches."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -21,7 +21,7 @@ class Batches:
 
 
 IMAGE_DATA = ("cifar10", "mnist", "imagefolder", "fakedata")
-TOKEN_DATA = ("markov", "text", "tokens")
+TOKEN_DATA = ("markov", "text", "tokens", "chat")
 
 
 def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
@@ -53,6 +53,10 @@ def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
         from pipeflow.data.tokens import build_token_batches
 
         return Batches(*build_token_batches(cfg, model_cfg, sequence_lengths(cfg), chunks))
+    if name == "chat":  # conversations, tokenised with the model's chat template, prompts masked
+        from pipeflow.data.chat_rows import build_chat_batches
+
+        return Batches(*build_chat_batches(cfg, model_cfg))
     if name == "markov":
         tokens = datasets.markov_tokens(cfg.num_tokens, cfg.vocab_size, cfg.seed)
         vocab, best = cfg.vocab_size, datasets.markov_entropy_rate(cfg.vocab_size, cfg.seed)
@@ -62,7 +66,8 @@ def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
         tokens, chars = datasets.text_file_tokens(cfg.path, cfg.level)
         vocab, best = (256 if chars is None else len(chars)), None
     else:
-        raise ConfigError(f"unknown data.name={name!r}; valid: markov, text, gaussian, {', '.join(IMAGE_DATA)}, tokens")
+        raise ConfigError(f"unknown data.name={name!r}; valid: markov, text, gaussian, {', '.join(IMAGE_DATA)}, "
+                          f"tokens, chat")
     model_vocab = getattr(model_cfg, "vocab_size", vocab)
     if vocab > model_vocab:
         raise ConfigError(
@@ -174,7 +179,16 @@ def _share(part: torch.Tensor | list[torch.Tensor], dp_rank: int, dp: int) -> to
     return part.tensor_split(dp)[dp_rank]
 
 
-def loss_counts(targets: torch.Tensor | list[torch.Tensor]) -> int:
-    """How many elements the loss averages over in `targets` (tokens, or rows): what weighs a
-    micro-batch's mean loss in the batch's."""
-    return sum(t.numel() for t in targets) if isinstance(targets, list) else targets.numel()
+def loss_counts(targets: torch.Tensor | list[torch.Tensor], count: Callable[[Any], int] | None = None) -> int:
+    """How many targets the loss counts in `targets` (a tensor, or a list of micro-batches'):
+    `count` of each (``ModelSpec.loss_count``: cross entropy's targets other than -100); every
+    element when `count` is None.  What weighs a micro-batch's mean loss in the batch's."""
+    count = count or (lambda t: t.numel())
+    return sum(count(t) for t in targets) if isinstance(targets, list) else count(targets)
+
+
+def microbatch_counts(targets: torch.Tensor | list[torch.Tensor], m: int,
+                      count: Callable[[Any], int] | None = None) -> list[int]:
+    """The targets the loss counts in each of the m micro-batches of `targets` (this replica's
+    share, still on the host: counting never waits for the device)."""
+    return [loss_counts(t, count) for t in split_microbatches(targets, m)]

@@ -9,6 +9,13 @@ else uint32) of ``--shard-tokens`` tokens, the last one shorter.  ``--train-toke
 trains a byte-level BPE tokenizer of V tokens on the corpus itself (offline, for tests and
 examples) and writes it to ``<out>/tokenizer.json``.  Imports ``tokenizers`` (and ``tqdm``) only
 when run.
+
+``--chat`` reads conversations instead (``{"messages": [{"role": ..., "content": ...}, ...]}``
+rows of ``.jsonl``/``.parquet`` files), tokenised with the chat template of ``--tokenizer <a
+Hugging Face folder>`` (the model's), and writes tokens, per-token trained marks (assistant
+turns) and conversation starts for ``data=chat data.path=<out>`` (pipeflow/data/chat_rows.py):
+
+    python -m pipeflow.data.prepare --chat chats.jsonl --tokenizer /models/my-llama --out data/chat
 """
 from __future__ import annotations
 
@@ -169,7 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-key", default="text", help="the text field of jsonl/parquet records (default: text)")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--chat", action="store_true",
+                        help="the files hold conversations (messages rows): tokenise them with --tokenizer's chat "
+                             "template, assistant turns marked trained, for data=chat")
     args = parser.parse_args(argv)
+    if args.chat:
+        return _main_chat(args)
     try:
         tokenizer, eos_id = _tokenizer(args)
         summary = prepare(args.files, tokenizer, eos_id, args.out, args.shard_tokens, args.text_key,
@@ -182,6 +194,44 @@ def main(argv: list[str] | None = None) -> int:
           f"shard{'s' * (shards != 1)} ({summary['dtype']}) in {args.out}; train with: data=tokens "
           f"data.path={args.out} data.eos_id={eos_id} and a model of at least {summary['vocab_size']} tokens "
           f"(model.vocab_size={summary['vocab_size']} for model=gpt; model=hf reads its config.json)")
+    return 0
+
+
+def prepare_chat(paths: list[Path], tokenizer_folder: str | Path, out: Path, progress: bool = True) -> dict[str, Any]:
+    """Tokenise conversations with the folder's chat template into `out` (tokens, trained marks,
+    starts: :func:`pipeflow.data.chat_rows.save_conversations`) and write ``out/prepare.json``;
+    returns its summary.
+
+    Raises:
+        ChatDataError: a bad row, a role the template refuses, no tokenizer or template there.
+    """
+    from pipeflow.data.chat import conversation_paths, load_chat_tokenizer
+    from pipeflow.data.chat_rows import pad_id_of, save_conversations, summary_of, tokenize_conversations
+
+    tokenizer = load_chat_tokenizer(tokenizer_folder)
+    files = [p for path in paths for p in conversation_paths(path)]
+    conversations = tokenize_conversations(files, tokenizer, progress)
+    save_conversations(conversations, out)
+    summary = {"format": "chat", **summary_of(conversations), "vocab_size": len(tokenizer),
+               "pad_id": pad_id_of(tokenizer), "tokenizer": str(tokenizer_folder)}
+    (out / "prepare.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def _main_chat(args: argparse.Namespace) -> int:
+    """``--chat``: conversations into a data=chat folder; prints the summary line."""
+    if args.tokenizer is None:
+        print("error: --chat needs --tokenizer <the model's Hugging Face folder, with its chat template>",
+              file=sys.stderr)
+        return 2
+    try:
+        summary = prepare_chat(args.files, args.tokenizer, args.out, not args.no_progress)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"prepared {summary['conversations']} conversations, {summary['tokens']} tokens "
+          f"({summary['trained_tokens']} trained: assistant turns) in {args.out}; train with: data=chat "
+          f"data.path={args.out} model=hf model.path={args.tokenizer}")
     return 0
 
 

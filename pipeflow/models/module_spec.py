@@ -33,13 +33,14 @@ from pipeflow.models import traced
 from pipeflow.models.materialise import (InitHook, StateDictFile, copy_buffers, is_meta, materialise, meta_buffers,
                                          skeleton, zero_parameters)
 from pipeflow.models.pieces import Adapter, claims, cut, expand, resolve
-from pipeflow.models.spec import LayerSpec, LossFn, ModelSpec
+from pipeflow.models.spec import IGNORE_INDEX, LayerSpec, LossFn, ModelSpec
 
 Source = nn.Module | Callable[[], nn.Module]
 
 
 def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross entropy over every position: logits (..., V), targets (...) long -> scalar."""
+    """Mean cross entropy over the positions whose target is not -100 (masked): logits (..., V),
+    targets (...) long -> scalar."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
@@ -172,6 +173,8 @@ def from_module(
     names: tuple[str, str] = ("before", "after"),
     name: str | None = None,
     tp_plan: dict[str, str] | None = None,
+    ignore_index: int | None = IGNORE_INDEX,
+    count_fn: Callable[[Any], int] | None = None,
 ) -> ModelSpec:
     """Describe an existing ``nn.Module`` as pipeline layers (see the module docstring for the forms).
 
@@ -200,6 +203,10 @@ def from_module(
             paths as the model names them, e.g. ``{"blocks.*.attn.qkv": "colwise_qkv",
             "blocks.*.attn.proj": "rowwise"}``; styles: ``pipeflow.models.spec.TP_STYLES``),
             matched in every layer; None: the model cannot run with tp > 1.
+        ignore_index: the target value `loss_fn` ignores (cross entropy's -100): a micro-batch
+            weighs by the targets its loss counts; None: every target counts.
+        count_fn: ``count_fn(targets) -> int``, how many targets `loss_fn` averages over, for a
+            loss that counts otherwise; None: `ignore_index` decides (``ModelSpec.loss_count``).
 
     Returns:
         A ModelSpec whose layers hold the model's own modules under their own paths (state dict
@@ -236,7 +243,8 @@ def from_module(
     specs = [LayerSpec(plan.name, layers.build, (k,)) for k, plan in enumerate(plans)]
     # export_name: the layers' keys are the module's own (checkpoint export writes them as they are)
     return ModelSpec(name or type(root).__name__.lower(), specs, loss_fn=loss_fn, seed=seed, tied=_ties(root, plans),
-                     export_name=original_name, tp_plan=dict(tp_plan) if tp_plan else None)
+                     export_name=original_name, tp_plan=dict(tp_plan) if tp_plan else None,
+                     ignore_index=ignore_index, count_fn=count_fn)
 
 
 def original_name(index: int, key: str) -> str:
@@ -258,6 +266,8 @@ def build_module(
     init_from: str | None = None,
     seed: int = 0,
     tp_plan: Any = None,
+    ignore_index: int | None = IGNORE_INDEX,
+    count_fn: Any = None,
 ) -> ModelSpec:
     """A user's own nn.Module from the config (``model=module``): `from_module` with its keys.
 
@@ -277,6 +287,8 @@ def build_module(
         seed: the model seed.
         tp_plan: ``parallel.tp``'s plan, ``{glob of submodule paths: style}``
             (``model.tp_plan={'blocks.*.mlp.fc1': colwise, 'blocks.*.mlp.fc2': rowwise}``).
+        ignore_index, count_fn: how the loss counts its targets (`from_module`;
+            ``model.count_fn={_target_: pkg.count, _partial_: true}``).
 
     Raises:
         ConfigError: model.module is not set.
@@ -287,4 +299,4 @@ def build_module(
         module, before=list(before or []), blocks=blocks if isinstance(blocks, (str, type(None))) else list(blocks),
         after=list(after or []), split_points=list(split_points) if split_points else None,
         before_fn=before_fn, after_fn=after_fn, loss_fn=loss_fn or cross_entropy, init=init, init_from=init_from,
-        seed=seed, tp_plan=dict(tp_plan) if tp_plan else None)
+        seed=seed, tp_plan=dict(tp_plan) if tp_plan else None, ignore_index=ignore_index, count_fn=count_fn)

@@ -20,6 +20,20 @@ from torch import Tensor, nn
 from pipeflow.errors import ConfigError
 
 LossFn = Callable[[Any, Tensor], Tensor]
+IGNORE_INDEX = -100  # F.cross_entropy's default: a target equal to it is not counted by the loss
+
+
+def counted_targets(targets: Any, ignore_index: int | None = IGNORE_INDEX) -> int:
+    """The targets a mean loss counts: integer targets other than `ignore_index` (every one when
+    it is None), every element of floating ones (regression), of each tensor of a list or tuple.
+
+    Counted on the host: call it on the CPU batch, before it moves to the device (a count of a
+    device tensor would make the host wait for the device)."""
+    if isinstance(targets, list | tuple):
+        return sum(counted_targets(t, ignore_index) for t in targets)
+    if ignore_index is None or targets.is_floating_point() or targets.dtype == torch.bool:
+        return targets.numel()
+    return int((targets != ignore_index).sum())
 
 # How a tensor-parallel plan (ModelSpec.tp_plan) splits a submodule over the tp ranks of a stage
 # (pipeflow/runtime/tensor_parallel.py turns them into torch's DTensor parallel styles):
@@ -105,6 +119,13 @@ class ModelSpec:
             -> ``{submodule path: style}`` (styles: :data:`TP_STYLES`; "" is the layer itself;
             raising ConfigError for sizes tp does not divide), or a dict ``{glob pattern of
             submodule paths: style}`` applied to every layer; None: the model cannot run with tp.
+        ignore_index: the target value the loss ignores (cross entropy's -100, the default); a
+            micro-batch weighs by the targets it counts, so masked prompts and padding weigh
+            nothing; None: every target counts.
+        count_fn: ``count_fn(targets) -> int``, the number of targets the loss averages over, for
+            a loss that counts otherwise (a mask of its own); None: ``ignore_index`` decides.
+        lora: ``model.lora`` (:class:`~pipeflow.models.lora.LoraSettings`): each layer is built with
+            peft's LoRA layers around its targeted modules, everything else frozen; None: no LoRA.
     """
 
     name: str
@@ -116,6 +137,16 @@ class ModelSpec:
     save_config: Callable[[str], None] | None = None
     compile_unit: Callable[[int, nn.Module], nn.Module] | None = None
     tp_plan: Callable[[int, nn.Module, int], dict[str, str]] | dict[str, str] | None = None
+    ignore_index: int | None = IGNORE_INDEX
+    count_fn: Callable[[Any], int] | None = None
+    lora: Any = None
+
+    def loss_count(self, targets: Any) -> int:
+        """How many of `targets` the loss averages over: what weighs a micro-batch's mean loss in
+        the batch's (``count_fn`` when given; else :func:`counted_targets` with ``ignore_index``)."""
+        if self.count_fn is not None:
+            return int(self.count_fn(targets))
+        return counted_targets(targets, self.ignore_index)
 
     def tensor_plan(self, index: int, layer: nn.Module, tp: int) -> dict[str, str]:
         """Layer `index`'s tensor-parallel plan for `tp` ranks (see ``tp_plan``): {submodule path: style}.
@@ -214,7 +245,12 @@ class ModelSpec:
             torch.default_generator.manual_seed(derive_seed(self.seed, index))
             torch.set_default_dtype(torch.float32)
             try:
-                return self.layers[index].build()
+                layer = self.layers[index].build()
+                if self.lora is not None:  # the adapters drawn under the layer's seed too
+                    from pipeflow.models.lora import inject
+
+                    layer = inject(self.lora, layer)
+                return layer
             finally:
                 torch.set_default_dtype(old_dtype)
 
