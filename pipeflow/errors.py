@@ -126,3 +126,9 @@ class OffloadError(PipeflowError, RuntimeError):
 class CompileFallbackWarning(UserWarning):
     """``train.compile``: a layer (or a stage's layers) runs eager, and why (a graph break, an
     unsupported op, a torch without the compiled backward split)."""
+
+
+class LoraError(ConfigError):
+    """``model.lora`` cannot be applied as asked: its targets match no module, match an embedding or
+    the output head (out of scope), or the run combines LoRA with what it does not support yet
+    (``parallel.tp`` > 1); the message names the key, the modules and what to change."""

@@ -294,7 +294,7 @@ def test_help_documents_both_formats(capsys) -> None:
         ck.main(["export", "--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    assert "--format {pt,hf}" in out and "from_pretrained" in out and "--force" in out and "state_dict names" in out
+    assert "--format {pt,hf,peft}" in out and "--merge-lora" in out and "from_pretrained" in out and "--force" in out and "state_dict names" in out
 
 
 def test_a_trained_tiny_llama_exports_to_what_from_pretrained_loads_with_the_same_logits(one_rank_group,

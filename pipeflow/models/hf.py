@@ -49,6 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import document_positions
 from pipeflow.models.hf_folder import SUPPORTED, SafetensorsWeights, load_config
+from pipeflow.models.lora import LoraConfig, check_targets, lora_settings
 from pipeflow.models.materialise import StateDictFile, skeleton, zero_parameters
 from pipeflow.models.module_spec import cross_entropy
 from pipeflow.models.pieces import Piece, cut
@@ -178,7 +179,8 @@ def _weights(root: nn.Module, path: str, tied: bool, init_from: str | None) -> C
     return functools.partial(weights.load_into, aliases=aliases)
 
 
-def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = None) -> ModelSpec:
+def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = None,
+             lora: LoraConfig = LoraConfig()) -> ModelSpec:
     """A Hugging Face ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2) as pipeline layers.
 
     Args:
@@ -188,6 +190,9 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
         init_from: a state dict file (``torch.save``) or torch.distributed.checkpoint directory
             under the Hugging Face names (``python -m pipeflow.checkpoint export`` writes one),
             loaded instead of the folder's safetensors files.
+        lora: ``model.lora`` (rank, alpha, dropout, targets; :mod:`pipeflow.models.lora`): peft's
+            LoRA layers in each decoder layer's targeted Linear modules, the base frozen; None
+            or rank 0: none.
 
     Returns:
         A ModelSpec of ``num_hidden_layers + 2`` layers (embedding, decoder layers, head) whose
@@ -200,6 +205,7 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
             a JSON object or contradicts itself, an unsupported architecture, a decoder layer whose
             forward does not take the keywords pipeflow passes, or a tensor of the model missing
             from the safetensors files or of another shape there.
+        LoraError: ``model.lora`` targets that match no Linear, or the embedding or the head.
         CheckpointError: a damaged safetensors file (or index); (when a layer is built) NaN or
             Inf in a loaded tensor.
     """
@@ -222,12 +228,15 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
               for i in range(n)]
     plans.append(("head", ["model.norm", "lm_head"], _head))
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    settings = lora_settings(lora)
+    if settings is not None:  # on the meta skeleton, before any layer is built
+        check_targets(settings, root.named_modules(), {"lm_head": "the output head"})
     layers = _Layers(root, plans, _weights(root, path, tied, init_from))
     specs = [LayerSpec(name, layers.build, (k,)) for k, (name, _, _) in enumerate(plans)]
     ties = {_TIE: [("embedding", _TIE), ("head", "lm_head.weight")]} if tied else {}
     return ModelSpec(f"hf-{config.model_type}", specs, loss_fn=cross_entropy, seed=seed, tied=ties,
                      export_name=hf_name, save_config=config.save_pretrained, compile_unit=decoder_layer,
-                     tp_plan=functools.partial(hf_tp_plan, config))
+                     tp_plan=functools.partial(hf_tp_plan, config), lora=settings)
 
 
 def hf_tp_plan(config: Any, index: int, layer: nn.Module, tp: int) -> dict[str, str]:

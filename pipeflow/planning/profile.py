@@ -62,6 +62,8 @@ class LayerProfile:
         tp_forward_collectives, tp_backward_collectives: how many collectives carry them.
         tp_norm_bytes: with sequence parallelism, the bytes of the parameters of the plan's
             ``norm`` modules, whose gradients (partial on each rank's slice) are summed over tp in W.
+        trainable_bytes: bytes of the parameters that train (gradients, optimizer state) where some
+            are frozen (a LoRA run); None: all of them.
     """
 
     name: str
@@ -82,6 +84,7 @@ class LayerProfile:
     tp_forward_collectives: int = 0
     tp_backward_collectives: int = 0
     tp_norm_bytes: int = 0
+    trainable_bytes: int | None = None
 
     @property
     def seconds(self) -> float:
@@ -296,6 +299,7 @@ def _profile_one(
         weight_grad_s=min(h[1] for h in halves),
         output_bytes=sum(t.numel() * t.element_size() for t in outputs if isinstance(t, Tensor)),
         cpu_fraction=fractions[min(range(repeats), key=lambda k: sum(times[k]))],
+        trainable_bytes=None if all(p.requires_grad for p in params) else sum(p.nbytes for p in params if p.requires_grad),
         **traffic.figures(),
     )
     return profile, _to_device(outputs, device, None, requires_grad=True)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from pipeflow.planning.balance import balance_by_memory, balance_contiguous
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.partition import partition_layers
-from pipeflow.planning.layout import stage_bytes
+from pipeflow.planning.layout import stage_bytes, trainable_bytes
 from pipeflow.planning.profile import action_costs, stage_costs
 from pipeflow.planning.step_model import HostShare, simulate_shared, stage_cpu
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate, synthesize
@@ -358,6 +358,7 @@ def _evaluate(
         return simulate_shared(schedule, marked, cost, runtime, model.share, lambda action: cpu[action.stage], busy)
 
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
+    trains = [trainable_bytes(profiles, r) for r in ranges]  # a LoRA run: gradients, AdamW state of its adapters
     act_bytes = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
     plan = None
     if copies is not None:
@@ -367,7 +368,8 @@ def _evaluate(
 
         def fits(candidate_plan: OffloadPlan) -> bool:
             return max(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, dp=sharding[0], shard=sharding[1],
-                                   offload=(candidate_plan, offloadable, simulated(candidate_plan)))) <= memory_limit_bytes
+                                   offload=(candidate_plan, offloadable, simulated(candidate_plan)),
+                                   trainable=trains)) <= memory_limit_bytes
 
         plan = plan_offload(schedule, mode, copies, timed, fits if memory_limit_bytes is not None else None)
     sim = simulated(plan)
@@ -377,7 +379,7 @@ def _evaluate(
         split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan + model.tail_s, bubble=sim.bubble,
         rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted,
                                      dp=sharding[0], shard=sharding[1],
-                                     offload=None if plan is None else (plan, offloadable, sim))),
+                                     offload=None if plan is None else (plan, offloadable, sim), trainable=trains)),
         takes_chunks=takes_chunks, offload=mode, offloaded_groups=0 if plan is None else len(plan.reloads),
     )
 
@@ -387,6 +389,7 @@ def rank_memory(
     optimizer_factor: float = 2.0, weighted: set[tuple[int, int]] | None = None,
     microbatch_sizes: Sequence[float] | None = None, dp: int = 1, shard: str = "none",
     offload: tuple[OffloadPlan, Sequence[float], SimResult] | None = None,
+    trainable: Sequence[float | None] | None = None,
 ) -> list[float]:
     """Peak tensor bytes of each rank (`pipeflow.schedules.memory.tensor_memory`, comm buffers
     left out): its stages' parameters, grads (from their first backward on) and optimizer state
@@ -397,9 +400,12 @@ def rank_memory(
     profiled on (variable lengths: its tokens over the sample's); which micro-batches are in
     flight together then matters.  `offload`: ``pipeline.offload``'s plan, each stage's
     offloadable bytes per micro-batch and the simulated run of the plan (when each copy to the
-    host ends): the groups' bytes leave the device and come back as planned."""
+    host ends): the groups' bytes leave the device and come back as planned.  `trainable`: each
+    stage's bytes of parameters that train (None: all), which alone hold gradients and optimizer state."""
     plan, offloadable, sim = offload if offload is not None else (None, [0.0] * len(param_bytes), None)
-    stages = [StageBytes(p, a, offloadable=o) for p, a, o in zip(param_bytes, act_bytes, offloadable)]
+    trains = trainable if trainable is not None else [None] * len(param_bytes)
+    stages = [StageBytes(p, a, offloadable=o, trainable=t)
+              for p, a, o, t in zip(param_bytes, act_bytes, offloadable, trains)]
     marked = None  # with a plan: its marks on the actions alone (no comm ops: comm buffers stay left out)
     if plan is not None:
         marked = [plan.mark([Step((), a) for a in actions]) for actions in schedule.actions]

@@ -47,17 +47,17 @@ import torch.distributed.checkpoint as dcp
 from pipeflow.errors import CheckpointError, ConfigError
 from pipeflow.models.dcp_metadata import SafeReader
 from pipeflow.models.spec import ModelSpec
-from pipeflow.run import checkpoint_gather, integrity
+from pipeflow.run import checkpoint_gather, export_lora, integrity
 from pipeflow.run.checkpoint_find import resolve, verify
 
 log = logging.getLogger("pipeflow")
 
-FORMATS = ("pt", "hf")
+FORMATS = ("pt", "hf", "peft")
 PREFIX = "model.layers."
 DEFAULT_MAX_SHARD = 5 * 1024**3  # bytes; save_pretrained's classic default ("5GB")
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-HF_FILES = ("config.json", "generation_config.json", SAFETENSORS, INDEX)  # what --force may replace
+HF_FILES = ("config.json", "generation_config.json", SAFETENSORS, INDEX, "adapter_config.json")  # --force replaces
 # What an OSError's errno says about an export target, and what to do.
 TARGET_HINTS = {
     errno.EROFS: "the file system is read-only: export to a writable path",
@@ -260,17 +260,34 @@ def _export_hf(layers: dict[int, dict[str, torch.Tensor]], spec: ModelSpec | Non
     return len(tensors)
 
 
+def _write_folder(out: str, write: Callable[[str], None]) -> None:
+    """``write(folder)`` into ``<out>.part``, renamed to `out` when complete (no ``.part`` left on failure)."""
+    part = out.rstrip("/") + ".part"
+    with _writing(out, part):
+        _remove(part)
+        os.makedirs(part)
+        try:
+            write(part)
+        except BaseException:
+            shutil.rmtree(part, ignore_errors=True)
+            raise
+        _remove(out)
+        os.rename(part, out)
+
+
 def export(path: str, out: str, format: str = "pt", force: bool = False,
-           max_shard_bytes: int = DEFAULT_MAX_SHARD) -> int:
+           max_shard_bytes: int = DEFAULT_MAX_SHARD, merge_lora: bool = False) -> int:
     """Write the model of checkpoint `path` (or the newest under a checkpoints root) to `out`
     (see the module docstring).  Runs in one process, no process group.
 
     Args:
         path: a ``step_<n>`` checkpoint or a checkpoints root.
         out: the ``.pt`` file (``pt``) or the folder (``hf``) to write.
-        format: ``pt`` (one ``torch.save`` file) or ``hf`` (``config.json`` + safetensors).
+        format: ``pt`` (one ``torch.save`` file), ``hf`` (``config.json`` + safetensors) or ``peft``
+            (a LoRA run's adapter folder: :mod:`pipeflow.run.export_lora`).
         force: replace an earlier export at `out`.
         max_shard_bytes: ``hf``: the largest safetensors file before sharding.
+        merge_lora: ``hf`` (or ``pt``) of a LoRA run: the base its meta names with the adapters merged in.
 
     Returns:
         The number of tensors written.
@@ -283,9 +300,18 @@ def export(path: str, out: str, format: str = "pt", force: bool = False,
     if format not in FORMATS:
         raise ConfigError(f"export format {format!r} is not one of {list(FORMATS)}")
     path = resolve(path, path)  # a checkpoint, or the newest under a root
-    _check_target(out, force, hf=format == "hf")
+    _check_target(out, force, hf=format != "pt")
     layers = read_layers(path)
     spec, why = model_of(path)
+    if format == "peft" or merge_lora or export_lora.base_of(path) is not None:
+        if format == "peft":
+            write, count = export_lora.adapter_folder(path, layers, spec, why)
+            _write_folder(out, write)
+            return count
+        if not merge_lora:
+            raise ConfigError(f"checkpoint {path} holds LoRA adapters only (its base is named, not copied): export "
+                              f"them with --format peft, or the merged model with --format hf --merge-lora")
+        layers, spec = export_lora.merged_layers(path, layers, spec, why, config_file(path))
     if format == "hf":
         return _export_hf(layers, spec, why, path, out, max_shard_bytes)
     if spec is not None and getattr(spec, "export_name", None) is None:
@@ -339,13 +365,19 @@ def main(argv: list[str] | None = None) -> int:
                     "--format hf: a folder with config.json and model.safetensors (sharded with\n"
                     "  model.safetensors.index.json beyond --max-shard-size) under the model's own parameter\n"
                     "  names, tied weights once: AutoModelForCausalLM.from_pretrained(out) loads it. Needs a\n"
-                    "  model with a Hugging Face form (model=hf).\n\n"
+                    "  model with a Hugging Face form (model=hf).\n"
+                    "A model.lora run's checkpoints hold its adapters only (the base is named in meta.json):\n"
+                    "  --format peft writes the adapter folder peft.PeftModel.from_pretrained(base, out) loads;\n"
+                    "  --format hf --merge-lora reads the base and writes it with the adapters merged in.\n\n"
                     "The model is read from the run's config.yaml (<run_dir>/checkpoints/step_<n>/../../).\n"
                     "An existing target is an error; --force replaces an earlier export.")
     exp.add_argument("checkpoint", help="a step_<n> directory or a checkpoints root (its newest)")
     exp.add_argument("out", help="the .pt file (--format pt) or the folder (--format hf) to write")
     exp.add_argument("--format", choices=FORMATS, default="pt", help="pt: one torch.save file (default); "
-                     "hf: config.json + safetensors for from_pretrained")
+                     "hf: config.json + safetensors for from_pretrained; peft: a LoRA run's adapter folder for "
+                     "peft.PeftModel.from_pretrained")
+    exp.add_argument("--merge-lora", action="store_true", help="--format hf (or pt) of a LoRA run: the base its "
+                     "checkpoint names, the adapters merged in")
     exp.add_argument("--force", action="store_true", help="replace an earlier export at <out>")
     exp.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD, metavar="SIZE",
                      help="--format hf: the largest safetensors file before sharding (default 5GB)")
@@ -357,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         return _gather(args.parts, args.out)
     try:
         count = export(args.checkpoint, args.out, format=args.format, force=args.force,
-                       max_shard_bytes=args.max_shard_size)
+                       max_shard_bytes=args.max_shard_size, merge_lora=args.merge_lora)
     except (CheckpointError, ConfigError) as exc:  # the message names the file and what to do
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -118,7 +118,7 @@ class TiedWeights:
     def reduce_grads(self) -> None:
         """Sum each tied parameter's gradient over the ranks holding a copy."""
         for tie in self.ties:
-            if tie.group is None:
+            if tie.group is None or not tie.param.requires_grad:  # frozen (a LoRA run's base): no gradient
                 continue
             if tie.param.grad is None:
                 tie.param.grad = torch.zeros_like(tie.param)

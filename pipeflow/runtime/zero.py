@@ -48,6 +48,8 @@ def build_optimizer(
         announce: log (INFO) that ``shard=optimizer`` has nothing to shard at dp = 1 (rank 0 only).
         adamw: AdamW's settings (lr, betas, weight_decay).
     """
+    if not params:  # a rank whose stages train nothing (LoRA adapters only elsewhere): nor do its dp peers
+        return torch.optim.AdamW([{"params": []}], **adamw)
     if shard != "optimizer":
         return torch.optim.AdamW(params, **adamw)
     if dp == 1:

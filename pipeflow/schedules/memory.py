@@ -123,6 +123,8 @@ class StageBytes:
         offloadable: bytes of one micro-batch's activations that offloading moves to the host
             (``pipeline.offload``): what autograd saved, less what the stage keeps on the device
             anyway (its received inputs, the outputs it keeps for a split backward's W).
+        trainable: bytes of the parameters that train, which alone have gradients and optimizer
+            state (a LoRA run's adapters); None: all of them.
     """
 
     params: float
@@ -132,23 +134,26 @@ class StageBytes:
     loss: float = 0.0
     data: float = 0.0
     offloadable: float = 0.0
+    trainable: float | None = None
 
 
-def _param_side(params: float, dp: int, shard: str, optimizer_factor: float, in_step: bool, grads_on: bool
-                ) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes of parameters `params` under `shard` over `dp` replicas.
+def _param_side(params: float, dp: int, shard: str, optimizer_factor: float, in_step: bool, grads_on: bool,
+                trainable: float | None = None) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes of parameters `params` under `shard` over `dp` replicas;
+    gradients and optimizer state only for the `trainable` bytes of them (None: all; a LoRA
+    run's adapters).
 
     ``optimizer`` (ZeRO-1) keeps 1/dp of the optimizer state (whole tensors per rank: up to one
     parameter's state more); ``full`` (FSDP2) keeps 1/dp of all three between steps and, during a
     step, the unsharded parameters and their unsharded gradients beside the shards.
     """
-    share = params / dp
-    optimizer = optimizer_factor * (params if shard == "none" else share)
+    share, trains = params / dp, params if trainable is None else trainable
+    optimizer = optimizer_factor * (trains if shard == "none" else trains / dp)
     if shard != "full":
-        return params, params if grads_on else 0.0, optimizer
+        return params, trains if grads_on else 0.0, optimizer
     if in_step:  # sharded params + the all-gathered copy; grads unsharded until reduce-scattered
-        return share + params, params if grads_on else 0.0, optimizer
-    return share, share, optimizer
+        return share + params, trains if grads_on else 0.0, optimizer
+    return share, trains / dp, optimizer
 
 
 def tensor_memory(
@@ -190,7 +195,8 @@ def tensor_memory(
         pool = _pool_bytes(steps, stages, split, eval_programs[r] if eval_programs is not None else ()) \
             if programs is not None else 0.0
         sends = _send_bytes(steps, stages) if programs is not None else [0.0] * len(steps)
-        resident = [_param_side(stages[s].params, dp, shard, optimizer_factor, False, True) for s in mine]
+        resident = [_param_side(stages[s].params, dp, shard, optimizer_factor, False, True, stages[s].trainable)
+                    for s in mine]
         data = math.fsum(stages[s].data for s in mine)
         held, grads_on, best = 0.0, set(), None
         leaving: list[tuple[float, float]] = []  # (when the copy to the host ends, bytes) not released yet
@@ -216,7 +222,8 @@ def tensor_memory(
                 held -= (cost.activations + cost.loss) * n
             if last:
                 grads_on.add(a.stage)
-            sides = [_param_side(stages[s].params, dp, shard, optimizer_factor, True, s in grads_on) for s in mine]
+            sides = [_param_side(stages[s].params, dp, shard, optimizer_factor, True, s in grads_on,
+                                 stages[s].trainable) for s in mine]
             now = TensorBytes(*(math.fsum(x[c] for x in sides) for c in range(3)), max(held, 0.0) + data,
                               pool + sends[k])
             if best is None or now.total > best.total:
