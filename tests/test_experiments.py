@@ -32,7 +32,8 @@ def test_recipe_composes_into_a_valid_config(name: str, monkeypatch) -> None:
     cfg = compose_config([f"experiment={name}"])
     pp = cfg.parallel.pp
     assert pp is not None, f"{name}: a recipe names its pipeline size (parallel.pp)"
-    assert check_config(cfg, world_size=pp) == (1, pp)
+    dp = cfg.parallel.dp if isinstance(cfg.parallel.dp, int) else 1  # moe_tiny_pp2_ep2: dp 2 (= ep) x pp 2
+    assert check_config(cfg, world_size=dp * pp) == (dp, pp)
     schedule = build_schedule(cfg.schedule.name, pp, cfg.pipeline.num_microbatches, cfg.pipeline.stages_per_rank,
                               cfg.pipeline.placement, cfg.schedule.path, cfg.pipeline.stage_to_rank)
     simulate(schedule)  # the schedule is valid for these sizes

@@ -36,7 +36,8 @@ def _builder_defaults(builder) -> dict:
 def test_a_schema_defaults_to_exactly_its_builders_defaults(schema: type) -> None:
     """Every built-in schema holds the builder's keyword arguments with the builder's defaults:
     one source, so `SleepModelConfig.num_layers` can no longer drift from `build_sleep`'s."""
-    fields = {f.name: f.default for f in dataclasses.fields(schema)}
+    fields = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # a nested config
+              for f in dataclasses.fields(schema)}
     builder = get_method(fields.pop("_target_"))
     assert fields == _builder_defaults(builder)
 

@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 
+import moe_cases
 import pipeline_cases as cases
 from mp_harness import CaseResult, run_cases
 
@@ -129,8 +130,35 @@ def _memory_cases() -> list[tuple[str, object]]:
         for model, schedule, m, mode in OFFLOAD_MEMORY_CASES]
 
 
+MOE_CASES = {  # name: (schedule, m, overrides); pp 2 x dp (world / 2), a mixture-of-experts GPT (issue 45)
+    "moe-1f1b-m4": ("1f1b", 4, {}),
+    "moe-zb_h1-m4-ckpt": ("zb_h1", 4, {"checkpoint_every": 1}),
+    "moe-zbv-m4-variable-every2": ("zbv", 4, {"variable": True, "every": 2}),
+    "moe-dualpipev-m4-ckpt2": ("dualpipev", 4, {"checkpoint_every": 2}),
+    "moe-1f1b-m3-bias-capacity": ("1f1b", 3, {"balance": "bias", "capacity": 1.0}),
+    # expert parallelism, ep = dp = 2 (4 processes only): each rank keeps half the experts, all_to_all
+    "moe-ep-1f1b-m4": ("1f1b", 4, {"ep": True}),
+    "moe-ep-zbv-m4-ckpt-variable-bias-capacity": ("zbv", 4, {"ep": True, "checkpoint_every": 1, "variable": True,
+                                                             "balance": "bias", "capacity": 1.0}),
+}
+
+
+def _moe_cases() -> list[tuple[str, object]]:
+    return [(name, functools.partial(moe_cases.moe_equivalence, schedule, m, **overrides))
+            for name, (schedule, m, overrides) in MOE_CASES.items()]
+
+
+MASKED_SCHEDULES = {"gpipe": "gpt", "1f1b": "gpt", "zb_h1": "gpt8", "zbv": "gpt8", "interleaved_1f1b": "gpt8",
+                    "dualpipev": "gpt8"}  # schedule: model (8 layers where a rank holds two stages)
+
+
+def _masked_cases() -> list[tuple[str, object]]:
+    return [(f"masked-{schedule}", functools.partial(cases.masked_equivalence, model, schedule))
+            for schedule, model in MASKED_SCHEDULES.items()]
+
+
 def _all_cases() -> list[tuple[str, object]]:
-    return _equivalence_cases() + _variable_cases() + _memory_cases() + [
+    return _equivalence_cases() + _variable_cases() + _memory_cases() + _moe_cases() + _masked_cases() + [
         ("eval-gpt", functools.partial(cases.eval_matches, "gpt", 4)),
         ("dynamic-shapes", cases.dynamic_shapes),
         ("send-recv", cases.send_recv_ring),
@@ -189,6 +217,42 @@ def test_microbatches_of_different_shapes_equal_unsplit_model(world, name: str) 
         for key in ("loss", "grad", "param"):
             assert v[key] <= TOLERANCE, f"p={p} rank {rank}: {key} differs by {v[key]:.3e}"
         assert v["buffers_after_first_step"] == 0, f"p={p} rank {rank}: the pool allocated after step 0"
+
+
+@pytest.mark.parametrize("schedule", list(MASKED_SCHEDULES))
+def test_masked_targets_weighed_by_counted_targets_equal_unsplit_model(world, schedule: str) -> None:
+    """Issue 42: micro-batches weighed by the targets their loss counts (the Trainer's weights) give
+    the unsplit model's loss and gradients on a masked batch, an all-masked micro-batch included."""
+    p, results = world
+    values = _values(results[f"masked-{schedule}"])
+    assert sum(v["losses_compared"] for v in values) == 2
+    for rank, v in enumerate(values):
+        for key in ("loss", "grad"):
+            assert v[key] <= TOLERANCE, f"p={p} rank {rank}: {key} differs by {v[key]:.3e}"
+
+
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_pipelined_moe_equals_unsplit_model_aux_loss_included(world, name: str) -> None:
+    """pp 2 (x dp 2 on 4 processes): the total loss (cross entropy + aux), every gradient and
+    parameter equal the unsplit model's, which computes the aux loss per layer and micro-batch;
+    the routers chose alike (tokens per expert, dropped, biases equal).  With ep (4 processes),
+    each rank holds half of every MoE layer's experts, exchanged by all_to_all."""
+    p, results = world
+    values = _values(results[name])
+    if "-ep-" in name and p == 2:  # one pipeline: no dp ranks to split the experts over
+        assert all(v == {"skipped": True} for v in values)
+        return
+    assert sum(v["losses_compared"] for v in values) == 2 * (p // 2)  # each replica's last stage, every step
+    for rank, v in enumerate(values):
+        assert v["counts_equal"], f"p={p} rank {rank}: the routers chose otherwise than the reference's"
+        assert v["aux_value"] > 0.01  # the aux loss is there (and weighs in the compared loss)
+        for key in ("loss", "grad", "param", "aux", "bias"):
+            assert v[key] <= TOLERANCE, f"p={p} rank {rank}: {key} differs by {v[key]:.3e}"
+        if "capacity" in name:  # the capacity really drops, the biases really move
+            assert v["dropped"] > 0 and v["bias_moved"] > 0, v
+    if name == "moe-ep-1f1b-m4":  # each rank holds half the expert parameters it holds without ep
+        without = _values(results["moe-1f1b-m4"])
+        assert all(2 * v["expert_params"] == w["expert_params"] > 0 for v, w in zip(values, without))
 
 
 @pytest.mark.parametrize("name", [name for name, _ in _memory_cases()])

@@ -2,6 +2,8 @@
 
 Layers: ``embedding`` (token + learned position), ``block.0`` .. ``block.{n_layer-1}`` (pre-LN
 causal self-attention and MLP, each residual), ``head`` (final LayerNorm + Linear to the vocab).
+With ``model.moe.experts > 0`` the MLP of every ``model.moe.every``-th block is a mixture of
+experts (:mod:`pipeflow.models.moe`).
 Shapes: B = batch, T = time (sequence), C = n_embd, V = vocab_size, H = n_head.
 
 Attention is ``F.scaled_dot_product_attention`` (flash or memory-efficient kernels on CUDA), see
@@ -25,7 +27,9 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeflow.errors import ConfigError
+from pipeflow.models.lora import LoraConfig, check_targets, layer_modules, lora_settings
 from pipeflow.models.materialise import layers_from
+from pipeflow.models.moe import MoE, MoEConfig, moe_config
 from pipeflow.models.spec import LayerSpec, ModelSpec
 
 INIT_STD = 0.02  # GPT-2 init: weights ~ N(0, 0.02), biases 0
@@ -132,14 +136,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)); (B, T, C) -> (B, T, C)."""
+    """A pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x)); (B, T, C) -> (B, T, C).
+    With `moe`, the MLP is a mixture of experts (:class:`~pipeflow.models.moe.MoE`)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, moe: MoEConfig | None = None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if moe is None else MoE(cfg.n_embd, moe, cfg.bias, cfg.dropout)
         _init_weights(self, cfg.n_layer)
 
     def forward(self, x: Tensor, doc: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -284,6 +289,8 @@ def build_gpt(
     seed: int = 0,
     tie_embeddings: bool = False,
     init_from: str | None = None,
+    moe: MoEConfig = MoEConfig(),
+    lora: LoraConfig = LoraConfig(targets=["c_attn", "c_proj"]),
 ) -> ModelSpec:
     """Describe a GPT decoder as n_layer + 2 lazy layers: embedding, block.0.., head.
 
@@ -301,6 +308,10 @@ def build_gpt(
         init_from: a file (or torch.distributed.checkpoint directory) holding the layers' weights under
             ``<layer index>.<key>`` (what ``python -m pipeflow.checkpoint export`` writes for it), loaded
             instead of the seeded init, each rank reading only its own layers.
+        moe: ``model.moe``: mixture-of-experts blocks (:class:`~pipeflow.models.moe.MoEConfig`;
+            ``experts=0``, the default, keeps every block dense).
+        lora: ``model.lora`` (:mod:`pipeflow.models.lora`): peft's LoRA in the blocks' Linear
+            modules the targets name (``c_attn``, ``c_proj``, ``c_fc``), the rest frozen.
 
     Returns:
         A ModelSpec whose loss is the mean token cross entropy.
@@ -310,12 +321,16 @@ def build_gpt(
     """
     cfg = GPTConfig(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)
     _check_config(cfg)
+    moe = moe_config(moe)
     layers = [LayerSpec("embedding", Embedding, (cfg,))]
-    layers += [LayerSpec(f"block.{k}", Block, (cfg,)) for k in range(n_layer)]
+    layers += [LayerSpec(f"block.{k}", Block, (cfg, moe) if moe.is_moe(k) else (cfg,)) for k in range(n_layer)]
     layers.append(LayerSpec("head", Head, (cfg,)))
     tied = {"wte": [("embedding", "wte.weight"), ("head", "lm_head.weight")]} if tie_embeddings else {}
-    return ModelSpec(name="gpt", layers=layers_from(layers, init_from), loss_fn=gpt_loss, seed=seed, tied=tied,
-                     tp_plan=functools.partial(gpt_tp_plan, cfg))
+    spec = ModelSpec(name="gpt", layers=layers_from(layers, init_from), loss_fn=gpt_loss, seed=seed, tied=tied,
+                     tp_plan=functools.partial(gpt_tp_plan, cfg), lora=lora_settings(lora))
+    if spec.lora is not None:  # every layer's module names, on meta
+        check_targets(spec.lora, layer_modules(spec), {"lm_head": "the output head"})
+    return spec
 
 
 GPT_BLOCK_PLAN = {"ln_1": "norm", "attn.c_attn": "colwise_qkv", "attn.c_proj": "rowwise", "attn.resid_drop": "norm",
@@ -334,6 +349,9 @@ def gpt_tp_plan(cfg: GPTConfig, index: int, layer: nn.Module, tp: int) -> dict[s
         if value % tp:
             raise ConfigError(f"parallel.tp={tp} does not divide model.{key}={value}: each tp rank holds "
                               f"{key}/tp of it; choose a tp that divides {value}")
+    if isinstance(layer, Block) and isinstance(layer.mlp, MoE):
+        raise ConfigError(f"parallel.tp={tp} with model.moe.experts={layer.mlp.cfg.experts}: experts are not split "
+                          f"by tensor parallelism; use parallel.tp=1 (pp x dp) for a mixture-of-experts GPT")
     if isinstance(layer, Embedding):
         return {"wte": "embedding", "": "sequence_out"}
     if isinstance(layer, Head):

@@ -18,6 +18,7 @@ COUNT_KEYS: tuple[tuple[str, int, bool, str], ...] = (
     ("parallel.dp", 1, False, "data-parallel replicas; auto: world size / (pp x tp)"),
     ("parallel.pp", 1, True, "pipeline ranks; null: world size / (dp x tp)"),
     ("parallel.tp", 1, False, "ranks per stage; 1: no tensor parallelism"),
+    ("parallel.ep", 1, False, "ranks each stage's experts are split over; 1: no expert parallelism"),
     ("pipeline.num_microbatches", 1, False, "micro-batches per step"),
     ("pipeline.stages_per_rank", 1, True, "model chunks per rank; null: the schedule's own"),
     ("train.max_steps", 1, False, "the steps to train"),

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pipeflow.observability.metrics import StepTiming
+from pipeflow.runtime.routing import RoutingFigures
 
 
 @dataclass
@@ -39,12 +40,14 @@ class PendingStep:
 @dataclass
 class StepValues:
     """What a finished step read back: its loss, its grad norm before clipping, whether any rank
-    asked to stop (``train.save_on_signal``), and whether the update was skipped (fp16 overflow)."""
+    asked to stop (``train.save_on_signal``), whether the update was skipped (fp16 overflow), and an
+    MoE model's router figures (the loss includes their aux loss)."""
 
     loss: float
     norm: float
     preempt: bool
     overflow: bool = False
+    routing: RoutingFigures | None = None
 
 
 def packet_on_host(step: int, lr: float, packet: torch.Tensor) -> PendingStep:

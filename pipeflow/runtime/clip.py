@@ -36,7 +36,7 @@ def _sum_of_squares(norms: list[torch.Tensor], device: torch.device) -> torch.Te
 
 def clip_on_device(
     params: list[torch.nn.Parameter], max_norm: float, group: Any, extra: torch.Tensor, skip: set[int] = frozenset(),
-    replicas: int = 1, norms: list[torch.Tensor] | None = None,
+    replicas: int = 1, norms: list[torch.Tensor] | None = None, split: dict[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clip by the norm over every stage's gradients, all on the device (one all-reduce).
 
@@ -55,6 +55,8 @@ def clip_on_device(
     Args:
         norms: each gradient's norm (:func:`grad_norms` of the params' gradients, in order),
             when the caller computed them already.
+        split: ``{id(param): ranks}`` for parameters split over that many of the `replicas` ranks
+            outside DTensor (``parallel.ep``'s experts): each counts 1/(replicas / ranks).
 
     Returns:
         (total norm before clipping, the all-reduced `extra`), float64 tensors on the device.
@@ -69,7 +71,7 @@ def clip_on_device(
     by_copies: dict[int, list[torch.Tensor]] = defaultdict(list)
     for p, n in zip(with_grad, norms):
         if id(p) not in skip:
-            by_copies[copies(p.grad, replicas)].append(n)
+            by_copies[max(1, copies(p.grad, replicas) // (split or {}).get(id(p), 1))].append(n)
     total_sq = torch.zeros((), dtype=torch.float64, device=device)
     for count, group_norms in sorted(by_copies.items()):
         squares = _sum_of_squares(group_norms, device)

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeflow.errors import ScheduleError
+from pipeflow.models.aux_loss import aux_loss_scope, shape_trial
 from pipeflow.models.spec import ModelSpec, run_layers
 from pipeflow.runtime.compiled_backward import deferring_weight_grads
 from pipeflow.runtime.precision import to_compute_dtype
@@ -144,24 +145,28 @@ class Stage:
         """Run micro-batch `i` through the stage.
 
         On the last stage the loss ``loss_fn(output, target) * loss_scale`` is computed and kept
-        (``self.losses[i]``); the returned tuple is then the loss alone.
+        (``self.losses[i]``); the returned tuple is then the loss alone.  A micro-batch weighed 0
+        (every target masked) has a zero loss, its gradients zero: a mean over no targets is NaN.
 
         Args:
             i: micro-batch index.
             inputs: the stage inputs; received float tensors already require grad.
             target: the micro-batch targets (last stage, training or evaluation with loss).
-            loss_scale: factor that makes the sum over micro-batches equal the full-batch loss.
+            loss_scale: factor that makes the sum over micro-batches equal the full-batch loss; the
+                weight of the auxiliary losses that layers attach in a training forward too.
             keep_for_backward: False for evaluation (no graph is built or kept, no hooks run).
             grad_scale: the fp16 loss scale, applied to the loss backward starts from only.
         """
         if keep_for_backward:
             for pre_hook in self.pre_forward_hooks:
                 pre_hook(self, i)
-        with torch.set_grad_enabled(keep_for_backward), self._autocast(inputs):
+        # a layer's auxiliary loss (an MoE router's) is weighted as this micro-batch's loss
+        scope = aux_loss_scope(loss_scale, grad_scale) if keep_for_backward else contextlib.nullcontext()
+        with torch.set_grad_enabled(keep_for_backward), self._autocast(inputs), scope:
             output, boundaries, handed = self._run(inputs, keep_for_backward, keep_for_backward and self.split_backward)
             outputs = self._to_compute_dtype(as_tuple(output))
             if self.is_last and target is not None and self.loss_fn is not None:
-                loss = self.loss_fn(output, target) * loss_scale
+                loss = self.loss_fn(output, target) * loss_scale if loss_scale != 0 else _zero_loss(outputs)
                 self.losses[i] = loss.detach()
                 outputs = (loss * grad_scale if grad_scale != 1.0 else loss,)
         if keep_for_backward:
@@ -305,7 +310,7 @@ class Stage:
         modes = [(mod, mod.training) for mod in self.module.modules()]
         self.module.train(False)
         try:  # compiled layers (train.compile) run eager: a shape is not worth an eval-mode graph
-            with torch.enable_grad(), self._autocast(inputs), _eager():
+            with torch.enable_grad(), self._autocast(inputs), _eager(), shape_trial():  # ranks try unevenly
                 outputs = self._to_compute_dtype(as_tuple(run_layers(list(self.module), unpack(inputs))))
                 return tuple(t.detach().requires_grad_(t.requires_grad) for t in outputs)
         finally:
@@ -319,6 +324,18 @@ class Stage:
         total = torch.stack(list(self.losses.values())).sum()
         self.losses.clear()
         return total
+
+
+def _zero_loss(outputs: Tensors) -> torch.Tensor:
+    """A zero loss tied to the stage's outputs, so backward runs and every gradient is zero: the
+    loss of a micro-batch whose every target is masked (its own mean would be 0 / 0)."""
+    floats = [t for t in outputs if torch.is_tensor(t) and t.is_floating_point()]
+    if not floats:
+        return torch.zeros(())
+    total = floats[0].sum()  # no plain zero to start from: the outputs may be DTensors (tp)
+    for t in floats[1:]:
+        total = total + t.sum()
+    return total * 0.0
 
 
 def _eager() -> contextlib.AbstractContextManager:
