@@ -361,6 +361,9 @@ def resume_across_layouts() -> dict[str, Any] | None:
             ("to_zero_dp4xpp1", 4, "float64", step3["float64"], "optimizer"))
     resumed = {name: (dtype, _fit(dp, _shared_dir(f"pf-{name}-"), resume=source, dtype=dtype, shard=shard))
                for name, dp, dtype, source, shard in runs}
+    # saved by dp1 x pp4, resumed by dp2 x pp2 with pp outermost (pipelines [0, 2] [1, 3])
+    resumed["dp2xpp2_order_pp_dp_tp"] = ("float64", _fit(2, _shared_dir("pf-order-"), resume=step3["float64"],
+                                                         dtype="float64", parallel__order="[pp,dp,tp]"))
     resumed["zero_straight"] = ("float64", zero)
     val = straight["float32"].evaluate()
     if dist.get_rank() != 0:

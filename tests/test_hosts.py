@@ -39,10 +39,27 @@ def one_process(tmp_path_factory) -> tuple[dict[int, float], dict[str, torch.Ten
     return step_losses(done.stdout + done.stderr), _weights(run_dir, run_dir / "w.pt")
 
 
+# the start-of-run report: the mesh order, and with profiled layers every link of the program measured
+REPORTED = {
+    "missing": [r"mesh order \[pp,dp,tp\]: pipeline ranks \[0, 2\] \[1, 3\]",
+                r"links measured in [\d.]+ s .*: pipeline ranks 0-1 crosses hosts host0 -> host1: [\d.]+ ms \+ [\d.]+ MB/s",
+                r"dp all-reduce per group: ranks \[0, 1\] within host host0: [\d.]+ ms; ranks \[2, 3\] within host host1"],
+    "loopback": [r"mesh order \[dp,pp,tp\]: pipeline ranks \[0, 1, 2, 3\] \(parallel.order=auto: one dimension above 1",
+                 r"pipeline ranks 0-1 within host host0: .*; pipeline ranks 1-2 crosses hosts host0 -> host1: .*; "
+                 r"pipeline ranks 2-3 within host host1",
+                 r"transfer waits per link, ms per step .*: 0-1 [\d.]+; 1-2 [\d.]+ \(crosses hosts host0 -> host1\); 2-3 "],
+    # auto measured the links within and across the hosts, and either order trains as one process
+    "resolve": [r"mesh order \[\w+,\w+,\w+\]: pipeline ranks .* \(parallel.order=auto chose \[\w+,\w+,\w+\]: predicted "
+                r"step \[dp,pp,tp\] [\d.]+ ms \(pipeline [\d.]+, dp all-reduce 0.0, tp [\d.]+\); .*links within a host "
+                r"[\d.]+ ms \+ .*, across hosts [\d.]+ ms \+ .*, measured in [\d.]+ s\)"],
+}
+
+
 @pytest.mark.parametrize(("names", "layout"), [
-    ("missing", ["parallel.dp=2", "parallel.pp=2"]),  # host names resolve nowhere
-    ("loopback", ["parallel.pp=4"]),  # each host's own name resolves to 127.0.0.1
-    ("resolve", ["parallel.pp=2", "parallel.tp=2"]),
+    # host names resolve nowhere; pp outermost: each pipeline's boundary crosses the hosts
+    ("missing", ["parallel.dp=2", "parallel.pp=2", "parallel.order=[pp,dp,tp]", "pipeline.profile=true"]),
+    ("loopback", ["parallel.pp=4", "pipeline.profile=true"]),  # each host's own name resolves to 127.0.0.1
+    ("resolve", ["parallel.pp=2", "parallel.tp=2", "pipeline.profile=true"]),
 ])
 def test_a_layout_across_two_hosts_trains_as_one_process(emulated_hosts, one_process, tmp_path, names, layout) -> None:
     losses, weights = one_process
@@ -52,6 +69,8 @@ def test_a_layout_across_two_hosts_trains_as_one_process(emulated_hosts, one_pro
                                                 f"train.save_every={STEPS}", f"train.run_dir={run_dir}"]))
         codes = [p.returncode for p in hosts._procs]
     assert codes == [0, 0], "\n=====\n".join(t[-3000:] for t in texts)
+    for pattern in REPORTED[names]:
+        assert re.search(pattern, texts[0]), (pattern, texts[0][:6000])
     assert step_losses(texts[0]) == losses  # printed to 4 places; the weights below to 1e-9
     got = _weights(run_dir, tmp_path / "w.pt")
     assert sorted(got) == sorted(weights)

@@ -205,3 +205,17 @@ def test_run_metrics_measure_what_the_recorder_collected_during_the_step(monkeyp
     assert not recorder.on
     assert (run.interval.compute_s, run.interval.comm_wait_s, run.interval.span_s) == pytest.approx((1.0, 1.0, 2.0))
     assert [kind for kind, *_ in run.traced[2][2]] == ["comm", "F"]
+
+
+def test_transfer_waits_are_split_over_the_links_they_waited_on_and_a_far_slower_link_named() -> None:
+    from pipeflow.observability.figures import wait_by_link
+    from pipeflow.observability.metrics import link_wait_line
+    from pipeflow.runtime.mesh_order import MeshGrid
+
+    events = [ev("comm", "recv:act3[0>1]<-r0; send:grad2[1>0]->r0", 0.0, 1.0),
+              ev("comm", "recv:act3[1>2]<-r1; recv:grad1[3>2]<-r3", 1.0, 3.0), ev("F", "1F0", 3.0, 4.0)]
+    assert wait_by_link(events, 2) == {(0, 2): 1.0, (1, 2): 1.0, (2, 3): 1.0}
+    line = link_wait_line({(0, 1): 0.001, (1, 2): 0.009, (2, 3): 0.0011}, MeshGrid(1, 4))
+    assert line.startswith("transfer waits per link, ms per step (both ranks of each, the pipeline of rank 0): "
+                           "0-1 1.00; 1-2 9.00; 2-3 1.10")
+    assert line.endswith("waited on far more than the median link: 1-2 8.2x (a slow link or a slow neighbour)")

@@ -134,15 +134,18 @@ def test_a_layer_split_over_one_rank_is_itself_and_sequence_parallel_needs_norms
 
 
 def test_ranks_are_named_by_their_dp_pp_tp_coordinates() -> None:
-    from pipeflow.observability.console import grid_coordinates, rank_label
     from pipeflow.observability.trace import chrome_trace
+    from pipeflow.runtime.mesh_order import MeshGrid
 
-    assert [grid_coordinates(g, 2, 2) for g in range(8)] == [
+    grid = MeshGrid(2, 2, 2)
+    assert [grid.coordinates(g) for g in range(8)] == [
         (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
-    assert rank_label(5, 2, 2) == "rank 5 (dp 1, pp 0, tp 1)"
-    assert rank_label(3, 2) == "rank 3 (pipeline rank 1)"  # without tp, as before
+    assert grid.label(5) == "rank 5 (dp 1, pp 0, tp 1)"
+    assert MeshGrid(2, 2).label(3) == "rank 3 (pipeline rank 1)"  # without tp, as before
+    assert MeshGrid(2, 2, 1, ("pp", "dp", "tp")).label(1) == "rank 1 (pipeline rank 0)"  # pp outermost
     per_rank = [((g // 2) % 2, 0.0, 1.0, []) for g in range(4)]  # pp 2 x tp 2
-    names = [e["args"]["name"] for e in chrome_trace({0: per_rank}, tp=2)["traceEvents"] if e["name"] == "process_name"]
+    names = [e["args"]["name"] for e in chrome_trace({0: per_rank}, MeshGrid(1, 2, 2))["traceEvents"]
+             if e["name"] == "process_name"]
     assert names == ["rank 0 (dp 0, pp 0, tp 0)", "rank 1 (dp 0, pp 0, tp 1)", "rank 2 (dp 0, pp 1, tp 0)",
                      "rank 3 (dp 0, pp 1, tp 1)"]
 

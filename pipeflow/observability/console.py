@@ -42,17 +42,6 @@ class RankFilter(logging.Filter):
         return True
 
 
-def grid_coordinates(rank: int, num_pp: int, tp: int = 1) -> tuple[int, int, int]:
-    """Global rank -> its (dp, pp, tp) coordinates in the mesh (tp innermost: g = (d * pp + r) * tp + t)."""
-    return rank // (num_pp * tp), (rank // tp) % num_pp, rank % tp
-
-
-def rank_label(rank: int, num_pp: int, tp: int = 1) -> str:
-    """``rank 5 (dp 1, pp 0, tp 1)`` with tensor parallelism, else ``rank 5 (pipeline rank 1)``."""
-    d, r, t = grid_coordinates(rank, num_pp, tp)
-    return f"rank {rank} (dp {d}, pp {r}, tp {t})" if tp > 1 else f"rank {rank} (pipeline rank {r})"
-
-
 def setup_logging(rank: int) -> None:
     """Rank 0 logs INFO to stdout; other ranks only warnings and errors to stderr; every line is
     tagged ``[rank N]``.  Python ``warnings`` go through logging too (so they are tagged)."""
@@ -74,12 +63,14 @@ def progress_bar(total: int, enabled: bool, initial: int = 0) -> Any:
 
 def step_line(
     step: int, max_steps: int, loss: float, grad_norm: float, lr: float, step_s: float,
-    samples: int, tokens: int | None, bubble: float, predicted: float,
+    samples: int, tokens: int | None, bubble: float, predicted: float, aux: float | None = None,
 ) -> str:
     """The one line logged per log interval, e.g. ``step 25/300 | loss 2.3412 | grad norm 0.812 |
-    lr 3.00e-03 | 41 ms/step | 780 samples/s 49920 tokens/s | bubble 30% (predicted 27%)``."""
+    lr 3.00e-03 | 41 ms/step | 780 samples/s 49920 tokens/s | bubble 30% (predicted 27%)``; with an
+    MoE model's auxiliary loss `aux` (part of the loss) ``| aux 0.0101 |`` follows the loss."""
     rate = f"{samples / step_s:.0f} samples/s" + (f" {tokens / step_s:.0f} tokens/s" if tokens is not None else "")
-    return (f"step {step:4d}/{max_steps} | loss {loss:.4f} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
+    aux_part = f" | aux {aux:.4f}" if aux is not None else ""
+    return (f"step {step:4d}/{max_steps} | loss {loss:.4f}{aux_part} | grad norm {grad_norm:.3f} | lr {lr:.2e} | "
             f"{1e3 * step_s:.0f} ms/step | {rate} | bubble {bubble:.0%} (predicted {predicted:.0%})")
 
 

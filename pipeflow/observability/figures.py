@@ -11,9 +11,12 @@ of every step and the traces of chosen steps.  Definitions (r = a pipeline rank)
                 counts only the program, not the optimizer)
     bubble_r    1 - compute_r / span_r
     bubble      1 - sum_r compute_r / (p * max_r span_r), as ``SimResult.bubble``
+    wait_l      per link l (two pipeline ranks): the transfer waits of its two ranks on each
+                other (a wait on several peers split evenly), :func:`wait_by_link`
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -66,3 +69,22 @@ def pipeline_bubble(compute_s: Sequence[float], span_s: Sequence[float]) -> floa
     """Idle fraction of the pipeline, ``1 - sum(compute) / (p * max(span))`` (as the simulator)."""
     longest = max(span_s, default=0.0)
     return min(1.0, max(0.0, 1.0 - sum(compute_s) / (len(span_s) * longest))) if longest > 0 else 0.0
+
+
+_PEER = re.compile(r"r(\d+)(?:;|$)")  # CommOp's text ends with its peer's pipeline rank: "...]<-r0"
+
+
+def wait_by_link(events: Sequence[Any], pp_rank: int) -> dict[tuple[int, int], float]:
+    """Seconds this rank waited on each of its links in a step, ``{(lower, higher pipeline rank):
+    s}``: each transfer wait (its ops' text names their peers) split evenly over the peers it
+    waited on."""
+    out: dict[tuple[int, int], float] = {}
+    for e in events:
+        if e.kind != "comm":
+            continue
+        peers = {int(p) for p in _PEER.findall(e.name)} - {pp_rank}
+        for peer in peers:
+            link = (min(pp_rank, peer), max(pp_rank, peer))
+            out[link] = out.get(link, 0.0) + (e.end - e.start) / len(peers)
+    return out
+

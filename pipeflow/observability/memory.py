@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.observability.console import grid_coordinates
+from pipeflow.runtime.mesh_order import MeshGrid
 from pipeflow.schedules.memory import CATEGORIES, RankMemory, TensorBytes
 
 if TYPE_CHECKING:
@@ -50,12 +50,14 @@ class MemoryMetrics:
         pp_rank: this rank's pipeline rank (its prediction is the pipeline rank's).
         device: this rank's device.
         prediction: the layout's prediction (``memory`` empty without profiles).
-        tp: the tensor-parallel degree (the table then names each rank's dp and tp coordinates too).
+        grid: every rank's mesh coordinates: with tp the table names each rank's dp and tp
+            coordinates too.
     """
 
     def __init__(self, steps: Iterable[int], max_steps: int, pp_rank: int, device: torch.device,
-                 prediction: Prediction, tp: int = 1) -> None:
-        self.tp = tp
+                 prediction: Prediction, grid: MeshGrid | None = None) -> None:
+        self.grid = grid if grid is not None else MeshGrid(1, 1)
+        self.tp = self.grid.tp
         self.steps = {min(int(s), max_steps - 1) for s in steps if int(s) >= 0}
         self.pp_rank, self.device = pp_rank, device
         self.predicted = prediction.memory
@@ -144,10 +146,9 @@ class MemoryMetrics:
         moved = any(not math.isnan(row["offloaded"]) for row in self.rows)
         heads += ["offloaded MB"] if moved else []
         rows = []
-        num_pp = max((row["pp_rank"] for row in self.rows), default=0) + 1
         for g, row in enumerate(self.rows):
             predicted = row["predicted"]
-            d, _, t = grid_coordinates(g, num_pp, self.tp)
+            d, _, t = self.grid.coordinates(g)
             place = [str(d), str(row["pp_rank"]), str(t)] if grid else [str(row["pp_rank"])]
             rows.append([str(g), *place, *(_mb(v) for v in row["resident"].as_tuple()[:3]),
                          *(_mb(v) for v in row["peak"].as_tuple()), _mb(row["peak"].total),

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.observability.console import rank_label
+from pipeflow.runtime.mesh_order import MeshGrid
 from pipeflow.observability.figures import pipeline_bubble, step_figures
 from pipeflow.runtime.clocks import clock_offsets, host_offsets  # noqa: F401 - host_offsets: also read from here
 from pipeflow.runtime.events import COPY_KINDS, SHARD, TimedEvent
@@ -28,13 +28,13 @@ from pipeflow.schedules.pictures import draw_timeline
 RankStep = tuple[int, float, float, list[tuple[str, str, float, float]]]
 
 
-def chrome_trace(steps: dict[int, list[RankStep]], tp: int = 1) -> dict[str, Any]:
+def chrome_trace(steps: dict[int, list[RankStep]], grid: MeshGrid | None = None) -> dict[str, Any]:
     """A Chrome trace (Perfetto, chrome://tracing) of traced steps, clocks already aligned.
 
     Args:
         steps: ``steps[step][global rank]`` as gathered by :func:`write_traces`.
-        tp: the tensor-parallel degree: with tp > 1 a process is named by its (dp, pp, tp)
-            coordinates.
+        grid: every rank's mesh coordinates (``parallel.order``): with tp > 1 a process is named
+            by its (dp, pp, tp) coordinates; None: one pipeline in the default order.
 
     Returns:
         ``{"traceEvents": [...]}``: process ``rank r`` per rank (pid = global rank, one thread),
@@ -45,9 +45,11 @@ def chrome_trace(steps: dict[int, list[RankStep]], tp: int = 1) -> dict[str, Any
     origin = min((start for per_rank in steps.values() for _, start, _, _ in per_rank), default=0.0)
     events: list[dict[str, Any]] = []
     ranks = {r: pp for per_rank in steps.values() for r, (pp, *_) in enumerate(per_rank)}
-    num_pp = max(ranks.values(), default=0) + 1
+    if grid is None:
+        num_pp = max(ranks.values(), default=0) + 1
+        grid = MeshGrid(max(1, len(ranks) // num_pp), num_pp)
     for r, pp in sorted(ranks.items()):
-        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": rank_label(r, num_pp, tp)}})
+        events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": grid.label(r)}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
         events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "pipeline"}})
     for step, per_rank in sorted(steps.items()):
@@ -96,7 +98,7 @@ def write_traces(
     device: torch.device,
     predicted: float,
     writer: Any = None,
-    tp: int = 1,
+    grid: MeshGrid | None = None,
 ) -> None:
     """Gather every rank's traced steps to rank 0 (clocks aligned) and write ``trace.json`` and
     ``timeline_step<N>.png`` into `run_dir` (and the pictures into TensorBoard).  Collective."""
@@ -111,7 +113,7 @@ def write_traces(
         return
     steps = {step: [g[step] for g in gathered] for step in sorted(set().union(*gathered)) if all(step in g for g in gathered)}
     with open(os.path.join(run_dir, "trace.json"), "w") as f:
-        json.dump(chrome_trace(steps, tp), f)
+        json.dump(chrome_trace(steps, grid), f)
     for step, per_rank in steps.items():
         figures = [step_figures([TimedEvent(*t) for t in timed], start, end) for _, start, end, timed in per_rank]
         bubble = pipeline_bubble([f.compute_s for f in figures], [f.span_s for f in figures])

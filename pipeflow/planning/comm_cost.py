@@ -68,10 +68,27 @@ def measure_transfers(comm: Any, sizes: list[int], repeats: int = 10, busy: bool
             both.append(statistics.median(times))
             posts.append(statistics.median(posting))
         points.append((float(num_bytes), sum(both) / 2))
-    figures = torch.tensor([*_fit(points), statistics.median(posts)], dtype=torch.float64, device=comm.device)
+    figures = torch.tensor([*fit_line(points), statistics.median(posts)], dtype=torch.float64, device=comm.device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     latency, per_byte, post = figures.tolist()
     return latency, per_byte, post
+
+
+def exchange_s(comm: Any, peer: int, num_bytes: int, repeats: int, warmup: int = 2,
+               what: str = "time a link for the step model") -> float:
+    """Median seconds of a send to and a receive from pipeline rank `peer` of `num_bytes` each, in
+    one batched call (both directions at once, as a pipeline's steady state has them)."""
+    out = torch.zeros(max(1, num_bytes // 4), dtype=torch.float32, device=comm.device)
+    buf = torch.empty_like(out)
+    times = []
+    for k in range(warmup + repeats):
+        start = time.perf_counter()
+        comm.wait(comm.post([(peer, out)], [(peer, buf)], what), what)
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
+        if k >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 class _Busy:
@@ -93,7 +110,7 @@ class _Busy:
         self.thread.join()
 
 
-def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     """(intercept, slope >= 0) of the least-squares line through (bytes, seconds)."""
     if len(points) == 1:
         return points[0][1], 0.0

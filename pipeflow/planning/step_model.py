@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeflow.planning.profile import release_cached_memory
+from pipeflow.runtime import hosts
 from pipeflow.runtime.clip import grad_norms, scale_grads
 from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, SimResult, simulate
 from pipeflow.schedules.ir import Action, CommOp
@@ -86,7 +87,11 @@ class StepCosts:
         post_s: posting a step's ops.
         action_overhead_s: added to every F, B, W.
         tail_s: after the pipeline (dp reduction, grad-norm all-reduce, optimizer).
+        dp_reduce_s: the dp reduction's part of `tail_s` (the slowest dp group's).
         share: the host's cores and the ranks sharing them.
+        links: where the job spans several hosts, every pair of pipeline ranks measured on its
+            own (:mod:`pipeflow.planning.links`): each transfer is costed on its link, plus
+            what the host's computing adds (busy minus idle, from the ring figures).
         rehearsed: where the program was rehearsed before the run
             (:mod:`pipeflow.planning.rehearsal`), what the rehearsal calibrated: the prediction
             simulates with its costs instead of the profile and the models above.
@@ -102,6 +107,9 @@ class StepCosts:
     busy_latency_s: float | None = None  # the transfer while every rank computes (None: as idle)
     busy_per_byte_s: float | None = None
     rehearsed: Any = None  # a Calibration of the program rehearsed before the run (`rehearsal`)
+    links: Any = None  # PipelineLinks: each pair of pipeline ranks measured alone (several hosts)
+    dp_reduce_s: float = 0.0  # the slowest dp group's gradient all-reduce (part of tail_s)
+    dp_groups: tuple = ()  # several hosts: ((global ranks, all-reduce s), ...) of every dp group
 
 
 def simulate_shared(
@@ -190,11 +198,17 @@ def fused_adamw(setting: bool | None, device: torch.device | str) -> bool:
 
 def measure_tail_s(params: Sequence[torch.Tensor], device: torch.device, dp_group: Any = None, dp: int = 1,
                    repeats: int = 5, fused: bool | None = None) -> float:
+    """:func:`measure_tail_parts`' total (collective over the world)."""
+    return sum(measure_tail_parts(params, device, dp_group, dp, repeats, fused))
+
+
+def measure_tail_parts(params: Sequence[torch.Tensor], device: torch.device, dp_group: Any = None, dp: int = 1,
+                       repeats: int = 5, fused: bool | None = None) -> tuple[float, float]:
     """Seconds of what follows the pipeline on this rank: the grad-norm all-reduce over the world,
     the data-parallel all-reduce of its gradients (dp > 1), one AdamW step (fused as `fused`, see
     :func:`fused_adamw`) and zeroing the grads on a scratch copy of its parameters (the run's are
     untouched; freed, and on CUDA handed back to the device, before it returns).  Collective over
-    the world."""
+    the world.  Returns (the data-parallel all-reduce's seconds, the rest's)."""
     # a sharded parameter (DTensor) is timed by its local shard, which is what this rank steps
     scratch = [nn.Parameter((p.to_local() if hasattr(p, "to_local") else p).detach().clone()) for p in params]
     sizes = [p.numel() for p in scratch]
@@ -202,12 +216,13 @@ def measure_tail_s(params: Sequence[torch.Tensor], device: torch.device, dp_grou
     del scratch  # its copy, grads and AdamW state: a run's worth of memory, not to stay reserved
     one = torch.zeros(1, dtype=torch.float64, device=device)
     tail += _median_s(lambda: dist.all_reduce(one), device, repeats)
+    reduce_s = 0.0
     if dp > 1 and sizes:
         flat = torch.zeros(sum(sizes), device=device)
-        tail += _median_s(lambda: dist.all_reduce(flat, group=dp_group), device, repeats)
+        reduce_s = _median_s(lambda: dist.all_reduce(flat, group=dp_group), device, repeats)
         del flat
     release_cached_memory(device)
-    return tail
+    return reduce_s, tail
 
 
 def measure_optimizer_s(params: Sequence[nn.Parameter], device: torch.device, repeats: int = 5,
@@ -258,30 +273,43 @@ def op_bytes(boundary_bytes: Sequence[float]) -> Callable[[CommOp], float]:
 def measure_step_costs(
     comm: Any, posting: str, params: Sequence[torch.Tensor], boundary_bytes: Sequence[float], num_pp: int,
     dp_group: Any = None, dp: int = 1, action_overhead_s: float | None = None, busy: bool = True,
-    fused: bool | None = None,
+    fused: bool | None = None, schedule: PipelineSchedule | None = None, grid: Any = None,
 ) -> StepCosts:
     """Measure the runtime's costs on this run's own groups at start (collective over the world):
     transfers at the model's boundary sizes (and a quarter of the largest, for the per-byte
     term), also while the host computes (unless not `busy`: a rehearsal will see that), posting,
     the per-action overhead (unless given), the tail (AdamW fused as `fused`, ``optim.fused``);
-    the slowest rank's figures."""
+    the slowest rank's figures.  Where the job spans several hosts and `schedule` and `grid`
+    (the mesh's :class:`~pipeflow.runtime.mesh_order.MeshGrid`) are given, every link of the
+    program too, and each dp group's all-reduce apart."""
     from pipeflow.planning.comm_cost import measure_transfers
+    from pipeflow.planning.links import measure_links
 
     device = comm.device
     largest = int(max(boundary_bytes, default=0.0)) or 4096
     sizes = sorted({int(b) for b in boundary_bytes if b > 0} | {largest, max(4, largest // 4)})
     latency, per_byte, post = measure_transfers(comm, sizes)
     busy_latency, busy_per_byte = measure_transfers(comm, sizes, busy=True)[:2] if busy else (None, None)
+    links = None
+    several = grid is not None and len(hosts.table().hosts) > 1
+    if several and schedule is not None and comm.size > 1:
+        links = measure_links(comm, schedule, sizes, grid.pipelines())
     overhead = measure_action_overhead_s(device) if action_overhead_s is None else action_overhead_s
-    tail = measure_tail_s(params, device, dp_group, dp, fused=fused)
+    reduce_s, rest = measure_tail_parts(params, device, dp_group, dp, fused=fused)
     release_cached_memory(device)  # the transfers' buffers too
-    figures = torch.tensor([overhead, tail], dtype=torch.float64, device=device)
+    figures = torch.tensor([overhead, reduce_s + rest, reduce_s], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    overhead, tail = figures.tolist()
+    groups: tuple[tuple[tuple[int, ...], float], ...] = ()
+    if several and dp > 1:  # each dp group's all-reduce apart, to name one far slower than the others
+        each = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(each, torch.tensor([reduce_s], dtype=torch.float64, device=device))
+        seconds = [float(t.item()) for t in each]
+        groups = tuple((tuple(g), max(seconds[r] for r in g)) for g in grid.dp_groups())
+    overhead, tail, reduce_s = figures.tolist()
     if action_overhead_s is not None:
         overhead = action_overhead_s
     return StepCosts(posting, latency, per_byte, post, overhead, tail, host_share(num_pp, device), busy_latency,
-                     busy_per_byte)
+                     busy_per_byte, links=links, dp_reduce_s=reduce_s, dp_groups=groups)
 
 
 def predict_step(
@@ -302,16 +330,35 @@ def predict_step(
 
     boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]
     bytes_of, p = op_bytes(boundary), schedule.num_ranks
-    runtime = RuntimeCosts(lambda op: costs.latency_s + costs.per_byte_s * bytes_of(op), [0.0] * p, [costs.post_s] * p,
-                           offload=copies)
+    idle = transfer_cost(costs, bytes_of)
+    runtime = RuntimeCosts(idle, [0.0] * p, [costs.post_s] * p, offload=copies)
     cost = action_costs(ranges, profiles, schedule, costs.action_overhead_s)
     fraction = [stage_cpu(profiles, r) for r in ranges]
     busy = None
     if costs.busy_latency_s is not None:
         per_byte = costs.per_byte_s if costs.busy_per_byte_s is None else costs.busy_per_byte_s
-        busy = lambda op: costs.busy_latency_s + per_byte * bytes_of(op)  # noqa: E731
+        if costs.links is None:
+            busy = lambda op: costs.busy_latency_s + per_byte * bytes_of(op)  # noqa: E731
+        else:  # the op's own link, plus what the host's computing adds to a transfer
+            busy = lambda op: idle(op) + max(0.0, costs.busy_latency_s - costs.latency_s  # noqa: E731
+                                             + (per_byte - costs.per_byte_s) * bytes_of(op))
     return simulate_shared(schedule, lower(schedule, costs.posting, offload=plan), cost, runtime, costs.share,
                            lambda action: fraction[action.stage], busy)
+
+
+def transfer_cost(costs: StepCosts, bytes_of: Callable[[CommOp], float]) -> Callable[[CommOp], float]:
+    """An op's transfer seconds between idle ranks: on its own link where the links were measured
+    (several hosts), else the ring's figures."""
+    if costs.links is None:
+        return lambda op: costs.latency_s + costs.per_byte_s * bytes_of(op)
+
+    def on_link(op: CommOp) -> float:
+        link = costs.links.of(op)
+        if link is None:  # a pair the measurement did not see: the ring's figures
+            return costs.latency_s + costs.per_byte_s * bytes_of(op)
+        return link.seconds(bytes_of(op))
+
+    return on_link
 
 
 def stage_cpu(profiles: Sequence[Any], layers: range) -> float:
@@ -334,5 +381,6 @@ def describe_costs(costs: StepCosts) -> str:
               f"{share.cores} cores" if share.device == "cpu" else "")
     busy = ("" if costs.busy_latency_s is None else
             f" ({1e3 * costs.busy_latency_s:.3f} ms + {1e9 * (costs.busy_per_byte_s or 0.0):.3f} ms/MB while the host computes)")
+    reduce = f" (dp all-reduce {1e3 * costs.dp_reduce_s:.2f} ms)" if costs.dp_reduce_s > 0 else ""
     return (f"posting {costs.posting}, transfer {1e3 * costs.latency_s:.3f} ms + {1e9 * costs.per_byte_s:.3f} ms/MB{busy}, "
-            f"{1e3 * costs.action_overhead_s:.3f} ms per action, tail {1e3 * costs.tail_s:.2f} ms{shared}")
+            f"{1e3 * costs.action_overhead_s:.3f} ms per action, tail {1e3 * costs.tail_s:.2f} ms{reduce}{shared}")

@@ -76,6 +76,7 @@ from pipeflow.run.export import export, main  # noqa: F401 - part of this module
 from pipeflow.runtime import hosts
 from pipeflow.runtime.fsdp import local, strided
 from pipeflow.runtime.tensor_parallel import gathered, rows_of
+from pipeflow.runtime.mesh_order import DEFAULT_ORDER, MeshGrid
 from pipeflow.runtime.zero import local_optimizer, parameter_of
 
 log = logging.getLogger("pipeflow")
@@ -382,11 +383,14 @@ def remove_leftovers(root: str) -> list[str]:
     return gone
 
 
-def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer,
-         storage: str = "shared") -> dict[str, Any]:
+def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer | None,
+         storage: str = "shared", grid: MeshGrid | None = None) -> dict[str, Any]:
     """Load this rank's layers and their optimizer state from checkpoint `path` (collective);
-    restores this rank's RNG states when the checkpoint had the same world size.  Verify it
-    first (:func:`verify`).  With `storage` ``local`` each host's ranks read their host's part.
+    restores this rank's RNG states when the checkpoint had the same world size: those of the
+    rank that sat at this rank's mesh coordinates (`grid`) where the checkpoint's dp, pp and tp
+    are this run's, whatever its ``parallel.order``, else those of the same global rank.  Verify
+    it first (:func:`verify`).  With `storage` ``local`` each host's ranks read their host's part.
+    With no `optimizer` (generation: :mod:`pipeflow.run.generate`) only the layers are loaded.
 
     Returns:
         The checkpoint's meta (``step``, layout, loss scale).
@@ -399,8 +403,8 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
     saved = integrity.call_named(reader.read_metadata, f"reading checkpoint {path}").state_dict_metadata
     model = model_state(layers)
     _check_model(path, model, saved, per_host=storage == "local")
-    optim = optimizer_state(optimizer, layers, fill=True)
-    if any(key not in saved for key in optim):  # saved before any optimizer step (e.g. all fp16 steps skipped)
+    optim = optimizer_state(optimizer, layers, fill=True) if optimizer is not None else {}
+    if optimizer is not None and any(key not in saved for key in optim):  # saved before any optimizer step (e.g. all fp16 steps skipped)
         local_optimizer(optimizer).state.clear()
         optim = {}
     state, strided = whole_strided({**model, **optim}, gather=False)
@@ -411,8 +415,18 @@ def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimiz
         with torch.no_grad():
             local(target).copy_(rows_of(whole, target))
     if meta.get("world_size") == dist.get_world_size():
-        _load_rng(os.path.join(path, "rng", f"rank{dist.get_rank()}.pt"))
+        _load_rng(os.path.join(path, "rng", f"rank{saved_rank(meta, dist.get_rank(), grid)}.pt"))
     return meta
+
+
+def saved_rank(meta: dict[str, Any], rank: int, grid: MeshGrid | None) -> int:
+    """The global rank that held this rank's mesh coordinates in the run that saved `meta`: the
+    same coordinates under the saved ``parallel.order`` where the saved degrees are `grid`'s
+    (checkpoints written before the order was recorded were in the default order), else `rank`."""
+    if grid is None or (meta.get("dp"), meta.get("pp"), meta.get("tp", 1)) != (grid.dp, grid.pp, grid.tp):
+        return rank
+    saved = MeshGrid(grid.dp, grid.pp, grid.tp, tuple(meta.get("order", DEFAULT_ORDER)))
+    return saved.rank(*grid.coordinates(rank))
 
 
 def saved_layout(meta: dict[str, Any]) -> str:

@@ -1,12 +1,13 @@
 """The process mesh (data parallel x pipeline parallel x tensor parallel) and the data-parallel
 gradient reduction.
 
-Global rank g sits at mesh coordinate (d, r, t) with g = (d * pp + r) * tp + t: tensor parallel
-is innermost (the tp ranks of a stage are consecutive: the GPUs of a node, where its per-layer
+Global rank g sits at mesh coordinate (d, r, t) as ``parallel.order`` lays the dimensions out
+(:mod:`pipeflow.runtime.mesh_order`); by default g = (d * pp + r) * tp + t: tensor parallel
+innermost (the tp ranks of a stage are consecutive: the GPUs of a node, where its per-layer
 collectives run), then the pipeline, then data parallel.  Every (d, t) pair is one pipeline of
 pp ranks (tp rank t of stage k exchanges with tp rank t of stage k + 1, batched P2P in that
 pipeline's group); the dp group of a rank holds the same stages and the same tp shard in every
-replica.  Without tp (tp = 1) this is the 2-D mesh (d, r) = divmod(g, pp).
+replica.
 
 Why not DDP: DDP reduces from autograd's AccumulateGrad hooks and expects one forward then one
 backward through the wrapped module.  A pipeline runs many micro-batch forwards before their
@@ -20,14 +21,16 @@ after the flush.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipeflow.runtime import failures
 from pipeflow.runtime.fsdp import local
+from pipeflow.runtime.mesh_order import DEFAULT_ORDER, MeshGrid
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
 
@@ -46,6 +49,7 @@ class Mesh:
         device_mesh: torch's DeviceMesh, dims ``("dp", "pp")`` or ``("dp", "pp", "tp")`` (None for one rank).
         tp, tp_rank: the tensor-parallel degree and this rank's place in its tp group.
         tp_group: the ranks that split this rank's stages' layers (None at tp = 1).
+        grid: every rank's coordinates under ``parallel.order``.
     """
 
     dp: int
@@ -59,6 +63,12 @@ class Mesh:
     tp: int = 1
     tp_rank: int = 0
     tp_group: Any = None
+    grid: MeshGrid | None = None  # the coordinates of every rank (parallel.order); None: the default order
+    order_reason: str = ""  # why parallel.order=auto chose the order (for the start-of-run line)
+
+    def __post_init__(self) -> None:
+        if self.grid is None:
+            self.grid = MeshGrid(self.dp, self.pp, self.tp)
 
     @property
     def first_pipeline(self) -> bool:
@@ -75,28 +85,27 @@ class Mesh:
         return f"dp={self.dp} x pp={self.pp}" + (f" x tp={self.tp}" if self.tp > 1 else "")
 
 
-def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1) -> Mesh:
+def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, order: tuple[str, ...] = DEFAULT_ORDER) -> Mesh:
     """Build the (dp, pp[, tp]) mesh over the default process group (collective: every rank calls it).
 
     Args:
         dp: data-parallel degree.
         pp: pipeline degree; dp * pp * tp must equal the world size (checked by config.check_config).
         device: this rank's device (its type names the mesh's device type).
-        tp: tensor-parallel degree (innermost).
+        tp: tensor-parallel degree.
+        order: ``parallel.order``, the dimensions outermost first (:mod:`pipeflow.runtime.mesh_order`).
     """
-    rank = dist.get_rank()
-    (dp_rank, pp_rank), tp_rank = divmod(rank // tp, pp), rank % tp
-    replicas = [[(d * pp + r) * tp + t for r in range(pp)] for d in range(dp) for t in range(tp)]
+    grid = MeshGrid(dp, pp, tp, order)
+    dp_rank, pp_rank, tp_rank = grid.coordinates(dist.get_rank())
+    replicas = grid.pipelines()
     if dp * pp * tp == 1:
-        return Mesh(1, 1, 0, 0, None, None, replicas, None)
-    if tp == 1:
-        device_mesh = init_device_mesh(device.type, (dp, pp), mesh_dim_names=("dp", "pp"))
-        return Mesh(
-            dp, pp, dp_rank, pp_rank, device_mesh.get_group("pp"), device_mesh.get_group("dp"), replicas, device_mesh
-        )
-    device_mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        return Mesh(1, 1, 0, 0, None, None, replicas, None, grid=grid)
+    names = ("dp", "pp") if tp == 1 else ("dp", "pp", "tp")
+    table = torch.tensor(grid.rank_table(), dtype=torch.int)
+    device_mesh = DeviceMesh(device.type, table[..., 0] if tp == 1 else table, mesh_dim_names=names)
+    tp_group = device_mesh.get_group("tp") if tp > 1 else None
     return Mesh(dp, pp, dp_rank, pp_rank, device_mesh.get_group("pp"), device_mesh.get_group("dp"), replicas,
-                device_mesh, tp, tp_rank, device_mesh.get_group("tp"))
+                device_mesh, tp, tp_rank, tp_group, grid)
 
 
 def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:
@@ -131,11 +140,22 @@ class GradReducer:
         group: the dp process group.
         world: its size.
         bucket_bytes: the largest flattened bucket.
+        unreduced: parameters split over the group's ranks (``parallel.ep``'s experts): their
+            gradients are not all-reduced over the group, only averaged (divided by `world`).
+        unreduced_group: the ranks holding the same `unreduced` parameters (ep < dp), over which
+            their gradients are summed first; None: each is held by one rank of the group.
     """
 
-    def __init__(self, stages: dict[int, Any], group: Any, world: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(self, stages: dict[int, Any], group: Any, world: int, bucket_bytes: int = BUCKET_BYTES,
+                 unreduced: Sequence[torch.nn.Parameter] = (), unreduced_group: Any = None) -> None:
         self.group, self.world, self.bucket_bytes = group, world, bucket_bytes
-        self.stage_params = {s: stages[s].parameters() for s in sorted(stages)}  # each parameter once
+        # parallel.ep's experts: their gradients already gather their ep group's tokens (all_to_all);
+        # summed over the ranks holding the same experts (unreduced_group, ep < dp), averaged over dp
+        self.unreduced, self.unreduced_group = list(unreduced), unreduced_group
+        alone = {id(p) for p in self.unreduced}
+        # each parameter once; frozen ones (a LoRA run's base weights) have no gradient to reduce
+        self.stage_params = {s: [p for p in stages[s].parameters() if p.requires_grad and id(p) not in alone]
+                             for s in sorted(stages)}
         self.owners: dict[int, set[int]] = {}
         for s, params in self.stage_params.items():
             for p in params:
@@ -182,6 +202,12 @@ class GradReducer:
                 grad = local(p.grad)
                 grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
+        for p in self.unreduced:
+            if p.grad is None:  # a missing gradient counts as zeros, so the collective stays matched
+                p.grad = torch.zeros_like(p)
+            if self.unreduced_group is not None:
+                dist.all_reduce(p.grad, group=self.unreduced_group)
+            p.grad.div_(self.world)
         self._ready.clear()
         self._launched.clear()
         self._pending.clear()

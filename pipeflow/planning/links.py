@@ -1,0 +1,204 @@
+"""Each pipeline link on its own: what a transfer between two pipeline ranks costs, measured at
+start pair by pair, so a boundary that crosses hosts is costed on the slow link it uses.
+
+The ring measurement of :mod:`pipeflow.planning.comm_cost` gives one figure for every
+boundary (the slowest rank's).  Across hosts the boundaries differ by orders of magnitude: a
+pair of ranks on one host talks through memory, a pair on two hosts through the network.  Here
+every pair of pipeline ranks the program exchanges between (``stage_to_rank`` of each stage and
+the next: the wrap-around of interleaved schedules too) is timed alone, both directions in one
+batched call as the steady state has them, at the model's boundary sizes, and a
+``latency + bytes x per_byte`` line is fitted through the sizes.  Pairs that share no rank are
+timed at the same time (rounds of a matching), every pipeline (data-parallel and tensor-parallel
+replica) at once: as in training, replicas share the links between hosts.  The slowest replica of
+each pair sets its figure (every replica waits for the slowest at the step's end).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeflow.planning.comm_cost import exchange_s, fit_line
+from pipeflow.runtime import hosts
+from pipeflow.schedules import PipelineSchedule
+from pipeflow.schedules.ir import CommOp
+
+_WARMUP = 3
+SLOW_FACTOR = 3.0  # a link this many times slower than the median of its peers is named
+
+
+@dataclass(frozen=True)
+class Link:
+    """One pair of pipeline ranks as measured (the slowest replica's).
+
+    Attributes:
+        ranks: the two pipeline ranks (lower first).
+        latency_s, per_byte_s: a transfer's ``latency_s + bytes * per_byte_s``.
+        global_ranks: the slowest replica's global ranks of the two ends.
+        hosts: the host names of those ranks (empty names on one host).
+    """
+
+    ranks: tuple[int, int]
+    latency_s: float
+    per_byte_s: float
+    global_ranks: tuple[int, int] = (0, 0)
+    hosts: tuple[str, str] = ("", "")
+
+    def seconds(self, num_bytes: float) -> float:
+        """One transfer of `num_bytes` on this link."""
+        return self.latency_s + self.per_byte_s * num_bytes
+
+    @property
+    def crosses_hosts(self) -> bool:
+        """True where the two ends run on different hosts."""
+        return self.hosts[0] != self.hosts[1]
+
+    def describe(self) -> str:
+        """``boundary 1-2 crosses hosts host0 -> host1: 0.412 ms + 11.9 MB/s`` (hosts named only
+        on several hosts)."""
+        a, b = self.ranks
+        where = ""
+        if self.hosts[0]:
+            where = (f" crosses hosts {self.hosts[0]} -> {self.hosts[1]}" if self.crosses_hosts
+                     else f" within host {self.hosts[0]}")
+        rate = f"{1e-6 / self.per_byte_s:.1f} MB/s" if self.per_byte_s > 0 else "no per-byte cost measured"
+        return f"pipeline ranks {a}-{b}{where}: {1e3 * self.latency_s:.3f} ms + {rate}"
+
+
+@dataclass(frozen=True)
+class PipelineLinks:
+    """Every link the program uses, by its pair of pipeline ranks."""
+
+    links: tuple[Link, ...]
+    stage_to_rank: tuple[int, ...]
+    measured_s: float = 0.0  # what measuring them took
+
+    def of(self, op: CommOp) -> Link | None:
+        """The link an op travels (None for a pair not measured)."""
+        pair = tuple(sorted((self.stage_to_rank[op.src_stage], self.stage_to_rank[op.dst_stage])))
+        return next((link for link in self.links if link.ranks == pair), None)
+
+    @property
+    def across_hosts(self) -> bool:
+        """True where some link crosses hosts."""
+        return any(link.crosses_hosts for link in self.links)
+
+    def slow(self, num_bytes: float, factor: float = SLOW_FACTOR) -> list[tuple[Link, float]]:
+        """The links whose transfer of `num_bytes` costs at least `factor` times the median of
+        the links, each with that ratio (none where fewer than three links)."""
+        if len(self.links) < 3:
+            return []
+        median = statistics.median(link.seconds(num_bytes) for link in self.links)
+        if median <= 0:
+            return []
+        return [(link, link.seconds(num_bytes) / median) for link in self.links
+                if link.seconds(num_bytes) >= factor * median]
+
+    def describe(self, num_bytes: float) -> str:
+        """The start-of-run lines: every link, and those far slower than their peers named."""
+        lines = [f"links measured in {self.measured_s:.2f} s (both directions at once; the slowest replica's): "
+                 + "; ".join(link.describe() for link in self.links)]
+        for link, ratio in self.slow(num_bytes):
+            lines.append(f"slow link: {link.describe()} costs {ratio:.1f}x the median of the pipeline's links for "
+                         f"{num_bytes / 1e6:.2f} MB (global ranks {link.global_ranks[0]} and {link.global_ranks[1]}): "
+                         f"a slow cable or network, or a rank placed on another host than intended "
+                         f"(parallel.order, the launcher's hosts)")
+        return "\n".join(lines)
+
+
+def describe_dp_groups(groups: Sequence[tuple[Sequence[int], float]], factor: float = SLOW_FACTOR) -> str:
+    """The start-of-run line of each dp group's gradient all-reduce (its hosts where it crosses
+    them), and those at least `factor` times the median of the groups named."""
+    if not groups:
+        return ""
+
+    def where(ranks: Sequence[int]) -> str:
+        names = list(dict.fromkeys(_host(r) for r in ranks))
+        return f" across hosts {' '.join(names)}" if len(names) > 1 else (f" within host {names[0]}" if names[0] else "")
+
+    lines = ["dp all-reduce per group: " + "; ".join(f"ranks {list(ranks)}{where(ranks)}: {1e3 * s:.2f} ms"
+                                                     for ranks, s in groups)]
+    median = statistics.median(s for _, s in groups)
+    if len(groups) >= 3 and median > 0:
+        lines += [f"slow dp group: ranks {list(ranks)}{where(ranks)} all-reduce {1e3 * s:.2f} ms, {s / median:.1f}x the "
+                  f"median of the dp groups (a slow link, or a rank placed on another host than intended)"
+                  for ranks, s in groups if s >= factor * median]
+    return "\n".join(lines)
+
+
+def link_pairs(schedule: PipelineSchedule) -> list[tuple[int, int]]:
+    """The pairs of pipeline ranks the program exchanges between (lower rank first), in order."""
+    pairs = {tuple(sorted((schedule.stage_to_rank[s], schedule.stage_to_rank[s + 1])))
+             for s in range(schedule.num_stages - 1)}
+    return sorted(pair for pair in pairs if pair[0] != pair[1])  # type: ignore[misc]
+
+
+def matching_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """`pairs` in rounds of pairs that share no rank (greedy, in order), so each rank times one
+    pair at a time."""
+    rounds: list[list[tuple[int, int]]] = []
+    for pair in pairs:
+        for group in rounds:
+            if all(not set(pair) & set(other) for other in group):
+                group.append(pair)
+                break
+        else:
+            rounds.append([pair])
+    return rounds
+
+
+def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], replicas: Sequence[Sequence[int]],
+                  repeats: int = 8) -> PipelineLinks:
+    """Time every pair of pipeline ranks the program uses, alone, at `sizes` bytes (see the
+    module docstring).  Collective over the world; every rank returns the same links.
+
+    Args:
+        comm: this rank's pipeline communicator (``post``/``wait``, ``rank``, ``size``, ``device``).
+        schedule: the program's schedule (its ``stage_to_rank`` gives the pairs).
+        sizes: the transfer sizes to time, bytes.
+        replicas: the global ranks of every pipeline (``Mesh.replicas``), to name the slowest's ends.
+        repeats: timed exchanges per size.
+    """
+    started = time.perf_counter()
+    pairs = link_pairs(schedule)
+    index = {pair: k for k, pair in enumerate(pairs)}
+    figures = torch.zeros(max(1, len(pairs)), 2, dtype=torch.float64, device=comm.device)  # NCCL: on the device
+    sizes = sorted({max(4, int(n)) for n in sizes}) or [4096]
+    for group in matching_rounds(pairs):
+        mine = next((pair for pair in group if comm.rank in pair), None)
+        if mine is not None:
+            peer = mine[1] if mine[0] == comm.rank else mine[0]
+            points = [(float(n), exchange_s(comm, peer, n, repeats, _WARMUP)) for n in sizes]
+            figures[index[mine]] = torch.tensor(fit_line(points), dtype=torch.float64, device=comm.device)
+        dist.barrier(group=comm.group)  # the next round's pairs start together
+    world = dist.get_world_size()
+    gathered = [torch.zeros_like(figures) for _ in range(world)]
+    dist.all_gather(gathered, figures)
+    gathered = [g.cpu() for g in gathered]
+    largest = float(max(sizes))
+    links = []
+    for (a, b), k in index.items():
+        worst = None  # (seconds at the largest size, latency, per_byte, pipeline)
+        for pipe, ranks in enumerate(replicas):
+            latency, per_byte = torch.maximum(gathered[ranks[a]][k], gathered[ranks[b]][k]).tolist()
+            cost = latency + per_byte * largest
+            if worst is None or cost > worst[0]:
+                worst = (cost, latency, per_byte, pipe)
+        _, latency, per_byte, pipe = worst  # type: ignore[misc]
+        ends = (replicas[pipe][a], replicas[pipe][b])
+        links.append(Link((a, b), latency, per_byte, ends, (_host(ends[0]), _host(ends[1]))))
+    return PipelineLinks(tuple(links), tuple(schedule.stage_to_rank), time.perf_counter() - started)
+
+
+def _host(rank: int) -> str:
+    """The host name of global `rank` where the job spans several hosts, else empty."""
+    table = hosts.table()
+    if len(table.hosts) < 2:
+        return ""
+    host = table.host_of(rank)
+    return host[0] if host is not None else "?"

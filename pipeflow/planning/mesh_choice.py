@@ -1,0 +1,194 @@
+"""``parallel.order=auto``: the mesh order whose predicted step is the fastest on the links
+measured at start.
+
+Which order is right depends on the model and the machines.  A model whose gradients dominate
+the bytes (wide layers, short sequences, few micro-batches) wants its data-parallel groups on
+the fast links inside a host and its pipeline boundaries across hosts (pp outermost, as
+Megatron and torchtitan lay it out); a model whose activations dominate wants the opposite
+(pipeflow's ``[dp,pp,tp]``).  Before the mesh exists, every rank times one exchange with a
+rank of its own host and one with a rank of another host (:func:`measure_host_links`); each
+order's step is then predicted by the simulator on the profiled layers: every boundary on the
+link its ranks use (the slowest replica's), the data-parallel all-reduce of each pipeline rank's
+gradients and the tensor-parallel all-reduces of its layers on the link their group crosses
+(ring collectives, each as slow as its slowest link).  One host: every link alike, the order kept.  Another order is taken only
+when predicted at least :data:`MARGIN` faster (ties and noise keep ``[dp,pp,tp]``).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipeflow.planning.comm_cost import exchange_s, fit_line
+from pipeflow.planning.links import Link, PipelineLinks, link_pairs
+from pipeflow.planning.step_model import StepCosts, predict_step
+from pipeflow.runtime import hosts
+from pipeflow.runtime.mesh_order import DEFAULT_ORDER, MeshGrid, order_text
+from pipeflow.schedules import PipelineSchedule
+
+MARGIN = 0.02  # another order must be predicted this much faster than [dp,pp,tp]
+# bytes timed per exchange: the latency, and a per-byte term from a message well past a token
+# bucket's burst (a network that passes a burst at line rate would look fast on small probes)
+_SIZES = (1 << 12, 1 << 21)
+_REPEATS = 4
+
+
+@dataclass(frozen=True)
+class HostLinks:
+    """A transfer's ``(latency s, s per byte)`` between two ranks of one host and of two hosts."""
+
+    intra: tuple[float, float]
+    inter: tuple[float, float]
+
+    def seconds(self, across: bool, num_bytes: float) -> float:
+        """One transfer of `num_bytes` within a host or (`across`) between hosts."""
+        latency, per_byte = self.inter if across else self.intra
+        return latency + per_byte * num_bytes
+
+    def describe(self) -> str:
+        """``within a host 0.05 ms + 2100 MB/s, across hosts 0.4 ms + 11.9 MB/s``."""
+        def one(fig: tuple[float, float]) -> str:
+            return f"{1e3 * fig[0]:.3f} ms + " + (f"{1e-6 / fig[1]:.1f} MB/s" if fig[1] > 0 else "no per-byte cost")
+        return f"within a host {one(self.intra)}, across hosts {one(self.inter)}"
+
+
+def host_of_rank(world: int) -> list[int]:
+    """Each global rank's host index in the job's host table (all 0 on one host)."""
+    table = hosts.table()
+    index = [0] * world
+    for k, (_, _, ranks) in enumerate(table.hosts):
+        for r in ranks:
+            if r < world:
+                index[r] = k
+    return index
+
+
+def measure_host_links(device: torch.device, host_index: Sequence[int]) -> HostLinks:
+    """Time an exchange between a pair of ranks of one host and a pair on two hosts (collective
+    over the world; every rank returns the same figures).  The pairs are the first two ranks of
+    host 0, and the first ranks of hosts 0 and 1 (where host 0 runs one rank, the figures
+    within a host are taken as those across: nothing runs within a host then)."""
+    from pipeflow.runtime.transport import P2PComm
+
+    comm = P2PComm(None, device)
+    comm.warmup()  # NCCL: the first batched call on a group involves all its ranks
+    first = [host_index.index(h) for h in sorted(set(host_index))]
+    same = [r for r in range(len(host_index)) if host_index[r] == 0][:2]
+    pairs = [tuple(same) if len(same) == 2 else None, (first[0], first[1]) if len(first) > 1 else None]
+    figures = torch.zeros(2, 2, dtype=torch.float64, device=device)
+    for k, pair in enumerate(pairs):
+        if pair is not None and comm.rank in pair:
+            peer = pair[1] if pair[0] == comm.rank else pair[0]
+            points = [(float(n), exchange_s(comm, peer, n, _REPEATS, 1, "time a host link for parallel.order=auto"))
+                      for n in _SIZES]
+            figures[k] = torch.tensor(fit_line(points), dtype=torch.float64, device=device)
+        dist.barrier()
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    intra, inter = (tuple(row) for row in figures.cpu().tolist())
+    if pairs[0] is None:
+        intra = inter
+    if pairs[1] is None:
+        inter = intra
+    return HostLinks(intra, inter)  # type: ignore[arg-type]
+
+
+def ring_allreduce_s(links: HostLinks, group: Sequence[int], host_index: Sequence[int], num_bytes: float) -> float:
+    """A ring all-reduce of `num_bytes` over the global ranks `group`: 2 (n - 1) steps of
+    ``bytes / n``, each as slow as the slowest link of the ring (across hosts where it crosses)."""
+    n = len(group)
+    if n < 2 or num_bytes <= 0:
+        return 0.0
+    across = len({host_index[g] for g in group}) > 1
+    return 2 * (n - 1) * links.seconds(across, num_bytes / n)
+
+
+def candidate_orders(dp: int, pp: int, tp: int) -> list[tuple[str, ...]]:
+    """Every order that places the ranks differently: dimensions of degree 1 stay where the
+    default order has them (moving them changes nothing); the default first."""
+    sizes = {"dp": dp, "pp": pp, "tp": tp}
+    moving = [d for d in DEFAULT_ORDER if sizes[d] > 1]
+    orders = []
+    for perm in itertools.permutations(moving):
+        it = iter(perm)
+        orders.append(tuple(next(it) if sizes[d] > 1 else d for d in DEFAULT_ORDER))
+    return sorted(set(orders), key=lambda o: (o != DEFAULT_ORDER, o))
+
+
+@dataclass(frozen=True)
+class OrderCost:
+    """One order's predicted step and its parts (seconds)."""
+
+    order: tuple[str, ...]
+    step_s: float
+    pipeline_s: float
+    dp_s: float
+    tp_s: float
+
+
+def predict_order(order: tuple[str, ...], dp: int, pp: int, tp: int, schedule: PipelineSchedule,
+                  ranges: Sequence[range], profiles: Sequence[Any], links: HostLinks,
+                  host_index: Sequence[int], grad_bytes: Callable[[int], float]) -> OrderCost:
+    """The step `order` is predicted to take: the pipeline simulated with each boundary on its
+    link (the slowest replica's), plus the dp all-reduce of the pipeline rank with the most
+    gradient bytes (`grad_bytes(pipeline rank)`), plus each micro-batch's tp all-reduces (the
+    bytes the layers' tp plans carry, profiled) on the busiest stage."""
+    grid = MeshGrid(dp, pp, tp, order)
+    pipes = grid.pipelines()
+    plinks = []
+    for a, b in link_pairs(schedule):
+        across = any(host_index[p[a]] != host_index[p[b]] for p in pipes)
+        latency, per_byte = links.inter if across else links.intra
+        plinks.append(Link((a, b), latency, per_byte))
+    costs = StepCosts(latency_s=links.intra[0], per_byte_s=links.intra[1],
+                      links=PipelineLinks(tuple(plinks), tuple(schedule.stage_to_rank)))
+    pipeline_s = predict_step(schedule, ranges, profiles, costs).makespan
+    dp_s = max((ring_allreduce_s(links, group, host_index, grad_bytes(grid.coordinates(group[0])[1]))
+                for group in grid.dp_groups()), default=0.0)
+    tp_s = 0.0
+    if tp > 1:
+        per_stage = [sum(profiles[i].tp_forward_bytes + profiles[i].tp_backward_bytes for i in r) for r in ranges]
+        worst_group = max(grid.tp_groups(), key=lambda g: len({host_index[x] for x in g}))
+        tp_s = schedule.num_microbatches * max(ring_allreduce_s(links, worst_group, host_index, b) for b in per_stage)
+    return OrderCost(order, pipeline_s + dp_s + tp_s, pipeline_s, dp_s, tp_s)
+
+
+def choose_order(dp: int, pp: int, tp: int, schedule: PipelineSchedule, ranges: Sequence[range],
+                 profiles: Sequence[Any] | None, device: torch.device, element_bytes: int) -> tuple[tuple[str, ...], str]:
+    """``parallel.order=auto`` (collective over the world): the order and the start-of-run line
+    saying why.  One host, one dimension above 1, or no profiled layers: ``[dp,pp,tp]``."""
+    world = dp * pp * tp
+    host_index = host_of_rank(world)
+    orders = candidate_orders(dp, pp, tp)
+    if len(set(host_index)) < 2:
+        return DEFAULT_ORDER, " (parallel.order=auto: one host, every link alike)"
+    if len(orders) < 2:
+        return DEFAULT_ORDER, " (parallel.order=auto: one dimension above 1, one placement)"
+    if profiles is None:
+        return DEFAULT_ORDER, (" (parallel.order=auto kept the default: no profiled layers to weigh boundaries "
+                               "against gradients; pipeline.profile=true lets it choose)")
+    started = time.perf_counter()
+    links = measure_host_links(device, host_index)
+    measured_s = time.perf_counter() - started
+    stage_params = [sum(profiles[i].params for i in r) for r in ranges]
+
+    def grad_bytes(pp_rank: int) -> float:
+        held = [s for s, owner in enumerate(schedule.stage_to_rank) if owner == pp_rank]
+        return float(element_bytes * sum(stage_params[s] for s in held)) / tp
+
+    costs = [predict_order(o, dp, pp, tp, schedule, ranges, profiles, links, host_index, grad_bytes) for o in orders]
+    box = [costs]
+    dist.broadcast_object_list(box, src=0)  # rank 0's figures decide: every rank builds the same mesh
+    costs = box[0]
+    default = costs[0]
+    best = min(costs, key=lambda c: c.step_s)
+    chosen = best if best.step_s < (1 - MARGIN) * default.step_s else default
+    said = "; ".join(f"{order_text(c.order)} {1e3 * c.step_s:.1f} ms (pipeline {1e3 * c.pipeline_s:.1f}, dp all-reduce "
+                     f"{1e3 * c.dp_s:.1f}" + (f", tp {1e3 * c.tp_s:.1f}" if tp > 1 else "") + ")" for c in costs)
+    return chosen.order, (f" (parallel.order=auto chose {order_text(chosen.order)}: predicted step {said}; links "
+                          f"{links.describe()}, measured in {measured_s:.2f} s)")
+

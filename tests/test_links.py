@@ -1,0 +1,55 @@
+"""Each pipeline link costed on its own (pipeflow/planning/links.py): the pairs a program uses,
+the rounds that time them, the slow link named, and the simulator costing each op on its link."""
+from __future__ import annotations
+
+from pipeflow.planning.links import Link, PipelineLinks, link_pairs, matching_rounds
+from pipeflow.planning.step_model import StepCosts, transfer_cost
+from pipeflow.schedules import build_schedule
+from pipeflow.schedules.ir import CommOp
+
+
+def test_the_pairs_are_the_neighbouring_stages_ranks_and_the_wrap_of_a_loop_placement() -> None:
+    assert link_pairs(build_schedule("1f1b", 4, 8)) == [(0, 1), (1, 2), (2, 3)]
+    assert link_pairs(build_schedule("interleaved_1f1b", 4, 8)) == [(0, 1), (0, 3), (1, 2), (2, 3)]
+    assert link_pairs(build_schedule("zbv", 2, 4)) == [(0, 1)]  # V: the turn stays on rank 1
+
+
+def test_rounds_time_pairs_that_share_no_rank_together() -> None:
+    rounds = matching_rounds([(0, 1), (0, 3), (1, 2), (2, 3)])
+    assert rounds == [[(0, 1), (2, 3)], [(0, 3), (1, 2)]]
+    assert all(len({r for pair in group for r in pair}) == 2 * len(group) for group in rounds)
+
+
+def _links() -> PipelineLinks:
+    fast = dict(latency_s=1e-4, per_byte_s=1e-9)
+    return PipelineLinks((Link((0, 1), **fast, global_ranks=(0, 1), hosts=("a", "a")),
+                          Link((1, 2), 5e-4, 1e-7, global_ranks=(1, 2), hosts=("a", "b")),
+                          Link((2, 3), **fast, global_ranks=(2, 3), hosts=("b", "b"))), (0, 1, 2, 3))
+
+
+def test_a_link_far_slower_than_its_peers_is_named_with_its_hosts_and_ranks() -> None:
+    links = _links()
+    assert [(link.ranks, round(ratio)) for link, ratio in links.slow(1e6)] == [((1, 2), 91)]
+    text = links.describe(1e6)
+    assert "pipeline ranks 1-2 crosses hosts a -> b: 0.500 ms + 10.0 MB/s" in text
+    assert "pipeline ranks 0-1 within host a: 0.100 ms + 1000.0 MB/s" in text
+    assert "slow link: pipeline ranks 1-2 crosses hosts a -> b" in text and "global ranks 1 and 2" in text
+    assert PipelineLinks(links.links[:2], (0, 1, 2)).slow(1e6) == []  # two links: no median to stand out from
+
+
+def test_each_op_is_costed_on_its_own_link_and_the_ring_figures_without_links() -> None:
+    costs = StepCosts(latency_s=2e-4, per_byte_s=2e-9, links=_links())
+    cost = transfer_cost(costs, lambda op: 1e6)
+    crossing, local = CommOp("send", "act", 0, 1, 2, 2), CommOp("send", "act", 0, 2, 3, 3)
+    assert abs(cost(crossing) - (5e-4 + 0.1)) < 1e-12 and abs(cost(local) - (1e-4 + 1e-3)) < 1e-12
+    ring = transfer_cost(StepCosts(latency_s=2e-4, per_byte_s=2e-9), lambda op: 1e6)
+    assert abs(ring(crossing) - ring(local)) < 1e-15 and abs(ring(local) - 2.2e-3) < 1e-12
+
+
+def test_each_dp_group_is_listed_and_one_far_slower_than_the_others_named() -> None:
+    from pipeflow.planning.links import describe_dp_groups
+
+    text = describe_dp_groups([((0, 4), 0.010), ((1, 5), 0.011), ((2, 6), 0.090), ((3, 7), 0.010)])
+    assert text.startswith("dp all-reduce per group: ranks [0, 4]: 10.00 ms; ranks [1, 5]: 11.00 ms")
+    assert "slow dp group: ranks [2, 6] all-reduce 90.00 ms, 8.6x the median" in text
+    assert "slow dp group" not in describe_dp_groups([((0, 2), 0.010), ((1, 3), 0.090)])  # two: no median to stand out
