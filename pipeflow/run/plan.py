@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.data import build_batches
 from pipeflow.run.compile_phase import compile_options
 from pipeflow.run.config import PlanConfig, register_configs, resolve_layout, tensor_degree
+from pipeflow.run.plan_tp import search_tp, tp_degrees, tp_link_figures  # noqa: F401 - search_tp: part of the API
 from pipeflow.runtime.distributed import choose_device
 from pipeflow.runtime.host_link import measure_link
 from pipeflow.runtime.precision import compute_dtype
@@ -145,6 +146,10 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
     Raises:
         ConfigError: ``parallel.pp`` missing or inconsistent, a bad ``plan`` setting.
     """
+    if OmegaConf.select(cfg, "plan.hardware", default=None) is not None:  # a cluster described, not profiled
+        from pipeflow.run.cluster_plan import run_cluster_plan
+
+        return run_cluster_plan(cfg, overrides)
     if cfg.parallel.pp is None:
         raise ConfigError("the planner needs the pipeline size: add parallel.pp=<ranks>")
     if cfg.parallel.dp == "auto":
@@ -179,8 +184,8 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
         amp = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
         degrees = tp_degrees(cfg)
         tp_note = "" if degrees == [1] else (
-            f"; tp {', '.join(map(str, degrees))} costed over {cfg.plan.tp_bandwidth_gbps:g} GB/s + "
-            f"{cfg.plan.tp_latency_us:g} us per collective (plan.tp_bandwidth_gbps, plan.tp_latency_us)")
+            "; tp {} costed over {:g} GB/s + {:g} us per collective (plan.tp_bandwidth_gbps, plan.tp_latency_us)"
+            .format(", ".join(map(str, degrees)), *tp_link_figures(cfg)))
         header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}{amp}) "
                   f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}{tp_note}{link_note}")
     if cfg.plan.rehearse > 0 and result.candidates:
@@ -189,34 +194,6 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
     if cfg.plan.csv:
         write_csv(result, cfg.plan.csv)
     return result, header + "\n" + format_plan(result, cfg.plan.top, dp * pp, limit, overrides)
-
-
-def tp_degrees(cfg: DictConfig) -> list[int]:
-    """The tensor-parallel degrees the planner searches: ``plan.tp``, else ``parallel.tp``."""
-    degrees = [int(t) for t in (OmegaConf.select(cfg, "plan.tp", default=None) or [tensor_degree(cfg.parallel)])]
-    if any(t < 1 for t in degrees):
-        raise ConfigError(f"plan.tp={degrees}: every degree must be at least 1")
-    return sorted(set(degrees))
-
-
-def search_tp(cfg: DictConfig, costs: CostModel, pp: int, batch: int, space: Any, limit: float | None,
-              latency: Any, overhead_s: float, model: Any) -> PlanResult:
-    """:func:`search` once per tensor-parallel degree (:func:`tp_degrees`), each on the layers' costs
-    as one tp rank runs them (`pipeflow.planning.tensor_cost`), merged into one ranking."""
-    from pipeflow.planning.tensor_cost import TensorLink, split_profiles
-
-    link = TensorLink(cfg.plan.tp_bandwidth_gbps * 1e9, cfg.plan.tp_latency_us * 1e-6)
-    sp = bool(OmegaConf.select(cfg, "parallel.sequence_parallel", default=False))
-    merged = PlanResult()
-    for tp in tp_degrees(cfg):
-        per_rank = costs if tp == 1 else (lambda b, tp=tp: split_profiles(costs(b), tp, link, sp))
-        got = search(per_rank, pp, batch, space, limit, cfg.plan.optimizer_factor, latency, overhead_s, model)
-        merged.candidates += [dataclasses.replace(c, tp=tp) for c in got.candidates]
-        merged.over_memory += [dataclasses.replace(c, tp=tp) for c in got.over_memory]
-        for reason, n in got.skipped.items():
-            merged.skipped[reason] = merged.skipped.get(reason, 0) + n
-    merged.candidates.sort(key=lambda c: c.step_s)
-    return merged
 
 
 def rehearse_shortlist(result: PlanResult, cfg: DictConfig, overrides: Sequence[str], world: int
@@ -331,7 +308,6 @@ def comm_model(cfg: DictConfig, costs: CostModel, sizes: Sequence[int], device: 
         ms = cfg.plan.comm_latency_ms or 0.0
         return ms / 1e3, f"comm {ms:g} ms per step (plan.comm_latency_ms)"
     from pipeflow.planning.comm_cost import measure_exchange_s
-
     b_low, b_high = min(sizes), max(sizes)
     payload = [max(p.output_bytes for p in costs(b)) for b in (b_low, b_high)]
     use_cuda = device.type == "cuda" and torch.cuda.device_count() >= 2

@@ -1,0 +1,251 @@
+"""A layout on a described cluster, predicted without the cluster: roofline layer costs
+(`pipeflow.planning.roofline`) in, the real lowered program simulated, step time and memory out.
+
+Index letters as in `pipeflow.planning.search`: p = pp ranks, m = micro-batches per replica,
+v = stages per rank, b = micro-batch size (samples); t = tp ranks, d = dp replicas.
+
+One layout (:func:`predict`): the layers' costs on one of t ranks at b; stages balanced by time
+(or given); the schedule's program for p ranks lowered as NCCL runs it (``group``) and simulated,
+each pipeline transfer costed on the link between its two ranks' hosts under the mesh order; the
+data-parallel gradient reduction (ring, on the dp group's link) and the optimizer's update follow
+the pipeline.  Where m is large the program is simulated at two reduced counts a p apart
+(:func:`extrapolation_points`) and the steady state extrapolated linearly (exact once the pipeline is full:
+tests/test_cluster_plan.py checks it against the full simulation).  Memory: parameters, gradients
+and ``optimizer_factor`` bytes of state per parameter byte, sharded as ``shard`` says, plus the
+activations the program holds at its peak (`pipeflow.planning.search.rank_memory`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from pipeflow.planning.balance import balance_contiguous
+from pipeflow.planning.hardware import Cluster, Link
+from pipeflow.runtime.mesh_order import MeshGrid
+from pipeflow.planning.profile import LayerProfile, action_costs
+from pipeflow.planning.roofline import Efficiency, LayerShape, Placement, model_flops_per_token, profiles_at
+from pipeflow.planning.search import rank_memory
+from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate
+from pipeflow.schedules.ir import ACTIVATION, CommOp
+
+ORDERS = (("dp", "pp", "tp"), ("pp", "dp", "tp"))  # outermost first; tp innermost (a host's GPUs); today's first
+HOLD_ALL = ("gpipe", "looped_bfs")  # schedules that hold every micro-batch's activations
+OPTIMIZER_FACTOR = 6.0  # bytes of fp32 master weights + Adam m and v per 2-byte parameter byte
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run the model: degrees, mesh order, schedule, micro-batching, recomputation.
+
+    Attributes:
+        tp, pp, dp: the degrees (t x p x d GPUs).
+        schedule: the schedule's name; v its stages per rank.
+        microbatch_size: b, samples per micro-batch; m = global batch / (d b).
+        recompute: activation checkpointing (every layer's forward again in its backward).
+        sequence_parallel: with t > 1, norms and boundaries split along the sequence.
+        split_boundary: each tp rank sends a tp-th of a boundary's tensor (Megatron's scatter/gather
+            over the inter-host link; with sequence parallelism the tensors are split anyway).
+        shard: ``none``, ``optimizer`` (ZeRO-1) or ``full`` (FSDP2) over dp.
+        order: the mesh order, outermost first (``parallel.order``).
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    schedule: str
+    v: int
+    microbatch_size: int
+    recompute: bool = False
+    sequence_parallel: bool = False
+    split_boundary: bool = False
+    shard: str = "none"
+    order: tuple[str, ...] = ("dp", "pp", "tp")
+
+    def overrides(self, m: int) -> str:
+        """Ready-to-paste train.py overrides."""
+        parts = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
+                 f"schedule={self.schedule}", f"pipeline.num_microbatches={m}"]
+        if LAYOUTS[self.schedule][0] is None:
+            parts.append(f"pipeline.stages_per_rank={self.v}")
+        if self.recompute:
+            parts.append("pipeline.checkpoint_activations=true")
+        if self.sequence_parallel:
+            parts.append("parallel.sequence_parallel=true")
+        if self.shard != "none":
+            parts.append(f"parallel.shard={self.shard}")
+        parts.append(f"'parallel.order=[{','.join(self.order)}]'")  # quoted: brackets are a shell glob
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What one layout is predicted to do per training step.
+
+    Attributes:
+        layout: the layout; num_microbatches: its m per replica.
+        step_s: the step: the pipeline, then the dp reduction and the optimizer's update.
+        pipeline_s, dp_s, optimizer_s: those three parts.
+        bubble: the pipeline's idle fraction.
+        memory_bytes: the busiest GPU's peak tensor bytes.
+        tokens_per_s: the cluster's training tokens per second.
+        model_tflops_per_gpu, mfu: model FLOPs (no recomputation) per second per GPU, and over its dense peak.
+        extrapolated: whether the pipeline was simulated at reduced m and extrapolated.
+    """
+
+    layout: Layout
+    num_microbatches: int
+    step_s: float
+    pipeline_s: float
+    dp_s: float
+    optimizer_s: float
+    bubble: float
+    memory_bytes: float
+    tokens_per_s: float
+    model_tflops_per_gpu: float
+    mfu: float
+    extrapolated: bool
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The training job: the traced layers, sequence length, global batch (sequences), dtype."""
+
+    shapes: Sequence[LayerShape]
+    seq_len: int
+    global_batch: int
+    dtype: str = "bf16"
+
+
+def _grid(layout: Layout) -> MeshGrid:
+    """The layout's mesh: every rank's coordinates under its order (``parallel.order``)."""
+    return MeshGrid(layout.dp, layout.pp, layout.tp, tuple(layout.order))
+
+
+def _pipeline_link(cluster: Cluster, layout: Layout, a: int, b: int) -> Link:
+    grid = _grid(layout)
+    return cluster.group_link([grid.rank(0, a, 0), grid.rank(0, b, 0)])
+
+
+def dp_link(cluster: Cluster, layout: Layout) -> Link:
+    """The link the dp group of pipeline rank 0, tp rank 0 reduces over."""
+    return cluster.group_link(_grid(layout).dp_groups()[0])
+
+
+def tp_link(cluster: Cluster, layout: Layout) -> Link:
+    """The link the tp group of the first rank runs its collectives over."""
+    return cluster.group_link(_grid(layout).tp_groups()[0])
+
+
+def stage_ranges(profiles: Sequence[LayerProfile], stages: int) -> list[range]:
+    """Layers split into `stages` contiguous stages balanced by F + B + W time."""
+    return balance_contiguous([p.forward_s + p.input_grad_s + p.weight_grad_s for p in profiles], stages)
+
+
+@functools.lru_cache(maxsize=64)
+def lowered(name: str, p: int, m: int, v: int) -> tuple[PipelineSchedule, list, set]:
+    """The schedule, its programs as NCCL runs them (``group``) and its split backwards (cached:
+    the search and the extrapolation ask for the same ones again)."""
+    schedule = build_schedule(name, p, m, v if LAYOUTS[name][0] is None else None)
+    return schedule, lower(schedule, "group"), schedule.split_backwards()
+
+
+def simulated_pipeline(layout: Layout, m: int, profiles: Sequence[LayerProfile], ranges: Sequence[range],
+                       cluster: Cluster, eff: Efficiency) -> tuple[float, float, list[float]]:
+    """The simulated pipeline of `m` micro-batches: makespan, bubble, each rank's peak tensor bytes."""
+    schedule, programs, split = lowered(layout.schedule, layout.pp, m, layout.v)
+    cost = action_costs(ranges, profiles, schedule, 0.0, split)
+    divide = layout.tp if layout.split_boundary and not layout.sequence_parallel else 1
+    out_bytes = [profiles[r[-1]].output_bytes / divide for r in ranges]
+    links: dict[tuple[int, int], Link] = {}
+
+    def transfer(op: CommOp) -> float:
+        a, b = schedule.stage_to_rank[op.src_stage], schedule.stage_to_rank[op.dst_stage]
+        if a == b:
+            return 0.0
+        link = links.get((a, b)) or links.setdefault((a, b), _pipeline_link(cluster, layout, a, b))
+        stage = op.src_stage if op.payload == ACTIVATION else op.dst_stage
+        return link.latency_us * 1e-6 + out_bytes[stage] / (link.bandwidth_gbps * 1e9 * eff.network)
+
+    sim = simulate(schedule, programs, cost, runtime=RuntimeCosts(transfer=transfer))
+    params = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
+    acts = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
+    memory = rank_memory(schedule, params, acts, OPTIMIZER_FACTOR, dp=layout.dp, shard=layout.shard)
+    return sim.makespan, sim.bubble, memory
+
+
+STEADY_FROM_P = ("1f1b", "zb_h1")  # linear in m from m = p on (the others: from 2p)
+
+
+def extrapolation_points(layout: Layout, m: int) -> tuple[int, int] | None:
+    """The two reduced micro-batch counts simulated for `m`, or None: simulate m itself.  Both have
+    m's remainder modulo p (interleaved 1F1B groups micro-batches by p) and start where the
+    schedule's makespan has become linear in m: p for 1F1B and ZB-H1, 2p for the others."""
+    p = layout.pp
+    if layout.schedule == "interleaved_1f1b" and m % p:
+        return None  # its groups of p make the makespan linear only late unless p divides m (as Megatron needs)
+    m1 = (p if layout.schedule in STEADY_FROM_P else 2 * p) + m % p
+    m2 = m1 + p
+    return (m1, m2) if m > m2 else None
+
+
+def pipeline_at(layout: Layout, m: int, profiles: Sequence[LayerProfile], ranges: Sequence[range],
+                cluster: Cluster, eff: Efficiency, extrapolate: bool = True) -> tuple[float, float, float, bool]:
+    """Makespan, bubble and peak bytes of `m` micro-batches: simulated, or extrapolated linearly
+    from two reduced counts (:func:`extrapolation_points`); and whether it was extrapolated."""
+    points = extrapolation_points(layout, m) if extrapolate else None
+    if points is None:
+        span, bubble, memory = simulated_pipeline(layout, m, profiles, ranges, cluster, eff)
+        return span, bubble, max(memory), False
+    (m1, m2), runs = points, [simulated_pipeline(layout, k, profiles, ranges, cluster, eff) for k in points]
+    slope = (runs[1][0] - runs[0][0]) / (m2 - m1)
+    span = runs[0][0] + slope * (m - m1)
+    memory = max(runs[1][2])  # a schedule holds at most about p micro-batches, whatever m
+    if layout.schedule in HOLD_ALL:  # ... except those that hold every one
+        memory += (max(runs[1][2]) - max(runs[0][2])) / (m2 - m1) * (m - m2)
+    busy = (1 - runs[1][1]) * runs[1][0] * (m / m2)  # a rank's busy time grows with m
+    return span, max(0.0, 1 - busy / span), memory, True
+
+
+def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = Efficiency(),
+            ranges: Sequence[range] | None = None, extrapolate: bool = True) -> Prediction:
+    """The step of `layout` for `work` on `cluster` (the module docstring's model).
+
+    Raises:
+        ConfigError, ScheduleError, PartitionError: a layout the model or schedule cannot run.
+    """
+    b = layout.microbatch_size
+    m = work.global_batch // (layout.dp * b)
+    place = Placement(layout.tp, layout.sequence_parallel, layout.recompute, work.dtype, tp_link(cluster, layout))
+    profiles = profiles_at(work.shapes, b, place, cluster, eff)
+    stages = layout.pp * layout.v
+    ranges = list(ranges) if ranges is not None else stage_ranges(profiles, stages)
+    span, bubble, memory, extrapolated = pipeline_at(layout, m, profiles, ranges, cluster, eff, extrapolate)
+    rank_params = max(math.fsum(profiles[i].params for i in r) for r in ranges) * layout.v
+    dp_s = reduction_s(rank_params, layout, cluster, eff)
+    update_s = optimizer_s(rank_params, layout, cluster, eff)
+    step = span + dp_s + update_s
+    tokens = work.global_batch * work.seq_len
+    gpus = layout.tp * layout.pp * layout.dp
+    flops = model_flops_per_token(work.shapes, work.seq_len) * tokens / step / gpus
+    return Prediction(layout, m, step, span, dp_s, update_s, bubble, memory, tokens / step, flops / 1e12,
+                      flops / cluster.gpu.peak_flops(work.dtype), extrapolated)
+
+
+def optimizer_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency) -> float:
+    """Seconds of AdamW's update: about 32 bytes read and written per parameter (fp32 master
+    weight, m, v, the gradient) at the memory bandwidth, on a dp-th of them when sharded."""
+    shards = layout.dp if layout.shard != "none" else 1
+    return 32.0 * rank_params / shards / (cluster.gpu.memory_bandwidth_gbps * 1e9 * eff.memory)
+
+
+def reduction_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency) -> float:
+    """Seconds of a step's dp gradient reduction: a ring all-reduce of 2-byte gradients on the dp
+    group's link (ZeRO-1: reduce-scatter + all-gather, the same bytes; FSDP2: one more gather)."""
+    d = layout.dp
+    if d <= 1:
+        return 0.0
+    link = dp_link(cluster, layout)
+    factor = 1.5 if layout.shard == "full" else 1.0
+    return factor * 2 * (d - 1) / d * 2.0 * rank_params / (link.bandwidth_gbps * 1e9 * eff.network) + link.latency_us * 1e-6

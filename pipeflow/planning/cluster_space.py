@@ -1,0 +1,170 @@
+"""The cluster planner's search: every (tp, pp, dp, mesh order, schedule, v, micro-batch size,
+recomputation, sharding) for a model on a described cluster, pruned in closed form, a shortlist
+simulated (`pipeflow.planning.cluster_search.predict`).
+
+Pruning: a layout whose parameters, gradients and optimizer state alone, or with the fewest
+activations its schedule can hold (min(m, p) micro-batches of its first rank's stages; GPipe m),
+exceed the memory capacity is dropped; the rest are ranked by a closed-form estimate (the rank's
+compute x the schedule's unit-cost makespan over its busy time, from the registry's closed
+forms; 1F1B's where a schedule has none, plus the dp reduction and the optimizer) and simulated
+in that order until no estimate left can beat the shortlist (branch and bound).  Sequence parallelism is always on with tp > 1 (it only saves memory and time here).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from pipeflow.errors import ConfigError, PartitionError, ScheduleError
+from pipeflow.planning.cluster_search import HOLD_ALL, ORDERS, OPTIMIZER_FACTOR, Layout, Prediction, Workload, predict
+from pipeflow.planning.cluster_search import optimizer_s, reduction_s, stage_ranges, tp_link
+from pipeflow.planning.hardware import Cluster
+from pipeflow.planning.roofline import Efficiency, Placement, profiles_at
+from pipeflow.schedules import LAYOUTS, SCHEDULES
+
+CLUSTER_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+
+
+@dataclass(frozen=True)
+class ClusterSpace:
+    """What the cluster search tries (None: everything that fits the model and the GPUs)."""
+
+    gpus: int
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    schedules: tuple[str, ...] = CLUSTER_SCHEDULES
+    microbatch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    microbatches: tuple[int, ...] | None = None  # plan.microbatches: allowed m per replica
+    max_chunks: int = 4
+    recompute: tuple[bool, ...] = (False, True)
+    shards: tuple[str, ...] = ("none", "optimizer", "full")
+    orders: tuple[tuple[str, ...], ...] = ORDERS
+    shortlist: int = 12  # layouts kept (the fastest simulated that fit)
+    max_simulated: int = 40  # simulations at most (an estimate no lower than the shortlist's slowest stops sooner)
+
+
+@dataclass(frozen=True)
+class Counts:
+    """How many layouts the search estimated, pruned by memory and simulated."""
+
+    estimated: int
+    pruned: int
+    simulated: int
+
+
+def search_cluster(work: Workload, cluster: Cluster, space: ClusterSpace, capacity_bytes: float,
+                   eff: Efficiency = Efficiency()) -> tuple[list[Prediction], Counts]:
+    """The ``space.shortlist`` fastest simulated layouts that fit `capacity_bytes` per GPU, fastest
+    first, and the search's counts.  Layouts are simulated in the order of their estimates (lower
+    bounds in closed form) until the next estimate cannot beat the shortlist's slowest, or
+    ``space.max_simulated`` simulations.
+
+    Raises:
+        ConfigError: no tp x pp divides the GPUs (or the pinned degrees do not).
+    """
+    estimates: list[tuple[float, Layout]] = []
+    pruned = 0
+    cache: dict = {}
+    for layout in _layouts(work, cluster, space):
+        got = _estimate(work, layout, cluster, eff, capacity_bytes, cache)
+        if got is None:
+            pruned += 1
+        else:
+            estimates.append((got, layout))
+    if not estimates and pruned == 0:
+        raise ConfigError(f"no layout of plan.gpus={space.gpus}: tp x pp must divide it and dp = gpus / (tp pp) "
+                          f"divide data.batch_size={work.global_batch}")
+    estimates.sort(key=lambda e: (e[0], e[1].order != ORDERS[0]))  # ties: today's order first
+    picks: list[Prediction] = []
+    simulated = 0
+    orderless: dict[Layout, float] = {}  # a layout whose mesh orders place every group alike: simulated once
+    for estimate, layout in estimates:
+        if simulated >= space.max_simulated or (len(picks) >= space.shortlist and estimate >= picks[-1].step_s):
+            break  # the estimates left cannot beat the shortlist (they bound the step from below)
+        if orderless.setdefault(replace(layout, order=()), estimate) == estimate and layout.order != ORDERS[0] \
+                and replace(layout, order=ORDERS[0]) in {p.layout for p in picks}:
+            continue
+        simulated += 1
+        try:
+            pred = predict(work, layout, cluster, eff)
+        except (ScheduleError, PartitionError, ConfigError):
+            continue
+        if pred.memory_bytes <= capacity_bytes:
+            picks.append(pred)
+            picks.sort(key=lambda p: (p.step_s, p.memory_bytes))
+            del picks[space.shortlist:]
+    picks.sort(key=lambda p: (p.step_s, p.memory_bytes))
+    return picks, Counts(len(estimates) + pruned, pruned, simulated)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(work: Workload, cluster: Cluster, space: ClusterSpace) -> Iterator[Layout]:
+    layers = len(work.shapes)
+    tps = space.tp or tuple(t for t in (1, 2, 4, 8, 16) if t <= cluster.gpus_per_host)
+    for tp in tps:
+        for pp in space.pp or _divisors(space.gpus // tp if space.gpus % tp == 0 else 0):
+            if space.gpus % (tp * pp) or pp > layers:
+                continue
+            dp = space.gpus // (tp * pp)
+            if work.global_batch % dp:
+                continue
+            for b in space.microbatch_sizes:
+                if (work.global_batch // dp) % b:
+                    continue
+                m = work.global_batch // (dp * b)
+                if space.microbatches is not None and m not in space.microbatches:
+                    continue
+                for name, v in _schedules(space, pp, layers):
+                    for recompute in space.recompute:
+                        for shard in space.shards if dp > 1 else ("none",):
+                            for order in space.orders if dp > 1 and pp > 1 else space.orders[:1]:
+                                yield Layout(tp, pp, dp, name, v, b, recompute, tp > 1, False, shard, order)
+
+
+def _schedules(space: ClusterSpace, pp: int, layers: int) -> Iterator[tuple[str, int]]:
+    for name in space.schedules:
+        needed = LAYOUTS[name][0]
+        if pp == 1 and name != "1f1b":
+            continue  # one rank: every schedule is gradient accumulation
+        for v in (needed,) if needed is not None else range(2, space.max_chunks + 1):
+            if pp * v <= layers:
+                yield name, v
+
+
+def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency, capacity: float,
+              cache: dict) -> float | None:
+    """The closed-form step estimate of `layout`, or None when it cannot fit `capacity` (`cache`
+    keeps the layers' costs per (tp, b, recompute) and the balanced splits per stage count)."""
+    p, v, b = layout.pp, layout.v, layout.microbatch_size
+    key = (layout.tp, b, layout.recompute, layout.sequence_parallel, tp_link(cluster, layout))
+    if key not in cache:
+        cache[key] = profiles_at(work.shapes, b, Placement(key[0], key[3], key[2], work.dtype, key[4]), cluster, eff)
+    profiles = cache[key]
+    m = work.global_batch // (layout.dp * b)
+    try:
+        ranges = cache.get((key, p * v)) or cache.setdefault((key, p * v), stage_ranges(profiles, p * v))
+    except PartitionError:
+        return None
+    rank_stages = [[s for s in range(p * v) if s % p == r] for r in range(p)]
+    compute = [math.fsum(profiles[i].forward_s + profiles[i].backward_s for s in st for i in ranges[s])
+               for st in rank_stages]
+    params = max(math.fsum(profiles[i].param_bytes for s in st for i in ranges[s]) for st in rank_stages)
+    state = params * (2 + OPTIMIZER_FACTOR / (layout.dp if layout.shard != "none" else 1))
+    held = m if layout.schedule in HOLD_ALL else min(m, p)  # micro-batches of all its stages rank 0 holds at least
+    first = math.fsum(profiles[i].activation_bytes for s in rank_stages[0] for i in ranges[s])
+    if state + held * first > capacity:
+        return None
+    form = SCHEDULES[layout.schedule].closed_form or SCHEDULES["1f1b"].closed_form
+    unit = form.makespan(p, m, v) if form is not None else None
+    ratio = unit / (3 * v * m) if unit else (m + p - 1) / m
+    rank_params = max(math.fsum(profiles[i].params for s in st for i in ranges[s]) for st in rank_stages)
+    return ratio * m * max(compute) + reduction_s(rank_params, layout, cluster, eff) \
+        + optimizer_s(rank_params, layout, cluster, eff)
+
+
+def pinned(space: ClusterSpace, tp: int | None, pp: int | None) -> ClusterSpace:
+    """`space` with tp and pp pinned where given (``parallel.tp`` > 1, ``parallel.pp``)."""
+    return replace(space, tp=(tp,) if tp else space.tp, pp=(pp,) if pp else space.pp)

@@ -1,0 +1,48 @@
+"""The planner's tensor-parallel degrees: which it searches (``plan.tp``), the link their
+collectives are costed over (``plan.tp_bandwidth_gbps``, ``plan.tp_latency_us``), and one search
+per degree on the layers' costs as one tp rank runs them, merged into one ranking."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from pipeflow.errors import ConfigError
+from pipeflow.planning.search import CostModel, PlanResult, search
+from pipeflow.run.config import tensor_degree
+
+
+def tp_degrees(cfg: DictConfig) -> list[int]:
+    """The tensor-parallel degrees the planner searches: ``plan.tp``, else ``parallel.tp``."""
+    degrees = [int(t) for t in (OmegaConf.select(cfg, "plan.tp", default=None) or [tensor_degree(cfg.parallel)])]
+    if any(t < 1 for t in degrees):
+        raise ConfigError(f"plan.tp={degrees}: every degree must be at least 1")
+    return sorted(set(degrees))
+
+
+def tp_link_figures(cfg: DictConfig) -> tuple[float, float]:
+    """(GB/s, us) tp's collectives are costed at: the ``plan.tp_*`` keys, else an NVLink-class node's."""
+    gbps, us = cfg.plan.get("tp_bandwidth_gbps"), cfg.plan.get("tp_latency_us")
+    return (150.0 if gbps is None else float(gbps)), (10.0 if us is None else float(us))
+
+
+def search_tp(cfg: DictConfig, costs: CostModel, pp: int, batch: int, space: Any, limit: float | None,
+              latency: Any, overhead_s: float, model: Any) -> PlanResult:
+    """:func:`search` once per tensor-parallel degree (:func:`tp_degrees`), each on the layers' costs
+    as one tp rank runs them (`pipeflow.planning.tensor_cost`), merged into one ranking."""
+    from pipeflow.planning.tensor_cost import TensorLink, split_profiles
+
+    gbps, us = tp_link_figures(cfg)
+    link = TensorLink(gbps * 1e9, us * 1e-6)
+    sp = bool(OmegaConf.select(cfg, "parallel.sequence_parallel", default=False))
+    merged = PlanResult()
+    for tp in tp_degrees(cfg):
+        per_rank = costs if tp == 1 else (lambda b, tp=tp: split_profiles(costs(b), tp, link, sp))
+        got = search(per_rank, pp, batch, space, limit, cfg.plan.optimizer_factor, latency, overhead_s, model)
+        merged.candidates += [dataclasses.replace(c, tp=tp) for c in got.candidates]
+        merged.over_memory += [dataclasses.replace(c, tp=tp) for c in got.over_memory]
+        for reason, n in got.skipped.items():
+            merged.skipped[reason] = merged.skipped.get(reason, 0) + n
+    merged.candidates.sort(key=lambda c: c.step_s)
+    return merged
