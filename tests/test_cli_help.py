@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 
 from pipeflow.data import prepare
-from pipeflow.run import checkpoint, launch, plan
+from pipeflow.run import checkpoint, generate, launch, plan
 from pipeflow.schedules import compare, show
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +21,7 @@ COMMANDS: dict[str, Callable] = {
     "pipeflow.plan": plan.main,
     "pipeflow.checkpoint": checkpoint.main,
     "pipeflow.launch": launch.main,
+    "pipeflow.generate": generate.main,
     "pipeflow.data.prepare": prepare.main,
     "pipeflow.schedules.compare": compare.main,
     "pipeflow.schedules.show": show.main,
