@@ -21,6 +21,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+import chat_cases  # noqa: E402
+import generate_cases  # noqa: E402
+import lora_cases  # noqa: E402
 from mp_harness import run_cases  # noqa: E402
 from pipeflow.errors import ConfigError  # noqa: E402
 from pipeflow.models.hf import build_hf  # noqa: E402
@@ -228,6 +231,18 @@ TP_CASES_4 = {  # dp1 x pp2 x tp2: each stage's layers split by the config's bas
     "pp2-tp2-tied-1f1b-sp": ("llama_tied", 1, "1f1b", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True},
                              TOLERANCE),  # RMSNorms on sequence slices, gathered before the projections
 }
+# model.lora (peft) through the real Trainer against the unsplit peft model (tests/lora_cases.py):
+# name -> (kind, dp, schedule, m, overrides); split backward; activation checkpointing with a tied
+# (frozen) pair; dp2 x pp2 FSDP2 with zbv, where rank 0's stages (embedding, head) train nothing
+LORA_CASES = {"lora-zb_h1": ("llama", 1, "zb_h1", 2, {"resume_dp": True}),  # then resumed at dp2 x pp1
+              "lora-tied-1f1b-ckpt": ("llama_tied", 1, "1f1b", 2, {"pipeline__checkpoint_activations": True})}
+LORA_CASES_4 = {"lora-dp2-zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full",
+                                                                             "resume_dp": True})}  # then dp4 x pp1
+
+
+GENERATE_KINDS = ("llama", "mistral_window")  # generation on the pipeline (tests/generate_cases.py)
+
+
 def _world(folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) -> dict:
     cases = [(f"{kind}-{schedule}", functools.partial(_pipelined_vs_hf, folders[kind.removesuffix("_packed")],
                                                       kind.removesuffix("_packed"), schedule, 4,
@@ -236,9 +251,18 @@ def _world(folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) ->
     cases += [(name, functools.partial(_trainer_vs_hf, folders[kind], kind, os.path.join(folders["runs"], name), dp,
                                        schedule, m, **overrides))
               for name, (kind, dp, schedule, m, overrides, _) in trainer_cases.items()]
+    cases += [(name, functools.partial(lora_cases.trainer_vs_peft, folders[kind], kind,
+                                       os.path.join(folders["runs"], name), dp, schedule, m, **overrides))
+              for name, (kind, dp, schedule, m, overrides) in (LORA_CASES if world_size == 2 else LORA_CASES_4).items()]
     if world_size == 2:
         cases.append(("bf16", functools.partial(_bf16_vs_fp32, folders["llama"], os.path.join(folders["runs"], "bf16"),
                                                 1, "1f1b")))
+        cases.append(("chat", functools.partial(chat_cases.trainer_on_chat_vs_hf, folders["llama"], "llama",
+                                                os.path.join(folders["runs"], "chat"))))
+        cases += [(f"generate-{kind}", functools.partial(generate_cases.pipeline_vs_hf_generate, folders[kind], kind))
+                  for kind in GENERATE_KINDS]
+        cases.append(("generate-command", functools.partial(generate_cases.generate_command_from_checkpoint,
+                                                            folders["llama"], os.path.join(folders["runs"], "gen"))))
     return run_cases(world_size, cases)
 
 
@@ -312,6 +336,35 @@ def test_trainer_equals_hugging_face_on_pp2_tp2(world4, name):
     for result in world4[name]:  # linear and embedding weights split (DTensors), the norms whole on every tp rank
         sharded, compared = result.value["sharded"], result.value["compared"]  # (with sequence parallelism the
         assert 0 < sharded <= compared if name.endswith("-sp") else 0 < sharded < compared, result.value  # norms too)
+
+
+def _check_lora(results: list) -> None:
+    for rank, result in enumerate(results):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        for key in ("loss", "grad", "param"):
+            assert v[key] <= TOLERANCE, (rank, key, v)
+        assert v["frozen"] > 0 and v["frozen_grads"] == 0 and v["frozen_in_optimizer"] == 0, (rank, v)
+    assert sum(r.value["compared"] for r in results) > 0  # adapters trained somewhere
+    assert all(len(r.value["report"]) == 1 and "trainable" in r.value["report"][0] for r in results)
+    adapters = 2 * len(lora_cases.LORA["targets"]) * SMALL["num_hidden_layers"]  # lora_A and lora_B of each
+    for r in results:  # the checkpoint resumed at dp = world x pp1: every adapter as trained, on every rank
+        assert "resumed" not in r.value or (r.value["resumed_step"] == 2 and r.value["resumed"] <= TOLERANCE
+                                            and r.value["resumed_compared"] == adapters), r.value
+
+
+@pytest.mark.parametrize("name", list(LORA_CASES))
+def test_lora_trainer_equals_the_unsplit_peft_model_on_2_processes(world2, name):
+    """model.lora: loss, adapter gradients and updates equal peft's unsplit model (float64); the
+    frozen base has no gradient and no AdamW state, with a split backward and with recomputation."""
+    _check_lora(world2[name])
+
+
+@pytest.mark.parametrize("name", list(LORA_CASES_4))
+def test_lora_trainer_equals_the_unsplit_peft_model_on_dp2_pp2(world4, name):
+    """model.lora with FSDP2 over dp2 and zbv: a rank whose stages hold only frozen weights trains nothing."""
+    _check_lora(world4[name])
+    assert min(r.value["compared"] for r in world4[name]) == 0
 
 
 def test_bf16_gradients_agree_with_fp32(world2):
@@ -560,3 +613,45 @@ def test_an_untested_transformers_version_warns(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.99.0")  # the module build_hf imports
     with pytest.warns(UserWarning, match=r"transformers 5.99.0 is untested .*tested: 5.25"):
         build_hf(str(tmp_path))
+
+
+def test_trainer_on_chat_data_equals_hugging_face_on_the_masked_packed_batch(world2):
+    """data=chat (tokenised by the chat template in the workers, conversations packed with their
+    document ids, prompts masked) through build_run(model=hf) with zb_h1 equals Hugging Face's
+    model on the global batch: its mean over the assistant tokens (float64)."""
+    for rank, result in enumerate(world2["chat"]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert v["compared"] > 0 and 0 < v["trained"] < 0.5, (rank, v)  # most targets masked
+        for key in ("loss", "grad", "param"):
+            assert v[key] <= TOLERANCE, (rank, key, v)
+
+
+# --------------------------------------------------------------------------- generation (issue 43)
+@pytest.mark.parametrize("kind", GENERATE_KINDS)
+def test_generation_on_the_pipeline_equals_hugging_face_generate(world2, kind):
+    """Greedy on 2 stages (float64, KV cache per stage) = transformers' greedy generate token for
+    token; batched (left-padded, micro-batches in flight) = one prompt at a time; sampling
+    reproducible by seed; a list of end-of-sequence ids stops each row at its first."""
+    results = world2[f"generate-{kind}"]
+    for rank, result in enumerate(results):
+        assert result.error is None, f"rank {rank}: {result.error}"
+    out = results[0].value
+    assert out["batched"] == out["hf"]
+    assert out["one_at_a_time"] == out["hf"]
+    same, again, other = out["sampled"]
+    assert same == again and same != other
+    for row, greedy in zip(out["eos"], out["batched"]):
+        stop = next((k for k, t in enumerate(greedy) if t in out["eos_ids"]), None)
+        assert row == (greedy if stop is None else greedy[:stop + 1])
+    assert len(out["eos"][0]) == 3 and len(out["eos"][2]) <= 5
+
+
+def test_generate_command_reads_the_runs_config_and_checkpoint(world2):
+    """python -m pipeflow.generate train.resume=<checkpoint> alone: the saved config.yaml, the layers
+    loaded by index, the completions written as JSON lines equal Hugging Face's generate."""
+    results = world2["generate-command"]
+    for rank, result in enumerate(results):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        assert result.value["code"] == 0
+    assert results[0].value["written"] == results[0].value["expected"]

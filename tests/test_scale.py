@@ -10,6 +10,8 @@ import functools
 
 import pytest
 
+import masked_cases
+import moe_cases
 import scale_cases as cases
 from mp_harness import CaseResult, run_cases
 
@@ -96,6 +98,11 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-auto-offload-all-profiled": (2, "auto", 2, {"pipeline__offload": "all", "pipeline__profile": True}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
         "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
+    # parallel.order: pp outermost (pipelines [0, 2] [1, 3], dp groups consecutive), FSDP2 over
+    # them; tp outermost (each tp group's ranks 2 apart)
+    "dp2xpp2-1f1b-order-pp-dp-tp": (2, "1f1b", 2, {"parallel__order": ["pp", "dp", "tp"]}),
+    "dp2xpp2-full-zbv-order-pp-dp-tp": (2, "zbv", 3, {"parallel__order": ["pp", "dp", "tp"], "parallel__shard": "full"}),
+    "dp1xpp2xtp2-1f1b-order-tp-pp-dp": (1, "1f1b", 2, {"parallel__tp": 2, "parallel__order": ["tp", "pp", "dp"]}),
 }
 
 
@@ -133,8 +140,41 @@ def _cases() -> list[tuple[str, object]]:
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),
         ("wrong-model", cases.resume_into_another_model_is_refused),
+        ("moe-fit", moe_cases.moe_trainer_fit),  # issue 45: the Trainer's path of the MoE aux loss and statistics
+        ("moe-fit-ep", functools.partial(moe_cases.moe_trainer_fit, ep=2)),  # parallel.ep=2 = dp, resumed at ep 1
+        ("moe-fit-ep-dp4", functools.partial(moe_cases.moe_trainer_fit, ep=2, pp=1)),  # ep 2 < dp 4
     ] + [(f"deferred-{name}", functools.partial(cases.deferred_equivalence, dp, schedule, m, **overrides))
-         for name, (dp, schedule, m, overrides) in DEFERRED.items()]
+         for name, (dp, schedule, m, overrides) in DEFERRED.items()] + [
+        (f"masked-{name}", functools.partial(masked_cases.masked_equivalence, dp, schedule, m, **overrides))
+        for name, (dp, schedule, m, overrides) in MASKED.items()] + [
+        ("all-masked-step", masked_cases.all_masked_step_is_an_error)]
+
+
+MASKED = {  # targets masked with -100 (a share of each batch, one micro-batch wholly): valid-token weighting
+    "dp2xpp2-1f1b": (2, "1f1b", 2, {}),
+    "dp2xpp2-zb_h1": (2, "zb_h1", 2, {}),
+    "dp2xpp2-zbv-variable-lengths": (2, "zbv", 3, {"data__variable_lengths": True, "data__min_seq_len": 3}),
+    "dp1xpp4-1f1b": (1, "1f1b", 4, {}),
+    "dp1xpp2xtp2-1f1b": (1, "1f1b", 2, {"parallel__tp": 2}),  # each tp rank's last stage holds the loss
+    # data=chat: conversations packed with document ids, prompts masked (prepared files)
+    "dp2xpp2-zbv-chat": (2, "zbv", 3, {"chat": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+def test_masked_targets_weigh_by_the_targets_the_loss_counts(world, name: str) -> None:
+    """Loss, gradients, parameters and the held-out loss equal the unsplit model's mean over the
+    unmasked targets of the whole batch; an all-masked micro-batch adds nothing (never NaN)."""
+    for rank, v in enumerate(_values(world[f"masked-{name}"])):
+        assert v["params_compared"] > 0
+        for key in ("loss", "grad", "param", "val"):
+            assert v[key] <= TOLERANCE, f"{name} rank {rank}: {key} differs by {v[key]:.3e}"
+
+
+def test_a_step_whose_every_target_is_masked_is_a_named_error(world) -> None:
+    for rank, text in enumerate(_values(world["all-masked-step"])):  # pp = 2: every rank holds the batch
+        assert text.startswith("AllTargetsMaskedError: training batch 1: every target is masked"), text
+        assert f"rank {rank}" in text
 
 
 DEFERRED = {  # Trainer.fit's step (read back a step late, fused AdamW) against the unsplit model
@@ -256,7 +296,7 @@ def test_resume_equals_training_straight_through_and_survives_a_layout_change(wo
     assert out["same_history"] == straight[3:]  # identical loss curve
     assert out["same_bitwise"], f"same-layout resume differs by {out['same_param']:.3e}"
     straight = out["straight_history_float64"]
-    for name in ("dp2xpp2", "dp4xpp1"):  # pp 4 -> 2 -> 1, dp 1 -> 2 -> 4 (float64)
+    for name in ("dp2xpp2", "dp4xpp1", "dp2xpp2_order_pp_dp_tp"):  # pp 4 -> 2 -> 1, dp 1 -> 2 -> 4 (float64)
         assert out[f"{name}_same_keys"]
         assert out[f"{name}_param"] < TOLERANCE, f"{name}: {out[f'{name}_param']:.3e}"
         assert max(abs(a - b) / b for a, b in zip(out[f"{name}_history"], straight[3:])) < TOLERANCE
@@ -384,3 +424,27 @@ def test_an_offloading_run_states_its_bytes_offloaded_and_peaks_beside_the_predi
         assert moved["offloaded_mb"] == pytest.approx(moved["offloaded_predicted_mb"], rel=1e-6)
         assert moved["tensor_mb"] == pytest.approx(moved["tensor_predicted_mb"], rel=0.03)
         assert all(a < b for a, b in zip(moved["tensor_mb"], plain["tensor_mb"]))
+
+
+@pytest.mark.parametrize("name", ["moe-fit", "moe-fit-ep", "moe-fit-ep-dp4"])
+def test_an_moe_run_trains_as_the_unsplit_model_and_reports_tokens_per_expert(world, name: str) -> None:
+    """Trainer.fit on dp 2 x pp 2 with a mixture-of-experts GPT (bias balancing, aux and z-loss,
+    micro-batches of different lengths): every step's loss (cross entropy + aux, read back a step
+    late) and the final weights and biases equal the unsplit model's; the summary holds each MoE
+    layer's tokens per expert.  With parallel.ep=2 each rank holds 2 of the 4 experts of a layer
+    (on dp 4 x pp 1: each expert on 2 ranks, its gradient summed over them), and the checkpoint
+    resumes with ep=1 (experts saved by global index) to the same weights."""
+    for rank, v in enumerate(_values(world[name])):
+        assert v["steps"] == 3 and v["bias_moved"] > 0
+        own = {"moe-fit": 1, "moe-fit-ep": 1, "moe-fit-ep-dp4": 2}[name]  # MoE layers of this rank's stage
+        assert v["experts_held"] == own * (2 if "-ep" in name else 4)
+        if "-ep" in name:
+            assert v["resumed_at"] == 3 and v["experts_after_resume"] == own * 4
+            assert v["resumed"] <= TOLERANCE, f"rank {rank}: resumed at ep 1, weights differ by {v['resumed']:.3e}"
+        for key in ("loss", "param"):
+            assert v[key] <= TOLERANCE, f"rank {rank}: {key} differs by {v[key]:.3e}"
+        layers = v["moe"]["layers"]
+        assert sorted(layers) == [1, 2]  # the model's blocks 0 and 1 (layers 1, 2)
+        tokens = [sum(row["tokens_per_expert"]) for row in layers.values()]  # both layers route every token twice
+        assert tokens[0] == pytest.approx(tokens[1]) and tokens[0] >= 24 * 3 * 2
+        assert all(row["imbalance"] >= 1 and row["dropped_per_step"] == 0 for row in layers.values())

@@ -30,12 +30,16 @@ from pipeflow.errors import ConfigError
 from pipeflow.observability import console, trace
 from pipeflow.observability.calibrated import WARMUP_STEPS, CalibrationLog
 from pipeflow.observability.memory import MemoryMetrics, memory_line
-from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures
+from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures, wait_by_link
+from pipeflow.observability.routing import RoutingLog
+from pipeflow.runtime import hosts
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.schedules import PipelineSchedule
+from pipeflow.runtime.mesh_order import MeshGrid
 
 if TYPE_CHECKING:
     from pipeflow.planning.layout import Prediction
+    from pipeflow.runtime.routing import RoutingFigures
     from pipeflow.schedules.memory import RankMemory
 
 log = logging.getLogger("pipeflow")
@@ -99,12 +103,13 @@ class RunMetrics:
         calibrate: recorded steps -> the run's costs (``pipeflow.planning.calibration.calibrate``
             bound to the run's schedule); None: no calibrated prediction.
         first_pipeline: this rank is in the pipeline of global rank 0, whose steps are calibrated.
+        grid: every rank's mesh coordinates (``parallel.order``); None: the default order.
     """
 
     def __init__(
         self, cfg: Any, recorder: EventRecorder, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
         prediction: Prediction, items: tuple[int, int | None], calibrate: Any = None,
-        first_pipeline: bool | None = None,
+        first_pipeline: bool | None = None, grid: MeshGrid | None = None,
     ) -> None:
         mc = cfg.metrics
         self.log_every = mc.log_every if mc.log_every is not None else cfg.train.log_every
@@ -125,14 +130,19 @@ class RunMetrics:
         self.interval, self.interval_steps = RankFigures(), 0  # the interval's timed steps
         self.interval_times: list[float] = []  # the interval's step times (host)
         self.steady, self.steady_steps = RankFigures(), 0  # every timed step but the first (warm-up)
+        self.steady_links: dict[tuple[int, int], float] = {}  # transfer waits per link, summed over those steps
+        self.first_pipeline = dist.get_rank() < num_pp if first_pipeline is None else first_pipeline
         self.last_bubble = math.nan
         self.first_step: int | None = None  # 0, or where a resumed run starts
         self.step_times: list[float] = []
         self.traced: dict[int, tuple[float, float, list[tuple[str, str, float, float]]]] = {}
         self._start = 0.0
-        self.tp = int(getattr(getattr(cfg, "parallel", None), "tp", 1) or 1)  # tensor parallel: ranks named (dp, pp, tp)
+        tp = int(getattr(getattr(cfg, "parallel", None), "tp", 1) or 1)
+        world = dist.get_world_size() if dist.is_initialized() else num_pp * tp
+        self.grid = grid if grid is not None else MeshGrid(max(1, world // (num_pp * tp)), num_pp, tp)  # ranks' coordinates
         self.memory = MemoryMetrics(getattr(mc, "memory_steps", [1]), self.max_steps, pp_rank, device, prediction,
-                                    self.tp)
+                                    self.grid)
+        self.routing = RoutingLog()  # an MoE model's router figures (every rank reads the same back)
 
     def memory_measured(self, step: int, measured: RankMemory, offloaded: float = math.nan) -> None:
         """Gather this measured step's tensor memory from every rank (collective) and write it;
@@ -171,14 +181,18 @@ class RunMetrics:
         events = self.recorder.stop()
         return StepTiming(self._start, self.recorder.stopped_at, events, timed)
 
-    def end_step(self, step: int, loss: float, grad_norm: float, lr: float, timing: StepTiming | None = None) -> None:
+    def end_step(self, step: int, loss: float, grad_norm: float, lr: float, timing: StepTiming | None = None,
+                 routing: RoutingFigures | None = None) -> None:
         """Finish step `step`: add up its figures; at a log step gather them and report.
 
         Args:
             step, loss, grad_norm, lr: the step and what it read back (loss and norm may come
                 back a step late: the Trainer hands them over with the step's `timing`).
             timing: what :meth:`stop_step` returned for this step; None: stop it now.
+            routing: an MoE model's router figures of the step (its aux loss on the log line).
         """
+        if routing is not None:
+            self.routing.record(step, routing, self.writer)
         timing = timing if timing is not None else self.stop_step()
         step_s = timing.end - timing.start
         self.step_times.append(step_s)
@@ -199,6 +213,8 @@ class RunMetrics:
         if step > self.first_step or self.max_steps - self.first_step == 1:
             self.steady += figures
             self.steady_steps += 1
+            for link, seconds in wait_by_link(timing.events, self.pp_rank).items():
+                self.steady_links[link] = self.steady_links.get(link, 0.0) + seconds
         if self.calibration is not None and step >= self.first_step + WARMUP_STEPS:
             self.calibration.keep(step, timing.start, timing.end, timing.events)
         if step in self.trace_steps:
@@ -215,7 +231,9 @@ class RunMetrics:
         self.interval_times = []
         samples, tokens = self.items
         if self.is_main:
-            log.info(console.step_line(step, self.max_steps, loss, grad_norm, lr, step_s, samples, tokens, bubble, self.predicted))
+            aux = self.routing.aux if self.routing.steps else None
+            log.info(console.step_line(step, self.max_steps, loss, grad_norm, lr, step_s, samples, tokens, bubble, self.predicted,
+                                       aux))
         if self.writer is None:
             return
         scalars = {
@@ -252,7 +270,7 @@ class RunMetrics:
         means, peaks = gather_figures(self.steady, self.steady_steps, self.pp_rank, self.num_pp, self.device)
         if self.trace_steps:
             trace.write_traces(self.traced, self.pp_rank, schedule, self.run_dir, self.device, self.predicted, self.writer,
-                               self.tp)
+                               self.grid)
         step_s = statistics.median(self.step_times) if self.step_times else float("nan")
         samples, tokens = self.items
         summary = [{
@@ -267,13 +285,35 @@ class RunMetrics:
         }]
         dist.broadcast_object_list(summary, src=0)  # rank 0's step times stand for the run
         summary[0].update(self._calibrated(schedule, summary[0]["step_time_s"]))
+        if self.routing.steps:
+            summary[0]["moe"] = self.routing.summary()
+        links = self._link_waits()
         if self.is_main:
             log.info(console.summary_line(summary[0]))
+            if links:
+                log.info(link_wait_line(links, self.grid))
+            for line in self.routing.lines():
+                log.info(line)
             if self.memory.rows:
                 log.info("%s\n%s", memory_line(summary[0]), self.memory.table())
         if self.writer is not None:
             self.writer.close()
         return summary[0]
+
+    def _link_waits(self) -> dict[tuple[int, int], float]:
+        """Each link's transfer waits per steady step, both its ranks' (the pipeline of global
+        rank 0; collective); also to TensorBoard as ``link/<a>-<b>/comm_wait_ms``."""
+        mine = {k: v / self.steady_steps for k, v in self.steady_links.items()} if self.steady_steps else {}
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine if self.first_pipeline else {})
+        links: dict[tuple[int, int], float] = {}
+        for waits in every:
+            for link, seconds in waits.items():
+                links[link] = links.get(link, 0.0) + seconds
+        if self.writer is not None:
+            for (a, b), seconds in sorted(links.items()):
+                self.writer.add_scalar(f"link/{a}-{b}/comm_wait_ms", 1e3 * seconds, self.max_steps - 1)
+        return links
 
     def _calibrated(self, schedule: PipelineSchedule, step_s: float) -> dict[str, Any]:
         """The calibrated prediction (collective) and its TensorBoard scalars at the last step."""
@@ -290,3 +330,25 @@ class RunMetrics:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, 1e3 * value, at)
         return figures
+
+
+def link_wait_line(links: dict[tuple[int, int], float], grid: MeshGrid) -> str:
+    """``transfer waits per link, ms per step (both ranks): 0-1 1.2; 1-2 8.4 (crosses hosts a -> b);
+    2-3 1.1``, and a link waited on at least 3x the median of three or more named."""
+    pipeline = grid.pipelines()[0]
+
+    def where(a: int, b: int) -> str:
+        ha, hb = hosts.table().host_of(pipeline[a]), hosts.table().host_of(pipeline[b])
+        if len(hosts.table().hosts) < 2 or ha is None or hb is None or ha == hb:
+            return ""
+        return f" (crosses hosts {ha[0]} -> {hb[0]})"
+
+    said = "; ".join(f"{a}-{b} {1e3 * s:.2f}{where(a, b)}" for (a, b), s in sorted(links.items()))
+    line = f"transfer waits per link, ms per step (both ranks of each, the pipeline of rank 0): {said}"
+    median = statistics.median(links.values())
+    if len(links) >= 3 and median > 0:
+        slow = [f"{a}-{b}{where(a, b)} {s / median:.1f}x" for (a, b), s in sorted(links.items()) if s >= 3 * median]
+        if slow:
+            line += f"; waited on far more than the median link: {', '.join(slow)} (a slow link or a slow neighbour)"
+    return line
+

@@ -20,9 +20,11 @@ import torch.distributed as dist
 from pipeflow.errors import PartitionError, PipeflowError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.partition import BALANCE_METHODS, format_partition, plan_partition
+from pipeflow.planning.expert_cost import expert_parameter_counts, split_expert_profiles
 from pipeflow.planning.tensor_cost import split_profiles
 from pipeflow.planning.profile import LayerProfile, action_costs, count_layer_params, profile_layers
 from pipeflow.schedules import PipelineSchedule, forward_only, lower, simulate
+from pipeflow.planning.links import describe_dp_groups
 from pipeflow.planning.step_model import StepCosts, describe_costs, predict_step
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT
 from pipeflow.schedules.memory import RankMemory, StageBytes, stage_inflight, tensor_memory
@@ -59,6 +61,15 @@ class Prediction:
     memory_bytes: tuple[float, ...]
     memory: tuple[RankMemory, ...] = ()
     offloaded_bytes: tuple[float, ...] = ()
+
+
+def trainable_bytes(profiles: list[LayerProfile], layers: range) -> float | None:
+    """Bytes of the parameters that train in `layers` (their gradients and optimizer state), or
+    None when all of them do (no frozen parameters: the common case)."""
+    chosen = [profiles[i] for i in layers]
+    if all(p.trainable_bytes is None for p in chosen):
+        return None
+    return math.fsum(p.param_bytes if p.trainable_bytes is None else p.trainable_bytes for p in chosen)
 
 
 def stage_bytes(
@@ -105,7 +116,8 @@ def stage_bytes(
         split_held = math.fsum(p.output_bytes for p in layers) - (out if sent else 0.0)
         result.append(StageBytes(params=math.fsum(p.param_bytes for p in layers), activations=max(act, 0.0),
                                  split_held=split_held, boundary=out, loss=loss,
-                                 data=data, offloadable=max(act - stays, 0.0) + loss))
+                                 data=data, offloadable=max(act - stays, 0.0) + loss,
+                                 trainable=trainable_bytes(profiles, r)))
     return result
 
 
@@ -263,6 +275,7 @@ def choose_layout(
     compiled: Any = None,
     tp: int = 1,
     sequence_parallel: bool = False,
+    ep: int = 1,
 ) -> Layout:
     """Partition `spec` into the schedule's stages as the ``pipeline`` config says.
 
@@ -275,7 +288,8 @@ def choose_layout(
     (``train.precision``), which the profile runs the layers in; `compiled` (``train.compile``'s
     :class:`~pipeflow.runtime.compile.CompileOptions`, or None) how it compiles them.  With `tp`
     > 1 the unsplit profiles become one tp rank's (`pipeflow.planning.tensor_cost`: compute and
-    memory of the split share, the plan's collectives over an assumed NVLink-class link).
+    memory of the split share, the plan's collectives over an assumed NVLink-class link); with
+    `ep` > 1 one ep rank's (1/ep of the experts' parameters, `pipeflow.planning.expert_cost`).
 
     Raises:
         PartitionError: unknown balance method, bad split points, more stages than layers.
@@ -298,6 +312,8 @@ def choose_layout(
         profiles = box[0]
         if tp > 1:
             profiles = split_profiles(profiles, tp, sequence_parallel=sequence_parallel)
+        if ep > 1:  # parallel.ep: a rank holds 1/ep of each MoE layer's experts
+            profiles = split_expert_profiles(profiles, expert_parameter_counts(spec), ep)
     source = profiles if needs_profile or (method == "params" and profiles is not None) else spec
     ranges = plan_partition(source, schedule.num_stages, method, pipeline_cfg.split_points, inflight=inflight)
     setting = MemorySetting(dp, shard, lowering, float(_input_bytes(sample_input)),
@@ -339,9 +355,20 @@ def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule)
         table = format_partition(layout.ranges, names, schedule.stage_to_rank, layer_params=count_layer_params(spec))
         step = ""
     note = f"\n{layout.note}" if layout.note else ""
+    links = getattr(layout.step_costs, "links", None)
+    if links is not None:  # several hosts: every link of the program, the slow ones named
+        boundary = max((layout.profiles[r.stop - 1].output_bytes for r in layout.ranges[:-1]), default=0)
+        note += f"\n{links.describe(float(boundary))}"
+    groups = getattr(layout.step_costs, "dp_groups", ())
+    if groups:
+        note += f"\n{describe_dp_groups(groups)}"
     if layout.offload.mode != "none":
         note += f"\n{describe_offload(layout, schedule)}"
     memory = f"\n{format_memory(prediction.memory, layout.memory_setting)}" if prediction.memory else ""
+    if getattr(spec, "lora", None) is not None:  # what trains: the memory above counts its state only
+        from pipeflow.models.lora import report
+
+        note += f"\n{report(spec)}"
     return (
         f"pipeline: {schedule.num_ranks} ranks, {schedule.num_stages} stages, schedule={schedule.name}, "
         f"{schedule.num_microbatches} micro-batches, predicted bubble {prediction.bubble:.1%} "

@@ -14,7 +14,7 @@ import inspect
 import logging
 import os
 import platform
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.data import (TOKEN_DATA, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
                            split_microbatches, varies)
 from pipeflow.errors import ConfigError, PipeflowError
+from pipeflow.models.lora import check_lora_run
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
@@ -44,10 +45,14 @@ from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
+from pipeflow.runtime.mesh_order import parse_order
+from pipeflow.planning.mesh_choice import choose_order
 from pipeflow.runtime.host_link import HostLinkMeasure, measure_link
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
+from pipeflow.runtime.expert_parallel import expert_groups, expert_parameters, split_experts
+from pipeflow.runtime.routing import routing_sync
 from pipeflow.runtime.stage import build_stages, layers_by_index
 from pipeflow.runtime.tensor_parallel import parallelize_stages
 from pipeflow.runtime.tied import TiedWeights, tie_in_place
@@ -80,16 +85,13 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     dp, pp = check_config(cfg, dist.get_world_size())
     # every group the run uses times out a margin after pipeflow's own deadline (runtime/timeouts.py)
     deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
-    mesh = build_mesh(dp, pp, device, tensor_degree(cfg.parallel))
-    deadlines.own(mesh.pp_group)
-    deadlines.own(mesh.dp_group)
     dtype = getattr(torch, cfg.train.dtype)
     spec = build_spec(cfg.model)
+    tp = tensor_degree(cfg.parallel)
+    check_lora_run(spec, tp)
     m = cfg.pipeline.num_microbatches
     schedule = build_schedule(cfg.schedule.name, pp, m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
                               cfg.schedule.path, cfg.pipeline.stage_to_rank)
-    comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, rank))
-    comm.warmup()  # ranks may still be starting: the first-step deadline
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
     first = shard(batches.train.get(0), 0, dp)
     sample, sample_target = split_microbatches(first[0], m)[0], split_microbatches(first[1], m)[0]
@@ -99,12 +101,21 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
                       agree_over_world=True)
     options = compile_options(cfg, dp * m)  # train.compile (None: eager): the profile and the stages alike
+    ep = int(OmegaConf.select(cfg, "parallel.ep", default=1) or 1)  # experts split over each stage's dp ranks
     layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype, dp=dp,
                            shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
-                           lowering=posting.options(not comm.independent_ops)[0],
+                           lowering=posting.options(not P2PComm(None, device).independent_ops)[0],
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
                            autocast_dtype=compute_dtype(cfg.train.precision), compiled=options,
-                           tp=mesh.tp, sequence_parallel=bool(cfg.parallel.sequence_parallel))
+                           tp=tp, sequence_parallel=bool(cfg.parallel.sequence_parallel), ep=ep)
+    # the mesh after the profile: parallel.order=auto weighs the profiled bytes on the measured links
+    order, why = mesh_order(cfg, dp, pp, tp, schedule, layout, device, dtype)
+    mesh = build_mesh(dp, pp, device, tp, order)
+    mesh.order_reason = why
+    deadlines.own(mesh.pp_group)
+    deadlines.own(mesh.dp_group)
+    comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, rank))
+    comm.warmup()  # ranks may still be starting: the first-step deadline
     offload = OmegaConf.select(cfg, "pipeline.offload", default="none")
     link = host_link(device) if offload != "none" else None  # collective
     synthesis = None
@@ -122,13 +133,18 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     if mesh.tp > 1:  # each layer split over the stage's tp ranks, before FSDP2 shards over dp
         parallelize_stages(spec, stages, layout.ranges, mesh.tp_mesh, bool(cfg.parallel.sequence_parallel),
                            OmegaConf.select(cfg, "parallel.shard", default="none"))
+    # its own groups, even at ep = dp: the dp group's gradient all-reduce may run beside an exchange
+    ep_group, same_experts = expert_groups(mesh.grid.dp_groups(), ep) if ep > 1 else (None, None)
+    if ep > 1:  # each stage's experts split over ep of its dp ranks, tokens exchanged by all_to_all
+        split_experts([layer for stage in stages.values() for layer in stage.module], ep_group, ep)
     sharding = full_shard(cfg, spec, stages, layout.ranges, mesh)  # before anything holds the parameters
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
     for group in tied.groups():
         deadlines.own(group)
     tied.sync_initial_values()
-    reducer = GradReducer(stages, mesh.dp_group, dp) if dp > 1 and sharding is None else None
+    reducer = (GradReducer(stages, mesh.dp_group, dp, unreduced=expert_parameters(stages) if ep > 1 else (),
+                           unreduced_group=same_experts) if dp > 1 and sharding is None else None)
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     compiled = None
     if options is not None:  # before anything times the stages: they run compiled
@@ -137,13 +153,14 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         compiled = compile_and_warm_up(options, comm, schedule, stages, units, first, m, dtype, shape_mode(cfg, dp * m),
                                        posting.options(not comm.independent_ops)[0], sharding,
                                        evaluates=cfg.train.eval_batches > 0)
-    params = unique_parameters(stage.parameters() for stage in stages.values())
+    # what is trained: a LoRA run's frozen base weights get no gradient, no AdamW state, no reduction
+    params = [p for p in unique_parameters(stage.parameters() for stage in stages.values()) if p.requires_grad]
     if layout.profiles is not None:  # the whole step: the runtime's own costs, measured here (collective)
         boundary = stage_boundary_bytes(layout.ranges, layout.profiles)
         rehearsal = rehearsal_steps_for(cfg, device)
         options = posting.options(not comm.independent_ops)
         costs = measure_step_costs(comm, options[0], params, boundary, pp, mesh.dp_group, dp, busy=rehearsal == 0,
-                                   fused=cfg.optim.fused)
+                                   fused=cfg.optim.fused, schedule=schedule, grid=mesh.grid)
         if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
             inputs = microbatch_inputs(first[0], m, device, dtype) if 0 in stages else None
             targets = microbatch_targets(first[1], m, device) if schedule.num_stages - 1 in stages else None
@@ -170,14 +187,28 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
                          (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
                          calibrator(schedule, stage_boundary_bytes(layout.ranges, layout.profiles),
-                                    run_meta(cfg, schedule, layout, device, dp)), first_pipeline=mesh.first_pipeline)
+                                    run_meta(cfg, schedule, layout, device, dp)), first_pipeline=mesh.first_pipeline,
+                         grid=mesh.grid)
     return Trainer(
         cfg=cfg, device=device, config_hash=config_hash, mesh=mesh, spec=spec, schedule=schedule, layout=layout,
         batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,
         reducer=reducer, scaler=LossScaler(cfg.train.precision == "fp16"),
         finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
         workspace=workspace, memory=MemoryAccountant(stages, optimizer, device), compiled=compiled,
+        routing=routing_sync(layers_by_index(stages, layout.ranges), len(spec.layers),
+                             int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0), ep),
     )
+
+
+def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSchedule, layout: Layout,
+               device: torch.device, dtype: torch.dtype) -> tuple[tuple[str, ...], str]:
+    """``parallel.order``: the order given, or for ``auto`` the one predicted fastest on the
+    links measured here (collective; :mod:`pipeflow.planning.mesh_choice`), with the reason."""
+    given = parse_order(OmegaConf.select(cfg, "parallel.order", default="auto"))
+    if given is not None:
+        return given, ""
+    return choose_order(dp, pp, tp, schedule, layout.ranges, layout.profiles, device,
+                        torch.empty((), dtype=dtype).element_size())
 
 
 def host_link(device: torch.device) -> HostLink:
@@ -346,9 +377,10 @@ def _named_cause(exc: BaseException) -> PipeflowError | None:
 
 
 def builder_config(model_cfg: DictConfig) -> DictConfig:
-    """The ``model`` config with only keys its builder (``_target_``) takes: a key left at null that
-    the builder has no argument for is dropped (a user's builder on a built-in schema, such as
-    ``base_mlp``, which gained ``init_from``); any other such key is one line naming it and the
+    """The ``model`` config with only keys its builder (``_target_``) takes: a key left at null or
+    at its schema's default that the builder has no argument for is dropped (a user's builder on a
+    built-in schema, such as ``base_mlp``, which gained ``init_from``, or ``gpt``, which gained
+    ``moe``); any other such key is one line naming it and the
     builder's arguments, not a TypeError inside Hydra's instantiation traceback. A builder that
     cannot be imported or takes ``**kwargs`` is left to Hydra.
 
@@ -363,7 +395,9 @@ def builder_config(model_cfg: DictConfig) -> DictConfig:
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
         return model_cfg
     unknown = [key for key in model_cfg if not str(key).startswith("_") and key not in params]
-    given = [key for key in unknown if OmegaConf.select(model_cfg, str(key)) is not None]
+    defaults = _schema_defaults(model_cfg)
+    given = [key for key in unknown if OmegaConf.select(model_cfg, str(key)) is not None
+             and _plain(OmegaConf.select(model_cfg, str(key))) != defaults.get(str(key), _NO_DEFAULT)]
     if given:
         taken = ", ".join(name for name, p in params.items() if p.kind != p.VAR_POSITIONAL)
         raise ConfigError(f"model.{given[0]} is not an argument of {target}, which takes: {taken}; remove "
@@ -372,3 +406,30 @@ def builder_config(model_cfg: DictConfig) -> DictConfig:
         return model_cfg
     kept = OmegaConf.to_container(model_cfg, resolve=True)
     return OmegaConf.create({key: value for key, value in kept.items() if key not in unknown})
+
+
+_NO_DEFAULT = object()
+
+
+def _plain(value: Any) -> Any:
+    """A config value as plain Python (containers resolved)."""
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _schema_defaults(model_cfg: DictConfig) -> dict[str, Any]:
+    """The defaults of the structured schema `model_cfg` was made from, as plain Python (none
+    for a plain config)."""
+    schema = OmegaConf.get_type(model_cfg)
+    if not dataclasses.is_dataclass(schema):
+        return {}
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(schema):
+        if f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            continue
+        out[f.name] = _plain(OmegaConf.structured(value)) if dataclasses.is_dataclass(value) else value
+    return out
+

@@ -5,18 +5,21 @@ defaults), so a typo in an override (``pipeline.num_microbatch=4``) fails at onc
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import inspect
 import os
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, is_dataclass, make_dataclass
 from typing import Any, Callable, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from pipeflow.errors import ConfigError
+from pipeflow.runtime.expert_parallel import check_expert_parallel
 from pipeflow.run.config_values import check_counts, check_deadlines, check_layout_counts
 from pipeflow.schedules.offload import check_mode
+from pipeflow.runtime.mesh_order import parse_order
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.hf import build_hf
 from pipeflow.models.mlp import build_mlp
@@ -50,7 +53,9 @@ def model_schema(builder: Callable[..., Any], name: str | None = None) -> type:
             continue
         if param.default is param.empty:
             raise ConfigError(f"{builder.__qualname__}({param.name}) has no default; a model schema needs one")
-        fields.append((param.name, hints.get(param.name, Any), field(default=param.default)))
+        default = param.default  # a nested config (model.moe) as a fresh copy per instance
+        spec = field(default_factory=lambda d=default: copy.deepcopy(d)) if is_dataclass(default) else field(default=default)
+        fields.append((param.name, hints.get(param.name, Any), spec))
     doc = (builder.__doc__ or "").strip().splitlines()
     cls_name = name or "".join(part.title() for part in builder.__name__.split("_")) + "Config"
     return make_dataclass(cls_name, fields, namespace={"__doc__": doc[0] if doc else None, "__module__": __name__})
@@ -93,7 +98,7 @@ class PipelineConfig:
 @dataclass
 class DataConfig:
     """Where batches come from: ``markov`` (made locally), ``text`` (a local file), ``tokens``
-    (token files read through memory maps), ``gaussian``,
+    (token files read through memory maps), ``chat`` (conversations, prompts masked), ``gaussian``,
     or images: ``cifar10``, ``mnist``, ``imagefolder`` (under ``data.root``), ``fakedata``."""
 
     name: str = "markov"
@@ -116,6 +121,8 @@ class DataConfig:
     token_dtype: str = "uint16"  # tokens: the dtype of headerless files (uint16 or uint32; .npy files carry their own)
     pack_documents: bool = False  # tokens: inputs (tokens, document ids), documents split at eos_id
     eos_id: int | None = None  # tokens: the end-of-document id (checked against model.vocab_size)
+    overlong: str = "drop"  # chat: a conversation longer than seq_len + 1 tokens: drop | truncate | error
+    tokenizer: str | None = None  # chat: the folder of the tokenizer and chat template (null: model.path)
 
 
 @dataclass
@@ -172,6 +179,12 @@ class ParallelConfig:
     tp: int = 1
     # with tp > 1: norms, dropout and the activations between stages sharded along the sequence
     sequence_parallel: bool = False
+    # the mesh's dimensions outermost first (the innermost's groups are consecutive ranks: one
+    # host's), e.g. [pp,dp,tp]; auto: the order with the fastest predicted step on the links
+    # measured at start ([dp,pp,tp] on one host)
+    order: Any = "auto"
+    # expert parallelism (model.moe): each stage's experts split over its dp ranks; 1 or parallel.dp
+    ep: int = 1
 
 
 @dataclass
@@ -240,13 +253,21 @@ class PlanConfig:
     # tensor-parallel degrees searched beside the schedules (each pick: parallel.tp=N, dp x pp x N processes);
     # null: parallel.tp alone.  Their collectives are costed over this link (a node's NVLink by default)
     tp: list[int] | None = None
-    tp_bandwidth_gbps: float = 150.0
-    tp_latency_us: float = 10.0
+    # the link tp's collectives are costed over: null takes plan.hardware's link within a host,
+    # else 150 GB/s and 10 us (an NVLink-class node); set, they override plan.hardware's
+    tp_bandwidth_gbps: float | None = None
+    tp_latency_us: float | None = None
     # pipeline.offload modes tried with every layout (none | auto | all), their copies over a
     # device-host link of this bandwidth each way, on a copy engine beside compute (a GPU's PCIe);
     # null: measured on this machine's device as train.py measures it (a CPU: memcpys on the compute thread)
     offload: list[str] = field(default_factory=lambda: ["none"])
     host_link_gbps: float | None = None
+    # a cluster you do not have (docs/cluster_planning.md): a preset (a100_sxm_80gb, h100_sxm, h200_sxm, b200) or a
+    # YAML file; layers costed by a roofline instead of profiled, tp x pp x dp searched for plan.gpus GPUs
+    hardware: str | None = None
+    gpus: int | None = None  # with plan.hardware: the GPUs to lay the model on
+    train_tokens: float | None = None  # with plan.hardware: tokens of the whole run, for its GPU-hours
+    gpu_hour_price: float | None = None  # with plan.hardware: price of one GPU-hour, for the run's cost
 
 
 @dataclass
@@ -476,11 +497,14 @@ def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
     check_values(cfg)
     dp, pp = resolve_layout(cfg.parallel, world_size)
     check_targets(cfg)
+    parse_order(OmegaConf.select(cfg, "parallel.order", default="auto"))
     shard = OmegaConf.select(cfg, "parallel.shard", default="none")
     if shard not in SHARD_MODES:
         raise ConfigError(f"parallel.shard={shard!r} is unknown; valid: {', '.join(SHARD_MODES)} "
                           "(none: full replicas, optimizer: ZeRO-1, full: FSDP2)")
     check_sequence_parallel(cfg)
+    check_expert_parallel(int(OmegaConf.select(cfg, "parallel.ep", default=1) or 1), dp, tensor_degree(cfg.parallel),
+                          shard, int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0))
     m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
     if batch < dp * m:
         raise ConfigError(

@@ -26,12 +26,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.data import Batches, loss_counts, microbatch_inputs, microbatch_targets, sequence_lengths, shard
-from pipeflow.errors import NonFiniteError
+from pipeflow.data import (Batches, loss_counts, microbatch_counts, microbatch_inputs, microbatch_targets,
+                           sequence_lengths, shard)
+from pipeflow.errors import AllTargetsMaskedError, NonFiniteError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout, describe_layout
-from pipeflow.run import checkpoint, storage
+from pipeflow.run import checkpoint, lora_base, storage
 from pipeflow.run.compile_phase import CompilePhase
 from pipeflow.run.faults import FaultInjector
 from pipeflow.run.readback import PendingStep, StepValues, packet_on_host
@@ -47,6 +48,7 @@ from pipeflow.runtime.mesh import GradReducer, Mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.precision import LossScaler
+from pipeflow.runtime.routing import RoutingSync
 from pipeflow.runtime.stage import Stage, Tensors, layers_by_index
 from pipeflow.runtime.tied import TiedWeights
 from pipeflow.runtime.transport import Deadlines
@@ -131,6 +133,7 @@ class Trainer:
     workspace: Workspace | None = None  # the run directory's lock and this job's token
     memory: MemoryAccountant | None = None
     compiled: CompilePhase | None = None  # train.compile: the start-up compile phase
+    routing: RoutingSync | None = None  # model.moe: the routers' statistics, summed in the step's all-reduce
     history: list[float] = field(default_factory=list)  # the loss of every step this run trained
     _signalled: str | None = field(default=None, init=False, repr=False)  # the train.save_on_signal signal received
     _watching_signals: bool = field(default=False, init=False, repr=False)  # evaluations check for it
@@ -180,10 +183,14 @@ class Trainer:
                 f"checkpoint of step {step} not written: the weights of stage(s) {bad} hold NaN or Inf after the "
                 f"optimizer step (optim.lr={self.cfg.optim.lr} too large?); latest still names the last good checkpoint"
             )
-        meta = {"dp": self.dp, "pp": self.mesh.pp, "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
+        meta = {"dp": self.dp, "pp": self.mesh.pp, "tp": self.mesh.tp, "order": list(self.mesh.grid.order),
+                "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
+        layers = layers_by_index(self.stages, self.ranges)
+        if self.spec.lora is not None:  # the adapters only; the frozen base named, not copied
+            meta[lora_base.LORA_BASE], layers = lora_base.record(self.cfg.model), lora_base.trainable(layers)
         job = self.workspace.token if self.workspace is not None else ""
-        path = checkpoint.save(self.checkpoint_root, step, layers_by_index(self.stages, self.ranges), self.optimizer,
-                               meta, job=job, storage=self.checkpoint_storage)
+        path = checkpoint.save(self.checkpoint_root, step, layers, self.optimizer, meta, job=job,
+                               storage=self.checkpoint_storage)
         self._saved = (step, path)
         return path
 
@@ -200,7 +207,12 @@ class Trainer:
         path = choose(self.cfg.train.resume, self.checkpoint_root)
         if path is None:
             return 0
-        meta = checkpoint.load(path, layers_by_index(self.stages, self.ranges), self.optimizer, self.checkpoint_storage)
+        layers = layers_by_index(self.stages, self.ranges)
+        if self.spec.lora is not None:  # its adapters, over the base it names
+            layers = lora_base.trainable(layers)
+        meta = checkpoint.load(path, layers, self.optimizer, self.checkpoint_storage, grid=self.mesh.grid)
+        if lora_base.LORA_BASE in meta:
+            lora_base.check(meta[lora_base.LORA_BASE], self.cfg.model, path)
         self.scaler.load_state_dict(meta["scaler"])
         if self.is_main:
             log.info("resumed from checkpoint %s at step %d (saved with %s)", path, meta["step"],
@@ -214,28 +226,43 @@ class Trainer:
 
     def _microbatches(
         self, source: Any, step: int
-    ) -> tuple[list[Tensors] | None, list[torch.Tensor] | None, list[float] | None]:
+    ) -> tuple[list[Tensors] | None, list[torch.Tensor] | None, list[float] | None, int]:
         """This dp rank's micro-batches of batch `step`: the inputs on stage 0's rank, the targets
-        and each micro-batch's loss weight on the last stage's (None elsewhere).
+        and each micro-batch's loss weight on the last stage's (None elsewhere), and the targets
+        the loss counts in the global batch (0 on ranks that hold neither end).
 
-        A micro-batch's weight is dp x its loss elements (tokens or rows) over the global batch's,
-        so that summed over micro-batches and averaged over replicas, loss and gradients are the
-        global batch's mean however the micro-batches differ in size (1/m when they are alike).
+        A micro-batch's weight is dp x the targets its loss counts (``ModelSpec.loss_count``:
+        tokens or rows, less masked ones) over the global batch's, so that summed over
+        micro-batches and averaged over replicas, loss and gradients are the global batch's mean
+        over its counted targets however the micro-batches differ in size or masking.  Every rank
+        holds the global batch, so the global count needs no collective; counts are taken on the
+        host batch.  An all-masked micro-batch weighs 0 (its stage skips its loss).
+
+        Raises:
+            AllTargetsMaskedError: a training batch whose every target is masked.
         """
         first, last = 0 in self.stages, self.schedule.num_stages - 1 in self.stages
-        if not (first or last):
-            return None, None, None
+        weighs = last or self.routing is not None  # an MoE layer's aux loss weighs as its micro-batch's loss
+        if not (first or weighs):
+            return None, None, None, 0
         batch = source.get(step)
+        total = loss_counts(batch[1], self.spec.loss_count)  # the global batch's, on the host
+        if total == 0 and source is self.batches.train:
+            raise AllTargetsMaskedError(
+                f"training batch {step}: every target is masked (the loss's ignore_index, -100), so the step has "
+                f"nothing to learn from (seen on rank {dist.get_rank()}, which holds the batch); check the data's "
+                f"masks (data=chat: does the chat template mark assistant turns?)")
         x, y = shard(batch, self.mesh.dp_rank, self.dp)
         m = self.schedule.num_microbatches
         inputs = targets = weights = None
         if first:
             inputs = microbatch_inputs(x, m, self.device, getattr(torch, self.cfg.train.dtype))
+        if weighs:
+            counts = microbatch_counts(y, m, self.spec.loss_count)  # before the batch moves to the device
+            weights = [self.dp * c / total if total else 0.0 for c in counts]
         if last:
             targets = microbatch_targets(y, m, self.device)
-            total = loss_counts(batch[1])
-            weights = [self.dp * t.numel() / total for t in targets]
-        return inputs, targets, weights
+        return inputs, targets, weights, total
 
     @property
     def defers_readback(self) -> bool:
@@ -265,7 +292,7 @@ class Trainer:
     def queue(self, step: int, lr: float, memory: MemoryAccountant | None = None) -> PendingStep:
         """Forward, backward, reductions and clipping of batch `step`, queued on the device; the
         packet of figures copied towards the host without waiting (see :class:`PendingStep`)."""
-        inputs, targets, weights = self._microbatches(self.batches.train, step)
+        inputs, targets, weights, _ = self._microbatches(self.batches.train, step)
         loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights, memory=memory)
         zero = torch.zeros(1, device=self.device, dtype=torch.float64)
         own_loss = zero if loss is None else loss.detach().double().reshape(1) / self.pipelines
@@ -280,9 +307,13 @@ class Trainer:
         self.scaler.unscale_(self.params)
         with_grad = [p for p in self.params if p.grad is not None]
         norms = grad_norms([local(p.grad) for p in with_grad])
-        extra = torch.cat([own_loss, preempt, lost, self._stage_flags(with_grad, norms), *checked])
+        routing = [self.routing.packet(self.device)] if self.routing is not None else []
+        extra = torch.cat([own_loss, preempt, lost, self._stage_flags(with_grad, norms), *checked, *routing])
         norm, reduced = clip_on_device(self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(),
-                                       replicas=self.pipelines, norms=norms)
+                                       replicas=self.pipelines, norms=norms,
+                                       split=self.routing.split if self.routing is not None else None)
+        if self.routing is not None:  # the step's summed tokens per expert move the routers' biases, on the device
+            self.routing.balance(reduced[-self.routing.size:])
         return packet_on_host(step, lr, torch.cat([norm.reshape(1), reduced]))
 
     def _stage_flags(self, with_grad: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:
@@ -307,7 +338,10 @@ class Trainer:
             RunDirLostError: rank 0's lock watch found the run directory or its lock gone or taken
                 (:mod:`pipeflow.run.lock`); every rank raises it at this step.
         """
-        values = pending.values()
+        values, routing = pending.values(), None
+        if self.routing is not None:  # the packet's tail: the routers' statistics (the loss gains their aux loss)
+            values, routing = values[:-self.routing.size], self.routing.figures(values[-self.routing.size:], self.pipelines)
+            values[1] += routing.aux
         S = self.schedule.num_stages
         norm, loss, preempt = values[0], values[1], values[2] > 0
         if values[3] > 0 and self.workspace is not None:
@@ -323,7 +357,7 @@ class Trainer:
             if not loss_finite or (not math.isfinite(norm) and not self.scaler.enabled):
                 stages = [s for s, flag in enumerate(grad_stages) if flag > 0]
                 raise nonfinite.non_finite_step_error(pending.step, loss_finite, stages, self.schedule.stage_to_rank)
-        return StepValues(loss, norm, preempt, overflow=self.scaler.enabled and not math.isfinite(norm))
+        return StepValues(loss, norm, preempt, overflow=self.scaler.enabled and not math.isfinite(norm), routing=routing)
 
     def apply(self, pending: PendingStep, values: StepValues | None) -> None:
         """The optimizer step of `pending` (skipped on an fp16 overflow); :meth:`_end` releases the gradients.
@@ -414,24 +448,29 @@ class Trainer:
         return None, done + [(pending, values)]
 
     def evaluate(self) -> float | None:
-        """Mean loss over ``train.eval_batches`` held-out batches (forward only).
+        """Mean loss over ``train.eval_batches`` held-out batches (forward only), each target the
+        loss counts weighing alike (a batch weighs by its count; an all-masked one by nothing).
 
         Returns:
             The loss, or None when a ``train.save_on_signal`` signal reached some rank during it:
             after each batch every rank learns that from one small all-reduce, so all of them
             leave the evaluation at the same batch and the job saves within the launcher's grace.
         """
-        total = torch.zeros(1, device=self.device, dtype=torch.float64)
+        total = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss x count, count)
         for k in range(self.cfg.train.eval_batches):
-            inputs, targets, weights = self._microbatches(self.batches.val, k)
+            inputs, targets, weights, count = self._microbatches(self.batches.val, k)
             with failures.context("evaluation"):
                 loss = self.pipeline.eval(inputs, targets, loss_weights=weights)
             if loss is not None:
-                total += loss.double()
+                total += torch.cat([loss.double().reshape(1) * count, total.new_tensor([count])])
             if self._watching_signals and self._signal_reached_a_rank():
                 return None
-        dist.all_reduce(total)  # the last stage of every pipeline holds its dp shard's mean loss
-        return float(total) / (self.cfg.train.eval_batches * self.pipelines)
+        dist.all_reduce(total)  # the last stage of every pipeline holds its dp shard's share of the mean
+        loss_sum, count = total.tolist()  # each pipeline's last stage added the count: pipelines x it
+        if count == 0:
+            raise AllTargetsMaskedError(f"evaluation: every target of the {self.cfg.train.eval_batches} held-out "
+                                        f"batches (train.eval_batches) is masked; check the data's masks")
+        return loss_sum / count
 
     def _signal_reached_a_rank(self) -> bool:
         """True on every rank when a ``train.save_on_signal`` signal reached any rank (one all-reduce
@@ -544,7 +583,7 @@ class Trainer:
 
     def _record(self, pending: PendingStep, values: StepValues) -> bool:
         """Hand a finished step's figures to the metrics and the history; returns its preempt flag."""
-        self.metrics.end_step(pending.step, values.loss, values.norm, pending.lr, pending.timing)
+        self.metrics.end_step(pending.step, values.loss, values.norm, pending.lr, pending.timing, values.routing)
         self.history.append(values.loss)
         return values.preempt
 
@@ -559,8 +598,11 @@ class Trainer:
             log.info(self.describe())
             log.info("run directory: %s", self.run_dir)
             tp = f", sequence parallel={self.cfg.parallel.sequence_parallel}" if self.mesh.tp > 1 else ""
+            ep = int(OmegaConf.select(self.cfg, "parallel.ep", default=1) or 1)
+            tp += f", experts split over ep={ep} dp ranks (all_to_all)" if ep > 1 else ""
             log.info("mesh: %s, shard=%s%s, precision=%s, activation checkpointing=%s", self.mesh.describe(),
                      self.cfg.parallel.shard, tp, self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
+            log.info("%s%s", self.mesh.grid.describe(), self.mesh.order_reason)
             if self.compiled is not None:
                 log.info(self.compiled.describe())
             lengths = sequence_lengths(self.cfg.data)
