@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
+from omegaconf import OmegaConf
 
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["q_proj", "v_proj", "down_proj"]}
 
@@ -52,7 +53,7 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
     import test_hf
 
     cfg = test_hf._trainer_config(folder, f"{run_dir}-{dist.get_world_size()}", dp, schedule, m, **overrides)
-    cfg.model.lora = dict(LORA)
+    OmegaConf.update(cfg, "model.lora", dict(LORA), merge=True)  # a typed node: merged, as an override is
     trainer = build_run(cfg, torch.device("cpu"))
     dtype = getattr(torch, cfg.train.dtype)
     spec = build_spec(cfg.model)

@@ -48,6 +48,7 @@ def test_every_tag_is_written_once_per_log_interval_by_one_writer(run, scalars) 
     memory = {f"memory/{g}/{name}" for g in range(P) for name in MEMORY}
     at_end = {f"pipeline/step_{name}_ms" for name in ("measured", "predicted", "calibrated")}
     at_end |= {f"stage/{r}/program_end_{name}_ms" for r in range(P) for name in ("measured", "calibrated")}
+    at_end |= {f"link/{r}-{r + 1}/comm_wait_ms" for r in range(P - 1)}  # each link's transfer waits
     assert set(scalars) == expected | memory | at_end  # no tokens/s: gaussian data has no tokens
     assert all([step for step, _ in points] == LOGGED for tag, points in scalars.items() if tag in expected)
     assert all([step for step, _ in scalars[tag]] == [1] for tag in memory)
