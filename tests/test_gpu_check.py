@@ -5,11 +5,14 @@ exits 1 when its correctness check fails; so does offload.py (pipeline.offload n
 line per mode and the targets' line)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -61,23 +64,43 @@ def _plain(*args: str) -> subprocess.CompletedProcess:
     return _benchmark(PLAIN, *args)
 
 
+def _in_process(script: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                *args: str) -> tuple[int, str]:
+    """(exit status, stdout) of `python script args` run as its main(argv) in this process: its
+    imports (torch, pipeflow) are loaded here already and it starts and destroys its own one-rank
+    group, so no process start-up is paid (each test below that keeps a subprocess covers
+    `python benchmarks/<script>` as a process)."""
+    monkeypatch.syspath_prepend(str(script.parent))  # as `python benchmarks/x.py` has it: offload.py imports vs_plain_loop
+    spec = importlib.util.spec_from_file_location(f"_in_process_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    try:
+        status = module.main(list(args)) or 0
+    except SystemExit as stop:  # argparse: --help
+        status = stop.code or 0
+    return status, capsys.readouterr().out
+
+
 def test_the_gpu_check_runs_the_plain_loop_benchmark_on_cuda() -> None:
     assert "benchmarks/vs_plain_loop.py --device cuda" in SCRIPT.read_text()
 
 
-def test_vs_plain_loop_answers_help() -> None:
-    done = _plain("--help")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith("usage: python benchmarks/vs_plain_loop.py") and "--case" in done.stdout
+def test_vs_plain_loop_answers_help(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    status, out = _in_process(PLAIN, monkeypatch, capsys, "--help")
+    assert status == 0, out
+    assert out.startswith("usage: python benchmarks/vs_plain_loop.py") and "--case" in out
 
 
-def test_vs_plain_loop_tiny_cpu_run_checks_then_prints_a_step_ratio_line() -> None:
-    done = _plain("--device", "cpu", *TINY)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "check: first-step loss" in done.stdout and "rel diff" in done.stdout and ": ok;" in done.stdout
+def test_vs_plain_loop_tiny_cpu_run_checks_then_prints_a_step_ratio_line(monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    status, out = _in_process(PLAIN, monkeypatch, capsys, "--device", "cpu", *TINY)
+    assert status == 0, out
+    assert "check: first-step loss" in out and "rel diff" in out and ": ok;" in out
     assert re.search(r"^GPT 2x32 h4, seq 16, batch 4, m 2, fp32, cpu \| plain [\d.]+ ms \| pipeflow [\d.]+ ms \| "
-                     r"step ratio [\d.]+ \| predicted [\d.]+ ms \(\d+% of measured\)$", done.stdout, re.M), done.stdout
-    assert "peak ratio" not in done.stdout  # the allocator peak is CUDA's
+                     r"step ratio [\d.]+ \| predicted [\d.]+ ms \(\d+% of measured\)$", out, re.M), out
+    assert "peak ratio" not in out  # the allocator peak is CUDA's
 
 
 def test_the_gpu_check_runs_the_compiled_comparison_on_cuda() -> None:
@@ -95,10 +118,11 @@ def test_vs_plain_loop_compiled_tiny_cpu_run_prints_every_ratio() -> None:
         done.stdout
 
 
-def test_vs_plain_loop_exits_1_when_the_losses_disagree() -> None:
-    done = _plain("--device", "cpu", *TINY, "--rtol", "-1")  # nothing agrees within a negative tolerance
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "DISAGREE" in done.stdout and "step ratio" not in done.stdout
+def test_vs_plain_loop_exits_1_when_the_losses_disagree(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    status, out = _in_process(PLAIN, monkeypatch, capsys, "--device", "cpu", *TINY, "--rtol", "-1")  # nothing agrees
+    assert status == 1, out  # within a negative tolerance
+    assert "DISAGREE" in out and "step ratio" not in out
 
 
 OFFLOAD = ROOT / "benchmarks" / "offload.py"
@@ -115,10 +139,10 @@ def test_the_gpu_check_runs_the_offload_benchmark_on_cuda() -> None:
     assert "benchmarks/offload.py --device cuda --out \"$OUT/RESULTS.md\"" in text
 
 
-def test_offload_answers_help() -> None:
-    done = _offload("--help")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith("usage: python benchmarks/offload.py") and "--modes" in done.stdout
+def test_offload_answers_help(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    status, out = _in_process(OFFLOAD, monkeypatch, capsys, "--help")
+    assert status == 0, out
+    assert out.startswith("usage: python benchmarks/offload.py") and "--modes" in out
 
 
 def test_offload_tiny_cpu_run_checks_then_prints_one_line_per_mode(tmp_path: Path) -> None:
@@ -141,7 +165,7 @@ def test_offload_tiny_cpu_run_checks_then_prints_one_line_per_mode(tmp_path: Pat
     assert "offload=all" in out.read_text() and "### Activation offload" in out.read_text()
 
 
-def test_offload_exits_1_when_the_losses_disagree() -> None:
-    done = _offload(*OFFLOAD_TINY, "--modes", "none", "--rtol", "-1")  # nothing agrees within a negative tolerance
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "DISAGREE" in done.stdout and "| offload=" not in done.stdout
+def test_offload_exits_1_when_the_losses_disagree(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    status, out = _in_process(OFFLOAD, monkeypatch, capsys, *OFFLOAD_TINY, "--modes", "none", "--rtol", "-1")  # nothing
+    assert status == 1, out  # agrees within a negative tolerance
+    assert "DISAGREE" in out and "| offload=" not in out
