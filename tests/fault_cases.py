@@ -376,3 +376,24 @@ def weights_error_in_one_ranks_build() -> str:
         return {0: "stage 0"}
 
     return _error(lambda: built_on_every_rank(build))
+
+
+# ------------------------------------------------------------------ sweeps (tests/test_sweep.py's jobs)
+def sweep_build_fails_on_rank_1() -> tuple:
+    """A sweep job whose build raises a ConfigError on rank 1 but succeeds on rank 0."""
+    from pipeflow.errors import ConfigError
+    from pipeflow.run.sweep import _build_agreed
+
+    def build() -> str:
+        if dist.get_rank() == 1:
+            raise ConfigError("pipeline.num_microbatches=3 is odd on rank 1\nsecond line")
+        return "built"
+
+    return _build_agreed(build)
+
+
+def sweep_build_everywhere() -> tuple:
+    """A sweep job that builds on every rank."""
+    from pipeflow.run.sweep import _build_agreed
+
+    return _build_agreed(lambda: f"built on {dist.get_rank()}")

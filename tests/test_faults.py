@@ -239,6 +239,8 @@ def _world_cases() -> list[tuple[str, object]]:
         ("trial-forward", cases.trial_forward_fault),
         ("post-failure", cases.post_failure),
         ("global-rank-named", cases.peers_named_by_global_rank),
+        ("sweep-one-fails", cases.sweep_build_fails_on_rank_1),
+        ("sweep-none-fails", cases.sweep_build_everywhere),
         ("nan-forward", functools.partial(cases.stage_fault, "nan", check_finite=True)),
         ("nan-backward", functools.partial(cases.stage_fault, "none", check_finite=True, nan_grad_stage=1)),
         ("nan-unchecked", functools.partial(cases.stage_fault, "nan")),
@@ -453,6 +455,12 @@ def test_peers_are_named_by_pipeline_and_global_rank(world) -> None:
     assert rank1.endswith("; pipeline rank 0 is global rank 1)"), rank1
 
 
+def test_ranks_agree_to_skip_a_sweep_job_that_failed_on_one_of_them(world) -> None:
+    """All ranks must walk a sweep (tests/test_sweep.py) together: one rank's build error makes every rank skip."""
+    assert _values(world["sweep-one-fails"]) == [(None, "ConfigError: pipeline.num_microbatches=3 is odd on rank 1")] * 2
+    assert _values(world["sweep-none-fails"]) == [("built on 0", ""), ("built on 1", "")]
+
+
 # ------------------------------------------------------------------------ torchrun with faults
 FAST = ["model=mlp", "data=gaussian", "train.max_steps=6", "train.eval_every=0", "train.eval_batches=1",
         "pipeline.profile=false", "comm.timeout_s=3", "comm.first_step_timeout_s=30"]
@@ -467,7 +475,19 @@ class Job:
         self.output = proc.stdout + proc.stderr
         match = INJECTED.search(self.output)
         self.detect_s = ended - float(match.group(4)) if match else None
-        self.survivors = [pid for pid in _pids_with(marker) if pid != os.getpid()]
+        self.survivors = _survivors(marker, ended + SURVIVOR_GRACE_S)
+
+
+SURVIVOR_GRACE_S = 0.5  # a job's processes may take this long after torchrun returns to be gone
+
+
+def _survivors(marker: str, deadline: float) -> list[int]:
+    """The job's processes still alive at `deadline` (looked for until then: most jobs leave none at once)."""
+    while True:
+        alive = [pid for pid in _pids_with(marker) if pid != os.getpid()]
+        if not alive or time.time() >= deadline:
+            return alive
+        time.sleep(0.05)
 
 
 def _pids_with(marker: str) -> list[int]:
@@ -501,9 +521,7 @@ def run_job(nproc: int, tmp_path: Path, *overrides: str, fault: str | None = Non
     if fault:
         env["PIPEFLOW_FAULT_INJECT"] = fault
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
-    ended = time.time()
-    time.sleep(0.5)
-    return Job(proc, ended, str(tmp_path))
+    return Job(proc, time.time(), str(tmp_path))
 
 
 def _report(job: Job) -> str:
