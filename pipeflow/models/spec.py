@@ -14,6 +14,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -33,6 +34,8 @@ def counted_targets(targets: Any, ignore_index: int | None = IGNORE_INDEX) -> in
         return sum(counted_targets(t, ignore_index) for t in targets)
     if ignore_index is None or targets.is_floating_point() or targets.dtype == torch.bool:
         return targets.numel()
+    if targets.device.type == "cpu":  # host data counted as such: no tensor op, nothing a device could wait for
+        return int(np.count_nonzero(targets.numpy() != ignore_index))
     return int((targets != ignore_index).sum())
 
 # How a tensor-parallel plan (ModelSpec.tp_plan) splits a submodule over the tp ranks of a stage
