@@ -63,3 +63,22 @@ def test_llama_end_to_end_example_runs(tmp_path: Path) -> None:
     for name in ("tokens/tokenizer.json", "tokens/prepare.json", "run/checkpoints", "hf/config.json",
                  "hf/model.safetensors", "hf/tokenizer.json"):
         assert (tmp_path / name).exists(), name
+
+
+def test_lora_finetune_example_runs(tmp_path: Path) -> None:
+    """examples/finetune_lora.sh, 40 steps: chat data prepared, a LoRA fine-tune on 2 pipeline
+    ranks whose loss falls, and both exports loaded by transformers and peft with one set of logits."""
+    pytest.importorskip("peft")
+    env = {**os.environ, "WORK": str(tmp_path), "STEPS": "40", "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(ROOT / "examples" / "finetune_lora.sh")], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    first, last = map(float, re.search(r"INFO loss (\S+) -> (\S+)", out).groups())
+    assert last < first, out[-4000:]
+    assert re.search(r"trainable [\d.]+ K of [\d.]+ K", out), out[-4000:]
+    difference = float(re.search(r"largest logit difference (\S+)", out).group(1))
+    assert difference < 1e-4, out[-2000:]  # float32: the adapter over the base and the merged weights agree
+    assert "what is two plus three ->" in out
+    for name in ("chat/prepare.json", "adapter/adapter_config.json", "merged/config.json"):
+        assert (tmp_path / name).exists(), name
