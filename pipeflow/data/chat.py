@@ -13,13 +13,13 @@ tokens between the two are the turn.  Packing the marked conversations into rows
 """
 from __future__ import annotations
 
-import glob
 import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeflow.data.tokens import matching_files
 from pipeflow.errors import ChatDataError
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -34,12 +34,7 @@ def conversation_paths(path: str | Path) -> list[Path]:
         ChatDataError: no file matches.
     """
     text = str(path)
-    if any(ch in text for ch in "*?["):
-        found = [Path(p) for p in sorted(glob.glob(text)) if Path(p).is_file()]
-    elif Path(text).is_dir():
-        found = sorted(p for p in Path(text).iterdir() if p.is_file() and p.suffix in SUFFIXES)
-    else:
-        found = [Path(text)] if Path(text).is_file() else []
+    found = matching_files(text, SUFFIXES)
     if not found:
         raise ChatDataError(f"data.path={text!r} names no conversation file (.jsonl or .parquet, or a folder of "
                             f"them, or a folder that `python -m pipeflow.data.prepare --chat` wrote)")

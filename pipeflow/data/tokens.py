@@ -30,6 +30,17 @@ _SAMPLE = 1 << 14  # tokens per window sampled for uint32 ids read as uint16
 _MIN_PAIRS = 16  # fewer sampled pairs say nothing about the dtype
 
 
+def matching_files(path: str | Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """The files `path` names, in name order: a glob's matches, a folder's files with one of
+    `suffixes`, or the file itself (empty where nothing matches)."""
+    text = str(path)
+    if any(ch in text for ch in "*?["):
+        return [Path(p) for p in sorted(glob.glob(text)) if Path(p).is_file()]
+    if Path(text).is_dir():
+        return sorted(p for p in Path(text).iterdir() if p.is_file() and p.suffix in suffixes)
+    return [Path(text)] if Path(text).is_file() else []
+
+
 def token_paths(path: str | Path) -> list[Path]:
     """The token files `path` names: a file, a folder (its ``*.bin`` and ``*.npy`` files) or a
     glob, in name order.
@@ -38,12 +49,7 @@ def token_paths(path: str | Path) -> list[Path]:
         ConfigError: no file matches.
     """
     text = str(path)
-    if any(ch in text for ch in "*?["):
-        found = [Path(p) for p in sorted(glob.glob(text)) if Path(p).is_file()]
-    elif Path(text).is_dir():
-        found = sorted(p for p in Path(text).iterdir() if p.is_file() and p.suffix in SUFFIXES)
-    else:
-        found = [Path(text)] if Path(text).is_file() else []
+    found = matching_files(text, SUFFIXES)
     if not found:
         where = "folder holds no .bin or .npy file" if Path(text).is_dir() else "matches no file"
         raise ConfigError(f"data.path={text!r} {where}; point it at token files (data=tokens)")

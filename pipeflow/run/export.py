@@ -245,18 +245,12 @@ def _export_hf(layers: dict[int, dict[str, torch.Tensor]], spec: ModelSpec | Non
     if mismatch:
         raise CheckpointError(mismatch)
     tensors = named(layers, spec, tied_once=True)
-    part = out.rstrip("/") + ".part"
-    with _writing(out, part):
-        _remove(part)
-        os.makedirs(part)
-        try:
-            save_config(part)
-            write_safetensors(tensors, part, max_shard_bytes)
-        except BaseException:
-            shutil.rmtree(part, ignore_errors=True)
-            raise
-        _remove(out)
-        os.rename(part, out)
+
+    def write(folder: str) -> None:
+        save_config(folder)
+        write_safetensors(tensors, folder, max_shard_bytes)
+
+    _write_folder(out, write)
     return len(tensors)
 
 
