@@ -30,6 +30,7 @@ from pipeflow.schedules.ir import CommOp
 
 _WARMUP = 3
 SLOW_FACTOR = 3.0  # a link this many times slower than the median of its peers is named
+PROBE_BYTES = 1 << 21  # always timed beside the model's own sizes (see measure_links)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,9 @@ def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], r
     pairs = link_pairs(schedule)
     index = {pair: k for k, pair in enumerate(pairs)}
     figures = torch.zeros(max(1, len(pairs)), 2, dtype=torch.float64, device=comm.device)  # NCCL: on the device
-    sizes = sorted({max(4, int(n)) for n in sizes}) or [4096]
+    # the model's sizes and one past a token bucket's burst: a small model's boundaries alone leave
+    # the per-byte term to noise (fitted to 0), and a link that bursts at line rate looks fast
+    sizes = sorted({max(4, int(n)) for n in sizes} | {PROBE_BYTES})
     for group in matching_rounds(pairs):
         mine = next((pair for pair in group if comm.rank in pair), None)
         if mine is not None:
