@@ -78,6 +78,7 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
              "frozen_grads": 0, "frozen_in_optimizer": 0}
     optimized = {id(p) for p in trainer.params}
     worst["frozen_in_optimizer"] = sum(id(p) in optimized for p in frozen)
+    worst["sharded"] = sum(isinstance(p, DTensor) for p, _ in trainable)
     for step in range(steps):
         for group in trainer.optimizer.param_groups + opt_ref.param_groups:
             group["lr"] = lr_at(step, o, cfg.train.max_steps)
@@ -101,6 +102,7 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
     if resume_dp:  # the checkpoint of this layout, resumed at dp x pp = world x 1: every rank all the adapters
         path = trainer.save_checkpoint(steps)
         cfg.parallel.dp, cfg.train.resume = dist.get_world_size(), path
+        cfg.parallel.tp, cfg.parallel.sequence_parallel = 1, False
         cfg.train.run_dir = f"{cfg.train.run_dir}-resumed"
         again = build_run(cfg, torch.device("cpu"))
         worst["resumed_step"] = again.resume()

@@ -237,7 +237,10 @@ TP_CASES_4 = {  # dp1 x pp2 x tp2: each stage's layers split by the config's bas
 LORA_CASES = {"lora-zb_h1": ("llama", 1, "zb_h1", 2, {"resume_dp": True}),  # then resumed at dp2 x pp1
               "lora-tied-1f1b-ckpt": ("llama_tied", 1, "1f1b", 2, {"pipeline__checkpoint_activations": True})}
 LORA_CASES_4 = {"lora-dp2-zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full",
-                                                                             "resume_dp": True})}  # then dp4 x pp1
+                                                                             "resume_dp": True}),  # then dp4 x pp1
+                # pp2 x tp2, sequence parallel, split backward: q/v adapters split by rows, down_proj's by columns
+                "lora-pp2-tp2-sp-zb_h1": ("llama", 1, "zb_h1", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True,
+                                                               "resume_dp": True})}  # then dp4 x pp1 x tp1
 
 
 GENERATE_KINDS = ("llama", "mistral_window")  # generation on the pipeline (tests/generate_cases.py)
@@ -361,8 +364,9 @@ def test_lora_trainer_equals_the_unsplit_peft_model_on_2_processes(world2, name)
 
 
 @pytest.mark.parametrize("name", list(LORA_CASES_4))
-def test_lora_trainer_equals_the_unsplit_peft_model_on_dp2_pp2(world4, name):
-    """model.lora with FSDP2 over dp2 and zbv: a rank whose stages hold only frozen weights trains nothing."""
+def test_lora_trainer_equals_the_unsplit_peft_model_on_4_processes(world4, name):
+    """model.lora with FSDP2 over dp2 and zbv (a rank whose stages hold only frozen weights trains
+    nothing); with pp2 x tp2 and sequence parallelism, each adapter split with the Linear it wraps."""
     _check_lora(world4[name])
     assert min(r.value["compared"] for r in world4[name]) == 0
 

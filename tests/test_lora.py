@@ -21,7 +21,8 @@ peft = pytest.importorskip("peft")
 
 from pipeflow.errors import CheckpointError, ConfigError, LoraError  # noqa: E402
 from pipeflow.models.hf import build_hf  # noqa: E402
-from pipeflow.models.lora import check_lora_run, describe, lora_settings  # noqa: E402
+from pipeflow.models.lora import describe, lora_settings  # noqa: E402
+from pipeflow.runtime.tensor_parallel_lora import is_lora_linear, lora_split  # noqa: E402
 from pipeflow.models.spec import run_layers  # noqa: E402
 from pipeflow.run import checkpoint as ck  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
@@ -150,13 +151,14 @@ def test_named_errors(tmp_path: Path) -> None:
         lora_settings({"ranks": 4})
     assert lora_settings({"rank": 0, "targets": ["q_proj"]}) is None and lora_settings(None) is None
     spec = build_hf(str(source), lora={"rank": 2, "targets": ["model.layers.1.*.q_proj"]})
-    check_lora_run(spec, 1)
-    with pytest.raises(LoraError, match="parallel.tp=2 is not supported yet"):
-        check_lora_run(spec, 2)
     layers = spec.build_all()  # a dotted glob: the whole path; only layer 1's q_proj adapted
     adapted = [n for layer in layers for n, p in layer.named_parameters() if p.requires_grad]
     assert adapted and all(n.startswith("model.layers.1.self_attn.q_proj.lora_") for n in adapted)
     assert describe(4_200_000, 1_100_000_000) == "trainable 4.2 M of 1.1 B"
+    wrapped = next(m for layer in layers for n, m in layer.named_modules() if n.endswith("q_proj") and is_lora_linear(m))
+    assert is_lora_linear(wrapped) and not is_lora_linear(wrapped.base_layer)
+    with pytest.raises(LoraError, match="layer 'h', module 'lm_head'.* as 'colwise_out'"):  # tp: no split for the head's
+        lora_split("colwise_out", None, "layer 'h', module 'lm_head'")
 
 
 def test_the_memory_prediction_counts_gradients_and_adamw_state_of_what_trains_only() -> None:

@@ -241,6 +241,9 @@ def world8(tmp_path_factory: pytest.TempPathFactory) -> dict:
              ("gpt-full-zbv-sp", functools.partial(scale_cases.dp_equivalence, 2, "zbv", 2, parallel__tp=2,
                                                    parallel__shard="full", parallel__sequence_parallel=True)),
              ("hf-full-1f1b", functools.partial(_hf_case, str(model), str(runs / "hf"))),
+             ("gpt-lora-full-zb_h1-sp", functools.partial(  # model.lora: adapters of the fused qkv, rows, columns
+                 scale_cases.dp_equivalence, 2, "zb_h1", 2, parallel__tp=2, parallel__shard="full",
+                 parallel__sequence_parallel=True, model__lora={"rank": 2, "targets": ["c_attn", "c_proj", "c_fc"]})),
              ("resume-tp-full", functools.partial(scale_cases.resume_across_tp, 2, "full")),
              ("zero-zbv-clipped", functools.partial(scale_cases.dp_equivalence, 2, "zbv", 2, parallel__tp=2,
                                                     parallel__shard="optimizer", optim__grad_clip=0.05)),
@@ -251,15 +254,17 @@ def world8(tmp_path_factory: pytest.TempPathFactory) -> dict:
         return run_cases(8, cases)
 
 
-@pytest.mark.parametrize("name", ["gpt-full-1f1b", "gpt-full-zbv-sp", "hf-full-1f1b"])
+@pytest.mark.parametrize("name", ["gpt-full-1f1b", "gpt-full-zbv-sp", "hf-full-1f1b", "gpt-lora-full-zb_h1-sp"])
 def test_dp2_pp2_tp2_with_fsdp2_equals_the_unsplit_model(world8, name: str) -> None:
     """The 3-D mesh on 8 processes: FSDP2 (parallel.shard=full) over dp around tp-split layers, the
-    GPT's fused [q; k; v] included (gathered in its own order), sequence parallel with ZB-V, and a
-    tied Hugging Face Llama; loss, every gradient and parameter against the unsplit model (float64)."""
+    GPT's fused [q; k; v] included (gathered in its own order), sequence parallel with ZB-V, a
+    tied Hugging Face Llama, and LoRA adapters split with the Linear modules they wrap; loss, every
+    trained gradient and parameter against the unsplit model (float64)."""
     for rank, result in enumerate(world8[name]):
         assert result.error is None, f"rank {rank}: {result.error}"
         v = result.value
         assert v["loss"] <= 1e-9 and v["grad"] <= 1e-9 and v["param"] <= 1e-9, (rank, v)
+        assert v["params_compared"] > 0 and ("lora" not in name or v["params"] == v["params_compared"]), (rank, v)
 
 
 def test_fsdp2_checkpoints_resume_across_tensor_parallel_degrees(world8) -> None:

@@ -14,8 +14,9 @@ rank builds the same ones.
 The exported ``adapter_config.json`` holds the same targets (plain names as peft's list, which it
 matches against module names; globs as one regular expression, :attr:`LoraSettings.pattern`), so
 ``peft.PeftModel.from_pretrained`` adapts the same modules of the whole model. Out of scope, named errors (:class:`~pipeflow.errors.LoraError`): LoRA on
-embeddings or the output head, QLoRA (quantised base weights), ``parallel.tp`` > 1 (peft's
-wrapper hides the Linear a tp plan splits). ``peft`` is imported only when a layer is adapted.
+embeddings or the output head, QLoRA (quantised base weights). With ``parallel.tp`` each adapter
+splits with the Linear it wraps (pipeflow/runtime/tensor_parallel_lora.py). ``peft`` is imported
+only when a layer is adapted.
 """
 from __future__ import annotations
 
@@ -198,19 +199,6 @@ def base_key(key: str) -> str | None:
     if ".lora_" in f".{key}":
         return None
     return key.replace(".base_layer.", ".")
-
-
-def check_lora_run(spec: Any, tp: int) -> None:
-    """Refuse what LoRA does not support yet in this run (every rank, before anything is built).
-
-    Raises:
-        LoraError: ``parallel.tp`` > 1 with ``model.lora`` (peft's ``lora.Linear`` wraps the Linear a
-            tp plan splits, so the plan's styles would split the wrapper, not the weight).
-    """
-    if getattr(spec, "lora", None) is not None and tp > 1:
-        raise LoraError(f"model.lora with parallel.tp={tp} is not supported yet: peft's LoRA layers wrap the Linear "
-                        f"modules tensor parallelism splits; run LoRA with parallel.tp=1 (pipeline and data "
-                        f"parallel, parallel.shard=full to shard the base weights)")
 
 
 def count_model(spec: Any) -> tuple[int, int]:

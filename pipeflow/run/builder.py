@@ -25,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.data import (TOKEN_DATA, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
                            split_microbatches, varies)
 from pipeflow.errors import ConfigError, PipeflowError
-from pipeflow.models.lora import check_lora_run
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
@@ -88,7 +87,6 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     dtype = getattr(torch, cfg.train.dtype)
     spec = build_spec(cfg.model)
     tp = tensor_degree(cfg.parallel)
-    check_lora_run(spec, tp)
     m = cfg.pipeline.num_microbatches
     schedule = build_schedule(cfg.schedule.name, pp, m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
                               cfg.schedule.path, cfg.pipeline.stage_to_rank)

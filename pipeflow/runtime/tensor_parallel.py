@@ -20,6 +20,7 @@ from torch import nn
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.runtime.fsdp import strided
+from pipeflow.runtime.tensor_parallel_lora import is_lora_linear, lora_split
 
 SEQUENCE_DIM = 1  # activations are (batch, sequence, ...)
 
@@ -125,13 +126,16 @@ def parallelize_layer(spec: ModelSpec, index: int, layer: nn.Module, tp_mesh: An
     Raises:
         ConfigError: the model has no plan, a style names no module of the layer, or a size the
             degree does not divide.
+        LoraError: a ``model.lora`` adapter on a module split by a style LoRA cannot follow.
     """
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
     name = spec.layers[index].name
     plan = spec.tensor_plan(index, layer, tp)
     styles = _styles(sequence_parallel)
+    between = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
     chosen = {}
     for path, style in plan.items():
         try:
@@ -140,14 +144,19 @@ def parallelize_layer(spec: ModelSpec, index: int, layer: nn.Module, tp_mesh: An
             raise ConfigError(f"layer {name!r}: the tensor-parallel plan names {path!r}, which is not a submodule "
                               f"of {type(layer).__name__}") from None
         _check_divisible(name, path, style, module, tp)
-        if styles[style] is not None:
+        if is_lora_linear(module) and styles[style] is not None:  # model.lora: the adapter splits with its base
+            chosen[path] = lora_split(style, between, f"layer {name!r}, module {path!r}")
+        elif styles[style] is not None:
             chosen[path] = styles[style]
     if sequence_parallel and not any(style in ("norm", "norm_gathered", "sequence_out") for style in plan.values()):
         raise ConfigError(f"layer {name!r}: the model's tensor-parallel plan has no 'norm' or 'sequence_out' entry, so "
                           f"it does not run on a slice of the sequence; set parallel.sequence_parallel=false")
     own = {path: style for path, style in chosen.items() if not isinstance(style, str)}
     if own:
+        frozen = {n for n, p in layer.named_parameters() if not p.requires_grad}
         parallelize_module(layer, tp_mesh, own)
+        for n, p in layer.named_parameters():  # torch's styles make new Parameters, trainable (model.lora freezes)
+            p.requires_grad_(n not in frozen)
     for path, style in chosen.items():
         if style == "sequence_out":
             layer.get_submodule(path).register_forward_hook(_cut_sequence(tp_mesh))
