@@ -128,3 +128,105 @@ def test_the_searchs_pick_is_the_fastest_of_every_layout_simulated():
     every, all_counts = search_cluster(work, cluster, replace(space, shortlist=10**6, max_simulated=10**6), 40e9)
     assert counts.simulated < all_counts.simulated
     assert picks[0].step_s == every[0].step_s and len(picks) == space.shortlist
+
+
+def measured_run(tmp_path, width: int, links: list, forward: float = 3.0, backward: float = 2.0) -> str:
+    """A run directory whose costs.json is shaped as a run writes it: a 2-layer GPT of `width` at
+    sequence 512 profiled at micro-batch 2 `forward` and `backward` times the H100 roofline's,
+    and the `links` it timed at start."""
+    from dataclasses import asdict
+
+    from pipeflow.planning.calibration import Calibration
+
+    nan, cluster = float("nan"), load_hardware("h100_sxm")
+    profiles = []
+    for shape in trace_layers(build_gpt(vocab_size=1024, block_size=512, n_layer=2, n_head=8, n_embd=width), 512):
+        roof = layer_profile(shape, 2, Placement(), cluster)
+        profiles.append({**asdict(roof), "forward_s": forward * roof.forward_s,
+                         "backward_s": backward * roof.backward_s, "input_grad_s": 0.0, "weight_grad_s": 0.0})
+    meta = {"microbatch_size": 2, "seq_len": 512, "tp": 1, "dtype": "bfloat16", "profiles": profiles, "links": links,
+            "hosts": ["a"] * 8 + ["b"] * 8, "machine": {"host": "a", "device": "cuda", "device_name": "H100"}}
+    cal = Calibration([0.0], [nan], [nan], [0.0], [0.0], [0.0], [0.0], 0.0, 0.0, 0.0, "group", [0.0], 1, nan, [],
+                      meta=meta)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "costs.json").write_text(cal.to_json())
+    return str(tmp_path)
+
+
+SLOW_NETWORK = [{"what": "pipeline ranks 0-1", "ranks": [0, 1], "hosts": ["a", "a"], "latency_s": 8e-6,
+                 "per_byte_s": 1 / 300e9},
+                {"what": "pipeline ranks 1-2", "ranks": [7, 8], "hosts": ["a", "b"], "latency_s": 40e-6,
+                 "per_byte_s": 1 / 1e9}]
+PLAN = ["plan.hardware=h100_sxm", "plan.gpus=32", "model.n_layer=8", "model.n_embd=1024", "model.n_head=8",
+        "data.vocab_size=1024", "data.seq_len=512", "data.batch_size=128", "plan.top=3"]
+
+
+def test_a_runs_measured_links_and_profile_replace_the_presets(tmp_path):
+    from pipeflow.planning.cluster_search import dp_link
+    from pipeflow.planning.measured_cluster import measured_layers, with_measured_links
+    from pipeflow.planning.measured_costs import read_costs
+    from pipeflow.run.plan import compose_config, run_plan
+
+    path = measured_run(tmp_path, 1024, SLOW_NETWORK)
+    preset = load_hardware("h100_sxm")
+    cluster, _ = with_measured_links(preset, SLOW_NETWORK, path)
+    assert cluster.inter.bandwidth_gbps * Efficiency().network == pytest.approx(1.0)  # 1 GB/s reached, as timed
+    assert cluster.intra.latency_us == pytest.approx(8.0) and cluster.gpu == preset.gpu
+    shapes = trace_layers(build_gpt(vocab_size=1024, block_size=512, n_layer=8, n_head=8, n_embd=1024), 512)
+    mine, lines = measured_layers(shapes, read_costs(path).meta, cluster, "bf16", 512, path)
+    assert all(s.measured == pytest.approx((3.0, 2.0)) for s in mine) and "10 of 10 layers" in lines[0]
+    quiet = override(cluster, {"intra.bandwidth_gbps": 1e12, "intra.latency_us": 1e-9})  # tp's collectives ~ 0
+    for b, place in ((2, Placement()), (8, Placement(tp=4, sequence_parallel=True))):  # scaled as the roofline scales
+        was, now = layer_profile(shapes[3], b, place, quiet), layer_profile(mine[3], b, place, quiet)
+        assert (now.forward_s, now.backward_s) == pytest.approx((3 * was.forward_s, 2 * was.backward_s), rel=1e-6)
+    fresh, plain = run_plan(compose_config(PLAN), overrides=PLAN)
+    measured, report = run_plan(compose_config([*PLAN, f"plan.calibration={path}"]), overrides=PLAN)
+    assert "from h100_sxm" in plain and "measured at start" not in plain
+    assert f"between hosts: measured at start by the run in {path}" in report and "(the preset's: 50 GB/s" in report
+    assert f"layer costs: 10 of 10 layers from the per-layer profile in {path}" in report
+    assert measured.candidates[0].step_s > 2 * fresh.candidates[0].step_s  # layers 2-3x slower, the network 40x
+    # the preset's pick reduces gradients across hosts; over the slow network measured, within a host
+    assert dp_link(preset, fresh.candidates[0].layout) != preset.intra
+    assert dp_link(cluster, measured.candidates[0].layout) == cluster.intra
+
+
+def test_a_profile_of_another_model_is_ignored_with_a_line_and_nothing_measured_refused(tmp_path):
+    from pipeflow.planning.measured_cluster import measured_layers
+    from pipeflow.planning.measured_costs import read_costs
+    from pipeflow.run.plan import compose_config, run_plan
+
+    other = measured_run(tmp_path / "other", 512, SLOW_NETWORK)  # another width: no layer of it matches
+    result, report = run_plan(compose_config([*PLAN, "plan.gpus=16", f"plan.calibration={other}"]), overrides=PLAN)
+    assert result.candidates and f"the profile in {other} is ignored: none of its layers" in report
+    assert "between hosts: measured at start" in report and "scaled to a measured profile" not in report
+    shapes = trace_layers(build_gpt(vocab_size=1024, block_size=256, n_layer=2, n_head=8, n_embd=1024), 256)
+    same, lines = measured_layers(shapes, read_costs(other).meta, load_hardware("h100_sxm"), "bf16", 256, other)
+    assert same == shapes and "taken at data.seq_len=512, this plan is at 256" in lines[0]
+    nothing = measured_run(tmp_path / "nothing", 512, [])
+    with pytest.raises(ConfigError, match="gives the cluster planner nothing it measured"):
+        run_plan(compose_config([*PLAN, "plan.gpus=16", f"plan.calibration={nothing}"]))
+    with pytest.raises(ConfigError, match="no costs of a run there"):
+        run_plan(compose_config([*PLAN, f"plan.calibration={tmp_path / 'missing'}"]))
+
+
+def test_a_run_records_the_links_it_timed_at_start():
+    from pipeflow.planning.links import Link as Pair, PipelineLinks
+    from pipeflow.planning.measured_cluster import measured_links, start_links
+    from types import SimpleNamespace
+
+    from pipeflow.planning.step_model import StepCosts
+    from pipeflow.planning.tensor_cost import TensorLink
+
+    ring = start_links(StepCosts(latency_s=1e-4, per_byte_s=1e-9), [[0, 1, 2, 3]], ["a"] * 4)
+    assert ring == [{"what": "the pipeline ring", "ranks": [0, 1, 2, 3], "hosts": ["a"] * 4, "latency_s": 1e-4,
+                     "per_byte_s": 1e-9}]
+    pairs = PipelineLinks((Pair((0, 1), 1e-5, 1e-10, (0, 1)), Pair((1, 2), 1e-4, 1e-9, (1, 2))), (0, 1, 2))
+    links = measured_links(start_links(StepCosts(links=pairs), [[0, 1, 2]], ["a", "a", "b"]))
+    assert links["intra"][0].latency_us == pytest.approx(10) and "global ranks 0-1" in links["intra"][1]
+    assert links["inter"][0].bandwidth_gbps * Efficiency().network == pytest.approx(1.0)
+    assert start_links(None, [[0, 1]], ["a"] * 2) == [] == start_links(StepCosts(latency_s=1e-4), [[0]], ["a"])
+    tp = SimpleNamespace(groups=(((0, 1), TensorLink(200e9, 5e-6)), ((2, 3), TensorLink(100e9, 7e-6))))
+    costs = SimpleNamespace(links=None, latency_s=0.0, per_byte_s=0.0, tp_links=tp)  # StepCosts' fields read
+    got = start_links(costs, [[0, 2]], ["a"] * 4)  # two tp groups, nothing else timed
+    assert [x["what"] for x in got] == ["a tp group's all-reduce"] * 2 and got[1]["per_byte_s"] == 1 / 100e9
+    assert measured_links(got)["intra"][0].latency_us == pytest.approx(6.0)

@@ -163,5 +163,7 @@ def test_the_run_writes_its_measured_costs_and_a_calibrated_prediction(run, scal
     assert all(f >= 0.040 for f in cal.forward)  # sleeps: F 40 ms, B + W 80 ms (stage 0: its W only)
     assert cal.backward[0] >= 0.040 and all(b >= 0.080 for b in cal.backward[1:])
     assert cal.meta["schedule"] == "1f1b" and cal.meta["num_microbatches"] == M and len(cal.meta["profiles"]) == P
+    ring = cal.meta["links"][0]  # what plan.hardware=... plan.calibration=<run dir> puts over a preset's link
+    assert ring["ranks"] == list(range(P)) and len(set(ring["hosts"])) == 1 and ring["latency_s"] > 0
     calibrated = scalars["pipeline/step_calibrated_ms"][0][1]
     assert math.isfinite(calibrated) and calibrated > 0

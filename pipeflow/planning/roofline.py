@@ -97,6 +97,7 @@ class LayerShape:
         tp_split_fraction: the fraction of its parameters the tp plan splits.
         tp_forward_elements: elements the tp plan sums in the forward beyond its linears' (a
             vocabulary-split embedding's output).
+        measured: (forward, backward) factors over its compute from a run's profile (`measured_cluster`).
     """
 
     name: str
@@ -112,6 +113,7 @@ class LayerShape:
     output_bytes: float = 0.0
     tp_split_fraction: float = 0.0
     tp_forward_elements: float = 0.0
+    measured: tuple[float, float] | None = None
 
     def model_flops(self) -> float:
         """Model FLOPs of one sample's forward and backward (6 per parameter-token of its linears, 4
@@ -346,12 +348,13 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
     bytes_s = b * (residual + shape.split_bytes / tp) / mem_bps
     link = place.tp_link or cluster.intra
     fwd_comm, bwd_comm = _tp_comm(shape, b, tp, link, eff)
-    forward = linear_s + attention_s + bytes_s + fwd_comm
+    f_scale, b_scale = shape.measured or (1.0, 1.0)  # a measured layer's compute; collectives stay on the links
+    forward = f_scale * (linear_s + attention_s + bytes_s) + fwd_comm
     weighted = [x for x in shape.linears if x.style != "embedding"]
-    weight_grad = sum(matmul_s(x) for x in weighted if x.trainable)
-    input_grad = sum(matmul_s(x) for x in weighted) + 2 * attention_s + 2 * bytes_s + bwd_comm
+    weight_grad = b_scale * sum(matmul_s(x) for x in weighted if x.trainable)
+    input_grad = b_scale * (sum(matmul_s(x) for x in weighted) + 2 * attention_s + 2 * bytes_s) + bwd_comm
     if shape.linears and all(x.style == "embedding" for x in shape.linears):
-        input_grad = 2 * bytes_s
+        input_grad = b_scale * 2 * bytes_s
     split_scale = 1.0 - shape.tp_split_fraction + shape.tp_split_fraction / tp
     if place.recompute:
         input_grad += forward

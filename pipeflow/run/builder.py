@@ -31,6 +31,7 @@ from pipeflow.planning.auto import auto_for_layout
 from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
 from pipeflow.planning.layout import Layout, choose_layout, with_offload, with_step_costs
+from pipeflow.planning.measured_cluster import rank_hosts, start_links
 from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.step_model import fused_adamw, measure_step_costs
 from pipeflow.run import guard
@@ -185,7 +186,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
                          (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
                          calibrator(schedule, stage_boundary_bytes(layout.ranges, layout.profiles),
-                                    run_meta(cfg, schedule, layout, device, dp)), first_pipeline=mesh.first_pipeline,
+                                    run_meta(cfg, schedule, layout, device, dp, mesh.grid)), first_pipeline=mesh.first_pipeline,
                          grid=mesh.grid)
     return Trainer(
         cfg=cfg, device=device, config_hash=config_hash, mesh=mesh, spec=spec, schedule=schedule, layout=layout,
@@ -233,13 +234,20 @@ DEVICE_MEMORY_SHARE = 0.85
 COPY_LATENCY_S = 10e-6  # launching one group's copy on its stream (a few small launches and an event)
 
 
-def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device: torch.device, dp: int) -> dict:
+def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device: torch.device, dp: int,
+             grid: Any = None) -> dict:
     """What a run's measured costs belong to (written into its ``costs.json``): the machine, the
-    model, the schedule and sizes, the partition and its layer profiles (for the planner)."""
+    model, the schedule and sizes, the partition and its layer profiles, the links timed at start
+    and each rank's host (for the planners; `grid`: the mesh's ``MeshGrid``)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    names = rank_hosts(dist.get_world_size())
     return {
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "local_ranks": local, "device": device.type},
+                    "local_ranks": local, "device": device.type,
+                    "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+        "seq_len": OmegaConf.select(cfg, "data.seq_len", default=None), "tp": tensor_degree(cfg.parallel),
+        "precision": cfg.train.precision, "hosts": names,
+        "links": start_links(layout.step_costs, grid.pipelines() if grid is not None else [], names),
         "model": OmegaConf.to_container(cfg.model, resolve=True), "dtype": cfg.train.dtype,
         "schedule": schedule.name, "num_ranks": schedule.num_ranks, "num_microbatches": schedule.num_microbatches,
         "stages_per_rank": schedule.num_stages // schedule.num_ranks, "dp": dp, "batch_size": cfg.data.batch_size,

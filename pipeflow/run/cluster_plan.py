@@ -6,7 +6,9 @@ The model is built on the meta device and its layers costed by the roofline
 micro-batch size, activation checkpointing and optimizer sharding are searched
 (`pipeflow.planning.cluster_space`) and the fastest layouts that fit the GPUs' memory printed with
 their predicted step, tokens/s, model TFLOP/s per GPU, MFU, memory per GPU and the GPU-hours (and
-cost) of ``plan.train_tokens``, as ready-to-paste overrides.
+cost) of ``plan.train_tokens``, as ready-to-paste overrides.  With ``plan.calibration=<run dir>`` the
+links that run timed at start and its per-layer profile replace the preset's figures where they
+apply (`pipeflow.planning.measured_cluster`); the header says which figures came from where.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pipeflow.errors import ConfigError
 from pipeflow.planning.cluster_search import Prediction, Workload
 from pipeflow.planning.cluster_space import CLUSTER_SCHEDULES, ClusterSpace, pinned, search_cluster
 from pipeflow.planning.hardware import Cluster, load_hardware, override
+from pipeflow.planning.measured_cluster import measured_layers, with_measured_links
 from pipeflow.planning.roofline import trace_layers
 from pipeflow.run.config import tensor_degree
 
@@ -47,10 +50,16 @@ def run_cluster_plan(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[Cl
     if plan.gpus is None or plan.gpus < 1:
         raise ConfigError("plan.hardware needs the GPUs to plan for: add plan.gpus=<count>, e.g. plan.gpus=256")
     cluster = load_hardware(str(plan.hardware))
+    meta, figures = None, [f"GPU peak, memory and its bandwidth from {cluster.name}"]
+    if plan.calibration is not None:  # what a run measured, over the preset's figures
+        meta = calibration_meta(str(plan.calibration))
+        cluster, lines = with_measured_links(cluster, meta.get("links") or [], str(plan.calibration))
+        figures += lines
     measured = {key: value for key, value in (("intra.bandwidth_gbps", plan.get("tp_bandwidth_gbps")),
                                               ("intra.latency_us", plan.get("tp_latency_us"))) if value is not None}
     if measured:  # the tp link's figures, where given, override the description's link within a host
         cluster = override(cluster, measured)
+        figures.append(f"within a host: {', '.join(f'{k}={v:g}' for k, v in measured.items())} as plan.tp_* give")
     if cluster.hosts is not None and plan.gpus > cluster.hosts * cluster.gpus_per_host:
         raise ConfigError(f"plan.gpus={plan.gpus} but {plan.hardware} has {cluster.hosts} hosts of "
                           f"{cluster.gpus_per_host} GPUs: plan for at most {cluster.hosts * cluster.gpus_per_host}")
@@ -62,17 +71,42 @@ def run_cluster_plan(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[Cl
     except (RuntimeError, NotImplementedError, TypeError) as err:
         raise ConfigError(f"the model's layers cannot run on the meta device, which the cluster planner costs "
                           f"them on (no weights): {err}") from err
+    if meta is not None:
+        shapes, lines = measured_layers(shapes, meta, cluster, dtype, seq, str(plan.calibration))
+        figures += lines
+        if not meta.get("links") and not any(s.measured for s in shapes):
+            raise ConfigError(f"plan.calibration={plan.calibration} gives the cluster planner nothing it measured: "
+                              f"{'; '.join(lines)}; no link timed at start either (runs record them with a profile, "
+                              "pipeline.profile=true, over two ranks or more)")
     work = Workload(shapes, seq, int(cfg.data.batch_size), dtype)
     space = cluster_space(cfg)
     limit = plan.memory_limit_gb * 1e9 if plan.memory_limit_gb is not None else HEADROOM * cluster.gpu.memory_gb * 1e9
     picks, counts = search_cluster(work, cluster, space, limit)
     seconds = time.perf_counter() - start
+    scaled = sum(s.measured is not None for s in shapes)
+    costed = f" ({scaled} scaled to a measured profile)" if scaled else ""
     header = (f"cluster planner: {plan.gpus} x {cluster.gpu.name} ({cluster.name}: {cluster.gpus_per_host} per host, "
               f"{cluster.intra.bandwidth_gbps:g} GB/s within, {cluster.inter.bandwidth_gbps:g} GB/s between hosts), "
-              f"{len(shapes)} layers costed by the roofline in {dtype}, sequence {seq}, global batch {work.global_batch}; "
+              f"{len(shapes)} layers costed by the roofline{costed} in {dtype}, sequence {seq}, global batch {work.global_batch}; "
               f"{counts.estimated} layouts estimated, {counts.pruned} pruned by memory (limit {limit / 1e9:g} GB per "
-              f"GPU), {counts.simulated} simulated, in {seconds:.1f} s")
+              f"GPU), {counts.simulated} simulated, in {seconds:.1f} s\nfigures, where from:"
+              + "".join(f"\n  {line}" for line in figures))
     return ClusterPlan(picks), header + "\n" + format_cluster_plan(picks, cfg, cluster, limit, overrides)
+
+
+def calibration_meta(path: str) -> dict:
+    """What the run in `path` (its directory or costs.json) recorded of itself (its costs' meta).
+
+    Raises:
+        ConfigError: no readable costs file there.
+    """
+    from pipeflow.planning.measured_costs import read_costs
+
+    try:
+        return read_costs(path).meta
+    except (OSError, ValueError, TypeError) as err:
+        raise ConfigError(f"plan.calibration={path}: no costs of a run there ({err}); runs write "
+                          "<run_dir>/costs.json at their end") from err
 
 
 def cluster_space(cfg: DictConfig) -> ClusterSpace:

@@ -248,7 +248,9 @@ class PlanConfig:
     repeats: int = 5  # timed runs per layer when profiling
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (AdamW: 2)
     csv: str | None = None  # also write every simulated layout to this CSV file
-    calibration: str | None = None  # a run directory (its costs.json): rank layouts with what that run measured
+    # a run directory (its costs.json): rank layouts with what that run measured; with plan.hardware,
+    # its links timed at start and per-layer profile replace the preset's figures (docs/cluster_planning.md)
+    calibration: str | None = None
     rehearse: int = 0  # CPU hosts: build the k fastest layouts as train.py would and re-rank them by their rehearsed step
     # tensor-parallel degrees searched beside the schedules (each pick: parallel.tp=N, dp x pp x N processes);
     # null: parallel.tp alone.  Their collectives are costed over this link (a node's NVLink by default)
