@@ -1,8 +1,9 @@
 """parallel.tp.  In one process: the layout's arithmetic and named errors, the plans (the GPT's, a
 from_module glob plan), the checks that refuse what tp cannot split, one layer split over a
 one-rank mesh equal to itself, one tp rank's costs and the planner's tp search.  In this
-module's 8-process world: dp 2 x pp 2 x tp 2 with FSDP2 (the GPT, a tied Llama) against the
-unsplit model, and its checkpoints across tp.  pp 2 x tp 2 for every schedule family, with and
+module's 8-process world: dp 2 x pp 2 x tp 2 with FSDP2 (the GPT, a tied Llama, LoRA) against the
+unsplit model, and its checkpoints across tp; the suite's one 8-process mixture-of-experts case
+(pp 2 x dp 4, parallel.ep=4) shares the world.  pp 2 x tp 2 for every schedule family, with and
 without sequence parallelism, and checkpoints across tp run in tests/test_scale.py's 4-process
 world; model=hf's plan at pp 2 x tp 2 in tests/test_hf.py.
 """
@@ -228,6 +229,7 @@ def _hf_case(folder: str, run_root: str) -> dict:
 def world8(tmp_path_factory: pytest.TempPathFactory) -> dict:
     import functools
 
+    import moe_cases
     import scale_cases
     from mp_harness import run_cases
 
@@ -248,7 +250,8 @@ def world8(tmp_path_factory: pytest.TempPathFactory) -> dict:
              ("zero-zbv-clipped", functools.partial(scale_cases.dp_equivalence, 2, "zbv", 2, parallel__tp=2,
                                                     parallel__shard="optimizer", optim__grad_clip=0.05)),
              ("resume-tp-zero", functools.partial(scale_cases.resume_across_tp, 2, "optimizer")),
-             ("vit", functools.partial(_vision_case, "vit")), ("convnext", functools.partial(_vision_case, "convnext"))]
+             ("vit", functools.partial(_vision_case, "vit")), ("convnext", functools.partial(_vision_case, "convnext")),
+             ("moe-pp2-dp4-ep4", functools.partial(moe_cases.moe_trainer_fit, ep=4, pp=2))]  # issue 45's 8 ranks
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(scale_cases.TMP_ENV, str(runs))
         return run_cases(8, cases)
@@ -328,3 +331,14 @@ def test_torchvision_vit_and_convnext_split_their_mlps_over_tp(world8, family: s
         assert result.error is None, f"rank {rank}: {result.error}"
         assert result.value["split"] == modules, result.value
         assert result.value["loss"] <= 1e-12 and result.value["grad"] <= 1e-9, (rank, result.value)
+
+
+def test_an_moe_model_on_pp2_dp4_with_ep4_trains_as_the_unsplit_model(world8) -> None:
+    """The 8-process MoE case: pp 2 x dp 4 with parallel.ep=4 (one of the 4 experts of each layer
+    on each rank), Trainer.fit with bias balancing and aux loss against the unsplit model (float64),
+    then resumed with ep 1: every expert back on every rank, loaded by its global index."""
+    for rank, result in enumerate(world8["moe-pp2-dp4-ep4"]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert v["experts_held"] == 1 and v["experts_after_resume"] == 4 and v["resumed_at"] == 3, (rank, v)
+        assert max(v["loss"], v["param"], v["resumed"]) <= 1e-9, (rank, v)
