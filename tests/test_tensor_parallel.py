@@ -267,7 +267,8 @@ def test_dp2_pp2_tp2_with_fsdp2_equals_the_unsplit_model(world8, name: str) -> N
         assert result.error is None, f"rank {rank}: {result.error}"
         v = result.value
         assert v["loss"] <= 1e-9 and v["grad"] <= 1e-9 and v["param"] <= 1e-9, (rank, v)
-        assert v["params_compared"] > 0 and ("lora" not in name or v["params"] == v["params_compared"]), (rank, v)
+        if "lora" in name:  # only the adapters handed to the optimizer, each compared
+            assert v["params"] == v["params_compared"] > 0, (rank, v)
 
 
 def test_fsdp2_checkpoints_resume_across_tensor_parallel_degrees(world8) -> None:
