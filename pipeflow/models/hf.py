@@ -32,8 +32,9 @@ files' headers against every tensor of the model); each loaded tensor is checked
 
 Tensor parallelism (``parallel.tp``): :func:`hf_tp_plan` splits the layers by the config's own
 ``base_model_tp_plan`` (attention heads and the MLP column then row), the embedding's and the
-head's vocabulary alike (so a tied pair stays tied shard for shard). Sequence parallelism is not
-supported yet (the plan has no norm entries).
+head's vocabulary alike (so a tied pair stays tied shard for shard). With
+``parallel.sequence_parallel`` the norms run on this rank's slice of the sequence and are gathered
+whole before the projections after them.
 """
 from __future__ import annotations
 
