@@ -7,18 +7,18 @@ may disagree on the partition.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from pipeflow.models.spec import ModelSpec
+from pipeflow.planning import layer_timing as timing
+from pipeflow.planning.tp_traffic import TensorTraffic
 from pipeflow.runtime.compile import CompileOptions, compile_layer, holds_all_parameters
-from pipeflow.runtime.compiled_backward import deferring_weight_grads
 from pipeflow.runtime.precision import to_compute_dtype
 from pipeflow.schedules.auto import StageCosts
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
@@ -196,7 +196,7 @@ def profile_layers(
     Layer i's input is layer i-1's output, detached, floating tensors requiring grad.  Each layer
     runs one untimed forward+backward (warm-up), then `repeats` timed ones; the least times are
     kept (other work on the machine only adds time).  Nothing it made outlives it (no graph is
-    kept by a cycle, see `_counting_saved`), and on CUDA the allocator's cache is emptied after.
+    kept by a cycle, see `layer_timing.counting_saved`), and on CUDA the allocator's cache is emptied after.
 
     Args:
         spec: the model.
@@ -225,7 +225,7 @@ def profile_layers(
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1")
     device = torch.device("cpu" if device is None else device)
-    inputs = _to_device(sample_input, device, dtype, requires_grad=False)
+    inputs = timing.to_device(sample_input, device, dtype, requires_grad=False)
     profiles = []
     for index in range(len(spec)):
         profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats, split_backward, autocast_dtype,
@@ -233,7 +233,7 @@ def profile_layers(
         profiles.append(profile)
     if sample_target is not None and profiles and spec.loss_fn is not None:
         target = sample_target.to(device) if isinstance(sample_target, Tensor) else sample_target
-        loss_bytes, saves_output = _loss_bytes(spec.loss_fn, inputs, target)
+        loss_bytes, saves_output = timing.loss_bytes(spec.loss_fn, inputs, target)
         profiles[-1] = replace(profiles[-1], loss_bytes=loss_bytes, loss_saves_output=saves_output)
     del inputs
     release_cached_memory(device)
@@ -251,17 +251,6 @@ def release_cached_memory(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
-def _loss_bytes(loss_fn: Callable[[Any, Any], Tensor], outputs: tuple, target: Any) -> tuple[int, bool]:
-    """Bytes the loss saves for backward, the outputs' and the target's storages excluded, and
-    whether it saves an output's storage."""
-    own = {_storage_key(t) for t in outputs if isinstance(t, Tensor)}
-    skip = own | {_storage_key(t) for t in (target,) if isinstance(t, Tensor)}
-    seen: dict[tuple[str, int], int] = {}
-    with torch.enable_grad(), _counting_saved(seen):
-        loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)  # its graph dies here
-    return sum(n for key, n in seen.items() if key not in skip), bool(own & set(seen))
-
-
 def _profile_one(
     spec: ModelSpec, index: int, inputs: tuple, device: torch.device,
     dtype: torch.dtype | None, repeats: int, split_backward: bool = False,
@@ -272,20 +261,21 @@ def _profile_one(
     if compiled is not None:
         unit = spec.unit_to_compile(index, module)
         compile_layer(unit, spec.layers[index].name, compiled, split_backward, holds_all_parameters(unit, module))
-    forward = _Forward(module, device, autocast_dtype)
+    forward = timing.LayerForward(module, device, autocast_dtype)
     params = list(module.parameters())
-    traffic = _TensorTraffic(spec, index, module)
-    _run(forward, inputs, device)  # warm-up (and the tp plan's modules' sizes)
+    traffic = TensorTraffic(spec, index, module)
+    timing.time_forward_backward(forward, inputs, device)  # warm-up (and the tp plan's modules' sizes)
     traffic.stop()
-    activation_bytes, outputs = _activation_bytes(forward, inputs, params)
+    activation_bytes, outputs = timing.activation_bytes(forward, inputs, params)
     outputs = to_compute_dtype(outputs, autocast_dtype)  # what a stage sends on (and the next layer receives)
     times, fractions = [], []
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
-        times.append(_run(forward, inputs, device))
+        times.append(timing.time_forward_backward(forward, inputs, device))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         fractions.append(cpu / wall if wall > 0 and device.type == "cpu" else 0.0)
-    halves = [_run_split(forward, inputs, device) for _ in range(repeats)] if split_backward else [(0.0, 0.0)]
+    halves = ([timing.time_split_backward(forward, inputs, device) for _ in range(repeats)] if split_backward
+              else [(0.0, 0.0)])
     for p in params:
         p.grad = None
     profile = LayerProfile(
@@ -302,205 +292,4 @@ def _profile_one(
         trainable_bytes=None if all(p.requires_grad for p in params) else sum(p.nbytes for p in params if p.requires_grad),
         **traffic.figures(),
     )
-    return profile, _to_device(outputs, device, None, requires_grad=True)
-
-
-class _TensorTraffic:
-    """What layer `index`'s tensor-parallel plan would split and send (``LayerProfile.tp_*``): the
-    plan for tp = 2 (a model without one, or one tp = 2 cannot split, splits nothing), and the
-    sizes of its modules' inputs and outputs, seen by hooks during one forward."""
-
-    FORWARD = {"rowwise": 1.0, "embedding": 1.0, "colwise_out": 0.5}  # output: summed, or gathered (half)
-    BACKWARD = ("colwise", "colwise_whole", "colwise_qkv", "colwise_out")  # input gradient summed
-
-    def __init__(self, spec: ModelSpec, index: int, module: nn.Module) -> None:
-        from pipeflow.errors import ConfigError
-
-        self.total = sum(p.numel() for p in module.parameters())
-        self.plan: dict[str, str] = {}
-        if spec.tp_plan is not None:
-            try:
-                self.plan = spec.tensor_plan(index, module, 2)
-            except ConfigError:
-                self.plan = {}
-        sends = [path for path, style in self.plan.items() if style in self.FORWARD or style in self.BACKWARD]
-        self.split = sum(p.numel() for path in sends for p in module.get_submodule(path).parameters())
-        self.norm_bytes = sum(p.numel() * p.element_size() for path, style in self.plan.items() if style == "norm"
-                              for p in module.get_submodule(path).parameters())
-        self.bytes: dict[str, tuple[int, int]] = {}
-        self.hooks = [module.get_submodule(path).register_forward_hook(self._hook(path)) for path in sends]
-
-    def _hook(self, path: str) -> Callable:
-        def record(mod: nn.Module, args: tuple, out: Any) -> None:
-            self.bytes.setdefault(path, (_tensor_bytes(args), _tensor_bytes(out)))
-        return record
-
-    def stop(self) -> None:
-        """Remove the hooks (after the warm-up forward)."""
-        for hook in self.hooks:
-            hook.remove()
-
-    def figures(self) -> dict[str, Any]:
-        """The ``LayerProfile.tp_*`` fields."""
-        forward = sum(self.FORWARD[s] * self.bytes.get(p, (0, 0))[1] for p, s in self.plan.items() if s in self.FORWARD)
-        backward = sum(self.bytes.get(p, (0, 0))[0] for p, s in self.plan.items() if s in self.BACKWARD)
-        return {"tp_split": self.split / self.total if self.total else 0.0, "tp_forward_bytes": int(forward),
-                "tp_backward_bytes": int(backward),
-                "tp_forward_collectives": sum(1 for s in self.plan.values() if s in self.FORWARD),
-                "tp_backward_collectives": sum(1 for s in self.plan.values() if s in self.BACKWARD),
-                "tp_norm_bytes": self.norm_bytes}
-
-
-def _tensor_bytes(value: Any) -> int:
-    """Bytes of the floating tensors in `value` (a tensor or a tuple of them)."""
-    if isinstance(value, Tensor):
-        return value.numel() * value.element_size() if value.is_floating_point() else 0
-    if isinstance(value, (tuple, list)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
-class _Forward:
-    """A layer's forward as a stage runs it: under autocast in the compute dtype, if any."""
-
-    def __init__(self, module: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None) -> None:
-        self.module = module
-        self.device = device
-        self.autocast_dtype = autocast_dtype
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The layer's parameters."""
-        return self.module.parameters()
-
-    def __call__(self, *inputs: Any) -> tuple:
-        if self.autocast_dtype is None:
-            return _as_tuple(self.module(*inputs))
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
-            return _as_tuple(self.module(*inputs))
-
-
-def _run(module: _Forward, inputs: tuple, device: torch.device) -> tuple[float, float]:
-    """One forward and one backward of `module`; return their (forward, backward) seconds."""
-    _sync(device)
-    start = time.perf_counter()
-    outputs = module(*inputs)
-    _sync(device)
-    forward = time.perf_counter() - start
-    roots = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]
-    if not roots:
-        return forward, 0.0
-    grads = [torch.ones_like(t) for t in roots]
-    _sync(device)
-    start = time.perf_counter()
-    torch.autograd.backward(roots, grads)
-    _sync(device)
-    return forward, time.perf_counter() - start
-
-
-def _run_split(module: _Forward, inputs: tuple, device: torch.device) -> tuple[float, float]:
-    """One forward, then the backward in two halves; return the (input-grad, weight-grad) seconds.
-
-    B takes the gradients of the inputs (keeping the graph), W those of the parameters, as a
-    stage does for the zero-bubble schedules (`pipeflow.runtime.stage.Stage.backward_weight`).
-    """
-    outputs = module(*inputs)
-    roots = [t for t in outputs if isinstance(t, Tensor) and t.requires_grad]
-    wanted = [t for t in inputs if isinstance(t, Tensor) and t.requires_grad]
-    params = [p for p in module.parameters() if p.requires_grad]
-    if not roots:
-        return 0.0, 0.0
-    grads = [torch.ones_like(t) for t in roots]
-    halves = []
-    for targets, keep in ((wanted, bool(params)), (params, False)):
-        if not targets:
-            halves.append(0.0)
-            continue
-        _sync(device)
-        start = time.perf_counter()
-        with deferring_weight_grads() if keep else contextlib.nullcontext():  # a compiled layer: its B half only
-            torch.autograd.grad(roots, targets, grads, retain_graph=keep, allow_unused=True)
-        _sync(device)
-        halves.append(time.perf_counter() - start)
-    return halves[0], halves[1]
-
-
-def _activation_bytes(
-    module: _Forward, inputs: tuple, params: Sequence[Tensor]
-) -> tuple[int, tuple]:
-    """Bytes of the storages one forward saves for backward, or outputs (params, inputs excluded).
-
-    Returns:
-        (the byte count, the outputs of that forward, detached: its graph is freed on return).
-    """
-    skip = {_storage_key(t) for t in (*params, *inputs) if isinstance(t, Tensor)}
-    seen: dict[tuple[str, int], int] = {}
-    with _counting_saved(seen):
-        outputs = module(*inputs)
-    for t in outputs:
-        if isinstance(t, Tensor):
-            seen.setdefault(_storage_key(t), _storage_bytes(t))
-    return sum(n for key, n in seen.items() if key not in skip), _detached(outputs)
-
-
-def _counting_saved(seen: dict[tuple[str, int], int]) -> contextlib.AbstractContextManager:
-    """Saved-tensor hooks that record each saved storage's bytes in `seen` (by `_storage_key`).
-
-    The pack hook keeps a detached alias, never the tensor itself: an op that saves its own
-    output (softmax, log_softmax) would otherwise hold the output's grad_fn from inside it, a
-    cycle in C++ that no garbage collection frees, and the whole graph would outlive the
-    profile.  The alias keeps the storage alive while the graph lives, so no storage counted is
-    freed and reused (a reused address would be taken for one already seen).
-    """
-
-    def pack(t: Tensor) -> Tensor:
-        seen.setdefault(_storage_key(t), _storage_bytes(t))
-        return t.detach()
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-
-def _detached(values: tuple) -> tuple:
-    """`values` with every tensor detached (their graph no longer reachable from them)."""
-    return tuple(t.detach() if isinstance(t, Tensor) else t for t in values)
-
-
-def _storage_key(t: Tensor) -> tuple[str, int]:
-    """Identify the memory a tensor lives in, so views of one storage are counted once."""
-    try:
-        return (str(t.device), t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # no plain storage (e.g. some tensor subclasses)
-        return (str(t.device), id(t))
-
-
-def _storage_bytes(t: Tensor) -> int:
-    """Bytes of the tensor's whole storage (a view keeps all of it alive)."""
-    try:
-        return t.untyped_storage().nbytes()
-    except (RuntimeError, NotImplementedError):
-        return t.numel() * t.element_size()
-
-
-def _as_tuple(value: Any) -> tuple:
-    """The layer calling convention: a tuple is several arguments, anything else is one."""
-    return value if isinstance(value, tuple) else (value,)
-
-
-def _to_device(
-    value: Any, device: torch.device, dtype: torch.dtype | None, requires_grad: bool
-) -> tuple:
-    """Move (and detach) tensors; cast floating ones to `dtype`; mark them requiring grad."""
-    moved = []
-    for t in _as_tuple(value):
-        if isinstance(t, Tensor):
-            t = t.detach().to(device)
-            if t.is_floating_point():
-                t = t.to(dtype) if dtype is not None else t
-                t.requires_grad_(requires_grad)
-        moved.append(t)
-    return tuple(moved)
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for queued kernels, so wall-clock time measures the work (CUDA is asynchronous)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return profile, timing.to_device(outputs, device, None, requires_grad=True)
