@@ -113,6 +113,35 @@ def pipeflow_runner(schedule: PipelineSchedule, layers: dict[int, list[nn.Module
     return Runner(step, [p for st in stages.values() for p in st.parameters()], pipe)
 
 
+def floor_runner(pipe: Pipeline, batch, m: int, sleep_ms: float) -> Runner:
+    """The floor any runtime can reach here: pipeflow's own lowered program for this rank (the
+    posting option its tuner chose) run with nothing but plain ``dist.batch_isend_irecv`` calls
+    on preallocated tensors and ``time.sleep`` for each action (F, B and W ``sleep_ms`` each, a
+    full B both) -- no autograd, no stage, no inbox, no recording, no checks."""
+    rows = batch[0].shape[0] // m
+    wait_s = sleep_ms / 1e3
+
+    def step() -> None:
+        program = pipe.programs[pipe.posting.for_training(pipe._coalescing)]
+        works: dict = {}
+        for st in program:
+            if st.ops:
+                ops = [dist.P2POp(dist.isend if op.is_send else dist.irecv, torch.empty(rows, 8), op.peer)
+                       for op in st.ops]
+                done = dist.batch_isend_irecv(ops)
+                for op, w in zip(st.ops, done if len(done) == len(ops) else [done[0]] * len(ops)):
+                    works[op] = w
+            for op in st.waits:
+                works.pop(op).wait()
+            if st.action is not None:
+                time.sleep(wait_s * (2 if st.action.kind == "B" and st.backward_weights else 1))
+            for op in st.after:
+                works.pop(op).wait()
+        return None
+
+    return Runner(step, [])
+
+
 def torch_runner(name: str, schedule: PipelineSchedule, layers: dict[int, list[nn.Module]], batch, device, m: int) -> Runner:
     """torch.distributed.pipelining's PipelineStage(s) and schedule class for the same split."""
     from torch.distributed.pipelining import PipelineStage, schedules
@@ -171,7 +200,9 @@ def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.devi
         "pipeflow": pipeflow_runner(schedule, built, batch, device, m),
         "torch": torch_runner(name, schedule, {s: copy.deepcopy(ls) for s, ls in built.items()}, batch, device, m),
     }
-    times: dict[str, list[float]] = {"pipeflow": [], "torch": []}
+    if args.model == "sleep" and device.type == "cpu":  # the hand-written floor, in the same rounds
+        runners["floor"] = floor_runner(runners["pipeflow"].pipeline, batch, m, args.sleep_ms)
+    times: dict[str, list[float]] = {fw: [] for fw in runners}
     losses: dict[str, torch.Tensor | None] = {}
     for k in range(args.warmup + args.rounds):
         for fw, runner in runners.items():
@@ -195,6 +226,10 @@ def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.devi
         "loss_diff": max((d for d in gathered if d == d), default=float("nan")),
         "recvs": {True: "ahead", False: "at step", None: "-"}[runners["pipeflow"].pipeline.posting.tuner.choice],
     }
+    if "floor" in times:
+        row["floor"] = statistics.median(times["floor"])
+        row["over_floor"] = statistics.median(a / b for a, b in zip(times["pipeflow"], times["floor"]))
+        row["torch_over_floor"] = statistics.median(a / b for a, b in zip(times["torch"], times["floor"]))
     if args.model == "sleep":
         costs = {"F": args.sleep_ms / 1e3, "B": args.sleep_ms / 1e3, "W": args.sleep_ms / 1e3}
         row["makespan"] = simulate(schedule, costs=costs).makespan
@@ -207,9 +242,12 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     sleep = args.model == "sleep"
     head = ("| model | width | ranks | schedule | pipeflow step (ms) | torch step (ms) | pipeflow / torch (median) "
             "| IQR of the ratio | loss rel. diff | pipeflow recvs (comm.recvs_ahead=auto) |")
+    floor = sleep and "floor" in rows[0]
     if sleep:
         head += (" simulated makespan (ms) | pipeflow / makespan | torch / makespan "
                  "| makespan, profiled costs (ms) | pipeflow / that | torch / that |")
+    if floor:
+        head += " floor step (ms) | pipeflow / floor | torch / floor |"
     lines = [
         f"batch {args.batch}, {args.microbatches} micro-batches, {args.rounds} alternating rounds "
         f"after {args.warmup} warm-up, {args.layers_per_stage if not sleep else 1} layer(s) per stage",
@@ -225,6 +263,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         if sleep:
             for key in ("makespan", "profiled_makespan"):
                 line += f" {r[key] * 1e3:.1f} | {r['pipeflow'] / r[key]:.3f} | {r['torch'] / r[key]:.3f} |"
+        if floor:
+            line += f" {r['floor'] * 1e3:.1f} | {r['over_floor']:.3f} | {r['torch_over_floor']:.3f} |"
         lines.append(line)
     return "\n".join(lines)
 
