@@ -101,3 +101,17 @@ def test_the_memory_prediction_keeps_the_last_outputs_only_where_the_stage_does(
         full, split = (stage_bytes(ranges, profiles, build_schedule(name, 2, 4)) for name in ("1f1b", "zb_h1"))
         assert split[0].activations == full[0].activations  # sent on: freed once sent either way
         assert split[1].activations - full[1].activations == (0 if saves else profiles[-1].output_bytes)
+
+
+def test_a_full_backward_of_an_input_that_is_a_view_warns_nothing() -> None:
+    """Stage 0 given a view of a tensor that requires grad (a batch cut into micro-batches): its
+    backward read the view's .grad, which autograd never fills, and torch warned on every step."""
+    import warnings
+
+    stage = Stage(0, 2, [Fork(), GateAndPass()], split_backward=False)
+    whole = torch.randn(8, 6, dtype=F64, requires_grad=True)
+    stage.forward(0, (whole[:4],))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (gx,) = stage.backward(0, (torch.ones(4, 6, dtype=F64),) * 2)
+    assert gx is None and whole.grad is not None  # the gradient went through the view to the batch

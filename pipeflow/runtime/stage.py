@@ -258,7 +258,7 @@ class Stage:
         boundaries = self._boundaries.pop(i, [])
         if weights:
             run_backward(tensors, grads)
-            found = {id(t): t.grad for t in wanted}
+            found = {id(t): t.grad if t.is_leaf else None for t in wanted}  # a view's .grad is never filled
         else:
             found = self._backward_input(i, tensors, grads, wanted, boundaries)
         return tuple(found.get(id(t)) if t.requires_grad else None for t in inputs)
