@@ -51,7 +51,10 @@ REPORTED = {
     # auto measured the links within and across the hosts, and either order trains as one process
     "resolve": [r"mesh order \[\w+,\w+,\w+\]: pipeline ranks .* \(parallel.order=auto chose \[\w+,\w+,\w+\]: predicted "
                 r"step \[dp,pp,tp\] [\d.]+ ms \(pipeline [\d.]+, dp all-reduce 0.0, tp [\d.]+\); .*links within a host "
-                r"[\d.]+ ms \+ .*, across hosts [\d.]+ ms \+ .*, measured in [\d.]+ s\)"],
+                r"[\d.]+ ms \+ .*, across hosts [\d.]+ ms \+ .*, measured in [\d.]+ s\)",
+                # each tp group's all-reduce measured beside the pipeline's links
+                r"tp all-reduce per group, measured in [\d.]+ s: ranks \[\d, \d\] (within host host\d|across hosts "
+                r"host0 host1): [\d.]+ ms \+ ([\d.]+ MB/s|no per-byte cost); ranks \[\d, \d\] "],
 }
 
 

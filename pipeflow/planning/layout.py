@@ -362,6 +362,9 @@ def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule)
     groups = getattr(layout.step_costs, "dp_groups", ())
     if groups:
         note += f"\n{describe_dp_groups(groups)}"
+    tp_links = getattr(layout.step_costs, "tp_links", None)
+    if tp_links is not None and tp_links.several_hosts:  # several hosts: every tp group's link, a slow one named
+        note += f"\n{tp_links.describe()}"
     if layout.offload.mode != "none":
         note += f"\n{describe_offload(layout, schedule)}"
     memory = f"\n{format_memory(prediction.memory, layout.memory_setting)}" if prediction.memory else ""

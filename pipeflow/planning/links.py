@@ -117,11 +117,7 @@ def describe_dp_groups(groups: Sequence[tuple[Sequence[int], float]], factor: fl
     them), and those at least `factor` times the median of the groups named."""
     if not groups:
         return ""
-
-    def where(ranks: Sequence[int]) -> str:
-        names = list(dict.fromkeys(_host(r) for r in ranks))
-        return f" across hosts {' '.join(names)}" if len(names) > 1 else (f" within host {names[0]}" if names[0] else "")
-
+    where = group_where
     lines = ["dp all-reduce per group: " + "; ".join(f"ranks {list(ranks)}{where(ranks)}: {1e3 * s:.2f} ms"
                                                      for ranks, s in groups)]
     median = statistics.median(s for _, s in groups)
@@ -130,6 +126,12 @@ def describe_dp_groups(groups: Sequence[tuple[Sequence[int], float]], factor: fl
                   f"median of the dp groups (a slow link, or a rank placed on another host than intended)"
                   for ranks, s in groups if s >= factor * median]
     return "\n".join(lines)
+
+
+def group_where(ranks: Sequence[int]) -> str:
+    """`` across hosts a b`` or `` within host a`` for a group of global `ranks` (empty on one host)."""
+    names = list(dict.fromkeys(_host(r) for r in ranks))
+    return f" across hosts {' '.join(names)}" if len(names) > 1 else (f" within host {names[0]}" if names[0] else "")
 
 
 def link_pairs(schedule: PipelineSchedule) -> list[tuple[int, int]]:

@@ -24,14 +24,16 @@ from pipeflow.planning.balance import balance_by_memory, balance_contiguous
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.layout import stage_bytes, trainable_bytes
+from pipeflow.planning.order_search import HostPlacement, order_steps, pick
 from pipeflow.planning.profile import action_costs, stage_costs
 from pipeflow.planning.step_model import HostShare, simulate_shared, stage_cpu
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate, synthesize
 from pipeflow.schedules.auto import AUTO
-from pipeflow.schedules.ir import Step
+from pipeflow.schedules.ir import CommOp, Step
 from pipeflow.schedules.memory import StageBytes, stage_inflight, tensor_memory
 from pipeflow.schedules.offload import HostLink, OffloadCosts, OffloadPlan, group_bytes_of, plan_offload
 from pipeflow.schedules.simulator import SimResult
+from pipeflow.runtime.mesh_order import DEFAULT_ORDER, order_text
 
 if TYPE_CHECKING:
     from pipeflow.planning.profile import LayerProfile
@@ -58,6 +60,10 @@ class SearchSpace:
             planned for `host_link` (:func:`~pipeflow.schedules.offload.plan_offload`) on the
             layout's own simulation, its copies timed and its groups' bytes released.
         host_link: the device-host link the offload plans assume (``plan.host_link_gbps``).
+        hosts: where the run's ranks sit (`pipeflow.planning.order_search`): where they fill
+            several hosts, every mesh order (``parallel.order``) is tried with each layout and
+            the fastest kept; None (one host): every order alike, ``[dp,pp,tp]``.
+        tp: the tensor-parallel degree the layers' costs are one rank of (the orders place it).
     """
 
     schedules: tuple[str, ...]
@@ -69,6 +75,8 @@ class SearchSpace:
     shard: str = "none"
     offload: tuple[str, ...] = ("none",)
     host_link: HostLink = HostLink(50e9, 50e9, 10e-6)  # about a PCIe 5.0 x16 link, both ways
+    hosts: HostPlacement | None = None
+    tp: int = 1
 
 
 @dataclass(frozen=True)
@@ -127,6 +135,7 @@ class Candidate:
     tp: int = 1  # parallel.tp: each stage split over tp ranks (its costs one tp rank's)
     offload: str = "none"  # pipeline.offload: activations copied to the host in the gaps
     offloaded_groups: int = 0  # how many (stage, micro-batch) groups its plan offloads
+    order: tuple[str, ...] = DEFAULT_ORDER  # parallel.order: the mesh order, outermost first
 
     @property
     def peak_bytes(self) -> float:
@@ -144,6 +153,8 @@ class Candidate:
             parts.append(f"pipeline.max_activations={self.max_activations:g}")
         if self.offload != "none":
             parts.append(f"pipeline.offload={self.offload}")
+        if self.order != DEFAULT_ORDER:  # quoted: brackets are a shell glob
+            parts.append(f"'parallel.order={order_text(self.order)}'")
         points = ",".join(str(i) for i in self.split_points)
         parts.append(f"'pipeline.split_points=[{points}]'")
         return " ".join(parts)
@@ -228,7 +239,7 @@ def search(
             else:
                 cands = [_evaluate(schedule, programs, ranges, profiles, optimizer_factor,
                                    (latency, action_overhead_s), takes_chunks, weighted, model, (space.dp, space.shard),
-                                   (mode, space.host_link), memory_limit_bytes)
+                                   (mode, space.host_link), memory_limit_bytes, (space.hosts, space.tp))
                          for mode in space.offload]
             for cand in cands:
                 if cand.offload != "none" and not cand.offloaded_groups and "none" in space.offload:
@@ -321,7 +332,8 @@ def _auto_candidates(
         schedule = synthesize(p, m, v, costs, overheads[0], limit).chosen.schedule
         for mode in modes:
             cand = _evaluate(schedule, lower(schedule, model.posting), ranges, profiles, optimizer_factor, overheads,
-                             True, schedule.split_backwards(), model, sharding, (mode, link), memory_limit_bytes)
+                             True, schedule.split_backwards(), model, sharding, (mode, link), memory_limit_bytes,
+                             (space.hosts, space.tp) if space is not None else (None, 1))
             out.append(replace(cand, max_activations=limit))
     return out
 
@@ -331,12 +343,14 @@ def _evaluate(
     optimizer_factor: float, overheads: tuple[float, float], takes_chunks: bool,
     weighted: set[tuple[int, int]], model: StepModel | None = None, sharding: tuple[int, str] = (1, "none"),
     offload: tuple[str, HostLink | None] = ("none", None), memory_limit_bytes: float | None = None,
+    mesh: tuple[HostPlacement | None, int] = (None, 1),
 ) -> Candidate:
     """Simulate one layout; its step time, bubble and per-rank memory (`weighted`: the
     schedule's `split_backwards()`, computed once per schedule by the caller; `sharding`: dp
     and ``parallel.shard``; `offload`: the ``pipeline.offload`` mode and the host link its plan
     assumes; `memory_limit_bytes`: what ``auto``'s plan offloads more for where its hidden
-    groups leave the layout over it)."""
+    groups leave the layout over it; `mesh`: the hosts and the tp degree, whose mesh orders are
+    tried where the ranks fill several hosts)."""
     comm_s, action_s = overheads
     model = model or StepModel()
     cost = action_costs(ranges, profiles, schedule, action_s, weighted)
@@ -347,15 +361,16 @@ def _evaluate(
         offloadable = [c.offloadable for c in stage_bytes(ranges, list(profiles), schedule)]
         copies = OffloadCosts(group_bytes_of(offloadable), link or SearchSpace.host_link)
 
-    @functools.lru_cache(maxsize=None)  # a plan is simulated once, whether timed, checked or ranked
-    def simulated(plan: OffloadPlan | None) -> SimResult:
+    def run(plan: OffloadPlan | None, transfer: Callable[[CommOp], float] = lambda op: comm_s) -> SimResult:
         marked = programs if plan is None else [plan.mark(program) for program in programs]
-        runtime = replace(model.runtime(schedule.num_ranks, comm_s), offload=copies)
+        runtime = replace(model.runtime(schedule.num_ranks, comm_s), transfer=transfer, offload=copies)
         if model.share is None:
             return simulate(schedule, marked, cost, runtime=runtime)
         cpu = [stage_cpu(profiles, r) for r in ranges]
-        busy = None if model.busy_factor == 1.0 else (lambda op: comm_s * model.busy_factor)
+        busy = None if model.busy_factor == 1.0 else (lambda op: transfer(op) * model.busy_factor)
         return simulate_shared(schedule, marked, cost, runtime, model.share, lambda action: cpu[action.stage], busy)
+
+    simulated = functools.lru_cache(maxsize=None)(run)  # a plan simulated once, whether timed, checked or ranked
 
     param_bytes = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     trains = [trainable_bytes(profiles, r) for r in ranges]  # a LoRA run: gradients, AdamW state of its adapters
@@ -372,15 +387,21 @@ def _evaluate(
                                    trainable=trains)) <= memory_limit_bytes
 
         plan = plan_offload(schedule, mode, copies, timed, fits if memory_limit_bytes is not None else None)
-    sim = simulated(plan)
+    sim, order, after_s = simulated(plan), DEFAULT_ORDER, 0.0
+    hosts, tp = mesh
+    if hosts is not None and hosts.spans(sharding[0] * schedule.num_ranks * tp):  # each order on the hosts' links
+        grads = [p if t is None else t for p, t in zip(param_bytes, trains)]
+        chosen = pick(order_steps(schedule, ranges, profiles, sharding[0], tp, hosts, grads,
+                                  lambda transfer: run(plan, transfer)))
+        sim, order, after_s = chosen.sim, chosen.order, chosen.dp_s + chosen.tp_s
     return Candidate(
         schedule=schedule.name, num_microbatches=schedule.num_microbatches,
         stages_per_rank=schedule.num_stages // schedule.num_ranks,
-        split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan + model.tail_s, bubble=sim.bubble,
+        split_points=tuple(r.start for r in ranges[1:]), step_s=sim.makespan + model.tail_s + after_s, bubble=sim.bubble,
         rank_bytes=tuple(rank_memory(schedule, param_bytes, act_bytes, optimizer_factor, weighted,
                                      dp=sharding[0], shard=sharding[1],
                                      offload=None if plan is None else (plan, offloadable, sim), trainable=trains)),
-        takes_chunks=takes_chunks, offload=mode, offloaded_groups=0 if plan is None else len(plan.reloads),
+        takes_chunks=takes_chunks, offload=mode, offloaded_groups=0 if plan is None else len(plan.reloads), order=order,
     )
 
 

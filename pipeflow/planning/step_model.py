@@ -7,9 +7,12 @@ lowering: when recvs are posted and waited) with
                      (an action through the stage's own code path, beyond the layer's work)
     transfer         latency + bytes x per_byte, measured on the pipeline group at start, both
                      directions, at the sizes this model sends; posting a step's ops, measured
-    cores shared     where the ranks of a host need more threads than it has cores (4 ranks on 2
-                     cores), an action runs slower by the number of threads computing at the same
-                     time over the cores (processor sharing, found by iterating the simulation:
+    tp collectives   each tp group's all-reduce measured at start, in place of the NVLink-class
+                     link the profiles were split over
+    cores shared     where the ranks of a machine need more threads than it has cores (4 ranks on 2
+                     cores; emulated hosts, network namespaces of one kernel, share its cores), an
+                     action runs slower by the number of threads computing at the same time over
+                     the cores (processor sharing, found by iterating the simulation:
                      a lone layer profiled on an idle rank is not what the run sees); transfers,
                      which need the CPUs of both sides, by the step's mean slow-down
     tail             what follows the pipeline: the grad-norm all-reduce (measured), the
@@ -66,13 +69,37 @@ class HostShare:
 
 
 def host_share(num_pp: int, device: torch.device) -> HostShare:
-    """This host as the run sees it: its cores, threads per rank, local ranks per pipeline rank."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    """This machine as the run sees it: its cores, threads per rank, and the ranks that share its
+    cores per pipeline rank (:func:`ranks_sharing_cores`; on a CPU, collective where the world has
+    several ranks)."""
+    cores = _affinity()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-    return HostShare(cores, torch.get_num_threads(), max(1.0, local / max(1, num_pp)), torch.device(device).type)
+    kind = torch.device(device).type
+    if kind == "cpu" and dist.is_initialized() and dist.get_world_size() > 1:  # accelerators share no cores
+        mine = (hosts.machine_id().partition("/net:")[0], tuple(sorted(cores)))
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        local = ranks_sharing_cores(every, dist.get_rank(), local)
+    return HostShare(len(cores), torch.get_num_threads(), max(1.0, local / max(1, num_pp)), kind)
+
+
+def ranks_sharing_cores(ranks: Sequence[tuple[str, Sequence[int]]], rank: int, fallback: int) -> int:
+    """How many ranks (`rank` included) compute on `rank`'s cores: those on its machine (the same
+    boot id: emulated hosts and containers share one kernel) whose cores overlap its own (a
+    container pinned to other cores does not count).  `ranks`: each rank's (boot id, cores);
+    `fallback` (the launcher's local ranks) where a boot id is unknown."""
+    boot, cores = ranks[rank][0], set(ranks[rank][1])
+    if boot in ("", "?"):
+        return fallback
+    return sum(1 for other, theirs in ranks if other == boot and cores.intersection(theirs))
+
+
+def _affinity() -> set[int]:
+    """The cores this process may run on."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -88,6 +115,8 @@ class StepCosts:
         action_overhead_s: added to every F, B, W.
         tail_s: after the pipeline (dp reduction, grad-norm all-reduce, optimizer).
         dp_reduce_s: the dp reduction's part of `tail_s` (the slowest dp group's).
+        tp_links: with tp > 1, each tp group's all-reduce measured at start: the layers'
+            collectives are costed on their pipeline rank's tp link, not the assumed one.
         share: the host's cores and the ranks sharing them.
         links: where the job spans several hosts, every pair of pipeline ranks measured on its
             own (:mod:`pipeflow.planning.links`): each transfer is costed on its link, plus
@@ -110,6 +139,7 @@ class StepCosts:
     links: Any = None  # PipelineLinks: each pair of pipeline ranks measured alone (several hosts)
     dp_reduce_s: float = 0.0  # the slowest dp group's gradient all-reduce (part of tail_s)
     dp_groups: tuple = ()  # several hosts: ((global ranks, all-reduce s), ...) of every dp group
+    tp_links: Any = None  # TpLinks: tp > 1, each tp group's all-reduce measured (`pipeflow.planning.tp_links`)
 
 
 def simulate_shared(
@@ -274,6 +304,7 @@ def measure_step_costs(
     comm: Any, posting: str, params: Sequence[torch.Tensor], boundary_bytes: Sequence[float], num_pp: int,
     dp_group: Any = None, dp: int = 1, action_overhead_s: float | None = None, busy: bool = True,
     fused: bool | None = None, schedule: PipelineSchedule | None = None, grid: Any = None,
+    tp_group: Any = None, tp_payload: float = 0.0, sequence_parallel: bool = False,
 ) -> StepCosts:
     """Measure the runtime's costs on this run's own groups at start (collective over the world):
     transfers at the model's boundary sizes (and a quarter of the largest, for the per-byte
@@ -281,7 +312,8 @@ def measure_step_costs(
     the per-action overhead (unless given), the tail (AdamW fused as `fused`, ``optim.fused``);
     the slowest rank's figures.  Where the job spans several hosts and `schedule` and `grid`
     (the mesh's :class:`~pipeflow.runtime.mesh_order.MeshGrid`) are given, every link of the
-    program too, and each dp group's all-reduce apart."""
+    program too, and each dp group's all-reduce apart.  With tp > 1 (`tp_group`, `grid`) each tp
+    group's all-reduce at `tp_payload` bytes (the layers' largest collective), in the same pass."""
     from pipeflow.planning.comm_cost import measure_transfers
     from pipeflow.planning.links import measure_links
 
@@ -294,6 +326,11 @@ def measure_step_costs(
     several = grid is not None and len(hosts.table().hosts) > 1
     if several and schedule is not None and comm.size > 1:
         links = measure_links(comm, schedule, sizes, grid.pipelines())
+    tp_links = None
+    if tp_group is not None and grid is not None and grid.tp > 1:
+        from pipeflow.planning.tp_links import measure_tp_links
+
+        tp_links = measure_tp_links(device, tp_group, grid, tp_payload, sequence_parallel)
     overhead = measure_action_overhead_s(device) if action_overhead_s is None else action_overhead_s
     reduce_s, rest = measure_tail_parts(params, device, dp_group, dp, fused=fused)
     release_cached_memory(device)  # the transfers' buffers too
@@ -309,7 +346,7 @@ def measure_step_costs(
     if action_overhead_s is not None:
         overhead = action_overhead_s
     return StepCosts(posting, latency, per_byte, post, overhead, tail, host_share(num_pp, device), busy_latency,
-                     busy_per_byte, links=links, dp_reduce_s=reduce_s, dp_groups=groups)
+                     busy_per_byte, links=links, dp_reduce_s=reduce_s, dp_groups=groups, tp_links=tp_links)
 
 
 def predict_step(
@@ -328,6 +365,8 @@ def predict_step(
         return simulate(schedule, lower(schedule, cal.posting, offload=plan), cal.action_cost(schedule),
                         runtime=replace(cal.runtime(), offload=copies))
 
+    if costs.tp_links is not None:  # the layers' tp collectives on their group's measured link
+        profiles = costs.tp_links.profiles(profiles, ranges, schedule.stage_to_rank)
     boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]
     bytes_of, p = op_bytes(boundary), schedule.num_ranks
     idle = transfer_cost(costs, bytes_of)
@@ -382,5 +421,7 @@ def describe_costs(costs: StepCosts) -> str:
     busy = ("" if costs.busy_latency_s is None else
             f" ({1e3 * costs.busy_latency_s:.3f} ms + {1e9 * (costs.busy_per_byte_s or 0.0):.3f} ms/MB while the host computes)")
     reduce = f" (dp all-reduce {1e3 * costs.dp_reduce_s:.2f} ms)" if costs.dp_reduce_s > 0 else ""
+    if costs.tp_links is not None:
+        reduce += f", {costs.tp_links.phrase()}"
     return (f"posting {costs.posting}, transfer {1e3 * costs.latency_s:.3f} ms + {1e9 * costs.per_byte_s:.3f} ms/MB{busy}, "
             f"{1e3 * costs.action_overhead_s:.3f} ms per action, tail {1e3 * costs.tail_s:.2f} ms{reduce}{shared}")

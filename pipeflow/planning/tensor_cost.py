@@ -64,3 +64,34 @@ def split_profiles(profiles: Sequence[LayerProfile], tp: int, link: TensorLink |
                    sequence_parallel: bool = False) -> list[LayerProfile]:
     """Every layer's profile as one of `tp` ranks runs it."""
     return [split_profile(p, tp, link or TensorLink(), sequence_parallel) for p in profiles]
+
+
+def relink_profile(p: LayerProfile, tp: int, old: TensorLink, new: TensorLink,
+                   sequence_parallel: bool = False) -> LayerProfile:
+    """Split profile `p` (:func:`split_profile` over `old`) with its collectives costed over `new`
+    instead: the measured link of its tp group in place of the assumed one."""
+    if tp <= 1 or old == new:
+        return p
+
+    def delta(payload_bytes: float, collectives: int) -> float:
+        return new.all_reduce_s(payload_bytes, tp, collectives) - old.all_reduce_s(payload_bytes, tp, collectives)
+
+    forward = delta(p.tp_forward_bytes, p.tp_forward_collectives)
+    backward = delta(p.tp_backward_bytes, p.tp_backward_collectives)
+    norms = delta(p.tp_norm_bytes, 1) if sequence_parallel else 0.0
+    return replace(
+        p,
+        forward_s=max(0.0, p.forward_s + forward),
+        backward_s=max(0.0, p.backward_s + backward),
+        input_grad_s=max(0.0, p.input_grad_s + backward) if p.input_grad_s else 0.0,
+        weight_grad_s=max(0.0, p.weight_grad_s + norms),
+    )
+
+
+def largest_collective_bytes(profiles: Sequence[LayerProfile]) -> float:
+    """The payload of the largest single tp collective the layers run (0 where none does): the
+    size a start-of-run measurement of the tp link times."""
+    sizes = [b / max(1, n) for p in profiles
+             for b, n in ((p.tp_forward_bytes, p.tp_forward_collectives), (p.tp_backward_bytes, p.tp_backward_collectives))
+             if b > 0]
+    return max(sizes, default=0.0)

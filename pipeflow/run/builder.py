@@ -34,6 +34,7 @@ from pipeflow.planning.layout import Layout, choose_layout, with_offload, with_s
 from pipeflow.planning.measured_cluster import rank_hosts, start_links
 from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.step_model import fused_adamw, measure_step_costs
+from pipeflow.planning.tensor_cost import largest_collective_bytes
 from pipeflow.run import guard
 from pipeflow.run.compile_phase import compile_and_warm_up, compile_options
 from pipeflow.run.config import check_config, tensor_degree
@@ -159,7 +160,9 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         rehearsal = rehearsal_steps_for(cfg, device)
         options = posting.options(not comm.independent_ops)
         costs = measure_step_costs(comm, options[0], params, boundary, pp, mesh.dp_group, dp, busy=rehearsal == 0,
-                                   fused=cfg.optim.fused, schedule=schedule, grid=mesh.grid)
+                                   fused=cfg.optim.fused, schedule=schedule, grid=mesh.grid, tp_group=mesh.tp_group,
+                                   tp_payload=largest_collective_bytes(layout.profiles),
+                                   sequence_parallel=bool(cfg.parallel.sequence_parallel))
         if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
             inputs = microbatch_inputs(first[0], m, device, dtype) if 0 in stages else None
             targets = microbatch_targets(first[1], m, device) if schedule.num_stages - 1 in stages else None

@@ -37,6 +37,7 @@ from pipeflow.runtime.distributed import choose_device
 from pipeflow.runtime.host_link import measure_link
 from pipeflow.runtime.precision import compute_dtype
 from pipeflow.errors import ConfigError
+from pipeflow.planning.order_search import order_note
 from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, StepModel, search
 from pipeflow.planning.profile import LayerProfile, profile_layers
 from pipeflow.schedules import GENERATORS
@@ -44,7 +45,7 @@ from pipeflow.schedules.offload import HostLink, check_mode
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 _PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points", "parallel.tp",
-              "pipeline.offload"}
+              "pipeline.offload"}  # parallel.order stays: a pick's own (when not [dp,pp,tp]) follows it and wins
 _HELP_FLAGS = ("-h", "--help")
 USAGE = "usage: python -m pipeflow.plan [key=value ...]"
 _SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes",
@@ -188,6 +189,7 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
             .format(", ".join(map(str, degrees)), *tp_link_figures(cfg)))
         header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}{amp}) "
                   f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}{tp_note}{link_note}")
+    header += order_note(dp, pp, tp_degrees(cfg), space.hosts)
     if cfg.plan.rehearse > 0 and result.candidates:
         result, rehearsed = rehearse_shortlist(result, cfg, overrides, dp * pp)
         header += f"; {rehearsed}"

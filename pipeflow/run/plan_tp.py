@@ -39,7 +39,8 @@ def search_tp(cfg: DictConfig, costs: CostModel, pp: int, batch: int, space: Any
     merged = PlanResult()
     for tp in tp_degrees(cfg):
         per_rank = costs if tp == 1 else (lambda b, tp=tp: split_profiles(costs(b), tp, link, sp))
-        got = search(per_rank, pp, batch, space, limit, cfg.plan.optimizer_factor, latency, overhead_s, model)
+        got = search(per_rank, pp, batch, dataclasses.replace(space, tp=tp), limit, cfg.plan.optimizer_factor, latency,
+                     overhead_s, model)
         merged.candidates += [dataclasses.replace(c, tp=tp) for c in got.candidates]
         merged.over_memory += [dataclasses.replace(c, tp=tp) for c in got.over_memory]
         for reason, n in got.skipped.items():
