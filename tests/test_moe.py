@@ -235,3 +235,87 @@ def test_a_hugging_face_moe_family_is_a_named_error(tmp_path, model_type: str, a
 
     with pytest.raises(ConfigError, match=f"model=hf does not support {arch} \\(model_type '{model_type}'"):
         check_architecture({"model_type": model_type, "architectures": [arch], "num_local_experts": 8}, "config.json")
+
+
+def test_the_all_to_all_cost_model_adds_each_moe_layers_exchanges_to_its_actions() -> None:
+    """Per MoE layer and micro-batch: a rank's N x top_k rows of width C (top_k x output bytes),
+    (ep - 1) / ep of them sent each way, twice in F (and the counts' latency), twice in B, once
+    more in a split backward's W; on a measured link the same model over the new figures."""
+    from pipeflow.planning.expert_cost import (ExpertLayers, ExpertLink, exchanged_bytes_per_step, expert_layers,
+                                               expert_profiles, relink_exchanges, with_exchanges)
+    from pipeflow.planning.profile import LayerProfile
+
+    tokens, k, width, ep = 24, 2, 16, 4
+    out = tokens * width * 8  # a block's (B, T, C) output in float64
+    dense, moe = (LayerProfile(n, 100, 800, 1e-3, 2e-3, 4096, input_grad_s=1e-3, weight_grad_s=1e-3, output_bytes=out)
+                  for n in ("dense", "moe"))
+    link = ExpertLink(bandwidth_Bps=1e9, latency_s=1e-5)
+    d, m = with_exchanges([dense, moe], [0, k], ep, link)
+    one = 0.75 * tokens * k * width * 8 / 1e9  # seconds of one exchange's bytes
+    assert d is dense
+    assert m.forward_s == pytest.approx(1e-3 + 2 * one + 3e-5)
+    assert m.backward_s == pytest.approx(2e-3 + 2 * one + 2e-5)
+    assert m.input_grad_s == pytest.approx(1e-3 + 2 * one + 2e-5) and m.weight_grad_s == pytest.approx(1e-3 + one + 1e-5)
+    fast = ExpertLink(bandwidth_Bps=1e11, latency_s=1e-6)
+    relinked, direct = relink_exchanges([m], [k], ep, link, fast)[0], with_exchanges([moe], [k], ep, fast)[0]
+    for key in ("forward_s", "backward_s", "input_grad_s", "weight_grad_s"):
+        assert getattr(relinked, key) == pytest.approx(getattr(direct, key), rel=1e-12)
+    assert with_exchanges([moe], [k], 1, link)[0] is moe  # ep 1: nothing leaves the rank
+    assert exchanged_bytes_per_step([dense, moe], [0, k], [range(0, 1), range(1, 2)], ep, 3) == pytest.approx(
+        [0.0, 3 * 4 * tokens * k * width * 8 * 0.75])  # tokens x top_k x hidden x bytes x (ep-1)/ep, 4 a micro-batch
+    layers = expert_layers(_spec(every=2))  # the GPT: embedding, MoE block, dense block, head
+    assert layers.top_k == (0, 2, 0, 0) and layers.params[1] > 0 and layers.params[2] == 0
+    split = expert_profiles([dense, moe], ExpertLayers((0, 40), (0, k)), ep, link)
+    assert split[1].params == 100 - 30 and split[1].forward_s == m.forward_s
+
+
+def test_the_ep_link_is_measured_by_an_all_to_all_and_costs_the_prediction(one_rank_group) -> None:
+    import torch.distributed as dist
+
+    from pipeflow.planning.ep_links import ExpertExchange, measure_ep_links
+    from pipeflow.planning.expert_cost import ExpertLink, exchange_seconds
+    from pipeflow.planning.profile import LayerProfile
+    from pipeflow.schedules import build_schedule
+
+    exchange = ExpertExchange(2, (0, 2), ExpertLink(), payload_bytes=1 << 16)
+    links = measure_ep_links(torch.device("cpu"), dist.group.WORLD, exchange, repeats=2)
+    assert links.link.latency_s >= 0 and links.link.bandwidth_Bps > 0 and links.measured_s < 0.3
+    assert links.phrase().startswith("ep all_to_all ")
+    moe = LayerProfile("moe", 1, 4, 1e-3, 2e-3, 0, output_bytes=1 << 15)
+    assert links.profiles([moe, moe])[0] is moe and links.profiles([moe, moe])[1].forward_s >= 1e-3
+    plan, stages = build_schedule("zb_h1", 2, 4), [range(0, 1), range(1, 2)]
+    f, b, w = exchange_seconds(moe, 2, 2, links.link)  # zb_h1 splits backwards: W's exchange too
+    assert links.per_rank_s([moe, moe], stages, plan) == pytest.approx([0.0, 4 * (f + b + w)])
+    sent = 4 * 4 * 2 * 2 ** 15 / 2  # 4 exchanges a micro-batch x m x top_k x output bytes x (ep - 1) / ep
+    assert links.describe([moe, moe], stages, plan).endswith(f"1 {4e3 * (f + b + w):.2f} ms ({sent / 1e6:.2f} MB sent)")
+
+
+def test_the_exchanges_time_is_a_per_stage_figure_apart_from_compute_and_comm() -> None:
+    from pipeflow.observability.figures import step_figures
+    from pipeflow.observability.routing import all_to_all_line
+    from pipeflow.runtime.events import A2A, TimedEvent
+
+    events = [TimedEvent("F", "0F0", 0.0, 4.0), TimedEvent(A2A, "dispatch", 1.0, 1.5),
+              TimedEvent(A2A, "combine", 2.0, 3.0), TimedEvent("comm", "x", 4.0, 5.0)]
+    figures = step_figures(events, 0.0, 6.0)
+    assert (figures.compute_s, figures.comm_wait_s, figures.idle_s, figures.all_to_all_s) == (4.0, 1.0, 1.0, 1.5)
+    assert all_to_all_line([1.5e-3, 0.0], [4e-3, 0.0]).endswith("per pipeline rank: 0 1.50 (38% of its compute); 1 0.00")
+
+
+def test_the_planner_costs_the_experts_exchanges_on_the_link_it_measured() -> None:
+    from pipeflow.planning.profile import LayerProfile, count_layer_params
+    from pipeflow.run.plan_ep import expert_costs, planner_link
+
+    cfg = compose_config(["model.n_layer=2", "model.moe.experts=4", "parallel.ep=2", "parallel.dp=2"])
+    params = count_layer_params(instantiate(cfg.model))
+
+    def costs(b: int) -> list[LayerProfile]:
+        return [LayerProfile(f"l{i}", n, 4 * n, 1e-3, 2e-3, 0, output_bytes=1000 * b) for i, n in enumerate(params)]
+
+    link = planner_link(costs, [1, 4], lambda b: 1e-4 + 1000 * b * 1e-9, torch.device("cpu"))
+    assert link.latency_s == pytest.approx(1e-4) and link.bandwidth_Bps == pytest.approx(1e9)
+    assert planner_link(costs, [1, 4], 2e-3, torch.device("cpu")).latency_s == 2e-3  # plan.comm_latency_ms
+    per_rank, note = expert_costs(cfg, costs, [1, 4], lambda b: 1e-4 + 1000 * b * 1e-9, torch.device("cpu"))
+    assert note.startswith("; ep 2: a rank holds 1/2 of the experts")
+    moe, dense = per_rank(4)[1], per_rank(4)[0]
+    assert moe.forward_s > 1e-3 + 3e-4 and dense.forward_s == 1e-3 and params[1] / 2 < moe.params < params[1]

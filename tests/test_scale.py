@@ -444,6 +444,8 @@ def test_an_moe_run_trains_as_the_unsplit_model_and_reports_tokens_per_expert(wo
         for key in ("loss", "param"):
             assert v[key] <= TOLERANCE, f"rank {rank}: {key} differs by {v[key]:.3e}"
         layers = v["moe"]["layers"]
+        # the per-stage time in the experts' all_to_alls (parallel.ep only), measured every step on the CPU
+        assert all(ms > 0 if "-ep" in name else ms == 0 for ms in v["moe"]["all_to_all_ms"]), v["moe"]["all_to_all_ms"]
         assert sorted(layers) == [1, 2]  # the model's blocks 0 and 1 (layers 1, 2)
         tokens = [sum(row["tokens_per_expert"]) for row in layers.values()]  # both layers route every token twice
         assert tokens[0] == pytest.approx(tokens[1]) and tokens[0] >= 24 * 3 * 2

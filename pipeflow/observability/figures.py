@@ -7,6 +7,8 @@ of every step and the traces of chosen steps.  Definitions (r = a pipeline rank)
     comm_r      time in batched calls, post to completion (waiting on peers included), and in
                 the gathers and reductions of sharded stages (``shard`` events)
     idle_r      the rest of the training step (gaps between actions, grad clipping, optimizer)
+    a2a_r       time in the MoE layers' all_to_alls (``a2a`` events, parallel.ep), within its
+                F / B / W actions: part of compute_r, shown apart
     span_r      first to last event of the rank's pipeline program (the simulator's makespan
                 counts only the program, not the optimizer)
     bubble_r    1 - compute_r / span_r
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pipeflow.runtime.events import COPY_KINDS, SHARD
+from pipeflow.runtime.events import A2A, COPY_KINDS, SHARD
 from pipeflow.schedules.ir import KINDS
 
 # batched P2P calls; gathers and reductions (parallel.shard=full); activation copies issued (pipeline.offload)
@@ -37,6 +39,7 @@ class RankFigures:
     idle_s: float = 0.0
     step_s: float = 0.0
     span_s: float = 0.0
+    all_to_all_s: float = 0.0
 
     def __iadd__(self, other: RankFigures) -> RankFigures:
         for f in fields(self):
@@ -45,11 +48,12 @@ class RankFigures:
 
 
 def step_figures(events: Sequence[Any], step_start: float, step_end: float) -> RankFigures:
-    """Compute, comm-wait and idle time of one rank's step from its ``TimedEvent``s.
+    """Compute, comm-wait, idle and all_to_all time of one rank's step from its ``TimedEvent``s.
 
     Idle time is the part of [step_start, step_end] that no event covers.
     """
     compute = sum(e.end - e.start for e in events if e.kind in KINDS)
+    a2a = sum(e.end - e.start for e in events if e.kind == A2A)
     comm = sum(e.end - e.start for e in events if e.kind in COMM_KINDS)
     idle, cursor = 0.0, step_start
     for e in sorted(events, key=lambda e: e.start):
@@ -57,7 +61,7 @@ def step_figures(events: Sequence[Any], step_start: float, step_end: float) -> R
         cursor = max(cursor, e.end)
     idle += max(0.0, step_end - cursor)
     span = max(e.end for e in events) - min(e.start for e in events) if events else 0.0
-    return RankFigures(compute, comm, idle, step_end - step_start, span)
+    return RankFigures(compute, comm, idle, step_end - step_start, span, a2a)
 
 
 def rank_bubble(compute_s: float, span_s: float) -> float:

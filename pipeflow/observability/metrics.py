@@ -31,7 +31,7 @@ from pipeflow.observability import console, trace
 from pipeflow.observability.calibrated import WARMUP_STEPS, CalibrationLog
 from pipeflow.observability.memory import MemoryMetrics, memory_line
 from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures, wait_by_link
-from pipeflow.observability.routing import RoutingLog
+from pipeflow.observability.routing import RoutingLog, all_to_all_line
 from pipeflow.runtime import hosts
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.schedules import PipelineSchedule
@@ -243,6 +243,7 @@ class RunMetrics:
         }
         if tokens is not None:
             scalars["train/tokens_per_s"] = tokens / step_s
+        exchanges = any(f.all_to_all_s > 0 for f in means)  # parallel.ep: the MoE layers' all_to_alls
         for r, (f, peak) in enumerate(zip(means, peaks)):
             scalars[f"stage/{r}/peak_memory_mb"] = peak
             if not timed:
@@ -252,6 +253,8 @@ class RunMetrics:
                 f"stage/{r}/idle_ms": 1e3 * f.idle_s, f"stage/{r}/step_ms": 1e3 * f.step_s,
                 f"stage/{r}/bubble": rank_bubble(f.compute_s, f.span_s),
             })
+            if exchanges:
+                scalars[f"stage/{r}/all_to_all_ms"] = 1e3 * f.all_to_all_s
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
@@ -287,6 +290,7 @@ class RunMetrics:
         summary[0].update(self._calibrated(schedule, summary[0]["step_time_s"]))
         if self.routing.steps:
             summary[0]["moe"] = self.routing.summary()
+            summary[0]["moe"]["all_to_all_ms"] = [1e3 * f.all_to_all_s for f in means]  # per pipeline rank, per step
         links = self._link_waits()
         if self.is_main:
             log.info(console.summary_line(summary[0]))
@@ -294,6 +298,8 @@ class RunMetrics:
                 log.info(link_wait_line(links, self.grid))
             for line in self.routing.lines():
                 log.info(line)
+            if any(f.all_to_all_s > 0 for f in means):
+                log.info(all_to_all_line([f.all_to_all_s for f in means], [f.compute_s for f in means]))
             if self.memory.rows:
                 log.info("%s\n%s", memory_line(summary[0]), self.memory.table())
         if self.writer is not None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pipeflow.runtime.mesh_order import MeshGrid
 from pipeflow.observability.figures import pipeline_bubble, step_figures
 from pipeflow.runtime.clocks import clock_offsets, host_offsets  # noqa: F401 - host_offsets: also read from here
-from pipeflow.runtime.events import COPY_KINDS, SHARD, TimedEvent
+from pipeflow.runtime.events import A2A, COPY_KINDS, SHARD, TimedEvent
 from pipeflow.schedules import PipelineSchedule
 from pipeflow.schedules.ir import KINDS, Action
 from pipeflow.schedules.pictures import draw_timeline
@@ -59,10 +59,11 @@ def chrome_trace(steps: dict[int, list[RankStep]], grid: MeshGrid | None = None)
                 if kind in KINDS:
                     action = Action.parse(name)
                     args.update(microbatch=action.microbatch, stage=action.stage)
-                elif kind != SHARD and kind not in COPY_KINDS:
+                elif kind not in (SHARD, A2A) and kind not in COPY_KINDS:
                     args["ops"] = name
+                named = kind in KINDS or kind == SHARD or kind in COPY_KINDS
                 events.append({
-                    "ph": "X", "name": name if kind in KINDS or kind == SHARD or kind in COPY_KINDS else "comm", "cat": kind,
+                    "ph": "X", "name": name if named else f"all_to_all {name}" if kind == A2A else "comm", "cat": kind,
                     "pid": r, "tid": 0,
                     "ts": 1e6 * (start - origin), "dur": 1e6 * (end - start), "args": args,
                 })
@@ -83,7 +84,7 @@ def draw_step(per_rank: Sequence[RankStep], num_pp: int, title: str, out_path: s
             span = (1e3 * (start - origin), 1e3 * (end - origin))
             if kind in KINDS:
                 boxes.append((pp, Action.parse(name), *span))
-            else:
+            elif kind != A2A:  # an MoE layer's exchange lies inside its action's box
                 (shards if kind == SHARD or kind in COPY_KINDS else waits).append((pp, *span))
     # as wide as the schedule picture would be with unit costs: the span in typical actions
     unit = statistics.median(end - start for *_, start, end in boxes) if boxes else 1.0

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from pipeflow.errors import PartitionError, PipeflowError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.partition import BALANCE_METHODS, format_partition, plan_partition
-from pipeflow.planning.expert_cost import expert_parameter_counts, split_expert_profiles
+from pipeflow.planning.expert_cost import expert_layers, expert_profiles
 from pipeflow.planning.tensor_cost import split_profiles
 from pipeflow.planning.profile import LayerProfile, action_costs, count_layer_params, profile_layers
 from pipeflow.schedules import PipelineSchedule, forward_only, lower, simulate
@@ -289,7 +289,8 @@ def choose_layout(
     :class:`~pipeflow.runtime.compile.CompileOptions`, or None) how it compiles them.  With `tp`
     > 1 the unsplit profiles become one tp rank's (`pipeflow.planning.tensor_cost`: compute and
     memory of the split share, the plan's collectives over an assumed NVLink-class link); with
-    `ep` > 1 one ep rank's (1/ep of the experts' parameters, `pipeflow.planning.expert_cost`).
+    `ep` > 1 one ep rank's (1/ep of the experts' parameters, and the MoE layers' all_to_alls
+    over an assumed link: `pipeflow.planning.expert_cost`).
 
     Raises:
         PartitionError: unknown balance method, bad split points, more stages than layers.
@@ -312,8 +313,8 @@ def choose_layout(
         profiles = box[0]
         if tp > 1:
             profiles = split_profiles(profiles, tp, sequence_parallel=sequence_parallel)
-        if ep > 1:  # parallel.ep: a rank holds 1/ep of each MoE layer's experts
-            profiles = split_expert_profiles(profiles, expert_parameter_counts(spec), ep)
+        if ep > 1:  # parallel.ep: a rank holds 1/ep of each MoE layer's experts and exchanges its tokens
+            profiles = expert_profiles(profiles, expert_layers(spec), ep)
     source = profiles if needs_profile or (method == "params" and profiles is not None) else spec
     ranges = plan_partition(source, schedule.num_stages, method, pipeline_cfg.split_points, inflight=inflight)
     setting = MemorySetting(dp, shard, lowering, float(_input_bytes(sample_input)),
@@ -365,6 +366,9 @@ def describe_layout(layout: Layout, spec: ModelSpec, schedule: PipelineSchedule)
     tp_links = getattr(layout.step_costs, "tp_links", None)
     if tp_links is not None and tp_links.several_hosts:  # several hosts: every tp group's link, a slow one named
         note += f"\n{tp_links.describe()}"
+    ep_links = getattr(layout.step_costs, "ep_links", None)
+    if ep_links is not None:  # parallel.ep: the MoE layers' exchanges per step on the ep link measured at start
+        note += f"\n{ep_links.describe(layout.profiles, layout.ranges, schedule)}"
     if layout.offload.mode != "none":
         note += f"\n{describe_offload(layout, schedule)}"
     memory = f"\n{format_memory(prediction.memory, layout.memory_setting)}" if prediction.memory else ""

@@ -9,6 +9,8 @@ lowering: when recvs are posted and waited) with
                      directions, at the sizes this model sends; posting a step's ops, measured
     tp collectives   each tp group's all-reduce measured at start, in place of the NVLink-class
                      link the profiles were split over
+    ep exchanges     the MoE layers' all_to_alls (`pipeflow.planning.expert_cost`) on the ep
+                     groups' link measured at start, in place of the assumed one
     cores shared     where the ranks of a machine need more threads than it has cores (4 ranks on 2
                      cores; emulated hosts, network namespaces of one kernel, share its cores), an
                      action runs slower by the number of threads computing at the same time over
@@ -117,6 +119,8 @@ class StepCosts:
         dp_reduce_s: the dp reduction's part of `tail_s` (the slowest dp group's).
         tp_links: with tp > 1, each tp group's all-reduce measured at start: the layers'
             collectives are costed on their pipeline rank's tp link, not the assumed one.
+        ep_links: with ep > 1, the ep groups' all_to_all measured at start
+            (`pipeflow.planning.ep_links`): the MoE layers' exchanges are costed on it.
         share: the host's cores and the ranks sharing them.
         links: where the job spans several hosts, every pair of pipeline ranks measured on its
             own (:mod:`pipeflow.planning.links`): each transfer is costed on its link, plus
@@ -140,6 +144,7 @@ class StepCosts:
     dp_reduce_s: float = 0.0  # the slowest dp group's gradient all-reduce (part of tail_s)
     dp_groups: tuple = ()  # several hosts: ((global ranks, all-reduce s), ...) of every dp group
     tp_links: Any = None  # TpLinks: tp > 1, each tp group's all-reduce measured (`pipeflow.planning.tp_links`)
+    ep_links: Any = None  # EpLinks: ep > 1, the ep groups' all_to_all measured (`pipeflow.planning.ep_links`)
 
 
 def simulate_shared(
@@ -305,6 +310,7 @@ def measure_step_costs(
     dp_group: Any = None, dp: int = 1, action_overhead_s: float | None = None, busy: bool = True,
     fused: bool | None = None, schedule: PipelineSchedule | None = None, grid: Any = None,
     tp_group: Any = None, tp_payload: float = 0.0, sequence_parallel: bool = False,
+    ep_group: Any = None, experts: Any = None,
 ) -> StepCosts:
     """Measure the runtime's costs on this run's own groups at start (collective over the world):
     transfers at the model's boundary sizes (and a quarter of the largest, for the per-byte
@@ -313,7 +319,9 @@ def measure_step_costs(
     the slowest rank's figures.  Where the job spans several hosts and `schedule` and `grid`
     (the mesh's :class:`~pipeflow.runtime.mesh_order.MeshGrid`) are given, every link of the
     program too, and each dp group's all-reduce apart.  With tp > 1 (`tp_group`, `grid`) each tp
-    group's all-reduce at `tp_payload` bytes (the layers' largest collective), in the same pass."""
+    group's all-reduce at `tp_payload` bytes (the layers' largest collective), in the same pass;
+    with ep > 1 (`ep_group`, `experts`: an :class:`~pipeflow.planning.ep_links.ExpertExchange`)
+    the ep groups' all_to_all too."""
     from pipeflow.planning.comm_cost import measure_transfers
     from pipeflow.planning.links import measure_links
 
@@ -331,6 +339,11 @@ def measure_step_costs(
         from pipeflow.planning.tp_links import measure_tp_links
 
         tp_links = measure_tp_links(device, tp_group, grid, tp_payload, sequence_parallel)
+    ep_links = None
+    if ep_group is not None and experts is not None:
+        from pipeflow.planning.ep_links import measure_ep_links
+
+        ep_links = measure_ep_links(device, ep_group, experts)
     overhead = measure_action_overhead_s(device) if action_overhead_s is None else action_overhead_s
     reduce_s, rest = measure_tail_parts(params, device, dp_group, dp, fused=fused)
     release_cached_memory(device)  # the transfers' buffers too
@@ -346,7 +359,8 @@ def measure_step_costs(
     if action_overhead_s is not None:
         overhead = action_overhead_s
     return StepCosts(posting, latency, per_byte, post, overhead, tail, host_share(num_pp, device), busy_latency,
-                     busy_per_byte, links=links, dp_reduce_s=reduce_s, dp_groups=groups, tp_links=tp_links)
+                     busy_per_byte, links=links, dp_reduce_s=reduce_s, dp_groups=groups, tp_links=tp_links,
+                     ep_links=ep_links)
 
 
 def predict_step(
@@ -367,6 +381,8 @@ def predict_step(
 
     if costs.tp_links is not None:  # the layers' tp collectives on their group's measured link
         profiles = costs.tp_links.profiles(profiles, ranges, schedule.stage_to_rank)
+    if costs.ep_links is not None:  # the MoE layers' exchanges on the ep groups' measured link
+        profiles = costs.ep_links.profiles(profiles)
     boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]
     bytes_of, p = op_bytes(boundary), schedule.num_ranks
     idle = transfer_cost(costs, bytes_of)
@@ -423,5 +439,7 @@ def describe_costs(costs: StepCosts) -> str:
     reduce = f" (dp all-reduce {1e3 * costs.dp_reduce_s:.2f} ms)" if costs.dp_reduce_s > 0 else ""
     if costs.tp_links is not None:
         reduce += f", {costs.tp_links.phrase()}"
+    if costs.ep_links is not None:
+        reduce += f", {costs.ep_links.phrase()}"
     return (f"posting {costs.posting}, transfer {1e3 * costs.latency_s:.3f} ms + {1e9 * costs.per_byte_s:.3f} ms/MB{busy}, "
             f"{1e3 * costs.action_overhead_s:.3f} ms per action, tail {1e3 * costs.tail_s:.2f} ms{reduce}{shared}")

@@ -31,6 +31,8 @@ from pipeflow.planning.auto import auto_for_layout
 from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
 from pipeflow.planning.layout import Layout, choose_layout, with_offload, with_step_costs
+from pipeflow.planning.ep_links import expert_exchange
+from pipeflow.planning.expert_cost import expert_layers
 from pipeflow.planning.measured_cluster import rank_hosts, start_links
 from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.step_model import fused_adamw, measure_step_costs
@@ -135,8 +137,9 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                            OmegaConf.select(cfg, "parallel.shard", default="none"))
     # its own groups, even at ep = dp: the dp group's gradient all-reduce may run beside an exchange
     ep_group, same_experts = expert_groups(mesh.grid.dp_groups(), ep) if ep > 1 else (None, None)
-    if ep > 1:  # each stage's experts split over ep of its dp ranks, tokens exchanged by all_to_all
-        split_experts([layer for stage in stages.values() for layer in stage.module], ep_group, ep)
+    recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
+    if ep > 1:  # each stage's experts split over ep of its dp ranks, tokens exchanged by all_to_all (timed)
+        split_experts([layer for stage in stages.values() for layer in stage.module], ep_group, ep, recorder)
     sharding = full_shard(cfg, spec, stages, layout.ranges, mesh)  # before anything holds the parameters
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
@@ -145,7 +148,6 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     tied.sync_initial_values()
     reducer = (GradReducer(stages, mesh.dp_group, dp, unreduced=expert_parameters(stages) if ep > 1 else (),
                            unreduced_group=same_experts) if dp > 1 and sharding is None else None)
-    recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     compiled = None
     if options is not None:  # before anything times the stages: they run compiled
         units = {s: [(spec.layers[i].name, spec.unit_to_compile(i, layer))
@@ -162,7 +164,8 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         costs = measure_step_costs(comm, options[0], params, boundary, pp, mesh.dp_group, dp, busy=rehearsal == 0,
                                    fused=cfg.optim.fused, schedule=schedule, grid=mesh.grid, tp_group=mesh.tp_group,
                                    tp_payload=largest_collective_bytes(layout.profiles),
-                                   sequence_parallel=bool(cfg.parallel.sequence_parallel))
+                                   sequence_parallel=bool(cfg.parallel.sequence_parallel), ep_group=ep_group,
+                                   experts=expert_exchange(expert_layers(spec), ep, layout.profiles) if ep > 1 else None)
         if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
             inputs = microbatch_inputs(first[0], m, device, dtype) if 0 in stages else None
             targets = microbatch_targets(first[1], m, device) if schedule.num_stages - 1 in stages else None

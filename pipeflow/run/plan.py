@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.data import build_batches
 from pipeflow.run.compile_phase import compile_options
 from pipeflow.run.config import PlanConfig, register_configs, resolve_layout, tensor_degree
+from pipeflow.run.plan_ep import expert_costs
 from pipeflow.run.plan_tp import search_tp, tp_degrees, tp_link_figures  # noqa: F401 - search_tp: part of the API
 from pipeflow.runtime.distributed import choose_device
 from pipeflow.runtime.host_link import measure_link
@@ -174,6 +175,7 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
             torch.set_num_threads(run_threads(dp * pp))
             costs = costs or profile_costs(cfg, sizes, device)
             latency, comm = comm_model(cfg, costs, sizes, device, pp)
+            costs, ep_note = expert_costs(cfg, costs, sizes, latency, device)  # parallel.ep: experts and all_to_alls
             model, overhead_s, runtime = runtime_model(cfg, costs(max(sizes)), device, dp, pp)
             if cfg.plan.comm_latency_ms is None and pp > 1 and device.type == "cpu":
                 model, busy = busy_comm(model, costs(max(sizes)), latency(max(sizes)) if callable(latency) else latency)
@@ -188,7 +190,7 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
             "; tp {} costed over {:g} GB/s + {:g} us per collective (plan.tp_bandwidth_gbps, plan.tp_latency_us)"
             .format(", ".join(map(str, degrees)), *tp_link_figures(cfg)))
         header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}{amp}) "
-                  f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}{tp_note}{link_note}")
+                  f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}{tp_note}{ep_note}{link_note}")
     header += order_note(dp, pp, tp_degrees(cfg), space.hosts)
     if cfg.plan.rehearse > 0 and result.candidates:
         result, rehearsed = rehearse_shortlist(result, cfg, overrides, dp * pp)

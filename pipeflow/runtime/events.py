@@ -23,12 +23,14 @@ import torch
 SHARD = "shard"  # the kind of a sharded stage's gather (unshard) or reduction (reshard) event
 D2H, H2D = "d2h", "h2d"  # an offloaded group's copy to the host (offload 0:3) and back (reload 0:3) issued
 COPY_KINDS = (D2H, H2D)
+A2A = "a2a"  # an MoE layer's token exchange over its ep group (inside an F, B or W: parallel.ep)
 
 
 class TimedEvent(NamedTuple):
     """One recorded interval on this rank: a batched call (kind ``comm``, post to completion),
-    a compute action (kind ``F``, ``B`` or ``W``; name such as ``1F0``) or a sharded stage's
-    gather or reduction (kind ``shard``; name such as ``unshard 0``); seconds on the host's
+    a compute action (kind ``F``, ``B`` or ``W``; name such as ``1F0``), a sharded stage's
+    gather or reduction (kind ``shard``; name such as ``unshard 0``) or an MoE layer's
+    ``all_to_all`` within an action (kind ``a2a``; name such as ``dispatch``); seconds on the host's
     ``time.perf_counter`` axis (while recording, `start` and `end` are the clock's marks)."""
 
     kind: str

@@ -11,6 +11,11 @@ experts and hands the exchange its tokens sorted by global expert with the count
    (rank-major) by local expert, runs each local expert once on its tokens from every rank;
 3. sends the outputs back the way they came; the layer applies its gates where the tokens live.
 
+With a recorder (:class:`~pipeflow.runtime.events.EventRecorder`) that is on, every exchange is
+recorded as an ``a2a`` event (``counts``, ``dispatch``, ``combine``, and in backward ``combine
+grad``, ``dispatch grad``) between two of its marks: the host clock on the CPU, where gloo's
+all_to_all returns when done, CUDA events on the current stream on a GPU (no host wait added).
+
 Both exchanges are differentiable (:class:`AllToAll`: backward is the reverse exchange), so the
 expert weights' gradients gather every rank's tokens; summing them over the ranks holding the same
 expert (``ep < dp``) and averaging over dp is the gradient reducer's business.  Every rank of the
@@ -29,26 +34,38 @@ from torch import Tensor, nn
 from pipeflow.errors import ConfigError
 from pipeflow.models.aux_loss import in_shape_trial
 from pipeflow.models.moe import MoE
+from pipeflow.runtime.events import A2A, EventRecorder
 
 
 class AllToAll(torch.autograd.Function):
-    """``AllToAll.apply(x, out_splits, in_splits, group)``: rows ``in_splits[r]`` of x go to rank r,
-    ``out_splits[r]`` rows come from rank r; backward sends the gradients back the same way."""
+    """``AllToAll.apply(x, out_splits, in_splits, group, recorder, name)``: rows ``in_splits[r]``
+    of x go to rank r, ``out_splits[r]`` rows come from rank r; backward sends the gradients back
+    the same way (recorded as ``<name> grad``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:  # noqa: D102
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _exchange(x, out_splits, in_splits, group)
+    def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup,  # noqa: D102
+                recorder: EventRecorder | None = None, name: str = "") -> Tensor:
+        ctx.splits, ctx.group, ctx.recorder, ctx.name = (out_splits, in_splits), group, recorder, name
+        return _exchange(x, out_splits, in_splits, group, recorder, name)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # noqa: D102
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # noqa: D102
         out_splits, in_splits = ctx.splits
-        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+        back = _exchange(grad, in_splits, out_splits, ctx.group, ctx.recorder, f"{ctx.name} grad")
+        return back, None, None, None, None, None
 
 
-def _exchange(x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+@torch.compiler.disable  # a compiled layer (train.compile) runs it as it is: no guard on the recorder, no traced clock
+def _exchange(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup,
+              recorder: EventRecorder | None = None, name: str = "") -> Tensor:
+    """One all_to_all of x's rows (equal shares where the splits are None), recorded as `name`
+    when `recorder` is on."""
+    out = x.new_empty((sum(out_splits), *x.shape[1:]) if out_splits is not None else x.shape)
+    on = recorder is not None and recorder.on
+    start = recorder.mark() if on else None
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    if on:
+        recorder.record(A2A, name, start, recorder.mark())
     return out
 
 
@@ -56,8 +73,8 @@ class AllToAllExchange:
     """Runs tokens through experts spread over the `ranks` ranks of `group` (this rank holds the
     experts ``rank * L .. rank * L + L - 1``)."""
 
-    def __init__(self, group: dist.ProcessGroup, ranks: int) -> None:
-        self.group, self.ranks = group, ranks
+    def __init__(self, group: dist.ProcessGroup, ranks: int, recorder: EventRecorder | None = None) -> None:
+        self.group, self.ranks, self.recorder = group, ranks, recorder
 
     def __call__(self, tokens: Tensor, sizes: list[int], experts: list[nn.Module]) -> Tensor:
         """`tokens` (n, C) sorted by global expert, ``sizes[e]`` of them for expert e -> the
@@ -66,26 +83,28 @@ class AllToAllExchange:
             return torch.zeros_like(tokens)
         ep, L = self.ranks, len(experts)
         sent = torch.tensor(sizes, dtype=torch.long, device=tokens.device)  # (E,) = ep chunks of L
-        got = torch.empty_like(sent)
-        dist.all_to_all_single(got, sent, group=self.group)
+        got = _exchange(sent, None, None, self.group, self.recorder, "counts")
         counts = got.view(ep, L).tolist()  # counts[r][j]: rank r's tokens for my expert j
         in_splits = [sum(sizes[r * L:(r + 1) * L]) for r in range(ep)]
         out_splits = [sum(row) for row in counts]
-        pieces = AllToAll.apply(tokens, out_splits, in_splits, self.group).split([c for row in counts for c in row])
+        pieces = AllToAll.apply(tokens, out_splits, in_splits, self.group, self.recorder, "dispatch")
+        pieces = pieces.split([c for row in counts for c in row])
         outs = [expert(torch.cat([pieces[r * L + j] for r in range(ep)])) for j, expert in enumerate(experts)]
         parts = [out.split([counts[r][j] for r in range(ep)]) for j, out in enumerate(outs)]
         back = torch.cat([parts[j][r] for r in range(ep) for j in range(L)])  # rank-major again
-        return AllToAll.apply(back, in_splits, out_splits, self.group)
+        return AllToAll.apply(back, in_splits, out_splits, self.group, self.recorder, "combine")
 
 
-def split_experts(layers: Iterable[nn.Module], group: dist.ProcessGroup, ep: int) -> int:
+def split_experts(layers: Iterable[nn.Module], group: dist.ProcessGroup, ep: int,
+                  recorder: EventRecorder | None = None) -> int:
     """Keep only this rank's experts in every MoE layer of `layers` (``parallel.ep``: the `ep` ranks
-    of `group`), their tokens exchanged with ``all_to_all``; returns how many layers were split.
+    of `group`), their tokens exchanged with ``all_to_all`` (timed into `recorder` while it is on);
+    returns how many layers were split.
 
     Raises:
         ConfigError: ep does not divide a layer's experts.
     """
-    rank, exchange, split = dist.get_rank(group), AllToAllExchange(group, ep), 0
+    rank, exchange, split = dist.get_rank(group), AllToAllExchange(group, ep, recorder), 0
     for layer in layers:
         for module in layer.modules():
             if isinstance(module, MoE):
