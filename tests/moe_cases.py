@@ -74,12 +74,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def moe_equivalence(schedule: str, m: int, checkpoint_every: int = 0, balance: str = "aux_loss",
                     capacity: float | None = None, variable: bool = False, every: int = 1, steps: int = 2,
-                    ep: bool = False) -> dict[str, Any]:
+                    ep: bool | str = False) -> dict[str, Any]:
     """Train the MoE GPT pipelined (pp 2 x dp world/2) and unsplit; worst relative differences.
-    With `ep`, each stage's experts are split over its dp ranks (ep = dp; None on one process pair)."""
+    With `ep`, each stage's experts are split over its dp ranks (ep = dp; None on one process pair);
+    ``ep="where_dp"``: split where there are dp ranks, else run as without."""
     pipe_group, dp_group = _groups()
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, d = world // 2, rank // 2
+    if ep == "where_dp":
+        ep = dp > 1
     if ep and dp == 1:
         return {"skipped": True}
     spec = moe_spec(balance, capacity, every)

@@ -132,9 +132,10 @@ def _memory_cases() -> list[tuple[str, object]]:
 
 MOE_CASES = {  # name: (schedule, m, overrides); pp 2 x dp (world / 2), a mixture-of-experts GPT (issue 45)
     "moe-1f1b-m4": ("1f1b", 4, {}),
-    "moe-zb_h1-m4-ckpt": ("zb_h1", 4, {"checkpoint_every": 1}),
+    # ZB-H1 and DualPipeV: experts split over the dp ranks where there are some (p 4), as 1F1B and ZB-V below
+    "moe-zb_h1-m4-ckpt-ep_p4": ("zb_h1", 4, {"checkpoint_every": 1, "ep": "where_dp"}),
     "moe-zbv-m4-variable-every2": ("zbv", 4, {"variable": True, "every": 2}),
-    "moe-dualpipev-m4-ckpt2": ("dualpipev", 4, {"checkpoint_every": 2}),
+    "moe-dualpipev-m4-ckpt2-ep_p4": ("dualpipev", 4, {"checkpoint_every": 2, "ep": "where_dp"}),
     "moe-1f1b-m3-bias-capacity": ("1f1b", 3, {"balance": "bias", "capacity": 1.0}),
     # expert parallelism, ep = dp = 2 (4 processes only): each rank keeps half the experts, all_to_all
     "moe-ep-1f1b-m4": ("1f1b", 4, {"ep": True}),
