@@ -113,11 +113,13 @@ def pipeflow_runner(schedule: PipelineSchedule, layers: dict[int, list[nn.Module
     return Runner(step, [p for st in stages.values() for p in st.parameters()], pipe)
 
 
-def floor_runner(pipe: Pipeline, batch, m: int, sleep_ms: float) -> Runner:
+def floor_runner(pipe: Pipeline, batch, m: int, sleep_ms: float, post: Callable = dist.batch_isend_irecv,
+                 wait: Callable = lambda work: work.wait()) -> Runner:
     """The floor any runtime can reach here: pipeflow's own lowered program for this rank (the
     posting option its tuner chose) run with nothing but plain ``dist.batch_isend_irecv`` calls
-    on preallocated tensors and ``time.sleep`` for each action (F, B and W ``sleep_ms`` each, a
-    full B both) -- no autograd, no stage, no inbox, no recording, no checks."""
+    (`post`) on fresh tensors, waits on their works (`wait`) and ``time.sleep`` for each action
+    (F, B and W ``sleep_ms`` each, a full B both) -- no autograd, no stage, no inbox, no
+    recording, no checks."""
     rows = batch[0].shape[0] // m
     wait_s = sleep_ms / 1e3
 
@@ -128,15 +130,15 @@ def floor_runner(pipe: Pipeline, batch, m: int, sleep_ms: float) -> Runner:
             if st.ops:
                 ops = [dist.P2POp(dist.isend if op.is_send else dist.irecv, torch.empty(rows, 8), op.peer)
                        for op in st.ops]
-                done = dist.batch_isend_irecv(ops)
+                done = post(ops)
                 for op, w in zip(st.ops, done if len(done) == len(ops) else [done[0]] * len(ops)):
                     works[op] = w
             for op in st.waits:
-                works.pop(op).wait()
+                wait(works.pop(op))
             if st.action is not None:
                 time.sleep(wait_s * (2 if st.action.kind == "B" and st.backward_weights else 1))
             for op in st.after:
-                works.pop(op).wait()
+                wait(works.pop(op))
         return None
 
     return Runner(step, [])
