@@ -1,30 +1,30 @@
 """The one place a run is built: every object constructed from the config with its settings.
 
-:func:`build_run` turns the resolved config into this rank's part of the pipeline (mesh,
-schedule, layout, stages, transport with its deadlines, the pipeline with its posting policy,
-recorder and gradient hook, tied weights, data-parallel reducer, precision, optimizer, metrics)
-and hands them to the :class:`~pipeflow.run.trainer.Trainer`, which only runs the loop.
-Nothing is configured by assigning attributes from outside after construction.
+:func:`build_run` turns the resolved config into this rank's part of the pipeline in named
+phases, each returning a small value the next takes: the plan (model, data, schedule, layout:
+:class:`RunPlan`), the topology (mesh, transport, deadlines: :class:`Topology`), the schedule
+settled on the measured link, the parts (stages, tied weights, reducer, compiled layers:
+:class:`Parts`), the layout with the runtime's measured costs, and the loop (pipeline, optimizer,
+metrics), handed to the :class:`~pipeflow.run.trainer.Trainer`, which only runs it.  Nothing is
+configured by assigning attributes from outside after construction.  The model's own building
+(the ``model`` config's builder) is :mod:`pipeflow.run.model_build`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import os
 import platform
-from typing import Any, Callable, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from hydra.errors import InstantiationException
-from hydra.utils import get_method, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.data import (TOKEN_DATA, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
+from pipeflow.data import (TOKEN_DATA, Batches, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
                            split_microbatches, varies)
-from pipeflow.errors import ConfigError, PipeflowError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
@@ -39,6 +39,7 @@ from pipeflow.planning.step_model import fused_adamw, measure_step_costs
 from pipeflow.planning.tensor_cost import largest_collective_bytes
 from pipeflow.run import guard
 from pipeflow.run.compile_phase import compile_and_warm_up, compile_options
+from pipeflow.run.model_build import build_spec, built_on_every_rank
 from pipeflow.run.config import check_config, tensor_degree
 from pipeflow.run.faults import install_from_env
 from pipeflow.run.trainer import Trainer, unique_parameters
@@ -58,6 +59,7 @@ from pipeflow.runtime.expert_parallel import expert_groups, expert_parameters, s
 from pipeflow.runtime.routing import routing_sync
 from pipeflow.runtime.stage import build_stages, layers_by_index
 from pipeflow.runtime.tensor_parallel import parallelize_stages
+from pipeflow.runtime.compile import CompileOptions
 from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.runtime.zero import build_optimizer
@@ -66,11 +68,60 @@ from pipeflow.schedules.auto import AUTO, write_schedule
 from pipeflow.schedules.offload import HostLink
 
 log = logging.getLogger("pipeflow")
-T = TypeVar("T")
+
+
+@dataclass
+class RunPlan:
+    """The model and data, and the plan every rank makes alike before any group exists: the
+    degrees, the schedule, this replica's first batch (the profile's sample, compile's warm-up),
+    the posting policy, ``train.compile``'s options and the layout (profiled partition)."""
+
+    config_hash: str
+    dp: int
+    pp: int
+    tp: int
+    ep: int
+    dtype: torch.dtype
+    spec: ModelSpec
+    schedule: PipelineSchedule
+    batches: Batches
+    first: tuple
+    posting: Posting
+    compiled: CompileOptions | None
+    layout: Layout
+
+
+@dataclass
+class Topology:
+    """Where this rank sits: the mesh (in its order), the pipeline's transport and the deadlines
+    every group the run uses keeps."""
+
+    mesh: Mesh
+    comm: P2PComm
+    deadlines: Deadlines
+
+
+@dataclass
+class Parts:
+    """This rank's model, built and placed: its stages (split over tp, experts over ep, sharded
+    over dp), the recorder, tied weights, the dp reducer, the compiled layers and what trains."""
+
+    stages: dict
+    recorder: EventRecorder
+    ep_group: Any
+    sharding: FullShard | None
+    tied: TiedWeights
+    reducer: GradReducer | None
+    compiled: Any
+    params: list
 
 
 def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
-    """Build this rank's part of the run the config describes (collective: every rank calls it).
+    """Build this rank's part of the run the config describes (collective: every rank calls it),
+    in named phases: :func:`plan_run` (model, data, schedule, layout), :func:`connect` (mesh and
+    transport), :func:`settle_schedule` (``schedule=auto`` on the measured link), :func:`build_parts`
+    (the stages and what holds their parameters), :func:`measure_layout` (the runtime's costs,
+    offload) and :func:`build_loop` (pipeline, optimizer, metrics: the Trainer).
 
     Args:
         cfg: the resolved Hydra config (see ``configs/`` and :mod:`pipeflow.run.config`).
@@ -83,11 +134,19 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         ConfigMismatchError: the ranks resolved different configs.
         ConfigError, ScheduleError, PartitionError: a config the run cannot use.
     """
-    rank = dist.get_rank()
+    plan = plan_run(cfg, device)
+    topology = connect(cfg, plan, device)
+    plan, synthesis, link = settle_schedule(cfg, plan, topology, device)
+    parts = build_parts(cfg, plan, topology, device)
+    layout = measure_layout(cfg, plan, topology, parts, link, device)
+    return build_loop(cfg, plan, topology, parts, layout, synthesis, device)
+
+
+def plan_run(cfg: DictConfig, device: torch.device) -> RunPlan:
+    """The model, the data and the layout: the config checked alike on every rank, the schedule,
+    the first batch, and the partition chosen from this rank's profile (broadcast)."""
     config_hash = guard.check_same_config(cfg)  # before anything a rank could disagree on
     dp, pp = check_config(cfg, dist.get_world_size())
-    # every group the run uses times out a margin after pipeflow's own deadline (runtime/timeouts.py)
-    deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
     dtype = getattr(torch, cfg.train.dtype)
     spec = build_spec(cfg.model)
     tp = tensor_degree(cfg.parallel)
@@ -110,32 +169,58 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
                            autocast_dtype=compute_dtype(cfg.train.precision), compiled=options,
                            tp=tp, sequence_parallel=bool(cfg.parallel.sequence_parallel), ep=ep)
-    # the mesh after the profile: parallel.order=auto weighs the profiled bytes on the measured links
-    order, why = mesh_order(cfg, dp, pp, tp, schedule, layout, device, dtype)
-    mesh = build_mesh(dp, pp, device, tp, order)
+    return RunPlan(config_hash, dp, pp, tp, ep, dtype, spec, schedule, batches, first, posting, options, layout)
+
+
+def connect(cfg: DictConfig, plan: RunPlan, device: torch.device) -> Topology:
+    """The mesh, after the profile (``parallel.order=auto`` weighs the profiled bytes on the links
+    measured here), and the pipeline's transport, warmed up under the first-step deadline."""
+    # every group the run uses times out a margin after pipeflow's own deadline (runtime/timeouts.py)
+    deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
+    order, why = mesh_order(cfg, plan.dp, plan.pp, plan.tp, plan.schedule, plan.layout, device, plan.dtype)
+    mesh = build_mesh(plan.dp, plan.pp, device, plan.tp, order)
     mesh.order_reason = why
     deadlines.own(mesh.pp_group)
     deadlines.own(mesh.dp_group)
-    comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, rank))
+    comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, dist.get_rank()))
     comm.warmup()  # ranks may still be starting: the first-step deadline
+    return Topology(mesh, comm, deadlines)
+
+
+def settle_schedule(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torch.device
+                    ) -> tuple[RunPlan, Synthesis | None, HostLink | None]:
+    """``schedule=auto`` synthesised for the layout's profiled costs and the measured transfer
+    (the same on every rank), the host link ``pipeline.offload`` plans for (measured, collective),
+    and every rank's program checked alike."""
     offload = OmegaConf.select(cfg, "pipeline.offload", default="none")
     link = host_link(device) if offload != "none" else None  # collective
     synthesis = None
-    if schedule.name == AUTO:  # synthesised for the layout's profiled costs (the same on every rank)
-        transfer_s = measure_transfer_s(comm, _boundary_bytes(layout))
+    schedule, layout = plan.schedule, plan.layout
+    if schedule.name == AUTO:
+        transfer_s = measure_transfer_s(topology.comm, _boundary_bytes(layout))
         schedule, layout, synthesis = auto_for_layout(schedule, layout, cfg.pipeline.max_activations,
                                                       cfg.pipeline.placement, transfer_s,
                                                       None if link is None else (offload, link))
         if cfg.pipeline.stage_to_rank is not None:
             schedule = relabel_ranks(schedule, cfg.pipeline.stage_to_rank)
     guard.check_same_program(schedule, layout.ranges)
+    return dataclasses.replace(plan, schedule=schedule, layout=layout), synthesis, link
+
+
+def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torch.device) -> Parts:
+    """This rank's stages built (a layer only one rank can fail on fails every rank), split over
+    tp, their experts over ep, sharded over dp (FSDP2), tied weights joined, the dp reducer, the
+    layers compiled and warmed up; and the parameters that train (a LoRA base trains none)."""
+    spec, schedule, layout, mesh, comm = plan.spec, plan.schedule, plan.layout, topology.mesh, topology.comm
+    m = schedule.num_microbatches
     stages = built_on_every_rank(functools.partial(
-        build_stages, spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, dtype,
+        build_stages, spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, plan.dtype,
         compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations)))
     if mesh.tp > 1:  # each layer split over the stage's tp ranks, before FSDP2 shards over dp
         parallelize_stages(spec, stages, layout.ranges, mesh.tp_mesh, bool(cfg.parallel.sequence_parallel),
                            OmegaConf.select(cfg, "parallel.shard", default="none"))
     # its own groups, even at ep = dp: the dp group's gradient all-reduce may run beside an exchange
+    ep, dp = plan.ep, plan.dp
     ep_group, same_experts = expert_groups(mesh.grid.dp_groups(), ep) if ep > 1 else (None, None)
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     if ep > 1:  # each stage's experts split over ep of its dp ranks, tokens exchanged by all_to_all (timed)
@@ -144,64 +229,88 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
                        [comm.global_rank(r) for r in range(comm.size)], comm.rank, mesh.replicas)
     for group in tied.groups():
-        deadlines.own(group)
+        topology.deadlines.own(group)
     tied.sync_initial_values()
     reducer = (GradReducer(stages, mesh.dp_group, dp, unreduced=expert_parameters(stages) if ep > 1 else (),
                            unreduced_group=same_experts) if dp > 1 and sharding is None else None)
     compiled = None
-    if options is not None:  # before anything times the stages: they run compiled
+    if plan.compiled is not None:  # before anything times the stages: they run compiled
         units = {s: [(spec.layers[i].name, spec.unit_to_compile(i, layer))
                      for i, layer in zip(layout.ranges[s], stage.module)] for s, stage in stages.items()}
-        compiled = compile_and_warm_up(options, comm, schedule, stages, units, first, m, dtype, shape_mode(cfg, dp * m),
-                                       posting.options(not comm.independent_ops)[0], sharding,
-                                       evaluates=cfg.train.eval_batches > 0)
+        compiled = compile_and_warm_up(plan.compiled, comm, schedule, stages, units, plan.first, m, plan.dtype,
+                                       shape_mode(cfg, dp * m), plan.posting.options(not comm.independent_ops)[0],
+                                       sharding, evaluates=cfg.train.eval_batches > 0)
     # what is trained: a LoRA run's frozen base weights get no gradient, no AdamW state, no reduction
     params = [p for p in unique_parameters(stage.parameters() for stage in stages.values()) if p.requires_grad]
+    return Parts(stages, recorder, ep_group, sharding, tied, reducer, compiled, params)
+
+
+def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Parts, link: HostLink | None,
+                   device: torch.device) -> Layout:
+    """The layout with the runtime's own costs measured here (collective: transfers, links, groups,
+    the tail; rehearsed on shared cores) for its prediction, and ``pipeline.offload``'s plan."""
+    layout, schedule, spec, comm, mesh = plan.layout, plan.schedule, plan.spec, topology.comm, topology.mesh
+    m, dp, pp, ep = schedule.num_microbatches, plan.dp, plan.pp, plan.ep
     if layout.profiles is not None:  # the whole step: the runtime's own costs, measured here (collective)
         boundary = stage_boundary_bytes(layout.ranges, layout.profiles)
         rehearsal = rehearsal_steps_for(cfg, device)
-        options = posting.options(not comm.independent_ops)
-        costs = measure_step_costs(comm, options[0], params, boundary, pp, mesh.dp_group, dp, busy=rehearsal == 0,
-                                   fused=cfg.optim.fused, schedule=schedule, grid=mesh.grid, tp_group=mesh.tp_group,
-                                   tp_payload=largest_collective_bytes(layout.profiles),
-                                   sequence_parallel=bool(cfg.parallel.sequence_parallel), ep_group=ep_group,
+        options = plan.posting.options(not comm.independent_ops)
+        costs = measure_step_costs(comm, options[0], parts.params, boundary, pp, mesh.dp_group, dp,
+                                   busy=rehearsal == 0, fused=cfg.optim.fused, schedule=schedule, grid=mesh.grid,
+                                   tp_group=mesh.tp_group, tp_payload=largest_collective_bytes(layout.profiles),
+                                   sequence_parallel=bool(cfg.parallel.sequence_parallel), ep_group=parts.ep_group,
                                    experts=expert_exchange(expert_layers(spec), ep, layout.profiles) if ep > 1 else None)
         if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
-            inputs = microbatch_inputs(first[0], m, device, dtype) if 0 in stages else None
+            stages, first = parts.stages, plan.first
+            inputs = microbatch_inputs(first[0], m, device, plan.dtype) if 0 in stages else None
             targets = microbatch_targets(first[1], m, device) if schedule.num_stages - 1 in stages else None
             costs = with_rehearsal(costs, comm, schedule, layout.ranges, layout.profiles, stages, inputs, targets,
                                    boundary, options, rehearsal, shape_mode(cfg, dp * m))
         layout = with_step_costs(layout, schedule, costs)
     if link is not None:  # planned on the prediction's own simulation, for the host link measured at start
-        layout = with_offload(layout, schedule, offload, link, device_memory_limit(device))
-    pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), posting, recorder,
-                        reducer.stage_ready if reducer is not None else None, sharding, layout.offload)
-    optimizer = build_optimizer(params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0, lr=cfg.optim.lr,
-                                betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay,
+        layout = with_offload(layout, schedule, OmegaConf.select(cfg, "pipeline.offload"), link,
+                              device_memory_limit(device))
+    return layout
+
+
+def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Parts, layout: Layout,
+               synthesis: Synthesis | None, device: torch.device) -> Trainer:
+    """The pipeline over the stages, the optimizer, fault injection and the finite check, the run
+    directory (after everything a config can fail on: a sweep's invalid job leaves none behind),
+    the metrics, and the Trainer that runs the loop over them."""
+    rank, schedule, mesh, comm, stages = dist.get_rank(), plan.schedule, topology.mesh, topology.comm, parts.stages
+    dp, pp, spec = plan.dp, plan.pp, plan.spec
+    m = schedule.num_microbatches
+    pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), plan.posting, parts.recorder,
+                        parts.reducer.stage_ready if parts.reducer is not None else None, parts.sharding,
+                        layout.offload)
+    optimizer = build_optimizer(parts.params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0,
+                                lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                                weight_decay=cfg.optim.weight_decay,
                                 fused=fused_adamw(cfg.optim.fused, device) or None)  # None: torch's default
     faults = install_from_env(stages, rank, dist.get_world_size())  # PIPEFLOW_FAULT_INJECT (tests, drills)
     # after the injector: its forward hook must see what the injected fault did
     finite = FiniteCheck(stages, schedule.num_stages, device) if cfg.train.check_finite else None
-    # after everything a config can fail on (a sweep's invalid job leaves no directory behind)
     workspace = prepare_workspace(cfg)  # the run directory, locked for this job, its config.yaml
     run_dir = workspace.run_dir
     if synthesis is not None and rank == 0:
         write_auto_schedule(schedule, synthesis, run_dir)
     lengths = sequence_lengths(cfg.data)  # variable lengths: tokens/s counts the lengths' expected mean
     per_sample = None if cfg.data.name not in TOKEN_DATA else cfg.data.seq_len if lengths is None else sum(lengths) / 2
-    metrics = RunMetrics(cfg, recorder, comm.rank, pp, device, run_dir, layout.prediction,
+    metrics = RunMetrics(cfg, parts.recorder, comm.rank, pp, device, run_dir, layout.prediction,
                          (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
                          calibrator(schedule, stage_boundary_bytes(layout.ranges, layout.profiles),
-                                    run_meta(cfg, schedule, layout, device, dp, mesh.grid)), first_pipeline=mesh.first_pipeline,
-                         grid=mesh.grid)
+                                    run_meta(cfg, schedule, layout, device, dp, mesh.grid)),
+                         first_pipeline=mesh.first_pipeline, grid=mesh.grid)
     return Trainer(
-        cfg=cfg, device=device, config_hash=config_hash, mesh=mesh, spec=spec, schedule=schedule, layout=layout,
-        batches=batches, stages=stages, pipeline=pipeline, posting=posting, deadlines=deadlines, tied=tied,
-        reducer=reducer, scaler=LossScaler(cfg.train.precision == "fp16"),
-        finite=finite, faults=faults, params=params, optimizer=optimizer, metrics=metrics, run_dir=run_dir,
-        workspace=workspace, memory=MemoryAccountant(stages, optimizer, device), compiled=compiled,
+        cfg=cfg, device=device, config_hash=plan.config_hash, mesh=mesh, spec=spec, schedule=schedule,
+        layout=layout, batches=plan.batches, stages=stages, pipeline=pipeline, posting=plan.posting,
+        deadlines=topology.deadlines, tied=parts.tied, reducer=parts.reducer,
+        scaler=LossScaler(cfg.train.precision == "fp16"), finite=finite, faults=faults, params=parts.params,
+        optimizer=optimizer, metrics=metrics, run_dir=run_dir, workspace=workspace,
+        memory=MemoryAccountant(stages, optimizer, device), compiled=parts.compiled,
         routing=routing_sync(layers_by_index(stages, layout.ranges), len(spec.layers),
-                             int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0), ep),
+                             int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0), plan.ep),
     )
 
 
@@ -327,121 +436,3 @@ def _watchdog(device: torch.device, rank: int) -> DeadlineWatchdog | None:
     if torch.device(device).type != "cuda":
         return None
     return DeadlineWatchdog(functools.partial(guard.fail, rank=rank), device=device)
-
-
-def built_on_every_rank(build: Callable[[], T]) -> T:
-    """`build()` (this rank's stages), agreed over the world by one small all-gather: a pipeflow
-    error that only the rank building a layer can see (NaN in the weights it loads, a key missing
-    from ``model.init_from``) is raised by every rank, one named line each, rather than by that
-    rank alone while its peers meet a closed connection later.
-
-    Raises:
-        PipeflowError: this rank's own, else the lowest failing rank's.
-    """
-    try:
-        built, error = build(), None
-    except PipeflowError as exc:
-        built, error = None, exc
-    errors = [error]
-    if dist.get_world_size() > 1:
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-    first = error or next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-    return built  # type: ignore[return-value]
-
-
-def build_spec(model_cfg: DictConfig) -> ModelSpec:
-    """The model the ``model`` config's builder (``_target_``) returns.
-
-    A pipeflow error the builder raises (a ConfigError naming ``model.path``, a CheckpointError
-    naming a damaged weights file) reaches the caller as itself, one line, not wrapped in Hydra's
-    ``InstantiationException`` (which stays its ``__context__``).
-
-    Raises:
-        ConfigError: a key the builder takes no argument for, the builder's own, or the builder
-            returned something else than a ModelSpec.
-    """
-    try:
-        spec = instantiate(builder_config(model_cfg))
-    except InstantiationException as exc:
-        named = _named_cause(exc)
-        if named is None:
-            raise
-        raise named  # noqa: B904 - the builder's own error, its cause kept; Hydra's wrapper its context
-    if not isinstance(spec, ModelSpec):
-        target = OmegaConf.select(model_cfg, "_target_")
-        raise ConfigError(
-            f"model._target_={target!r} returned a {type(spec).__name__}, not a pipeflow ModelSpec; a model "
-            f"builder must return ModelSpec(layers=[LayerSpec(...), ...], loss_fn=...): see docs/models.md"
-        )
-    return spec
-
-
-def _named_cause(exc: BaseException) -> PipeflowError | None:
-    """The pipeflow error under Hydra's (possibly nested) instantiation wrappers, if any."""
-    seen: set[int] = set()
-    while isinstance(exc, InstantiationException) and exc.__cause__ is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        exc = exc.__cause__
-    return exc if isinstance(exc, PipeflowError) else None
-
-
-def builder_config(model_cfg: DictConfig) -> DictConfig:
-    """The ``model`` config with only keys its builder (``_target_``) takes: a key left at null or
-    at its schema's default that the builder has no argument for is dropped (a user's builder on a
-    built-in schema, such as ``base_mlp``, which gained ``init_from``, or ``gpt``, which gained
-    ``moe``); any other such key is one line naming it and the
-    builder's arguments, not a TypeError inside Hydra's instantiation traceback. A builder that
-    cannot be imported or takes ``**kwargs`` is left to Hydra.
-
-    Raises:
-        ConfigError: naming the key (``+model.foo=1``), the builder and the keys it takes.
-    """
-    target = OmegaConf.select(model_cfg, "_target_")
-    try:
-        params = inspect.signature(get_method(target)).parameters
-    except Exception:  # noqa: BLE001 - no importable target: Hydra's own error says so
-        return model_cfg
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return model_cfg
-    unknown = [key for key in model_cfg if not str(key).startswith("_") and key not in params]
-    defaults = _schema_defaults(model_cfg)
-    given = [key for key in unknown if OmegaConf.select(model_cfg, str(key)) is not None
-             and _plain(OmegaConf.select(model_cfg, str(key))) != defaults.get(str(key), _NO_DEFAULT)]
-    if given:
-        taken = ", ".join(name for name, p in params.items() if p.kind != p.VAR_POSITIONAL)
-        raise ConfigError(f"model.{given[0]} is not an argument of {target}, which takes: {taken}; remove "
-                          f"model.{given[0]} (a key added with +model.{given[0]}=... reaches the builder as is)")
-    if not unknown:
-        return model_cfg
-    kept = OmegaConf.to_container(model_cfg, resolve=True)
-    return OmegaConf.create({key: value for key, value in kept.items() if key not in unknown})
-
-
-_NO_DEFAULT = object()
-
-
-def _plain(value: Any) -> Any:
-    """A config value as plain Python (containers resolved)."""
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-
-def _schema_defaults(model_cfg: DictConfig) -> dict[str, Any]:
-    """The defaults of the structured schema `model_cfg` was made from, as plain Python (none
-    for a plain config)."""
-    schema = OmegaConf.get_type(model_cfg)
-    if not dataclasses.is_dataclass(schema):
-        return {}
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(schema):
-        if f.default is not dataclasses.MISSING:
-            value = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            value = f.default_factory()
-        else:
-            continue
-        out[f.name] = _plain(OmegaConf.structured(value)) if dataclasses.is_dataclass(value) else value
-    return out
-
