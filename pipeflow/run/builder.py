@@ -59,7 +59,7 @@ from pipeflow.runtime.expert_parallel import expert_groups, expert_parameters, s
 from pipeflow.runtime.routing import routing_sync
 from pipeflow.runtime.stage import build_stages, layers_by_index
 from pipeflow.runtime.tensor_parallel import parallelize_stages
-from pipeflow.runtime.compile import CompileOptions
+from pipeflow.runtime.compile import CompileOptions, forget_compiled
 from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.runtime.zero import build_optimizer
@@ -162,6 +162,8 @@ def plan_run(cfg: DictConfig, device: torch.device) -> RunPlan:
     posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
                       agree_over_world=True)
     options = compile_options(cfg, dp * m)  # train.compile (None: eager): the profile and the stages alike
+    if options is not None:
+        forget_compiled()  # this run's layers compile afresh (a sweep's jobs share the process)
     ep = int(OmegaConf.select(cfg, "parallel.ep", default=1) or 1)  # experts split over each stage's dp ranks
     layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype, dp=dp,
                            shard=OmegaConf.select(cfg, "parallel.shard", default="none"),

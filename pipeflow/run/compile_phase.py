@@ -24,6 +24,7 @@ from torch import nn
 from pipeflow.data import microbatch_inputs, microbatch_targets, sequence_lengths
 from pipeflow.planning.rehearsal import untouched
 from pipeflow.run.config import tensor_degree
+from pipeflow.run.model_build import built_on_every_rank
 from pipeflow.runtime.compile import CompiledForward, CompileOptions, compile_stage_layers, fallbacks, graphs_compiled
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.runtime.pipeline import Pipeline
@@ -123,10 +124,13 @@ def compile_and_warm_up(
     device = comm.device
     inputs = microbatch_inputs(first[0], m, device, dtype) if 0 in stages else None
     targets = microbatch_targets(first[1], m, device) if schedule.num_stages - 1 in stages else None
-    with untouched(stages):
-        pipeline.run(inputs, targets)
-        if evaluates:
-            pipeline.eval(inputs, targets)
+    def warm_up() -> None:
+        with untouched(stages):
+            pipeline.run(inputs, targets)
+            if evaluates:
+                pipeline.eval(inputs, targets)
+
+    built_on_every_rank(warm_up)  # a layer failing to compile on one rank: the same error on every rank
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     after = graphs_compiled()

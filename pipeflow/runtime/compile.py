@@ -167,6 +167,14 @@ def holds_all_parameters(unit: nn.Module, layer: nn.Module) -> bool:
     return sum(p.numel() for p in unit.parameters()) == sum(p.numel() for p in layer.parameters())
 
 
+def forget_compiled() -> None:
+    """Drop what Dynamo compiled in this process so far (its caches and counters), so a run
+    compiles its own layers afresh.  A process that builds several runs (a sweep's jobs, a resume
+    in the same process) would otherwise add each run's layers to the same code objects' caches
+    until Dynamo's recompile limit, which under ``fullgraph=True`` is a hard error."""
+    torch._dynamo.reset()
+
+
 def graphs_compiled() -> int:
     """Graphs Dynamo has compiled in this process so far (recompiles are the growth of it)."""
     counters = getattr(getattr(torch._dynamo, "utils", None), "counters", None)
