@@ -155,3 +155,19 @@ def test_prepare_chat_writes_what_data_chat_reads_and_parquet_reads_as_jsonl(tok
     from_model = build_batches(_chat_config(path=str(jsonl), pack_documents=False), model_folder)
     x, y = from_model.train.get(0)
     assert x.shape == y.shape == (2, 24) and torch.is_tensor(x)  # one conversation a row: tokens alone
+
+
+def test_data_eval_path_holds_out_other_conversations(tokenizers, tmp_path) -> None:
+    """data=chat with data.eval_path: data.path's conversations all trained, the held-out file's
+    (tokenised with the same tokenizer, or a prepared folder) the validation rows."""
+    folder, _ = tokenizers["marked"]
+    jsonl = fx.write_jsonl(tmp_path / "chats.jsonl")
+    held = fx.write_jsonl(tmp_path / "held.jsonl", fx.CONVERSATIONS[:1])
+    model = OmegaConf.create({"vocab_size": 64})
+    split = build_batches(_chat_config(path=str(jsonl), tokenizer=str(folder), pack_documents=False), model)
+    both = build_batches(_chat_config(path=str(jsonl), tokenizer=str(folder), pack_documents=False,
+                                      eval_path=str(held)), model)
+    assert len(split.train.rows.inputs) == 3 and len(both.train.rows.inputs) == 4  # val_fraction 0.25 not cut
+    assert len(both.val.rows.inputs) == 1 and torch.equal(both.val.rows.inputs[0], both.train.rows.inputs[0])
+    with pytest.raises(ChatDataError, match="data.eval_path="):
+        build_batches(_chat_config(path=str(jsonl), tokenizer=str(folder), eval_path=str(tmp_path / "none")), model)

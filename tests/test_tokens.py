@@ -243,3 +243,39 @@ def test_the_trainer_takes_packed_documents(one_rank_group, tmp_path) -> None:
         trainer = build_run(cfg, torch.device("cpu"))
         first[packed] = [trainer.train_step(step)[0] for step in range(2)] + [trainer.evaluate()]
     assert all(np.isfinite(first[True])) and first[True][0] != first[False][0]  # the documents reached attention
+
+
+def test_data_eval_path_holds_out_a_file_and_evaluations_report_perplexity(one_rank_group, tmp_path, caplog) -> None:
+    """data.eval_path: the validation batches are the held-out file's (data.path trained on whole);
+    train.eval_every's log lines and fit() give the perplexity, exp of the held-out loss."""
+    import logging
+    import math
+    import re
+
+    (np.arange(400) % 17).astype(np.uint16).tofile(tmp_path / "train.bin")
+    (np.arange(60) % 7 + 20).astype(np.uint16).tofile(tmp_path / "held.bin")  # ids 20..26: only here
+    batches = build_batches(data_cfg(tmp_path / "train.bin", eval_path=str(tmp_path / "held.bin")), model())
+    assert len(batches.train.tokens) == 400 and len(batches.val.tokens) == 60  # no val_fraction cut
+    assert int(batches.val.get(0)[0].min()) >= 20 and int(batches.train.get(3)[0].max()) < 17
+    with pytest.raises(ConfigError, match=r"data.eval_path='.*nothing' matches no file"):
+        build_batches(data_cfg(tmp_path / "train.bin", eval_path=str(tmp_path / "nothing")), model())
+    with pytest.raises(ConfigError, match="data=text, tokens or chat"):
+        build_batches(SimpleNamespace(name="markov", eval_path="x.txt"), model())
+    (tmp_path / "a.txt").write_text("abcabcabd" * 20)
+    (tmp_path / "b.txt").write_text("dcba" * 10)
+    text = build_batches(SimpleNamespace(**{**vars(data_cfg(tmp_path / "a.txt")), "name": "text", "level": "char",
+                                            "eval_path": str(tmp_path / "b.txt")}), model())
+    assert len(text.train.tokens) == 180 and text.val.tokens[:4].tolist() == [3, 2, 1, 0]  # a.txt's vocabulary
+    with pytest.raises(ConfigError, match=r"characters the training text has not \(\['z'\]\)"):
+        (tmp_path / "c.txt").write_text("abz" * 10)
+        build_batches(SimpleNamespace(**{**vars(data_cfg(tmp_path / "a.txt")), "name": "text", "level": "char",
+                                         "eval_path": str(tmp_path / "c.txt")}), model())
+    cfg = scale_cases.make_config(1, "1f1b", 2, train__run_dir=str(tmp_path / "run"), data__name="tokens",
+                                  data__path=str(tmp_path / "train.bin"), data__eval_path=str(tmp_path / "held.bin"),
+                                  train__max_steps=4, train__eval_every=2, train__eval_batches=2)
+    with caplog.at_level(logging.INFO, logger="pipeflow"):
+        result = build_run(cfg, torch.device("cpu")).fit()
+    loss, ppl = map(float, re.search(r"step +2 \| held-out loss (\S+) \| perplexity (\S+)", caplog.text).groups())
+    assert abs(ppl - math.exp(loss)) <= 0.01 * ppl
+    assert result["val_perplexity"] == pytest.approx(math.exp(result["val_loss"]))
+    assert re.search(r"held-out perplexity [\d.]+ -> [\d.]+", caplog.text)

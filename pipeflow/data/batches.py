@@ -25,7 +25,8 @@ TOKEN_DATA = ("markov", "text", "tokens", "chat")
 
 
 def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
-    """The data sources named by ``data.name`` (identical on every rank).
+    """The data sources named by ``data.name`` (identical on every rank): validation batches from
+    ``data.eval_path`` where it is set (text, tokens, chat), else from the last ``data.val_fraction``.
 
     Args:
         cfg: the ``data`` config.
@@ -37,6 +38,10 @@ def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
         ConfigError: unknown data name, or a vocabulary larger than the model's.
     """
     name = cfg.name
+    eval_path = getattr(cfg, "eval_path", None)
+    if eval_path is not None and name not in ("text", "tokens", "chat"):
+        raise ConfigError(f"data.eval_path={eval_path!r} names held-out data for data=text, tokens or chat; data={name} "
+                          f"makes its own validation batches: set data.eval_path=null")
     if name in IMAGE_DATA:
         from pipeflow.data.vision import build_image_batches  # torchvision costs seconds to import
 
@@ -74,7 +79,10 @@ def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
             f"the data has a vocabulary of {vocab} tokens but model.vocab_size={model_vocab}; "
             f"set model.vocab_size={vocab}"
         )
-    train, val = datasets.split_tokens(tokens, cfg.val_fraction)
+    if eval_path is not None:  # data.path trained on whole, the held-out file in its vocabulary
+        train, val = tokens, datasets.text_file_tokens(eval_path, cfg.level, chars)[0]
+    else:
+        train, val = datasets.split_tokens(tokens, cfg.val_fraction)
     lengths = sequence_lengths(cfg)
     return Batches(
         datasets.TokenBatches(train, cfg.seq_len, cfg.batch_size, cfg.seed, lengths, chunks),

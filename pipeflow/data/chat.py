@@ -26,9 +26,9 @@ SUFFIXES = (".jsonl", ".parquet")
 GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def conversation_paths(path: str | Path) -> list[Path]:
-    """The conversation files `path` names: a file, a folder (its ``.jsonl`` and ``.parquet``
-    files) or a glob, in name order.
+def conversation_paths(path: str | Path, key: str = "data.path") -> list[Path]:
+    """The conversation files `path` (config `key`'s value) names: a file, a folder (its ``.jsonl``
+    and ``.parquet`` files) or a glob, in name order.
 
     Raises:
         ChatDataError: no file matches.
@@ -36,7 +36,7 @@ def conversation_paths(path: str | Path) -> list[Path]:
     text = str(path)
     found = matching_files(text, SUFFIXES)
     if not found:
-        raise ChatDataError(f"data.path={text!r} names no conversation file (.jsonl or .parquet, or a folder of "
+        raise ChatDataError(f"{key}={text!r} names no conversation file (.jsonl or .parquet, or a folder of "
                             f"them, or a folder that `python -m pipeflow.data.prepare --chat` wrote)")
     return found
 

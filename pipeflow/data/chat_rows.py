@@ -206,7 +206,8 @@ class ChatBatches:
 
 def build_chat_batches(cfg: Any, model_cfg: Any) -> tuple[ChatBatches, ChatBatches]:
     """Train and validation batches of ``data.path``'s conversations (the last
-    ``data.val_fraction`` of them held out; all of them when that leaves none), tokenised with
+    ``data.val_fraction`` of them held out, all of them trained when that leaves none; or, with
+    ``data.eval_path``, those conversations held out and ``data.path``'s all trained), tokenised with
     ``data.tokenizer`` or ``model.path``'s tokenizer, or read from a ``prepare --chat`` folder.
     Logs the counts (conversations, rows, dropped and truncated ones, trained targets).
 
@@ -221,21 +222,24 @@ def build_chat_batches(cfg: Any, model_cfg: Any) -> tuple[ChatBatches, ChatBatch
                           "them, or a folder from python -m pipeflow.data.prepare --chat>")
     if cfg.variable_lengths:
         raise ConfigError("data=chat packs conversations into rows of data.seq_len: set data.variable_lengths=false")
-    conversations, pad_id = _conversations(cfg, model_cfg)
+    conversations, pad_id = _conversations(cfg.path, cfg, model_cfg)
+    eval_path = getattr(cfg, "eval_path", None)
+    held_out = _conversations(eval_path, cfg, model_cfg, "data.eval_path")[0] if eval_path is not None else None
     vocab, where = model_vocab(model_cfg)
-    top = int(conversations.tokens.max())
+    top = max(int(c.tokens.max()) for c in (conversations, held_out) if c is not None)
     if vocab is not None and top >= vocab:
         raise ConfigError(f"data=chat: token id {top} is outside the model's vocabulary ({where}={vocab}); use the "
                           f"model's own tokenizer")
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
-    held = int(len(conversations) * cfg.val_fraction)
-    cut = len(conversations) - held
-    train, train_counts = pack_rows(conversations.part(0, cut), cfg.seq_len, cfg.overlong, pad_id, cfg.pack_documents)
-    val, counts = train, {**summary_of(conversations), **train_counts, "held_out": held}
-    if held:
-        val, val_counts = pack_rows(conversations.part(cut, len(conversations)), cfg.seq_len, cfg.overlong, pad_id,
-                                    cfg.pack_documents)
+    whole = conversations
+    if held_out is None:  # the last val_fraction of data.path's
+        cut = len(whole) - int(len(whole) * cfg.val_fraction)
+        conversations, held_out = whole.part(0, cut), whole.part(cut, len(whole))
+    train, train_counts = pack_rows(conversations, cfg.seq_len, cfg.overlong, pad_id, cfg.pack_documents)
+    val, counts = train, {**summary_of(whole), **train_counts, "held_out": len(held_out)}
+    if len(held_out):
+        val, val_counts = pack_rows(held_out, cfg.seq_len, cfg.overlong, pad_id, cfg.pack_documents)
         counts.update({f"held_out_{k}": v for k, v in val_counts.items() if k in ("rows", "targets")},
                       dropped=counts["dropped"] + val_counts["dropped"],
                       truncated=counts["truncated"] + val_counts["truncated"])
@@ -247,11 +251,12 @@ def build_chat_batches(cfg: Any, model_cfg: Any) -> tuple[ChatBatches, ChatBatch
             ChatBatches(val, cfg.batch_size, cfg.seed + 1, cfg.pack_documents))
 
 
-def _conversations(cfg: Any, model_cfg: Any) -> tuple[Conversations, int]:
-    """The conversations ``data.path`` names (prepared or tokenised now) and the padding id."""
+def _conversations(path: str, cfg: Any, model_cfg: Any, key: str = "data.path") -> tuple[Conversations, int]:
+    """The conversations `path` (config `key`'s value) names, prepared or tokenised now, and the
+    padding id."""
     from pipeflow.data.chat import conversation_paths, load_chat_tokenizer
 
-    folder = Path(cfg.path)
+    folder = Path(path)
     prepared = load_conversations(folder) if folder.is_dir() else None
     source = getattr(cfg, "tokenizer", None) or getattr(model_cfg, "path", None)
     if prepared is not None:
@@ -261,7 +266,7 @@ def _conversations(cfg: Any, model_cfg: Any) -> tuple[Conversations, int]:
         raise ConfigError("data=chat tokenises with the model's tokenizer and chat template: set model.path "
                           "(model=hf) or data.tokenizer=<a Hugging Face folder with them>")
     tokenizer = load_chat_tokenizer(source)
-    return tokenize_conversations(conversation_paths(cfg.path), tokenizer), pad_id_of(tokenizer)
+    return tokenize_conversations(conversation_paths(path, key), tokenizer), pad_id_of(tokenizer)
 
 
 def pad_id_of(tokenizer: Any) -> int:

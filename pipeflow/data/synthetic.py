@@ -117,13 +117,15 @@ def markov_tokens(
     return torch.tensor(out, dtype=torch.long)
 
 
-def text_file_tokens(path: str | Path, level: str = "char") -> tuple[Tensor, list[str] | None]:
+def text_file_tokens(path: str | Path, level: str = "char",
+                     chars: list[str] | None = None) -> tuple[Tensor, list[str] | None]:
     """Read a text file as a token stream.
 
     Args:
         path: the file.
         level: "byte" (ids are the raw bytes, vocabulary size 256) or "char" (ids index a
             sorted vocabulary of the UTF-8 characters present).
+        chars: "char": the vocabulary to index instead (another file's, for held-out text).
 
     Returns:
         (1-D int64 tokens, vocabulary): the vocabulary is the sorted list of characters for
@@ -131,7 +133,7 @@ def text_file_tokens(path: str | Path, level: str = "char") -> tuple[Tensor, lis
 
     Raises:
         ConfigError: the file is missing, is not a file, is empty, is not UTF-8 (char level),
-            or `level` is unknown.
+            or `level` is unknown; (with `chars`) a character outside them.
     """
     path = Path(path)
     if level not in ("char", "byte"):
@@ -150,8 +152,12 @@ def text_file_tokens(path: str | Path, level: str = "char") -> tuple[Tensor, lis
         raise ConfigError(
             f"data file {str(path)!r} is not UTF-8 ({err}); use level='byte'"
         ) from err
-    vocab = sorted(set(text))
+    vocab = sorted(set(text)) if chars is None else chars
     index = {ch: i for i, ch in enumerate(vocab)}
+    unknown = sorted(set(text) - set(index)) if chars is not None else []
+    if unknown:
+        raise ConfigError(f"data file {str(path)!r} holds characters the training text has not ({unknown[:5]}): "
+                          f"a char-level vocabulary is the training file's; use data.level=byte")
     return torch.tensor([index[ch] for ch in text], dtype=torch.long), vocab
 
 

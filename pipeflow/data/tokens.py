@@ -4,8 +4,9 @@ step) only, so every rank reads the same batch and a resumed run continues the s
 
 Nothing is loaded whole: each file is a memory map, and a batch reads only its B windows of
 T + 1 tokens.  The files, in name order, are one stream; its last ``data.val_fraction`` is the
-validation stream.  With ``data.pack_documents`` the inputs are ``(tokens, document ids)`` as the
-built-in GPT takes them (pipeflow/models/gpt.py): ``data.eos_id`` opens a document, so an id
+validation stream, unless ``data.eval_path`` names held-out token files (then the validation
+stream is theirs and ``data.path`` is trained on whole).  With ``data.pack_documents`` the inputs
+are ``(tokens, document ids)`` as the built-in GPT takes them (pipeflow/models/gpt.py): ``data.eos_id`` opens a document, so an id
 counts the end-of-document tokens up to and including its position within the row.
 """
 from __future__ import annotations
@@ -41,9 +42,9 @@ def matching_files(path: str | Path, suffixes: tuple[str, ...]) -> list[Path]:
     return [Path(text)] if Path(text).is_file() else []
 
 
-def token_paths(path: str | Path) -> list[Path]:
-    """The token files `path` names: a file, a folder (its ``*.bin`` and ``*.npy`` files) or a
-    glob, in name order.
+def token_paths(path: str | Path, key: str = "data.path") -> list[Path]:
+    """The token files `path` (the value of config `key`) names: a file, a folder (its ``*.bin``
+    and ``*.npy`` files) or a glob, in name order.
 
     Raises:
         ConfigError: no file matches.
@@ -52,7 +53,7 @@ def token_paths(path: str | Path) -> list[Path]:
     found = matching_files(text, SUFFIXES)
     if not found:
         where = "folder holds no .bin or .npy file" if Path(text).is_dir() else "matches no file"
-        raise ConfigError(f"data.path={text!r} {where}; point it at token files (data=tokens)")
+        raise ConfigError(f"{key}={text!r} {where}; point it at token files (data=tokens)")
     return found
 
 
@@ -250,7 +251,8 @@ def model_vocab(model_cfg: Any) -> tuple[int | None, str]:
 
 def build_token_batches(cfg: Any, model_cfg: Any, lengths: tuple[int, int] | None,
                         chunks: int = 1) -> tuple[TokenFileBatches, TokenFileBatches]:
-    """Train and validation batches of ``data.path``'s token files, checked against the model's
+    """Train and validation batches of ``data.path``'s token files (validation: the last
+    ``data.val_fraction`` of them, or ``data.eval_path``'s files whole), checked against the model's
     vocabulary (``model.vocab_size``, or model=hf's config.json; every file's ids are read
     once, in chunks, and a sample checked for uint32 ids read as uint16: :func:`check_ids`).
 
@@ -263,11 +265,16 @@ def build_token_batches(cfg: Any, model_cfg: Any, lengths: tuple[int, int] | Non
         raise ConfigError("data=tokens needs data.path=<a token file, a folder of them or a glob>")
     vocab, where = model_vocab(model_cfg)
     fix = "set model.vocab_size" if where == "model.vocab_size" else "a model.path whose config has vocab_size"
-    files = []
-    for path in token_paths(cfg.path):
-        tokens = open_tokens(path, cfg.token_dtype)
-        check_ids(path, tokens, cfg.token_dtype, vocab, where, fix)
-        files.append(tokens)
+
+    def checked(path: str, key: str) -> list[np.ndarray]:
+        files = []
+        for file in token_paths(path, key):
+            tokens = open_tokens(file, cfg.token_dtype)
+            check_ids(file, tokens, cfg.token_dtype, vocab, where, fix)
+            files.append(tokens)
+        return files
+
+    files = checked(cfg.path, "data.path")
     eos = cfg.eos_id if cfg.pack_documents else None
     if cfg.pack_documents and eos is None:
         raise ConfigError("data.pack_documents=true needs data.eos_id (the id that ends each document)")
@@ -277,8 +284,12 @@ def build_token_batches(cfg: Any, model_cfg: Any, lengths: tuple[int, int] | Non
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
     total = TokenStream(files)
-    cut = len(total) - int(math.floor(len(total) * cfg.val_fraction))
-    train, val = TokenStream(files, 0, cut), TokenStream(files, cut)
+    eval_path = getattr(cfg, "eval_path", None)
+    if eval_path is not None:  # a held-out file: data.path is trained on whole
+        train, val = total, TokenStream(checked(eval_path, "data.eval_path"))
+    else:
+        cut = len(total) - int(math.floor(len(total) * cfg.val_fraction))
+        train, val = TokenStream(files, 0, cut), TokenStream(files, cut)
     make = lambda stream, seed: TokenFileBatches(  # noqa: E731
         stream, cfg.seq_len, cfg.batch_size, seed, lengths, chunks, eos)
     return make(train, cfg.seed), make(val, cfg.seed + 1)

@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("pipeflow")
 
 
+def perplexity(loss: float) -> float:
+    """exp(`loss`), the perplexity of a mean cross entropy in nats (inf where exp overflows)."""
+    return math.inf if loss > 709 else math.exp(loss)  # NaN stays NaN
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """Peak memory of this process: CUDA max allocated on a GPU, else the process's peak RSS."""
     if device.type == "cuda":
@@ -149,6 +154,22 @@ class RunMetrics:
         `offloaded`: this rank's bytes copied to the host in the step (``pipeline.offload``)."""
         self.memory.record(step, measured, self.writer, offloaded)
         if self.writer is not None:
+            self.writer.flush()
+
+    def evaluated(self, step: int, loss: float, line: bool = True) -> None:
+        """Report a held-out evaluation after `step` steps (rank 0): the log line ``step N |
+        held-out loss L | perplexity P`` (where `line`; perplexity for token data) and the
+        TensorBoard scalars ``eval/loss`` and ``eval/perplexity``."""
+        if not self.is_main:
+            return
+        tokens = self.items[1] is not None
+        if line:
+            note = f" | perplexity {perplexity(loss):.4g}" if tokens else ""
+            log.info("step %4d | held-out loss %.4f%s", step, loss, note)
+        if self.writer is not None:
+            self.writer.add_scalar("eval/loss", loss, step)
+            if tokens:
+                self.writer.add_scalar("eval/perplexity", perplexity(loss), step)
             self.writer.flush()
 
     def _open_writer(self) -> Any:

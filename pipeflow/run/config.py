@@ -107,6 +107,9 @@ class DataConfig:
     vocab_size: int = 64
     num_tokens: int = 200_000
     path: str | None = None
+    # text, tokens, chat: a held-out file, folder or glob (data.path's formats) train.eval_every
+    # evaluates on, data.path then trained on whole; null: the last val_fraction of data.path
+    eval_path: str | None = None
     level: str = "byte"  # text: "byte" (vocab 256) or "char"
     val_fraction: float = 0.1
     in_features: int = 32

@@ -30,7 +30,7 @@ from pipeflow.data import (Batches, loss_counts, microbatch_counts, microbatch_i
                            sequence_lengths, shard)
 from pipeflow.errors import AllTargetsMaskedError, NonFiniteError
 from pipeflow.models.spec import ModelSpec
-from pipeflow.observability.metrics import RunMetrics
+from pipeflow.observability.metrics import RunMetrics, perplexity
 from pipeflow.planning.layout import Layout, describe_layout
 from pipeflow.run import checkpoint, lora_base, storage
 from pipeflow.run.compile_phase import CompilePhase
@@ -520,8 +520,7 @@ class Trainer:
                 val = self.evaluate()
                 if val is None:
                     return self._leave_on_signal(step + 1, saved=path, during="an evaluation")
-                if self.is_main:
-                    log.info("step %4d | held-out loss %.4f", step + 1, val)
+                self.metrics.evaluated(step + 1, val)
         return None
 
     def _leave_on_signal(self, step: int, saved: str | None, during: str = "") -> int:
@@ -567,6 +566,7 @@ class Trainer:
                             "the checkpoint resumed from holds it" if start else "nothing trained yet")
             self._record_preemption(start, None)
             return start, nan, nan
+        self.metrics.evaluated(start, first_val, line=False)
         preempted_at = self._train(start)
         if preempted_at is not None:  # a preempted job saves and leaves: no final evaluation in the grace period
             return preempted_at, first_val, nan
@@ -575,6 +575,7 @@ class Trainer:
             steps = self.cfg.train.max_steps
             saved = self._saved[1] if self._saved is not None and self._saved[0] == steps else None
             return self._leave_on_signal(steps, saved=saved, during="the final evaluation"), first_val, nan
+        self.metrics.evaluated(self.cfg.train.max_steps, final_val, line=False)
         return None, first_val, final_val
 
     def _on_signal(self, name: str) -> None:
@@ -624,7 +625,7 @@ class Trainer:
         losses = self.history[trained:]
         first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val,
-                  "preempted_at": preempted_at}
+                  "val_perplexity": perplexity(final_val), "preempted_at": preempted_at}
         result.update(self.metrics.close(self.schedule))
         if self.compiled is not None:
             result["compile"] = self.compiled.summary()
@@ -636,5 +637,8 @@ class Trainer:
         self.close()
         if self.is_main and preempted_at is None:
             best = f" (best achievable {self.batches.best_loss:.4f})" if self.batches.best_loss is not None else ""
-            log.info("loss %.4f -> %.4f | held-out loss %.4f -> %.4f%s", first_loss, last_loss, first_val, final_val, best)
+            ppl = (f" | held-out perplexity {perplexity(first_val):.4g} -> {perplexity(final_val):.4g}"
+                   if self.metrics.items[1] is not None else "")
+            log.info("loss %.4f -> %.4f | held-out loss %.4f -> %.4f%s%s", first_loss, last_loss, first_val, final_val,
+                     best, ppl)
         return result
