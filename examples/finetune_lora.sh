@@ -3,13 +3,16 @@
 #
 #   0. a base model to fine-tune: the tiny random Llama of configs/hf/llama_tiny saved with a small
 #      word-level tokenizer and a chat template (the stand-in for the Llama/Mistral/Qwen you have)
-#   1. conversations -> tokens and trained marks      (python -m pipeflow.data.prepare --chat)
-#   2. LoRA fine-tune on 2 pipeline ranks, base frozen (model=hf model.lora.rank=8 data=chat)
+#   1. what the base model answers before fine-tuning (python -m pipeflow.generate), while the
+#      conversations become tokens and trained marks (python -m pipeflow.data.prepare --chat)
+#   2. LoRA fine-tune on 2 pipeline ranks, base frozen (model=hf model.lora.rank=8 data=chat),
+#      then the same questions to the fine-tuned model (pipeflow.generate train.resume=<the run>)
 #   3. export the adapters for peft, and the merged weights for transformers
 #                                                     (python -m pipeflow.checkpoint export --format peft
 #                                                      / --format hf --merge-lora)
 #   4. load both (PeftModel.from_pretrained on the base; AutoModelForCausalLM.from_pretrained on the
-#      merged folder), check that they give the same logits, and answer a question
+#      merged folder), check that they give the same logits and the pipeline's answer, and print
+#      the answers before and after
 #
 #   examples/finetune_lora.sh                       # writes under outputs/finetune_lora_<time>
 #   WORK=/tmp/ft STEPS=20 examples/finetune_lora.sh schedule=zb_h1   # more train.py overrides follow
@@ -67,8 +70,17 @@ EOF
     CHAT=${CHAT:-$WORK/chat.jsonl}
 fi
 
-echo "== 1. prepare --chat: tokens and trained marks -> $WORK/chat"
+printf '%s\n' "what is two plus three" "what is one plus one" "hello how are you" > "$WORK/questions.txt"
+ASK=(generate.prompts="$WORK/questions.txt" generate.chat=true generate.max_new_tokens=4)  # greedy
+echo "== 1. before fine-tuning, the base model answers (pipeflow.generate -> $WORK/before.jsonl);"
+echo "      meanwhile prepare --chat: tokens and trained marks -> $WORK/chat"
+# one process holds this small base whole; for a base that needs the pipeline, launch it as 2b does
+"$PYTHON" -m pipeflow.generate model=hf model.path="$BASE" "${ASK[@]}" generate.output="$WORK/before.jsonl" \
+    > "$WORK/before.log" 2>&1 &
+ASKING=$!
 "$PYTHON" -m pipeflow.data.prepare --chat --tokenizer "$BASE" --out "$WORK/chat" --no-progress "$CHAT"
+wait "$ASKING" || { cat "$WORK/before.log"; exit 1; }
+cat "$WORK/before.jsonl"
 
 echo "== 2. LoRA fine-tune on 2 pipeline ranks (base frozen), $STEPS steps"
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 train.py \
@@ -78,12 +90,17 @@ echo "== 2. LoRA fine-tune on 2 pipeline ranks (base frozen), $STEPS steps"
     train.max_steps="$STEPS" train.log_every=50 train.eval_every=0 train.save_every="$STEPS" \
     train.run_dir="$WORK/run" "$@"
 
+echo "== 2b. after fine-tuning: the run's checkpoint answers on 2 pipeline ranks (its config.yaml read)"
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 -m pipeflow.generate \
+    train.resume="$WORK/run" "${ASK[@]}" generate.output="$WORK/after.jsonl"
+
 echo "== 3. export: adapters for peft -> $WORK/adapter, merged weights -> $WORK/merged"
 "$PYTHON" -m pipeflow.checkpoint export --format peft "$WORK/run/checkpoints" "$WORK/adapter"
 "$PYTHON" -m pipeflow.checkpoint export --format hf --merge-lora "$WORK/run/checkpoints" "$WORK/merged"
 
 echo "== 4. load both with transformers and peft"
 "$PYTHON" - "$BASE" "$WORK" <<'EOF'
+import json
 import sys
 
 import torch
@@ -102,5 +119,10 @@ with torch.no_grad():
     a, b = adapted(ids).logits, merged(ids).logits
 print(f"peft adapter vs merged weights: largest logit difference {float((a - b).abs().max()):.2e}")
 out = merged.generate(ids, max_new_tokens=4, do_sample=False)
-print("what is two plus three ->", tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+print("what is two plus three ->", answer.strip())
+before, after = ([json.loads(line) for line in open(f"{work}/{name}.jsonl")] for name in ("before", "after"))
+assert after[0]["completion"] == answer, (after[0], answer)  # the pipeline's greedy answer is transformers'
+for b, a in zip(before, after):
+    print(f"{b['prompt']!r}: before {b['completion'].strip()!r} -> after {a['completion'].strip()!r}")
 EOF

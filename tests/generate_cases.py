@@ -115,3 +115,69 @@ def generate_command_from_checkpoint(folder: str, run_dir: str) -> dict[str, Any
         with open(file) as f:
             written[kind] = [json.loads(line) for line in f]
     return {"code": code, "written": written, "expected": expected}
+
+
+def generate_from_a_lora_checkpoint(folder: str, run_dir: str) -> dict[str, Any] | None:
+    """``pipeflow.generate``'s main on a LoRA run's checkpoint (adapters only, the base named;
+    ``lora_B`` seeded so the adapters change the model) against Hugging Face's greedy generate on
+    the unsplit model with peft's adapters merged in (float64); and the base alone, and a config
+    without ``model.lora``, which main refuses (exit 1 on every rank)."""
+    import transformers
+    from omegaconf import OmegaConf
+    from peft import inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
+
+    import chat_fixtures as fx
+    import lora_cases
+    from pipeflow.run import checkpoint, lora_base
+    from pipeflow.run.builder import build_spec
+    from pipeflow.run.generate import main, split
+    from pipeflow.run.plan import compose_config
+
+    tokenizer_dir = os.path.join(run_dir, "tokenizer")
+    cfg = compose_config(["model=hf", f"model.path={folder}", "train.dtype=float64", f"data.tokenizer={tokenizer_dir}"])
+    OmegaConf.update(cfg, "model.lora", dict(lora_cases.LORA), merge=True)
+    spec = build_spec(cfg.model)
+    mine = split(len(spec.layers), dist.get_world_size())[dist.get_rank()]
+    layers = dict(zip(mine, spec.build_layers(mine, "cpu", torch.float64)))
+    lora_cases._set_lora_b([(n, p) for layer in layers.values() for n, p in layer.named_parameters()])
+    if dist.get_rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        fx.write_tokenizer(tokenizer_dir)
+        OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
+        with open(os.path.join(run_dir, "prompts.txt"), "w") as f:
+            f.write("hello how are you\nwhat is two plus three\n")
+    dist.barrier()
+    adapters = [p for layer in layers.values() for p in layer.parameters() if p.requires_grad]
+    path = checkpoint.save(os.path.join(run_dir, "checkpoints"), 1, lora_base.trainable(layers),
+                           torch.optim.AdamW(adapters), {"dp": 1, "pp": 2, "tp": 1,
+                                                         lora_base.LORA_BASE: lora_base.record(cfg.model)})
+    out_file = os.path.join(run_dir, "out.jsonl")
+    given = [f"generate.prompts={os.path.join(run_dir, 'prompts.txt')}", "generate.max_new_tokens=6"]
+    code = main([f"train.resume={path}", f"generate.output={out_file}"] + given)
+    refused = main([f"train.resume={path}", "model.lora.rank=0"] + given)
+    if dist.get_rank() != 0:
+        return {"code": code, "refused": refused}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    ref = transformers.LlamaForCausalLM.from_pretrained(folder).to(torch.float64)
+    base = transformers.LlamaForCausalLM.from_pretrained(folder).to(torch.float64)
+    ref = inject_adapter_in_model(spec.lora.peft_config(), ref)
+    with torch.no_grad():  # every layer's adapters as the pipeline built them, lora_B seeded alike
+        for layer in spec.build_all(dtype=torch.float64):
+            for name, p in layer.named_parameters():
+                if p.requires_grad:
+                    ref.get_parameter(name).copy_(p)
+    lora_cases._set_lora_b(ref.named_parameters())
+    for module in ref.modules():
+        if isinstance(module, LoraLayer):
+            module.merge()
+    expected: dict[str, list] = {"lora": [], "base": []}
+    for line in ("hello how are you", "what is two plus three"):
+        ids = torch.tensor([tokenizer(line)["input_ids"]])
+        for kind, model in (("lora", ref), ("base", base)):
+            new = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                                 pad_token_id=0)[0, ids.shape[1]:]
+            expected[kind].append({"prompt": line, "completion": tokenizer.decode(new, skip_special_tokens=True)})
+    with open(out_file) as f:
+        written = [json.loads(line) for line in f]
+    return {"code": code, "refused": refused, "written": written, "expected": expected}

@@ -67,7 +67,9 @@ def test_llama_end_to_end_example_runs(tmp_path: Path) -> None:
 
 def test_lora_finetune_example_runs(tmp_path: Path) -> None:
     """examples/finetune_lora.sh, 40 steps: chat data prepared, a LoRA fine-tune on 2 pipeline
-    ranks whose loss falls, and both exports loaded by transformers and peft with one set of logits."""
+    ranks whose loss falls, and both exports loaded by transformers and peft with one set of logits;
+    python -m pipeflow.generate before (the base, one process) and after (the run's LoRA checkpoint,
+    2 pipeline ranks), the answer after equal to transformers' greedy one on the merged export."""
     pytest.importorskip("peft")
     env = {**os.environ, "WORK": str(tmp_path), "STEPS": "40", "PYTHON": sys.executable}
     run = subprocess.run(["bash", str(ROOT / "examples" / "finetune_lora.sh")], env=env, cwd=ROOT,
@@ -80,5 +82,8 @@ def test_lora_finetune_example_runs(tmp_path: Path) -> None:
     difference = float(re.search(r"largest logit difference (\S+)", out).group(1))
     assert difference < 1e-4, out[-2000:]  # float32: the adapter over the base and the merged weights agree
     assert "what is two plus three ->" in out
-    for name in ("chat/prepare.json", "adapter/adapter_config.json", "merged/config.json"):
+    answers = re.findall(r"^'(.+)': before '(.*)' -> after '(.*)'$", out, re.M)
+    assert len(answers) == 3 and any(before != after for _, before, after in answers), out[-2000:]
+    for name in ("chat/prepare.json", "adapter/adapter_config.json", "merged/config.json", "before.jsonl",
+                 "after.jsonl"):
         assert (tmp_path / name).exists(), name

@@ -267,6 +267,8 @@ def _world(folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) ->
                   for kind in GENERATE_KINDS]
         cases.append(("generate-command", functools.partial(generate_cases.generate_command_from_checkpoint,
                                                             folders["llama"], os.path.join(folders["runs"], "gen"))))
+        cases.append(("generate-lora", functools.partial(generate_cases.generate_from_a_lora_checkpoint,
+                                                         folders["llama"], os.path.join(folders["runs"], "gen-lora"))))
     return run_cases(world_size, cases)
 
 
@@ -666,3 +668,15 @@ def test_generate_command_reads_the_runs_config_and_checkpoint(world2):
         assert result.value["code"] == 0
     assert results[0].value["written"] == results[0].value["expected"]
 
+
+def test_generate_command_applies_a_lora_runs_adapters(world2):
+    """python -m pipeflow.generate train.resume=<a LoRA run's checkpoint>: the adapters loaded over
+    the base the checkpoint names give Hugging Face's greedy generate on the peft-merged model
+    (float64); a config without model.lora is refused."""
+    results = world2["generate-lora"]
+    for rank, result in enumerate(results):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        assert (result.value["code"], result.value["refused"]) == (0, 1), result.value
+    out = results[0].value
+    assert out["written"] == out["expected"]["lora"]
+    assert out["written"] != out["expected"]["base"]  # the adapters changed what the model says

@@ -7,7 +7,9 @@ for ``<run_dir>/checkpoints/step_<n>``), so ``train.resume=<checkpoint>`` alone 
 saved config's already and is ignored).  Without a saved config the overrides are composed as
 train.py composes them; without a checkpoint the model's own weights are used (``model=hf``: the
 folder's safetensors).  The layers are loaded by index (:func:`pipeflow.run.checkpoint.load`),
-whatever pipeline trained them.
+whatever pipeline trained them; a LoRA run's checkpoint (``model.lora``) holds its adapters only,
+loaded over the base ``model.path`` holds (checked against the base the checkpoint names) and
+merged into it.
 
 Each line of ``generate.prompts`` is one prompt: ``model=hf``: raw text tokenised by the model's
 tokenizer (``tokenizer(line)``; with ``generate.chat=true`` one user turn of its chat template with
@@ -30,7 +32,7 @@ import torch.distributed as dist
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.errors import CheckpointError, ConfigError, PipeflowError
+from pipeflow.errors import ConfigError, PipeflowError
 from pipeflow.runtime.decode import PromptBatch, Sampler, generate, left_padded
 
 log = logging.getLogger("pipeflow")
@@ -304,25 +306,19 @@ def run(cfg: DictConfig, path: str | None, options: GenerateOptions) -> int:
 def _generate(cfg: DictConfig, path: str | None, options: GenerateOptions, device: torch.device) -> None:
     """This rank's part: its stage built and loaded, the prompts read, the loop run, rank 0's report."""
     from pipeflow.run.builder import build_spec
-    from pipeflow.run.checkpoint import load, read_meta, verify
-    from pipeflow.run.lora_base import LORA_BASE
+    from pipeflow.run.generate_weights import load_weights, merge_adapters
     from pipeflow.runtime.transport import P2PComm
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    if path is not None and LORA_BASE in read_meta(path):
-        raise ConfigError(f"{path} is a LoRA run's checkpoint: generation with adapters is not supported yet")
     spec = build_spec(cfg.model)
-    if spec.lora is not None:
-        raise ConfigError("generation with model.lora is not supported yet: set model.lora.rank=0")
     ranges = split(len(spec.layers), world)
     dtype = getattr(torch, cfg.train.dtype)
     built = spec.build_layers(ranges[rank], device, dtype)
     layers = {i: layer.eval() for i, layer in zip(ranges[rank], built)}
     if path is not None:
-        problem = verify(path)
-        if problem is not None:
-            raise CheckpointError(problem)
-        load(path, layers, None)
+        load_weights(cfg, spec, path, layers)
+    if spec.lora is not None:
+        merge_adapters(layers)
     prompts = Prompts(cfg, options, spec.name.startswith("hf-"))
     decoder = stage_decoder(cfg, spec, layers)
     try:
