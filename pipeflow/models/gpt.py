@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,10 +35,23 @@ from pipeflow.models.spec import LayerSpec, ModelSpec
 
 INIT_STD = 0.02  # GPT-2 init: weights ~ N(0, 0.02), biases 0
 
-try:  # flash attention over variable-length sequences (CUDA only); older torch: the mask instead
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover
-    varlen_attn = None
+_NOT_IMPORTED = object()
+# flash attention over variable-length sequences (CUDA only; older torch: None, the mask instead),
+# imported at its first use on a GPU (:func:`_varlen`): the module imports Dynamo, about a second
+# of every process that merely builds a GPT
+varlen_attn: Any = _NOT_IMPORTED
+
+
+def _varlen() -> Any:
+    """torch's ``varlen_attn`` (None where this torch has none), imported once, on first use."""
+    global varlen_attn
+    if varlen_attn is _NOT_IMPORTED:
+        try:
+            from torch.nn.attention.varlen import varlen_attn as found
+        except ImportError:  # pragma: no cover
+            found = None
+        varlen_attn = found
+    return varlen_attn
 
 
 @dataclass(frozen=True)
@@ -216,9 +230,9 @@ def varlen_applies(q: Tensor, dropout_p: float) -> bool:
     """True where :func:`attend` runs packed documents through ``varlen_attn``: it is in this torch,
     q is on an NVIDIA GPU of compute capability >= 8.0 (flash attention 2) in float16 or bfloat16
     (autocast), the head size is a multiple of 8 up to 256, and no dropout (the kernel has none)."""
-    return (varlen_attn is not None and q.is_cuda and torch.version.hip is None and dropout_p == 0.0
+    return (q.is_cuda and torch.version.hip is None and dropout_p == 0.0
             and q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) % 8 == 0 and q.size(-1) <= 256
-            and _flash_capable(q.device))
+            and _flash_capable(q.device) and _varlen() is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,7 +250,7 @@ def _varlen_attention(q: Tensor, k: Tensor, v: Tensor, doc: Tensor) -> Tensor:
 
     cu = _cu_seqlens(doc)
     # T bounds every document's length: the longest is not read back (no host sync for it)
-    y = varlen_attn(tokens(q), tokens(k), tokens(v), cu, cu, T, T, window_size=(-1, 0))  # (-1, 0): causal
+    y = _varlen()(tokens(q), tokens(k), tokens(v), cu, cu, T, T, window_size=(-1, 0))  # (-1, 0): causal
     return y.view(B, T, H, hs).transpose(1, 2)
 
 

@@ -55,9 +55,8 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None, None, None
 
 
-@torch.compiler.disable  # a compiled layer (train.compile) runs it as it is: no guard on the recorder, no traced clock
-def _exchange(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup,
-              recorder: EventRecorder | None = None, name: str = "") -> Tensor:
+def _exchange_now(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None, group: dist.ProcessGroup,
+                  recorder: EventRecorder | None = None, name: str = "") -> Tensor:
     """One all_to_all of x's rows (equal shares where the splits are None), recorded as `name`
     when `recorder` is on."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]) if out_splits is not None else x.shape)
@@ -67,6 +66,12 @@ def _exchange(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | No
     if on:
         recorder.record(A2A, name, start, recorder.mark())
     return out
+
+
+# what the exchanges call: made torch.compiler.disable'd by split_experts (a compiled layer runs it as
+# it is: no guard on the recorder, no traced clock); the decorator imports Dynamo, about a second of
+# every process, so only runs that split experts pay it
+_exchange = _exchange_now
 
 
 class AllToAllExchange:
@@ -104,6 +109,9 @@ def split_experts(layers: Iterable[nn.Module], group: dist.ProcessGroup, ep: int
     Raises:
         ConfigError: ep does not divide a layer's experts.
     """
+    global _exchange
+    if _exchange is _exchange_now:
+        _exchange = torch.compiler.disable(_exchange_now)
     rank, exchange, split = dist.get_rank(group), AllToAllExchange(group, ep, recorder), 0
     for layer in layers:
         for module in layer.modules():
