@@ -49,7 +49,9 @@ def test_every_tag_is_written_once_per_log_interval_by_one_writer(run, scalars) 
     at_end = {f"pipeline/step_{name}_ms" for name in ("measured", "predicted", "calibrated")}
     at_end |= {f"stage/{r}/program_end_{name}_ms" for r in range(P) for name in ("measured", "calibrated")}
     at_end |= {f"link/{r}-{r + 1}/comm_wait_ms" for r in range(P - 1)}  # each link's transfer waits
-    assert set(scalars) == expected | memory | at_end  # no tokens/s: gaussian data has no tokens
+    evaluations = {"eval/loss"}  # the first and the final evaluation (train.eval_every=0); no perplexity: no tokens
+    assert set(scalars) == expected | memory | at_end | evaluations  # no tokens/s: gaussian data has no tokens
+    assert [step for step, _ in scalars["eval/loss"]] == [0, STEPS]  # the steps trained when each was taken
     assert all([step for step, _ in points] == LOGGED for tag, points in scalars.items() if tag in expected)
     assert all([step for step, _ in scalars[tag]] == [1] for tag in memory)
     assert all([step for step, _ in scalars[tag]] == [STEPS - 1] for tag in at_end)
