@@ -1,25 +1,25 @@
 """Typed configuration: dataclass schemas registered in Hydra's ConfigStore, checked once at start.
 
 YAML files under ``configs/`` hold the values; these dataclasses are their schemas (types and
-defaults), so a typo in an override (``pipeline.num_microbatch=4``) fails at once.
+defaults), so a typo in an override (``pipeline.num_microbatch=4``) fails at once, with the
+nearest keys named (:mod:`pipeflow.run.config_keys`).  The checks of a composed config are
+:mod:`pipeflow.run.config_checks`; their names are importable from here too.
 """
 from __future__ import annotations
 
 import copy
-import difflib
 import inspect
-import os
 from dataclasses import dataclass, field, is_dataclass, make_dataclass
 from typing import Any, Callable, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 from pipeflow.errors import ConfigError
-from pipeflow.runtime.expert_parallel import check_expert_parallel
-from pipeflow.run.config_values import check_counts, check_deadlines, check_layout_counts
-from pipeflow.schedules.offload import check_mode
-from pipeflow.runtime.mesh_order import parse_order
+from pipeflow.run.config_checks import (BACKENDS, DTYPES, RESUME_WORDS, SHARD_MODES, STORAGES, auto_replicas,
+                                        check_comm, check_config, check_paths, check_sequence_parallel,
+                                        check_targets, check_values, resolve_layout, tensor_degree)
+from pipeflow.run.config_keys import config_keys, install_key_suggestions, suggest_keys
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.hf import build_hf
 from pipeflow.models.mlp import build_mlp
@@ -313,290 +313,10 @@ def register_configs() -> None:
     cs.store(group="plan", name="base_plan", node=PlanConfig)
 
 
-# --------------------------------------------------------------------- unknown keys, _target_
-def config_keys(cfg: Any) -> list[str]:
-    """Every dotted key of `cfg` (leaves and inner nodes), missing values included."""
-    keys: list[str] = []
-
-    def walk(node: Any, prefix: str) -> None:
-        for key in node:
-            path = f"{prefix}{key}"
-            keys.append(path)
-            child = node._get_node(key) if OmegaConf.is_config(node) else None
-            if OmegaConf.is_dict(child):
-                walk(child, f"{path}.")
-
-    walk(cfg, "")
-    return keys
-
-
-def suggest_keys(key: str, known: list[str], count: int = 2) -> list[str]:
-    """The known keys nearest to the unknown `key` (difflib): when its parent exists, the
-    parent's keys whose last name is nearest to its last name; else the nearest whole keys."""
-    parent, _, leaf = key.rpartition(".")
-    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
-    if parent in known or not parent:
-        return [siblings[name] for name in difflib.get_close_matches(leaf, list(siblings), n=count, cutoff=0.6)]
-    return difflib.get_close_matches(key, known, n=count, cutoff=0.8)
-
-
-def _with_suggestion(exc: Exception, overrides: list[Any], cfg: Any) -> Exception | None:
-    """Hydra's 'Could not override' error for an unknown key, with a did-you-mean (None: another error)."""
-    from hydra.errors import ConfigCompositionException
-
-    text = str(exc)
-    if not text.startswith("Could not override '"):
-        return None
-    key = text[len("Could not override '"):].split("'", 1)[0]
-    value = next((o.input_line.partition("=")[2] for o in overrides if o.key_or_group == key), "...")
-    close = suggest_keys(key, config_keys(cfg))
-    if not close:
-        return None
-    options = " or ".join(f"{k}={value}" for k in close)
-    return ConfigCompositionException(
-        f"Could not override '{key}': the config has no such key. Did you mean {options}?\n"
-        f"(To add a new key anyway: +{key}={value})"
-    )
-
-
-def install_key_suggestions() -> None:
-    """Wrap Hydra's override step so that an unknown key's error names the nearest known keys
-    (``pipeline.num_microbatch=4`` -> ``Did you mean pipeline.num_microbatches=4?``), for
-    ``@hydra.main`` and ``hydra.compose`` alike.  Hydra has no hook for it: its (private)
-    ``ConfigLoaderImpl._apply_overrides_to_config`` is wrapped once; where it is missing (another
-    Hydra), the errors stay Hydra's own."""
-    try:
-        from hydra._internal.config_loader_impl import ConfigLoaderImpl
-        from hydra.errors import ConfigCompositionException
-    except ImportError:
-        return
-    apply = getattr(ConfigLoaderImpl, "_apply_overrides_to_config", None)
-    if apply is None or getattr(apply, "_pipeflow_suggests", False):
-        return
-
-    def apply_with_suggestions(overrides: list[Any], cfg: Any) -> None:
-        try:
-            apply(overrides, cfg)
-        except ConfigCompositionException as exc:
-            better = _with_suggestion(exc, overrides, cfg)
-            if better is None:
-                raise
-            raise better from exc.__cause__
-
-    apply_with_suggestions._pipeflow_suggests = True  # type: ignore[attr-defined]
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_with_suggestions)
-
-
-def check_targets(cfg: Any) -> None:
-    """The model config names its builder (``model._target_``), and every ``_target_`` under
-    ``model`` is set (``model=module`` needs ``model.module._target_``, your module's class).
-
-    Raises:
-        ConfigError: naming the key to set, with an example.
-    """
-    model = OmegaConf.select(cfg, "model", throw_on_missing=False)
-    if model is None or not OmegaConf.is_dict(model):
-        return
-    if "_target_" not in model:
-        raise ConfigError(
-            "model has no _target_: a model config must name the function that builds the model; set "
-            "model._target_=<import path of a function returning a pipeflow ModelSpec> (e.g. "
-            "pipeflow.models.mlp.build_mlp), or pick a built-in model=gpt|mlp|resnet18|... (see docs/models.md)"
-        )
-    for path in [k for k in config_keys(model) if k == "_target_" or k.endswith("._target_")]:
-        if OmegaConf.is_missing(model, path) or OmegaConf.select(model, path) in (None, ""):
-            raise ConfigError(f"model.{path} is not set: {_target_hint(path)}")
-
-
-def _target_hint(path: str) -> str:
-    """What to put in ``model.<path>``."""
-    if path == "module._target_":
-        return ("model=module needs the import path of your nn.Module's class, e.g. "
-                "model.module._target_=examples.your_module.GPT (its constructor's arguments: "
-                "+model.module.<name>=<value>)")
-    if path == "_target_":
-        return "set model._target_=<import path of a function returning a pipeflow ModelSpec>"
-    return f"set model.{path}=<import path of the class or function that {path.rsplit('.', 1)[0]} names>"
-
-
-DTYPES = ("float32", "float64", "bfloat16", "float16")
-
-
-def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]:
-    """(dp, pp) for this world size, with ``parallel.tp`` (:func:`tensor_degree`) ranks per stage.
-
-    Raises:
-        ConfigError: if dp x pp x tp does not equal the world size.
-    """
-    dp, tp = parallel.dp, tensor_degree(parallel)
-    check_layout_counts(parallel)
-    if world_size % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide the world size {world_size}; choose a tp that divides "
-                          f"{world_size} (the GPUs of a node, e.g. 8)")
-    if dp == "auto":
-        dp = auto_replicas(parallel.pp, tp, world_size)
-    if world_size % (dp * tp):
-        raise ConfigError(
-            f"parallel.dp={dp} does not divide the world size {world_size}"
-            + (f" / parallel.tp={tp}" if tp > 1 else "") + f"; choose a dp that divides {world_size // tp}"
-        )
-    pp = parallel.pp if parallel.pp is not None else world_size // (dp * tp)
-    if dp * pp * tp != world_size:
-        shape = f"parallel.dp={dp} x parallel.pp={pp}" + (f" x parallel.tp={tp}" if tp > 1 else "")
-        raise ConfigError(
-            f"{shape} = {dp * pp * tp} processes, but the world size is {world_size}; launch with torchrun "
-            f"--nproc-per-node {dp * pp * tp} or set parallel.pp={world_size // (dp * tp)}"
-        )
-    return dp, pp
-
-
-def auto_replicas(pp: int | None, tp: int, world_size: int) -> int:
-    """``parallel.dp=auto``: the replicas that fill the world with `pp` x `tp` ranks each (an
-    elastic job keeps its pipeline and changes its replicas as nodes come and go).
-
-    Raises:
-        ConfigError: pp not given, or pp x tp does not divide the world size.
-    """
-    if pp is None:
-        raise ConfigError("parallel.dp=auto needs parallel.pp (the pipeline to replicate); set e.g. parallel.pp=2")
-    if world_size % (pp * tp):
-        shape = f"parallel.pp={pp}" + (f" x parallel.tp={tp}" if tp > 1 else "")
-        raise ConfigError(f"parallel.dp=auto: {shape} = {pp * tp} ranks per replica does not divide the world size "
-                          f"{world_size}; launch a multiple of {pp * tp} processes or change parallel.pp")
-    return world_size // (pp * tp)
-
-
-def check_sequence_parallel(cfg: Any) -> None:
-    """Raise ConfigError for ``parallel.sequence_parallel`` where the sequence cannot be cut into tp
-    equal slices: without tp, with variable lengths, or a sequence length tp does not divide."""
-    if not OmegaConf.select(cfg, "parallel.sequence_parallel", default=False):
-        return
-    tp = tensor_degree(cfg.parallel)
-    if tp == 1:
-        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over the tp "
-                          "ranks of a stage)")
-    if OmegaConf.select(cfg, "data.variable_lengths", default=False):
-        raise ConfigError(f"parallel.sequence_parallel=true with data.variable_lengths=true: every sequence length must "
-                          f"split into parallel.tp={tp} equal slices; set one of them to false")
-    seq_len = OmegaConf.select(cfg, "data.seq_len", default=None)
-    if seq_len is not None and seq_len % tp:
-        raise ConfigError(f"parallel.sequence_parallel=true: data.seq_len={seq_len} does not split into parallel.tp={tp} "
-                          f"equal slices; choose a length divisible by {tp}")
-
-
-def tensor_degree(parallel: Any) -> int:
-    """``parallel.tp`` (1 where the config predates it or sets null; 0 stays 0, for the checks to refuse)."""
-    tp = getattr(parallel, "tp", None)
-    return 1 if tp is None else int(tp)
-
-
-SHARD_MODES = ("none", "optimizer", "full")
-
-
-def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
-    """Check what can be checked before anything is built; returns (dp, pp).
-
-    Raises:
-        ConfigError: naming the key and what to change.
-    """
-    check_values(cfg)
-    dp, pp = resolve_layout(cfg.parallel, world_size)
-    check_targets(cfg)
-    parse_order(OmegaConf.select(cfg, "parallel.order", default="auto"))
-    shard = OmegaConf.select(cfg, "parallel.shard", default="none")
-    if shard not in SHARD_MODES:
-        raise ConfigError(f"parallel.shard={shard!r} is unknown; valid: {', '.join(SHARD_MODES)} "
-                          "(none: full replicas, optimizer: ZeRO-1, full: FSDP2)")
-    check_sequence_parallel(cfg)
-    check_expert_parallel(int(OmegaConf.select(cfg, "parallel.ep", default=1) or 1), dp, tensor_degree(cfg.parallel),
-                          shard, int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0))
-    m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
-    if batch < dp * m:
-        raise ConfigError(
-            f"data.batch_size={batch} cannot be split into pipeline.num_microbatches={m} micro-batches "
-            f"(x parallel.dp={dp}) of at least one row each; make the batch size at least {dp * m}"
-        )
-    limit = cfg.pipeline.max_activations
-    if limit is not None and limit < 1:
-        raise ConfigError(f"pipeline.max_activations={limit} must be at least 1 (micro-batches of a rank's share), "
-                          "or null for 1F1B's p")
-    if cfg.train.dtype not in DTYPES:
-        raise ConfigError(f"train.dtype={cfg.train.dtype!r} is not one of {', '.join(DTYPES)}")
-    from pipeflow.runtime.compile import check_options  # torch-heavy: only when checking
-    from pipeflow.runtime.precision import checkpoint_every, compute_dtype
-
-    compute_dtype(cfg.train.precision)
-    checkpoint_every(cfg.pipeline.checkpoint_activations)
-    check_mode(OmegaConf.select(cfg, "pipeline.offload", default="none"))
-    check_options(OmegaConf.select(cfg, "train.compile_mode", default="default"),
-                  OmegaConf.select(cfg, "train.compile_backend", default="inductor"))
-    check_paths(cfg)
-    backend = OmegaConf.select(cfg, "dist.backend")
-    if backend is not None and backend not in BACKENDS:
-        raise ConfigError(f"dist.backend={backend!r} is unknown; valid: {', '.join(BACKENDS)} (or null: automatic)")
-    return dp, pp
-
-
-def check_values(cfg: Any) -> None:
-    """The checks that need neither the world size nor a process group: every count and deadline
-    (:mod:`pipeflow.run.config_values`) and the ``comm.*`` settings.  ``train.py`` runs them before
-    joining, so a bad ``comm.join_timeout_s`` is named as such, not as a rank that never arrived.
-
-    Raises:
-        ConfigError: naming the key, its value and the values allowed.
-    """
-    check_counts(cfg)
-    check_comm(cfg.comm)
-    storage = OmegaConf.select(cfg, "train.checkpoint_storage", default="shared")
-    if storage not in STORAGES:
-        raise ConfigError(f"train.checkpoint_storage={storage!r} is not one of {', '.join(STORAGES)}: shared (one run "
-                          f"directory every host sees) or local (each host its own disk)")
-
-
-STORAGES = ("shared", "local")  # train.checkpoint_storage
-BACKENDS = ("nccl", "gloo", "mpi", "ucc")
-RESUME_WORDS = ("auto", "none", "never", "latest", "")  # train.resume values that are not paths
-
-
-def check_comm(comm: Any) -> None:
-    """Deadlines must be positive, and the first step's at least the steady one.
-
-    Raises:
-        ConfigError: naming the key and a value that works.
-    """
-    if not (isinstance(comm.recvs_ahead, bool) or comm.recvs_ahead == "auto"):
-        raise ConfigError(f"comm.recvs_ahead={comm.recvs_ahead!r} must be true, false or auto (default auto)")
-    if comm.dynamic_shapes and comm.variable_shapes:
-        raise ConfigError("comm.dynamic_shapes and comm.variable_shapes are both true; variable_shapes already "
-                          "learns every micro-batch's shapes at every step: set comm.dynamic_shapes=false")
-    check_deadlines(comm)
-    if comm.first_step_timeout_s < comm.timeout_s:
-        raise ConfigError(
-            f"comm.first_step_timeout_s={comm.first_step_timeout_s} is shorter than "
-            f"comm.timeout_s={comm.timeout_s}; the first step (shape negotiation, lazy start-up) "
-            f"needs the longer deadline: set comm.first_step_timeout_s>={comm.timeout_s}"
-        )
-
-
-def check_paths(cfg: Any) -> None:
-    """The files the config names must exist: data.path (data=text), schedule.path
-    (schedule=custom), train.resume (when it is a path).
-
-    Raises:
-        ConfigError: naming the key, the path, and what to set instead.
-    """
-    data_path = OmegaConf.select(cfg, "data.path")
-    if cfg.data.name == "text" and data_path is not None and not os.path.isfile(data_path):
-        raise ConfigError(f"data.path={data_path!r} is not a file; point data.path at a local text file")
-    schedule_path = OmegaConf.select(cfg, "schedule.path")
-    if cfg.schedule.name == "custom" and schedule_path is not None and not os.path.isfile(schedule_path):
-        raise ConfigError(
-            f"schedule.path={schedule_path!r} is not a file; schedule=custom needs a file of actions "
-            f"per rank (see pipeflow/schedules/custom.py)"
-        )
-    resume = OmegaConf.select(cfg, "train.resume", default=None)
-    if isinstance(resume, str) and resume.lower() not in RESUME_WORDS and not os.path.exists(resume):
-        raise ConfigError(
-            f"train.resume={resume!r} does not exist; give an existing checkpoint, "
-            f"train.resume=auto (the last good checkpoint of the run directory) or leave it unset"
-        )
+__all__ = [  # the schemas, and the checks and key helpers read from here by their callers
+    "BACKENDS", "CommConfig", "Config", "DTYPES", "DataConfig", "DistConfig", "MetricsConfig", "OptimConfig",
+    "ParallelConfig", "PipelineConfig", "PlanConfig", "RESUME_WORDS", "SHARD_MODES", "STORAGES", "ScheduleConfig",
+    "TrainConfig", "auto_replicas", "check_comm", "check_config", "check_paths", "check_sequence_parallel",
+    "check_targets", "check_values", "config_keys", "install_key_suggestions", "model_schema", "register_configs",
+    "resolve_layout", "suggest_keys", "tensor_degree",
+]

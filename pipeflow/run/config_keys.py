@@ -1,0 +1,82 @@
+"""Did-you-mean for a config key that does not exist: Hydra's error for an unknown override
+(``pipeline.num_microbatch=4``) names the nearest known keys, for ``@hydra.main`` and
+``hydra.compose`` alike."""
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from omegaconf import OmegaConf
+
+
+def config_keys(cfg: Any) -> list[str]:
+    """Every dotted key of `cfg` (leaves and inner nodes), missing values included."""
+    keys: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for key in node:
+            path = f"{prefix}{key}"
+            keys.append(path)
+            child = node._get_node(key) if OmegaConf.is_config(node) else None
+            if OmegaConf.is_dict(child):
+                walk(child, f"{path}.")
+
+    walk(cfg, "")
+    return keys
+
+
+def suggest_keys(key: str, known: list[str], count: int = 2) -> list[str]:
+    """The known keys nearest to the unknown `key` (difflib): when its parent exists, the
+    parent's keys whose last name is nearest to its last name; else the nearest whole keys."""
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == parent}
+    if parent in known or not parent:
+        return [siblings[name] for name in difflib.get_close_matches(leaf, list(siblings), n=count, cutoff=0.6)]
+    return difflib.get_close_matches(key, known, n=count, cutoff=0.8)
+
+
+def _with_suggestion(exc: Exception, overrides: list[Any], cfg: Any) -> Exception | None:
+    """Hydra's 'Could not override' error for an unknown key, with a did-you-mean (None: another error)."""
+    from hydra.errors import ConfigCompositionException
+
+    text = str(exc)
+    if not text.startswith("Could not override '"):
+        return None
+    key = text[len("Could not override '"):].split("'", 1)[0]
+    value = next((o.input_line.partition("=")[2] for o in overrides if o.key_or_group == key), "...")
+    close = suggest_keys(key, config_keys(cfg))
+    if not close:
+        return None
+    options = " or ".join(f"{k}={value}" for k in close)
+    return ConfigCompositionException(
+        f"Could not override '{key}': the config has no such key. Did you mean {options}?\n"
+        f"(To add a new key anyway: +{key}={value})"
+    )
+
+
+def install_key_suggestions() -> None:
+    """Wrap Hydra's override step so that an unknown key's error names the nearest known keys
+    (``pipeline.num_microbatch=4`` -> ``Did you mean pipeline.num_microbatches=4?``), for
+    ``@hydra.main`` and ``hydra.compose`` alike.  Hydra has no hook for it: its (private)
+    ``ConfigLoaderImpl._apply_overrides_to_config`` is wrapped once; where it is missing (another
+    Hydra), the errors stay Hydra's own."""
+    try:
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra.errors import ConfigCompositionException
+    except ImportError:
+        return
+    apply = getattr(ConfigLoaderImpl, "_apply_overrides_to_config", None)
+    if apply is None or getattr(apply, "_pipeflow_suggests", False):
+        return
+
+    def apply_with_suggestions(overrides: list[Any], cfg: Any) -> None:
+        try:
+            apply(overrides, cfg)
+        except ConfigCompositionException as exc:
+            better = _with_suggestion(exc, overrides, cfg)
+            if better is None:
+                raise
+            raise better from exc.__cause__
+
+    apply_with_suggestions._pipeflow_suggests = True  # type: ignore[attr-defined]
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_with_suggestions)
