@@ -107,6 +107,45 @@ def ring_allreduce_s(links: HostLinks, group: Sequence[int], host_index: Sequenc
     return 2 * (n - 1) * links.seconds(across, num_bytes / n)
 
 
+def crosses_hosts(pipes: Sequence[Sequence[int]], host_index: Sequence[int], a: int, b: int) -> bool:
+    """Whether the boundary between pipeline ranks `a` and `b` crosses hosts in any replica
+    (`pipes`: each pipeline's global ranks): it is then as slow as its slowest replica's."""
+    return any(host_index[p[a]] != host_index[p[b]] for p in pipes)
+
+
+def dp_allreduce_s(grid: MeshGrid, links: HostLinks, host_index: Sequence[int],
+                   grad_bytes: Callable[[int], float]) -> float:
+    """The slowest dp group's ring all-reduce of its pipeline rank's gradients
+    (`grad_bytes(pipeline rank)`) under `grid`'s order."""
+    return max((ring_allreduce_s(links, group, host_index, grad_bytes(grid.coordinates(group[0])[1]))
+                for group in grid.dp_groups()), default=0.0)
+
+
+def tp_allreduce_s(grid: MeshGrid, links: HostLinks, host_index: Sequence[int], stage_bytes: Sequence[float],
+                   microbatches: int, beyond_host: bool = False) -> float:
+    """Each micro-batch's tp all-reduces of the busiest stage (`stage_bytes`: the bytes its layers'
+    tp plans carry) on the tp group that spans the most hosts; with `beyond_host` only what that
+    costs beyond the same group on one host's link (profiles that charge a host's link already)."""
+    if grid.tp < 2:
+        return 0.0
+    worst = max(grid.tp_groups(), key=lambda g: len({host_index[x] for x in g}))
+    one_host = [0] * len(host_index)
+
+    def cost(num_bytes: float) -> float:
+        spent = ring_allreduce_s(links, worst, host_index, num_bytes)
+        return spent - ring_allreduce_s(links, worst, one_host, num_bytes) if beyond_host else spent
+
+    return max(0.0, microbatches * max(cost(b) for b in stage_bytes))
+
+
+def pick_order(costs: Sequence[Any]) -> Any:
+    """The fastest of `costs` (each with ``step_s``; ``[dp,pp,tp]``'s first) where it beats the
+    first by :data:`MARGIN`, else the first: ties and noise keep the default order."""
+    default = costs[0]
+    best = min(costs, key=lambda c: c.step_s)
+    return best if best.step_s < (1 - MARGIN) * default.step_s else default
+
+
 def candidate_orders(dp: int, pp: int, tp: int) -> list[tuple[str, ...]]:
     """Every order that places the ranks differently: dimensions of degree 1 stay where the
     default order has them (moving them changes nothing); the default first."""
@@ -141,19 +180,14 @@ def predict_order(order: tuple[str, ...], dp: int, pp: int, tp: int, schedule: P
     pipes = grid.pipelines()
     plinks = []
     for a, b in link_pairs(schedule):
-        across = any(host_index[p[a]] != host_index[p[b]] for p in pipes)
-        latency, per_byte = links.inter if across else links.intra
+        latency, per_byte = links.inter if crosses_hosts(pipes, host_index, a, b) else links.intra
         plinks.append(Link((a, b), latency, per_byte))
     costs = StepCosts(latency_s=links.intra[0], per_byte_s=links.intra[1],
                       links=PipelineLinks(tuple(plinks), tuple(schedule.stage_to_rank)))
     pipeline_s = predict_step(schedule, ranges, profiles, costs).makespan
-    dp_s = max((ring_allreduce_s(links, group, host_index, grad_bytes(grid.coordinates(group[0])[1]))
-                for group in grid.dp_groups()), default=0.0)
-    tp_s = 0.0
-    if tp > 1:
-        per_stage = [sum(profiles[i].tp_forward_bytes + profiles[i].tp_backward_bytes for i in r) for r in ranges]
-        worst_group = max(grid.tp_groups(), key=lambda g: len({host_index[x] for x in g}))
-        tp_s = schedule.num_microbatches * max(ring_allreduce_s(links, worst_group, host_index, b) for b in per_stage)
+    dp_s = dp_allreduce_s(grid, links, host_index, grad_bytes)
+    per_stage = [sum(profiles[i].tp_forward_bytes + profiles[i].tp_backward_bytes for i in r) for r in ranges]
+    tp_s = tp_allreduce_s(grid, links, host_index, per_stage, schedule.num_microbatches)
     return OrderCost(order, pipeline_s + dp_s + tp_s, pipeline_s, dp_s, tp_s)
 
 
@@ -184,9 +218,7 @@ def choose_order(dp: int, pp: int, tp: int, schedule: PipelineSchedule, ranges: 
     box = [costs]
     dist.broadcast_object_list(box, src=0)  # rank 0's figures decide: every rank builds the same mesh
     costs = box[0]
-    default = costs[0]
-    best = min(costs, key=lambda c: c.step_s)
-    chosen = best if best.step_s < (1 - MARGIN) * default.step_s else default
+    chosen = pick_order(costs)
     said = "; ".join(f"{order_text(c.order)} {1e3 * c.step_s:.1f} ms (pipeline {1e3 * c.pipeline_s:.1f}, dp all-reduce "
                      f"{1e3 * c.dp_s:.1f}" + (f", tp {1e3 * c.tp_s:.1f}" if tp > 1 else "") + ")" for c in costs)
     return chosen.order, (f" (parallel.order=auto chose {order_text(chosen.order)}: predicted step {said}; links "

@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeflow.planning.mesh_choice import MARGIN, HostLinks, candidate_orders, ring_allreduce_s
+from pipeflow.planning.mesh_choice import (HostLinks, candidate_orders, crosses_hosts, dp_allreduce_s, pick_order,
+                                           tp_allreduce_s)
 from pipeflow.planning.step_model import op_bytes
 from pipeflow.runtime.mesh_order import MeshGrid
 from pipeflow.schedules import PipelineSchedule
@@ -94,26 +95,19 @@ def order_steps(schedule: PipelineSchedule, ranges: Sequence[range], profiles: S
 
         def transfer(op: CommOp, pipes: list[list[int]] = pipes) -> float:
             a, b = schedule.stage_to_rank[op.src_stage], schedule.stage_to_rank[op.dst_stage]
-            return links.seconds(any(host_index[p[a]] != host_index[p[b]] for p in pipes), bytes_of(op))
+            return links.seconds(crosses_hosts(pipes, host_index, a, b), bytes_of(op))
 
-        dp_s = max((ring_allreduce_s(links, g, host_index, rank_grads[grid.coordinates(g[0])[1]])
-                    for g in grid.dp_groups()), default=0.0)
-        tp_s = 0.0
-        if tp > 1:  # beyond what the profiles charge: the same bytes on a host's own link
-            worst = max(grid.tp_groups(), key=lambda g: len({host_index[x] for x in g}))
-            inside = list(range(tp))  # a group of one host
-            tp_s = schedule.num_microbatches * max(
-                ring_allreduce_s(links, worst, host_index, b) - ring_allreduce_s(links, inside, [0] * tp, b)
-                for b in tp_bytes)
-        out.append(OrderStep(order, simulate_with(transfer), dp_s, max(0.0, tp_s)))
+        dp_s = dp_allreduce_s(grid, links, host_index, rank_grads.__getitem__)
+        # tp: beyond what the profiles charge, the same bytes on a host's own link
+        tp_s = tp_allreduce_s(grid, links, host_index, tp_bytes, schedule.num_microbatches, beyond_host=True)
+        out.append(OrderStep(order, simulate_with(transfer), dp_s, tp_s))
     return out
 
 
 def pick(steps: Sequence[OrderStep]) -> OrderStep:
-    """The fastest order where it beats ``[dp,pp,tp]`` (the first) by :data:`MARGIN`, else that."""
-    default = steps[0]
-    best = min(steps, key=lambda s: s.step_s)
-    return best if best.step_s < (1 - MARGIN) * default.step_s else default
+    """The fastest order where it beats ``[dp,pp,tp]`` (the first) by the margin, else that
+    (:func:`~pipeflow.planning.mesh_choice.pick_order`)."""
+    return pick_order(steps)
 
 
 def order_note(dp: int, pp: int, degrees: Sequence[int], hosts: HostPlacement | None) -> str:
