@@ -49,16 +49,23 @@ def test_recipe_values_can_still_be_overridden() -> None:
     assert offline.data.name == "fakedata" and offline.model.arch == "resnet18"
 
 
-def test_llama_end_to_end_example_runs(tmp_path: Path) -> None:
-    """examples/llama_end_to_end.sh, 10 steps (about 20 s on two cores): every step's output is
-    there, the loss falls, and the exported folder loads and generates after the prompt."""
-    env = {**os.environ, "WORK": str(tmp_path), "STEPS": "10", "PYTHON": sys.executable}
-    run = subprocess.run(["bash", str(ROOT / "examples" / "llama_end_to_end.sh")], env=env, cwd=ROOT,
+def _example_whose_loss_falls(script: str, work: Path, steps: int) -> str:
+    """Run ``examples/<script>`` in `work` for `steps` steps; its output, once it exited 0 and its
+    run's final line says the loss fell."""
+    env = {**os.environ, "WORK": str(work), "STEPS": str(steps), "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(ROOT / "examples" / script)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     first, last = map(float, re.search(r"INFO loss (\S+) -> (\S+)", out).groups())
     assert last < first, out[-4000:]
+    return out
+
+
+def test_llama_end_to_end_example_runs(tmp_path: Path) -> None:
+    """examples/llama_end_to_end.sh, 10 steps (about 20 s on two cores): every step's output is
+    there, the loss falls, and the exported folder loads and generates after the prompt."""
+    out = _example_whose_loss_falls("llama_end_to_end.sh", tmp_path, steps=10)
     assert "greedy: 'Alice was" in out and "tokenizer of 512 tokens" in out
     for name in ("tokens/tokenizer.json", "tokens/prepare.json", "run/checkpoints", "hf/config.json",
                  "hf/model.safetensors", "hf/tokenizer.json"):
@@ -71,13 +78,7 @@ def test_lora_finetune_example_runs(tmp_path: Path) -> None:
     python -m pipeflow.generate before (the base, one process) and after (the run's LoRA checkpoint,
     2 pipeline ranks), the answer after equal to transformers' greedy one on the merged export."""
     pytest.importorskip("peft")
-    env = {**os.environ, "WORK": str(tmp_path), "STEPS": "40", "PYTHON": sys.executable}
-    run = subprocess.run(["bash", str(ROOT / "examples" / "finetune_lora.sh")], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-4000:]
-    first, last = map(float, re.search(r"INFO loss (\S+) -> (\S+)", out).groups())
-    assert last < first, out[-4000:]
+    out = _example_whose_loss_falls("finetune_lora.sh", tmp_path, steps=40)
     assert re.search(r"trainable [\d.]+ K of [\d.]+ K", out), out[-4000:]
     difference = float(re.search(r"largest logit difference (\S+)", out).group(1))
     assert difference < 1e-4, out[-2000:]  # float32: the adapter over the base and the merged weights agree

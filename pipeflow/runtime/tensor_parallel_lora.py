@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
