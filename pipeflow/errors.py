@@ -123,6 +123,11 @@ class OffloadError(PipeflowError, RuntimeError):
     the stage and micro-batch."""
 
 
+class DeprecatedKeyWarning(FutureWarning):
+    """A config key under its old name (an override, a YAML file, a saved run's ``config.yaml``):
+    it still works; the message names the new key (docs/reference/renames.md lists every rename)."""
+
+
 class CompileFallbackWarning(UserWarning):
     """``train.compile``: a layer (or a stage's layers) runs eager, and why (a graph break, an
     unsupported op, a torch without the compiled backward split)."""

@@ -55,7 +55,7 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
     cfg = test_hf._trainer_config(folder, f"{run_dir}-{dist.get_world_size()}", dp, schedule, m, **overrides)
     OmegaConf.update(cfg, "model.lora", dict(LORA), merge=True)  # a typed node: merged, as an override is
     trainer = build_run(cfg, torch.device("cpu"))
-    dtype = getattr(torch, cfg.train.dtype)
+    dtype = getattr(torch, cfg.train.param_dtype)
     spec = build_spec(cfg.model)
     ref = getattr(transformers, test_hf.KINDS[kind][1]).from_pretrained(folder).to(dtype)
     ref = inject_adapter_in_model(spec.lora.peft_config(), ref)

@@ -315,9 +315,9 @@ def eval_matches(model: str, m: int) -> float:
 
 
 def dynamic_shapes(model: str = "masked_mlp", m: int = 2) -> float:
-    """With comm.dynamic_shapes, a smaller batch mid-run renegotiates and stays exact."""
+    """With comm.shapes=per_step, a smaller batch mid-run renegotiates and stays exact."""
     spec = build_toy(model)
-    pipe, _, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), shapes="dynamic")
+    pipe, _, _ = build_pipeline(spec, build_schedule("1f1b", dist.get_world_size(), m), shapes="per_step")
     reference = spec.build_all(dtype=DTYPE)
     worst = 0.0
     for step, batch in enumerate((BATCH, BATCH // 2, BATCH)):

@@ -26,7 +26,7 @@ from pipeflow.models.spec import run_layers
 from pipeflow.runtime.tied import tie_in_place
 from pipeflow.runtime.zero import local_optimizer, owned_parameters
 from pipeflow.data import build_batches
-from pipeflow.run.builder import build_run
+from pipeflow.run.builder import RECVS_AHEAD, build_run
 from pipeflow.run.trainer import Trainer, lr_at, unique_parameters
 
 BATCH = 24
@@ -55,7 +55,7 @@ def make_config(dp: int, schedule: str = "1f1b", m: int = 2, **train: Any) -> An
     cfg.pipeline.profile = False
     cfg.data.update(vocab_size=32, seq_len=8, batch_size=BATCH, num_tokens=4000)
     cfg.optim.update(lr=1e-2, warmup_steps=2, grad_clip=0.0)
-    cfg.train.update(dtype="float64", max_steps=3, eval_every=0, eval_batches=1, log_every=100)
+    cfg.train.update(param_dtype="float64", max_steps=3, eval_every=0, eval_batches=1, log_every=100)
     cfg.parallel.dp = dp
     for key, value in train.items():
         section, _, name = key.partition("__")
@@ -71,7 +71,7 @@ class Reference:
     def __init__(self, cfg: Any) -> None:
         self.cfg = cfg
         self.spec = instantiate(cfg.model)
-        self.layers = self.spec.build_all(dtype=getattr(torch, cfg.train.dtype))
+        self.layers = self.spec.build_all(dtype=getattr(torch, cfg.train.param_dtype))
         tie_in_place(self.spec, dict(enumerate(self.layers)))
         self.params = unique_parameters(layer.parameters() for layer in self.layers)
         o = cfg.optim
@@ -116,7 +116,7 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
     every gradient (after dp reduction and clipping) and every parameter."""
     cfg = make_config(dp, schedule, m, **overrides)
     trainer, reference = build_run(cfg, torch.device("cpu")), Reference(cfg)
-    assert trainer.pipeline.posting.recvs_ahead == cfg.comm.recvs_ahead
+    assert trainer.pipeline.posting.recvs_ahead == RECVS_AHEAD[cfg.comm.post_recvs]
     both = [(a, b) for a, b in pairs(trainer, reference) if b.requires_grad]  # model.lora: the adapters
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0,
              "shapes": trainer.pipeline.shapes.mode, "params": len(trainer.params),
@@ -190,7 +190,7 @@ def precision_vs_fp32(precision: str, dp: int = 1, schedule: str = "1f1b") -> di
     out: dict[str, Any] = {}
     grads = {}
     for prec in ("fp32", precision):
-        cfg = make_config(dp, schedule, 2, train__dtype="float32", train__precision=prec)
+        cfg = make_config(dp, schedule, 2, train__param_dtype="float32", train__precision=prec)
         trainer = build_run(cfg, torch.device("cpu"))
         trainer.forward_backward(0)
         grads[prec] = [p.grad.clone() for p in trainer.params]
@@ -201,7 +201,7 @@ def precision_vs_fp32(precision: str, dp: int = 1, schedule: str = "1f1b") -> di
 
 def precision_trains(precision: str, steps: int = 30) -> dict[str, float]:
     """The loss falls under `precision` (float32 master weights)."""
-    cfg = make_config(1, "1f1b", 2, train__dtype="float32", train__precision=precision, train__max_steps=steps,
+    cfg = make_config(1, "1f1b", 2, train__param_dtype="float32", train__precision=precision, train__max_steps=steps,
                       optim__lr=3e-2, optim__grad_clip=1.0)
     trainer = build_run(cfg, torch.device("cpu"))
     losses = [trainer.train_step(step)[0] for step in range(steps)]
@@ -213,7 +213,7 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: boo
     """An inf in one stage's gradient at step 0 skips the step on every rank; step 1 then runs
     (with `check_finite` too: an overflow is the loss scaler's, not a NonFiniteError)."""
     cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
-                      train__dtype="float32", train__precision="fp16", train__check_finite=check_finite, **overrides)
+                      train__param_dtype="float32", train__precision="fp16", train__check_finite=check_finite, **overrides)
     trainer = build_run(cfg, torch.device("cpu"))
     armed = [True]
     if trainer.mesh.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
@@ -237,7 +237,7 @@ def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1, 
     the forward output is non-finite).  Without `checked` (``train.check_finite=false``) the check
     that always runs must stop it too.  Returns the error's text, the same on every rank."""
     cfg = make_config(dist.get_world_size() // 2 if dist.get_world_size() > 2 else 1, "1f1b", 2,
-                      train__dtype="float32", train__precision=precision, train__check_finite=checked)
+                      train__param_dtype="float32", train__precision=precision, train__check_finite=checked)
     trainer = build_run(cfg, torch.device("cpu"))
     if precision == "fp16" and fault == "inf-grad":
         trainer.scaler.scale = trainer.scaler.min_scale
@@ -259,7 +259,7 @@ def diverging_run_saves_nothing_non_finite(lr: float) -> dict[str, Any]:
     NonFiniteError and ``latest`` names a checkpoint whose every tensor is finite (or none)."""
     from pipeflow.run.checkpoint import find_latest
 
-    cfg = make_config(1, "1f1b", 2, train__dtype="float32", train__max_steps=6, train__save_every=1, optim__lr=lr)
+    cfg = make_config(1, "1f1b", 2, train__param_dtype="float32", train__max_steps=6, train__save_every=1, optim__lr=lr)
     trainer = build_run(cfg, torch.device("cpu"))
     try:
         trainer.fit()
@@ -277,7 +277,7 @@ def non_finite_weights_are_not_saved() -> dict[str, Any]:
     gradients): the save is refused on every rank and nothing is written."""
     from pipeflow.run.checkpoint import find_latest
 
-    trainer = build_run(make_config(1, "1f1b", 2, train__dtype="float32"), torch.device("cpu"))
+    trainer = build_run(make_config(1, "1f1b", 2, train__param_dtype="float32"), torch.device("cpu"))
     if trainer.mesh.pp_rank == 1:
         with torch.no_grad():
             trainer.params[0].fill_(float("inf"))
@@ -313,7 +313,7 @@ def _shared_dir(prefix: str) -> str:
 
 def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: str = "float32", shard: str = "none",
          **overrides: Any) -> Trainer:
-    cfg = make_config(dp, "1f1b", m, train__dtype=dtype, train__max_steps=6, train__save_every=3,
+    cfg = make_config(dp, "1f1b", m, train__param_dtype=dtype, train__max_steps=6, train__save_every=3,
                       train__run_dir=run_dir, train__resume=resume, optim__grad_clip=1.0, parallel__shard=shard,
                       **overrides)
     trainer = build_run(cfg, torch.device("cpu"))
@@ -427,7 +427,7 @@ def resume_into_another_model_is_refused() -> str:
     """A checkpoint of one model loaded into a model with more layers: a clear ConfigError."""
     run_dir = _shared_dir("pf-wrong-")
     _fit(1, run_dir)
-    cfg = make_config(1, "1f1b", 2, train__dtype="float32", train__resume=f"{run_dir}/checkpoints", model__n_layer=6)
+    cfg = make_config(1, "1f1b", 2, train__param_dtype="float32", train__resume=f"{run_dir}/checkpoints", model__n_layer=6)
     try:
         build_run(cfg, torch.device("cpu")).fit()
     except Exception as exc:  # noqa: BLE001 - the test asserts the type
@@ -555,7 +555,7 @@ def fp16_overflow_skips_sharded() -> dict[str, Any]:
     """``parallel.shard=full`` under fp16: an inf gradient in one replica of pipeline rank 1 at step 0
     (made inside backward, at its first layer's output) skips the step on every rank, the loss
     scale halves, and step 1 then runs."""
-    cfg = make_config(2, "1f1b", 2, train__dtype="float32", train__precision="fp16", parallel__shard="full")
+    cfg = make_config(2, "1f1b", 2, train__param_dtype="float32", train__precision="fp16", parallel__shard="full")
     trainer = build_run(cfg, torch.device("cpu"))
     armed = [True]
 
@@ -582,7 +582,7 @@ def full_shard_vs_replicas_under(precision: str) -> dict[str, float]:
     ``parallel.shard=full`` against ``none`` (gathered whole), and the loss of each."""
     grads, losses = {}, {}
     for shard in ("none", "full"):
-        cfg = make_config(2, "1f1b", 2, train__dtype="float32", train__precision=precision, parallel__shard=shard)
+        cfg = make_config(2, "1f1b", 2, train__param_dtype="float32", train__precision=precision, parallel__shard=shard)
         trainer = build_run(cfg, torch.device("cpu"))
         losses[shard], _ = trainer.forward_backward(0)
         grads[shard] = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for p in trainer.params]

@@ -94,11 +94,11 @@ def test_transfer_cost_is_simulated() -> None:
 
 
 def test_refusals_name_the_fix() -> None:
-    with pytest.raises(ScheduleError, match="max_activations=0.5 is below one micro-batch"):
+    with pytest.raises(ScheduleError, match="max_inflight_microbatches=0.5 is below one micro-batch"):
         synthesize(4, 8, 1, max_activations=0.5)
     with pytest.raises(ScheduleError, match="costs for 4 stages, but 2 ranks x 1"):
         synthesize(2, 4, 1, StageCosts.uniform(4))
-    with pytest.raises(ScheduleError, match="auto cannot use pipeline.placement=v with 1 stages"):
+    with pytest.raises(ScheduleError, match="auto cannot use schedule.placement=v with 1 stages"):
         synthesize(2, 4, 1, placement="v")
     assert synthesize(4, 8, 2, placement="v").chosen.schedule.stage_to_rank == (0, 1, 2, 3, 3, 2, 1, 0)
 
@@ -149,7 +149,7 @@ def test_max_activations_below_one_is_a_config_error() -> None:
     from pipeflow.run.plan import compose_config
 
     cfg = compose_config(["pipeline.max_activations=0.5"])
-    with pytest.raises(ConfigError, match="pipeline.max_activations=0.5 must be at least 1"):
+    with pytest.raises(ConfigError, match="schedule.max_inflight_microbatches=0.5 must be at least 1"):
         check_config(cfg, 4)
 
 

@@ -28,7 +28,7 @@ CHILD = textwrap.dedent("""
     import scale_cases
     import pipeflow.run.checkpoint as ck
     from pipeflow.run.builder import build_run
-    cfg = scale_cases.make_config(1, "1f1b", 2, train__dtype="float32", train__max_steps={steps},
+    cfg = scale_cases.make_config(1, "1f1b", 2, train__param_dtype="float32", train__max_steps={steps},
                                   train__save_every=2, train__run_dir={run_dir!r}, train__resume="auto")
     trainer = build_run(cfg, torch.device("cpu"))
     trainer.fit()
@@ -75,7 +75,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     assert f"wrote {len(state)} tensors" in cli.stdout and all(torch.isfinite(v).all() for v in state.values())
     assert all(key.split(".")[0].isdigit() for key in state)  # <layer index>.<key>: the unsplit model's names
 
-    cfg = scale_cases.make_config(1, "1f1b", 2, train__dtype="float32", train__max_steps=4, train__save_every=2,
+    cfg = scale_cases.make_config(1, "1f1b", 2, train__param_dtype="float32", train__max_steps=4, train__save_every=2,
                                   train__run_dir=str(run_dir), train__resume="auto")  # the killed job's config, 4 steps
     resumed = build_run(cfg, torch.device("cpu"))
     resumed.fit()

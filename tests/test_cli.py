@@ -44,8 +44,8 @@ def test_torchrun_two_processes_trains_and_loss_falls(tmp_path: Path) -> None:
     assert last < first - 0.5 and val_last < val_first - 0.5
     assert (tmp_path / "config.yaml").read_text().count("num_microbatches: 4") == 1
     assert "schedule=gpipe" in run.stdout and "predicted bubble" in run.stdout
-    # comm.recvs_ahead=auto decides within the first quarter of a run, on every rank alike
-    assert re.search(r"comm.recvs_ahead=auto: recvs posted (a step ahead|at their step)", run.stdout)
+    # comm.post_recvs=auto decides within the first quarter of a run, on every rank alike
+    assert re.search(r"comm.post_recvs=auto: recvs posted (a step ahead|at their step)", run.stdout)
 
 
 def test_custom_model_example_runs_under_torchrun_with_balance_and_placement(tmp_path: Path) -> None:
@@ -168,8 +168,8 @@ def test_train_py_says_did_you_mean_for_a_misspelt_key() -> None:
 
 
 def _schedule_from(cfg, pp: int = 4):
-    return build_schedule(cfg.schedule.name, pp, cfg.pipeline.num_microbatches, cfg.pipeline.stages_per_rank,
-                          cfg.pipeline.placement, cfg.schedule.path)
+    return build_schedule(cfg.schedule.name, pp, cfg.pipeline.num_microbatches, cfg.schedule.stages_per_rank,
+                          cfg.schedule.placement, cfg.schedule.path)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs" / "schedule").glob("*.yaml") if p.stem != "custom"))
@@ -181,9 +181,9 @@ def test_every_schedule_config_builds(name: str) -> None:
 def test_layout_overrides_reach_the_schedule(tmp_path: Path) -> None:
     schedule = _schedule_from(compose_config("schedule=interleaved_1f1b", "pipeline.stages_per_rank=3"))
     assert schedule.num_stages == 12
-    with pytest.raises(ScheduleError, match=r"'zbv' needs pipeline.stages_per_rank=2"):
+    with pytest.raises(ScheduleError, match=r"'zbv' needs schedule.stages_per_rank=2"):
         _schedule_from(compose_config("schedule=zbv", "pipeline.stages_per_rank=3"))
-    with pytest.raises(ScheduleError, match=r"'1f1b' cannot use pipeline.placement=v"):
+    with pytest.raises(ScheduleError, match=r"'1f1b' cannot use schedule.placement=v"):
         _schedule_from(compose_config("schedule=1f1b", "pipeline.placement=v"))
     with pytest.raises(ScheduleError, match=r"schedule.path"):
         _schedule_from(compose_config("schedule=custom", "schedule.path=null"))

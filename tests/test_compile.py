@@ -262,7 +262,7 @@ def _cases() -> list[tuple[str, object]]:
         ("zb_h1-variable-lengths", functools.partial(_trainer_case, "zb_h1", 4, steps=4, data__variable_lengths=True,
                                                      data__min_seq_len=3)),
         ("1f1b-bf16", functools.partial(_trainer_case, "1f1b", 4, steps=1, train__precision="bf16",
-                                        train__dtype="float32")),
+                                        train__param_dtype="float32")),
         ("from-module", _from_module_case),
     ]
 

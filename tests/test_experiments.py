@@ -34,8 +34,8 @@ def test_recipe_composes_into_a_valid_config(name: str, monkeypatch) -> None:
     assert pp is not None, f"{name}: a recipe names its pipeline size (parallel.pp)"
     dp = cfg.parallel.dp if isinstance(cfg.parallel.dp, int) else 1  # moe_tiny_pp2_ep2: dp 2 (= ep) x pp 2
     assert check_config(cfg, world_size=dp * pp) == (dp, pp)
-    schedule = build_schedule(cfg.schedule.name, pp, cfg.pipeline.num_microbatches, cfg.pipeline.stages_per_rank,
-                              cfg.pipeline.placement, cfg.schedule.path, cfg.pipeline.stage_to_rank)
+    schedule = build_schedule(cfg.schedule.name, pp, cfg.pipeline.num_microbatches, cfg.schedule.stages_per_rank,
+                              cfg.schedule.placement, cfg.schedule.path, cfg.schedule.stage_to_rank)
     simulate(schedule)  # the schedule is valid for these sizes
     spec = instantiate(cfg.model)
     ranges = plan_partition(spec, schedule.num_stages, "uniform", cfg.pipeline.split_points)

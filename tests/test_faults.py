@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
         (["parallel.tp=0"], r"^parallel.tp=0 must be at least 1 \(ranks per stage; 1: no tensor parallelism\)$"),
         (["parallel.pp=0"], r"^parallel.pp=0 must be at least 1 \(pipeline ranks; null: world size"),
         (["parallel.dp=0"], r"^parallel.dp=0 must be at least 1 \(data-parallel replicas; auto: world size / \(pp x tp\)\)$"),
-        (["pipeline.stages_per_rank=0"], r"^pipeline.stages_per_rank=0 must be at least 1 \(model chunks per rank"),
+        (["schedule.stages_per_rank=0"], r"^schedule.stages_per_rank=0 must be at least 1 \(model chunks per rank"),
         (["train.log_every=0"], r"^train.log_every=0 must be at least 1"),
         (["train.eval_every=-1"], r"^train.eval_every=-1 must be >= 0 \(0: never evaluate\)$"),
         (["train.eval_batches=-1"], r"^train.eval_batches=-1 must be >= 0"),
@@ -134,12 +134,12 @@ def test_existing_paths_pass(tmp_path: Path) -> None:
 
 
 def test_unknown_names_list_the_valid_ones() -> None:
-    with pytest.raises(ScheduleError, match=r"unknown placement 'zigzag'; valid: loop, v \(pipeline.placement\)"):
+    with pytest.raises(ScheduleError, match=r"unknown placement 'zigzag'; valid: loop, v \(schedule.placement\)"):
         build_schedule("interleaved_1f1b", 2, 4, placement="zigzag")
     with pytest.raises(ConfigError, match=r"unknown data.name='imagenet'; valid: markov, text, gaussian, cifar10"):
         build_batches(compose_config("data.name=imagenet").data, None)
-    with pytest.raises(ConfigError, match=r"train.dtype='fp8' is not one of float32, float64, bfloat16, float16"):
-        check_config(compose_config("train.dtype=fp8"), world_size=2)
+    with pytest.raises(ConfigError, match=r"train.param_dtype='fp8' is not one of float32, float64, bfloat16, float16"):
+        check_config(compose_config("train.param_dtype=fp8"), world_size=2)
 
 
 def test_config_differences_name_keys_values_and_ranks() -> None:
@@ -310,13 +310,13 @@ def test_wrong_dtype_names_both_stages_and_dynamic_shapes(world) -> None:
     for text in _values(world["fault-dtype"]):
         assert text.startswith("ShapeMismatchError: stage 0 (rank 0) produced outputs ['[4, 16] float32, grad']")
         assert "stage 1 (rank 0) expects ['[4, 16] float64, grad']" in text
-        assert "comm.dynamic_shapes=true" in text
+        assert "comm.shapes=per_step" in text
 
 
 def test_wrong_shape_names_both_stages_and_dynamic_shapes(world) -> None:
     for text in _values(world["fault-shape"]):
         assert "produced outputs ['[2, 16] float64, grad'] for micro-batch 1" in text
-        assert "stage 1 (rank 0) expects ['[4, 16] float64, grad']" in text and "comm.dynamic_shapes=true" in text
+        assert "stage 1 (rank 0) expects ['[4, 16] float64, grad']" in text and "comm.shapes=per_step" in text
 
 
 def test_non_finite_forward_is_traced_to_the_stage_that_produced_it(world) -> None:
@@ -571,7 +571,7 @@ def test_a_wrong_shape_mid_run_is_named_and_the_job_exits(tmp_path: Path) -> Non
     assert job.returncode != 0, _report(job)
     assert "ShapeMismatchError: stage 0 (rank 0) produced outputs ['[4, 64] float32, grad'] for micro-batch 0" in job.output
     assert "stage 1 (rank 1) expects ['[8, 64] float32, grad']" in job.output
-    assert "comm.dynamic_shapes=true" in job.output
+    assert "comm.shapes=per_step" in job.output
     assert job.detect_s is not None and job.detect_s < 10, _report(job)
     assert not job.survivors
 

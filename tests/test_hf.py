@@ -142,7 +142,7 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
 
     cfg = _trainer_config(folder, f"{run_dir}-{dist.get_world_size()}", dp, schedule, m, **overrides)
     trainer = build_run(cfg, torch.device("cpu"))
-    ref = getattr(transformers, KINDS[kind][1]).from_pretrained(folder).to(getattr(torch, cfg.train.dtype))
+    ref = getattr(transformers, KINDS[kind][1]).from_pretrained(folder).to(getattr(torch, cfg.train.param_dtype))
     o = cfg.optim
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
@@ -185,7 +185,7 @@ def _bf16_vs_fp32(folder: str, run_dir: str, dp: int, schedule: str, m: int = 2)
     out, grads = {}, {}
     for prec in ("fp32", "bf16"):
         cfg = _trainer_config(folder, f"{run_dir}-{prec}-{dist.get_world_size()}", dp, schedule, m,
-                              train__dtype="float32", train__precision=prec)
+                              train__param_dtype="float32", train__precision=prec)
         trainer = build_run(cfg, torch.device("cpu"))
         trainer.forward_backward(0)
         grads[prec] = [_full(p.grad).clone() for p in trainer.params]
@@ -215,7 +215,7 @@ def folders(tmp_path_factory):
 TRAINER_CASES = {
     "ckpt-varlen-tied-1f1b": ("llama_tied", 1, "1f1b", 2, {"pipeline__checkpoint_activations": True,
                                                            "data__variable_lengths": True}, TOLERANCE),
-    "float32-1f1b": ("llama", 1, "1f1b", 2, {"train__dtype": "float32"}, 1e-5),
+    "float32-1f1b": ("llama", 1, "1f1b", 2, {"train__param_dtype": "float32"}, 1e-5),
     # train.compile: every decoder layer compiled whole (aot_eager), the backward split for ZB-H1
     "compiled-zb_h1": ("llama_tied", 1, "zb_h1", 2, {"train__compile": True, "train__compile_backend": "aot_eager"},
                        TOLERANCE),

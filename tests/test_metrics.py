@@ -13,6 +13,7 @@ from pipeflow.observability.console import setup_logging, step_line, summary_lin
 from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures
 from pipeflow.observability.trace import RankStep, chrome_trace, draw_step
 from pipeflow.planning.layout import predict
+from pipeflow.run.config import MetricsConfig, ParallelConfig
 from pipeflow.runtime.events import EventRecorder, TimedEvent
 from pipeflow.schedules import build_schedule, simulate
 
@@ -189,8 +190,8 @@ def test_run_metrics_measure_what_the_recorder_collected_during_the_step(monkeyp
 
     monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
     cfg = SimpleNamespace(
-        metrics=SimpleNamespace(log_every=100, trace_steps=[2], tensorboard=False, progress_bar=False),
-        train=SimpleNamespace(log_every=100, max_steps=10),
+        metrics=MetricsConfig(log_every=100, trace_steps=[2], tensorboard=False, progress_bar=False),
+        train=SimpleNamespace(log_every=100, max_steps=10), parallel=ParallelConfig(),
     )
     recorder = EventRecorder()
     schedule = build_schedule("1f1b", 2, 2)

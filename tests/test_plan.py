@@ -80,7 +80,7 @@ def test_planner_top_pick_is_the_brute_force_best() -> None:
     # with schedule=auto in the search (synthesised for each split's costs): strictly faster here
     with_auto = search(uneven_costs, 2, 8, SearchSpace(("auto",), counts, chunks, splits="all")).candidates[0]
     assert with_auto.step_s < best and with_auto.schedule == "auto"
-    assert "pipeline.max_activations=" in with_auto.overrides()
+    assert "schedule.max_inflight_microbatches=" in with_auto.overrides()
 
 
 def test_balanced_search_finds_the_balanced_split_of_1f1b() -> None:
@@ -175,7 +175,7 @@ def test_plan_cli_prints_overrides_that_compose_into_a_valid_config(tmp_path: Pa
         cfg = compose_config(["model.n_layer=2", "data.batch_size=8", "parallel.pp=2", *words])
         assert cfg.schedule.name == name and cfg.pipeline.num_microbatches == int(m)
         assert check_config(cfg, world_size=2) == (1, 2)
-        schedule = build_schedule(name, 2, int(m), cfg.pipeline.stages_per_rank)
+        schedule = build_schedule(name, 2, int(m), cfg.schedule.stages_per_rank)
         assert schedule.num_stages == 2 * int(v)
         partition_layers(4, schedule.num_stages, list(cfg.pipeline.split_points))
     pick = ("run the pick: torchrun --nproc-per-node 2 train.py model=gpt model.n_layer=2 model.n_embd=32 "

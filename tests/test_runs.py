@@ -81,10 +81,10 @@ def test_resume_auto_never_picks_a_run_a_live_job_holds(tmp_path: Path, caplog, 
 
 
 def test_what_may_differ_is_how_long_how_loud_and_the_layout() -> None:
-    for key in ("train.max_steps", "train.log_every", "metrics.trace_steps", "parallel.pp", "pipeline.stage_to_rank",
-                "pipeline.placement", "pipeline.split_points", "schedule.name", "comm.timeout_s"):
+    for key in ("train.max_steps", "train.log_every", "metrics.trace_steps", "parallel.pp", "schedule.stage_to_rank",
+                "schedule.placement", "pipeline.split_points", "schedule.name", "comm.timeout_s"):
         assert discover.ignored(key), key
-    for key in ("model.n_layer", "data.seed", "optim.lr", "train.dtype", "train.precision"):
+    for key in ("model.n_layer", "data.seed", "optim.lr", "train.param_dtype", "train.precision"):
         assert not discover.ignored(key), key
 
 

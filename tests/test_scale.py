@@ -27,7 +27,7 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     "dp2xpp2-interleaved": (2, "interleaved_1f1b", 2, {}),
     "dp4xpp1": (4, "1f1b", 1, {}),
     "dp1xpp4-gpipe": (1, "gpipe", 3, {}),
-    "dp1xpp4-zb_h1-recvs-at-step": (1, "zb_h1", 4, {"comm__recvs_ahead": False}),
+    "dp1xpp4-zb_h1-recvs-at-step": (1, "zb_h1", 4, {"comm__post_recvs": "at_step"}),
     "dp2xpp2-clipped": (2, "1f1b", 2, {"optim__grad_clip": CLIP}),
     "dp1xpp4-clipped": (1, "1f1b", 2, {"optim__grad_clip": CLIP}),
     "dp2xpp2-actckpt": (2, "1f1b", 2, {"pipeline__checkpoint_activations": True}),
@@ -97,7 +97,7 @@ EQUIVALENCE = {  # name: (dp, schedule, m, overrides); pp = 4 / dp
     # schedule=auto synthesised with the offload plan in view (profiled costs and bytes)
     "dp2xpp2-auto-offload-all-profiled": (2, "auto", 2, {"pipeline__offload": "all", "pipeline__profile": True}),
     "dp2xpp2-full-zbv-variable-lengths-recvs-at-step": (2, "zbv", 3, {
-        "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__recvs_ahead": False}),
+        "parallel__shard": "full", "data__variable_lengths": True, "data__min_seq_len": 3, "comm__post_recvs": "at_step"}),
     # parallel.order: pp outermost (pipelines [0, 2] [1, 3], dp groups consecutive), FSDP2 over
     # them; tp outermost (each tp group's ranks 2 apart)
     "dp2xpp2-1f1b-order-pp-dp-tp": (2, "1f1b", 2, {"parallel__order": ["pp", "dp", "tp"]}),
@@ -133,9 +133,9 @@ def _cases() -> list[tuple[str, object]]:
         ("resume-tp", cases.resume_across_tp),
         ("offload-summary", cases.offload_run_summary),
         ("tp-bf16", functools.partial(cases.dp_equivalence, 1, "1f1b", 2, 1, train__precision="bf16",
-                                      train__dtype="float32", parallel__tp=2)),
+                                      train__param_dtype="float32", parallel__tp=2)),
         ("tp-fp16", functools.partial(cases.dp_equivalence, 1, "1f1b", 2, 1, train__precision="fp16",
-                                      train__dtype="float32", parallel__tp=2)),
+                                      train__param_dtype="float32", parallel__tp=2)),
         ("full-shard-counts", functools.partial(cases.full_shard_gathers_and_reduces_once_per_step, "zbv", 4)),
         ("overlap", cases.reduction_overlaps_cooldown),
         ("timeouts-watchdog", cases.owned_timeouts_and_watchdog_lifecycle),

@@ -54,7 +54,7 @@ def test_every_microbatch_gets_its_own_shapes() -> None:
 def test_static_mode_learns_one_shape_and_names_a_change() -> None:
     plan = _plan([lambda: nn.Linear(4, 3), lambda: nn.Linear(3, 2)], mode="static")
     plan.prepare([(torch.randn(5, 4),), (torch.randn(5, 4),)], 2)
-    with pytest.raises(ShapeMismatchError, match=r"comm.dynamic_shapes=true.*comm.variable_shapes=true"):
+    with pytest.raises(ShapeMismatchError, match=r"comm.shapes=per_step.*comm.shapes=per_microbatch"):
         plan.check(0, 1, (torch.randn(2, 3, requires_grad=True),), train=True)
 
 

@@ -22,7 +22,7 @@ from pipeflow.run.trainer import Trainer  # noqa: E402
 
 def _trainer(tmp_path: Path, fused: bool = True, **overrides) -> Trainer:
     cfg = scale_cases.make_config(1, "1f1b", 2, train__run_dir=str(tmp_path), optim__grad_clip=0.05, optim__fused=fused,
-                                  metrics__memory_steps=[], comm__recvs_ahead=True, **overrides)
+                                  metrics__memory_steps=[], comm__post_recvs="ahead", **overrides)
     return build_run(cfg, torch.device("cpu"))
 
 

@@ -209,7 +209,7 @@ def test_the_planner_searches_tp_beside_the_schedules(one_rank_group) -> None:
     layers = [LayerProfile(f"l{k}", 10**6, 4 * 10**6, 1e-3, 2e-3, 10**6, 1.2e-3, 0.8e-3, 10**5, tp_split=0.9,
                            tp_forward_bytes=2 * 10**5, tp_backward_bytes=2 * 10**5, tp_forward_collectives=2,
                            tp_backward_collectives=2) for k in range(4)]
-    cfg = make_config(1, plan__tp=[1, 2])
+    cfg = make_config(1, plan__tp_sizes=[1, 2])
     space = SearchSpace(("1f1b",), (4,), (1,))
     result = search_tp(cfg, lambda b: layers, 2, 8, space, None, 0.0, 0.0, None)
     by_tp = {c.tp: c for c in result.candidates}

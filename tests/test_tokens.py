@@ -22,14 +22,15 @@ from pipeflow.data.prepare import prepare, train_tokenizer  # noqa: E402
 from pipeflow.data.tokens import TokenStream, document_ids, open_tokens, token_paths  # noqa: E402
 from pipeflow.errors import ConfigError  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
+from pipeflow.run.config import DataConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def data_cfg(path: Path | str, **kw) -> SimpleNamespace:
+def data_cfg(path: Path | str, **kw) -> DataConfig:
     base = dict(name="tokens", path=str(path), token_dtype="uint16", pack_documents=False, eos_id=None,
                 val_fraction=0.1, seq_len=8, batch_size=4, seed=1, variable_lengths=False, min_seq_len=None)
-    return SimpleNamespace(**{**base, **kw})
+    return DataConfig(**{**base, **kw})
 
 
 def model(vocab: int = 1000) -> SimpleNamespace:

@@ -38,7 +38,7 @@ def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
         ConfigError: unknown data name, or a vocabulary larger than the model's.
     """
     name = cfg.name
-    eval_path = getattr(cfg, "eval_path", None)
+    eval_path = cfg.eval_path
     if eval_path is not None and name not in ("text", "tokens", "chat"):
         raise ConfigError(f"data.eval_path={eval_path!r} names held-out data for data=text, tokens or chat; data={name} "
                           f"makes its own validation batches: set data.eval_path=null")
@@ -156,7 +156,7 @@ def _on_device(batch: torch.Tensor | list[torch.Tensor], m: int, device: torch.d
 def microbatch_inputs(x: torch.Tensor | list[torch.Tensor], m: int, device: torch.device,
                       dtype: torch.dtype) -> list[tuple[torch.Tensor]]:
     """Stage 0's m micro-batch inputs (one-tensor tuples) on `device`; floating-point data in the
-    run's `dtype` (``train.dtype``), tokens and labels as they are."""
+    run's `dtype` (``train.param_dtype``), tokens and labels as they are."""
     return [mb if isinstance(mb, tuple) else (mb,) for mb in _on_device(x, m, device, dtype)]
 
 

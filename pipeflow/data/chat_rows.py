@@ -223,7 +223,7 @@ def build_chat_batches(cfg: Any, model_cfg: Any) -> tuple[ChatBatches, ChatBatch
     if cfg.variable_lengths:
         raise ConfigError("data=chat packs conversations into rows of data.seq_len: set data.variable_lengths=false")
     conversations, pad_id = _conversations(cfg.path, cfg, model_cfg)
-    eval_path = getattr(cfg, "eval_path", None)
+    eval_path = cfg.eval_path
     held_out = _conversations(eval_path, cfg, model_cfg, "data.eval_path")[0] if eval_path is not None else None
     vocab, where = model_vocab(model_cfg)
     top = max(int(c.tokens.max()) for c in (conversations, held_out) if c is not None)
@@ -258,7 +258,7 @@ def _conversations(path: str, cfg: Any, model_cfg: Any, key: str = "data.path") 
 
     folder = Path(path)
     prepared = load_conversations(folder) if folder.is_dir() else None
-    source = getattr(cfg, "tokenizer", None) or getattr(model_cfg, "path", None)
+    source = cfg.tokenizer or getattr(model_cfg, "path", None)
     if prepared is not None:
         meta = json.loads((folder / "prepare.json").read_text()) if (folder / "prepare.json").is_file() else {}
         return prepared, int(meta.get("pad_id", 0))

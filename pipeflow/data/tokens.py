@@ -284,7 +284,7 @@ def build_token_batches(cfg: Any, model_cfg: Any, lengths: tuple[int, int] | Non
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.val_fraction} must be in [0, 1)")
     total = TokenStream(files)
-    eval_path = getattr(cfg, "eval_path", None)
+    eval_path = cfg.eval_path
     if eval_path is not None:  # a held-out file: data.path is trained on whole
         train, val = total, TokenStream(checked(eval_path, "data.eval_path"))
     else:

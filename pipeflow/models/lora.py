@@ -98,7 +98,7 @@ def lora_settings(value: Any) -> LoraSettings | None:
         raise LoraError(f"model.lora has no key(s) {unknown}; its keys are {list(KEYS)}")
     if value.get("quantize") or value.get("load_in_4bit"):
         raise LoraError("QLoRA (LoRA over quantised base weights) is out of scope: model.lora trains adapters over "
-                        "the base weights in train.dtype; remove model.lora.quantize / load_in_4bit")
+                        "the base weights in train.param_dtype; remove model.lora.quantize / load_in_4bit")
     rank = int(value.get("rank") or 0)
     if rank < 0:
         raise LoraError(f"model.lora.rank={rank} must be >= 0 (0: no LoRA)")

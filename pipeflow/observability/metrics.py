@@ -131,7 +131,7 @@ class RunMetrics:
         self.calibration = CalibrationLog(calibrate, pp_rank, num_pp, first_pipeline) if calibrate is not None else None
         self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
         self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
-        self.timed_every = max(1, int(getattr(mc, "timed_every", 10) or 1))
+        self.timed_every = mc.timed_every
         self.interval, self.interval_steps = RankFigures(), 0  # the interval's timed steps
         self.interval_times: list[float] = []  # the interval's step times (host)
         self.steady, self.steady_steps = RankFigures(), 0  # every timed step but the first (warm-up)
@@ -142,10 +142,10 @@ class RunMetrics:
         self.step_times: list[float] = []
         self.traced: dict[int, tuple[float, float, list[tuple[str, str, float, float]]]] = {}
         self._start = 0.0
-        tp = int(getattr(getattr(cfg, "parallel", None), "tp", 1) or 1)
+        tp = cfg.parallel.tp
         world = dist.get_world_size() if dist.is_initialized() else num_pp * tp
         self.grid = grid if grid is not None else MeshGrid(max(1, world // (num_pp * tp)), num_pp, tp)  # ranks' coordinates
-        self.memory = MemoryMetrics(getattr(mc, "memory_steps", [1]), self.max_steps, pp_rank, device, prediction,
+        self.memory = MemoryMetrics(mc.memory_steps, self.max_steps, pp_rank, device, prediction,
                                     self.grid)
         self.routing = RoutingLog()  # an MoE model's router figures (every rank reads the same back)
 

@@ -24,8 +24,8 @@ def auto_for_layout(
     Args:
         schedule: the provisional ``auto`` schedule the layout was chosen for (its sizes).
         layout: the run's layout.
-        max_activations: ``pipeline.max_activations`` (None: p micro-batches, 1F1B's).
-        placement: ``pipeline.placement`` (None: either).
+        max_activations: ``schedule.max_inflight_microbatches`` (None: p micro-batches, 1F1B's).
+        placement: ``schedule.placement`` (None: either).
         comm_s: seconds of one transfer between neighbouring ranks.
         offload: ``pipeline.offload`` and the host link: candidates are judged by what their
             offload plan leaves on the device (needs profiles: without them the activations'

@@ -68,7 +68,7 @@ class Layout:
         parts = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
                  f"schedule={self.schedule}", f"pipeline.num_microbatches={m}"]
         if LAYOUTS[self.schedule][0] is None:
-            parts.append(f"pipeline.stages_per_rank={self.v}")
+            parts.append(f"schedule.stages_per_rank={self.v}")
         if self.recompute:
             parts.append("pipeline.checkpoint_activations=true")
         if self.sequence_parallel:

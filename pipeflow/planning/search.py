@@ -56,7 +56,7 @@ class SearchSpace:
         max_splits: the most splits ``all`` may try per (schedule, m, v).
         dp, shard: what the memory estimate assumes: ``parallel.dp`` replicas of each stage and
             ``parallel.shard`` (none | optimizer | full; see `rank_memory`).
-        offload: ``pipeline.offload`` modes tried with every layout (``plan.offload``): each
+        offload: ``pipeline.offload`` modes tried with every layout (``plan.offload_modes``): each
             planned for `host_link` (:func:`~pipeflow.schedules.offload.plan_offload`) on the
             layout's own simulation, its copies timed and its groups' bytes released.
         host_link: the device-host link the offload plans assume (``plan.host_link_gbps``).
@@ -119,7 +119,7 @@ class Candidate:
         step_s: predicted step time (simulated makespan) in seconds.
         bubble: predicted idle fraction.
         rank_bytes: predicted peak memory of each pipeline rank, in bytes.
-        takes_chunks: whether the schedule takes ``pipeline.stages_per_rank`` (any count).
+        takes_chunks: whether the schedule takes ``schedule.stages_per_rank`` (any count).
     """
 
     schedule: str
@@ -148,9 +148,9 @@ class Candidate:
         if self.tp > 1:
             parts.append(f"parallel.tp={self.tp}")
         if self.takes_chunks:
-            parts.append(f"pipeline.stages_per_rank={self.stages_per_rank}")
+            parts.append(f"schedule.stages_per_rank={self.stages_per_rank}")
         if self.max_activations is not None:
-            parts.append(f"pipeline.max_activations={self.max_activations:g}")
+            parts.append(f"schedule.max_inflight_microbatches={self.max_activations:g}")
         if self.offload != "none":
             parts.append(f"pipeline.offload={self.offload}")
         if self.order != DEFAULT_ORDER:  # quoted: brackets are a shell glob
@@ -313,7 +313,7 @@ def _backward_s(profile: LayerProfile) -> float:
 
 
 def auto_limits(num_ranks: int) -> list[float]:
-    """The ``pipeline.max_activations`` the planner synthesises ``auto`` for: from a third of
+    """The ``schedule.max_inflight_microbatches`` the planner synthesises ``auto`` for: from a third of
     1F1B's p micro-batches (at least 1) to twice it; ``plan.memory_limit_gb`` then keeps those that fit."""
     p = num_ranks
     return sorted({max(1.0, math.ceil(p / 3)), max(1.0, float(p // 2)), float(p), 2.0 * p})

@@ -40,7 +40,7 @@ from pipeflow.planning.tensor_cost import largest_collective_bytes
 from pipeflow.run import guard
 from pipeflow.run.compile_phase import compile_and_warm_up, compile_options
 from pipeflow.run.model_build import build_spec, built_on_every_rank
-from pipeflow.run.config import check_config, tensor_degree
+from pipeflow.run.config import RecvPosting, check_config, tensor_degree
 from pipeflow.run.faults import install_from_env
 from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
@@ -147,30 +147,29 @@ def plan_run(cfg: DictConfig, device: torch.device) -> RunPlan:
     the first batch, and the partition chosen from this rank's profile (broadcast)."""
     config_hash = guard.check_same_config(cfg)  # before anything a rank could disagree on
     dp, pp = check_config(cfg, dist.get_world_size())
-    dtype = getattr(torch, cfg.train.dtype)
+    dtype = getattr(torch, cfg.train.param_dtype)
     spec = build_spec(cfg.model)
     tp = tensor_degree(cfg.parallel)
     m = cfg.pipeline.num_microbatches
-    schedule = build_schedule(cfg.schedule.name, pp, m, cfg.pipeline.stages_per_rank, cfg.pipeline.placement,
-                              cfg.schedule.path, cfg.pipeline.stage_to_rank)
+    schedule = build_schedule(cfg.schedule.name, pp, m, cfg.schedule.stages_per_rank, cfg.schedule.placement,
+                              cfg.schedule.path, cfg.schedule.stage_to_rank)
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
     first = shard(batches.train.get(0), 0, dp)
     sample, sample_target = split_microbatches(first[0], m)[0], split_microbatches(first[1], m)[0]
     # auto's choice is made by the whole world (every replica alike, so no replica waits on a
     # slower setting) and within about a quarter of the run, so short runs and sweeps measure
     # the chosen setting for most of their steps
-    posting = Posting(cfg.comm.recvs_ahead, tuner=AheadTuner(trials=max(1, min(10, (cfg.train.max_steps - 2) // 8))),
-                      agree_over_world=True)
+    trials = max(1, min(10, (cfg.train.max_steps - 2) // 8))
+    posting = Posting(RECVS_AHEAD[cfg.comm.post_recvs], tuner=AheadTuner(trials=trials), agree_over_world=True)
     options = compile_options(cfg, dp * m)  # train.compile (None: eager): the profile and the stages alike
     if options is not None:
         forget_compiled()  # this run's layers compile afresh (a sweep's jobs share the process)
-    ep = int(OmegaConf.select(cfg, "parallel.ep", default=1) or 1)  # experts split over each stage's dp ranks
-    layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype, dp=dp,
-                           shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
+    ep = cfg.parallel.ep  # experts split over each stage's dp ranks
+    layout = choose_layout(spec, schedule, cfg.pipeline, sample, device, dtype, dp=dp, shard=cfg.parallel.shard,
                            lowering=posting.options(not P2PComm(None, device).independent_ops)[0],
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
                            autocast_dtype=compute_dtype(cfg.train.precision), compiled=options,
-                           tp=tp, sequence_parallel=bool(cfg.parallel.sequence_parallel), ep=ep)
+                           tp=tp, sequence_parallel=cfg.parallel.sequence_parallel, ep=ep)
     return RunPlan(config_hash, dp, pp, tp, ep, dtype, spec, schedule, batches, first, posting, options, layout)
 
 
@@ -194,17 +193,17 @@ def settle_schedule(cfg: DictConfig, plan: RunPlan, topology: Topology, device: 
     """``schedule=auto`` synthesised for the layout's profiled costs and the measured transfer
     (the same on every rank), the host link ``pipeline.offload`` plans for (measured, collective),
     and every rank's program checked alike."""
-    offload = OmegaConf.select(cfg, "pipeline.offload", default="none")
+    offload = cfg.pipeline.offload
     link = host_link(device) if offload != "none" else None  # collective
     synthesis = None
     schedule, layout = plan.schedule, plan.layout
     if schedule.name == AUTO:
         transfer_s = measure_transfer_s(topology.comm, _boundary_bytes(layout))
-        schedule, layout, synthesis = auto_for_layout(schedule, layout, cfg.pipeline.max_activations,
-                                                      cfg.pipeline.placement, transfer_s,
+        schedule, layout, synthesis = auto_for_layout(schedule, layout, cfg.schedule.max_inflight_microbatches,
+                                                      cfg.schedule.placement, transfer_s,
                                                       None if link is None else (offload, link))
-        if cfg.pipeline.stage_to_rank is not None:
-            schedule = relabel_ranks(schedule, cfg.pipeline.stage_to_rank)
+        if cfg.schedule.stage_to_rank is not None:
+            schedule = relabel_ranks(schedule, cfg.schedule.stage_to_rank)
     guard.check_same_program(schedule, layout.ranges)
     return dataclasses.replace(plan, schedule=schedule, layout=layout), synthesis, link
 
@@ -220,7 +219,7 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
         compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations)))
     if mesh.tp > 1:  # each layer split over the stage's tp ranks, before FSDP2 shards over dp
         parallelize_stages(spec, stages, layout.ranges, mesh.tp_mesh, bool(cfg.parallel.sequence_parallel),
-                           OmegaConf.select(cfg, "parallel.shard", default="none"))
+                           cfg.parallel.shard)
     # its own groups, even at ep = dp: the dp group's gradient all-reduce may run beside an exchange
     ep, dp = plan.ep, plan.dp
     ep_group, same_experts = expert_groups(mesh.grid.dp_groups(), ep) if ep > 1 else (None, None)
@@ -270,7 +269,7 @@ def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Pa
                                    boundary, options, rehearsal, shape_mode(cfg, dp * m))
         layout = with_step_costs(layout, schedule, costs)
     if link is not None:  # planned on the prediction's own simulation, for the host link measured at start
-        layout = with_offload(layout, schedule, OmegaConf.select(cfg, "pipeline.offload"), link,
+        layout = with_offload(layout, schedule, cfg.pipeline.offload, link,
                               device_memory_limit(device))
     return layout
 
@@ -320,7 +319,7 @@ def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSch
                device: torch.device, dtype: torch.dtype) -> tuple[tuple[str, ...], str]:
     """``parallel.order``: the order given, or for ``auto`` the one predicted fastest on the
     links measured here (collective; :mod:`pipeflow.planning.mesh_choice`), with the reason."""
-    given = parse_order(OmegaConf.select(cfg, "parallel.order", default="auto"))
+    given = parse_order(cfg.parallel.order)
     if given is not None:
         return given, ""
     return choose_order(dp, pp, tp, schedule, layout.ranges, layout.profiles, device,
@@ -348,6 +347,9 @@ def device_memory_limit(device: torch.device) -> float | None:
 
 
 DEVICE_MEMORY_SHARE = 0.85
+# comm.post_recvs in the interpreter's terms (Posting's recvs_ahead)
+RECVS_AHEAD: dict[RecvPosting, bool | str] = {RecvPosting.ahead: True, RecvPosting.at_step: False,
+                                              RecvPosting.auto: "auto"}
 COPY_LATENCY_S = 10e-6  # launching one group's copy on its stream (a few small launches and an event)
 
 
@@ -362,10 +364,10 @@ def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                     "local_ranks": local, "device": device.type,
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-        "seq_len": OmegaConf.select(cfg, "data.seq_len", default=None), "tp": tensor_degree(cfg.parallel),
+        "seq_len": cfg.data.seq_len, "tp": tensor_degree(cfg.parallel),
         "precision": cfg.train.precision, "hosts": names,
         "links": start_links(layout.step_costs, grid.pipelines() if grid is not None else [], names),
-        "model": OmegaConf.to_container(cfg.model, resolve=True), "dtype": cfg.train.dtype,
+        "model": OmegaConf.to_container(cfg.model, resolve=True), "dtype": cfg.train.param_dtype,
         "schedule": schedule.name, "num_ranks": schedule.num_ranks, "num_microbatches": schedule.num_microbatches,
         "stages_per_rank": schedule.num_stages // schedule.num_ranks, "dp": dp, "batch_size": cfg.data.batch_size,
         "microbatch_size": cfg.data.batch_size // (dp * schedule.num_microbatches),
@@ -377,7 +379,7 @@ def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device
 def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[range], mesh: Mesh) -> FullShard | None:
     """``parallel.shard=full`` with dp > 1: this rank's stages sharded over their dp group (FSDP2),
     tied copies on this rank made one parameter first; None otherwise (at dp = 1 nothing to shard)."""
-    if OmegaConf.select(cfg, "parallel.shard", default="none") != "full":
+    if cfg.parallel.shard != "full":
         return None
     if mesh.dp == 1:
         if dist.get_rank() == 0:
@@ -394,8 +396,8 @@ def rehearsal_steps_for(cfg: DictConfig, device: torch.device) -> int | None:
     """``metrics.rehearse_steps`` as the builder uses it: 0 (no rehearsal: on a GPU, with
     ``parallel.shard=full``, a run shorter than :data:`REHEARSE_FROM_STEPS` steps left at null,
     or 0 set), None (as many as about 1.5 s allows) or the steps set."""
-    steps = OmegaConf.select(cfg, "metrics.rehearse_steps", default=None)
-    if device.type != "cpu" or OmegaConf.select(cfg, "parallel.shard", default="none") == "full":
+    steps = cfg.metrics.rehearse_steps
+    if device.type != "cpu" or cfg.parallel.shard == "full":
         return 0
     if steps is None:
         return None if cfg.train.max_steps >= REHEARSE_FROM_STEPS else 0
@@ -404,11 +406,9 @@ def rehearsal_steps_for(cfg: DictConfig, device: torch.device) -> int | None:
 
 def shape_mode(cfg: DictConfig, chunks: int) -> str:
     """How the pipeline learns shapes (:mod:`pipeflow.runtime.shapes`): every micro-batch its own
-    when they can differ (``comm.variable_shapes``, variable lengths, a batch that does not split
-    into `chunks` equal micro-batches), else ``dynamic`` or ``static`` (``comm.dynamic_shapes``)."""
-    if cfg.comm.variable_shapes or varies(cfg.data, chunks):
-        return "per_microbatch"
-    return "dynamic" if cfg.comm.dynamic_shapes else "static"
+    when they can differ (variable lengths, a batch that does not split into `chunks` equal
+    micro-batches), else ``comm.shapes``."""
+    return "per_microbatch" if varies(cfg.data, chunks) else str(cfg.comm.shapes)
 
 
 def _boundary_bytes(layout: Layout) -> int:

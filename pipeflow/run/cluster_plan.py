@@ -1,5 +1,5 @@
 """``python -m pipeflow.plan plan.hardware=h100_sxm plan.gpus=256 ...``: lay out a model on a
-cluster you do not have yet (docs/cluster_planning.md).
+cluster you do not have yet (docs/guides/cluster-planning.md).
 
 The model is built on the meta device and its layers costed by the roofline
 (`pipeflow.planning.roofline`) on the described GPUs; tp x pp x dp, the mesh order, schedule,
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeflow.errors import ConfigError
 from pipeflow.planning.cluster_search import Prediction, Workload
@@ -111,7 +111,7 @@ def calibration_meta(path: str) -> dict:
 
 def cluster_space(cfg: DictConfig) -> ClusterSpace:
     """The search space: ``parallel.tp`` (when > 1) and ``parallel.pp`` pin those degrees,
-    ``plan.tp`` lists tp degrees, ``plan.schedules`` and ``plan.microbatches`` narrow the rest.
+    ``plan.tp_sizes`` lists tp degrees, ``plan.schedules`` and ``plan.microbatches`` narrow the rest.
 
     Raises:
         ConfigError: an unknown schedule.
@@ -124,7 +124,7 @@ def cluster_space(cfg: DictConfig) -> ClusterSpace:
     if unknown:
         raise ConfigError(f"plan.schedules has {unknown}, which the cluster planner cannot cost; use of "
                           f"{', '.join(s for s in GENERATORS if s != 'auto')}")
-    tp_list = OmegaConf.select(cfg, "plan.tp", default=None)
+    tp_list = plan.tp_sizes
     space = ClusterSpace(int(plan.gpus), tp=tuple(int(t) for t in tp_list) if tp_list else None,
                          schedules=schedules, max_chunks=int(plan.max_chunks),
                          microbatches=tuple(int(m) for m in plan.microbatches) if plan.microbatches else None)
@@ -166,5 +166,5 @@ def format_cluster_plan(picks: Sequence[Prediction], cfg: DictConfig, cluster: C
                      f"train.py {' '.join([*keep, pick])}")
         lines.append("TFLOP/s per GPU and MFU count model FLOPs (6 x parameters x tokens plus attention, no "
                      f"recomputation) against the dense {cluster.gpu.peak_flops(dtype) / 1e12:g} TFLOP/s {dtype} peak; "
-                     "accuracy on published runs: docs/cluster_planning.md")
+                     "accuracy on published runs: docs/guides/cluster-planning.md")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
 from pipeflow.data import microbatch_inputs, microbatch_targets, sequence_lengths
@@ -39,15 +39,15 @@ def compile_options(cfg: DictConfig, chunks: int | None = None) -> CompileOption
     """``train.compile``'s options, or None when the run is eager.  The dimensions in which
     micro-batches differ are marked dynamic, so one graph serves them all: the sequence with
     variable lengths, the rows when the batch does not split into `chunks` (dp x m) equal parts,
-    both with ``comm.variable_shapes``."""
-    if not OmegaConf.select(cfg, "train.compile", default=False):
+    both with ``comm.shapes=per_microbatch``."""
+    if not cfg.train.compile:
         return None
     dims = set()
     if sequence_lengths(cfg.data) is not None:
         dims.add(1)
     if chunks is not None and cfg.data.batch_size % chunks:
         dims.add(0)
-    if OmegaConf.select(cfg, "comm.variable_shapes", default=False):
+    if cfg.comm.shapes == "per_microbatch":
         dims.update((0, 1))
     # The compiled B/W split over tp-split (DTensor) weights gave wrong gradients: with sequence
     # parallelism (ZB-V, pp 2 x tp 2), and without it once a compiled split run of plain weights

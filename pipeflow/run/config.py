@@ -2,81 +2,54 @@
 
 YAML files under ``configs/`` hold the values; these dataclasses are their schemas (types and
 defaults), so a typo in an override (``pipeline.num_microbatch=4``) fails at once, with the
-nearest keys named (:mod:`pipeflow.run.config_keys`).  The checks of a composed config are
-:mod:`pipeflow.run.config_checks`; their names are importable from here too.
+nearest keys named (:mod:`pipeflow.run.config_keys`), and an old key name read as its new one
+(:mod:`pipeflow.run.config_renames`).  Each section checks itself in ``__post_init__`` when
+:func:`typed_config` makes the composed config typed objects (once, at start); the checks that
+span sections are :mod:`pipeflow.run.config_checks`, the model schemas
+:mod:`pipeflow.run.config_models`; their names are importable from here too.
 """
 from __future__ import annotations
 
-import copy
-import inspect
-from dataclasses import dataclass, field, is_dataclass, make_dataclass
-from typing import Any, Callable, get_type_hints
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from pipeflow.errors import ConfigError
 from pipeflow.run.config_checks import (BACKENDS, DTYPES, RESUME_WORDS, SHARD_MODES, STORAGES, auto_replicas,
-                                        check_comm, check_config, check_paths, check_sequence_parallel,
-                                        check_targets, check_values, resolve_layout, tensor_degree)
+                                        check_comm, check_across_sections, check_paths, check_sequence_parallel,
+                                        check_targets, resolve_layout, tensor_degree)
+from pipeflow.run.config_choices import Choice, Placement, RecvPosting, ShapeMode
 from pipeflow.run.config_keys import config_keys, install_key_suggestions, suggest_keys
-from pipeflow.models.gpt import build_gpt
-from pipeflow.models.hf import build_hf
-from pipeflow.models.mlp import build_mlp
-from pipeflow.models.module_spec import build_module
-from pipeflow.models.sleep import build_sleep
-from pipeflow.models.zoo import build_resnet, build_torchvision
-
-
-def model_schema(builder: Callable[..., Any], name: str | None = None) -> type:
-    """The config schema of a model: ``_target_`` naming `builder`, then one field per keyword
-    argument of its signature, typed by its annotation, defaulting to the builder's default.
-
-    The builder is the one source of a model's defaults; the schema only reads them. A user's
-    model gets a typed config group the same way:
-    ``ConfigStore.instance().store(group="model", name="base_mine", node=model_schema(build_mine))``.
-
-    Args:
-        builder: a function returning a ModelSpec, every parameter a keyword with a default.
-        name: the schema's class name; default ``<Builder>Config``.
-
-    Returns:
-        A dataclass type for Hydra's ConfigStore.
-
-    Raises:
-        ConfigError: a parameter has no default (the schema could not default it).
-    """
-    hints = get_type_hints(builder)
-    fields: list[tuple[str, Any, Any]] = [("_target_", str, field(default=f"{builder.__module__}.{builder.__qualname__}"))]
-    for param in inspect.signature(builder).parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        if param.default is param.empty:
-            raise ConfigError(f"{builder.__qualname__}({param.name}) has no default; a model schema needs one")
-        default = param.default  # a nested config (model.moe) as a fresh copy per instance
-        spec = field(default_factory=lambda d=default: copy.deepcopy(d)) if is_dataclass(default) else field(default=default)
-        fields.append((param.name, hints.get(param.name, Any), spec))
-    doc = (builder.__doc__ or "").strip().splitlines()
-    cls_name = name or "".join(part.title() for part in builder.__name__.split("_")) + "Config"
-    return make_dataclass(cls_name, fields, namespace={"__doc__": doc[0] if doc else None, "__module__": __name__})
-
-
-# The built-in models' schemas (``model=gpt|mlp|resnet18|resnet50|sleep|torchvision|module|hf``): their defaults are the builders'.
-GPTModelConfig = model_schema(build_gpt, "GPTModelConfig")
-MLPModelConfig = model_schema(build_mlp, "MLPModelConfig")
-ResNetModelConfig = model_schema(build_resnet, "ResNetModelConfig")
-SleepModelConfig = model_schema(build_sleep, "SleepModelConfig")
-TorchvisionModelConfig = model_schema(build_torchvision, "TorchvisionModelConfig")
-ModuleModelConfig = model_schema(build_module, "ModuleModelConfig")
-HFModelConfig = model_schema(build_hf, "HFModelConfig")  # model=hf: transformers is imported only when it builds
+from pipeflow.run.config_models import (GPTModelConfig, HFModelConfig, MLPModelConfig, ModuleModelConfig,
+                                        ResNetModelConfig, SleepModelConfig, TorchvisionModelConfig, model_schema)
+from pipeflow.run.config_values import check_section_counts
+from pipeflow.runtime.mesh_order import parse_order
+from pipeflow.schedules.offload import check_mode
 
 
 @dataclass
 class ScheduleConfig:
-    """Which pipeline schedule runs (``schedule=1f1b``, ``schedule=zbv``, ... or ``schedule=custom``)."""
+    """Which pipeline schedule runs (``schedule=1f1b``, ``schedule=zbv``, ... or ``schedule=custom``)
+    and its own settings; each ``configs/schedule/<name>.yaml`` sets those it takes."""
 
     name: str = "1f1b"
     path: str | None = None  # schedule=custom: the file of actions per rank
+    stages_per_rank: int | None = None  # model chunks per rank (v); None: the schedule's own
+    placement: Placement | None = None  # loop | v: which stages a rank holds; None: the schedule's own
+    stage_to_rank: list[int] | None = None  # explicit placement: pipeline rank of each stage
+    # schedule=auto: the activations a rank may hold, in micro-batches of a rank's share; null: p (1F1B's)
+    max_inflight_microbatches: float | None = None
+
+    def __post_init__(self) -> None:
+        """Checked when the composed config becomes this object (:func:`typed_config`)."""
+        check_section_counts("schedule", self)
+        limit = self.max_inflight_microbatches
+        if limit is not None and limit < 1:
+            raise ConfigError(f"schedule.max_inflight_microbatches={limit} must be at least 1 (micro-batches of a "
+                              "rank's share), or null for 1F1B's p")
 
 
 @dataclass
@@ -85,14 +58,18 @@ class PipelineConfig:
 
     num_microbatches: int = 8
     split_points: list[Any] | None = None  # first layer (index or name) of stages 1..S-1
-    stages_per_rank: int | None = None  # model chunks per rank; None: the schedule's own
-    placement: str | None = None  # loop | v; None: the schedule's own
-    stage_to_rank: list[int] | None = None  # explicit placement: pipeline rank of each stage
-    max_activations: float | None = None  # schedule=auto: micro-batches of a rank's share a rank may hold; null: p
     balance: str = "uniform"  # uniform | params | time | memory (ignored with split_points)
     profile: bool = True  # profile layers (on pipeline rank 0) for the partition table
     checkpoint_activations: Any = False  # true | false | n: recompute every n-th layer in backward
     offload: str = "none"  # none | auto | all: held activations copied to host memory in the pipeline's gaps
+
+    def __post_init__(self) -> None:
+        """Checked when the composed config becomes this object (:func:`typed_config`)."""
+        from pipeflow.runtime.precision import checkpoint_every  # torch-heavy: only when checking
+
+        check_section_counts("pipeline", self)
+        checkpoint_every(self.checkpoint_activations)
+        check_mode(self.offload)
 
 
 @dataclass
@@ -150,12 +127,12 @@ class TrainConfig:
     log_every: int = 25
     eval_every: int = 100
     eval_batches: int = 4
-    dtype: str = "float32"
+    param_dtype: str = "float32"  # parameters, gradients and optimizer state (the master weights)
     run_dir: str | None = None  # default: an explicit hydra.run.dir, else outputs/<timestamp>; chosen by rank 0
-    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast compute dtype; weights stay in train.dtype
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast compute dtype; weights stay in train.param_dtype
     save_every: int = 0  # write a checkpoint every n steps (and at the end); 0: never
     # shared: one run directory every host sees; local: each host its own disk, each writes its
-    # ranks' part (python -m pipeflow.checkpoint gather merges them); docs/multinode.md "Storage"
+    # ranks' part (python -m pipeflow.checkpoint gather merges them); docs/guides/multinode.md "Storage"
     checkpoint_storage: str = "shared"
     resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
     check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage (fp16 overflow: skipped)
@@ -163,10 +140,25 @@ class TrainConfig:
     # what a cluster scheduler sends before it kills a job; [] or null: off
     save_on_signal: Any = field(default_factory=lambda: ["SIGTERM"])  # a name, a list of names, or false
     # torch.compile each layer (its forward and its backward; split-backward schedules compute B
-    # and W once each); docs/performance.md
+    # and W once each); docs/guides/compile.md
     compile: bool = False
     compile_mode: str = "default"  # default | max-autotune-no-cudagraphs (CUDA-graph modes are refused)
     compile_backend: str = "inductor"  # inductor | aot_eager (the same graphs, no code generated: tests, debugging)
+
+    def __post_init__(self) -> None:
+        """Checked when the composed config becomes this object (:func:`typed_config`)."""
+        from pipeflow.runtime.compile import check_options  # torch-heavy: only when checking
+        from pipeflow.runtime.precision import compute_dtype
+
+        check_section_counts("train", self)
+        if self.param_dtype not in DTYPES:
+            raise ConfigError(f"train.param_dtype={self.param_dtype!r} is not one of {', '.join(DTYPES)}")
+        compute_dtype(self.precision)
+        if self.checkpoint_storage not in STORAGES:
+            raise ConfigError(f"train.checkpoint_storage={self.checkpoint_storage!r} is not one of "
+                              f"{', '.join(STORAGES)}: shared (one run directory every host sees) or local (each "
+                              "host its own disk)")
+        check_options(self.compile_mode, self.compile_backend)
 
 
 @dataclass
@@ -189,6 +181,14 @@ class ParallelConfig:
     # expert parallelism (model.moe): each stage's experts split over its dp ranks; 1 or parallel.dp
     ep: int = 1
 
+    def __post_init__(self) -> None:
+        """Checked when the composed config becomes this object (:func:`typed_config`)."""
+        check_section_counts("parallel", self)
+        if self.shard not in SHARD_MODES:
+            raise ConfigError(f"parallel.shard={self.shard!r} is unknown; valid: {', '.join(SHARD_MODES)} "
+                              "(none: full replicas, optimizer: ZeRO-1, full: FSDP2)")
+        parse_order(self.order)
+
 
 @dataclass
 class CommConfig:
@@ -197,13 +197,18 @@ class CommConfig:
     timeout_s: float = 300.0
     first_step_timeout_s: float = 900.0
     join_timeout_s: float = 120.0  # every rank must have joined the process group by then (ranks missing are named)
-    dynamic_shapes: bool = False  # relearn shapes when stage 0's input shape changes (one broadcast per step)
-    # every micro-batch its own shapes (one small message per stage boundary per step); on by
-    # itself with data.variable_lengths or a batch that does not split into equal micro-batches
-    variable_shapes: bool = False
-    # gloo: post the next step's recvs before computing (true), at their own step (false), or
-    # time both over the first training steps and keep the faster (auto); Pipeline.recvs_ahead
-    recvs_ahead: Any = "auto"
+    # what the stages tell each other of the tensors they send: static (learnt at the first step),
+    # per_step (relearnt when stage 0's input shape changes; one broadcast per step) or
+    # per_microbatch (every micro-batch its own shapes; one small message per stage boundary per
+    # step; chosen by itself with data.variable_lengths or a batch that does not split evenly)
+    shapes: ShapeMode = ShapeMode.static
+    # gloo: post the next step's recvs before computing (ahead), at their own step (at_step), or
+    # time both over the first training steps and keep the faster (auto)
+    post_recvs: RecvPosting = RecvPosting.auto
+
+    def __post_init__(self) -> None:
+        """Checked when the composed config becomes this object (:func:`typed_config`)."""
+        check_comm(self)
 
 
 @dataclass
@@ -212,6 +217,12 @@ class DistConfig:
 
     backend: str | None = None
     device: str | None = None
+
+    def __post_init__(self) -> None:
+        """Checked when the composed config becomes this object (:func:`typed_config`)."""
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ConfigError(f"dist.backend={self.backend!r} is unknown; valid: {', '.join(BACKENDS)} (or null: "
+                              "automatic)")
 
 
 @dataclass
@@ -235,6 +246,10 @@ class MetricsConfig:
     # lowering when train.max_steps >= 25, else none; 0: none (the modelled prediction)
     rehearse_steps: int | None = None
 
+    def __post_init__(self) -> None:
+        """Checked when the composed config becomes this object (:func:`typed_config`)."""
+        check_section_counts("metrics", self)
+
 
 @dataclass
 class PlanConfig:
@@ -252,12 +267,12 @@ class PlanConfig:
     optimizer_factor: float = 2.0  # optimizer state bytes per parameter byte (AdamW: 2)
     csv: str | None = None  # also write every simulated layout to this CSV file
     # a run directory (its costs.json): rank layouts with what that run measured; with plan.hardware,
-    # its links timed at start and per-layer profile replace the preset's figures (docs/cluster_planning.md)
+    # its links timed at start and per-layer profile replace the preset's figures (docs/guides/cluster-planning.md)
     calibration: str | None = None
     rehearse: int = 0  # CPU hosts: build the k fastest layouts as train.py would and re-rank them by their rehearsed step
-    # tensor-parallel degrees searched beside the schedules (each pick: parallel.tp=N, dp x pp x N processes);
+    # tensor-parallel sizes searched beside the schedules (each pick: parallel.tp=N, dp x pp x N processes);
     # null: parallel.tp alone.  Their collectives are costed over this link (a node's NVLink by default)
-    tp: list[int] | None = None
+    tp_sizes: list[int] | None = None
     # the link tp's collectives are costed over: null takes plan.hardware's link within a host,
     # else 150 GB/s and 10 us (an NVLink-class node); set, they override plan.hardware's
     tp_bandwidth_gbps: float | None = None
@@ -265,9 +280,9 @@ class PlanConfig:
     # pipeline.offload modes tried with every layout (none | auto | all), their copies over a
     # device-host link of this bandwidth each way, on a copy engine beside compute (a GPU's PCIe);
     # null: measured on this machine's device as train.py measures it (a CPU: memcpys on the compute thread)
-    offload: list[str] = field(default_factory=lambda: ["none"])
+    offload_modes: list[str] = field(default_factory=lambda: ["none"])
     host_link_gbps: float | None = None
-    # a cluster you do not have (docs/cluster_planning.md): a preset (a100_sxm_80gb, h100_sxm, h200_sxm, b200) or a
+    # a cluster you do not have (docs/guides/cluster-planning.md): a preset (a100_sxm_80gb, h100_sxm, h200_sxm, b200) or a
     # YAML file; layers costed by a roofline instead of profiled, tp x pp x dp searched for plan.gpus GPUs
     hardware: str | None = None
     gpus: int | None = None  # with plan.hardware: the GPUs to lay the model on
@@ -292,6 +307,57 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
+# the sections typed_config makes objects of: every one but model (typed by its builder's signature)
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in fields(Config)  # type: ignore[misc]
+                             if f.name != "model"}
+
+
+def typed_config(cfg: Any) -> Config:
+    """The composed config as typed objects, each section checked once by its ``__post_init__``
+    (OmegaConf does not run it while composing): ``cfg.train`` a :class:`TrainConfig`, ...;
+    ``model`` stays as composed (its schema is its builder's signature).  An untyped section (a
+    user's YAML read without the schemas) is merged onto its schema first.
+
+    Raises:
+        ConfigError: naming the key, its value and what to change.
+    """
+    sections = {}
+    for name, schema in SECTIONS.items():
+        node = OmegaConf.structured(schema)
+        try:
+            if name in cfg:  # resolved where it stands: an interpolation may name another section
+                node = OmegaConf.merge(node, OmegaConf.to_container(cfg[name], resolve=True, throw_on_missing=True))
+            sections[name] = OmegaConf.to_object(node)
+        except MissingMandatoryValue as exc:
+            key = str(exc.full_key)
+            key = key if key.startswith(f"{name}.") else f"{name}.{key}"
+            raise ConfigError(f"{key} is not set (???): give it a value, {key}=<value>") from exc
+    return Config(model=OmegaConf.select(cfg, "model", throw_on_missing=False), **sections)
+
+
+def check_values(cfg: Any) -> Config:
+    """The checks that need neither the world size nor a process group: every section's own
+    (counts, deadlines, dtypes, modes; each section's ``__post_init__``), run once by making the
+    composed config typed objects (:func:`typed_config`).  ``train.py`` runs them before joining,
+    so a bad ``comm.join_timeout_s`` is named as such, not as a rank that never arrived.
+
+    Raises:
+        ConfigError: naming the key, its value and the values allowed.
+    """
+    return typed_config(cfg)
+
+
+def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
+    """Check what can be checked before anything is built: each section's values
+    (:func:`check_values`), then what spans sections (:func:`check_across_sections`); returns (dp, pp).
+
+    Raises:
+        ConfigError: naming the key and what to change.
+    """
+    check_values(cfg)
+    return check_across_sections(cfg, world_size)
+
+
 def register_configs() -> None:
     """Register the schemas with Hydra's ConfigStore (called before ``@hydra.main`` runs), and
     make Hydra's error for an unknown key suggest the nearest known ones (:func:`suggest_keys`)."""
@@ -306,17 +372,16 @@ def register_configs() -> None:
     cs.store(group="model", name="base_module", node=ModuleModelConfig)
     cs.store(group="model", name="base_hf", node=HFModelConfig)
     cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
-    cs.store(group="pipeline", name="base_pipeline", node=PipelineConfig)
     cs.store(group="data", name="base_data", node=DataConfig)
     cs.store(group="optim", name="base_optim", node=OptimConfig)
-    cs.store(group="metrics", name="base_metrics", node=MetricsConfig)
-    cs.store(group="plan", name="base_plan", node=PlanConfig)
 
 
 __all__ = [  # the schemas, and the checks and key helpers read from here by their callers
-    "BACKENDS", "CommConfig", "Config", "DTYPES", "DataConfig", "DistConfig", "MetricsConfig", "OptimConfig",
-    "ParallelConfig", "PipelineConfig", "PlanConfig", "RESUME_WORDS", "SHARD_MODES", "STORAGES", "ScheduleConfig",
-    "TrainConfig", "auto_replicas", "check_comm", "check_config", "check_paths", "check_sequence_parallel",
-    "check_targets", "check_values", "config_keys", "install_key_suggestions", "model_schema", "register_configs",
-    "resolve_layout", "suggest_keys", "tensor_degree",
+    "BACKENDS", "Choice", "CommConfig", "Config", "DTYPES", "DataConfig", "DistConfig", "GPTModelConfig",
+    "HFModelConfig", "MLPModelConfig", "MetricsConfig", "ModuleModelConfig", "OptimConfig", "ParallelConfig",
+    "PipelineConfig", "Placement", "PlanConfig", "RESUME_WORDS", "RecvPosting", "ResNetModelConfig", "SHARD_MODES",
+    "STORAGES", "ScheduleConfig", "ShapeMode", "SleepModelConfig", "TorchvisionModelConfig", "TrainConfig",
+    "auto_replicas", "check_across_sections", "check_comm", "check_config", "check_paths", "check_sequence_parallel", "check_targets",
+    "check_values", "config_keys", "install_key_suggestions", "model_schema", "register_configs", "resolve_layout",
+    "suggest_keys", "tensor_degree", "typed_config",
 ]

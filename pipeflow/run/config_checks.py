@@ -1,6 +1,8 @@
-"""The checks of a composed config, once at start, each naming the key to change: builders set
-(``_target_``), the world's layout (dp x pp x tp), sequence parallelism, expert parallelism,
-sharding, dtypes, the communication settings and the paths.  The schemas are
+"""The checks of a composed config that span its sections, once at start, each naming the key to
+change: builders set (``_target_``), the world's layout (dp x pp x tp), sequence parallelism,
+expert parallelism, the batch against the micro-batches, and the paths.  Each section checks its
+own values (counts, deadlines, dtypes, modes) in its ``__post_init__`` when
+:func:`pipeflow.run.config.check_values` makes the config typed; the schemas are
 :mod:`pipeflow.run.config`'s."""
 from __future__ import annotations
 
@@ -11,10 +13,8 @@ from omegaconf import OmegaConf
 
 from pipeflow.errors import ConfigError
 from pipeflow.run.config_keys import config_keys
-from pipeflow.run.config_values import check_counts, check_deadlines, check_layout_counts
+from pipeflow.run.config_values import check_deadlines, check_layout_counts
 from pipeflow.runtime.expert_parallel import check_expert_parallel
-from pipeflow.runtime.mesh_order import parse_order
-from pipeflow.schedules.offload import check_mode
 
 if TYPE_CHECKING:
     from pipeflow.run.config import ParallelConfig
@@ -34,7 +34,7 @@ def check_targets(cfg: Any) -> None:
         raise ConfigError(
             "model has no _target_: a model config must name the function that builds the model; set "
             "model._target_=<import path of a function returning a pipeflow ModelSpec> (e.g. "
-            "pipeflow.models.mlp.build_mlp), or pick a built-in model=gpt|mlp|resnet18|... (see docs/models.md)"
+            "pipeflow.models.mlp.build_mlp), or pick a built-in model=gpt|mlp|resnet18|... (see docs/start/2-your-model.md)"
         )
     for path in [k for k in config_keys(model) if k == "_target_" or k.endswith("._target_")]:
         if OmegaConf.is_missing(model, path) or OmegaConf.select(model, path) in (None, ""):
@@ -102,88 +102,49 @@ def auto_replicas(pp: int | None, tp: int, world_size: int) -> int:
 def check_sequence_parallel(cfg: Any) -> None:
     """Raise ConfigError for ``parallel.sequence_parallel`` where the sequence cannot be cut into tp
     equal slices: without tp, with variable lengths, or a sequence length tp does not divide."""
-    if not OmegaConf.select(cfg, "parallel.sequence_parallel", default=False):
+    if not cfg.parallel.sequence_parallel:
         return
     tp = tensor_degree(cfg.parallel)
     if tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over the tp "
                           "ranks of a stage)")
-    if OmegaConf.select(cfg, "data.variable_lengths", default=False):
+    if cfg.data.variable_lengths:
         raise ConfigError(f"parallel.sequence_parallel=true with data.variable_lengths=true: every sequence length must "
                           f"split into parallel.tp={tp} equal slices; set one of them to false")
-    seq_len = OmegaConf.select(cfg, "data.seq_len", default=None)
-    if seq_len is not None and seq_len % tp:
+    seq_len = cfg.data.seq_len
+    if seq_len % tp:
         raise ConfigError(f"parallel.sequence_parallel=true: data.seq_len={seq_len} does not split into parallel.tp={tp} "
                           f"equal slices; choose a length divisible by {tp}")
 
 
 def tensor_degree(parallel: Any) -> int:
-    """``parallel.tp`` (1 where the config predates it or sets null; 0 stays 0, for the checks to refuse)."""
-    tp = getattr(parallel, "tp", None)
-    return 1 if tp is None else int(tp)
+    """``parallel.tp`` as an int (0 stays 0, for the checks to refuse)."""
+    return int(parallel.tp)
 
 
 SHARD_MODES = ("none", "optimizer", "full")
 
 
-def check_config(cfg: Any, world_size: int) -> tuple[int, int]:
-    """Check what can be checked before anything is built; returns (dp, pp).
+def check_across_sections(cfg: Any, world_size: int) -> tuple[int, int]:
+    """What spans the sections, once each section is checked (:func:`pipeflow.run.config.check_config`
+    runs both); returns (dp, pp).
 
     Raises:
         ConfigError: naming the key and what to change.
     """
-    check_values(cfg)
     dp, pp = resolve_layout(cfg.parallel, world_size)
     check_targets(cfg)
-    parse_order(OmegaConf.select(cfg, "parallel.order", default="auto"))
-    shard = OmegaConf.select(cfg, "parallel.shard", default="none")
-    if shard not in SHARD_MODES:
-        raise ConfigError(f"parallel.shard={shard!r} is unknown; valid: {', '.join(SHARD_MODES)} "
-                          "(none: full replicas, optimizer: ZeRO-1, full: FSDP2)")
     check_sequence_parallel(cfg)
-    check_expert_parallel(int(OmegaConf.select(cfg, "parallel.ep", default=1) or 1), dp, tensor_degree(cfg.parallel),
-                          shard, int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0))
+    check_expert_parallel(cfg.parallel.ep, dp, tensor_degree(cfg.parallel), cfg.parallel.shard,
+                          int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0))  # a model without experts
     m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
     if batch < dp * m:
         raise ConfigError(
             f"data.batch_size={batch} cannot be split into pipeline.num_microbatches={m} micro-batches "
             f"(x parallel.dp={dp}) of at least one row each; make the batch size at least {dp * m}"
         )
-    limit = cfg.pipeline.max_activations
-    if limit is not None and limit < 1:
-        raise ConfigError(f"pipeline.max_activations={limit} must be at least 1 (micro-batches of a rank's share), "
-                          "or null for 1F1B's p")
-    if cfg.train.dtype not in DTYPES:
-        raise ConfigError(f"train.dtype={cfg.train.dtype!r} is not one of {', '.join(DTYPES)}")
-    from pipeflow.runtime.compile import check_options  # torch-heavy: only when checking
-    from pipeflow.runtime.precision import checkpoint_every, compute_dtype
-
-    compute_dtype(cfg.train.precision)
-    checkpoint_every(cfg.pipeline.checkpoint_activations)
-    check_mode(OmegaConf.select(cfg, "pipeline.offload", default="none"))
-    check_options(OmegaConf.select(cfg, "train.compile_mode", default="default"),
-                  OmegaConf.select(cfg, "train.compile_backend", default="inductor"))
     check_paths(cfg)
-    backend = OmegaConf.select(cfg, "dist.backend")
-    if backend is not None and backend not in BACKENDS:
-        raise ConfigError(f"dist.backend={backend!r} is unknown; valid: {', '.join(BACKENDS)} (or null: automatic)")
     return dp, pp
-
-
-def check_values(cfg: Any) -> None:
-    """The checks that need neither the world size nor a process group: every count and deadline
-    (:mod:`pipeflow.run.config_values`) and the ``comm.*`` settings.  ``train.py`` runs them before
-    joining, so a bad ``comm.join_timeout_s`` is named as such, not as a rank that never arrived.
-
-    Raises:
-        ConfigError: naming the key, its value and the values allowed.
-    """
-    check_counts(cfg)
-    check_comm(cfg.comm)
-    storage = OmegaConf.select(cfg, "train.checkpoint_storage", default="shared")
-    if storage not in STORAGES:
-        raise ConfigError(f"train.checkpoint_storage={storage!r} is not one of {', '.join(STORAGES)}: shared (one run "
-                          f"directory every host sees) or local (each host its own disk)")
 
 
 STORAGES = ("shared", "local")  # train.checkpoint_storage
@@ -192,16 +153,12 @@ RESUME_WORDS = ("auto", "none", "never", "latest", "")  # train.resume values th
 
 
 def check_comm(comm: Any) -> None:
-    """Deadlines must be positive, and the first step's at least the steady one.
+    """Deadlines must be positive, and the first step's at least the steady one (``comm.shapes``
+    and ``comm.post_recvs`` are choices: Hydra refuses any other word while composing).
 
     Raises:
         ConfigError: naming the key and a value that works.
     """
-    if not (isinstance(comm.recvs_ahead, bool) or comm.recvs_ahead == "auto"):
-        raise ConfigError(f"comm.recvs_ahead={comm.recvs_ahead!r} must be true, false or auto (default auto)")
-    if comm.dynamic_shapes and comm.variable_shapes:
-        raise ConfigError("comm.dynamic_shapes and comm.variable_shapes are both true; variable_shapes already "
-                          "learns every micro-batch's shapes at every step: set comm.dynamic_shapes=false")
     check_deadlines(comm)
     if comm.first_step_timeout_s < comm.timeout_s:
         raise ConfigError(
@@ -218,7 +175,7 @@ def check_paths(cfg: Any) -> None:
     Raises:
         ConfigError: naming the key, the path, and what to set instead.
     """
-    data_path = OmegaConf.select(cfg, "data.path")
+    data_path = cfg.data.path
     if cfg.data.name == "text" and data_path is not None and not os.path.isfile(data_path):
         raise ConfigError(f"data.path={data_path!r} is not a file; point data.path at a local text file")
     schedule_path = OmegaConf.select(cfg, "schedule.path")
@@ -227,7 +184,7 @@ def check_paths(cfg: Any) -> None:
             f"schedule.path={schedule_path!r} is not a file; schedule=custom needs a file of actions "
             f"per rank (see pipeflow/schedules/custom.py)"
         )
-    resume = OmegaConf.select(cfg, "train.resume", default=None)
+    resume = cfg.train.resume
     if isinstance(resume, str) and resume.lower() not in RESUME_WORDS and not os.path.exists(resume):
         raise ConfigError(
             f"train.resume={resume!r} does not exist; give an existing checkpoint, "

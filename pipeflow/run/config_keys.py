@@ -6,7 +6,16 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
+
+from pipeflow.errors import ConfigError
+from pipeflow.run.config_renames import rename_keys, rename_overrides
+
+
+class ComposingConfigError(ConfigError, ConfigCompositionException):
+    """A :class:`~pipeflow.errors.ConfigError` raised while Hydra composes (an old key's value it
+    never took, a group that is gone): Hydra prints it as its one message, not a traceback."""
 
 
 def config_keys(cfg: Any) -> list[str]:
@@ -37,8 +46,6 @@ def suggest_keys(key: str, known: list[str], count: int = 2) -> list[str]:
 
 def _with_suggestion(exc: Exception, overrides: list[Any], cfg: Any) -> Exception | None:
     """Hydra's 'Could not override' error for an unknown key, with a did-you-mean (None: another error)."""
-    from hydra.errors import ConfigCompositionException
-
     text = str(exc)
     if not text.startswith("Could not override '"):
         return None
@@ -56,20 +63,25 @@ def _with_suggestion(exc: Exception, overrides: list[Any], cfg: Any) -> Exceptio
 
 def install_key_suggestions() -> None:
     """Wrap Hydra's override step so that an unknown key's error names the nearest known keys
-    (``pipeline.num_microbatch=4`` -> ``Did you mean pipeline.num_microbatches=4?``), for
-    ``@hydra.main`` and ``hydra.compose`` alike.  Hydra has no hook for it: its (private)
-    ``ConfigLoaderImpl._apply_overrides_to_config`` is wrapped once; where it is missing (another
-    Hydra), the errors stay Hydra's own."""
+    (``pipeline.num_microbatch=4`` -> ``Did you mean pipeline.num_microbatches=4?``) and an old
+    key name is read as its new one (:mod:`pipeflow.run.config_renames`), in overrides and YAML
+    files, for ``@hydra.main`` and ``hydra.compose`` alike.  Hydra has no hook for it: its
+    (private) ``ConfigLoaderImpl._apply_overrides_to_config`` and ``_load_single_config`` are
+    wrapped once; where they are missing (another Hydra), the errors stay Hydra's own."""
     try:
         from hydra._internal.config_loader_impl import ConfigLoaderImpl
-        from hydra.errors import ConfigCompositionException
     except ImportError:
         return
     apply = getattr(ConfigLoaderImpl, "_apply_overrides_to_config", None)
     if apply is None or getattr(apply, "_pipeflow_suggests", False):
         return
+    _install_file_renames(ConfigLoaderImpl)
 
     def apply_with_suggestions(overrides: list[Any], cfg: Any) -> None:
+        try:  # old key names: warned, or refused naming the new
+            overrides = rename_overrides(overrides, cfg)
+        except ConfigError as exc:
+            raise ComposingConfigError(str(exc)) from None
         try:
             apply(overrides, cfg)
         except ConfigCompositionException as exc:
@@ -80,3 +92,22 @@ def install_key_suggestions() -> None:
 
     apply_with_suggestions._pipeflow_suggests = True  # type: ignore[attr-defined]
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_with_suggestions)
+
+
+def _install_file_renames(loader: Any) -> None:
+    """Wrap Hydra's loading of one YAML file so that its old key names become the new ones before
+    it is merged into the schema (a user's experiment file written before a rename)."""
+    load = getattr(loader, "_load_single_config", None)
+    if load is None:
+        return
+
+    def load_with_renames(self: Any, default: Any, repo: Any) -> Any:
+        result = load(self, default, repo)
+        if OmegaConf.is_dict(result.config) and not default.config_path.startswith("hydra/"):
+            try:
+                rename_keys(result.config, where=f"{default.config_path}.yaml")
+            except ConfigError as exc:
+                raise ComposingConfigError(str(exc)) from None
+        return result
+
+    loader._load_single_config = load_with_renames

@@ -1,6 +1,7 @@
 """The counts and deadlines of a config, each checked against its least value, naming the key.
 
-These checks need no process group, so ``train.py`` runs them (:func:`pipeflow.run.config.check_values`)
+These checks need no process group: each section's ``__post_init__`` runs them when
+:func:`pipeflow.run.config.check_values` makes the composed config typed, which ``train.py`` does
 before any rank joins: a ``comm.join_timeout_s=0`` is refused as a bad value, not reported as a
 rank that never arrived.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from omegaconf import OmegaConf
 
 from pipeflow.errors import ConfigError
 
@@ -20,7 +20,7 @@ COUNT_KEYS: tuple[tuple[str, int, bool, str], ...] = (
     ("parallel.tp", 1, False, "ranks per stage; 1: no tensor parallelism"),
     ("parallel.ep", 1, False, "ranks each stage's experts are split over; 1: no expert parallelism"),
     ("pipeline.num_microbatches", 1, False, "micro-batches per step"),
-    ("pipeline.stages_per_rank", 1, True, "model chunks per rank; null: the schedule's own"),
+    ("schedule.stages_per_rank", 1, True, "model chunks per rank; null: the schedule's own"),
     ("train.max_steps", 1, False, "the steps to train"),
     ("train.log_every", 1, False, "steps per log line"),
     ("train.eval_every", 0, False, "0: never evaluate"),
@@ -53,16 +53,17 @@ def check_count(key: str, value: Any, least: int, nullable: bool, note: str) -> 
         raise ConfigError(f"{key}={value} must be {bound} ({note})")
 
 
-def check_counts(cfg: Any) -> None:
-    """Every count of :data:`COUNT_KEYS` that `cfg` has is at least its least value.
+def check_section_counts(section: str, node: Any) -> None:
+    """Every count of :data:`COUNT_KEYS` under `section` (``"train"``, ...) that `node` has is at least
+    its least value (the section's ``__post_init__`` runs this on the typed config).
 
     Raises:
         ConfigError: naming the key, its value, the least value and what the key means.
     """
     for key, least, nullable, note in COUNT_KEYS:
-        value = OmegaConf.select(cfg, key, default=_ABSENT)
-        if value is not _ABSENT:  # a config that predates the key
-            check_count(key, value, least, nullable, note)
+        prefix, _, name = key.rpartition(".")
+        if prefix == section and hasattr(node, name):
+            check_count(key, getattr(node, name), least, nullable, note)
 
 
 def check_layout_counts(parallel: Any) -> None:
@@ -74,7 +75,7 @@ def check_layout_counts(parallel: Any) -> None:
     notes = {key.rpartition(".")[2]: spec for key, *spec in COUNT_KEYS if key.startswith("parallel.")}
     for name in LAYOUT_KEYS:
         least, nullable, note = notes[name]
-        value = getattr(parallel, name, None)
+        value = getattr(parallel, name)
         check_count(f"parallel.{name}", value, least, nullable or name == "tp", note)
 
 
@@ -85,9 +86,7 @@ def check_deadlines(comm: Any) -> None:
         ConfigError: naming the key and its default.
     """
     for key, default in DEADLINE_KEYS:
-        value = getattr(comm, key.rpartition(".")[2], _ABSENT)
-        if value is _ABSENT:  # a config that predates the key
-            continue
+        value = getattr(comm, key.rpartition(".")[2])
         if not (isinstance(value, (int, float)) and value > 0):  # nan and null fail here too
             raise ConfigError(f"{key}={value} must be > 0 seconds (default {default:g})")
         if not math.isfinite(value):

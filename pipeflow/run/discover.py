@@ -7,7 +7,7 @@ one and that holds a complete checkpoint and no live job (:mod:`pipeflow.run.loc
 
 Matching ignores what says how long, how loudly and in which layout to run (:data:`IGNORED_KEYS`,
 :data:`IGNORED_PREFIXES`): the trajectory of training is decided by the model, the data, the
-optimizer, ``train.dtype`` and ``train.precision``, and checkpoints load into any pp x dp
+optimizer, ``train.param_dtype`` and ``train.precision``, and checkpoints load into any pp x dp
 layout, schedule and micro-batch count.  Every ignored key that differs is logged; a changed
 ``train.max_steps`` moves the end of the cosine learning-rate decay.
 """
@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from pipeflow.run import lock
 from pipeflow.run.checkpoint_find import candidates
+from pipeflow.run.saved_config import upgrade_saved
 from pipeflow.run.guard import flatten_config
 
 log = logging.getLogger("pipeflow")
@@ -80,7 +81,8 @@ def find_run(root: str, cfg: Any) -> str | None:
     rejected: list[str] = []
     for run in runs:
         try:
-            saved = flatten_config(OmegaConf.load(os.path.join(run, CONFIG_FILE)))
+            path = os.path.join(run, CONFIG_FILE)
+            saved = flatten_config(upgrade_saved(OmegaConf.load(path), path))  # a run from before a rename
         except Exception as exc:  # noqa: BLE001 - an unreadable old config only disqualifies its run
             rejected.append(f"{run}: config.yaml unreadable ({type(exc).__name__})")
             continue

@@ -33,6 +33,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.errors import ConfigError, PipeflowError
+from pipeflow.run.config_renames import rename_override_text
+from pipeflow.run.saved_config import upgrade_saved
 from pipeflow.runtime.decode import PromptBatch, Sampler, generate, left_padded
 
 log = logging.getLogger("pipeflow")
@@ -55,7 +57,7 @@ generate.<key> (default):
   eos_token_id (null)   an id or list of ids that end a completion (null: the model's)
   tokenizer (null)      a tokenizer folder (null: data.tokenizer, else model.path)
 
-See docs/generate.md."""
+See docs/guides/generate.md."""
 
 
 @dataclasses.dataclass
@@ -155,9 +157,9 @@ def run_config(overrides: Sequence[str]) -> tuple[DictConfig, str | None]:
     saved = config_file(path) if path is not None else ""
     if not os.path.isfile(saved):
         return _composed(overrides), path
-    base = OmegaConf.load(saved)
+    base = upgrade_saved(OmegaConf.load(saved), saved)  # a run from before a rename: today's key names
     OmegaConf.set_struct(base, True)  # a misspelt key is an error, as train.py's overrides are
-    for item in overrides:
+    for item in map(rename_override_text, overrides):  # an old key: warned, under its new name
         key, _, value = item.lstrip("+").partition("=")
         if "." not in key:
             log.warning("%s ignored: the run's saved %s already chooses its %s", item, saved, key)
@@ -312,7 +314,7 @@ def _generate(cfg: DictConfig, path: str | None, options: GenerateOptions, devic
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = build_spec(cfg.model)
     ranges = split(len(spec.layers), world)
-    dtype = getattr(torch, cfg.train.dtype)
+    dtype = getattr(torch, cfg.train.param_dtype)
     built = spec.build_layers(ranges[rank], device, dtype)
     layers = {i: layer.eval() for i, layer in zip(ranges[rank], built)}
     if path is not None:

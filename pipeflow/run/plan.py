@@ -27,13 +27,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeflow.data import build_batches
 from pipeflow.run.compile_phase import compile_options
 from pipeflow.run.config import PlanConfig, register_configs, resolve_layout, tensor_degree
 from pipeflow.run.plan_ep import expert_costs
 from pipeflow.run.plan_tp import search_tp, tp_degrees, tp_link_figures  # noqa: F401 - search_tp: part of the API
+from pipeflow.runtime import hosts
 from pipeflow.runtime.distributed import choose_device
 from pipeflow.runtime.host_link import measure_link
 from pipeflow.runtime.precision import compute_dtype
@@ -45,8 +46,10 @@ from pipeflow.schedules import GENERATORS
 from pipeflow.schedules.offload import HostLink, check_mode
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-_PICK_KEYS = {"schedule", "pipeline.num_microbatches", "pipeline.stages_per_rank", "pipeline.split_points", "parallel.tp",
-              "pipeline.offload"}  # parallel.order stays: a pick's own (when not [dp,pp,tp]) follows it and wins
+# what a pick sets (pipeline.stages_per_rank: that key's old name); parallel.order stays: a pick's
+# own (when not [dp,pp,tp]) follows it and wins
+_PICK_KEYS = {"schedule", "pipeline.num_microbatches", "schedule.stages_per_rank", "pipeline.split_points",
+              "parallel.tp", "pipeline.offload", "pipeline.stages_per_rank"}
 _HELP_FLAGS = ("-h", "--help")
 USAGE = "usage: python -m pipeflow.plan [key=value ...]"
 _SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes",
@@ -87,7 +90,7 @@ def profile_costs(cfg: DictConfig, sizes: Sequence[int], device: torch.device) -
 
     spec = instantiate(cfg.model)
     sample = build_batches(cfg.data, cfg.model).train.get(0)[0]
-    dtype = getattr(torch, cfg.train.dtype)
+    dtype = getattr(torch, cfg.train.param_dtype)
     b_low, b_high = min(sizes), max(sizes)
     amp = compute_dtype(cfg.train.precision)
     compiled = compile_options(cfg)  # train.compile: the layers' compiled costs
@@ -111,15 +114,15 @@ def search_space(cfg: DictConfig, batch_size: int) -> SearchSpace:
         raise ConfigError(f"plan.max_chunks={plan.max_chunks} must be at least 1")
     if plan.rehearse < 0:
         raise ConfigError(f"plan.rehearse={plan.rehearse} must be >= 0 (layouts rehearsed; 0: none)")
-    modes = tuple(check_mode(str(mode)) for mode in OmegaConf.select(cfg, "plan.offload", default=["none"]))
+    modes = tuple(check_mode(str(mode)) for mode in plan.offload_modes)
     if not modes:
-        raise ConfigError("plan.offload=[] tries nothing; use [none], [none,auto] or [none,auto,all]")
-    gbps = OmegaConf.select(cfg, "plan.host_link_gbps", default=None)
+        raise ConfigError("plan.offload_modes=[] tries nothing; use [none], [none,auto] or [none,auto,all]")
+    gbps = plan.host_link_gbps
     if gbps is not None and gbps <= 0:
         raise ConfigError(f"plan.host_link_gbps={gbps} must be > 0 (GB/s each way), or null: measured here")
     link = SearchSpace.host_link if gbps is None else HostLink(gbps * 1e9, gbps * 1e9, SearchSpace.host_link.latency_s)
     return SearchSpace(names, tuple(int(m) for m in counts), tuple(range(1, plan.max_chunks + 1)), plan.splits,
-                       dp=cfg.parallel.dp, shard=OmegaConf.select(cfg, "parallel.shard", default="none"),
+                       dp=cfg.parallel.dp, shard=cfg.parallel.shard,
                        offload=modes, host_link=link)
 
 
@@ -128,7 +131,7 @@ def host_link_for(cfg: DictConfig, space: SearchSpace, device: torch.device) -> 
     measured on `device` as ``train.py`` measures it (null); and a phrase saying which."""
     if space.offload == ("none",):
         return space, ""
-    gbps = OmegaConf.select(cfg, "plan.host_link_gbps", default=None)
+    gbps = cfg.plan.host_link_gbps
     if gbps is not None:
         return space, f"; offload over {gbps:g} GB/s each way (plan.host_link_gbps)"
     measured = measure_link(device)
@@ -148,7 +151,7 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
     Raises:
         ConfigError: ``parallel.pp`` missing or inconsistent, a bad ``plan`` setting.
     """
-    if OmegaConf.select(cfg, "plan.hardware", default=None) is not None:  # a cluster described, not profiled
+    if cfg.plan.hardware is not None:  # a cluster described, not profiled
         from pipeflow.run.cluster_plan import run_cluster_plan
 
         return run_cluster_plan(cfg, overrides)
@@ -189,7 +192,7 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
         tp_note = "" if degrees == [1] else (
             "; tp {} costed over {:g} GB/s + {:g} us per collective (plan.tp_bandwidth_gbps, plan.tp_latency_us)"
             .format(", ".join(map(str, degrees)), *tp_link_figures(cfg)))
-        header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.dtype}{amp}) "
+        header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.param_dtype}{amp}) "
                   f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}{tp_note}{ep_note}{link_note}")
     header += order_note(dp, pp, tp_degrees(cfg), space.hosts)
     if cfg.plan.rehearse > 0 and result.candidates:
@@ -270,19 +273,16 @@ def run_threads(world: int) -> int:
 def runtime_model(cfg: DictConfig, layers: Sequence[LayerProfile], device: torch.device, dp: int, pp: int
                   ) -> tuple[StepModel, float, str]:
     """What the run adds to the layers (`pipeflow.planning.step_model`): the lowering it will
-    interpret (NCCL: group; gloo: recvs posted ahead unless ``comm.recvs_ahead=false``), the
+    interpret (NCCL: group; gloo: recvs posted ahead unless ``comm.post_recvs=at_step``), the
     per-action overhead (``plan.action_overhead_ms``, else measured), the cores its dp x pp ranks
     share on this host (threads per rank: OMP_NUM_THREADS, torchrun's 1 by default), and the
     optimizer's tail on the parameters of a p-th of the model; and a line saying so."""
     from pipeflow.planning.step_model import HostShare, measure_action_overhead_s, measure_optimizer_s
 
-    posting = "group" if device.type == "cuda" else "at_step" if cfg.comm.recvs_ahead is False else "ahead"
+    posting = "group" if device.type == "cuda" else "at_step" if cfg.comm.post_recvs == "at_step" else "ahead"
     set_ms = cfg.plan.action_overhead_ms
     overhead = set_ms / 1e3 if set_ms is not None else measure_action_overhead_s(device)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+    cores = len(hosts.usable_cores())
     threads = run_threads(dp * pp)
     share = HostShare(cores, threads, float(dp), device.type)
     per_rank = sorted((p.params for p in layers), reverse=True)[: max(1, -(-len(layers) // pp))]
@@ -331,7 +331,7 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
     `num_ranks` is the world size the pick is launched with."""
     rehearsed = any(c.rehearsed_s is not None for c in result.candidates)
     tp = any(c.tp > 1 for c in result.candidates + result.over_memory)  # a tp column where tp was searched
-    offload = any(c.offload != "none" for c in result.candidates + result.over_memory)  # likewise plan.offload
+    offload = any(c.offload != "none" for c in result.candidates + result.over_memory)  # likewise plan.offload_modes
     rows = [("#", "schedule", "m", "v", *(("tp",) if tp else ()), *(("offload",) if offload else ()), "step (ms)",
              *(("rehearsed (ms)",) if rehearsed else ()), "bubble", "peak mem/rank (MB)", "overrides")]
     for k, c in enumerate(result.candidates[:top], 1):
@@ -356,7 +356,7 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
         command = " ".join(["train.py", *keep, result.candidates[0].overrides()])
         lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks * result.candidates[0].tp} {command}")
     else:
-        hint = "" if offload else ", or let held activations go to host memory (plan.offload=[none,auto,all])"
+        hint = "" if offload else ", or let held activations go to host memory (plan.offload_modes=[none,auto,all])"
         lines.append(f"no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches){hint}")
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeflow.planning.comm_cost import fit_line
 from pipeflow.planning.ep_links import link_of
@@ -19,7 +19,7 @@ from pipeflow.planning.search import CostModel
 
 def expert_degree(cfg: DictConfig) -> int:
     """``parallel.ep`` (1: no expert parallelism)."""
-    return int(OmegaConf.select(cfg, "parallel.ep", default=1) or 1)
+    return cfg.parallel.ep
 
 
 def planner_link(costs: CostModel, sizes: Sequence[int], latency: Any, device: torch.device) -> ExpertLink:

@@ -1,4 +1,4 @@
-"""The planner's tensor-parallel degrees: which it searches (``plan.tp``), the link their
+"""The planner's tensor-parallel degrees: which it searches (``plan.tp_sizes``), the link their
 collectives are costed over (``plan.tp_bandwidth_gbps``, ``plan.tp_latency_us``), and one search
 per degree on the layers' costs as one tp rank runs them, merged into one ranking."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from pipeflow.errors import ConfigError
 from pipeflow.planning.search import CostModel, PlanResult, search
@@ -14,16 +14,16 @@ from pipeflow.run.config import tensor_degree
 
 
 def tp_degrees(cfg: DictConfig) -> list[int]:
-    """The tensor-parallel degrees the planner searches: ``plan.tp``, else ``parallel.tp``."""
-    degrees = [int(t) for t in (OmegaConf.select(cfg, "plan.tp", default=None) or [tensor_degree(cfg.parallel)])]
+    """The tensor-parallel degrees the planner searches: ``plan.tp_sizes``, else ``parallel.tp``."""
+    degrees = [int(t) for t in (cfg.plan.tp_sizes or [tensor_degree(cfg.parallel)])]
     if any(t < 1 for t in degrees):
-        raise ConfigError(f"plan.tp={degrees}: every degree must be at least 1")
+        raise ConfigError(f"plan.tp_sizes={degrees}: every size must be at least 1")
     return sorted(set(degrees))
 
 
 def tp_link_figures(cfg: DictConfig) -> tuple[float, float]:
     """(GB/s, us) tp's collectives are costed at: the ``plan.tp_*`` keys, else an NVLink-class node's."""
-    gbps, us = cfg.plan.get("tp_bandwidth_gbps"), cfg.plan.get("tp_latency_us")
+    gbps, us = cfg.plan.tp_bandwidth_gbps, cfg.plan.tp_latency_us
     return (150.0 if gbps is None else float(gbps)), (10.0 if us is None else float(us))
 
 
@@ -35,7 +35,7 @@ def search_tp(cfg: DictConfig, costs: CostModel, pp: int, batch: int, space: Any
 
     gbps, us = tp_link_figures(cfg)
     link = TensorLink(gbps * 1e9, us * 1e-6)
-    sp = bool(OmegaConf.select(cfg, "parallel.sequence_parallel", default=False))
+    sp = cfg.parallel.sequence_parallel
     merged = PlanResult()
     for tp in tp_degrees(cfg):
         per_rank = costs if tp == 1 else (lambda b, tp=tp: split_profiles(costs(b), tp, link, sp))

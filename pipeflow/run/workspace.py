@@ -104,8 +104,7 @@ def prepare(cfg: DictConfig) -> Workspace:
     if outcome[1] is not None:
         raise outcome[1]
     try:
-        own_disks = storage.check_shared(run_dir, outcome[0], OmegaConf.select(cfg, "train.checkpoint_storage",
-                                                                               default="shared"))
+        own_disks = storage.check_shared(run_dir, outcome[0], cfg.train.checkpoint_storage)
     except PipeflowError:
         if lock is not None:
             lock.release()  # this job never starts: the run directory is free again

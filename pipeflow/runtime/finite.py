@@ -121,7 +121,7 @@ class FiniteCheck:
             f"training step {step}: non-finite values (NaN or Inf) first appeared in {where}; "
             f"stages with non-finite forward outputs: {forward or 'none'}, with non-finite gradients: "
             f"{backward or 'none'}. Check that stage's layers and inputs, lower optim.lr, keep "
-            f"optim.grad_clip on, or train in train.dtype=float32."
+            f"optim.grad_clip on, or train in train.param_dtype=float32."
         )
 
 
@@ -150,7 +150,7 @@ def non_finite_step_error(
     return NonFiniteError(
         f"training step {step}: {where} hold NaN or Inf, so the run stops here on every rank before the "
         f"optimizer step and before any save: the last checkpoint is from before this step. Lower optim.lr, "
-        f"keep optim.grad_clip on, train in train.dtype=float32, or set train.check_finite=true to name the "
+        f"keep optim.grad_clip on, train in train.param_dtype=float32, or set train.check_finite=true to name the "
         f"stage whose forward output first went non-finite."
     )
 

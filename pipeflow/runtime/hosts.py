@@ -95,6 +95,14 @@ def machine_id() -> str:
     return f"{boot}/net:{net}"
 
 
+def usable_cores() -> set[int]:
+    """The cores this process may run on (its affinity; every core where that is unknown)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return set(range(os.cpu_count() or 1))
+
+
 def host_labels(infos: Sequence[HostInfo]) -> dict[str, str]:
     """What a message calls each machine of `infos` (in order of their first rank): its host name,
     or ``node (machine <boot id>/net:<inode>)`` where several machines share that name."""

@@ -1,5 +1,5 @@
 """When recvs are posted: the lowering option each pass runs (:class:`Posting`), and
-``comm.recvs_ahead=auto``, which on gloo times both ways of posting recvs and keeps the faster.
+``comm.post_recvs=auto``, which on gloo times both ways of posting recvs and keeps the faster.
 
 Posting the next step's recvs before computing lets data land while the rank computes, but
 each early recv-ready message wakes the peer's I/O thread, and with tiny layers that costs more
@@ -85,7 +85,7 @@ class Posting:
     training steps and keeps the faster (:class:`AheadTuner`).  Results never depend on it.
 
     Args:
-        recvs_ahead: True, False or ``"auto"`` (``comm.recvs_ahead``; gloo only).
+        recvs_ahead: True, False or ``"auto"`` (``comm.post_recvs``: ahead, at_step, auto; gloo only).
         lowering: a fixed lowering option instead, e.g. ``"rendezvous"`` (strict: every op of a
             step completes before its action) for debugging and before/after benchmarks.
         tuner: auto's tuner (default: 10 trials per setting after 2 untimed steps).
@@ -153,5 +153,5 @@ class Posting:
         self._noted = True
         ahead_ms, at_step_ms = (1e3 * t for t in self.tuner.medians)
         where = "a step ahead" if self.tuner.choice else "at their step"
-        return (f"comm.recvs_ahead=auto: recvs posted {where} (median step {ahead_ms:.2f} ms a step ahead, "
+        return (f"comm.post_recvs=auto: recvs posted {where} (median step {ahead_ms:.2f} ms a step ahead, "
                 f"{at_step_ms:.2f} ms at their step, slowest rank)")

@@ -1,6 +1,6 @@
 """Mixed precision (``train.precision=fp32|bf16|fp16``): autocast dtype and the fp16 loss scaler.
 
-Parameters and optimizer state stay in ``train.dtype`` (the fp32 master weights); each stage's
+Parameters and optimizer state stay in ``train.param_dtype`` (the fp32 master weights); each stage's
 forward runs under ``torch.autocast`` in the compute dtype, and what a stage sends to the next
 (activations) and back (their gradients) is cast to the compute dtype, so half as many bytes
 travel.  fp16 needs a loss scale: the loss sent backward is multiplied by it, gradients are

@@ -10,9 +10,9 @@ cannot interleave with them).  Three modes:
 
 - ``static``: learned at the first pass, for one micro-batch (all alike); a later change is an
   error that names both stages.
-- ``dynamic`` (``comm.dynamic_shapes``): relearned whenever stage 0's input signature changes
+- ``per_step`` (``comm.shapes=per_step``): relearned whenever stage 0's input signature changes
   between passes (one small broadcast per pass says whether it did); micro-batches of a pass alike.
-- ``per_microbatch`` (``comm.variable_shapes``): every pass, the metadata of each of its
+- ``per_microbatch`` (``comm.shapes=per_microbatch``): every pass, the metadata of each of its
   micro-batches flows down the stages (one message of ``m x META_LEN`` int64 per stage boundary);
   micro-batches may differ in every dimension.
 """
@@ -28,7 +28,7 @@ from pipeflow.runtime.stage import Stage, Tensors
 from pipeflow.runtime.transport import META_LEN, P2PComm, TensorMeta, encode_metas
 from pipeflow.schedules import PipelineSchedule
 
-SHAPE_MODES = ("static", "dynamic", "per_microbatch")
+SHAPE_MODES = ("static", "per_step", "per_microbatch")  # the words of comm.shapes
 Metas = tuple[TensorMeta, ...]
 
 
@@ -60,7 +60,7 @@ class ShapePlan:
         """Learn the metadata for a pass of `count` micro-batches (collective over the pipeline)."""
         if self.mode == "per_microbatch":
             self._learn(inputs, count)
-        elif not self.edges or (self.mode == "dynamic" and self._input_changed(inputs)):
+        elif not self.edges or (self.mode == "per_step" and self._input_changed(inputs)):
             self._learn(inputs, 1)
 
     def metas(self, edge: int, i: int) -> Metas:
@@ -87,8 +87,8 @@ class ShapePlan:
                    "function of its input shapes")
         else:
             how = ("as negotiated at the first step. Keep every batch the same shape (e.g. drop the last partial "
-                   "batch), set comm.dynamic_shapes=true to renegotiate shapes when the input shape changes, or "
-                   "comm.variable_shapes=true for micro-batches that differ in shape")
+                   "batch), set comm.shapes=per_step to renegotiate shapes when the input shape changes, or "
+                   "comm.shapes=per_microbatch for micro-batches that differ in shape")
         raise ShapeMismatchError(
             f"stage {s} (rank {self.rank}) produced outputs {[str(a) for a in actual]} for micro-batch {i}, but "
             f"stage {s + 1} (rank {self._owner(s + 1)}) expects {[str(e) for e in expected]} {how}."

@@ -57,7 +57,7 @@ def build_schedule(
             looped_bfs).
         placement: ``loop`` or ``v``; None picks the schedule's own.
         path: the schedule file for ``custom`` (see :func:`load_schedule`).
-        stage_to_rank: an explicit placement (``pipeline.stage_to_rank``); it must rename the
+        stage_to_rank: an explicit placement (``schedule.stage_to_rank``); it must rename the
             schedule's own ranks (:func:`relabel_ranks`).
 
     Raises:
@@ -91,7 +91,7 @@ def _generate(
         return entry.generator(num_ranks, num_microbatches, count)
     if stages_per_rank is not None and stages_per_rank != needed:
         raise ScheduleError(
-            f"schedule {name!r} needs pipeline.stages_per_rank={needed} "
+            f"schedule {name!r} needs schedule.stages_per_rank={needed} "
             f"({placements[0]} placement), got {stages_per_rank}"
         )
     return entry.generator(num_ranks, num_microbatches)
@@ -100,10 +100,10 @@ def _generate(
 def _check_placement(name: str, placement: str, usable: tuple[str, ...]) -> None:
     if placement not in PLACEMENTS:
         valid = ", ".join(PLACEMENTS)
-        raise ScheduleError(f"unknown placement {placement!r}; valid: {valid} (pipeline.placement)")
+        raise ScheduleError(f"unknown placement {placement!r}; valid: {valid} (schedule.placement)")
     if placement not in usable:
         raise ScheduleError(
-            f"schedule {name!r} cannot use pipeline.placement={placement}; "
+            f"schedule {name!r} cannot use schedule.placement={placement}; "
             f"it needs: {', '.join(usable)}"
         )
 
@@ -123,7 +123,7 @@ def _custom(
         "pipeline.num_microbatches": (num_microbatches, schedule.num_microbatches),
     }
     if stages_per_rank is not None:
-        found["pipeline.stages_per_rank"] = (stages_per_rank, schedule.num_stages / schedule.num_ranks)
+        found["schedule.stages_per_rank"] = (stages_per_rank, schedule.num_stages / schedule.num_ranks)
     for key, (asked, got) in found.items():
         if asked != got:
             raise ScheduleError(f"custom schedule {path} has {key}={got:g}, but {asked} was asked")
@@ -133,7 +133,7 @@ def _custom(
         if expected != schedule.stage_to_rank:
             raise ScheduleError(
                 f"custom schedule {path} places stages on ranks {list(schedule.stage_to_rank)}, "
-                f"not by pipeline.placement={placement} ({list(expected)})"
+                f"not by schedule.placement={placement} ({list(expected)})"
             )
     return schedule
 

@@ -138,7 +138,8 @@ def synthesize(
     if len(costs.forward) != p * v or len(costs.backward) != p * v or len(costs.weight) != p * v:
         raise ScheduleError(f"auto: costs for {len(costs.forward)} stages, but {p} ranks x {v} stages per rank = {p * v}")
     if limit < 1:
-        raise ScheduleError(f"auto: pipeline.max_activations={limit:g} is below one micro-batch of a rank's share; use >= 1")
+        raise ScheduleError(f"auto: schedule.max_inflight_microbatches={limit:g} is below one micro-batch of a "
+                            "rank's share; use >= 1")
     placements = _placements(p, v, placement)
     every_builtin = _builtins(p, m, v, placements)
     # what may hold more than the limit before offloading: offloading decides whether it fits
@@ -160,7 +161,7 @@ def synthesize(
     best_builtin = min(builtins, key=_rank, default=None)
     if not found and not builtins:
         raise ScheduleError(f"auto: no schedule holds at most {limit:g} micro-batches of a rank's share; raise "
-                            "pipeline.max_activations")
+                            "schedule.max_inflight_microbatches")
     chosen = min(found + builtins, key=_rank)
     named = PipelineSchedule(AUTO, p, p * v, m, chosen.schedule.stage_to_rank, chosen.schedule.actions)
     return Synthesis(Candidate(chosen.label, named, chosen.makespan, chosen.bubble, chosen.peak), best_builtin)
@@ -177,7 +178,7 @@ def _placements(p: int, v: int, placement: str | None) -> dict[str, tuple[int, .
     if placement is None:
         return usable
     if placement not in usable:
-        raise ScheduleError(f"auto cannot use pipeline.placement={placement} with {v} stages per rank; "
+        raise ScheduleError(f"auto cannot use schedule.placement={placement} with {v} stages per rank; "
                             f"usable: {', '.join(usable)}")
     return {placement: usable[placement]}
 

@@ -61,14 +61,8 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     """
     _check(num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
-    actions = []
-    for r in range(p):
-        warmup = min(p - r - 1, m)
-        acts = [Action(FORWARD, i, r) for i in range(warmup)]
-        for i in range(m - warmup):
-            acts += [Action(FORWARD, warmup + i, r), Action(BACKWARD, i, r)]
-        acts += [Action(BACKWARD, i, r) for i in range(m - warmup, m)]
-        actions.append(acts)
+    actions = [one_f_one_b_order([Action(FORWARD, i, r) for i in range(m)], [Action(BACKWARD, i, r) for i in range(m)],
+                                 warmup=min(p - r - 1, m)) for r in range(p)]
     return PipelineSchedule("1f1b", p, p, m, loop_placement(p), actions)
 
 
@@ -91,7 +85,7 @@ def forward_only(
 def _check_chunks(name: str, stages_per_rank: int) -> None:
     if stages_per_rank < 1:
         raise ScheduleError(
-            f"{name} needs at least 1 stage per rank, got pipeline.stages_per_rank={stages_per_rank}"
+            f"{name} needs at least 1 stage per rank, got schedule.stages_per_rank={stages_per_rank}"
         )
 
 
@@ -161,7 +155,7 @@ def looped_bfs(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) 
 def relabel_ranks(schedule: PipelineSchedule, stage_to_rank: tuple[int, ...] | list[int]) -> PipelineSchedule:
     """The same schedule with its ranks renamed so that stage s lives on ``stage_to_rank[s]``.
 
-    An explicit placement (``pipeline.stage_to_rank``, e.g. to keep neighbouring stages on one
+    An explicit placement (``schedule.stage_to_rank``, e.g. to keep neighbouring stages on one
     node) is usable by a schedule exactly when it renames the schedule's own ranks: every rank
     of the schedule's placement maps to one distinct pipeline rank.  Timing, memory and the
     deadlock-freedom proof are unchanged by a renaming; only which process runs what changes.
@@ -175,16 +169,16 @@ def relabel_ranks(schedule: PipelineSchedule, stage_to_rank: tuple[int, ...] | l
     own = list(schedule.stage_to_rank)
     if len(mapping) != S:
         raise ScheduleError(
-            f"pipeline.stage_to_rank has {len(mapping)} entries but schedule {schedule.name!r} has "
+            f"schedule.stage_to_rank has {len(mapping)} entries but schedule {schedule.name!r} has "
             f"{S} stages ({p} ranks x {S // p} per rank); give one rank per stage"
         )
     if any(not 0 <= r < p for r in mapping):
-        raise ScheduleError(f"pipeline.stage_to_rank={list(mapping)} names ranks outside 0..{p - 1}")
+        raise ScheduleError(f"schedule.stage_to_rank={list(mapping)} names ranks outside 0..{p - 1}")
     rename: dict[int, int] = {}
     consistent = all(rename.setdefault(old, new) == new for old, new in zip(own, mapping))
     if not consistent or len(set(rename.values())) != p:
         raise ScheduleError(
-            f"pipeline.stage_to_rank={list(mapping)} does not fit schedule {schedule.name!r}: it needs "
+            f"schedule.stage_to_rank={list(mapping)} does not fit schedule {schedule.name!r}: it needs "
             f"stages grouped on ranks as {own} (stages sharing a rank there must share one here), "
             f"with every rank used once; e.g. {[(r + 1) % p for r in own]} renames rank r to r+1"
         )

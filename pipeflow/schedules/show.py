@@ -6,7 +6,7 @@ lists the keys)::
     python -m pipeflow.schedules.show schedule=zbv pipeline.num_stages=4 \\
         pipeline.num_microbatches=8 --out zbv.png
     python -m pipeflow.schedules.show schedule=interleaved_1f1b parallel.pp=4 \\
-        pipeline.stages_per_rank=2 costs.F=1 costs.B=2 costs.W=1
+        schedule.stages_per_rank=2 costs.F=1 costs.B=2 costs.W=1
     python -m pipeflow.schedules.show schedule=custom schedule.path=my_schedule.txt
     python -m pipeflow.schedules.show schedule=zbv parallel.shard=full costs.shard=0.5
     python -m pipeflow.schedules.show schedule=gpipe parallel.pp=1 pipeline.offload=auto costs.copy=0.5
@@ -42,7 +42,9 @@ _KEYS = {
     "pipeline.num_stages": "ranks",
     "parallel.pp": "ranks",
     "pipeline.num_microbatches": "microbatches",
-    "pipeline.stages_per_rank": "stages_per_rank",
+    "schedule.stages_per_rank": "stages_per_rank",
+    "schedule.placement": "placement",
+    "pipeline.stages_per_rank": "stages_per_rank",  # the old names (docs/reference/renames.md)
     "pipeline.placement": "placement",
     "costs.F": "F",
     "costs.B": "B",
