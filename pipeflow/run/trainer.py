@@ -1,18 +1,17 @@
-"""The training loop: lr schedule, global grad-norm clipping, the optimizer step, evaluation, logging.
+"""The training loop: steps, evaluations, checkpoints at their steps, preemption, logging.
 
 How a step is scheduled is the Pipeline's business and how the run is put together the
 builder's (:func:`pipeflow.run.builder.build_run`); the Trainer splits batches into
-micro-batches, hands them over, then finishes the step (clip, optimizer, log) on every rank.
+micro-batches (:mod:`pipeflow.run.microbatch_split`), hands them over, then finishes the step
+(:mod:`pipeflow.run.step_update`: reductions, clip, optimizer) on every rank, and saves and
+resumes through :mod:`pipeflow.run.train_state`.
 
-A steady step never makes the host wait for the device.  The global grad norm, the clip
-coefficient and the finite check stay on the device (one all-reduce carries the norm, the loss,
-per-stage non-finite flags, the preemption flag and rank 0's run-directory-lost flag); with
-fused AdamW a non-finite step is skipped *on the device* (its ``found_inf``), and step t's loss
-and norm are read back one step late, while step t + 1 is already queued: an event wait, not a
-device drain.  A non-finite step
-is raised there, named as before, before the next optimizer step and before any checkpoint.
-Without fused AdamW (ZeRO, ``optim.fused=false``) or with the fp16 loss scaler (whose next
-scale depends on this step's overflow) the values are read back in the step, before the update.
+A steady step never makes the host wait for the device: with fused AdamW a non-finite step is
+skipped *on the device*, and step t's loss and norm are read back one step late, while step
+t + 1 is already queued: an event wait, not a device drain.  A non-finite step is raised there,
+named as before, before the next optimizer step and before any checkpoint.  Without fused AdamW
+(ZeRO, ``optim.fused=false``) or with the fp16 loss scaler (whose next scale depends on this
+step's overflow) the values are read back in the step, before the update.
 """
 from __future__ import annotations
 
@@ -24,67 +23,39 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from pipeflow.data import (Batches, loss_counts, microbatch_counts, microbatch_inputs, microbatch_targets,
-                           sequence_lengths, shard)
-from pipeflow.errors import AllTargetsMaskedError, NonFiniteError
+from pipeflow.data import Batches
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics, perplexity
 from pipeflow.planning.layout import Layout, describe_layout
-from pipeflow.run import checkpoint, lora_base, storage
 from pipeflow.run.compile_phase import CompilePhase
 from pipeflow.run.faults import FaultInjector
-from pipeflow.run.readback import PendingStep, StepValues, packet_on_host
+from pipeflow.run.microbatch_split import MicroBatches, MicroBatchSplit
+from pipeflow.run.evaluation import held_out_loss, reached_a_rank
+from pipeflow.run.readback import PendingStep, StepValues
+from pipeflow.run.run_log import compile_line, end_line, start_lines
 from pipeflow.run.signals import catch_signals, clear_preemption, record_preemption, signal_names, signal_numbers
+from pipeflow.run.step_update import StepUpdate, clip_grad_norm_global, lr_at, unique_parameters
+from pipeflow.run.train_state import TrainState
 from pipeflow.run.workspace import Workspace
 from pipeflow.runtime import distributed, failures
-from pipeflow.runtime import finite as nonfinite
+from pipeflow.runtime.clip import clip_on_device
 from pipeflow.runtime.finite import FiniteCheck
-from pipeflow.runtime.clip import clip_on_device, grad_norms
-from pipeflow.runtime.fsdp import local
 from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, Mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.precision import LossScaler
 from pipeflow.runtime.routing import RoutingSync
-from pipeflow.runtime.stage import Stage, Tensors, layers_by_index
+from pipeflow.runtime.stage import Stage
 from pipeflow.runtime.tied import TiedWeights
 from pipeflow.runtime.transport import Deadlines
 from pipeflow.schedules import PipelineSchedule
 
+__all__ = ["Trainer", "clip_grad_norm_global", "clip_on_device", "lr_at", "unique_parameters"]
+
 log = logging.getLogger("pipeflow")
-
-
-def lr_at(step: int, cfg: Any, max_steps: int) -> float:
-    """Linear warm-up to optim.lr, then cosine decay to optim.min_lr at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)
-    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def unique_parameters(groups: Any) -> list[torch.nn.Parameter]:
-    """The parameters of several modules' lists, each once (tied copies on one rank are shared)."""
-    seen: dict[int, torch.nn.Parameter] = {}
-    for params in groups:
-        for p in params:
-            seen.setdefault(id(p), p)
-    return list(seen.values())
-
-
-def clip_grad_norm_global(
-    params: list[torch.nn.Parameter], max_norm: float, group: Any, extra: torch.Tensor, skip: set[int] = frozenset(),
-    replicas: int = 1,
-) -> tuple[float, torch.Tensor]:
-    """:func:`clip_on_device`, with the norm read back to the host (a sync on a GPU: for tests and tools).
-
-    Returns:
-        (total norm before clipping, the all-reduced `extra`).
-    """
-    total, reduced = clip_on_device(params, max_norm, group, extra, skip, replicas)
-    return float(total), reduced
 
 
 @dataclass
@@ -167,111 +138,67 @@ class Trainer:
     @property
     def checkpoint_storage(self) -> str:
         """``train.checkpoint_storage``: ``shared`` (one folder every rank sees) or ``local``."""
-        return str(OmegaConf.select(self.cfg, "train.checkpoint_storage", default="shared"))
+        return self.cfg.train.checkpoint_storage
+
+    @property
+    def state(self) -> TrainState:
+        """What this rank saves and resumes (:class:`~pipeflow.run.train_state.TrainState`)."""
+        job = self.workspace.token if self.workspace is not None else ""
+        return TrainState(self.cfg, self.mesh, self.stages, self.ranges, self.schedule.num_stages, self.optimizer,
+                          self.scaler, lora=self.spec.lora is not None, root=self.checkpoint_root,
+                          storage=self.checkpoint_storage, job=job)
 
     def save_checkpoint(self, step: int) -> str:
-        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.checkpoint).
+        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.run.checkpoint).
 
         Raises:
             NonFiniteError: a weight holds NaN or Inf (nothing is written; ``latest`` stays).
         """
-        flags = nonfinite.param_flags(self.stages, self.schedule.num_stages, self.device)
-        dist.all_reduce(flags)
-        bad = [s for s, flag in enumerate(flags.tolist()) if flag > 0]
-        if bad:
-            raise NonFiniteError(
-                f"checkpoint of step {step} not written: the weights of stage(s) {bad} hold NaN or Inf after the "
-                f"optimizer step (optim.lr={self.cfg.optim.lr} too large?); latest still names the last good checkpoint"
-            )
-        meta = {"dp": self.dp, "pp": self.mesh.pp, "tp": self.mesh.tp, "order": list(self.mesh.grid.order),
-                "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
-        layers = layers_by_index(self.stages, self.ranges)
-        if self.spec.lora is not None:  # the adapters only; the frozen base named, not copied
-            meta[lora_base.LORA_BASE], layers = lora_base.record(self.cfg.model), lora_base.trainable(layers)
-        job = self.workspace.token if self.workspace is not None else ""
-        path = checkpoint.save(self.checkpoint_root, step, layers, self.optimizer, meta, job=job,
-                               storage=self.checkpoint_storage)
+        path = self.state.save(step, self.device)
         self._saved = (step, path)
         return path
 
     def resume(self) -> int:
-        """Load the checkpoint ``train.resume`` names, if any; returns the step to start from.
-
-        Every candidate is verified first (digests).  With ``auto`` a damaged checkpoint is
-        skipped, with a warning naming the bad file, for the previous good one.
+        """Load the checkpoint ``train.resume`` names, if any (:meth:`TrainState.resume`); returns
+        the step to start from.
 
         Raises:
             CheckpointError: an explicitly named checkpoint is damaged (naming the file).
         """
-        choose = storage.choose_local if self.checkpoint_storage == "local" else checkpoint.choose
-        path = choose(self.cfg.train.resume, self.checkpoint_root)
-        if path is None:
+        resumed = self.state.resume(announce=self.is_main)
+        if resumed is None:
             return 0
-        layers = layers_by_index(self.stages, self.ranges)
-        if self.spec.lora is not None:  # its adapters, over the base it names
-            layers = lora_base.trainable(layers)
-        meta = checkpoint.load(path, layers, self.optimizer, self.checkpoint_storage, grid=self.mesh.grid)
-        if lora_base.LORA_BASE in meta:
-            lora_base.check(meta[lora_base.LORA_BASE], self.cfg.model, path)
-        self.scaler.load_state_dict(meta["scaler"])
-        if self.is_main:
-            log.info("resumed from checkpoint %s at step %d (saved with %s)", path, meta["step"],
-                     checkpoint.saved_layout(meta))
-        self._saved = (int(meta["step"]), path)
-        return int(meta["step"])
+        self._saved = resumed
+        return resumed[0]
 
     def describe(self) -> str:
         """The schedule, its predicted bubble and the partition table (see pipeflow.planning.layout)."""
         return describe_layout(self.layout, self.spec, self.schedule)
 
-    def _microbatches(
-        self, source: Any, step: int
-    ) -> tuple[list[Tensors] | None, list[torch.Tensor] | None, list[float] | None, int]:
-        """This dp rank's micro-batches of batch `step`: the inputs on stage 0's rank, the targets
-        and each micro-batch's loss weight on the last stage's (None elsewhere), and the targets
-        the loss counts in the global batch (0 on ranks that hold neither end).
-
-        A micro-batch's weight is dp x the targets its loss counts (``ModelSpec.loss_count``:
-        tokens or rows, less masked ones) over the global batch's, so that summed over
-        micro-batches and averaged over replicas, loss and gradients are the global batch's mean
-        over its counted targets however the micro-batches differ in size or masking.  Every rank
-        holds the global batch, so the global count needs no collective; counts are taken on the
-        host batch.  An all-masked micro-batch weighs 0 (its stage skips its loss).
+    def _microbatches(self, source: Any, step: int) -> MicroBatches:
+        """This dp rank's micro-batches of batch `step` of `source` (:class:`MicroBatchSplit`).
 
         Raises:
             AllTargetsMaskedError: a training batch whose every target is masked.
         """
-        first, last = 0 in self.stages, self.schedule.num_stages - 1 in self.stages
-        weighs = last or self.routing is not None  # an MoE layer's aux loss weighs as its micro-batch's loss
-        if not (first or weighs):
-            return None, None, None, 0
-        batch = source.get(step)
-        total = loss_counts(batch[1], self.spec.loss_count)  # the global batch's, on the host
-        if total == 0 and source is self.batches.train:
-            raise AllTargetsMaskedError(
-                f"training batch {step}: every target is masked (the loss's ignore_index, -100), so the step has "
-                f"nothing to learn from (seen on rank {dist.get_rank()}, which holds the batch); check the data's "
-                f"masks (data=chat: does the chat template mark assistant turns?)")
-        x, y = shard(batch, self.mesh.dp_rank, self.dp)
-        m = self.schedule.num_microbatches
-        inputs = targets = weights = None
-        if first:
-            inputs = microbatch_inputs(x, m, self.device, getattr(torch, self.cfg.train.dtype))
-        if weighs:
-            counts = microbatch_counts(y, m, self.spec.loss_count)  # before the batch moves to the device
-            weights = [self.dp * c / total if total else 0.0 for c in counts]
-        if last:
-            targets = microbatch_targets(y, m, self.device)
-        return inputs, targets, weights, total
+        split = MicroBatchSplit(
+            holds_first=0 in self.stages, holds_last=self.schedule.num_stages - 1 in self.stages,
+            weighs=self.schedule.num_stages - 1 in self.stages or self.routing is not None, dp_rank=self.mesh.dp_rank,
+            dp=self.dp, microbatches=self.schedule.num_microbatches, device=self.device,
+            dtype=getattr(torch, self.cfg.train.param_dtype), loss_count=self.spec.loss_count)
+        return split.split(source, step, training=source is self.batches.train)
+
+    @property
+    def update(self) -> StepUpdate:
+        """The parts a step's update touches (:class:`~pipeflow.run.step_update.StepUpdate`)."""
+        return StepUpdate(self.device, self.schedule, self.stages, self.params, self.optimizer,
+                          self.cfg.optim.grad_clip, self.tied, self.reducer, self.scaler, self.finite, self.routing,
+                          self.workspace, self.pipelines)
 
     @property
     def defers_readback(self) -> bool:
-        """True when a step's loss and norm may be read back a step late: the optimizer skips a
-        non-finite update on the device (fused AdamW's ``found_inf``) and no fp16 loss scale
-        depends on this step's overflow."""
-        opt = self.optimizer
-        return (isinstance(opt, torch.optim.Adam | torch.optim.AdamW) and bool(opt.defaults.get("fused"))
-                and not self.scaler.enabled)
+        """True when a step's loss and norm may be read back a step late (:attr:`StepUpdate.defers_readback`)."""
+        return self.update.defers_readback
 
     def forward_backward(self, step: int, memory: MemoryAccountant | None = None) -> tuple[float, float]:
         """Gradients of batch `step`, reduced over ties and dp, unscaled and clipped, left in
@@ -294,92 +221,20 @@ class Trainer:
         packet of figures copied towards the host without waiting (see :class:`PendingStep`)."""
         inputs, targets, weights, _ = self._microbatches(self.batches.train, step)
         loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights, memory=memory)
-        zero = torch.zeros(1, device=self.device, dtype=torch.float64)
-        own_loss = zero if loss is None else loss.detach().double().reshape(1) / self.pipelines
-        preempt = zero + (1.0 if self._signalled else 0.0)
-        # rank 0's lock watch found the run directory gone or taken: every rank stops at this step
-        lost = zero + (1.0 if self.workspace is not None and self.workspace.lost else 0.0)
-        # train.check_finite's flags: before the dp and tie sums, which would spread a NaN to other stages
-        checked = [self.finite.local_flags().to(torch.float64)] if self.finite is not None else []
-        if self.reducer is not None:  # before the tie sums: it writes back what it snapshotted
-            self.reducer.finish()
-        self.tied.reduce_grads()
-        self.scaler.unscale_(self.params)
-        with_grad = [p for p in self.params if p.grad is not None]
-        norms = grad_norms([local(p.grad) for p in with_grad])
-        routing = [self.routing.packet(self.device)] if self.routing is not None else []
-        extra = torch.cat([own_loss, preempt, lost, self._stage_flags(with_grad, norms), *checked, *routing])
-        norm, reduced = clip_on_device(self.params, self.cfg.optim.grad_clip, None, extra, self.tied.duplicates(),
-                                       replicas=self.pipelines, norms=norms,
-                                       split=self.routing.split if self.routing is not None else None)
-        if self.routing is not None:  # the step's summed tokens per expert move the routers' biases, on the device
-            self.routing.balance(reduced[-self.routing.size:])
-        return packet_on_host(step, lr, torch.cat([norm.reshape(1), reduced]))
-
-    def _stage_flags(self, with_grad: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:
-        """S flags, 1 where one of this rank's stages has a non-finite gradient norm (`norms`, taken
-        after the dp and tie sums): summed over the world in the step's all-reduce they name the
-        stages, with no collective of their own."""
-        S = self.schedule.num_stages
-        norm_of = {id(p): n for p, n in zip(with_grad, norms)}
-        flags = [torch.zeros((), device=self.device, dtype=torch.float64)] * S
-        for s, stage in self.stages.items():
-            mine = [norm_of[id(p)] for p in stage.parameters() if id(p) in norm_of]
-            if mine:
-                flags[s] = (~torch.isfinite(torch.stack(mine).double().sum())).double()
-        return torch.stack(flags)
+        return self.update.reduce(step, lr, loss, preempt=bool(self._signalled))
 
     def finish(self, pending: PendingStep) -> StepValues:
-        """Read step `pending.step`'s packet back (waiting for its copy only) and judge it: a
-        non-finite loss or norm that is not an fp16 overflow raises, naming the stages.
+        """Read step `pending.step`'s packet back and judge it (:meth:`StepUpdate.judge`).
 
         Raises:
             NonFiniteError: NaN/Inf that the loss scaler does not explain.
-            RunDirLostError: rank 0's lock watch found the run directory or its lock gone or taken
-                (:mod:`pipeflow.run.lock`); every rank raises it at this step.
+            RunDirLostError: rank 0's lock watch found the run directory or its lock gone or taken.
         """
-        values, routing = pending.values(), None
-        if self.routing is not None:  # the packet's tail: the routers' statistics (the loss gains their aux loss)
-            values, routing = values[:-self.routing.size], self.routing.figures(values[-self.routing.size:], self.pipelines)
-            values[1] += routing.aux
-        S = self.schedule.num_stages
-        norm, loss, preempt = values[0], values[1], values[2] > 0
-        if values[3] > 0 and self.workspace is not None:
-            raise self.workspace.lost_error(pending.step)
-        grad_stages, checked = values[4:4 + S], values[4 + S:]
-        # a non-finite step whose input batch holds NaN/Inf is named by its batch, not blamed on optim.lr
-        with nonfinite.inputs_blamed(pending.step, lambda: self._microbatches(self.batches.train, pending.step)[0],
-                                     self.schedule.num_microbatches, self.device):
-            if self.finite is not None:
-                self.finite.raise_if_non_finite(checked, pending.step, self.schedule.stage_to_rank, self.scaler)
-            loss_finite = math.isfinite(loss)
-            # a non-finite norm with a finite loss under fp16 is the loss scaler's overflow to skip
-            if not loss_finite or (not math.isfinite(norm) and not self.scaler.enabled):
-                stages = [s for s, flag in enumerate(grad_stages) if flag > 0]
-                raise nonfinite.non_finite_step_error(pending.step, loss_finite, stages, self.schedule.stage_to_rank)
-        return StepValues(loss, norm, preempt, overflow=self.scaler.enabled and not math.isfinite(norm), routing=routing)
+        return self.update.judge(pending, lambda: self._microbatches(self.batches.train, pending.step).inputs)
 
     def apply(self, pending: PendingStep, values: StepValues | None) -> None:
-        """The optimizer step of `pending` (skipped on an fp16 overflow); :meth:`_end` releases the gradients.
-
-        `values` None: the step is not read back yet (:attr:`defers_readback`): fused AdamW is
-        told on the device whether the norm was finite (``found_inf``) and skips the update if not.
-        """
-        if values is None:
-            self.optimizer.found_inf = (~torch.isfinite(pending.reduced[0])).float()  # type: ignore[attr-defined]
-            self.optimizer.step()
-        else:
-            if hasattr(self.optimizer, "found_inf"):
-                del self.optimizer.found_inf  # type: ignore[attr-defined]
-            scale, at_floor = self.scaler.scale, self.scaler.at_minimum
-            if not values.overflow:
-                self.optimizer.step()
-            self.scaler.update(values.overflow)
-            if values.overflow and self.is_main:
-                floor = (" - the scale is at its minimum, so a lower one cannot cure this: look for NaN/Inf in the "
-                         "model, or use train.precision=bf16 (train.check_finite=true stops here)") if at_floor else ""
-                log.warning("step %d: inf/nan gradients (fp16 overflow); step skipped, loss scale %.0f -> %.0f%s",
-                            pending.step, scale, self.scaler.scale, floor)
+        """The optimizer step of `pending` (:meth:`StepUpdate.apply`); :meth:`_end` releases the gradients."""
+        self.update.apply(pending, values, announce=self.is_main)
 
     def _begin(self, step: int) -> tuple[float, MemoryAccountant | None]:
         """Set step `step`'s learning rate and fault drill; returns (lr, the memory accountant
@@ -448,37 +303,16 @@ class Trainer:
         return None, done + [(pending, values)]
 
     def evaluate(self) -> float | None:
-        """Mean loss over ``train.eval_batches`` held-out batches (forward only), each target the
-        loss counts weighing alike (a batch weighs by its count; an all-masked one by nothing).
+        """Mean loss over ``train.eval_batches`` held-out batches (:func:`~pipeflow.run.evaluation.held_out_loss`).
 
         Returns:
             The loss, or None when a ``train.save_on_signal`` signal reached some rank during it:
             after each batch every rank learns that from one small all-reduce, so all of them
             leave the evaluation at the same batch and the job saves within the launcher's grace.
         """
-        total = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss x count, count)
-        for k in range(self.cfg.train.eval_batches):
-            inputs, targets, weights, count = self._microbatches(self.batches.val, k)
-            with failures.context("evaluation"):
-                loss = self.pipeline.eval(inputs, targets, loss_weights=weights)
-            if loss is not None:
-                total += torch.cat([loss.double().reshape(1) * count, total.new_tensor([count])])
-            if self._watching_signals and self._signal_reached_a_rank():
-                return None
-        dist.all_reduce(total)  # the last stage of every pipeline holds its dp shard's share of the mean
-        loss_sum, count = total.tolist()  # each pipeline's last stage added the count: pipelines x it
-        if count == 0:
-            raise AllTargetsMaskedError(f"evaluation: every target of the {self.cfg.train.eval_batches} held-out "
-                                        f"batches (train.eval_batches) is masked; check the data's masks")
-        return loss_sum / count
-
-    def _signal_reached_a_rank(self) -> bool:
-        """True on every rank when a ``train.save_on_signal`` signal reached any rank (one all-reduce
-        and a read-back: for phases between steps, which wait for the host anyway)."""
-        flag = torch.tensor([1.0 if self._signalled else 0.0], device=self.device)
-        with failures.context("the preemption check between evaluation batches"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        stop = (lambda: reached_a_rank(bool(self._signalled), self.device)) if self._watching_signals else None
+        return held_out_loss(self.pipeline, lambda k: self._microbatches(self.batches.val, k),
+                             self.cfg.train.eval_batches, self.device, stop)
 
     def close(self) -> None:
         """Stop what runs beside the loop (the P2P watchdog's thread, joined) and release the run
@@ -596,20 +430,9 @@ class Trainer:
         stopped the run early (train.py then exits with :data:`pipeflow.run.signals.PREEMPTED_EXIT_CODE`)."""
         cfg = self.cfg.train
         if self.is_main:
-            log.info(self.describe())
-            log.info("run directory: %s", self.run_dir)
-            tp = f", sequence parallel={self.cfg.parallel.sequence_parallel}" if self.mesh.tp > 1 else ""
-            ep = int(OmegaConf.select(self.cfg, "parallel.ep", default=1) or 1)
-            tp += f", experts split over ep={ep} dp ranks (all_to_all)" if ep > 1 else ""
-            log.info("mesh: %s, shard=%s%s, precision=%s, activation checkpointing=%s", self.mesh.describe(),
-                     self.cfg.parallel.shard, tp, self.cfg.train.precision, self.cfg.pipeline.checkpoint_activations)
-            log.info("%s%s", self.mesh.grid.describe(), self.mesh.order_reason)
-            if self.compiled is not None:
-                log.info(self.compiled.describe())
-            lengths = sequence_lengths(self.cfg.data)
-            if lengths is not None or self.pipeline.shapes.mode == "per_microbatch":
-                drawn = f"; sequence lengths drawn from {lengths[0]}..{lengths[1]}" if lengths is not None else ""
-                log.info("micro-batches of a step may differ in shape (each learned per step)%s", drawn)
+            for line in start_lines(self.cfg, self.mesh, self.describe(), self.run_dir, self.compiled,
+                                    self.pipeline.shapes.mode):
+                log.info(line)
         start = self.resume()
         if self.is_main:
             clear_preemption(self.run_dir)
@@ -630,15 +453,8 @@ class Trainer:
         if self.compiled is not None:
             result["compile"] = self.compiled.summary()
             if self.is_main:
-                log.info("compile: %d recompiles on rank 0 after the compile phase (%.1f s at start-up)%s",
-                         result["compile"]["recompiles"], self.compiled.seconds,
-                         "" if result["compile"]["recompiles"] == 0 else
-                         " (new shapes, dtypes or modes: see TORCH_LOGS=recompiles)")
+                log.info(compile_line(result["compile"], self.compiled.seconds))
         self.close()
         if self.is_main and preempted_at is None:
-            best = f" (best achievable {self.batches.best_loss:.4f})" if self.batches.best_loss is not None else ""
-            ppl = (f" | held-out perplexity {perplexity(first_val):.4g} -> {perplexity(final_val):.4g}"
-                   if self.metrics.items[1] is not None else "")
-            log.info("loss %.4f -> %.4f | held-out loss %.4f -> %.4f%s%s", first_loss, last_loss, first_val, final_val,
-                     best, ppl)
+            log.info(end_line(result, self.batches.best_loss, with_perplexity=self.metrics.items[1] is not None))
         return result

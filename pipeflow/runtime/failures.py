@@ -222,7 +222,7 @@ def _group_ranks(group: Any) -> list[int] | None:
 def called_collective(tb: TracebackType | None) -> str:
     """What collective a traceback failed in: the innermost pipeflow function on it (a known
     one by name) and the ``torch.distributed`` call it made, e.g. ``dist.all_reduce in
-    clip_on_device (pipeflow/run/trainer.py:129)``."""
+    clip_on_device (pipeflow/runtime/clip.py:80)``."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     caller, torch_call, frames = None, None, []
     while tb is not None:

@@ -1,0 +1,96 @@
+"""What a training run saves and resumes: this rank's layers (a LoRA run's adapters only), the
+optimizer, the loss scale and the layout they were saved with (see :mod:`pipeflow.run.checkpoint`)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from pipeflow.errors import NonFiniteError
+from pipeflow.run import checkpoint, lora_base, storage
+from pipeflow.runtime import finite as nonfinite
+from pipeflow.runtime.mesh import Mesh
+from pipeflow.runtime.precision import LossScaler
+from pipeflow.runtime.stage import Stage, layers_by_index
+
+log = logging.getLogger("pipeflow")
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """This rank's share of the run's state and where it goes.
+
+    Attributes:
+        cfg: the resolved config (``model``, ``parallel.shard``, ``optim.lr`` and ``train.resume`` are read).
+        mesh, stages, ranges, num_stages: the process mesh, this rank's stages, every stage's layers.
+        optimizer, scaler: what is saved beside the layers.
+        lora: True when only the adapters are trained (the frozen base is named, not copied).
+        root, storage: ``<run_dir>/checkpoints`` and ``train.checkpoint_storage``.
+        job: this job's token (the run directory's lock), or "".
+    """
+
+    cfg: DictConfig
+    mesh: Mesh
+    stages: dict[int, Stage]
+    ranges: list[range]
+    num_stages: int
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    lora: bool
+    root: str
+    storage: str
+    job: str = ""
+
+    def _layers(self) -> dict[int, Any]:
+        layers = layers_by_index(self.stages, self.ranges)
+        return lora_base.trainable(layers) if self.lora else layers
+
+    def save(self, step: int, device: torch.device) -> str:
+        """Write ``<root>/step_<step>`` (collective; see :func:`pipeflow.run.checkpoint.save`); returns its folder.
+
+        Raises:
+            NonFiniteError: a weight holds NaN or Inf (nothing is written; ``latest`` stays).
+        """
+        flags = nonfinite.param_flags(self.stages, self.num_stages, device)
+        dist.all_reduce(flags)
+        bad = [s for s, flag in enumerate(flags.tolist()) if flag > 0]
+        if bad:
+            raise NonFiniteError(
+                f"checkpoint of step {step} not written: the weights of stage(s) {bad} hold NaN or Inf after the "
+                f"optimizer step (optim.lr={self.cfg.optim.lr} too large?); latest still names the last good checkpoint"
+            )
+        meta = {"dp": self.mesh.dp, "pp": self.mesh.pp, "tp": self.mesh.tp, "order": list(self.mesh.grid.order),
+                "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
+        if self.lora:  # the adapters only; the frozen base named, not copied
+            meta[lora_base.LORA_BASE] = lora_base.record(self.cfg.model)
+        return checkpoint.save(self.root, step, self._layers(), self.optimizer, meta, job=self.job,
+                               storage=self.storage)
+
+    def resume(self, announce: bool) -> tuple[int, str] | None:
+        """Load the checkpoint ``train.resume`` names, if any; returns (its step, its folder), or None.
+
+        Every candidate is verified first (digests).  With ``auto`` a damaged checkpoint is
+        skipped, with a warning naming the bad file, for the previous good one.
+
+        Args:
+            announce: log what was resumed (rank 0).
+
+        Raises:
+            CheckpointError: an explicitly named checkpoint is damaged (naming the file).
+        """
+        choose = storage.choose_local if self.storage == "local" else checkpoint.choose
+        path = choose(self.cfg.train.resume, self.root)
+        if path is None:
+            return None
+        meta = checkpoint.load(path, self._layers(), self.optimizer, self.storage, grid=self.mesh.grid)
+        if lora_base.LORA_BASE in meta:
+            lora_base.check(meta[lora_base.LORA_BASE], self.cfg.model, path)
+        self.scaler.load_state_dict(meta["scaler"])
+        if announce:
+            log.info("resumed from checkpoint %s at step %d (saved with %s)", path, meta["step"],
+                     checkpoint.saved_layout(meta))
+        return int(meta["step"]), path
