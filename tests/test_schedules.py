@@ -25,7 +25,7 @@ from pipeflow.schedules import (
     validate,
 )
 from pipeflow.schedules.ir import ACTIVATION, GRADIENT
-from pipeflow.schedules.lowering import recvs_needed, sends_produced
+from plain_pairing import pairing_lower
 
 # p = ranks, m = micro-batches, r = rank, s = stage, i = micro-batch (as in the package).
 TRAINING_GENERATORS = [gpipe, one_f_one_b]
@@ -264,20 +264,6 @@ def test_backward_before_forward_deadlocks_with_grid() -> None:
     assert all(f"rank {r}" in grid for r in range(4))
     assert "recv gradient of micro-batch 0 from stage 2 (rank 2)" in grid
     assert grid in str(info.value)
-
-
-def pairing_lower(schedule: PipelineSchedule) -> list[Program]:
-    """The plain pairing lowering: sends of the previous action + recvs of this one, no more."""
-    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == "W"}
-    programs = []
-    for actions in schedule.actions:
-        steps, pending = [], ()
-        for action in actions:
-            weights = (action.stage, action.microbatch) not in split
-            steps.append(Step(pending + recvs_needed(action, schedule), action, weights))
-            pending = sends_produced(action, schedule)
-        programs.append(steps + ([Step(pending, None)] if pending else []))
-    return programs
 
 
 def test_deadlock_grid_of_long_programs_shows_a_window() -> None:

@@ -1,10 +1,10 @@
 """A small MLP classifier as an ordered list of layers: ``input``, ``hidden.0`` .., ``head``."""
 from __future__ import annotations
 
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from pipeflow.errors import ConfigError
+from pipeflow.models.losses import classification_loss
 from pipeflow.models.materialise import layers_from
 from pipeflow.models.spec import LayerSpec, ModelSpec
 
@@ -12,11 +12,6 @@ from pipeflow.models.spec import LayerSpec, ModelSpec
 def _linear_gelu(in_features: int, out_features: int) -> nn.Module:
     """Linear followed by GELU: (B, in) -> (B, out)."""
     return nn.Sequential(nn.Linear(in_features, out_features), nn.GELU())
-
-
-def classification_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross entropy: logits (B, classes), targets (B,) long -> scalar."""
-    return F.cross_entropy(logits, targets)
 
 
 def build_mlp(

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeflow.errors import ConfigError
+from pipeflow.models.losses import classification_loss
 from pipeflow.models.module_spec import from_module
 from pipeflow.models.pieces import Adapter
 from pipeflow.models.spec import ModelSpec
@@ -41,11 +41,6 @@ UNSPLITTABLE = {
     "inception_v3": "an auxiliary classifier (aux_logits): in training forward returns an extra output from the "
                     "middle of the network, which the loss needs",
 }
-
-
-def classification_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross entropy: logits (B, num_classes), targets (B,) long -> scalar."""
-    return F.cross_entropy(logits, targets)
 
 
 @dataclass(frozen=True)
