@@ -9,13 +9,13 @@
 #   pip download hydra-core==1.3.8 omegaconf==2.3.1 --no-deps -d benchmarks/wheels
 #   pip wheel antlr4-python3-runtime==4.9.3 --no-deps -w benchmarks/wheels
 # and carry the folder) and are installed into $SITE without an index when python3 lacks them
-# (PIPEFLOW_FORCE_WHEELS=1 installs them anyway, to prove they suffice).  gpu_single.py and the
+# (PIPEFLOW_FORCE_WHEELS=1 installs them anyway, to prove they suffice).  single_gpu.py and the
 # benchmarks need none of them.
 #
-# One GPU: gpu_single.py (stage compute, bf16, freed outputs, peak memory, stream waits, a batched
+# One GPU: single_gpu.py (stage compute, bf16, freed outputs, peak memory, stream waits, a batched
 # send to self on a one-rank NCCL group while the compute stream is busy, CUDA-event timing), then
 # a one-rank `python train.py` on CUDA with bf16 and a traced step (CUDA-event figures checked by
-# gpu_run_check.py), and one with fp16, a forced gradient overflow and train.check_finite=true
+# run_figures.py), and one with fp16, a forced gradient overflow and train.check_finite=true
 # (the step is skipped, the run goes on), then pipeflow on one rank against the plain PyTorch loop
 # over the same layers (vs_plain_loop.py: step ratio, steady-step allocator peak ratio, start-of-run
 # prediction beside the measured step; about 3 min; its lines also go to $OUT/RESULTS.md), activation
@@ -115,36 +115,36 @@ fi
 
 SMALL=(model.n_layer=4 model.n_embd=256 model.n_head=4 data.batch_size=32 data.num_tokens=200000
        train.eval_batches=2 train.log_every=5 metrics.tensorboard=false metrics.progress_bar=false dist.device=cuda)
-step 300 gpu_single "single-GPU CUDA paths (gpu_single.py)" $PY benchmarks/gpu_single.py
+step 300 gpu_single "single-GPU CUDA paths (gpu_checks/single_gpu.py)" $PY benchmarks/gpu_checks/single_gpu.py
 step 240 train_bf16 "train.py on one GPU: bf16, a traced step" $PY train.py "${SMALL[@]}" train.precision=bf16 \
   train.max_steps=30 "metrics.trace_steps=[10]" train.run_dir="$LOGS/run_bf16"
-step 60 check_bf16 "bf16 run: CUDA-event figures (compute > 0, bubble in [0, 1))" $PY benchmarks/gpu_run_check.py \
+step 60 check_bf16 "bf16 run: CUDA-event figures (compute > 0, bubble in [0, 1))" $PY benchmarks/gpu_checks/run_figures.py \
   "$LOGS/run_bf16" "$LOGS/train_bf16.log"
 step 240 train_fp16 "train.py on one GPU: fp16, a forced overflow, check_finite" \
   env PIPEFLOW_FAULT_INJECT=overflow:rank=0:step=4 $PY train.py "${SMALL[@]}" train.precision=fp16 train.check_finite=true train.max_steps=20 \
   "metrics.trace_steps=[8]" train.run_dir="$LOGS/run_fp16"
-step 60 check_fp16 "fp16 run: the overflow skipped, figures sane" $PY benchmarks/gpu_run_check.py "$LOGS/run_fp16" \
+step 60 check_fp16 "fp16 run: the overflow skipped, figures sane" $PY benchmarks/gpu_checks/run_figures.py "$LOGS/run_fp16" \
   "$LOGS/train_fp16.log" \
   --expect "step 4: inf/nan gradients (fp16 overflow); step skipped"
 step 420 vs_plain "pipeflow vs the plain PyTorch loop on one GPU (GPT 12x1024, bf16, m = 4 and 16)" \
-  $PY benchmarks/vs_plain_loop.py --device cuda --out "$OUT/RESULTS.md"
+  $PY benchmarks/overhead/vs_plain_loop.py --device cuda --out "$OUT/RESULTS.md"
 step 300 offload "activation offload on one GPU: pipeline.offload none, auto, all (GPT 12x1024, seq 1024, gpipe, m = 8, bf16)" \
-  $PY benchmarks/offload.py --device cuda --out "$OUT/RESULTS.md"
+  $PY benchmarks/features/offload.py --device cuda --out "$OUT/RESULTS.md"
 step 540 vs_plain_compile "train.compile on one GPU: eager vs compiled, compiled plain loop, zb_h1 vs 1f1b (m = 8)" \
-  $PY benchmarks/vs_plain_loop.py --device cuda --compile --repeat-backward --case m=8 --rounds 2 --out "$OUT/RESULTS.md"
+  $PY benchmarks/overhead/vs_plain_loop.py --device cuda --compile --repeat-backward --case m=8 --rounds 2 --out "$OUT/RESULTS.md"
 if [ "$gpus" -ge 2 ]; then
-  step 150 nccl_eq_2 "NCCL equivalence, 2 GPUs" $PY -m torch.distributed.run --nproc-per-node 2 benchmarks/nccl_equivalence.py
+  step 150 nccl_eq_2 "NCCL equivalence, 2 GPUs" $PY -m torch.distributed.run --nproc-per-node 2 benchmarks/gpu_checks/nccl_equivalence.py
   step 240 train_2gpu "train.py on 2 GPUs: bf16, a traced step" $PY -m torch.distributed.run --nproc-per-node 2 train.py \
     "${SMALL[@]}" train.precision=bf16 train.max_steps=30 "metrics.trace_steps=[10]" train.run_dir="$LOGS/run_2gpu"
-  step 60 check_2gpu "2-GPU run: CUDA-event figures" $PY benchmarks/gpu_run_check.py "$LOGS/run_2gpu" \
+  step 60 check_2gpu "2-GPU run: CUDA-event figures" $PY benchmarks/gpu_checks/run_figures.py "$LOGS/run_2gpu" \
     "$LOGS/train_2gpu.log"
   step 200 vs_torch_2 "vs torch.distributed.pipelining, MLP, 2 GPUs" $PY -m torch.distributed.run --nproc-per-node 2 \
-    benchmarks/vs_torch_pipelining.py --device cuda --hidden 512 64 --schedules gpipe 1f1b --rounds 20 --out "$OUT/RESULTS.md"
+    benchmarks/overhead/vs_torch_pipelining.py --device cuda --hidden 512 64 --schedules gpipe 1f1b --rounds 20 --out "$OUT/RESULTS.md"
 fi
 if [ "$gpus" -ge 4 ]; then
-  step 150 nccl_eq_4 "NCCL equivalence, 4 GPUs" $PY -m torch.distributed.run --nproc-per-node 4 benchmarks/nccl_equivalence.py
+  step 150 nccl_eq_4 "NCCL equivalence, 4 GPUs" $PY -m torch.distributed.run --nproc-per-node 4 benchmarks/gpu_checks/nccl_equivalence.py
   step 200 vs_torch_4 "vs torch.distributed.pipelining, GPT blocks, 4 GPUs" $PY -m torch.distributed.run --nproc-per-node 4 \
-    benchmarks/vs_torch_pipelining.py --device cuda --model gpt --hidden 256 --schedules gpipe 1f1b interleaved_1f1b zbv \
+    benchmarks/overhead/vs_torch_pipelining.py --device cuda --model gpt --hidden 256 --schedules gpipe 1f1b interleaved_1f1b zbv \
     --rounds 10 --out "$OUT/RESULTS.md"
 fi
 if [ "$gpus" -lt 2 ]; then

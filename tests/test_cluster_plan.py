@@ -14,8 +14,8 @@ from pipeflow.planning.cluster_search import Layout, Workload, predict
 from pipeflow.planning.hardware import load_hardware, override, preset_ids
 from pipeflow.planning.roofline import Efficiency, Placement, layer_profile, trace_layers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-import published_runs  # noqa: E402  (benchmarks/published_runs.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "predictions"))
+import published_runs  # noqa: E402  (benchmarks/predictions/published_runs.py)
 
 VENDOR_BF16 = {"a100_sxm_80gb": 312, "h100_sxm": 989, "h200_sxm": 989, "b200": 2250}  # dense TFLOP/s
 
@@ -94,7 +94,7 @@ def test_table1_of_narayanan_et_al_is_reproduced():
     rise, published = rows[-1][1] - rows[3][1], rows[-1][0].published - rows[3][0].published
     assert rise > 0 and abs(rise - published) <= published / 2  # 18.4B -> 1T, the paper: 135 -> 163
     assert all(pred.memory_bytes < 80e9 for _, _, pred in rows)  # the rows fit 80 GB
-    # the held-out run (Korthikanti et al.) is checked by `python benchmarks/published_runs.py` (exit 1 if missed)
+    # the held-out run (Korthikanti et al.) is checked by `python benchmarks/predictions/published_runs.py` (exit 1 if missed)
 
 
 def test_the_planner_lays_a_model_on_a_described_cluster():

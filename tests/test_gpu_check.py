@@ -50,7 +50,7 @@ def test_a_failing_step_reports_its_own_exit_status(tmp_path: Path) -> None:
     assert "broken" in report and "overall exit status: 1" in report
 
 
-PLAIN = ROOT / "benchmarks" / "vs_plain_loop.py"
+PLAIN = ROOT / "benchmarks" / "overhead" / "vs_plain_loop.py"
 TINY = ["--case", "n_layer=2", "n_embd=32", "seq=16", "batch=4", "m=2", "--rounds", "1", "--steps", "1",
         "--warmup", "0"]
 
@@ -70,7 +70,7 @@ def _in_process(script: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
     imports (torch, pipeflow) are loaded here already and it starts and destroys its own one-rank
     group, so no process start-up is paid (each test below that keeps a subprocess covers
     `python benchmarks/<script>` as a process)."""
-    monkeypatch.syspath_prepend(str(script.parent))  # as `python benchmarks/x.py` has it: offload.py imports vs_plain_loop
+    monkeypatch.syspath_prepend(str(script.parent))  # as `python benchmarks/<group>/x.py` has it
     spec = importlib.util.spec_from_file_location(f"_in_process_{script.stem}", script)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
@@ -84,13 +84,13 @@ def _in_process(script: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Ca
 
 
 def test_the_gpu_check_runs_the_plain_loop_benchmark_on_cuda() -> None:
-    assert "benchmarks/vs_plain_loop.py --device cuda" in SCRIPT.read_text()
+    assert "benchmarks/overhead/vs_plain_loop.py --device cuda" in SCRIPT.read_text()
 
 
 def test_vs_plain_loop_answers_help(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     status, out = _in_process(PLAIN, monkeypatch, capsys, "--help")
     assert status == 0, out
-    assert out.startswith("usage: python benchmarks/vs_plain_loop.py") and "--case" in out
+    assert out.startswith("usage: python benchmarks/overhead/vs_plain_loop.py") and "--case" in out
 
 
 def test_vs_plain_loop_tiny_cpu_run_checks_then_prints_a_step_ratio_line(monkeypatch: pytest.MonkeyPatch,
@@ -104,7 +104,7 @@ def test_vs_plain_loop_tiny_cpu_run_checks_then_prints_a_step_ratio_line(monkeyp
 
 
 def test_the_gpu_check_runs_the_compiled_comparison_on_cuda() -> None:
-    assert "benchmarks/vs_plain_loop.py --device cuda --compile --repeat-backward" in SCRIPT.read_text()
+    assert "benchmarks/overhead/vs_plain_loop.py --device cuda --compile --repeat-backward" in SCRIPT.read_text()
 
 
 def test_vs_plain_loop_compiled_tiny_cpu_run_prints_every_ratio() -> None:
@@ -125,7 +125,7 @@ def test_vs_plain_loop_exits_1_when_the_losses_disagree(monkeypatch: pytest.Monk
     assert "DISAGREE" in out and "step ratio" not in out
 
 
-OFFLOAD = ROOT / "benchmarks" / "offload.py"
+OFFLOAD = ROOT / "benchmarks" / "features" / "offload.py"
 OFFLOAD_TINY = ["--case", "n_layer=2", "n_embd=32", "seq=16", "batch=8", "m=4", "--rounds", "1", "--steps", "1",
                 "--warmup", "0"]
 
@@ -136,13 +136,13 @@ def _offload(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_gpu_check_runs_the_offload_benchmark_on_cuda() -> None:
     text = SCRIPT.read_text()
-    assert "benchmarks/offload.py --device cuda --out \"$OUT/RESULTS.md\"" in text
+    assert "benchmarks/features/offload.py --device cuda --out \"$OUT/RESULTS.md\"" in text
 
 
 def test_offload_answers_help(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     status, out = _in_process(OFFLOAD, monkeypatch, capsys, "--help")
     assert status == 0, out
-    assert out.startswith("usage: python benchmarks/offload.py") and "--modes" in out
+    assert out.startswith("usage: python benchmarks/features/offload.py") and "--modes" in out
 
 
 def test_offload_tiny_cpu_run_checks_then_prints_one_line_per_mode(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ A layer's times for one micro-batch of b samples, on one of tp ranks (`layer_pro
 - W (weight gradients): each linear once more.
 
 The five efficiency terms (:class:`Efficiency`) are global constants, fitted once on the Table 1
-runs of Narayanan et al. (SC'21), as ``benchmarks/published_runs.py`` says (network set beforehand,
+runs of Narayanan et al. (SC'21), as ``benchmarks/predictions/published_runs.py`` says (network set beforehand,
 the other four fitted).  Attention's is low and memory's 1.0 because that stack's attention was
 unfused while its other ops were fused; this trace counts every op unfused.
 """

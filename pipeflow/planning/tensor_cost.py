@@ -11,7 +11,7 @@ sequence parallelism the same bytes move as all-gathers and reduce-scatters, and
 norms' weight gradients, partial on each rank's slice of the sequence).  Activations kept
 for the backward scale like the compute without sequence parallelism (the split modules' inputs
 and outputs are a tp-th; the rest is whole on every rank), by 1 / tp with it, and so does what
-crosses a stage boundary with it.  A model, not a measurement: `benchmarks/tensor_parallel.py`
+crosses a stage boundary with it.  A model, not a measurement: `benchmarks/features/tensor_parallel.py`
 measures the bytes; the link is the planner's ``plan.tp_bandwidth_gbps`` and ``plan.tp_latency_us``.
 """
 from __future__ import annotations

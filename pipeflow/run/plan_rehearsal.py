@@ -28,7 +28,7 @@ from pipeflow.runtime.distributed import end_process_group, run_local_ranks
 REHEARSED_STEPS = 1000  # a run this long rehearses; nothing is trained
 # A run rehearses about 1.5 s a lowering before its own step 0 (up to 8 steps); the planner,
 # which ranks layouts by a few per cent, rehearses each longer: 8 steps differed by up to 15%
-# from the measured median step on the default GPT, 24 by up to 5% (benchmarks/planner_picks.py)
+# from the measured median step on the default GPT, 24 by up to 5% (benchmarks/predictions/planner_picks.py)
 PLAN_BUDGET_S, PLAN_MOST_STEPS = 2.5, 24
 
 

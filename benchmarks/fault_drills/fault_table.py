@@ -1,15 +1,16 @@
-"""Measure the fault table of docs/failures.md: every fault made with the real commands, under
+"""Measure the fault table of docs/guides/failures.md: every fault made with the real commands, under
 torchrun and hand-launched (one ``python train.py`` per rank with RANK/WORLD_SIZE/MASTER_*).
 
 For each fault: the error each rank printed, the seconds from the fault to the moment every
 process of the job had exited, the processes left 60 s after the fault (then killed), and the
 steps of progress lost (steps done minus the last checkpoint's step; save every 2 steps).
 
-    python benchmarks/fault_table.py            # every fault, both launches (about 5-10 minutes)
-    python benchmarks/fault_table.py kill stall # some of them
+    python benchmarks/fault_drills/fault_table.py            # every fault, both launches (about 5-10 minutes)
+    python benchmarks/fault_drills/fault_table.py kill stall # some of them
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAST = ["model=mlp", "data=gaussian", "train.max_steps=8", "train.eval_every=0", "train.eval_batches=1",
         "pipeline.profile=false", "comm.timeout_s=3", "comm.first_step_timeout_s=30", "comm.join_timeout_s=5",
         "train.save_every=2", "train.log_every=1", "metrics.tensorboard=false"]
@@ -244,4 +245,11 @@ def main(names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(prog="python benchmarks/fault_drills/fault_table.py", description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", metavar="FAULT",
+                        help=f"the faults to measure (default: all): {', '.join(f.name for f in FAULTS)}")
+    names = parser.parse_args().names
+    unknown = sorted(set(names) - {f.name for f in FAULTS})
+    if unknown:
+        parser.error(f"unknown fault(s) {', '.join(unknown)}")
+    main(names)

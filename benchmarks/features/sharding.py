@@ -1,6 +1,6 @@
 """What ``parallel.shard`` saves and costs: tensor bytes per rank and step time, side by side.
 
-    python benchmarks/sharding.py --pp 2 --dps 1 2 4 --steps 12 --out benchmarks/RESULTS.md
+    python benchmarks/features/sharding.py --pp 2 --dps 1 2 4 --steps 12 --out benchmarks/RESULTS.md
 
 For each data-parallel degree dp (world dp x pp, spawned gloo ranks), the same job (the default
 GPT, ``train.py``'s own :func:`~pipeflow.run.builder.build_run`) is built three times in one
@@ -28,10 +28,10 @@ import time
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import report, spawn_per_degree  # noqa: E402
+from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_per_degree  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
 from pipeflow.run.config import register_configs  # noqa: E402
 
@@ -48,15 +48,14 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=overrides)
 
 
+@gloo_worker()
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     dp = world // args.pp
     base = [f"parallel.dp={dp}", f"parallel.pp={args.pp}", f"schedule={args.schedule}",
             f"pipeline.num_microbatches={args.microbatches}", f"data.batch_size={args.batch}",
             f"model.n_embd={args.width}", f"model.n_layer={args.layers}", f"train.max_steps={args.steps + 2}",
             "metrics.tensorboard=false", "metrics.progress_bar=false", "metrics.memory_steps=[1]",
-            "pipeline.profile=false", "comm.recvs_ahead=true", "train.eval_every=0"]
+            "pipeline.profile=false", "comm.post_recvs=ahead", "train.eval_every=0"]
     trainers = {}
     for mode in MODES:
         run_dir = os.path.join(args.tmp, f"dp{dp}_{mode}")
@@ -82,8 +81,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
         trainer.close()
     if rank == 0:
         queue.put(everyone)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _largest_parameter(trainer) -> int:
@@ -130,7 +127,7 @@ def table(results: dict[int, list], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python benchmarks/sharding.py", description=__doc__.split("\n")[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dps", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--schedule", default="1f1b")
@@ -139,7 +136,6 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--steps", type=int, default=12, help="timed steps per mode")
-    parser.add_argument("--out", default=None, help="also append the tables to this file")
     args = parser.parse_args()
     results = spawn_per_degree(worker, args, args.dps, "dp")
     report("parallel.shard: tensor bytes per rank and step time", table(results, args), args.out)

@@ -7,24 +7,25 @@ micro-batch in flight (while the last stage samples micro-batch g, stage 0 alrea
 and once with one micro-batch at a time (the stages take turns).  Greedy, no end-of-sequence id,
 so both make the same tokens; the best of `--repeats` runs of each (alternating) is reported.
 
-    python benchmarks/generate_throughput.py --ranks 2 --prompts 8 --batch-size 2 --new-tokens 32
+    python benchmarks/features/generate_throughput.py --ranks 2 --prompts 8 --batch-size 2 --new-tokens 32
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
-from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_ranks  # noqa: E402
 
 
+@gloo_worker(timeout=datetime.timedelta(seconds=300))
 def worker(rank: int, ranks: int, port: int, args: argparse.Namespace, queue) -> None:
     """One stage: generate in both modes, rank 0 puts {mode: (seconds, tokens)} on the queue."""
     from pipeflow.models.gpt import build_gpt
@@ -34,8 +35,6 @@ def worker(rank: int, ranks: int, port: int, args: argparse.Namespace, queue) ->
     from pipeflow.runtime.transport import P2PComm
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
-                            timeout=datetime.timedelta(seconds=300))
     context = args.prompt_len + args.new_tokens
     spec = build_gpt(vocab_size=args.vocab, block_size=context, n_layer=args.layers, n_head=args.heads,
                      n_embd=args.width, seed=0)
@@ -62,7 +61,6 @@ def worker(rank: int, ranks: int, port: int, args: argparse.Namespace, queue) ->
                 results[mode] = (best[mode], sum(len(row) for batch in made for row in batch))
     if rank == 0:
         queue.put(results)
-    dist.destroy_process_group()
 
 
 def table(results: dict, args: argparse.Namespace) -> str:
@@ -77,7 +75,7 @@ def table(results: dict, args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=2)
@@ -89,7 +87,6 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     report("pipelined generation: micro-batches in flight vs one at a time", table(spawn_ranks(worker, args), args),
            args.out)

@@ -7,8 +7,8 @@ take that overshoot out: against the makespan simulated with the layer's costs a
 `pipeflow.planning.profile` measures them on one rank alone before the run (what the planner would
 predict), and against the makespan simulated with each action's time measured in the run:
 
-    python benchmarks/schedule_efficiency.py --ranks 4 --microbatches 8 16
-    python benchmarks/schedule_efficiency.py --ranks 4 --microbatches 8 --repeats 5  # noisy machine
+    python benchmarks/predictions/schedule_efficiency.py --ranks 4 --microbatches 8 16
+    python benchmarks/predictions/schedule_efficiency.py --ranks 4 --microbatches 8 --repeats 5  # noisy machine
 
 With --repeats N every schedule is measured N times, round robin (so slow drift of the machine
 hits every schedule alike), and the table gives the medians with the range of the ratio.
@@ -19,21 +19,21 @@ and, with --out, appends it to that file with the command, machine, torch versio
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
-from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
-from sleep_tools import shared_sleep_profile, sleep_batch, sleep_costs  # noqa: E402  (benchmarks/sleep_tools.py)
+from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_ranks  # noqa: E402
+from benchmarks.sleep_tools import shared_sleep_profile, sleep_batch, sleep_costs  # noqa: E402
 from pipeflow.models.sleep import build_sleep  # noqa: E402
 from pipeflow.planning.partition import partition_layers  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
@@ -98,9 +98,8 @@ def measure(
     return result + ((statistics.median(times[True]),) if args.compare_strict else ())
 
 
+@gloo_worker()
 def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     P2PComm(None, torch.device("cpu")).warmup()
     profiled = shared_sleep_profile(args.forward_ms, args.backward_ms, args.weight_ms, args.profile_repeats)
     runs: dict[tuple[str, int], list[tuple[float, ...]]] = {}
@@ -112,7 +111,6 @@ def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.Sim
                     runs.setdefault((name, m), []).append(result)
     if rank == 0:
         queue.put((profiled, [(name, m, *summarize(results)) for (name, m), results in runs.items()]))
-    dist.destroy_process_group()
 
 
 def summarize(results: list[tuple[float, ...]]) -> tuple[float, ...]:
@@ -171,7 +169,7 @@ def table(result: tuple[LayerProfile, list[tuple]], args: argparse.Namespace) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
@@ -180,14 +178,13 @@ def main() -> None:
     parser.add_argument("--weight-ms", type=float, default=10.0)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=AheadTuner().steps_to_decide,
-                        help="untimed steps first (default: until comm.recvs_ahead=auto has chosen)")
+                        help="untimed steps first (default: until comm.post_recvs=auto has chosen)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="measure every schedule this many times, round robin; report medians and range")
     parser.add_argument("--profile-repeats", type=int, default=21,
                         help="timed runs of the sleep layer profiled alone before the measurement")
     parser.add_argument("--compare-strict", action="store_true",
                         help="alternate each step with the strict-rendezvous runtime and compare")
-    parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     report("Schedule efficiency on sleep-stages", table(spawn_ranks(worker, args), args), args.out)
 

@@ -1,6 +1,6 @@
 """The planner's calibrated picks against a measured 3 x 3 sweep (issue 20's target; a benchmark).
 
-    python benchmarks/planner_picks.py --pp 2 4 --repeats 3 --steps 30 --out benchmarks/RESULTS.md
+    python benchmarks/predictions/planner_picks.py --pp 2 4 --repeats 3 --steps 30 --out benchmarks/RESULTS.md
 
 For each pipeline size: one run of the GPT (1F1B, m = 8) writes its costs (``costs.json``); the
 planner ranks, with those costs (``plan.calibration=<that run>``), the 3 schedules x 3
@@ -24,12 +24,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
-from results import failure_line, report  # noqa: E402  (benchmarks/results.py)
+from benchmarks.runner import benchmark_parser, failure_line, report  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 _SUMMARY = re.compile(r"median step (\d+(?:\.\d+)?) ms \|")
 
 
@@ -105,14 +106,13 @@ def one_size(pp: int, args: argparse.Namespace, work: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python benchmarks/planner_picks.py", description=__doc__.split("\n")[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--schedules", nargs=3, default=["1f1b", "zb_h1", "interleaved_1f1b"])
     parser.add_argument("--microbatches", type=int, nargs=3, default=[4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rehearse", type=int, default=9, help="plan.rehearse: layouts the planner rehearses (0: none)")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = [f"GPT (default job), schedules {', '.join(args.schedules)} x m {args.microbatches}; each planner pick "
             f"(ranked with the costs of one 1F1B m = 8 run, plan.rehearse={args.rehearse}) measured {args.repeats} "

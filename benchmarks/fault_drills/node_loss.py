@@ -11,7 +11,7 @@ first step of the restarted job, the steps lost (the step killed at minus the st
 from) and whether every step's loss from the resumed step on equals that of an uninterrupted
 run in one process (float64, as printed).  Exit status 1 when any trial fails.
 
-    python benchmarks/node_loss_drill.py --trials 10
+    python benchmarks/fault_drills/node_loss.py --trials 10
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from hosts import SMALL64, launch_on_hosts, step_losses  # noqa: E402
 from examples.emulated_hosts import EmulatedHosts, unavailable  # noqa: E402
@@ -92,7 +92,7 @@ def trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the trials and print one line each, then a summary."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/fault_drills/node_loss.py", description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--save-every", type=int, default=10)

@@ -1,4 +1,4 @@
-"""The cluster planner's predictions against published training runs: ``python benchmarks/published_runs.py``.
+"""The cluster planner's predictions against published training runs: ``python benchmarks/predictions/published_runs.py``.
 
 Table 1 of Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21): GPT models of 1.7B to 1T parameters on 32 to 3072 A100-SXM4-80GB GPUs

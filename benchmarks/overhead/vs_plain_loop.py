@@ -1,9 +1,9 @@
 """pipeflow on one rank against the plain PyTorch loop over the same layers (issue 29's benchmark).
 
-    python benchmarks/vs_plain_loop.py                    # CPU: GPT 6 x 256, seq 256, batch 16, m = 4 and 16
-    python benchmarks/vs_plain_loop.py --device cuda      # GPU: GPT 12 x 1024, 16 heads, seq 512, batch 64, bf16
-    python benchmarks/vs_plain_loop.py --case n_layer=2 n_embd=32 seq=16 batch=4 m=2 --rounds 1 --steps 1
-    python benchmarks/vs_plain_loop.py --compile          # train.compile: eager vs compiled, and zb_h1 vs 1f1b
+    python benchmarks/overhead/vs_plain_loop.py                    # CPU: GPT 6 x 256, seq 256, batch 16, m = 4 and 16
+    python benchmarks/overhead/vs_plain_loop.py --device cuda      # GPU: GPT 12 x 1024, 16 heads, seq 512, batch 64, bf16
+    python benchmarks/overhead/vs_plain_loop.py --case n_layer=2 n_embd=32 seq=16 batch=4 m=2 --rounds 1 --steps 1
+    python benchmarks/overhead/vs_plain_loop.py --compile          # train.compile: eager vs compiled, and zb_h1 vs 1f1b
 
 Both run in this one process, on one process group of size 1 (gloo on the CPU, NCCL on CUDA):
 
@@ -79,7 +79,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pipeflow.data import split_microbatches  # noqa: E402
@@ -163,7 +163,7 @@ class Plain:
         if spec.tied:
             raise SystemExit("model.tie_embeddings=true: the plain loop does not tie weights; benchmark untied")
         self.cfg, self.device, self.batches = cfg, device, trainer.batches
-        self.layers = spec.build_all(device=device, dtype=getattr(torch, cfg.train.dtype))
+        self.layers = spec.build_all(device=device, dtype=getattr(torch, cfg.train.param_dtype))
         self.params = unique_parameters(layer.parameters() for layer in self.layers)
         self.autocast = compute_dtype(cfg.train.precision)
         self.m = cfg.pipeline.num_microbatches
@@ -522,7 +522,7 @@ def start_one_rank(device_type: str, threads: int | None) -> torch.device:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python benchmarks/vs_plain_loop.py",
+        prog="python benchmarks/overhead/vs_plain_loop.py",
         description="pipeflow on one rank (one stage, 1F1B, the Trainer's training step) against the plain "
                     "PyTorch loop over the same layers, weights, micro-batches and optimizer, in alternating "
                     "rounds; prints one line per case with 'step ratio' (and on CUDA 'peak ratio') and pipeflow's "
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     if args.out:
-        from results import append_result  # benchmarks/results.py
+        from benchmarks.runner import append_result
 
         title = "train.compile: eager vs compiled, one rank" if args.compile else "pipeflow vs the plain PyTorch loop, one rank"
         append_result(args.out, title,

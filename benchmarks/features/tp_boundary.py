@@ -1,6 +1,6 @@
 """A stage boundary under ``parallel.tp`` without sequence parallelism: which way to move the activation.
 
-    python benchmarks/tp_boundary.py --mb 0.25 1 4 16 --rounds 15 --out benchmarks/RESULTS.md
+    python benchmarks/features/tp_boundary.py --mb 0.25 1 4 16 --rounds 15 --out benchmarks/RESULTS.md
 
 Every tp rank of stage k holds the whole activation (it is replicated over the tp group), and tp
 rank t of stage k + 1 needs it whole too.  Two ways, timed side by side in alternating rounds
@@ -23,17 +23,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import report, spawn_ranks  # noqa: E402
+from benchmarks.runner import alternate_rounds, gloo_worker, medians, report, spawn_ranks  # noqa: E402
 
 TP, PP = 2, 2
 
@@ -55,12 +53,11 @@ def _split(x: torch.Tensor, first: bool, peer: int, group: object, tp_group: obj
         torch.cat(parts, dim=1)
 
 
+@gloo_worker()
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     """One rank of the pp 2 x tp 2 mesh: time both ways for every size; rank 0 puts the rows."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (PP, TP), mesh_dim_names=("pp", "tp"))
     pp_group, tp_group = mesh.get_group("pp"), mesh.get_group("tp")
     r, t = divmod(rank, TP)
@@ -71,28 +68,17 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
         seq = 64
         width = max(1, int(mb * 2**20 / (4 * args.batch * seq)))
         x = torch.randn(args.batch, seq, width)
-        times: dict[str, list[float]] = {"replicated": [], "split": []}
-        for n in range(args.rounds + 1):
-            for name in ("replicated", "split"):
-                dist.barrier()
-                start = time.perf_counter()
-                if name == "replicated":
-                    _replicated(x, first, peer, pp_group)
-                else:
-                    _split(x, first, peer, pp_group, tp_group, t)
-                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                if n:  # the first round warms the groups up
-                    times[name].append(float(took))
-        rows.append((x.numel() * 4 / 2**20, statistics.median(times["replicated"]), statistics.median(times["split"])))
+        times = medians(alternate_rounds({  # the first round warms the groups up
+            "replicated": lambda _, x=x: lambda: _replicated(x, first, peer, pp_group),
+            "split": lambda _, x=x: lambda: _split(x, first, peer, pp_group, tp_group, t),
+        }, args.rounds, warmup=1))
+        rows.append((x.numel() * 4 / 2**20, times["replicated"], times["split"]))
     if rank == 0:
         queue.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python benchmarks/tp_boundary.py",
+    parser = argparse.ArgumentParser(prog="python benchmarks/features/tp_boundary.py",
                                      description="parallel.tp stage boundary: the replicated activation sent by every "
                                                  "tp rank against its 1/tp slices sent and all-gathered (pp 2 x tp 2)")
     parser.add_argument("--mb", type=float, nargs="+", default=[0.25, 1, 4, 16], help="activation sizes in MiB")

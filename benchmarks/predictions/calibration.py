@@ -1,7 +1,7 @@
 """The calibrated cost model against live runs (issue 20's targets; a benchmark, not a test).
 
-    python benchmarks/calibration.py recover --ranks 4 --microbatches 8 --steps 12 --out benchmarks/RESULTS.md
-    python benchmarks/calibration.py predict --steps 30 --out benchmarks/RESULTS.md
+    python benchmarks/predictions/calibration.py recover --ranks 4 --microbatches 8 --steps 12 --out benchmarks/RESULTS.md
+    python benchmarks/predictions/calibration.py predict --steps 30 --out benchmarks/RESULTS.md
 
 ``recover``: sleep-stages (one sleep layer per stage: F, B and W each a set wall time) run by the
 runtime's own Pipeline, with every received tensor delivered `--delay-ms` late (the sender stamps
@@ -26,14 +26,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
-from results import failure_line, report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
-from sleep_tools import sleep_batch  # noqa: E402  (benchmarks/sleep_tools.py)
+from benchmarks.runner import benchmark_parser, failure_line, gloo_worker, report, spawn_ranks  # noqa: E402
+from benchmarks.sleep_tools import sleep_batch  # noqa: E402
 from pipeflow.models.sleep import SleepLayer, sleep_loss  # noqa: E402
 from pipeflow.models.spec import LayerSpec, ModelSpec  # noqa: E402
 from pipeflow.planning.calibration import RankStep, calibrate  # noqa: E402
@@ -44,7 +45,7 @@ from pipeflow.runtime.stage import build_stages  # noqa: E402
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
 from pipeflow.schedules import build_schedule  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "zbv", "v_half", "v_min",
              "dualpipev", "interleaved_zb", "auto")
 
@@ -83,10 +84,9 @@ class DelayedComm(P2PComm):
                 time.sleep(left)
 
 
+@gloo_worker()
 def recover_worker(rank: int, p: int, port: int, args: argparse.Namespace, queue) -> None:
     """Run each (schedule, delay) for the warm-up and `args.steps` steps, recording; rank 0 calibrates."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     origin = torch.tensor([time.perf_counter()], dtype=torch.float64)
     dist.broadcast(origin, 0)
     m, out = args.microbatches, {}
@@ -120,8 +120,6 @@ def recover_worker(rank: int, p: int, port: int, args: argparse.Namespace, queue
             comm.close()
     if rank == 0:
         queue.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _error(got: float, want: float) -> str:
@@ -165,7 +163,7 @@ _SUMMARY = re.compile(r"median step (\d+) ms \| predicted step \(calibrated\) (\
 
 def one_run(job: list[str], schedule: str, args: argparse.Namespace) -> tuple[float, float, float, str] | str:
     """(measured, start-of-run, calibrated, posting) from one torchrun of train.py, or why not."""
-    v = ["pipeline.stages_per_rank=2"] if schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zb") else []
+    v = ["schedule.stages_per_rank=2"] if schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zb") else []
     with tempfile.TemporaryDirectory() as run_dir:
         cmd = ["torchrun", "--nproc-per-node", str(args.ranks), "train.py", *job, f"schedule={schedule}",
                f"pipeline.num_microbatches={args.microbatches}", f"train.max_steps={args.steps}", *v,
@@ -209,7 +207,7 @@ def predict(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python benchmarks/calibration.py", description=__doc__.split("\n")[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("part", choices=("recover", "predict"))
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
@@ -219,7 +217,6 @@ def main() -> None:
     parser.add_argument("--b-ms", type=float, default=20.0)
     parser.add_argument("--w-ms", type=float, default=10.0)
     parser.add_argument("--delay-ms", type=float, default=5.0)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.part == "recover":
         args.steps = args.steps or 12

@@ -1,9 +1,9 @@
 """Activation offload on one rank: pipeline.offload=none|auto|all side by side, step time and peak
 memory against the start-of-run prediction (issue 33's benchmark).
 
-    python benchmarks/offload.py                  # CPU: GPT 4 x 256, seq 128, batch 16, m 8, fp32: none vs all
-    python benchmarks/offload.py --device cuda    # GPU: GPT 12 x 1024, 16 heads, seq 1024, batch 16, m 8, bf16
-    python benchmarks/offload.py --case n_layer=2 n_embd=32 seq=16 batch=8 m=4 --rounds 1 --steps 1
+    python benchmarks/features/offload.py                  # CPU: GPT 4 x 256, seq 128, batch 16, m 8, fp32: none vs all
+    python benchmarks/features/offload.py --device cuda    # GPU: GPT 12 x 1024, 16 heads, seq 1024, batch 16, m 8, bf16
+    python benchmarks/features/offload.py --case n_layer=2 n_embd=32 seq=16 batch=8 m=4 --rounds 1 --steps 1
 
 One process, one process group of size 1 (gloo on the CPU, NCCL on CUDA), ``schedule=gpipe`` on
 one rank: GPipe holds all m micro-batches' activations until their backwards, so its gaps are
@@ -49,12 +49,14 @@ import statistics
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from vs_plain_loop import PipeflowSteps, compose, start_one_rank, sync, timed_block  # benchmarks/vs_plain_loop.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
+from benchmarks.overhead.vs_plain_loop import PipeflowSteps, compose, start_one_rank, sync, timed_block  # noqa: E402
 
 CASE_KEYS = ("n_layer", "n_embd", "n_head", "seq", "batch", "m")
 DEFAULT_CASE = {"cpu": {"n_layer": 4, "n_embd": 256, "n_head": 4, "seq": 128, "batch": 16, "m": 8},
@@ -233,7 +235,7 @@ def summary_line(results: dict[str, Measured], cuda: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python benchmarks/offload.py", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python benchmarks/features/offload.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="default cpu")
     parser.add_argument("--case", nargs="+", metavar="KEY=VALUE",
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(summary_line(results, cuda))
         print(lines[-1], flush=True)
     if args.out:
-        from results import append_result  # benchmarks/results.py
+        from benchmarks.runner import append_result
 
         append_result(args.out, "Activation offload (pipeline.offload), one rank", f"python {' '.join(sys.argv)}",
                       "\n".join(f"    {line}" for line in lines), backend="nccl" if cuda else "gloo",

@@ -1,6 +1,6 @@
 """Peak activation memory per rank for each schedule, measured, beside the simulator's prediction.
 
-    python benchmarks/memory.py --ranks 4 --microbatches 8 --schedules gpipe 1f1b zb_h1 zbv
+    python benchmarks/predictions/activation_memory.py --ranks 4 --microbatches 8 --schedules gpipe 1f1b zb_h1 zbv
 
 Each rank runs one training step of an MLP (Linear + GELU layers, --hidden wide,
 --layers-per-stage per stage, batch --batch) on gloo and, after every compute action, counts
@@ -15,19 +15,19 @@ With --out the table is appended to that file with command, machine, torch versi
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import weakref
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
-from results import microbatches, mse, report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from benchmarks.runner import benchmark_parser, gloo_worker, microbatches, mse, report, spawn_ranks  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule, simulate  # noqa: E402
 from pipeflow.runtime.stage import Stage  # noqa: E402
@@ -116,9 +116,8 @@ def measure(name: str, p: int, args: argparse.Namespace, free: bool) -> tuple[in
     return tracker.peak, simulate(schedule).peak_activations[rank]
 
 
+@gloo_worker()
 def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     P2PComm(None, torch.device("cpu")).warmup()
     rows = []
     for name in args.schedules:
@@ -129,7 +128,6 @@ def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.Sim
     dist.all_gather_object(gathered, rows)
     if rank == 0:
         queue.put(sorted(r for rows in gathered for r in rows))
-    dist.destroy_process_group()
 
 
 def table(rows: list[tuple], unit: int, args: argparse.Namespace) -> str:
@@ -152,14 +150,13 @@ def table(rows: list[tuple], unit: int, args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"])
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers-per-stage", type=int, default=4)
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     report("Peak activation memory per rank", table(spawn_ranks(worker, args), one_microbatch_bytes(args), args), args.out)
 

@@ -12,25 +12,25 @@ peer's tensor is recorded.  Two postings are measured side by side in one run:
 The table gives the median, the 90th and 99th percentiles and the share of exchanges slower
 than 2 ms: on a small shared VM a few per cent of hand-offs stall for a scheduler slice (2-5 ms)
 inside gloo's socket calls, whichever framework posts them, and those stalls, not Python,
-decide the step time of small models (see docs/performance.md, "What limits the targets").
+decide the step time of small models (see docs/explanation/performance.md, "The runtime against the simulated ideal").
 
-    python benchmarks/transport_latency.py --exchanges 2000
+    python benchmarks/overhead/transport_latency.py --exchanges 2000
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
-from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_ranks  # noqa: E402
 
 MODES = ("at its step", "a step ahead")
 
@@ -64,16 +64,14 @@ def exchange_times(mode: str, args: argparse.Namespace) -> list[float]:
     return times
 
 
+@gloo_worker()
 def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue: mp.SimpleQueue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     rows: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(args.repeats):  # alternate the modes so load hits both alike
         for mode in MODES:
             rows[mode] += exchange_times(mode, args)
     if rank == 0:
         queue.put(rows)
-    dist.destroy_process_group()
 
 
 def table(rows: dict[str, list[float]], args: argparse.Namespace) -> str:
@@ -93,12 +91,11 @@ def table(rows: dict[str, list[float]], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--exchanges", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--numel", type=int, default=1024)
     parser.add_argument("--pause-us", type=float, default=100.0)
-    parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     args.ranks = 2
     report("gloo transport latency (raw torch, no pipeflow)", table(spawn_ranks(worker, args), args), args.out)

@@ -1,7 +1,7 @@
 """Pipelined training on NCCL equals the unsplit model (float32, TF32 off), every schedule.
 
-    torchrun --nproc-per-node 2 benchmarks/nccl_equivalence.py
-    torchrun --nproc-per-node 4 benchmarks/nccl_equivalence.py --schedules gpipe 1f1b zbv
+    torchrun --nproc-per-node 2 benchmarks/gpu_checks/nccl_equivalence.py
+    torchrun --nproc-per-node 4 benchmarks/gpu_checks/nccl_equivalence.py --schedules gpipe 1f1b zbv
 
 Each rank builds its stages on cuda:LOCAL_RANK and, with the same seeds, the whole model as the
 reference; one step of each schedule must give the reference's loss (last stage) and the
@@ -10,22 +10,22 @@ reference's gradients of this rank's layers to a relative 1e-5.  Prints one line
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule  # noqa: E402
 from pipeflow.runtime.stage import Stage  # noqa: E402
-from results import microbatches, mse  # noqa: E402  (benchmarks/results.py)
+from benchmarks.runner import benchmark_parser, microbatches, mse  # noqa: E402
 
 
 def layer(index: int, hidden: int, device: torch.device) -> nn.Module:
@@ -57,7 +57,7 @@ def one(name: str, m: int, hidden: int, device: torch.device) -> tuple[float, fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__file__, __doc__, out=False)
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"])
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)

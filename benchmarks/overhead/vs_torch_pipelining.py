@@ -6,11 +6,11 @@ alternate (pipeflow, torch, pipeflow, torch, ...) so that load on the machine hi
 The table gives each one's median step time and the ratio pipeflow / torch: the median of the
 per-round ratios with their interquartile range.
 
-    torchrun --nproc-per-node 2 benchmarks/vs_torch_pipelining.py --hidden 512 64 --schedules gpipe 1f1b
-    torchrun --nproc-per-node 4 benchmarks/vs_torch_pipelining.py --model gpt --hidden 128 \\
+    torchrun --nproc-per-node 2 benchmarks/overhead/vs_torch_pipelining.py --hidden 512 64 --schedules gpipe 1f1b
+    torchrun --nproc-per-node 4 benchmarks/overhead/vs_torch_pipelining.py --model gpt --hidden 128 \\
         --schedules gpipe 1f1b interleaved_1f1b zbv
-    torchrun --nproc-per-node 4 benchmarks/vs_torch_pipelining.py --model sleep --schedules 1f1b zbv
-    torchrun --nproc-per-node 4 benchmarks/vs_torch_pipelining.py --model sleep --microbatches 6 \\
+    torchrun --nproc-per-node 4 benchmarks/overhead/vs_torch_pipelining.py --model sleep --schedules 1f1b zbv
+    torchrun --nproc-per-node 4 benchmarks/overhead/vs_torch_pipelining.py --model sleep --microbatches 6 \\
         --schedules interleaved_1f1b interleaved_zb   # m not a multiple of p: torch's flexible rule
 
 Models: ``mlp`` (Linear + GELU layers of width --hidden, --layers-per-stage per stage), ``gpt``
@@ -34,16 +34,17 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
-from results import append_result, microbatches, mse  # noqa: E402  (benchmarks/results.py)
-from sleep_tools import shared_sleep_profile, sleep_costs  # noqa: E402  (benchmarks/sleep_tools.py)
+from benchmarks.runner import append_result, benchmark_parser, median_ratio, medians, microbatches, mse, slowest_seconds  # noqa: E402
+from benchmarks.sleep_tools import shared_sleep_profile, sleep_costs  # noqa: E402
 from pipeflow.models.gpt import Block, GPTConfig  # noqa: E402
 from pipeflow.models.sleep import SleepLayer  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
@@ -173,19 +174,7 @@ def timed(runner: Runner, device: torch.device) -> tuple[float, torch.Tensor | N
     On CUDA the GPU is drained before the clock starts and again before it stops (a step's
     host code returns once its kernels are queued), and the time travels in a tensor on the
     GPU (NCCL reduces only CUDA tensors)."""
-    dist.barrier()
-    _synchronize(device)
-    start = time.perf_counter()
-    loss = runner.step()
-    _synchronize(device)
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took), loss
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return slowest_seconds(runner.step, device)
 
 
 def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.device) -> dict:
@@ -223,15 +212,15 @@ def compare(name: str, hidden: int, args: argparse.Namespace, device: torch.devi
     dist.all_gather_object(gathered, diff)
     row = {
         "model": args.model, "hidden": hidden, "p": p, "schedule": name,
-        "pipeflow": statistics.median(times["pipeflow"]), "torch": statistics.median(times["torch"]),
+        **medians({fw: times[fw] for fw in ("pipeflow", "torch")}),
         "ratio": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2],
         "loss_diff": max((d for d in gathered if d == d), default=float("nan")),
         "recvs": {True: "ahead", False: "at step", None: "-"}[runners["pipeflow"].pipeline.posting.tuner.choice],
     }
     if "floor" in times:
         row["floor"] = statistics.median(times["floor"])
-        row["over_floor"] = statistics.median(a / b for a, b in zip(times["pipeflow"], times["floor"]))
-        row["torch_over_floor"] = statistics.median(a / b for a, b in zip(times["torch"], times["floor"]))
+        row["over_floor"] = median_ratio(times["pipeflow"], times["floor"])
+        row["torch_over_floor"] = median_ratio(times["torch"], times["floor"])
     if args.model == "sleep":
         costs = {"F": args.sleep_ms / 1e3, "B": args.sleep_ms / 1e3, "W": args.sleep_ms / 1e3}
         row["makespan"] = simulate(schedule, costs=costs).makespan
@@ -243,7 +232,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     """The results as a Markdown table."""
     sleep = args.model == "sleep"
     head = ("| model | width | ranks | schedule | pipeflow step (ms) | torch step (ms) | pipeflow / torch (median) "
-            "| IQR of the ratio | loss rel. diff | pipeflow recvs (comm.recvs_ahead=auto) |")
+            "| IQR of the ratio | loss rel. diff | pipeflow recvs (comm.post_recvs=auto) |")
     floor = sleep and "floor" in rows[0]
     if sleep:
         head += (" simulated makespan (ms) | pipeflow / makespan | torch / makespan "
@@ -272,7 +261,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--model", choices=("mlp", "gpt", "sleep"), default="mlp")
     parser.add_argument("--hidden", type=int, nargs="+", default=[512, 64])
     parser.add_argument("--layers-per-stage", type=int, default=4)
@@ -283,9 +272,8 @@ def main() -> None:
     parser.add_argument("--sleep-ms", type=float, default=10.0, help="F = B = W cost (sleep)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=AheadTuner().steps_to_decide,
-                        help="untimed rounds first (default: until comm.recvs_ahead=auto has chosen)")
+                        help="untimed rounds first (default: until comm.post_recvs=auto has chosen)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     args = parser.parse_args()
     if args.model == "sleep":
         args.hidden = args.hidden[:1]

@@ -1,6 +1,6 @@
 """What ``parallel.tp`` saves and costs: tensor bytes per rank and step time for tp = 1, 2, 4.
 
-    python benchmarks/tensor_parallel.py --pp 1 --tps 1 2 4 --steps 12 --out benchmarks/RESULTS.md
+    python benchmarks/features/tensor_parallel.py --pp 1 --tps 1 2 4 --steps 12 --out benchmarks/RESULTS.md
 
 For each tensor-parallel degree tp (world pp x tp, spawned gloo ranks, dp = 1), the same job (a
 GPT wider than the default one, ``train.py``'s own :func:`~pipeflow.run.builder.build_run`) is
@@ -31,11 +31,11 @@ import time
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from benchmarks.results import report, spawn_per_degree  # noqa: E402
-from benchmarks.sharding import compose  # noqa: E402
+from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_per_degree  # noqa: E402
+from benchmarks.features.sharding import compose  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
 from pipeflow.runtime.fsdp import local  # noqa: E402
 from pipeflow.runtime.memory import optimizer_state  # noqa: E402
@@ -94,9 +94,8 @@ def measure(trainer, tp: int) -> dict[str, float]:
             "optimizer": _bytes(optimizer_state(trainer.optimizer)), "whole": whole, "expected": expected}
 
 
+@gloo_worker()
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     tp = world // args.pp
     trainer = build_run(compose(overrides(args, tp, os.path.join(args.tmp, f"tp{tp}"))), torch.device("cpu"))
     memory: dict[str, float] = {}
@@ -123,8 +122,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     trainer.close()
     if rank == 0:
         queue.put(everyone)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def _mb(nbytes: float) -> str:
@@ -167,7 +164,7 @@ def table(results: dict[int, list], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python benchmarks/tensor_parallel.py", description=__doc__.split("\n")[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--pp", type=int, default=1, help="pipeline degree (fixed; world = pp x tp)")
     parser.add_argument("--tps", type=int, nargs="+", default=[1, 2, 4], help="tensor-parallel degrees")
     parser.add_argument("--schedule", default="1f1b")
@@ -180,7 +177,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="model.n_layer")
     parser.add_argument("--sequence-parallel", action="store_true", help="parallel.sequence_parallel=true")
     parser.add_argument("--steps", type=int, default=12, help="timed steps per degree")
-    parser.add_argument("--out", default=None, help="also append the tables to this file")
     args = parser.parse_args()
     results = spawn_per_degree(worker, args, args.tps, "tp")
     report("parallel.tp: tensor bytes per rank and step time", table(results, args), args.out)

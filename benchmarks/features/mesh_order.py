@@ -16,7 +16,7 @@ faster order's).  For every run the start-of-run prediction (``predicted step``,
 with each boundary on its measured link and the measured dp reduction) is set against the
 measured median step.
 
-    python benchmarks/mesh_order.py --rounds 3 --rate-mbit 200
+    python benchmarks/features/mesh_order.py --rounds 3 --rate-mbit 200
 """
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 from hosts import launch_on_hosts, outputs  # noqa: E402
 from examples.emulated_hosts import EmulatedHosts, unavailable  # noqa: E402
 
-COMMON = ["train.dtype=float32", "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false",
+COMMON = ["train.param_dtype=float32", "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false",
           "pipeline.profile=true", "parallel.dp=2", "parallel.pp=2", "data.num_tokens=200000",
           "comm.timeout_s=60", "comm.first_step_timeout_s=120", "comm.join_timeout_s=120"]
 MODELS = {
@@ -52,7 +52,7 @@ def run(model: str, order: str, steps: int, rate_mbit: float) -> dict:
                                                 f"train.max_steps={steps}", f"train.log_every={steps}",
                                                 f"train.run_dir={run_dir}"], timeout_s=600), timeout_s=660)
     text = texts[0]
-    median = re.search(r"INFO median step ([\d.]+) ms \|", text)  # the summary line, not recvs_ahead's
+    median = re.search(r"INFO median step ([\d.]+) ms \|", text)  # the summary line, not post_recvs's
     predicted = re.search(r"predicted step ([\d.]+) ms", text)
     chosen = re.search(r"mesh order (\[\w+,\w+,\w+\])", text)
     if median is None or predicted is None or chosen is None:
@@ -62,7 +62,7 @@ def run(model: str, order: str, steps: int, rate_mbit: float) -> dict:
 
 def main() -> None:
     """Measure both orders of both models, then auto's pick; print one line per case."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/features/mesh_order.py", description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rate-mbit", type=int, default=200)

@@ -16,7 +16,7 @@ rounds, in microseconds):
   wait         waiting for transfers: the schedule's own bubble, a peer's lateness, the wake-up
   interpreter  the rest of the step: the program loop, inbox, buffers, shape checks, recording
 
-    python benchmarks/overhead.py --ranks 2 4 8 --microbatches 8 32 \\
+    python benchmarks/overhead/breakdown.py --ranks 2 4 8 --microbatches 8 32 \\
         --schedules 1f1b interleaved_1f1b zb_h1 zbv --rounds 8 --out benchmarks/RESULTS.md
 """
 from __future__ import annotations
@@ -24,20 +24,20 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import os
 import statistics
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
-from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
+from benchmarks.runner import benchmark_parser, gloo_worker, median_ratio, medians, report, spawn_ranks  # noqa: E402
 
 PARTS = ("sleep late", "stage", "post", "wait", "interpreter")
 
@@ -78,15 +78,13 @@ def sleeps_of(schedule: Any, rank: int) -> int:
     return sum(2 if a.kind == BACKWARD and Action(WEIGHT, a.microbatch, a.stage) not in mine else 1 for a in mine)
 
 
+@gloo_worker(timeout=datetime.timedelta(seconds=600))
 def worker(rank: int, ranks: int, port: int, args: argparse.Namespace, queue) -> None:
     """Every (schedule, m) case on this world; rank 0 puts the rows on the queue."""
-    import vs_torch_pipelining as vs
+    from benchmarks.overhead import vs_torch_pipelining as vs
     from pipeflow.runtime.transport import P2PComm
     from pipeflow.schedules import build_schedule, simulate
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks,
-                            timeout=datetime.timedelta(seconds=600))
     counters = Counters()
     real_sleep = time.sleep
     time.sleep = counters.timed("sleep", real_sleep)  # the sleep layers' and the floor's alike
@@ -134,10 +132,8 @@ def worker(rank: int, ranks: int, port: int, args: argparse.Namespace, queue) ->
             dist.all_gather_object(per_rank, (mine, actions))
             if rank == 0:
                 row = {"p": ranks, "schedule": name, "m": m, "ideal": ideal,
-                       **{fw: statistics.median(ts) for fw, ts in times.items()},
-                       "ratio_floor": statistics.median(a / b for a, b in zip(times["pipeflow"], times["floor"])),
-                       "ratio_torch": (statistics.median(a / b for a, b in zip(times["pipeflow"], times["torch"]))
-                                       if "torch" in times else None),
+                       **medians(times), "ratio_floor": median_ratio(times["pipeflow"], times["floor"]),
+                       "ratio_torch": median_ratio(times["pipeflow"], times["torch"]) if "torch" in times else None,
                        "parts": {fw: [statistics.mean(r[0][fw][j] / r[1] for r in per_rank) for j in range(len(PARTS))]
                                  for fw in ("pipeflow", "floor")}}
                 rows.append(row)
@@ -146,7 +142,6 @@ def worker(rank: int, ranks: int, port: int, args: argparse.Namespace, queue) ->
     time.sleep = real_sleep
     if rank == 0:
         queue.put(rows)
-    dist.destroy_process_group()
 
 
 def tables(rows: list[dict], args: argparse.Namespace) -> str:
@@ -174,7 +169,7 @@ def tables(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--ranks", type=int, nargs="+", default=[4])
     parser.add_argument("--schedules", nargs="+", default=["1f1b"])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8])
@@ -182,8 +177,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed rounds first (default: until comm.recvs_ahead=auto has chosen)")
-    parser.add_argument("--out", default=None, help="append the tables to this Markdown file")
+                        help="untimed rounds first (default: until comm.post_recvs=auto has chosen)")
     args = parser.parse_args()
     if args.warmup is None:
         from pipeflow.runtime.posting import AheadTuner

@@ -1,6 +1,6 @@
 """Predicted against measured tensor memory per rank, every schedule, on the default job.
 
-    python benchmarks/tensor_memory.py --ranks 4 --out benchmarks/RESULTS.md
+    python benchmarks/predictions/tensor_memory.py --ranks 4 --out benchmarks/RESULTS.md
 
 One torchrun sweep of ``train.py`` (the default GPT, p = --ranks, m = 8) over every built-in
 schedule; each job measures its tensor bytes (``pipeflow.runtime.memory``: parameters, grads,
@@ -18,11 +18,12 @@ import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-from results import report  # noqa: E402  (benchmarks/results.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
+from benchmarks.runner import benchmark_parser, report  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_h1", "zb_h2", "interleaved_zb", "zbv",
              "v_half", "v_min", "dualpipev", "auto")
 TARGET = 0.10
@@ -99,11 +100,10 @@ def sample_cost_ms(held: int = 4, repeats: int = 200) -> tuple[float, float, int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
-    parser.add_argument("--out", default=None, help="append the table to this Markdown file")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every job (after --)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as sweep_dir:

@@ -1,6 +1,6 @@
 """What micro-batches of different shapes cost the runtime, side by side in one run.
 
-    python benchmarks/variable_shapes.py --ranks 4 --microbatches 8 --steps 30 --repeats 5
+    python benchmarks/features/variable_shapes.py --ranks 4 --microbatches 8 --steps 30 --repeats 5
 
 The default job's GPT on p gloo ranks, 1F1B, m micro-batches, three pipelines over the same
 stages, run round robin, step by step (the slowest rank's step time, medians):
@@ -11,23 +11,20 @@ stages, run round robin, step by step (the slowest rank's step time, medians):
   again), so attention's L^2 and the pipeline's real imbalance are the same as in ``variable``
   and the ratio is the cost of learning shapes per step;
 - ``renegotiate`` against ``per-step``: one length per step for all of its micro-batches,
-  changing every step, served by ``comm.dynamic_shapes=true`` (a broadcast per step, the shape
+  changing every step, served by ``comm.shapes=per_step`` (a broadcast per step, the shape
   chain again when it changed) and by ``per_microbatch`` shapes.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
-from benchmarks.results import report, spawn_ranks  # noqa: E402
+from benchmarks.runner import benchmark_parser, gloo_worker, medians, report, slowest_seconds, spawn_ranks  # noqa: E402
 from pipeflow.models import build_gpt  # noqa: E402
 from pipeflow.planning.partition import partition_layers  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
@@ -51,20 +48,15 @@ def timed(pipe: Pipeline, data: tuple, weights: list[float]) -> float:
     last = pipe.schedule.num_stages - 1
     inputs = data[0] if 0 in pipe.stages else None
     targets = data[1] if last in pipe.stages else None
-    dist.barrier()
-    start = time.perf_counter()
-    pipe.run(inputs, targets, loss_weights=weights)
-    elapsed = torch.tensor([time.perf_counter() - start])
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    took, _ = slowest_seconds(lambda: pipe.run(inputs, targets, loss_weights=weights))
     for stage in pipe.stages.values():
         for p in stage.parameters():
             p.grad = None
-    return float(elapsed)
+    return took
 
 
+@gloo_worker()
 def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     m, seq = args.microbatches, args.seq_len
     spec = build_gpt(vocab_size=VOCAB, block_size=seq, n_layer=args.layers, n_head=4, n_embd=args.width)
     schedule = build_schedule("1f1b", p, m)
@@ -74,7 +66,7 @@ def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue) -> Non
     posting = Posting(True)  # recvs a step ahead in every pipeline: only the shape handling differs
     pipes = {name: Pipeline(stages, schedule, comm, shapes, posting=posting)
              for name, shapes in (("variable", "per_microbatch"), ("given", "per_microbatch"),
-                                  ("renegotiate", "dynamic"), ("per-step", "per_microbatch"))}
+                                  ("renegotiate", "per_step"), ("per-step", "per_microbatch"))}
     lengths = [seq - (k * seq) // (2 * m) for k in range(m)]  # seq down to about seq / 2
     per_step = [seq - (k * seq) // 8 for k in range(4)]  # one length a step, cycling
     times: dict[str, list[float]] = {name: [] for name in pipes}
@@ -87,13 +79,11 @@ def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue) -> Non
             if step >= args.warmup:
                 times[name].append(t)
     if rank == 0:
-        queue.put({name: statistics.median(ts) for name, ts in times.items()})
-    dist.barrier()
-    dist.destroy_process_group()
+        queue.put(medians(times))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python benchmarks/variable_shapes.py", description=__doc__.split("\n")[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch")
@@ -103,7 +93,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per repeat")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default=None, help="also append the table to this file")
     args = parser.parse_args()
     medians = spawn_ranks(worker, args)
     v, g, r, s = (1e3 * medians[k] for k in ("variable", "given", "renegotiate", "per-step"))
@@ -117,7 +106,7 @@ def main() -> None:
         f"| lengths differ within a step | per-micro-batch shapes, learned every step | {v:.2f} | {v / g:.3f} |",
         f"| lengths differ within a step | the same plan given in advance | {g:.2f} | 1 |",
         f"| one length a step, changing | per-micro-batch shapes | {s:.2f} | {s / r:.3f} |",
-        f"| one length a step, changing | comm.dynamic_shapes=true (broadcast, renegotiate) | {r:.2f} | 1 |",
+        f"| one length a step, changing | comm.shapes=per_step (broadcast, renegotiate) | {r:.2f} | 1 |",
     ])
     report("Variable shapes", text, args.out)
 

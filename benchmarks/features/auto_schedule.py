@@ -1,6 +1,6 @@
 """``schedule=auto`` against the built-in schedules on uneven sleep-stages, side by side in one run.
 
-    python benchmarks/auto_schedule.py --ranks 4 --microbatches 8 --steps 10 --repeats 5
+    python benchmarks/features/auto_schedule.py --ranks 4 --microbatches 8 --steps 10 --repeats 5
 
 A model of `--layers` sleep layers (F, B and W each `--ms` of wall time, without using the CPU)
 whose last quarter costs `--heavy` times as much (a heavy head, say), split into equal layer
@@ -13,18 +13,17 @@ median step of the slowest rank beside the simulated makespan, and auto over the
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 import sys
-import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
-from results import report, spawn_ranks  # noqa: E402  (benchmarks/results.py)
-from sleep_tools import sleep_batch  # noqa: E402  (benchmarks/sleep_tools.py)
+from benchmarks.runner import alternate_rounds, benchmark_parser, gloo_worker, medians, report, spawn_ranks  # noqa: E402
+from benchmarks.sleep_tools import sleep_batch  # noqa: E402
 from pipeflow.models.sleep import SleepLayer, sleep_loss  # noqa: E402
 from pipeflow.models.spec import LayerSpec, ModelSpec  # noqa: E402
 from pipeflow.planning.partition import partition_layers  # noqa: E402
@@ -66,9 +65,8 @@ def candidates(p: int, m: int, args: argparse.Namespace) -> dict[str, object]:
     return chosen
 
 
+@gloo_worker()
 def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     m = args.microbatches
     costs_ms = layer_ms(args)
     spec = ModelSpec("uneven-sleep", [LayerSpec(f"sleep.{k}", SleepLayer, (c, c, c)) for k, c in enumerate(costs_ms)],
@@ -82,25 +80,20 @@ def worker(rank: int, p: int, port: int, args: argparse.Namespace, queue) -> Non
         pipes[name] = (Pipeline(stages, schedule, comm, posting=Posting(True)), schedule.num_stages)
         stage_s = [sum(costs_ms[i] for i in r) / 1e3 for r in ranges]
         makespans[name] = simulate(schedule, costs=lambda a, c=stage_s: c[a.stage], comm_latency=args.comm_ms / 1e3).makespan
-    times: dict[str, list[float]] = {name: [] for name in pipes}
-    for step in range(args.warmup + args.steps * args.repeats):
-        for name, (pipe, S) in pipes.items():
+    def step_of(pipe: Pipeline, S: int) -> Callable[[int], Callable[[], Any]]:
+        def prepare(_: int) -> Callable[[], Any]:
             inputs, targets = sleep_batch(m)
-            dist.barrier()
-            start = time.perf_counter()
-            pipe.run(inputs if 0 in pipe.stages else None, targets if S - 1 in pipe.stages else None)
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= args.warmup:
-                times[name].append(float(elapsed))
+            return lambda: pipe.run(inputs if 0 in pipe.stages else None, targets if S - 1 in pipe.stages else None)
+        return prepare
+
+    times = alternate_rounds({name: step_of(pipe, S) for name, (pipe, S) in pipes.items()},
+                             args.steps * args.repeats, warmup=args.warmup)
     if rank == 0:
-        queue.put({name: (statistics.median(ts), makespans[name]) for name, ts in times.items()})
-    dist.barrier()
-    dist.destroy_process_group()
+        queue.put({name: (median, makespans[name]) for name, median in medians(times).items()})
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python benchmarks/auto_schedule.py", description=__doc__.split("\n")[0])
+    parser = benchmark_parser(__file__, __doc__)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--layers", type=int, default=16, help="sleep layers (a multiple of every stage count)")
@@ -112,7 +105,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     args.limit = float(args.ranks) if args.limit is None else args.limit
     results = spawn_ranks(worker, args)

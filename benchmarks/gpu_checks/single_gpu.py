@@ -1,6 +1,6 @@
 """The CUDA code paths one GPU can exercise (no second GPU for NCCL between ranks).
 
-    python benchmarks/gpu_single.py --out results.md
+    python benchmarks/gpu_checks/single_gpu.py --out results.md
 
 Checks, each printed as one line ``PASS|FAIL name: detail`` and written to --out:
 
@@ -29,23 +29,23 @@ Exits non-zero if any check fails; without CUDA it says so and exits 2.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tree's root: its pipeflow, benchmarks.runner
 
 from pipeflow.runtime.events import CudaEventClock, EventRecorder, HostClock  # noqa: E402
 from pipeflow.runtime.transport import DeadlineWatchdog, P2PComm  # noqa: E402
 from pipeflow.runtime.pipeline import Pipeline  # noqa: E402
 from pipeflow.schedules import build_schedule  # noqa: E402
 from pipeflow.runtime.stage import Stage  # noqa: E402
-from results import mse  # noqa: E402  (benchmarks/results.py)
+from benchmarks.runner import benchmark_parser, mse  # noqa: E402
 
 DEVICE = torch.device("cuda", 0)
 
@@ -228,11 +228,10 @@ def check_event_timing() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
+    parser = benchmark_parser(__file__, __doc__)
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("gpu_single.py needs a CUDA device; none here, nothing checked", flush=True)
+        print("single_gpu.py needs a CUDA device; none here, nothing checked", flush=True)
         sys.exit(2)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -1,6 +1,6 @@
 """Check what a `train.py` run on CUDA measured: its trace and its log (used by gpu_check.sh).
 
-    python benchmarks/gpu_run_check.py RUN_DIR LOG [--expect TEXT ...]
+    python benchmarks/gpu_checks/run_figures.py RUN_DIR LOG [--expect TEXT ...]
 
 From ``RUN_DIR/trace.json`` (``metrics.trace_steps``), per traced step and rank: compute time
 (F/B/W, timed by CUDA events) must be > 0 and the rank's bubble ``1 - compute / span`` in
@@ -32,7 +32,7 @@ def trace_figures(path: str) -> list[tuple[int, int, float, float]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python benchmarks/gpu_checks/run_figures.py", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir")
     parser.add_argument("log")
     parser.add_argument("--expect", nargs="*", default=[], help="texts the log must contain")
