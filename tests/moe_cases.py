@@ -20,6 +20,7 @@ from pipeflow.models import build_gpt
 from pipeflow.models.aux_loss import aux_loss_scope
 from pipeflow.models.spec import run_layers
 from pipeflow.planning.partition import partition_layers
+from pipeflow.runtime.events import EventRecorder
 from pipeflow.runtime.expert_parallel import is_expert_parameter, split_experts
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.routing import RoutingSync
@@ -72,12 +73,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return err / scale if scale > 0 else err
 
 
+def _interleaving(pipe: Pipeline, events: list) -> dict[str, int]:
+    """How many of this rank's overlapped pairs had an exchange of their B recorded before their F
+    ended (and how many pairs ran): the sub-steps of two micro-batches interleaved."""
+    program = pipe.programs[pipe.posting.for_training(pipe._coalescing)]
+    spans = {e.name: (e.start, e.end) for e in events if e.kind in ("F", "B", "W")}
+    exchanges = sorted(e.start for e in events if e.kind == "a2a")
+    pairs = [(str(program[k].action), str(program[k + 1].action)) for k in range(len(program) - 1) if program[k + 1].paired]
+    interleaved = sum(1 for f, b in pairs
+                      if any(spans[b][0] <= t <= spans[f][1] for t in exchanges) and spans[b][0] < spans[f][1])
+    return {"pairs": len(pairs), "interleaved": interleaved}
+
+
 def moe_equivalence(schedule: str, m: int, checkpoint_every: int = 0, balance: str = "aux_loss",
                     capacity: float | None = None, variable: bool = False, every: int = 1, steps: int = 2,
-                    ep: bool | str = False) -> dict[str, Any]:
+                    ep: bool | str = False, overlap: bool = True) -> dict[str, Any]:
     """Train the MoE GPT pipelined (pp 2 x dp world/2) and unsplit; worst relative differences.
     With `ep`, each stage's experts are split over its dp ranks (ep = dp; None on one process pair);
-    ``ep="where_dp"``: split where there are dp ranks, else run as without."""
+    ``ep="where_dp"``: split where there are dp ranks, else run as without.  `overlap`:
+    ``pipeline.overlap_pairs`` (dualpipev's pairs interleaved); with it and ep the last step is
+    recorded, and ``interleaved`` counts the pairs whose B computed (an exchange of it recorded)
+    before their F ended, ``pairs`` the pairs."""
     pipe_group, dp_group = _groups()
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, d = world // 2, rank // 2
@@ -90,10 +106,12 @@ def moe_equivalence(schedule: str, m: int, checkpoint_every: int = 0, balance: s
     ranges = partition_layers(len(spec.layers), plan.num_stages, names=spec.layer_names())
     comm = P2PComm(pipe_group, torch.device("cpu"), timeout_s=60.0)
     stages = build_stages(spec, ranges, plan.stages_of(comm.rank), dtype=DTYPE, checkpoint_every=checkpoint_every)
-    pipe = Pipeline(stages, plan, comm, shapes="per_microbatch" if variable else "static")
+    recorder = EventRecorder()
+    pipe = Pipeline(stages, plan, comm, shapes="per_microbatch" if variable else "static", recorder=recorder,
+                    overlap_pairs=overlap)
     mine = layers_by_index(stages, ranges)
     if ep:  # the dp group is the ep group: each rank keeps E / dp experts of every MoE layer
-        split_experts(mine.values(), dp_group, dp)
+        split_experts(mine.values(), dp_group, dp, recorder)
     sync = RoutingSync(mine, len(spec.layers), EXPERTS)
     reference = spec.build_all(dtype=DTYPE)
     ref_sync = RoutingSync(dict(enumerate(reference)), len(spec.layers), EXPERTS)
@@ -120,7 +138,11 @@ def moe_equivalence(schedule: str, m: int, checkpoint_every: int = 0, balance: s
         ref_figures = ref_sync.figures(ref_stats.tolist(), 1)
         inputs = [as_tuple(x) for x, _ in data[d]] if 0 in stages else None
         targets = [y for _, y in data[d]] if last in stages else None
+        if ep and step == steps - 1:
+            recorder.start()
         loss = pipe.run(inputs, targets, loss_weights=weights[d])
+        if recorder.on:
+            worst.update(_interleaving(pipe, recorder.stop()))
         own = torch.zeros(1, dtype=DTYPE) if loss is None else loss.detach().reshape(1) / dp
         packet = torch.cat([own, sync.packet(torch.device("cpu"))])
         dist.all_reduce(packet)  # the Trainer's one all-reduce: loss and the routers' statistics

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pipeflow.run.config import MetricsConfig, ParallelConfig
 from pipeflow.runtime.events import CudaEventClock, EventRecorder, HostClock, TimedEvent, clock_for
 
 
@@ -99,8 +100,8 @@ def test_run_metrics_time_the_step_by_the_recorders_clock(monkeypatch) -> None:
     from pipeflow.schedules import build_schedule
 
     monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
-    cfg = SimpleNamespace(metrics=SimpleNamespace(log_every=100, trace_steps=[], tensorboard=False, progress_bar=False),
-                          train=SimpleNamespace(log_every=100, max_steps=10))
+    cfg = SimpleNamespace(metrics=MetricsConfig(log_every=100, trace_steps=[], tensorboard=False, progress_bar=False),
+                          train=SimpleNamespace(log_every=100, max_steps=10), parallel=ParallelConfig())
     recorder = EventRecorder(ScriptedClock())
     schedule = build_schedule("1f1b", 2, 2)
     run = metrics.RunMetrics(cfg, recorder, 0, 2, None, "unused", predict(schedule, [range(0, 1), range(1, 2)], None),
@@ -141,9 +142,9 @@ def test_on_cuda_only_the_traced_memory_and_every_nth_step_are_timed(monkeypatch
     from pipeflow.schedules import build_schedule
 
     monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
-    cfg = SimpleNamespace(metrics=SimpleNamespace(log_every=100, trace_steps=[5], tensorboard=False, progress_bar=False,
-                                                  memory_steps=[1], timed_every=10),
-                          train=SimpleNamespace(log_every=100, max_steps=40))
+    cfg = SimpleNamespace(metrics=MetricsConfig(log_every=100, trace_steps=[5], tensorboard=False, progress_bar=False,
+                                                memory_steps=[1], timed_every=10),
+                          train=SimpleNamespace(log_every=100, max_steps=40), parallel=ParallelConfig())
     schedule = build_schedule("1f1b", 2, 2)
     prediction = predict(schedule, [range(0, 1), range(1, 2)], None)
     cuda = metrics.RunMetrics(cfg, EventRecorder(CudaEventClock(torch.device("cuda", 0))), 0, 2, None, "unused",
@@ -152,3 +153,27 @@ def test_on_cuda_only_the_traced_memory_and_every_nth_step_are_timed(monkeypatch
     assert [s for s in range(40) if cuda.timed(s)] == [1, 2, 5, 12, 22, 32]  # memory, warm-up done, traced, every 10th
     cpu = metrics.RunMetrics(cfg, EventRecorder(), 0, 2, None, "unused", prediction, (8, None))
     assert all(cpu.timed(s) for s in range(40))
+
+
+def test_an_overlapped_pairs_second_action_and_the_exchanges_get_threads_of_their_own() -> None:
+    """Issue 46: in the Chrome trace an action that starts before the rank's previous one ended (an
+    overlapped pair's B) lies on the rank's "overlapped pair" thread, the all_to_alls on theirs;
+    ``span`` records only while the recorder is on."""
+    from pipeflow.observability.trace import chrome_trace
+    from pipeflow.runtime.events import span
+
+    timed = [("F", "0F1", 0.0, 3.0), ("a2a", "dispatch", 1.0, 2.0), ("B", "3B0", 1.5, 4.0), ("F", "3F2", 4.0, 5.0)]
+    trace = chrome_trace({0: [(0, 0.0, 5.0, timed)]})
+    tids = {e["name"]: e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert tids == {"0F1": 0, "all_to_all dispatch": 2, "3B0": 1, "3F2": 0}
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {0: "pipeline", 1: "overlapped pair", 2: "all_to_all"}
+    recorder = EventRecorder()
+    with span(recorder, "F", "0F0"):
+        pass
+    recorder.start()
+    with span(recorder, "B", "0B0"):
+        pass
+    with pytest.raises(ValueError), span(recorder, "W", "0W0"):  # an action that failed is not recorded
+        raise ValueError
+    assert [(e.kind, e.name) for e in recorder.stop()] == [("B", "0B0")]

@@ -53,3 +53,14 @@ def test_show_draws_the_offload_copies_beside_f_and_b(tmp_path, capsys: pytest.C
     assert path == out and out.stat().st_size > 0 and bubble == 0.0
     assert main(["schedule=gpipe", "parallel.pp=1", "pipeline.offload=sometimes", f"--out={out}"]) == 2
     assert "pipeline.offload" in capsys.readouterr().err
+
+
+def test_an_overlapped_pair_is_drawn_in_two_lanes_of_its_row() -> None:
+    """Issue 46: a rank's actions that overlap in time (an overlapped pair's F and B) share its row,
+    the earlier on the upper half, the later below; the others fill the row."""
+    from pipeflow.schedules.ir import Action
+    from pipeflow.schedules.pictures import _pair_lanes
+
+    timeline = [(0, Action("F", 0, 0), 0.0, 1.0), (0, Action("F", 1, 0), 1.0, 3.0), (0, Action("B", 0, 1), 2.0, 4.0),
+                (1, Action("F", 0, 1), 1.0, 2.0), (0, Action("W", 0, 1), 4.0, 5.0)]
+    assert _pair_lanes(timeline) == {1: 0, 2: 1}

@@ -136,6 +136,9 @@ MOE_CASES = {  # name: (schedule, m, overrides); pp 2 x dp (world / 2), a mixtur
     "moe-zb_h1-m4-ckpt-ep_p4": ("zb_h1", 4, {"checkpoint_every": 1, "ep": "where_dp"}),
     "moe-zbv-m4-variable-every2": ("zbv", 4, {"variable": True, "every": 2}),
     "moe-dualpipev-m4-ckpt2-ep_p4": ("dualpipev", 4, {"checkpoint_every": 2, "ep": "where_dp"}),
+    # issue 46: the same with pipeline.overlap_pairs=false (each pair F, then B): the same numbers
+    "moe-dualpipev-m4-ckpt2-ep_p4-sequential": ("dualpipev", 4, {"checkpoint_every": 2, "ep": "where_dp",
+                                                                  "overlap": False}),
     "moe-1f1b-m3-bias-capacity": ("1f1b", 3, {"balance": "bias", "capacity": 1.0}),
     # expert parallelism, ep = dp = 2 (4 processes only): each rank keeps half the experts, all_to_all
     "moe-ep-1f1b-m4": ("1f1b", 4, {"ep": True}),
@@ -254,6 +257,14 @@ def test_pipelined_moe_equals_unsplit_model_aux_loss_included(world, name: str) 
     if name == "moe-ep-1f1b-m4":  # each rank holds half the expert parameters it holds without ep
         without = _values(results["moe-1f1b-m4"])
         assert all(2 * v["expert_params"] == w["expert_params"] > 0 for v, w in zip(values, without))
+    if name == "moe-dualpipev-m4-ckpt2-ep_p4" and p == 4:  # issue 46: the pairs ran interleaved ...
+        for rank, v in enumerate(values):  # ... each B computed (an exchange of it) before its F ended
+            assert v["pairs"] > 0 and v["interleaved"] == v["pairs"], f"rank {rank}: {v}"
+        sequential = _values(results[f"{name}-sequential"])  # ... and changed no number
+        for v, w in zip(values, sequential):
+            assert w["pairs"] == 0
+            for key in ("loss", "grad", "param", "aux"):
+                assert abs(v[key] - w[key]) <= 1e-12, (key, v[key], w[key])
 
 
 @pytest.mark.parametrize("name", [name for name, _ in _memory_cases()])
@@ -323,7 +334,7 @@ def test_shape_change_without_dynamic_shapes_is_a_clear_error(world) -> None:
     texts = _values(results["shape-change-error"])
     assert texts[0].startswith("ShapeMismatchError"), texts[0]
     assert "stage 0 (rank 0)" in texts[0] and "stage 1 (rank 1)" in texts[0]
-    assert "comm.dynamic_shapes=true" in texts[0]
+    assert "comm.shapes=per_step" in texts[0]
     assert "[6, 16]" in texts[0] and "[12, 16]" in texts[0]  # micro-batch now vs negotiated
     # rank 1 waited for micro-batch 0 of stage 0 and timed out with a message that says so
     assert texts[1].startswith("PipelineTimeoutError"), texts[1]

@@ -20,9 +20,7 @@ from pipeflow.schedules import (
     LAYOUTS,
     Action,
     PipelineSchedule,
-    Program,
     SimResult,
-    Step,
     build_schedule,
     interleaved_1f1b,
     load_schedule,
@@ -32,9 +30,10 @@ from pipeflow.schedules import (
     simulate,
     v_placement,
 )
-from pipeflow.schedules.lowering import recvs_needed, sends_produced
+from pipeflow.schedules.lowering import recvs_needed
 from pipeflow.schedules.compare import compare, markdown
 from pipeflow.schedules.timing import asap
+from plain_pairing import pairing_lower
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKS, CHUNKS, MICRO = range(1, 9), range(1, 5), range(1, 25)
@@ -104,7 +103,7 @@ def test_sweep_every_accepted_combination_is_valid(name: str) -> None:
 def test_rejections_name_the_valid_values(name: str) -> None:
     needed, _ = LAYOUTS[name]
     if needed is not None:
-        with pytest.raises(ScheduleError, match=f"pipeline.stages_per_rank={needed}"):
+        with pytest.raises(ScheduleError, match=f"schedule.stages_per_rank={needed}"):
             build_schedule(name, 4, 8, stages_per_rank=needed + 1)
     with pytest.raises(ScheduleError, match="at least 1"):
         build_schedule(name, 0, 8)
@@ -113,9 +112,9 @@ def test_rejections_name_the_valid_values(name: str) -> None:
 def test_specific_rejections() -> None:
     with pytest.raises(ScheduleError, match=r"at least 2p = 8 micro-batches.*valid.*8, 9"):
         build_schedule("dualpipev", 4, 7)
-    with pytest.raises(ScheduleError, match="cannot use pipeline.placement=v; it needs: loop"):
+    with pytest.raises(ScheduleError, match="cannot use schedule.placement=v; it needs: loop"):
         build_schedule("1f1b", 4, 8, placement="v")
-    with pytest.raises(ScheduleError, match="cannot use pipeline.placement=loop; it needs: v"):
+    with pytest.raises(ScheduleError, match="cannot use schedule.placement=loop; it needs: v"):
         build_schedule("zbv", 4, 8, placement="loop")
     with pytest.raises(ScheduleError, match="unknown placement 'zigzag'; valid: loop, v"):
         build_schedule("zbv", 4, 8, placement="zigzag")
@@ -256,7 +255,7 @@ def test_zb_h2_memory_and_makespan() -> None:
 def test_controllable_memory_bounds(name: str, bound) -> None:
     """V-Half holds at most p/2 + 1, V-Min ceil(p/3) + 1 micro-batches of a rank's share (pairs / 2)
     on every rank, unit costs; V-Half within 1F1B's time once m >= 2p (V-Min pays a steady-state
-    bubble where p is a multiple of 3, docs/schedules.md has its figures)."""
+    bubble where p is a multiple of 3, docs/explanation/simulator.md has its figures)."""
     for p in RANKS:
         for m in MICRO:
             result = run(name, p, 2, m)
@@ -329,26 +328,95 @@ def test_dualpipev_makespan() -> None:
             assert asap_makespan(build_schedule("dualpipev", p, m)) == 6 * m + p - 1
 
 
+def test_dualpipev_marks_its_overlapped_pairs() -> None:
+    """Issue 46: rank r's pairs are DeepSeek's overlapped chunks, (m - 2p + r + 1) rounds of two in
+    the main phase and p - r - 1 after it, each an F then a full B of the rank's other stage."""
+    for p in (2, 3, 4):
+        for m in (2 * p, 2 * p + 3):
+            schedule = build_schedule("dualpipev", p, m)
+            split = schedule.split_backwards()
+            for r, acts in enumerate(schedule.actions):
+                pairs = schedule.pairs_of(r)
+                assert len(pairs) == 2 * (m - 2 * p + r + 1) + p - r - 1
+                for k in pairs:
+                    f, b = acts[k], acts[k + 1]
+                    assert (f.kind, b.kind) == ("F", "B") and f.stage != b.stage
+                    assert (b.stage, b.microbatch) not in split  # a full backward
+            assert build_schedule("zbv", p, m).pairs == ()
+
+
+def test_overlapped_pairs_lower_deadlock_free_and_as_fast_without_exchanges() -> None:
+    """Issue 46: every posting's programs with the pairs overlapped are proved deadlock-free as if
+    every action had a communication point (the B waits for its inputs before its F ends), and
+    without communication inside actions the step is exactly F-then-B's."""
+    from pipeflow.schedules import validate
+
+    for p in (2, 3, 4, 5):
+        for m in range(2 * p, 2 * p + 4):
+            schedule = build_schedule("dualpipev", p, m)
+            for posting in ("rendezvous", "group", "at_step", "ahead"):
+                programs = lower(schedule, posting, overlap=True)
+                assert any(step.paired for program in programs for step in program)
+                validate(schedule, programs)
+                plain = simulate(schedule, posting=posting).makespan
+                assert simulate(schedule, programs, posting=posting).makespan == plain, (p, m, posting)
+
+
+def test_overlapped_pair_lowering_posts_the_b_inputs_at_the_pair_start() -> None:
+    """A paired step waits only for the recvs its B consumes (posted when the pair starts:
+    ``pair_posts``' first half); the F's sends go in the second half, waited after both, with the
+    first step's ``after``."""
+    from pipeflow.schedules.lowering import pair_posts
+
+    schedule = build_schedule("dualpipev", 3, 8)
+    for posting in ("rendezvous", "group", "at_step", "ahead"):
+        for program in lower(schedule, posting, overlap=True):
+            for k, step in enumerate(program):
+                if not step.paired:
+                    continue
+                early, late = pair_posts(step)
+                assert all(not op.is_send and op.consumer == step.action for op in step.waits)
+                assert set(early) <= set(step.waits) and not set(early) & set(late)
+                assert all(op.producer == program[k - 1].action for op in late if op.is_send)
+                assert program[k - 1].after == ()
+                assert all(op in step.after for op in late if op.is_send)
+
+
+def test_overlapped_pair_hides_each_exchange_behind_the_other_compute() -> None:
+    """The pair's timing (``overlapped_pair``): without communication the F then the B; with it
+    each exchange runs while the other action computes, so the step with exchanges is shorter
+    overlapped than F then B, and its prediction differs (issue 46)."""
+    from pipeflow.schedules.sim_engine import RuntimeCosts, overlapped_pair
+
+    assert overlapped_pair([1.0], [2.0]) == (1.0, 1.0, 3.0)
+    # F: 0.5 compute, 1 exchange, 0.5 compute; B: 1, 1, 1.  F hands over at 0.5; B computes to 1.5,
+    # starts its exchange (link free at 1.5), hands back; F's exchange done at 1.5: F ends at 2.0;
+    # B's exchange ends at 2.5, B computes its last 1: 3.5 (4.5 one after the other)
+    assert overlapped_pair([0.5, 1.0, 0.5], [1.0, 1.0, 1.0]) == (2.0, 0.5, 3.5)
+    assert overlapped_pair([0.5, 1.0, 0.5], [1.0, 1.0, 1.0], second_ready=2.0)[1:] == (2.0, 5.0)
+    schedule = build_schedule("dualpipev", 4, 10)
+    runtime = RuntimeCosts(exchanges=lambda action: (0.6, 2) if action.kind in "FB" else (0.0, 0))
+    overlapped = simulate(schedule, posting="ahead", runtime=runtime, overlap=True)
+    sequential = simulate(schedule, posting="ahead", runtime=runtime)
+    assert overlapped.makespan < 0.9 * sequential.makespan
+    pairs = {(r, str(a)): (start, end) for r, a, start, end in overlapped.timeline}
+    program = lower(schedule, "ahead", overlap=True)[0]
+    first = next(k for k, step in enumerate(program) if step.paired)
+    f, b = pairs[0, str(program[first - 1].action)], pairs[0, str(program[first].action)]
+    assert b[0] < f[1] < b[1]  # drawn interleaved: the B started before its F ended
+    # dense layers under NCCL's posting (a batch completes as a whole): the B's inputs, posted
+    # when the pair starts, arrive during its F, and the F's sends no longer hold the B back
+    dense = build_schedule("dualpipev", 4, 16)
+    latency = {"posting": "group", "comm_latency": 0.3}
+    assert simulate(dense, overlap=True, **latency).makespan < 0.97 * simulate(dense, **latency).makespan
+
+
 def asap_makespan(schedule: PipelineSchedule) -> float:
     split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == "W"}
     return max(span[1] for row in asap(schedule, split) for span in row if span)
 
 
 # ----------------------------------------------------------------------------- lowering
-
-
-def pairing_lower(schedule: PipelineSchedule) -> list[Program]:
-    """The plain pairing: sends of the previous action + recvs of this one, in one batch."""
-    split = {(a.stage, a.microbatch) for acts in schedule.actions for a in acts if a.kind == "W"}
-    programs = []
-    for actions in schedule.actions:
-        steps, pending = [], ()
-        for action in actions:
-            weights = (action.stage, action.microbatch) not in split
-            steps.append(Step(pending + recvs_needed(action, schedule), action, weights))
-            pending = sends_produced(action, schedule)
-        programs.append(steps + ([Step(pending, None)] if pending else []))
-    return programs
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
@@ -442,7 +510,7 @@ def test_custom_csv_file_with_v_placement(tmp_path: Path) -> None:
     schedule = load_schedule(write(tmp_path, "\n".join(rows), "zb.csv"))
     assert schedule.stage_to_rank == v_placement(2)
     assert build_schedule("custom", 2, 1, placement="v", path=tmp_path / "zb.csv")
-    with pytest.raises(ScheduleError, match="not by pipeline.placement=loop"):
+    with pytest.raises(ScheduleError, match="not by schedule.placement=loop"):
         build_schedule("custom", 2, 1, placement="loop", path=tmp_path / "zb.csv")
 
 
@@ -479,7 +547,7 @@ def test_custom_needs_a_path_and_matching_sizes(tmp_path: Path) -> None:
         build_schedule("custom", 4, 2, path=path)
     with pytest.raises(ScheduleError, match="pipeline.num_microbatches=2, but 8"):
         build_schedule("custom", 2, 8, path=path)
-    with pytest.raises(ScheduleError, match="pipeline.stages_per_rank=1, but 2"):
+    with pytest.raises(ScheduleError, match="schedule.stages_per_rank=1, but 2"):
         build_schedule("custom", 2, 2, stages_per_rank=2, path=path)
 
 

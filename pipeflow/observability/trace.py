@@ -8,6 +8,7 @@ events land on rank 0's time axis.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections.abc import Sequence
@@ -52,9 +53,15 @@ def chrome_trace(steps: dict[int, list[RankStep]], grid: MeshGrid | None = None)
         events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": grid.label(r)}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
         events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "pipeline"}})
+    lanes: set[tuple[int, int]] = set()
     for step, per_rank in sorted(steps.items()):
         for r, (_, _, _, timed) in enumerate(per_rank):
-            for kind, name, start, end in timed:
+            computed_to = -math.inf  # an action starting before the last one ended: an overlapped pair's
+            for kind, name, start, end in sorted(timed, key=lambda e: e[2]):
+                tid = 2 if kind == A2A else 0
+                if kind in KINDS:
+                    tid, computed_to = (1 if start < computed_to else 0), max(computed_to, end)
+                lanes.add((r, tid))
                 args: dict[str, Any] = {"step": step}
                 if kind in KINDS:
                     action = Action.parse(name)
@@ -64,9 +71,13 @@ def chrome_trace(steps: dict[int, list[RankStep]], grid: MeshGrid | None = None)
                 named = kind in KINDS or kind == SHARD or kind in COPY_KINDS
                 events.append({
                     "ph": "X", "name": name if named else f"all_to_all {name}" if kind == A2A else "comm", "cat": kind,
-                    "pid": r, "tid": 0,
+                    "pid": r, "tid": tid,
                     "ts": 1e6 * (start - origin), "dur": 1e6 * (end - start), "args": args,
                 })
+    for r, tid in sorted(lanes):  # the pair's second action and the exchanges on threads of their own
+        if tid:
+            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
+                           "args": {"name": "overlapped pair" if tid == 1 else "all_to_all"}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

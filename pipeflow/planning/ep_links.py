@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +20,12 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.planning.comm_cost import fit_line
-from pipeflow.planning.expert_cost import (ExpertLayers, ExpertLink, exchange_payload, exchange_seconds,
+from pipeflow.planning.expert_cost import (BACKWARD_EXCHANGES, FORWARD_LATENCIES, WEIGHT_GRAD_EXCHANGES,
+                                           ExpertLayers, ExpertLink, exchange_payload, exchange_seconds,
                                            exchanged_bytes_per_step, relink_exchanges)
 from pipeflow.planning.profile import LayerProfile
 from pipeflow.schedules import PipelineSchedule
+from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action
 
 SMALL_PROBE_BYTES = 1 << 12
 MAX_PROBE_BYTES = 1 << 21
@@ -66,6 +68,26 @@ class EpLinks:
         """The layers' profiles with their exchanges on the measured link instead of the assumed one."""
         ex = self.exchange
         return relink_exchanges(profiles, ex.top_k, ex.ep, ex.assumed, self.link)
+
+    def exchanges(self, profiles: Sequence[LayerProfile], ranges: Sequence[range]) -> Callable[[Action], tuple[float, int]]:
+        """Each action's exchanges on the measured link, as (seconds, how many): the simulator
+        hides them in an overlapped pair behind the other action's compute (``RuntimeCosts.exchanges``).
+        A full backward exchanges what its input-grad half does; a split backward's W once more."""
+        ex = self.exchange
+        per_stage = []
+        for layers in ranges:
+            seconds = [0.0, 0.0, 0.0]
+            moe = sum(1 for i in layers if ex.top_k[i] > 0)
+            for i in layers:
+                for j, t in enumerate(exchange_seconds(profiles[i], ex.top_k[i], ex.ep, self.link)):
+                    seconds[j] += t
+            counts = (FORWARD_LATENCIES * moe, BACKWARD_EXCHANGES * moe, WEIGHT_GRAD_EXCHANGES * moe)
+            per_stage.append({kind: (t, n) for kind, t, n in zip((FORWARD, BACKWARD, WEIGHT), seconds, counts)})
+
+        def of(action: Action) -> tuple[float, int]:
+            return per_stage[action.stage][action.kind] if action.stage < len(per_stage) else (0.0, 0)
+
+        return of
 
     def phrase(self) -> str:
         """``ep all_to_all 0.120 ms + 900.0 MB/s (measured in 0.04 s)``."""

@@ -78,7 +78,9 @@ def rehearse(
     will train; the first replica's record is calibrated, so every rank returns the same costs.
     """
     recorder = EventRecorder()
-    pipeline = Pipeline(stages, schedule, comm, shapes, Posting(lowering=posting), recorder)
+    # overlapped pairs run F then B: each action's cost is measured whole, its exchanges inside it;
+    # the prediction interleaves them (`predict_step`)
+    pipeline = Pipeline(stages, schedule, comm, shapes, Posting(lowering=posting), recorder, overlap_pairs=False)
     one = torch.zeros(1, device=comm.device)
     record: list[RankStep] = []
     with untouched(stages):
@@ -112,7 +114,7 @@ def with_rehearsal(
     boundary_bytes: Sequence[float], postings: Sequence[str], steps: int | None = None, shapes: str = "static",
 ) -> StepCosts:
     """`costs` with the program rehearsed (:func:`rehearse`): each lowering the run may choose
-    (``comm.recvs_ahead=auto``: both) for `steps` steps (None: :func:`rehearsal_steps` of the
+    (``comm.post_recvs=auto``: both) for `steps` steps (None: :func:`rehearsal_steps` of the
     modelled step), the one that simulates faster kept, as auto keeps the one that runs faster.
     Collective over the world."""
     if steps is None:

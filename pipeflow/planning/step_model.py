@@ -74,7 +74,7 @@ def host_share(num_pp: int, device: torch.device) -> HostShare:
     """This machine as the run sees it: its cores, threads per rank, and the ranks that share its
     cores per pipeline rank (:func:`ranks_sharing_cores`; on a CPU, collective where the world has
     several ranks)."""
-    cores = _affinity()
+    cores = hosts.usable_cores()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
     kind = torch.device(device).type
     if kind == "cpu" and dist.is_initialized() and dist.get_world_size() > 1:  # accelerators share no cores
@@ -96,14 +96,6 @@ def ranks_sharing_cores(ranks: Sequence[tuple[str, Sequence[int]]], rank: int, f
     return sum(1 for other, theirs in ranks if other == boot and cores.intersection(theirs))
 
 
-def _affinity() -> set[int]:
-    """The cores this process may run on."""
-    try:
-        return set(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return set(range(os.cpu_count() or 1))
-
-
 @dataclass(frozen=True)
 class StepCosts:
     """The runtime's costs beyond the profiled layers (seconds; see the module docstring).
@@ -121,6 +113,8 @@ class StepCosts:
             collectives are costed on their pipeline rank's tp link, not the assumed one.
         ep_links: with ep > 1, the ep groups' all_to_all measured at start
             (`pipeflow.planning.ep_links`): the MoE layers' exchanges are costed on it.
+        overlap_pairs: ``pipeline.overlap_pairs``: the schedule's overlapped pairs are simulated
+            interleaved, the MoE layers' exchanges of each action behind the other's compute.
         share: the host's cores and the ranks sharing them.
         links: where the job spans several hosts, every pair of pipeline ranks measured on its
             own (:mod:`pipeflow.planning.links`): each transfer is costed on its link, plus
@@ -145,6 +139,7 @@ class StepCosts:
     dp_groups: tuple = ()  # several hosts: ((global ranks, all-reduce s), ...) of every dp group
     tp_links: Any = None  # TpLinks: tp > 1, each tp group's all-reduce measured (`pipeflow.planning.tp_links`)
     ep_links: Any = None  # EpLinks: ep > 1, the ep groups' all_to_all measured (`pipeflow.planning.ep_links`)
+    overlap_pairs: bool = False  # the run overlaps dualpipev's pairs (pipeline.overlap_pairs): simulated so
 
 
 def simulate_shared(
@@ -374,10 +369,11 @@ def predict_step(
     from pipeflow.schedules import lower
 
     plan, copies = offload if offload is not None else (None, None)
-    if costs.rehearsed is not None:
+    exchanges = costs.ep_links.exchanges(profiles, ranges) if costs.ep_links is not None else None
+    if costs.rehearsed is not None:  # rehearsed F then B: each action's exchanges inside its cost
         cal = costs.rehearsed
-        return simulate(schedule, lower(schedule, cal.posting, offload=plan), cal.action_cost(schedule),
-                        runtime=replace(cal.runtime(), offload=copies))
+        return simulate(schedule, lower(schedule, cal.posting, offload=plan, overlap=costs.overlap_pairs),
+                        cal.action_cost(schedule), runtime=replace(cal.runtime(), offload=copies, exchanges=exchanges))
 
     if costs.tp_links is not None:  # the layers' tp collectives on their group's measured link
         profiles = costs.tp_links.profiles(profiles, ranges, schedule.stage_to_rank)
@@ -386,7 +382,7 @@ def predict_step(
     boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]
     bytes_of, p = op_bytes(boundary), schedule.num_ranks
     idle = transfer_cost(costs, bytes_of)
-    runtime = RuntimeCosts(idle, [0.0] * p, [costs.post_s] * p, offload=copies)
+    runtime = RuntimeCosts(idle, [0.0] * p, [costs.post_s] * p, offload=copies, exchanges=exchanges)
     cost = action_costs(ranges, profiles, schedule, costs.action_overhead_s)
     fraction = [stage_cpu(profiles, r) for r in ranges]
     busy = None
@@ -397,7 +393,8 @@ def predict_step(
         else:  # the op's own link, plus what the host's computing adds to a transfer
             busy = lambda op: idle(op) + max(0.0, costs.busy_latency_s - costs.latency_s  # noqa: E731
                                              + (per_byte - costs.per_byte_s) * bytes_of(op))
-    return simulate_shared(schedule, lower(schedule, costs.posting, offload=plan), cost, runtime, costs.share,
+    return simulate_shared(schedule, lower(schedule, costs.posting, offload=plan, overlap=costs.overlap_pairs), cost,
+                           runtime, costs.share,
                            lambda action: fraction[action.stage], busy)
 
 

@@ -261,6 +261,7 @@ def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Pa
                                    tp_group=mesh.tp_group, tp_payload=largest_collective_bytes(layout.profiles),
                                    sequence_parallel=bool(cfg.parallel.sequence_parallel), ep_group=parts.ep_group,
                                    experts=expert_exchange(expert_layers(spec), ep, layout.profiles) if ep > 1 else None)
+        costs = dataclasses.replace(costs, overlap_pairs=bool(cfg.pipeline.overlap_pairs))
         if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
             stages, first = parts.stages, plan.first
             inputs = microbatch_inputs(first[0], m, device, plan.dtype) if 0 in stages else None
@@ -284,7 +285,7 @@ def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Parts,
     m = schedule.num_microbatches
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), plan.posting, parts.recorder,
                         parts.reducer.stage_ready if parts.reducer is not None else None, parts.sharding,
-                        layout.offload)
+                        layout.offload, overlap_pairs=cfg.pipeline.overlap_pairs)
     optimizer = build_optimizer(parts.params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0,
                                 lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                 weight_decay=cfg.optim.weight_decay,

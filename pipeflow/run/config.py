@@ -62,6 +62,7 @@ class PipelineConfig:
     profile: bool = True  # profile layers (on pipeline rank 0) for the partition table
     checkpoint_activations: Any = False  # true | false | n: recompute every n-th layer in backward
     offload: str = "none"  # none | auto | all: held activations copied to host memory in the pipeline's gaps
+    overlap_pairs: bool = True  # dualpipev: each paired F and B run interleaved, one's all_to_all behind the other's compute
 
     def __post_init__(self) -> None:
         """Checked when the composed config becomes this object (:func:`typed_config`)."""

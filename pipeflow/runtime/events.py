@@ -193,3 +193,42 @@ class EventRecorder:
         """Add one event between two marks, when on."""
         if self.events is not None:
             self.events.append(TimedEvent(kind, name, start, end))
+
+
+class _Span:
+    """Records one event of `recorder` from entry to a normal exit."""
+
+    __slots__ = ("recorder", "kind", "name", "start")
+
+    def __init__(self, recorder: EventRecorder, kind: str, name: str) -> None:
+        self.recorder, self.kind, self.name = recorder, kind, name
+
+    def __enter__(self) -> _Span:
+        self.start = self.recorder.mark()
+        return self
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> bool:
+        if kind is None:
+            self.recorder.record(self.kind, self.name, self.start, self.recorder.mark())
+        return False
+
+
+class _NoSpan:
+    """What :func:`span` gives while nothing records: entering and leaving it do nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _NoSpan:
+        return self
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> bool:
+        return False
+
+
+_NO_SPAN = _NoSpan()
+
+
+def span(recorder: EventRecorder | None, kind: str, name: str) -> _Span | _NoSpan:
+    """``with span(recorder, kind, name): ...`` records that interval as one event while `recorder`
+    is on; otherwise it is one shared object that does nothing (no mark, no allocation)."""
+    return _NO_SPAN if recorder is None or recorder.events is None else _Span(recorder, kind, name)

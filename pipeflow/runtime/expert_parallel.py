@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from pipeflow.errors import ConfigError
 from pipeflow.models.aux_loss import in_shape_trial
 from pipeflow.models.moe import MoE
+from pipeflow.runtime import overlap
 from pipeflow.runtime.events import A2A, EventRecorder
 
 
@@ -62,7 +63,8 @@ def _exchange_now(x: Tensor, out_splits: list[int] | None, in_splits: list[int] 
     out = x.new_empty((sum(out_splits), *x.shape[1:]) if out_splits is not None else x.shape)
     on = recorder is not None and recorder.on
     start = recorder.mark() if on else None
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    # started, then waited for: inside an overlapped pair the other action computes meanwhile
+    overlap.wait(dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True))
     if on:
         recorder.record(A2A, name, start, recorder.mark())
     return out
@@ -117,6 +119,7 @@ def split_experts(layers: Iterable[nn.Module], group: dist.ProcessGroup, ep: int
         for module in layer.modules():
             if isinstance(module, MoE):
                 module.split_experts(rank, ep, exchange)
+                overlap.mark_communicating(module)  # its exchanges are an overlapped pair's hand-over points
                 split += 1
     return split
 

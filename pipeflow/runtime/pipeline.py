@@ -8,8 +8,9 @@ gathers, run its compute action on the local Stage, then wait for the ops it nam
 (``step.after``: sends whose tensors are freed then).  Lowering wrote all of that
 into the steps; which lowering runs (rendezvous, NCCL's group, gloo's at_step or ahead) is the
 :class:`~pipeflow.runtime.posting.Posting`'s choice, and the simulator has proved each program
-before it runs.  Arrivals wait in an inbox keyed by (payload, micro-batch, stage).  Which
-schedule produced the program is unknown here.
+before it runs.  An overlapped pair (a step marked ``paired`` and the one before it, DualPipeV's)
+runs its two actions interleaved (:mod:`~pipeflow.runtime.overlap`).  Arrivals wait in an inbox
+keyed by (payload, micro-batch, stage).  Which schedule produced the program is unknown here.
 """
 from __future__ import annotations
 
@@ -22,17 +23,19 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import CommError, PipeflowError, ScheduleError
-from pipeflow.runtime import failures
+from pipeflow.runtime import failures, overlap
 from pipeflow.runtime.buffers import BufferPool
-from pipeflow.runtime.events import D2H, H2D, SHARD, EventRecorder
+from pipeflow.runtime.events import D2H, H2D, SHARD, EventRecorder, span
 from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.offload import ActivationOffloader, OffloadStats
+from pipeflow.runtime.overlap import PairRunner
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.shapes import ShapePlan
 from pipeflow.runtime.stage import Stage, Tensors
 from pipeflow.runtime.transport import P2PComm
 from pipeflow.schedules import PipelineSchedule, Program, Step, forward_only, lower
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, GRADIENT, CommOp
+from pipeflow.schedules.lowering import pair_posts
 from pipeflow.schedules.offload import OffloadPlan
 from pipeflow.schedules.simulator import validate
 
@@ -58,7 +61,7 @@ class Pipeline:
         schedule: the schedule every rank of the pipeline runs (validated by the simulator).
         comm: the batched P2P communicator of the pipeline group (and its deadlines).
         shapes: how the shapes crossing stage boundaries are learned: ``static`` (once; a change
-            is an error), ``dynamic`` (again whenever stage 0's input shape changes) or
+            is an error), ``per_step`` (again whenever stage 0's input shape changes) or
             ``per_microbatch`` (every pass, each micro-batch its own; see :mod:`~pipeflow.runtime.shapes`).
         posting: which lowering each pass runs (default: ``Posting()``, gloo's ``auto``).
         recorder: where compute actions and batched calls are recorded while it is on.
@@ -73,6 +76,9 @@ class Pipeline:
             (``Step.offload``/``reload``) and an :class:`~pipeflow.runtime.offload.ActivationOffloader`
             copies each planned group's saved activations to the host after its F and back from
             its reload step on, its B waiting for the copy (recorded as ``d2h``/``h2d`` events).
+        overlap_pairs: run the schedule's overlapped pairs (DualPipeV's, ``schedule.pairs``)
+            interleaved (:mod:`~pipeflow.runtime.overlap`; ``pipeline.overlap_pairs``); False runs
+            each as its F, then its B.
     """
 
     def __init__(
@@ -86,8 +92,12 @@ class Pipeline:
         on_stage_grads_ready: Callable[[int], None] | None = None,
         sharding: FullShard | None = None,
         offload: OffloadPlan | None = None,
+        overlap_pairs: bool = True,
     ) -> None:
         self.stages = stages
+        self.overlap_pairs = overlap_pairs
+        self.pairs = PairRunner(comm.device)
+        self._interleave: bool | None = None  # whether a stage of this rank has a communication point
         self.sharding = sharding
         self.offload = offload if offload is not None and offload.reloads else None
         self.offloader = ActivationOffloader(comm.device) if self.offload is not None else None
@@ -122,7 +132,8 @@ class Pipeline:
         self._weights_left: dict[int, int] = {}
 
     def _checked_program(self, schedule: PipelineSchedule, posting: str, offload: OffloadPlan | None = None) -> Program:
-        programs = lower(schedule, posting, shard=self.sharding is not None, offload=offload)
+        programs = lower(schedule, posting, shard=self.sharding is not None, offload=offload,
+                         overlap=self.overlap_pairs and schedule.training)
         validate(schedule, programs)
         return programs[self.rank]
 
@@ -232,43 +243,23 @@ class Pipeline:
         posted: dict[CommOp, _Posted] = {}
         self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
         recorder = self.recorder if self.recorder.on else None  # marks: perf_counter, or CUDA events
+        boxes = (inbox, outbox, posted)
+        work = (inputs, targets, loss_weights, train, grad_scale)
         for k, step in enumerate(program):
-            if step.reload:  # first: each B waits for its own copy, which runs beside what follows
-                self._reload(step, recorder)
-            t0 = recorder.mark() if recorder is not None else None
-            self._post(step, outbox, posted, program, k)
-            gathers = ()
-            if step.unshard or step.reshard:  # its own events: the comm event restarts after them
-                if recorder is not None and step.ops:
-                    recorder.record("comm", step.ops_text, t0, recorder.mark())
-                gathers = self._shard_points(step, train, recorder)
-                t0 = recorder.mark() if recorder is not None else None
-            self._wait(step.waits, posted, inbox, program, k)
-            if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
-                recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
-            if gathers:
-                t0 = recorder.mark() if recorder is not None else None
-                self.sharding.wait(gathers)
-                if recorder is not None:
-                    recorder.record(SHARD, f"unshard {','.join(map(str, step.unshard))}", t0, recorder.mark())
-            if step.action is not None:
-                t1 = recorder.mark() if recorder is not None else None
-                self._compute(step, inbox, outbox, inputs, targets, loss_weights, train, grad_scale)
-                if recorder is not None:
-                    recorder.record(step.action.kind, str(step.action), t1, recorder.mark())
-                if memory is not None:  # after the recorder: the action's time does not include it
-                    memory.sample(self.comm_tensors(outbox, posted), (inputs, targets),
-                                  self.offloader.device_tensors() if self.offloader is not None else ())
-            for s, i in step.offload:  # after the sample: the F's activations are on the device until copied
-                t0 = recorder.mark() if recorder is not None else None
-                self.offloader.offload((s, i), self.stages[s].kept_tensors(i))
-                if recorder is not None:
-                    recorder.record(D2H, f"offload {s}:{i}", t0, recorder.mark())
-            if step.after:  # by now the peer has long posted its recvs; the sent tensors are freed
-                t0 = recorder.mark() if recorder is not None else None
-                self._wait(step.after, posted, inbox, program, k, after=True)
-                if recorder is not None:
-                    recorder.record("comm", "sends of the step done", t0, recorder.mark())
+            if step.paired:  # ran with the step before it
+                continue
+            paired = k + 1 < len(program) and program[k + 1].paired
+            self._open(k, step, program, boxes, train, recorder)
+            if paired:
+                self._run_pair(k, program, boxes, work, recorder)
+            else:
+                self._act(step, boxes, work, recorder)
+            if memory is not None and step.action is not None:  # after the recorder: the action's time does not include it
+                memory.sample(self.comm_tensors(outbox, posted), (inputs, targets),
+                              self.offloader.device_tensors() if self.offloader is not None else ())
+            if not paired:  # after the sample: the F's activations are on the device until copied
+                self._offload(step, recorder)
+            self._close(k + paired, program, boxes, recorder)
         for key in list(self._lent):  # evaluation's, and any a pass left
             self.buffers.give(self._lent.pop(key))
         self.buffers.end_pass()
@@ -278,45 +269,105 @@ class Pipeline:
             left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
             raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
 
-    def _reload(self, step: Step, recorder: EventRecorder | None) -> None:
-        """Start copying back the groups `step` reloads (each an ``h2d`` event)."""
-        for s, i in step.reload:
+    def _open(self, k: int, step: Step, program: Program, boxes: tuple, train: bool,
+              recorder: EventRecorder | None) -> None:
+        """Step k up to its action: its reloads, its ops posted, shard points, its waits."""
+        inbox, outbox, posted = boxes
+        self._reload(step.reload, recorder)  # first: each B waits for its own copy, which runs beside what follows
+        t0 = recorder.mark() if recorder is not None else None
+        self._post(step.ops, step, outbox, posted, program, k)
+        gathers = ()
+        if step.unshard or step.reshard:  # the shard points' own events: the comm event restarts after them
+            if recorder is not None and step.ops:
+                recorder.record("comm", step.ops_text, t0, recorder.mark())
+            gathers = self._shard_points(step, train, recorder)
             t0 = recorder.mark() if recorder is not None else None
-            self.offloader.reload((s, i))
-            if recorder is not None:
-                recorder.record(H2D, f"reload {s}:{i}", t0, recorder.mark())
+        self._wait(step.waits, posted, inbox, program, k)
+        if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
+            recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
+        if gathers:
+            with span(recorder, SHARD, f"unshard {','.join(map(str, step.unshard))}"):
+                self.sharding.wait(gathers)
+
+    def _act(self, step: Step, boxes: tuple, work: tuple, recorder: EventRecorder | None) -> None:
+        """The step's action, recorded."""
+        if step.action is not None:
+            with span(recorder, step.action.kind, step.action_text):
+                self._compute(step, boxes[0], boxes[1], *work)
+
+    def _offload(self, step: Step, recorder: EventRecorder | None) -> None:
+        """Start copying to the host the activations of the groups the step offloads (its F's)."""
+        for s, i in step.offload:
+            with span(recorder, D2H, f"offload {s}:{i}"):
+                self.offloader.offload((s, i), self.stages[s].kept_tensors(i))
+
+    def _run_pair(self, k: int, program: Program, boxes: tuple, work: tuple, recorder: EventRecorder | None) -> None:
+        """Steps k and k + 1, an overlapped pair (``Step.paired``): the B's reloads and the recvs
+        it consumes posted now, then the F here and the B on the pair's worker thread, one
+        computing at a time and handing over at their communication points; the F's sends are
+        posted as soon as it ends, the B waits for its recvs when it first computes."""
+        inbox, outbox, posted = boxes
+        step, second = program[k], program[k + 1]
+        self._reload(second.reload, recorder)
+        early, late = pair_posts(second)
+        self._post(early, second, outbox, posted, program, k + 1)
+
+        def forward() -> None:
+            self._act(step, boxes, work, recorder)
+            self._offload(step, recorder)
+            self._post(late, second, outbox, posted, program, k + 1)
+
+        def backward() -> None:
+            with span(recorder if second.waits else None, "comm", "; ".join(map(str, second.waits))):
+                self._wait(second.waits, posted, inbox, program, k + 1)
+            self._act(second, boxes, work, recorder)
+
+        if self._interleave is None:  # at the first pair: after the experts were split (run start)
+            self._interleave = overlap.communicates(stage.module for stage in self.stages.values())
+        self.pairs.run(forward, backward, self._interleave)
+
+    def _close(self, k: int, program: Program, boxes: tuple, recorder: EventRecorder | None) -> None:
+        """Step k's ``after``: by now the peer has long posted its recvs; the sent tensors are freed."""
+        if program[k].after:
+            with span(recorder, "comm", "sends of the step done"):
+                self._wait(program[k].after, boxes[2], boxes[0], program, k, after=True)
+
+    def _reload(self, groups: tuple[tuple[int, int], ...], recorder: EventRecorder | None) -> None:
+        """Start copying back the offloaded `groups` (each an ``h2d`` event)."""
+        for s, i in groups:
+            with span(recorder, H2D, f"reload {s}:{i}"):
+                self.offloader.reload((s, i))
 
     def _shard_points(self, step: Step, train: bool, recorder: EventRecorder | None) -> list:
         """Reduce and free the stages done (``step.reshard``), then start gathering the stages this
         step's action needs (``step.unshard``); returns the gathers to wait for before it."""
         assert self.sharding is not None
         if step.reshard:
-            t0 = recorder.mark() if recorder is not None else None
-            self.sharding.reshard(step.reshard, train)
-            if recorder is not None:
-                what = "reduce-scatter + reshard" if train else "reshard"
-                recorder.record(SHARD, f"{what} {','.join(map(str, step.reshard))}", t0, recorder.mark())
+            what = "reduce-scatter + reshard" if train else "reshard"
+            with span(recorder, SHARD, f"{what} {','.join(map(str, step.reshard))}"):
+                self.sharding.reshard(step.reshard, train)
         return self.sharding.unshard(step.unshard) if step.unshard else []
 
     def _post(
-        self, step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted], program: Program, k: int
+        self, ops: tuple[CommOp, ...], step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted],
+        program: Program, k: int,
     ) -> None:
-        """Post the step's ops in one batched call: sends from the outbox, recvs into fresh buffers
+        """Post `ops` (step k's) in one batched call: sends from the outbox, recvs into fresh buffers
         (a peer found dead while posting is a CommError naming the ops and this rank's progress)."""
-        if not step.ops:
+        if not ops:
             return
         tensors = [
             outbox.pop((op.payload, op.microbatch, op.src_stage)) if op.is_send else self._recv_buffers(op)
-            for op in step.ops
+            for op in ops
         ]
-        sends = [(op.peer, t) for op, ts in zip(step.ops, tensors) if op.is_send for t in ts]
-        recvs = [(op.peer, t) for op, ts in zip(step.ops, tensors) if not op.is_send for t in ts]
+        sends = [(op.peer, t) for op, ts in zip(ops, tensors) if op.is_send for t in ts]
+        recvs = [(op.peer, t) for op, ts in zip(ops, tensors) if not op.is_send for t in ts]
         try:
-            works = self.comm.post(sends, recvs, lambda: self._describe(k, step, step.ops, False) + ", when posting them")
+            works = self.comm.post(sends, recvs, lambda: self._describe(k, step, ops, False) + ", when posting them")
         except CommError as exc:
             raise failures.with_progress(exc, program, k)
         sent_works, recv_works = works[: len(sends)], works[len(sends):]
-        for op, ts in zip(step.ops, tensors):
+        for op, ts in zip(ops, tensors):
             pool = sent_works if op.is_send else recv_works
             posted[op] = _Posted(ts, pool[: len(ts)])
             del pool[: len(ts)]

@@ -142,6 +142,14 @@ class Step:
     right after this step's action (their F), and `reload` those whose copy back to the device is
     issued when this step starts, before its ops are posted, ahead of their B.  Both are empty
     without it.
+
+    `paired` marks the second step of an overlapped pair (DualPipeV's forward of one micro-batch
+    and backward of another, ``pipeline.overlap_pairs``): its action runs interleaved with the
+    previous step's, each handing the other the rank at its communication points, so one's
+    ``all_to_all`` proceeds while the other computes
+    (:func:`~pipeflow.schedules.lowering.pair_steps`).  The previous step posted and waited for
+    this step's recvs; this step's ops (the first action's sends) are posted as soon as the
+    first action ends, and its `after` is waited for once both are done.
     """
 
     ops: tuple[CommOp, ...]
@@ -153,10 +161,16 @@ class Step:
     reshard: tuple[int, ...] = ()
     offload: tuple[tuple[int, int], ...] = ()
     reload: tuple[tuple[int, int], ...] = ()
+    paired: bool = False
 
     def __post_init__(self) -> None:
         if self.waits is None:
             object.__setattr__(self, "waits", self.ops)
+
+    @cached_property
+    def action_text(self) -> str:
+        """The action as text, ``1F0`` (built once: the runtime names events with it)."""
+        return str(self.action) if self.action is not None else ""
 
     @cached_property
     def ops_text(self) -> str:
@@ -172,6 +186,8 @@ class Step:
             text = f"reload{[f'{s}:{i}' for s, i in self.reload]} {text}"
         if self.offload:
             text = f"{text} offload{[f'{s}:{i}' for s, i in self.offload]}"
+        if self.paired:
+            text = f"+{text}"
         return f"reshard{list(self.reshard)} {text}" if self.reshard else text
 
 
@@ -190,6 +206,9 @@ class PipelineSchedule:
         stage_to_rank: rank that owns each stage, ``stage_to_rank[s]``.
         actions: ``actions[r]`` is rank r's list of actions in execution order.
         training: False for forward-only (evaluation) schedules.
+        pairs: ``pairs[r]``, the indices k of rank r's overlapped pairs: ``actions[r][k]`` (an F)
+            and ``actions[r][k + 1]`` (a B of another stage and micro-batch) may run interleaved
+            (DualPipeV's overlapped forward-backward chunks); empty for other schedules.
     """
 
     name: str
@@ -199,6 +218,11 @@ class PipelineSchedule:
     stage_to_rank: tuple[int, ...]
     actions: list[list[Action]]
     training: bool = True
+    pairs: tuple[tuple[int, ...], ...] = ()
+
+    def pairs_of(self, rank: int) -> tuple[int, ...]:
+        """The indices of `rank`'s overlapped pairs (see `pairs`)."""
+        return self.pairs[rank] if rank < len(self.pairs) else ()
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages held by `rank`, in increasing order."""

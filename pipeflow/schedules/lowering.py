@@ -110,7 +110,7 @@ POSTINGS = ("rendezvous", "group", "at_step", "ahead")
 
 
 def lower(schedule: PipelineSchedule, posting: str = "rendezvous", shard: bool = False,
-          offload: OffloadPlan | None = None) -> list[Program]:
+          offload: OffloadPlan | None = None, overlap: bool = False) -> list[Program]:
     """Lower every rank's actions into its program of explicit steps.
 
     Args:
@@ -120,6 +120,8 @@ def lower(schedule: PipelineSchedule, posting: str = "rendezvous", shard: bool =
             (:func:`shard_points`; ``parallel.shard=full``).  False leaves the steps as they are.
         offload: mark which groups' activations go to the host after their F and where each
             comes back (``pipeline.offload``; :meth:`OffloadPlan.mark`).  None: no marks.
+        overlap: run the schedule's overlapped pairs (``schedule.pairs``) interleaved
+            (:func:`pair_steps`; ``pipeline.overlap_pairs``).  False runs each as F then B.
 
     Returns:
         ``programs[r]``: rank r's steps, the last one flushing the sends of its last action.
@@ -150,7 +152,54 @@ def lower(schedule: PipelineSchedule, posting: str = "rendezvous", shard: bool =
     if posting != "rendezvous":
         programs = [_repost(program, posting) for program in programs]
     programs = [shard_points(program) for program in programs] if shard else programs
-    return [offload.mark(program) for program in programs] if offload is not None else programs
+    programs = [offload.mark(program) for program in programs] if offload is not None else programs
+    return [pair_steps(program, schedule.pairs_of(r)) for r, program in enumerate(programs)] if overlap else programs
+
+
+def pair_steps(program: Program, starts: tuple[int, ...]) -> Program:
+    """`program` with each overlapped pair (steps k and k + 1 for k in `starts`: an F, then a B of
+    another stage and micro-batch) marked ``paired`` and lowered as the runtime runs it:
+
+    - the pair starts once step k has posted its ops and waited for its ``waits``; the recvs of
+      step k + 1 that the B consumes are then posted (a batched call of their own: :func:`pair_posts`),
+      and the F computes;
+    - the B waits for those recvs (step k + 1's ``waits``) when it first computes: at the F's
+      first communication point (:mod:`~pipeflow.runtime.overlap`), or at its end;
+    - step k + 1's other ops (the F's sends, recvs for later actions) are posted (a batched call)
+      as soon as the F ends, while the B may still compute; they and step k's ``after`` are
+      waited for once both actions end.
+
+    Posts only move earlier and send waits later; the B's recv waits can move before the F's
+    sends are posted, which the simulator checks for every program that runs (as if every action
+    had a communication point).  Pairs that are not an F then a B of another stage and
+    micro-batch, whose B step gathers or frees sharded parameters, or reloads what the F offloads,
+    stay as they are.
+    """
+    steps = list(program)
+    for k in starts:
+        if k + 1 >= len(steps) or not _independent(steps[k].action, steps[k + 1].action):
+            continue
+        first, second = steps[k], steps[k + 1]
+        if second.unshard or second.reshard or set(second.reload) & set(first.offload):
+            continue  # (the B's reloads are issued when the pair starts: not of what its F offloads)
+        needed = tuple(op for op in second.waits if not op.is_send and op.consumer == second.action)
+        later = tuple(op for op in second.waits if op not in needed)
+        steps[k] = dataclasses.replace(first, after=())
+        steps[k + 1] = dataclasses.replace(second, waits=needed, after=first.after + later + second.after, paired=True)
+    return steps
+
+
+def pair_posts(step: Step) -> tuple[tuple[CommOp, ...], tuple[CommOp, ...]]:
+    """A paired step's ops as (posted when the pair starts: the recvs its B waits for, posted
+    when the F ends: the rest), two batched calls (see :func:`pair_steps`)."""
+    return tuple(op for op in step.ops if op in step.waits), tuple(op for op in step.ops if op not in step.waits)
+
+
+def _independent(first: Action | None, second: Action | None) -> bool:
+    """Whether `first` (an F) and `second` (a B) can run interleaved: neither needs the other."""
+    if first is None or second is None or first.kind != FORWARD or second.kind != BACKWARD:
+        return False
+    return (first.stage, first.microbatch) != (second.stage, second.microbatch)
 
 
 def shard_points(program: Program) -> Program:

@@ -78,12 +78,15 @@ def draw_timeline(
     for rank, kind, start, stop in copies:  # under the row going out, over it coming back
         ax.broken_barh([(start, stop - start)], (rank + (0.4 if kind == "d2h" else -0.5), 0.1),
                        facecolors=_COPY_COLOURS[kind], linewidth=0)
-    for rank, action, start, stop in timeline:
+    lanes = _pair_lanes(timeline)
+    for index, (rank, action, start, stop) in enumerate(timeline):
         colour = chunk_colour(action.kind, chunk[rank, action.stage])
-        ax.broken_barh([(start, stop - start)], (rank - 0.4, 0.8), facecolors=colour,
+        lane = lanes.get(index)  # an overlapped pair's F on the upper half of the row, its B below
+        low, height = (rank - 0.4, 0.8) if lane is None else (rank - 0.4 + 0.4 * lane, 0.4)
+        ax.broken_barh([(start, stop - start)], (low, height), facecolors=colour,
                        edgecolors="black", linewidth=0.5)
         dark = sum(colour[:3]) < 1.5
-        ax.text((start + stop) / 2, rank, str(action.microbatch), ha="center", va="center",
+        ax.text((start + stop) / 2, low + height / 2, str(action.microbatch), ha="center", va="center",
                 fontsize=7, color="white" if dark else "black")
     ax.set_xlim(0, end)
     ax.set_ylim(num_ranks - 0.5, -0.5)
@@ -106,6 +109,22 @@ def draw_timeline(
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def _pair_lanes(timeline: Timeline) -> dict[int, int]:
+    """Lanes of the actions that overlap another on their rank (an overlapped pair,
+    ``pipeline.overlap_pairs``): {index in `timeline`: 0 for the earlier, 1 for the later}."""
+    lanes: dict[int, int] = {}
+    last: dict[int, tuple[int, float]] = {}  # rank -> (index, end) of its latest action
+    for index in sorted(range(len(timeline)), key=lambda j: (timeline[j][0], timeline[j][2])):
+        rank, _, start, stop = timeline[index]
+        before = last.get(rank)
+        if before is not None and start < before[1] - 1e-12:
+            lanes.setdefault(before[0], 0)
+            lanes[index] = 1
+        if before is None or stop > before[1]:
+            last[rank] = (index, stop)
+    return lanes
 
 
 def _legend(timeline: Timeline, chunks: int) -> list[Any]:

@@ -130,14 +130,15 @@ def _op_problem(schedule: PipelineSchedule, r: int, k: int, op: CommOp) -> str:
 
 
 def _wait_problems(r: int, program: Program) -> list[str]:
-    """Every op waited exactly once, at or after the step that posts it, sends in their own step."""
+    """Every op waited exactly once, at or after the step that posts it, sends in their own step
+    (or, for an overlapped pair's first step, in the pair's second: ``Step.paired``)."""
     problems, posted = [], {}
     for k, step in enumerate(program):
         posted.update((op, k) for op in step.ops)
         for op in step.waits + step.after:
             if op not in posted:
                 problems.append(f"rank {r} step {k}: waits for '{op.describe()}', which is not posted by then or waited twice")
-            elif op.is_send and posted[op] != k:
+            elif op.is_send and posted[op] != k and not (step.paired and posted[op] == k - 1):
                 problems.append(f"rank {r} step {k}: waits for '{op.describe()}', posted at step {posted[op]}")
             posted.pop(op, None)
     problems += [f"rank {r} step {k}: '{op.describe()}' is posted but never waited for" for op, k in posted.items()]

@@ -13,7 +13,7 @@ from typing import NamedTuple
 from pipeflow.errors import DeadlockError, ScheduleError
 from pipeflow.schedules.deadlock_grid import cell, deadlock_grid
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, CommOp, PipelineSchedule, Program, Step
-from pipeflow.schedules.lowering import recvs_needed
+from pipeflow.schedules.lowering import pair_posts, recvs_needed
 from pipeflow.schedules.offload import Group, HostLink, OffloadCosts
 
 CostFn = Callable[[Action], float]
@@ -81,6 +81,9 @@ class RuntimeCosts:
         start: ``start[r]``, when rank r's program starts.
         offload: each activation group's bytes and the host link, timing the programs' offload
             marks (``pipeline.offload``; the `offload` argument of :func:`simulate`).
+        exchanges: the communication inside an action's cost (an MoE layer's ``all_to_all``) as
+            (seconds, how many exchanges): an overlapped pair (``Step.paired``) hides it behind
+            the other action's compute (:func:`overlapped_pair`).  None: actions hold none.
     """
 
     transfer: TransferFn | None = None
@@ -88,6 +91,7 @@ class RuntimeCosts:
     post: Sequence[float] = ()
     start: Sequence[float] = ()
     offload: OffloadCosts | None = None
+    exchanges: Callable[[Action], tuple[float, int]] | None = None
 
     def of(self, what: Sequence[float], r: int) -> float:
         """`what`'s value for rank r (0 where not given)."""
@@ -104,6 +108,51 @@ def step_cost(step: Step, cost: CostFn) -> float:
     return cost(action)
 
 
+def action_segments(step: Step, cost: CostFn, exchanges: Callable[[Action], tuple[float, int]] | None
+                    ) -> list[float]:
+    """`step`'s action as alternating compute and communication: ``[c, x, c, ..., c]``, its n
+    exchanges (`exchanges` of the action: a full backward's are its B's) evenly spread through
+    its compute, or ``[cost]`` when it holds none."""
+    total = step_cost(step, cost)
+    action = step.action
+    if action is None or exchanges is None:
+        return [total]
+    comm, n = exchanges(action)
+    comm = min(max(comm, 0.0), total)
+    if n <= 0:
+        return [total]
+    compute = (total - comm) / (n + 1)
+    return [compute] + [comm / n, compute] * n
+
+
+def overlapped_pair(first: Sequence[float], second: Sequence[float], second_ready: float = 0.0
+                    ) -> tuple[float, float, float]:
+    """(end of the first action, start of the second, end of both) of an overlapped pair, from its
+    start, as the runtime runs it (:mod:`pipeflow.runtime.overlap`): one action computes at a time;
+    the one computing reaches a communication point (a `segments` entry at an odd index), starts
+    it and hands over to the other, and continues once it is handed back and its communication
+    is done.  Communications of the pair share the link, one after the other.  The second
+    computes no earlier than `second_ready` (its inputs' arrival).  With no communication this is
+    the first action then the second."""
+    parts, at, ready = (list(first), list(second)), [0, 0], [0.0, 0.0]
+    ends: list[float | None] = [None, None]
+    started, now, link, turn = 0.0, 0.0, 0.0, 0
+    while ends[0] is None or ends[1] is None:
+        if turn == 1 and at[1] == 0:
+            started = now = max(now, second_ready)
+        now = max(now, ready[turn]) + parts[turn][at[turn]]
+        at[turn] += 1
+        if at[turn] < len(parts[turn]):  # a communication point: start it, hand over
+            begin = max(now, link)
+            ready[turn] = link = begin + parts[turn][at[turn]]
+            at[turn] += 1
+        else:
+            ends[turn] = now
+        if ends[1 - turn] is None:
+            turn = 1 - turn
+    return float(ends[0]), started, max(float(ends[0]), float(ends[1]))
+
+
 class _Posted(NamedTuple):
     rank: int
     step: int
@@ -112,7 +161,7 @@ class _Posted(NamedTuple):
 
 
 _Slot = tuple[_Posted, list[_Posted], int]  # (this op, the counterpart queue, index in it)
-_POST, _WAIT, _AFTER = range(3)  # the phases of a step
+_POST, _WAIT, _AFTER, _PAIR = range(4)  # the phases of a step (_PAIR: an overlapped pair's B waits to start)
 
 
 def _counterpart(slot: _Slot) -> _Posted | None:
@@ -168,6 +217,9 @@ class Simulation:
         self.received: list[set[CommOp]] = [set() for _ in range(p)]
         self.finished_at: dict[Action, float] = {}
         self.timeline: list[tuple[int, Action, float, float]] = []
+        self.pair_start = [0.0] * p  # when the current overlapped pair starts (its F's start)
+        self.pair_second: list[tuple[float, float] | None] = [None] * p  # (start, end) of a pair's B to come
+        self.pair_waited = [False] * p  # the B of the pair to come waited for its recvs at the pair's start
 
     def run(self) -> SimResult:
         """Advance every rank as far as it goes until all finish; raise on a deadlock."""
@@ -191,16 +243,14 @@ class Simulation:
         if k >= len(self.programs[r]):
             return False
         step, phase = self.programs[r][k], self.phase[r]
+        if phase == _PAIR:
+            return self._start_pair(r, k, step)
         if phase == _POST:
             self.clock[r] += self.runtime.of(self.runtime.step_overhead, r)
-            for g in step.reload:  # issued first; the B waits for the copy's end
-                start = max(self.clock[r], self.h2d_free[r], self.offloaded_by.get(g, 0.0))
-                end = self.h2d_free[r] = self.reloaded_by[g] = start + self.link.h2d_s(self._group_bytes(g))
-                self.events[r].append(("h2d", f"reload {g[0]}:{g[1]}", start, end))
-                if not self.link.overlapped:
-                    self.clock[r] = end
+            if not step.paired:  # a paired step's reloads and recvs were issued at the pair's start
+                self._reload(r, step)
             self.posted_at[r] = self.clock[r]
-            for op in step.ops:
+            for op in pair_posts(step)[1] if step.paired else step.ops:
                 self.posted[r][op] = self._post(_Posted(r, k, op, self.clock[r]))
             if step.ops:
                 self.clock[r] += self.runtime.of(self.runtime.post, r)
@@ -216,20 +266,65 @@ class Simulation:
             self.peak_unsharded[r] = max(self.peak_unsharded[r], self.unsharded[r])
             self.phase[r] = _WAIT
             return True
-        done = self._wait(r, step.waits if phase == _WAIT else step.after)
+        waits = () if step.paired and self.pair_waited[r] else step.waits
+        done = self._wait(r, waits if phase == _WAIT else step.after)
         if done is None:
             return False
         if phase == _WAIT:  # the gathers started at the rank's clock, after the reductions
-            if step.ops or step.waits:
-                self.events[r].append(("comm", step.ops_text or "; ".join(str(op) for op in step.waits),
+            if step.ops or waits:
+                self.events[r].append(("comm", step.ops_text or "; ".join(str(op) for op in waits),
                                        self.posted_at[r], done))
-            self._compute(r, k, step, max(done, self.clock[r] + self.shard_cost * len(step.unshard)))
+            start = max(done, self.clock[r] + self.shard_cost * len(step.unshard))
+            following = self.programs[r][k + 1] if k + 1 < len(self.programs[r]) else None
+            if following is not None and following.paired and step.action is not None:
+                self._open_pair(r, k, following, start)
+                return True
+            self._compute(r, k, step, start)
             self.phase[r] = _AFTER
         else:
             if step.after:
                 self.events[r].append(("comm", "sends of the step done", self.clock[r], done))
             self.clock[r] = done
             self.next_step[r], self.phase[r] = k + 1, _POST
+        return True
+
+    def _reload(self, r: int, step: Step) -> None:
+        """Issue `step`'s reloads at rank r's clock; the B waits for the copy's end."""
+        for g in step.reload:
+            start = max(self.clock[r], self.h2d_free[r], self.offloaded_by.get(g, 0.0))
+            end = self.h2d_free[r] = self.reloaded_by[g] = start + self.link.h2d_s(self._group_bytes(g))
+            self.events[r].append(("h2d", f"reload {g[0]}:{g[1]}", start, end))
+            if not self.link.overlapped:
+                self.clock[r] = end
+
+    def _open_pair(self, r: int, k: int, second: Step, start: float) -> None:
+        """An overlapped pair starts at `start` (step k's waits done): the paired step's reloads
+        are issued and its recvs posted, then (:meth:`_start_pair`) the actions are timed."""
+        self.clock[r] = self.pair_start[r] = start
+        self._reload(r, second)
+        for op in pair_posts(second)[0]:
+            self.posted[r][op] = self._post(_Posted(r, k + 1, op, self.clock[r]))
+        self.phase[r] = _PAIR
+
+    def _start_pair(self, r: int, k: int, step: Step) -> bool:
+        """Time the pair of steps k and k + 1 as the runtime runs it (:func:`overlapped_pair`).
+        Where the F has a communication point the B may compute before the F ends, so it waits
+        for its recvs first (blocked until their counterparts are posted)."""
+        second = self.programs[r][k + 1]
+        segments = [action_segments(s, self.cost, self.runtime.exchanges) for s in (step, second)]
+        start = max(self.pair_start[r], self.clock[r])
+        if len(segments[0]) == 1:  # no point where the F hands over: F, then the B as usual
+            self._compute(r, k, step, start)
+            self.phase[r] = _AFTER
+            return True
+        ready = self._wait(r, second.waits)
+        if ready is None:
+            return False
+        self.pair_waited[r] = True
+        first_end, second_start, both_end = overlapped_pair(*segments, max(0.0, ready - start))
+        self.pair_second[r] = (start + second_start, start + both_end)
+        self._compute(r, k, step, start, end=start + first_end)
+        self.phase[r] = _AFTER
         return True
 
     def _wait(self, r: int, ops: tuple[CommOp, ...]) -> float | None:
@@ -249,7 +344,10 @@ class Simulation:
         if self.phase[r] == _POST:
             return []
         step = self.programs[r][k]
-        return [self.posted[r][op] for op in (step.waits if self.phase[r] == _WAIT else step.after)]
+        if self.phase[r] == _PAIR:
+            return [self.posted[r][op] for op in self.programs[r][k + 1].waits]
+        waits = () if step.paired and self.pair_waited[r] else step.waits
+        return [self.posted[r][op] for op in (waits if self.phase[r] == _WAIT else step.after)]
 
     def _post(self, posted: _Posted) -> _Slot:
         """Queue one op on its channel; the k-th send there meets the k-th recv."""
@@ -273,14 +371,20 @@ class Simulation:
     def _group_bytes(self, g: Group) -> float:
         return self.offload.group_bytes(g) if self.offload is not None else 0.0
 
-    def _compute(self, r: int, k: int, step: Step, start: float) -> None:
+    def _compute(self, r: int, k: int, step: Step, start: float, end: float | None = None) -> None:
+        """Run `step`'s action from `start` (to `end` where a pair's timing fixed it)."""
         action = step.action
         group = (action.stage, action.microbatch) if action is not None else None
         if action is not None and action.kind == BACKWARD and group in self.reloaded_by:
             ready = max(start, self.reloaded_by[group])
             self.reload_waits[group] = ready - start
             start = ready
-        end = start + step_cost(step, self.cost)
+        end = start + step_cost(step, self.cost) if end is None else end
+        shown = start  # where the action is drawn from: a pair's B from when it first computed
+        if step.paired and self.pair_second[r] is not None:
+            second_start, both_end = self.pair_second[r]
+            self.pair_second[r], self.pair_waited[r] = None, False
+            end, shown = max(both_end, start), min(second_start, start)
         self.clock[r] = end
         self.step_times[r].append((self.posted_at[r], start, end))
         for g in step.offload:  # the copy to the host starts when the F is done and the link free
@@ -293,11 +397,11 @@ class Simulation:
                 self.clock[r] = done
         if action is None:
             return
-        self._check_inputs(r, k, action, start)
+        self._check_inputs(r, k, action, shown)
         self.finished_at[action] = end
         self.busy[r] += end - start
-        self.timeline.append((r, action, start, end))
-        self.events[r].append((action.kind, str(action), start, end))
+        self.timeline.append((r, action, shown, end))
+        self.events[r].append((action.kind, str(action), shown, end))
         if not self.schedule.training:
             return
         size = self.sizes[action.microbatch]

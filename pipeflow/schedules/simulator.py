@@ -9,6 +9,7 @@ this module is their entry points.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from pipeflow.errors import ScheduleError
@@ -36,6 +37,7 @@ def simulate(
     shard: bool = False,
     shard_cost: float = 0.0,
     offload: OffloadCosts | None = None,
+    overlap: bool = False,
 ) -> SimResult:
     """Interpret the per-rank programs as the runtime does, checking and measuring them.
 
@@ -59,6 +61,9 @@ def simulate(
         runtime: the runtime's own costs (per-op transfer, per-step overhead, posting, start
             offsets; :class:`RuntimeCosts`); its ``transfer`` replaces `comm_latency`.
         shard: with `programs` None, lower with shard points (``lower(..., shard=True)``).
+        overlap: with `programs` None, lower the schedule's overlapped pairs interleaved
+            (``lower(..., overlap=True)``): a pair's actions are timed as the runtime runs them,
+            each one's communication (`runtime`'s ``exchanges``) behind the other's compute.
         shard_cost: time of one stage's reduce-scatter and reshard (``reshard``: the rank is
             busy with it right after posting the step's ops) and of one stage's all-gather
             (``unshard``, started after those; the action starts no earlier than its end).
@@ -85,7 +90,7 @@ def simulate(
         raise ScheduleError(f"comm_latency must be >= 0, got {comm_latency}")
     if shard_cost < 0:
         raise ScheduleError(f"shard_cost must be >= 0, got {shard_cost}")
-    programs = lower(schedule, posting, shard=shard) if programs is None else programs
+    programs = lower(schedule, posting, shard=shard, overlap=overlap) if programs is None else programs
     check_programs(schedule, programs)
     check_channel_counts(programs)
     sizes = list(microbatch_sizes) if microbatch_sizes is not None else [1.0] * schedule.num_microbatches
@@ -93,8 +98,7 @@ def simulate(
         raise ScheduleError(f"got {len(sizes)} micro-batch sizes for {schedule.num_microbatches} micro-batches")
     runtime = runtime or RuntimeCosts()
     if runtime.transfer is None:
-        runtime = RuntimeCosts(lambda op: comm_latency, runtime.step_overhead, runtime.post, runtime.start,
-                               runtime.offload)
+        runtime = dataclasses.replace(runtime, transfer=lambda op: comm_latency)
     offload = offload if offload is not None else runtime.offload
     return Simulation(schedule, programs, _cost_function(costs), runtime, sizes, shard_cost, offload).run()
 
@@ -126,11 +130,17 @@ def simulated_plan(
 def validate(schedule: PipelineSchedule, programs: list[Program] | None = None, posting: str = "rendezvous") -> SimResult:
     """Prove `programs` (default ``lower(schedule, posting)``) run each action once, in order, no deadlock.
 
+    Programs with overlapped pairs (``Step.paired``) are proved as if every action had a
+    communication point, where a pair's B waits for its inputs before its F ends: whatever the
+    model, the pair cannot wait on itself.
+
     Raises:
         ScheduleError: on any problem found (see :func:`simulate`).
         DeadlockError: when the programs cannot make progress.
     """
-    return simulate(schedule, programs, posting=posting)
+    paired = programs is not None and any(step.paired for program in programs for step in program)
+    return simulate(schedule, programs, posting=posting,
+                    runtime=RuntimeCosts(exchanges=lambda action: (0.0, 1)) if paired else None)
 
 
 def _cost_function(costs: Costs | None) -> CostFn:

@@ -7,7 +7,7 @@ it can wait: deferred Ws fill the bubbles that 1F1B leaves.  Pure functions, no 
 from __future__ import annotations
 
 from pipeflow.errors import ScheduleError
-from pipeflow.schedules.generators import _check, loop_placement, v_placement
+from pipeflow.schedules.generators import _check, loop_placement, one_f_one_b, v_placement
 from pipeflow.schedules.interleaved import group_sizes, interleaved_order
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, PipelineSchedule
 from pipeflow.schedules.registry import ClosedForm, register_schedule
@@ -31,22 +31,17 @@ def zb_h1(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
         rank 1: 1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3
         rank 2: 2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3
     """
-    _check(num_ranks, num_microbatches)
     p, m = num_ranks, num_microbatches
     actions = []
-    for r in range(p):
-        warmup = min(p - r - 1, m)
-        acts = [Action(FORWARD, i, r) for i in range(warmup)]
-        pending: list[int] = []
-        for i in range(m):  # the i-th B, after the (i + warmup)-th F if there is one
-            if i + warmup < m:
-                acts.append(Action(FORWARD, i + warmup, r))
-            acts.append(Action(BACKWARD, i, r))
-            pending.append(i)
-            if i >= r:
-                acts.append(Action(WEIGHT, pending.pop(0), r))
-        acts += [Action(WEIGHT, i, r) for i in pending]
-        actions.append(acts)
+    for r, order in enumerate(one_f_one_b(p, m).actions):  # checks p and m
+        acts, pending = [], []
+        for action in order:  # 1F1B's order, each B i followed by the oldest pending W once i >= r
+            acts.append(action)
+            if action.kind == BACKWARD:
+                pending.append(action.microbatch)
+                if action.microbatch >= r:
+                    acts.append(Action(WEIGHT, pending.pop(0), r))
+        actions.append(acts + [Action(WEIGHT, i, r) for i in pending])
     return PipelineSchedule("zb_h1", p, p, m, loop_placement(p), actions)
 
 
@@ -138,8 +133,9 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
     Rank r holds stages r (first) and 2p-1-r (second).  Phases, as in DeepSeek's reference:
     2(p - r - 1) forwards of the first stage; r + 1 pairs of forwards (first, second);
     p - r - 1 rounds (B second, W, F second); the main phase of overlapped pairs
-    "F first + B second" and "F second + B first" (each emitted as F then a full B, which our
-    runtime runs one after the other); p - r - 1 rounds (B second, F second + B first);
+    "F first + B second" and "F second + B first" (each an overlapped pair: an F then a full B
+    of another stage and micro-batch, marked in ``pairs`` for the runtime to run interleaved,
+    ``pipeline.overlap_pairs``); p - r - 1 rounds (B second, the pair F second + B first);
     r + 1 rounds of Bs on both stages (the later half split into B and W); p - r - 1 rounds
     (W, B first); the remaining Ws.  With F = B = W = 1 (full B = 2) the makespan is
     6m + p - 1 + min(p - 1, (m - p) // 2) under rendezvous, 6m + p - 1 if sends never waited.
@@ -154,13 +150,16 @@ def dualpipev(num_ranks: int, num_microbatches: int) -> PipelineSchedule:
             f"dualpipev needs at least 2p = {2 * p} micro-batches for {p} pipeline ranks "
             f"(valid pipeline.num_microbatches: {2 * p}, {2 * p + 1}, ...), got {m}"
         )
-    actions = [_dualpipev_rank(p, m, r) for r in range(p)]
-    return PipelineSchedule("dualpipev", p, 2 * p, m, v_placement(p), actions)
+    ranks = [_dualpipev_rank(p, m, r) for r in range(p)]
+    return PipelineSchedule("dualpipev", p, 2 * p, m, v_placement(p), [actions for actions, _ in ranks],
+                            pairs=tuple(pairs for _, pairs in ranks))
 
 
-def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
+def _dualpipev_rank(p: int, m: int, r: int) -> tuple[list[Action], tuple[int, ...]]:
+    """Rank r's actions and the indices of its overlapped pairs (each an F then a full B)."""
     first, second = r, 2 * p - 1 - r
     ops = _Counter()
+    pairs: list[int] = []
     deferred: list[tuple[int, int]] = []  # (stage, micro-batch) of Bs whose W is still to come
 
     def backward(stage: int, split: bool) -> None:
@@ -173,6 +172,11 @@ def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
             stage, i = deferred.pop(0)
             ops.actions.append(Action(WEIGHT, i, stage))
 
+    def pair(forward_stage: int, backward_stage: int) -> None:
+        pairs.append(len(ops.actions))
+        ops.add(FORWARD, forward_stage)
+        backward(backward_stage, split=False)
+
     for _ in range(2 * (p - r - 1)):
         ops.add(FORWARD, first)
     for _ in range(r + 1):
@@ -182,15 +186,12 @@ def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
         backward(second, split=True)
         weight()
         ops.add(FORWARD, second)
-    for _ in range(m - 2 * p + r + 1):  # overlapped pairs: F then full B
-        ops.add(FORWARD, first)
-        backward(second, split=False)
-        ops.add(FORWARD, second)
-        backward(first, split=False)
+    for _ in range(m - 2 * p + r + 1):  # the main phase: two overlapped pairs a round
+        pair(first, second)
+        pair(second, first)
     for _ in range(p - r - 1):
         backward(second, split=False)
-        ops.add(FORWARD, second)
-        backward(first, split=False)
+        pair(second, first)
     split = False
     half = (r + 1) // 2
     for k in range(r + 1):
@@ -203,7 +204,7 @@ def _dualpipev_rank(p: int, m: int, r: int) -> list[Action]:
         backward(first, split)
     while deferred:
         weight()
-    return ops.actions
+    return ops.actions, tuple(pairs)
 
 
 @register_schedule(
@@ -229,7 +230,7 @@ def interleaved_zb(num_ranks: int, num_microbatches: int, stages_per_rank: int =
     _check(num_ranks, num_microbatches)
     if stages_per_rank < 1:
         raise ScheduleError(
-            f"interleaved_zb needs at least 1 stage per rank, got pipeline.stages_per_rank={stages_per_rank}"
+            f"interleaved_zb needs at least 1 stage per rank, got schedule.stages_per_rank={stages_per_rank}"
         )
     p, m, v = num_ranks, num_microbatches, stages_per_rank
     total, first_group = m * v, group_sizes(p, m)[0]
