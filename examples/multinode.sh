@@ -19,7 +19,7 @@
 #   TORCHRUN_ARGS  more torchrun options (e.g. "--max-restarts 3")
 #   PYTHON    the interpreter (default python3)
 #
-# Global rank = node rank * NPROC + local rank; docs/scaling.md says where each rank's stage goes.
+# Global rank = node rank * NPROC + local rank; docs/start/4-scale-out.md says where each rank's stage goes.
 # Checkpoints (train.save_every) need a directory every node sees (train.run_dir on a shared FS).
 set -euo pipefail
 NNODES=${NNODES:-2}

@@ -8,7 +8,7 @@ tied to the token embedding. The second half splits it with `pipeflow.models.fro
 what runs before the blocks, the blocks, and what runs after, and trains it through the same
 config and builder as ``train.py``. Each rank builds the model on the meta device and
 materialises only its own layers; the tied embedding and head live on the first and last stage
-and their gradients are summed each step. See docs/models.md.
+and their gradients are summed each step. See docs/start/2-your-model.md.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ it for you). There is no name table to register into: write a function that retu
 looks up a built-in one by its short name (``gpt`` is ``pipeflow.models.build_gpt``).
 
 An ``nn.Module`` you already have needs no rewriting: `from_module` splits it into layers
-(``model=module`` / ``model=torchvision`` from the config; see docs/models.md). A Hugging Face
+(``model=module`` / ``model=torchvision`` from the config; see docs/start/2-your-model.md). A Hugging Face
 decoder of the Llama family is `build_hf` (``model=hf model.path=<folder>``; transformers is
 imported only when it runs).
 """

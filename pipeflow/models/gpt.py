@@ -204,7 +204,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None = None, dropout_p
     """Causal attention: q, k, v (B, H, T, hs) -> (B, H, T, hs); with ``doc`` (B, T), within each
     document only (a position attends to the earlier positions of its own document).
 
-    Which kernel runs (docs/performance.md): without documents, SDPA with ``is_causal`` (flash or
+    Which kernel runs (docs/explanation/performance.md): without documents, SDPA with ``is_causal`` (flash or
     memory-efficient on CUDA, no mask); with documents where flash's variable-length kernel
     applies (:func:`varlen_applies`), ``varlen_attn`` over the documents as sequences, O(T)
     memory; elsewhere SDPA with a boolean block-diagonal causal mask, (B, 1, T, T).

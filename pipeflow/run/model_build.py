@@ -64,7 +64,7 @@ def build_spec(model_cfg: DictConfig) -> ModelSpec:
         target = OmegaConf.select(model_cfg, "_target_")
         raise ConfigError(
             f"model._target_={target!r} returned a {type(spec).__name__}, not a pipeflow ModelSpec; a model "
-            f"builder must return ModelSpec(layers=[LayerSpec(...), ...], loss_fn=...): see docs/models.md"
+            f"builder must return ModelSpec(layers=[LayerSpec(...), ...], loss_fn=...): see docs/start/2-your-model.md"
         )
     return spec
 

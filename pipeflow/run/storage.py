@@ -32,7 +32,7 @@ log = logging.getLogger("pipeflow")
 PROBE = ".shared-probe"  # <run_dir>/.shared-probe.<job token>.<host index>
 FIX = ("put train.run_dir on a file system every host mounts (NFS, Lustre, ...), or set "
        "train.checkpoint_storage=local so that each host keeps its own ranks' part of every checkpoint "
-       "(python -m pipeflow.checkpoint gather merges the parts; docs/multinode.md, Storage)")
+       "(python -m pipeflow.checkpoint gather merges the parts; docs/guides/multinode.md, Storage)")
 
 
 @dataclass(frozen=True)
