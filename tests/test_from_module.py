@@ -83,6 +83,25 @@ def test_weights_come_from_each_layers_seed() -> None:
     assert a.get_parameter("2.weight").abs().sum() > 0  # nn.Linear's own reset_parameters ran
 
 
+def test_each_form_has_its_own_entry_point_giving_from_modules_spec() -> None:
+    """Issue 49: from_sequential, from_blocks and from_traced take only their form's options and
+    give what from_module gives for it; each refuses a model it cannot split, naming another."""
+    from pipeflow.models import from_blocks, from_sequential, from_traced
+
+    grouped = from_sequential(mlp_sequential, groups=SEQUENTIAL_GROUPS, seed=3)
+    assert grouped.layer_names() == from_module(mlp_sequential, groups=SEQUENTIAL_GROUPS).layer_names()
+    torch.testing.assert_close(run_layers(_layers(grouped), _x(3, 32)),
+                               run_layers(_layers(from_module(mlp_sequential, groups=SEQUENTIAL_GROUPS, seed=3)), _x(3, 32)))
+    gpt = functools.partial(GPT, **GPT_SIZES)
+    blocks = from_blocks(gpt, "blocks", before=["tok_emb", "pos_emb"], before_fn=embed, after=["ln_f", "head"])
+    assert blocks.layer_names() == ["before", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "after"]
+    assert blocks.tied == {"tok_emb.weight": [("before", "tok_emb.weight"), ("after", "head.weight")]}
+    traced_spec = from_traced(SkipNet, SKIP_SPLIT_POINTS, name="skip")
+    assert traced_spec.name == "skip" and len(traced_spec.layers) == len(SKIP_SPLIT_POINTS) + 1
+    with pytest.raises(ConfigError, match=r"from_sequential needs an nn.Sequential; got SkipNet"):
+        from_sequential(SkipNet)
+
+
 def test_a_model_that_is_not_a_sequential_needs_a_form() -> None:
     with pytest.raises(ConfigError, match=r"say how to split SkipNet: before=\[...\], blocks="):
         from_module(SkipNet)

@@ -19,7 +19,7 @@ from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.hf import build_hf  # model=hf; transformers is imported only when it runs
 from pipeflow.models.mlp import build_mlp
-from pipeflow.models.module_spec import build_module, from_module
+from pipeflow.models.module_spec import build_module, from_blocks, from_module, from_sequential, from_traced
 from pipeflow.models.sleep import build_sleep
 from pipeflow.models.spec import LayerSpec, ModelSpec, derive_seed, run_layers
 from pipeflow.models.zoo import build_resnet, build_resnet18, build_resnet50, build_torchvision
@@ -38,7 +38,10 @@ __all__ = [
     "build_torchvision",
     "builtin_models",
     "derive_seed",
+    "from_blocks",
     "from_module",
+    "from_sequential",
+    "from_traced",
     "get_model_builder",
     "run_layers",
 ]

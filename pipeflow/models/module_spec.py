@@ -22,7 +22,7 @@ they are. Parameters shared between layers (tied embeddings) become `ModelSpec.t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ from pipeflow.models.materialise import (InitHook, StateDictFile, copy_buffers, 
                                          skeleton, zero_parameters)
 from pipeflow.models.pieces import Adapter, claims, cut, expand, resolve
 from pipeflow.models.spec import IGNORE_INDEX, LayerSpec, LossFn, ModelSpec
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 Source = nn.Module | Callable[[], nn.Module]
 
@@ -156,6 +159,48 @@ def _ties(root: nn.Module, plans: list[_Plan]) -> dict[str, list[tuple[str, str]
     return {members[0][1]: members for members in holders.values() if len(members) > 1}
 
 
+class SpecOptions(TypedDict, total=False):
+    """What every form of `from_module` takes beside its split (see :func:`from_module`'s Args)."""
+
+    loss_fn: LossFn
+    seed: int
+    init: InitHook | None
+    init_from: str | None
+    name: str | None
+    tp_plan: dict[str, str] | None
+    ignore_index: int | None
+    count_fn: Callable[[Any], int] | None
+
+
+def from_blocks(
+    module: Source,
+    blocks: str | Sequence[str] | None,
+    *,
+    before: Sequence[str] = (),
+    after: Sequence[str] = (),
+    before_fn: Adapter | None = None,
+    after_fn: Adapter | None = None,
+    names: tuple[str, str] = ("before", "after"),
+    **options: Unpack[SpecOptions],
+) -> ModelSpec:
+    """The blocks form: prefix modules (`before`, one layer), a loop over the children of the
+    `blocks` container(s) (a layer each), suffix modules (`after`, one layer); see
+    :func:`from_module` for the arguments."""
+    return _blocks_spec(module, _root(module), blocks, before, after, before_fn, after_fn, names, options)
+
+
+def from_sequential(module: Source, *, groups: Sequence[Sequence[str]] | None = None,
+                    **options: Unpack[SpecOptions]) -> ModelSpec:
+    """An ``nn.Sequential`` as it is: each child a layer, or `groups` of children by name."""
+    return _sequential_spec(module, _root(module), groups, options)
+
+
+def from_traced(module: Source, split_points: Sequence[str], **options: Unpack[SpecOptions]) -> ModelSpec:
+    """The traced form: any forward, split by torch.fx where the submodules `split_points` start
+    (in forward order; see `pipeflow.models.traced`)."""
+    return _traced_spec(module, _root(module), split_points, options)
+
+
 def from_module(
     module: Source,
     *,
@@ -166,17 +211,12 @@ def from_module(
     after_fn: Adapter | None = None,
     groups: Sequence[Sequence[str]] | None = None,
     split_points: Sequence[str] | None = None,
-    loss_fn: LossFn = cross_entropy,
-    seed: int = 0,
-    init: InitHook | None = None,
-    init_from: str | None = None,
     names: tuple[str, str] = ("before", "after"),
-    name: str | None = None,
-    tp_plan: dict[str, str] | None = None,
-    ignore_index: int | None = IGNORE_INDEX,
-    count_fn: Callable[[Any], int] | None = None,
+    **options: Unpack[SpecOptions],
 ) -> ModelSpec:
-    """Describe an existing ``nn.Module`` as pipeline layers (see the module docstring for the forms).
+    """Describe an existing ``nn.Module`` as pipeline layers, in the form its arguments name:
+    :func:`from_blocks` (`before`/`blocks`/`after`), :func:`from_traced` (`split_points`) or
+    :func:`from_sequential` (an ``nn.Sequential``, `groups`).  See the module docstring.
 
     Args:
         module: a constructor of the whole model (each rank then materialises only its own
@@ -190,23 +230,24 @@ def from_module(
         after_fn: the same for the suffix (``lambda m, x: m.fc(torch.flatten(m.avgpool(x), 1))``).
         groups: nn.Sequential form: children grouped into layers by name (default: one each).
         split_points: traced form: the submodules that start a new layer, in forward order.
-        loss_fn: (output, targets) -> mean loss; default cross entropy over the last dimension.
-        seed: layer i is initialised under a RNG seeded from (seed, i).
-        init: ``init(name, module)`` for each submodule of a layer being built from a constructor,
-            after each module's own ``reset_parameters``: initialisation the model's constructor
-            does beyond its modules' own (GPT-2's scaled init by name, zero-init heads).
-        init_from: a state dict file of the unsplit model (``torch.save(model.state_dict(), f)``)
-            to load instead; each rank reads only its own layers' tensors.
         names: the names of the `before` and `after` layers.
-        name: the model's name (default: its class name).
-        tp_plan: how ``parallel.tp`` splits the layers: ``{glob of submodule paths: style}`` (the
-            paths as the model names them, e.g. ``{"blocks.*.attn.qkv": "colwise_qkv",
+        options: every form's (:class:`SpecOptions`):
+            ``loss_fn``: (output, targets) -> mean loss; default cross entropy over the last dimension.
+            ``seed``: layer i is initialised under a RNG seeded from (seed, i).
+            ``init``: ``init(name, module)`` for each submodule of a layer being built from a
+            constructor, after each module's own ``reset_parameters``: initialisation the model's
+            constructor does beyond its modules' own (GPT-2's scaled init by name, zero-init heads).
+            ``init_from``: a state dict file of the unsplit model (``torch.save(model.state_dict(),
+            f)``) to load instead; each rank reads only its own layers' tensors.
+            ``name``: the model's name (default: its class name).
+            ``tp_plan``: how ``parallel.tp`` splits the layers: ``{glob of submodule paths: style}``
+            (the paths as the model names them, e.g. ``{"blocks.*.attn.qkv": "colwise_qkv",
             "blocks.*.attn.proj": "rowwise"}``; styles: ``pipeflow.models.spec.TP_STYLES``),
             matched in every layer; None: the model cannot run with tp > 1.
-        ignore_index: the target value `loss_fn` ignores (cross entropy's -100): a micro-batch
-            weighs by the targets its loss counts; None: every target counts.
-        count_fn: ``count_fn(targets) -> int``, how many targets `loss_fn` averages over, for a
-            loss that counts otherwise; None: `ignore_index` decides (``ModelSpec.loss_count``).
+            ``ignore_index``: the target value `loss_fn` ignores (cross entropy's -100): a
+            micro-batch weighs by the targets its loss counts; None: every target counts.
+            ``count_fn``: ``count_fn(targets) -> int``, how many targets `loss_fn` averages over,
+            for a loss that counts otherwise; None: `ignore_index` decides (``ModelSpec.loss_count``).
 
     Returns:
         A ModelSpec whose layers hold the model's own modules under their own paths (state dict
@@ -217,28 +258,57 @@ def from_module(
         ConfigError: no form is given (or two are), a path names nothing, a parameter belongs to
             no layer; UntraceableModelError: the traced form met code it cannot trace.
     """
-    is_constructor = callable(module) and not isinstance(module, nn.Module)
-    root = skeleton(module) if is_constructor else module  # type: ignore[arg-type]
-    if not isinstance(root, nn.Module):
-        raise ConfigError(f"from_module needs an nn.Module or a constructor of one; got {type(module).__name__}")
+    root = _root(module)
     blocks_form = bool(before or blocks or after)
     if blocks_form and split_points:
         raise ConfigError("give either the blocks form (before/blocks/after) or split_points (traced), not both")
+    if groups is not None and not isinstance(root, nn.Sequential) and (split_points or blocks_form):
+        raise ConfigError("groups applies to an nn.Sequential only")
     if split_points:
-        graph = traced.trace(root)
-        parts = traced.split_graph(graph, split_points, [f"part{k}" for k in range(len(split_points) + 1)])
-        plans = [_Plan(p.name, p.paths, part=p) for p in parts]
-    elif blocks_form:
-        plans = _blocks_plans(root, before, blocks, after, before_fn, after_fn, names)
-        _check_claims(root, plans)
-    elif isinstance(root, nn.Sequential):
-        plans = _sequential_plans(root, groups)
-    else:
+        return _traced_spec(module, root, split_points, options)
+    if blocks_form:
+        return _blocks_spec(module, root, blocks, before, after, before_fn, after_fn, names, options)
+    if not isinstance(root, nn.Sequential):
         raise ConfigError(f"say how to split {type(root).__name__}: before=[...], blocks='<ModuleList path>', "
                           f"after=[...] (a loop over blocks), or split_points=[...] (traced); only an "
                           f"nn.Sequential splits by itself")
-    if groups is not None and not isinstance(root, nn.Sequential):
-        raise ConfigError("groups applies to an nn.Sequential only")
+    return _sequential_spec(module, root, groups, options)
+
+
+def _blocks_spec(module: Source, root: nn.Module, blocks: str | Sequence[str] | None, before: Sequence[str],
+                 after: Sequence[str], before_fn: Adapter | None, after_fn: Adapter | None, names: tuple[str, str],
+                 options: SpecOptions) -> ModelSpec:
+    plans = _blocks_plans(root, before, blocks, after, before_fn, after_fn, names)
+    _check_claims(root, plans)
+    return _spec(module, root, plans, **options)
+
+
+def _sequential_spec(module: Source, root: nn.Module, groups: Sequence[Sequence[str]] | None,
+                     options: SpecOptions) -> ModelSpec:
+    if not isinstance(root, nn.Sequential):
+        raise ConfigError(f"from_sequential needs an nn.Sequential; got {type(root).__name__} (say how to split it: "
+                          f"from_blocks or from_traced)")
+    return _spec(module, root, _sequential_plans(root, groups), **options)
+
+
+def _traced_spec(module: Source, root: nn.Module, split_points: Sequence[str], options: SpecOptions) -> ModelSpec:
+    parts = traced.split_graph(traced.trace(root), split_points, [f"part{k}" for k in range(len(split_points) + 1)])
+    return _spec(module, root, [_Plan(p.name, p.paths, part=p) for p in parts], **options)
+
+
+def _root(module: Source) -> nn.Module:
+    """The module to split: `module`, or its skeleton on the meta device when it is a constructor."""
+    root = skeleton(module) if callable(module) and not isinstance(module, nn.Module) else module
+    if not isinstance(root, nn.Module):
+        raise ConfigError(f"from_module needs an nn.Module or a constructor of one; got {type(module).__name__}")
+    return root
+
+
+def _spec(module: Source, root: nn.Module, plans: list[_Plan], loss_fn: LossFn = cross_entropy, seed: int = 0,
+          init: InitHook | None = None, init_from: str | None = None, name: str | None = None,
+          tp_plan: dict[str, str] | None = None, ignore_index: int | None = IGNORE_INDEX,
+          count_fn: Callable[[Any], int] | None = None) -> ModelSpec:
+    """The ModelSpec of `root` split by `plans` (layers built from `module`)."""
     layers = _Layers(module, root, plans, init, init_from)
     specs = [LayerSpec(plan.name, layers.build, (k,)) for k, plan in enumerate(plans)]
     # export_name: the layers' keys are the module's own (checkpoint export writes them as they are)
