@@ -4,8 +4,10 @@ Sleep stages (one sleep layer per stage: F, B and W each ``--sleep-ms`` of wall 
 the CPU) make every millisecond beyond the ideal a runtime's.  For each ranks x schedule x
 micro-batch count, three contestants run the same layers in alternating rounds in one process
 group: pipeflow, ``torch.distributed.pipelining`` (where torch has the schedule; it has no ZB-H1)
-and the floor -- pipeflow's own lowered program run with nothing but ``batch_isend_irecv`` and
-``time.sleep`` (``vs_torch_pipelining.floor_runner``).  The first table gives the median steps,
+the floor -- pipeflow's own lowered program run with nothing but ``batch_isend_irecv`` and
+``time.sleep`` (``vs_torch_pipelining.floor_runner``) -- and the floor with the layers: the same
+program and calls, each action running the sleep layers through autograd, nothing else
+(``layer_floor_runner``: what any runtime training these layers must do).  The first table gives the median steps,
 the ideal (the simulator's makespan at the nominal costs) and the ratios; the second splits
 pipeflow's and the floor's time per action (means over ranks of counters kept during the timed
 rounds, in microseconds):
@@ -103,6 +105,8 @@ def worker(rank: int, ranks: int, port: int, args: argparse.Namespace, queue) ->
             runners["floor"] = vs.floor_runner(runners["pipeflow"].pipeline, batch, m, args.sleep_ms,
                                                post=counters.timed("post", dist.batch_isend_irecv),
                                                wait=counters.timed("wait", lambda work: work.wait()))
+            runners["floor+layers"] = vs.layer_floor_runner(runners["pipeflow"].pipeline,
+                                                            {s: copy.deepcopy(ls) for s, ls in built.items()}, batch, m)
             pipe = runners["pipeflow"].pipeline
             instrument(counters, pipe)
             counters.seconds.clear()
@@ -133,6 +137,7 @@ def worker(rank: int, ranks: int, port: int, args: argparse.Namespace, queue) ->
             if rank == 0:
                 row = {"p": ranks, "schedule": name, "m": m, "ideal": ideal,
                        **medians(times), "ratio_floor": median_ratio(times["pipeflow"], times["floor"]),
+                       "ratio_layers": median_ratio(times["pipeflow"], times["floor+layers"]),
                        "ratio_torch": median_ratio(times["pipeflow"], times["torch"]) if "torch" in times else None,
                        "parts": {fw: [statistics.mean(r[0][fw][j] / r[1] for r in per_rank) for j in range(len(PARTS))]
                                  for fw in ("pipeflow", "floor")}}
@@ -149,14 +154,15 @@ def tables(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [f"sleep stages: one layer per stage, F = B = W = {args.sleep_ms:g} ms; medians of {args.rounds} "
              f"alternating rounds after {args.warmup} warm-up; the floor runs pipeflow's own program with "
              "batch_isend_irecv and time.sleep only", "",
-             "| ranks | schedule | m | ideal (ms) | floor (ms) | pipeflow (ms) | torch (ms) | pipeflow / floor "
-             "| pipeflow / torch | pipeflow / ideal | floor / ideal |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| ranks | schedule | m | ideal (ms) | floor (ms) | floor + layers (ms) | pipeflow (ms) | torch (ms) "
+             "| pipeflow / floor | pipeflow / floor + layers | pipeflow / torch | pipeflow / ideal | floor / ideal |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         torch_ms = f"{r['torch'] * 1e3:.1f}" if "torch" in r else "-"
         versus = f"{r['ratio_torch']:.3f}" if r["ratio_torch"] is not None else "- (torch has none)"
         lines.append(f"| {r['p']} | {r['schedule']} | {r['m']} | {r['ideal'] * 1e3:.1f} | {r['floor'] * 1e3:.1f} "
-                     f"| {r['pipeflow'] * 1e3:.1f} | {torch_ms} | {r['ratio_floor']:.3f} | {versus} "
+                     f"| {r['floor+layers'] * 1e3:.1f} | {r['pipeflow'] * 1e3:.1f} | {torch_ms} | {r['ratio_floor']:.3f} "
+                     f"| {r['ratio_layers']:.3f} | {versus} "
                      f"| {r['pipeflow'] / r['ideal']:.3f} | {r['floor'] / r['ideal']:.3f} |")
     lines += ["", "per action (µs, mean over ranks): pipeflow / floor", "",
               "| ranks | schedule | m | " + " | ".join(PARTS) + " | total over the sleeps |",

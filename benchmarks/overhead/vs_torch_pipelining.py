@@ -145,6 +145,71 @@ def floor_runner(pipe: Pipeline, batch, m: int, sleep_ms: float, post: Callable 
     return Runner(step, [])
 
 
+def layer_floor_runner(pipe: Pipeline, layers: dict[int, list[nn.Module]], batch, m: int) -> Runner:
+    """The floor with the layers: pipeflow's own program (as :func:`floor_runner`) with plain
+    ``batch_isend_irecv`` calls, each action running this rank's layers through autograd -- F
+    forward, a full B ``backward`` to the input and the weights, a split B to the input alone and
+    its W to the weights -- and nothing else: no Stage, no inbox checks, no recording, no shape
+    plan.  What any runtime that trains these layers must do; beside :func:`floor_runner` it says
+    how much of a step is the layers' own work around their sleeps."""
+    schedule, me = pipe.schedule, pipe.comm.rank
+    owner, last = schedule.stage_to_rank, schedule.num_stages - 1
+    mods = {s: nn.Sequential(*ls) for s, ls in layers.items()}
+    rows, inputs = batch[0].shape[0] // m, batch[0].chunk(m)
+
+    def step() -> None:
+        program = pipe.programs[pipe.posting.for_training(pipe._coalescing)]
+        works, inbox, outbox, kept, pending = {}, {}, {}, {}, {}
+
+        def deliver(payload: str, i: int, src: int, dst: int, t: torch.Tensor) -> None:
+            if owner[dst] == me:
+                inbox[payload, i, dst] = t
+            else:
+                outbox[payload, i, src] = t.contiguous()
+
+        for st in program:
+            if st.ops:
+                tensors = [outbox.pop((op.payload, op.microbatch, op.src_stage)) if op.is_send else torch.empty(rows, 8)
+                           for op in st.ops]
+                done = dist.batch_isend_irecv([dist.P2POp(dist.isend if op.is_send else dist.irecv, t, op.peer)
+                                               for op, t in zip(st.ops, tensors)])
+                for op, t, w in zip(st.ops, tensors, done if len(done) == len(st.ops) else [done[0]] * len(st.ops)):
+                    works[op] = (w, t)
+            for op in st.waits:
+                w, t = works.pop(op)
+                w.wait()
+                if not op.is_send:
+                    inbox[op.payload, op.microbatch, op.dst_stage] = t
+            a = st.action
+            if a is not None:
+                s, i = a.stage, a.microbatch
+                if a.kind == "F":
+                    x = (inputs[i] if s == 0 else inbox.pop(("act", i, s))).detach().requires_grad_()
+                    out = mods[s](x)
+                    kept[s, i] = (x, out)
+                    if s < last:
+                        deliver("act", i, s, s + 1, out.detach())
+                elif a.kind == "B":
+                    x, out = kept.pop((s, i))
+                    grad = torch.ones_like(out) if s == last else inbox.pop(("grad", i, s))
+                    if st.backward_weights:
+                        torch.autograd.backward(out, grad)
+                        grad_in = x.grad
+                    else:
+                        (grad_in,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+                        pending[s, i] = (out, grad)
+                    if s > 0:
+                        deliver("grad", i, s, s - 1, grad_in)
+                else:
+                    out, grad = pending.pop((s, i))
+                    torch.autograd.grad(out, list(mods[s].parameters()), grad)
+            for op in st.after:
+                works.pop(op)[0].wait()
+        return None
+
+    return Runner(step, [])
+
+
 def torch_runner(name: str, schedule: PipelineSchedule, layers: dict[int, list[nn.Module]], batch, device, m: int) -> Runner:
     """torch.distributed.pipelining's PipelineStage(s) and schedule class for the same split."""
     from torch.distributed.pipelining import PipelineStage, schedules
