@@ -22,7 +22,7 @@ they are. Parameters shared between layers (tied embeddings) become `ModelSpec.t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypedDict
+from typing import Any, Callable, Sequence, TypedDict, Unpack
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +34,6 @@ from pipeflow.models.materialise import (InitHook, StateDictFile, copy_buffers, 
                                          skeleton, zero_parameters)
 from pipeflow.models.pieces import Adapter, claims, cut, expand, resolve
 from pipeflow.models.spec import IGNORE_INDEX, LayerSpec, LossFn, ModelSpec
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
 
 Source = nn.Module | Callable[[], nn.Module]
 
