@@ -90,11 +90,6 @@ def communicates(modules: Iterable[torch.nn.Module]) -> bool:
     return any(getattr(m, _COMMUNICATES, False) for module in modules for m in module.modules())
 
 
-def in_pair() -> bool:
-    """Whether an overlapped pair runs now."""
-    return _active is not None
-
-
 class PairRunner:
     """Runs overlapped pairs for one pipeline: a forward here, a backward on one worker thread that
     lives as long as the runner (started at the first pair)."""
@@ -135,12 +130,6 @@ class PairRunner:
         for exc in errors:
             if exc is not None:
                 raise exc
-
-    def close(self) -> None:
-        """Stop the worker thread (a later pair starts another)."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._worker is None:

@@ -28,7 +28,6 @@ from pipeflow.runtime.buffers import BufferPool
 from pipeflow.runtime.events import D2H, H2D, SHARD, EventRecorder, span
 from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.offload import ActivationOffloader, OffloadStats
-from pipeflow.runtime.overlap import PairRunner
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.shapes import ShapePlan
 from pipeflow.runtime.stage import Stage, Tensors
@@ -96,7 +95,7 @@ class Pipeline:
     ) -> None:
         self.stages = stages
         self.overlap_pairs = overlap_pairs
-        self.pairs = PairRunner(comm.device)
+        self.pairs = overlap.PairRunner(comm.device)
         self._interleave: bool | None = None  # whether a stage of this rank has a communication point
         self.sharding = sharding
         self.offload = offload if offload is not None and offload.reloads else None

@@ -147,9 +147,10 @@ class Step:
     and backward of another, ``pipeline.overlap_pairs``): its action runs interleaved with the
     previous step's, each handing the other the rank at its communication points, so one's
     ``all_to_all`` proceeds while the other computes
-    (:func:`~pipeflow.schedules.lowering.pair_steps`).  The previous step posted and waited for
-    this step's recvs; this step's ops (the first action's sends) are posted as soon as the
-    first action ends, and its `after` is waited for once both are done.
+    (:func:`~pipeflow.schedules.lowering.pair_steps`).  This step's recvs that its action
+    consumes (its `waits`) are posted when the pair starts and waited for when its action first
+    computes; its other ops (the first action's sends) are posted as soon as the first action
+    ends, and its `after` (with the previous step's) is waited for once both are done.
     """
 
     ops: tuple[CommOp, ...]

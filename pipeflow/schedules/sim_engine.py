@@ -217,7 +217,6 @@ class Simulation:
         self.received: list[set[CommOp]] = [set() for _ in range(p)]
         self.finished_at: dict[Action, float] = {}
         self.timeline: list[tuple[int, Action, float, float]] = []
-        self.pair_start = [0.0] * p  # when the current overlapped pair starts (its F's start)
         self.pair_second: list[tuple[float, float] | None] = [None] * p  # (start, end) of a pair's B to come
         self.pair_waited = [False] * p  # the B of the pair to come waited for its recvs at the pair's start
 
@@ -266,7 +265,7 @@ class Simulation:
             self.peak_unsharded[r] = max(self.peak_unsharded[r], self.unsharded[r])
             self.phase[r] = _WAIT
             return True
-        waits = () if step.paired and self.pair_waited[r] else step.waits
+        waits = self._waits(r, step)
         done = self._wait(r, waits if phase == _WAIT else step.after)
         if done is None:
             return False
@@ -297,10 +296,16 @@ class Simulation:
             if not self.link.overlapped:
                 self.clock[r] = end
 
+    def _waits(self, r: int, step: Step) -> tuple[CommOp, ...]:
+        """What rank r waits for before `step`'s action: none for a pair's B that waited at the
+        pair's start (:meth:`_start_pair`)."""
+        return () if step.paired and self.pair_waited[r] else step.waits
+
     def _open_pair(self, r: int, k: int, second: Step, start: float) -> None:
         """An overlapped pair starts at `start` (step k's waits done): the paired step's reloads
-        are issued and its recvs posted, then (:meth:`_start_pair`) the actions are timed."""
-        self.clock[r] = self.pair_start[r] = start
+        are issued and its recvs posted, then (:meth:`_start_pair`) the actions are timed from
+        the rank's clock (past the reloads where they take the rank's own time)."""
+        self.clock[r] = start
         self._reload(r, second)
         for op in pair_posts(second)[0]:
             self.posted[r][op] = self._post(_Posted(r, k + 1, op, self.clock[r]))
@@ -312,7 +317,7 @@ class Simulation:
         for its recvs first (blocked until their counterparts are posted)."""
         second = self.programs[r][k + 1]
         segments = [action_segments(s, self.cost, self.runtime.exchanges) for s in (step, second)]
-        start = max(self.pair_start[r], self.clock[r])
+        start = self.clock[r]
         if len(segments[0]) == 1:  # no point where the F hands over: F, then the B as usual
             self._compute(r, k, step, start)
             self.phase[r] = _AFTER
@@ -346,8 +351,7 @@ class Simulation:
         step = self.programs[r][k]
         if self.phase[r] == _PAIR:
             return [self.posted[r][op] for op in self.programs[r][k + 1].waits]
-        waits = () if step.paired and self.pair_waited[r] else step.waits
-        return [self.posted[r][op] for op in (waits if self.phase[r] == _WAIT else step.after)]
+        return [self.posted[r][op] for op in (self._waits(r, step) if self.phase[r] == _WAIT else step.after)]
 
     def _post(self, posted: _Posted) -> _Slot:
         """Queue one op on its channel; the k-th send there meets the k-th recv."""
