@@ -1,5 +1,9 @@
 """Checkpoints that survive a change of pipeline and data-parallel degree, written atomically.
 
+This module writes them and is the API of the parts beside it: the tensors' names
+(:mod:`pipeflow.run.checkpoint_state`), loading (:mod:`pipeflow.run.checkpoint_load`), finding and
+verifying (:mod:`pipeflow.run.checkpoint_find`) and export (:mod:`pipeflow.run.export`).
+
 Model and optimizer state are saved with ``torch.distributed.checkpoint`` (DCP) under global,
 layer-indexed names that do not depend on the layout: ``model.layers.<i>.<name>`` for layer i's
 ``state_dict()`` entries and ``optim.layers.<i>.<param>.<field>`` for its AdamW state.  Each
@@ -63,77 +67,30 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from pipeflow.errors import CheckpointError, CheckpointPeerLostError, ConfigError, RunDirLostError
-from pipeflow.models.dcp_metadata import SafeReader
+from pipeflow.errors import CheckpointError, CheckpointPeerLostError, RunDirLostError
+from pipeflow.models.dcp_metadata import SafeReader  # noqa: F401 - the reader every load uses, for callers
 from pipeflow.run import integrity, lock
 from pipeflow.run.storage import HostPart, host_part
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
     LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
 )
+from pipeflow.run.checkpoint_load import load, saved_layout, saved_rank  # noqa: F401 - part of this module's API
+from pipeflow.run.checkpoint_state import (  # noqa: F401 - part of this module's API
+    ADAM_FIELDS, model_state, optimizer_state, param_names, whole_strided,
+)
 from pipeflow.run.export import export, main  # noqa: F401 - part of this module's API (the CLI)
-from pipeflow.runtime import hosts
-from pipeflow.runtime.fsdp import local, strided
-from pipeflow.runtime.tensor_parallel import gathered, rows_of
-from pipeflow.runtime.mesh_order import DEFAULT_ORDER, MeshGrid
-from pipeflow.runtime.zero import local_optimizer, parameter_of
+
+__all__ = [
+    "ADAM_FIELDS", "LATEST", "META", "SafeReader", "candidates", "checkpoints_of", "choose", "export", "find_latest",
+    "is_checkpoint", "load", "main", "model_state", "optimizer_state", "param_names", "read_meta", "remove_leftovers",
+    "resolve", "save", "saved_layout", "saved_rank", "verify", "whole_strided",
+]
 
 log = logging.getLogger("pipeflow")
 
-ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
 _written: dict[tuple[str, str], str] = {}  # (job, checkpoints folder) -> the newest checkpoint that job wrote there
 _warned_latest: set[str] = set()  # the `latest` paths found to be directories (warned once)
-
-
-def param_names(layers: dict[int, nn.Module]) -> dict[int, list[str]]:
-    """Every global name (``layers.<i>.<name>``) of each parameter, keyed by the parameter's id."""
-    names: dict[int, list[str]] = {}
-    for i, layer in sorted(layers.items()):
-        for name, p in layer.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(f"layers.{i}.{name}")
-    return names
-
-
-def model_state(layers: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
-    """Layer i's ``state_dict()`` under ``model.layers.<i>.<key>`` (tensors share the layers' storage)."""
-    return {f"model.layers.{i}.{k}": v for i, layer in layers.items() for k, v in layer.state_dict().items()}
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer, layers: dict[int, nn.Module], fill: bool) -> dict[str, torch.Tensor]:
-    """AdamW state under ``optim.<param name>.<field>``, every name of a parameter when saving.
-
-    Only the state this rank holds: with ``parallel.shard=optimizer`` (ZeRO-1) that of the
-    parameters it owns, so every entry is saved from, and loaded into, its owner alone.  With
-    `fill` (loading), missing state is created as zeros to be loaded into, and each parameter
-    appears under its first name only.
-    """
-    names = param_names(layers)
-    held = local_optimizer(optimizer)
-    out: dict[str, torch.Tensor] = {}
-    for group in held.param_groups:
-        for p in group["params"]:
-            state = held.state[p]
-            if fill and not state:
-                state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-            if not state:
-                continue
-            if sorted(state) != sorted(ADAM_FIELDS):
-                raise ConfigError(f"checkpoints support AdamW state {ADAM_FIELDS}; found {sorted(state)}")
-            param = parameter_of(optimizer, p)  # ZeRO over tp shards: the view's DTensor parameter
-            fields = {field: _like(param, state[field]) for field in ADAM_FIELDS}
-            for name in names[id(param)][:1] if fill else names[id(param)]:
-                out.update({f"optim.{name}.{field}": fields[field] for field in ADAM_FIELDS})
-    return out
-
-
-def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """An AdamW state tensor as its parameter holds it: a local shard of a DTensor parameter becomes
-    a DTensor of the same placement (sharing its storage, so a load writes into it)."""
-    if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.dim() > 0:
-        return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return value
 
 
 def _rng_state() -> dict[str, Any]:
@@ -381,119 +338,6 @@ def remove_leftovers(root: str) -> list[str]:
     for name in gone:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return gone
-
-
-def load(path: str, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer | None,
-         storage: str = "shared", grid: MeshGrid | None = None) -> dict[str, Any]:
-    """Load this rank's layers and their optimizer state from checkpoint `path` (collective);
-    restores this rank's RNG states when the checkpoint had the same world size: those of the
-    rank that sat at this rank's mesh coordinates (`grid`) where the checkpoint's dp, pp and tp
-    are this run's, whatever its ``parallel.order``, else those of the same global rank.  Verify
-    it first (:func:`verify`).  With `storage` ``local`` each host's ranks read their host's part.
-    With no `optimizer` (generation: :mod:`pipeflow.run.generate`) only the layers are loaded.
-
-    Returns:
-        The checkpoint's meta (``step``, layout, loss scale).
-
-    Raises:
-        CheckpointError: unreadable files (naming the path).
-    """
-    meta = read_meta(path)
-    reader = SafeReader(path)
-    saved = integrity.call_named(reader.read_metadata, f"reading checkpoint {path}").state_dict_metadata
-    model = model_state(layers)
-    _check_model(path, model, saved, per_host=storage == "local")
-    optim = optimizer_state(optimizer, layers, fill=True) if optimizer is not None else {}
-    if optimizer is not None and any(key not in saved for key in optim):  # saved before any optimizer step (e.g. all fp16 steps skipped)
-        local_optimizer(optimizer).state.clear()
-        optim = {}
-    state, strided = whole_strided({**model, **optim}, gather=False)
-    group = host_part().group if storage == "local" else None
-    integrity.call_named(lambda: dcp.load(state, storage_reader=reader, process_group=group),
-                         f"loading checkpoint {path}")
-    for target, whole in strided:  # this rank's rows of each whole strided tensor, into its shard
-        with torch.no_grad():
-            local(target).copy_(rows_of(whole, target))
-    if meta.get("world_size") == dist.get_world_size():
-        _load_rng(os.path.join(path, "rng", f"rank{saved_rank(meta, dist.get_rank(), grid)}.pt"))
-    return meta
-
-
-def saved_rank(meta: dict[str, Any], rank: int, grid: MeshGrid | None) -> int:
-    """The global rank that held this rank's mesh coordinates in the run that saved `meta`: the
-    same coordinates under the saved ``parallel.order`` where the saved degrees are `grid`'s
-    (checkpoints written before the order was recorded were in the default order), else `rank`."""
-    if grid is None or (meta.get("dp"), meta.get("pp"), meta.get("tp", 1)) != (grid.dp, grid.pp, grid.tp):
-        return rank
-    saved = MeshGrid(grid.dp, grid.pp, grid.tp, tuple(meta.get("order", DEFAULT_ORDER)))
-    return saved.rank(*grid.coordinates(rank))
-
-
-def saved_layout(meta: dict[str, Any]) -> str:
-    """The process layout a checkpoint's meta records, for the resume line:
-    ``dp=1, pp=2, tp=2, shard=none (4 processes)``.  tp is the meta's own, else the saved world
-    size over dp x pp (checkpoints written before it was recorded)."""
-    dp, pp, world = meta.get("dp"), meta.get("pp"), meta.get("world_size")
-    tp = meta.get("tp")
-    if tp is None and isinstance(world, int) and isinstance(dp, int) and isinstance(pp, int) and dp * pp > 0:
-        tp = world // (dp * pp)
-    parts = [f"dp={dp}", f"pp={pp}", f"tp={tp if tp is not None else 'unknown'}", f"shard={meta.get('shard', 'none')}"]
-    return ", ".join(parts) + (f" ({world} processes)" if world is not None else "")
-
-
-def whole_strided(state: dict[str, torch.Tensor], gather: bool) -> tuple[dict[str, Any], list[tuple[Any, Any]]]:
-    """`state` with every strided-shard DTensor (a fused [q; k; v] weight split over tp: rank t
-    holds rows t of each third) as a whole tensor, since DCP describes a shard as one block of
-    rows and would see the ranks' blocks overlap.  Saving (`gather`): the whole values, gathered
-    over the tp group (collective; tp peers and dp replicas hold the same, DCP writes it once).
-    Loading: empty whole buffers, with the (DTensor, buffer) pairs to copy back after the load."""
-    out: dict[str, Any] = {}
-    pairs: list[tuple[Any, Any]] = []
-    for key, value in state.items():
-        if isinstance(value, DTensor) and any(strided(p) is not None for p in value.placements):
-            device = local(value).device
-            whole = gathered(value) if gather else torch.empty(value.shape, dtype=value.dtype, device=device)
-            out[key] = whole
-            pairs.append((value, whole))
-        else:
-            out[key] = value
-    return out, pairs
-
-
-def _load_rng(file: str) -> None:
-    """Restore the RNG states saved in `file` (tensors only: ``weights_only=True``)."""
-    if not os.path.isfile(file):
-        log.warning("%s is missing: this rank's random state is not restored (dropout and other "
-                    "random layers will draw other numbers than an uninterrupted run)", file)
-        return
-    saved = integrity.call_named(lambda: torch.load(file, weights_only=True), f"reading RNG state {file}")
-    torch.set_rng_state(saved["cpu"])
-    if "cuda" in saved and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(saved["cuda"])
-
-
-def _check_model(path: str, model: dict[str, torch.Tensor], saved: dict[str, Any], per_host: bool = False) -> None:
-    """Raise on every rank (agreed by one all-gather) if any rank's model entries are missing
-    from the checkpoint (`per_host`, local storage: from its host's part) or have another shape,
-    naming the first such rank and entries."""
-    bad = sorted(k for k, v in model.items() if k not in saved or tuple(saved[k].size) != tuple(v.shape))
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, bad)
-    culprit = next((r for r, keys in enumerate(everyone) if keys), None)
-    if culprit is not None:
-        keys = everyone[culprit]
-        if per_host:
-            raise ConfigError(
-                f"rank {culprit}{hosts.of_ranks([culprit])}: its host's part of checkpoint {path} has no "
-                f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} (train.checkpoint_storage=local: each host holds "
-                f"only what its own ranks saved, and this host's ranks now hold other layers); resume with the hosts "
-                f"in the order that saved it, or gather the parts (python -m pipeflow.checkpoint gather) and resume "
-                f"from the merged checkpoint")
-        raise ConfigError(
-            f"rank {culprit}: checkpoint {path} has no {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} "
-            f"of this shape ({len(keys)} of that rank's model entries missing or reshaped): it was saved from "
-            f"another model; resume with the model config it was trained with"
-        )
 
 
 if __name__ == "__main__":
