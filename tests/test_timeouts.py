@@ -147,11 +147,11 @@ def test_under_torchrun_rank_0_blames_the_agent_that_hosts_the_store(lone_rank_e
     """With torchrun's agent hosting the store, rank 0 is a client too: when nothing listens it
     names the agent, not 'rank 0, which hosts it, never arrived' (itself; issue 38)."""
     from pipeflow.errors import JoinTimeoutError
-    from pipeflow.runtime import distributed
+    from pipeflow.runtime import join
 
-    monkeypatch.setattr(distributed, "_agent_serves", lambda addr, port: True)
+    monkeypatch.setattr(join, "_agent_serves", lambda addr, port: True)
     with pytest.raises(JoinTimeoutError) as caught:
-        distributed.join_store(0, 2, 0.3)
+        join.join_store(0, 2, 0.3)
     text = str(caught.value)
     assert text.startswith("rank 0: could not reach the rendezvous store") and "torchrun's agent, which hosts it" in text
     assert "rank 0, which hosts it" not in text, text
