@@ -220,7 +220,7 @@ def training_with_the_run_dir_removed() -> dict[str, Any]:
         if dist.get_rank() == 0:
             shutil.rmtree(run_dir)
             deadline = time.monotonic() + 2.0
-            while not trainer.workspace.lost and time.monotonic() < deadline:
+            while not trainer.loop.workspace.lost and time.monotonic() < deadline:
                 time.sleep(0.01)
         error = _error(lambda: trainer._train(1))
         return {"run_dir": run_dir, "error": error, "steps": len(trainer.history),

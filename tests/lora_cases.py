@@ -97,7 +97,7 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
                                                  for a, b in trainable])
     state = {id(p) for p in owned_parameters(trainer.optimizer)}
     worst["frozen_in_optimizer"] += sum(id(p) in state or id(local(p)) in state for p in frozen)
-    worst["compile"] = None if trainer.compiled is None else trainer.compiled.summary()  # train.compile
+    worst["compile"] = None if trainer.parts.compiled is None else trainer.parts.compiled.summary()  # train.compile
     worst["report"] = [line for line in trainer.describe().splitlines() if line.startswith("model.lora")]
     if resume_dp:  # the checkpoint of this layout, resumed at dp x pp = world x 1: every rank all the adapters
         path = trainer.save_checkpoint(steps)

@@ -73,8 +73,8 @@ def masked_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int =
     train, val = reference.batches.train, reference.batches.val
     if not chat:
         chunks = dp * m
-        trainer.batches.train = MaskedTargets(trainer.batches.train, chunks)
-        trainer.batches.val = MaskedTargets(trainer.batches.val, chunks, empty=0)
+        trainer.plan.batches.train = MaskedTargets(trainer.plan.batches.train, chunks)
+        trainer.plan.batches.val = MaskedTargets(trainer.plan.batches.val, chunks, empty=0)
         train, val = MaskedTargets(train, chunks), MaskedTargets(val, chunks, empty=0)
     both = pairs(trainer, reference)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both)}
@@ -121,7 +121,7 @@ def all_masked_step_is_an_error(dp: int = 2, schedule: str = "1f1b", m: int = 2)
     """A training batch whose every target is masked: AllTargetsMaskedError on every rank that holds
     the batch (with pp = 2, every rank), before any transfer."""
     trainer = build_run(make_config(dp, schedule, m), torch.device("cpu"))
-    trainer.batches.train = MaskedTargets(trainer.batches.train, dp * m, all_masked=1)
+    trainer.plan.batches.train = MaskedTargets(trainer.plan.batches.train, dp * m, all_masked=1)
     trainer.train_step(0)
     try:
         trainer.train_step(1)

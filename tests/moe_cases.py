@@ -225,14 +225,14 @@ def moe_trainer_fit(steps: int = 3, ep: int = 1, variable: bool = True, pp: int 
 
     out = {"loss": max(abs(a - b) / abs(b) for a, b in zip(trainer.history, ref_losses)),
            "param": worst(trainer), "moe": result["moe"], "steps": len(trainer.history),
-           "bias_moved": max(float(r.expert_bias.abs().max()) for r in trainer.routing.routers.values()),
-           "experts_held": sum(len(r.experts) for r in trainer.routing.routers.values())}
+           "bias_moved": max(float(r.expert_bias.abs().max()) for r in trainer.loop.update.routing.routers.values()),
+           "experts_held": sum(len(r.experts) for r in trainer.loop.update.routing.routers.values())}
     if ep > 1:  # the same run directory, every expert on every rank now
         OmegaConf.update(cfg, "parallel.ep", 1)
         OmegaConf.update(cfg, "train.resume", "auto")
         resumed = build_run(cfg, torch.device("cpu"))
         out["resumed_at"] = resumed.resume()
         out["resumed"] = worst(resumed)
-        out["experts_after_resume"] = sum(len(r.experts) for r in resumed.routing.routers.values())
+        out["experts_after_resume"] = sum(len(r.experts) for r in resumed.loop.update.routing.routers.values())
         resumed.close()
     return out

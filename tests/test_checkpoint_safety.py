@@ -254,7 +254,7 @@ def test_a_removed_run_dir_stops_the_training_at_the_next_step(one_rank_group, t
     try:
         trainer.advance(0, late=False)
         shutil.rmtree(run_dir)
-        assert _wait_for(lambda: trainer.workspace.lost)
+        assert _wait_for(lambda: trainer.loop.workspace.lost)
         with pytest.raises(RunDirLostError, match=rf"training stopped at step [12]: run directory {run_dir} no longer "
                                                  rf"exists \(removed while this job ran\); the job stops"):
             trainer._train(1)

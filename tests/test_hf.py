@@ -171,7 +171,7 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
         opt_ref.step()
         opt_ref.zero_grad()
         worst["param"] = max([worst["param"]] + [rel(_full(a.detach()), b.detach()) for a, b in both])
-    worst["compile"] = None if trainer.compiled is None else trainer.compiled.summary()  # train.compile
+    worst["compile"] = None if trainer.parts.compiled is None else trainer.parts.compiled.summary()  # train.compile
     return worst
 
 

@@ -9,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from pipeflow.planning.step_model import fused_adamw, measure_optimizer_s
+from pipeflow.planning.runtime_timing import fused_adamw, measure_optimizer_s
 from pipeflow.run.config import register_configs
 from pipeflow.runtime.zero import build_optimizer
 

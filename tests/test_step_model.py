@@ -10,8 +10,8 @@ import torch
 from pipeflow.planning.layout import WHOLE_STEP, Layout, describe_layout, predict, with_step_costs
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import LayerProfile, action_costs
-from pipeflow.planning.step_model import (HostShare, StepCosts, measure_action_overhead_s, measure_optimizer_s,
-                                          predict_step, simulate_shared)
+from pipeflow.planning.runtime_timing import measure_action_overhead_s, measure_optimizer_s
+from pipeflow.planning.step_model import HostShare, StepCosts, predict_step, simulate_shared
 from pipeflow.schedules import RuntimeCosts, build_schedule, lower, simulate
 
 MS = 1e-3

@@ -125,7 +125,7 @@ def build(mode: str, base: list[str], device: torch.device, run_root: str) -> An
 
 def tensor_step(trainer: Any, step: int) -> tuple[float, float]:
     """One step measured by the trainer's MemoryAccountant: (in-step tensor peak, bytes offloaded)."""
-    memory = trainer.memory
+    memory = trainer.loop.memory
     memory.begin()
     trainer.forward_backward(step, memory)
     if hasattr(trainer.optimizer, "found_inf"):  # a deferred step's flag (as Trainer.apply drops it)

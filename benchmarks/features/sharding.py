@@ -73,7 +73,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
             if step >= 2:  # step 0 builds shapes and optimizer state, step 1 is measured for memory
                 times[mode].append(time.perf_counter() - start)
             if step == 1:
-                accountant = trainers[mode].memory
+                accountant = trainers[mode].loop.memory
                 memory[mode] = (accountant.resident, accountant.peak, _largest_parameter(trainers["none"]))
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (rank, memory, times))

@@ -76,7 +76,7 @@ def expected_bytes(trainer, tp: int) -> tuple[float, float]:
     whole = expected = 0.0
     for sid, stage in trainer.stages.items():
         for index, layer in zip(trainer.layout.ranges[sid], stage.module):
-            plan = trainer.spec.tensor_plan(index, layer, tp) or {}
+            plan = trainer.plan.spec.tensor_plan(index, layer, tp) or {}
             split = {f"{path}.{name}".lstrip(".") for path, style in plan.items() for name in SPLIT_STYLES.get(style, ())}
             for name, p in layer.named_parameters():
                 nbytes = p.numel() * p.element_size()  # a DTensor's numel is its global one
@@ -115,7 +115,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
         dist.barrier()
         if step >= 2:  # step 0 builds shapes and optimizer state, step 1 is measured for memory
             times.append(time.perf_counter() - start)
-    resident = trainer.memory.resident
+    resident = trainer.loop.memory.resident
     memory["accountant"] = resident.params + resident.grads + resident.optimizer
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (rank, memory, times))

@@ -23,7 +23,7 @@ Both run in this one process, on one process group of size 1 (gloo on the CPU, N
   optim.grad_clip)``, ``AdamW.step()`` with pipeflow's optimizer's own settings (lr schedule,
   betas, weight decay, eps, fused or not), ``zero_grad(set_to_none=True)``; no read-back.
 
-Both take batch `step` from the same source (``trainer.batches.train.get(step)``), split into m
+Both take batch `step` from the same source (``trainer.plan.batches.train.get(step)``), split into m
 micro-batches by the same ``split_microbatches``.  Before timing, each case checks correctness:
 the first step's loss and grad norm (from identical weights, which are compared first) must agree
 (rtol 1e-5 in float32, 1e-3 under bf16/fp16, ``--rtol``); a disagreement exits 1.
@@ -162,7 +162,7 @@ class Plain:
         spec = build_gpt(**model)
         if spec.tied:
             raise SystemExit("model.tie_embeddings=true: the plain loop does not tie weights; benchmark untied")
-        self.cfg, self.device, self.batches = cfg, device, trainer.batches
+        self.cfg, self.device, self.batches = cfg, device, trainer.plan.batches
         self.layers = spec.build_all(device=device, dtype=getattr(torch, cfg.train.param_dtype))
         self.params = unique_parameters(layer.parameters() for layer in self.layers)
         self.autocast = compute_dtype(cfg.train.precision)

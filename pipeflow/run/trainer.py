@@ -25,32 +25,22 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from pipeflow.data import Batches
-from pipeflow.models.spec import ModelSpec
-from pipeflow.observability.metrics import RunMetrics, perplexity
+from pipeflow.observability.metrics import perplexity
 from pipeflow.planning.layout import Layout, describe_layout
-from pipeflow.run.compile_phase import CompilePhase
-from pipeflow.run.faults import FaultInjector
 from pipeflow.run.microbatch_split import MicroBatches, MicroBatchSplit
+from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
 from pipeflow.run.evaluation import held_out_loss, reached_a_rank
 from pipeflow.run.readback import PendingStep, StepValues
 from pipeflow.run.run_log import compile_line, end_line, start_lines
 from pipeflow.run.signals import catch_signals, clear_preemption, record_preemption, signal_names, signal_numbers
-from pipeflow.run.step_update import StepUpdate, clip_grad_norm_global, lr_at, unique_parameters
+from pipeflow.run.step_update import clip_grad_norm_global, lr_at, unique_parameters
 from pipeflow.run.train_state import TrainState
-from pipeflow.run.workspace import Workspace
 from pipeflow.runtime import distributed, failures
 from pipeflow.runtime.clip import clip_on_device
-from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.memory import MemoryAccountant
-from pipeflow.runtime.mesh import GradReducer, Mesh
+from pipeflow.runtime.mesh import Mesh
 from pipeflow.runtime.pipeline import Pipeline
-from pipeflow.runtime.posting import Posting
-from pipeflow.runtime.precision import LossScaler
-from pipeflow.runtime.routing import RoutingSync
 from pipeflow.runtime.stage import Stage
-from pipeflow.runtime.tied import TiedWeights
-from pipeflow.runtime.transport import Deadlines
 from pipeflow.schedules import PipelineSchedule
 
 __all__ = ["Trainer", "clip_grad_norm_global", "clip_on_device", "lr_at", "unique_parameters"]
@@ -62,53 +52,68 @@ log = logging.getLogger("pipeflow")
 class Trainer:
     """Trains this rank's part of the pipeline: the loop over what :func:`~pipeflow.run.builder.build_run` built.
 
+    It holds the values the builder's phases returned (:mod:`pipeflow.run.phases`); the objects
+    most code reaches for (stages, params, optimizer, pipeline, schedule, layout, mesh) are
+    properties over them.
+
     Attributes:
         cfg: the resolved config (``train``, ``optim`` and ``data`` settings are read).
         device: this rank's device.
-        config_hash: the digest every rank agreed on.
-        mesh: the dp x pp process mesh.
-        spec, schedule, layout: the model, the schedule, the partition (and its prediction).
-        batches: the train and validation batch sources.
-        stages, pipeline: this rank's stages and the interpreter of its program.
-        posting: which lowering the pipeline runs (its auto choice is logged once).
-        deadlines: switched to the steady deadline after the first training step.
-        tied, reducer: tied-weight and data-parallel gradient reduction (reducer None at dp = 1).
-        scaler, finite, faults: the fp16 loss scaler, the optional non-finite check and fault injector.
-        params, optimizer, metrics, run_dir: what is optimized, how, measured, and where written.
-        workspace: the run directory's lock (released at the end of :meth:`fit`) and job token.
-        memory: counts this rank's tensor bytes on the steps ``metrics.memory_steps`` names.
-        compiled: ``train.compile``'s start-up phase (None: eager), its recompiles reported at the end.
+        plan: the model, data, schedule and layout (with its prediction) every rank planned alike.
+        topology: the dp x pp process mesh, the pipeline's transport and the run's deadlines.
+        parts: this rank's stages and what holds their parameters (tied weights, dp reducer,
+            compiled layers, the parameters that train).
+        loop: the pipeline, the step's update (optimizer, fp16 loss scaler, finite check, MoE
+            routers' statistics), the fault injector, metrics, the run directory (its lock,
+            released at the end of :meth:`fit`) and the memory accountant.
+        history: the loss of every step this run trained.
     """
 
     cfg: DictConfig
     device: torch.device
-    config_hash: str
-    mesh: Mesh
-    spec: ModelSpec
-    schedule: PipelineSchedule
-    layout: Layout
-    batches: Batches
-    stages: dict[int, Stage]
-    pipeline: Pipeline
-    posting: Posting
-    deadlines: Deadlines
-    tied: TiedWeights
-    reducer: GradReducer | None
-    scaler: LossScaler
-    finite: FiniteCheck | None
-    faults: FaultInjector | None
-    params: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    metrics: RunMetrics
-    run_dir: str
-    workspace: Workspace | None = None  # the run directory's lock and this job's token
-    memory: MemoryAccountant | None = None
-    compiled: CompilePhase | None = None  # train.compile: the start-up compile phase
-    routing: RoutingSync | None = None  # model.moe: the routers' statistics, summed in the step's all-reduce
-    history: list[float] = field(default_factory=list)  # the loss of every step this run trained
+    plan: RunPlan
+    topology: Topology
+    parts: ModelParts
+    loop: Loop
+    history: list[float] = field(default_factory=list)
     _signalled: str | None = field(default=None, init=False, repr=False)  # the train.save_on_signal signal received
     _watching_signals: bool = field(default=False, init=False, repr=False)  # evaluations check for it
     _saved: tuple[int, str] | None = field(default=None, init=False, repr=False)  # last saved or resumed: (step, folder)
+
+    @property
+    def stages(self) -> dict[int, Stage]:
+        """This rank's stages, by stage index."""
+        return self.parts.stages
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters that train."""
+        return self.parts.params
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over :attr:`params`."""
+        return self.loop.update.optimizer
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The interpreter of this rank's program."""
+        return self.loop.pipeline
+
+    @property
+    def schedule(self) -> PipelineSchedule:
+        """The schedule every pipeline rank runs."""
+        return self.plan.schedule
+
+    @property
+    def layout(self) -> Layout:
+        """The partition and its prediction."""
+        return self.plan.layout
+
+    @property
+    def mesh(self) -> Mesh:
+        """The dp x pp (x tp) process mesh."""
+        return self.topology.mesh
 
     @property
     def is_main(self) -> bool:
@@ -121,11 +126,6 @@ class Trainer:
         return self.mesh.dp
 
     @property
-    def pipelines(self) -> int:
-        """Pipelines running the same program (dp x tp): each holds its shard's loss on its last stage."""
-        return self.mesh.dp * self.mesh.tp
-
-    @property
     def ranges(self) -> list[range]:
         """The layers of every stage."""
         return self.layout.ranges
@@ -133,7 +133,7 @@ class Trainer:
     @property
     def checkpoint_root(self) -> str:
         """Where checkpoints go: ``<run_dir>/checkpoints``."""
-        return os.path.join(self.run_dir, "checkpoints")
+        return os.path.join(self.loop.workspace.run_dir, "checkpoints")
 
     @property
     def checkpoint_storage(self) -> str:
@@ -143,10 +143,9 @@ class Trainer:
     @property
     def state(self) -> TrainState:
         """What this rank saves and resumes (:class:`~pipeflow.run.train_state.TrainState`)."""
-        job = self.workspace.token if self.workspace is not None else ""
         return TrainState(self.cfg, self.mesh, self.stages, self.ranges, self.schedule.num_stages, self.optimizer,
-                          self.scaler, lora=self.spec.lora is not None, root=self.checkpoint_root,
-                          storage=self.checkpoint_storage, job=job)
+                          self.loop.update.scaler, lora=self.plan.spec.lora is not None, root=self.checkpoint_root,
+                          storage=self.checkpoint_storage, job=self.loop.workspace.token)
 
     def save_checkpoint(self, step: int) -> str:
         """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.run.checkpoint).
@@ -173,7 +172,7 @@ class Trainer:
 
     def describe(self) -> str:
         """The schedule, its predicted bubble and the partition table (see pipeflow.planning.layout)."""
-        return describe_layout(self.layout, self.spec, self.schedule)
+        return describe_layout(self.layout, self.plan.spec, self.schedule)
 
     def _microbatches(self, source: Any, step: int) -> MicroBatches:
         """This dp rank's micro-batches of batch `step` of `source` (:class:`MicroBatchSplit`).
@@ -183,22 +182,16 @@ class Trainer:
         """
         split = MicroBatchSplit(
             holds_first=0 in self.stages, holds_last=self.schedule.num_stages - 1 in self.stages,
-            weighs=self.schedule.num_stages - 1 in self.stages or self.routing is not None, dp_rank=self.mesh.dp_rank,
+            weighs=self.schedule.num_stages - 1 in self.stages or self.loop.update.routing is not None,
+            dp_rank=self.mesh.dp_rank,
             dp=self.dp, microbatches=self.schedule.num_microbatches, device=self.device,
-            dtype=getattr(torch, self.cfg.train.param_dtype), loss_count=self.spec.loss_count)
-        return split.split(source, step, training=source is self.batches.train)
-
-    @property
-    def update(self) -> StepUpdate:
-        """The parts a step's update touches (:class:`~pipeflow.run.step_update.StepUpdate`)."""
-        return StepUpdate(self.device, self.schedule, self.stages, self.params, self.optimizer,
-                          self.cfg.optim.grad_clip, self.tied, self.reducer, self.scaler, self.finite, self.routing,
-                          self.workspace, self.pipelines)
+            dtype=getattr(torch, self.cfg.train.param_dtype), loss_count=self.plan.spec.loss_count)
+        return split.split(source, step, training=source is self.plan.batches.train)
 
     @property
     def defers_readback(self) -> bool:
         """True when a step's loss and norm may be read back a step late (:attr:`StepUpdate.defers_readback`)."""
-        return self.update.defers_readback
+        return self.loop.update.defers_readback
 
     def forward_backward(self, step: int, memory: MemoryAccountant | None = None) -> tuple[float, float]:
         """Gradients of batch `step`, reduced over ties and dp, unscaled and clipped, left in
@@ -219,9 +212,10 @@ class Trainer:
     def queue(self, step: int, lr: float, memory: MemoryAccountant | None = None) -> PendingStep:
         """Forward, backward, reductions and clipping of batch `step`, queued on the device; the
         packet of figures copied towards the host without waiting (see :class:`PendingStep`)."""
-        inputs, targets, weights, _ = self._microbatches(self.batches.train, step)
-        loss = self.pipeline.run(inputs, targets, grad_scale=self.scaler.scale, loss_weights=weights, memory=memory)
-        return self.update.reduce(step, lr, loss, preempt=bool(self._signalled))
+        inputs, targets, weights, _ = self._microbatches(self.plan.batches.train, step)
+        loss = self.pipeline.run(inputs, targets, grad_scale=self.loop.update.scaler.scale, loss_weights=weights,
+                                 memory=memory)
+        return self.loop.update.reduce(step, lr, loss, preempt=bool(self._signalled))
 
     def finish(self, pending: PendingStep) -> StepValues:
         """Read step `pending.step`'s packet back and judge it (:meth:`StepUpdate.judge`).
@@ -230,11 +224,11 @@ class Trainer:
             NonFiniteError: NaN/Inf that the loss scaler does not explain.
             RunDirLostError: rank 0's lock watch found the run directory or its lock gone or taken.
         """
-        return self.update.judge(pending, lambda: self._microbatches(self.batches.train, pending.step).inputs)
+        return self.loop.update.judge(pending, lambda: self._microbatches(self.plan.batches.train, pending.step).inputs)
 
     def apply(self, pending: PendingStep, values: StepValues | None) -> None:
         """The optimizer step of `pending` (:meth:`StepUpdate.apply`); :meth:`_end` releases the gradients."""
-        self.update.apply(pending, values, announce=self.is_main)
+        self.loop.update.apply(pending, values, announce=self.is_main)
 
     def _begin(self, step: int) -> tuple[float, MemoryAccountant | None]:
         """Set step `step`'s learning rate and fault drill; returns (lr, the memory accountant
@@ -242,9 +236,9 @@ class Trainer:
         lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.faults is not None:
-            self.faults.step = step
-        memory = self.memory if self.memory is not None and self.metrics.memory.measures(step) else None
+        if self.loop.faults is not None:
+            self.loop.faults.step = step
+        memory = self.loop.memory if self.loop.metrics.memory.measures(step) else None
         if memory is not None:
             memory.begin()
         return lr, memory
@@ -254,12 +248,12 @@ class Trainer:
         note, the steady deadline."""
         if memory is not None:  # what stays: after the optimizer step, before the grads are released
             moved = self.pipeline.offloaded.bytes if self.pipeline.offloaded is not None else math.nan
-            self.metrics.memory_measured(step, memory.end(self.pipeline.comm_tensors()), moved)
+            self.loop.metrics.memory_measured(step, memory.end(self.pipeline.comm_tensors()), moved)
         self.optimizer.zero_grad(set_to_none=True)
-        note = self.posting.choice_note()
+        note = self.plan.posting.choice_note()
         if note is not None and self.is_main:
             log.info(note)
-        self.deadlines.first_step_done()  # later waits and collectives get the steady deadline
+        self.topology.deadlines.first_step_done()  # later waits and collectives get the steady deadline
 
     def train_step(self, step: int) -> tuple[float, float]:
         """One optimizer step on batch `step`; returns (loss, grad norm before clipping) on every rank.
@@ -311,7 +305,7 @@ class Trainer:
             leave the evaluation at the same batch and the job saves within the launcher's grace.
         """
         stop = (lambda: reached_a_rank(bool(self._signalled), self.device)) if self._watching_signals else None
-        return held_out_loss(self.pipeline, lambda k: self._microbatches(self.batches.val, k),
+        return held_out_loss(self.pipeline, lambda k: self._microbatches(self.plan.batches.val, k),
                              self.cfg.train.eval_batches, self.device, stop)
 
     def close(self) -> None:
@@ -319,8 +313,7 @@ class Trainer:
         directory's lock; called at the end of :meth:`fit`, so every run and every sweep job ends
         with it (idempotent)."""
         self.pipeline.comm.close()
-        if self.workspace is not None:
-            self.workspace.release()
+        self.loop.workspace.release()
 
     def _train(self, start: int) -> int | None:
         """Steps `start` .. ``train.max_steps`` - 1, each read back a step late where that is safe
@@ -334,9 +327,9 @@ class Trainer:
         cfg = self.cfg.train
         previous: PendingStep | None = None
         for step in range(start, cfg.max_steps):
-            self.metrics.begin_step(step)
+            self.loop.metrics.begin_step(step)
             waiting, done = self.advance(step, previous)
-            timing = self.metrics.stop_step()
+            timing = self.loop.metrics.stop_step()
             (waiting if waiting is not None else done[-1][0]).timing = timing
             preempt = False
             for finished, values in done:
@@ -354,7 +347,7 @@ class Trainer:
                 val = self.evaluate()
                 if val is None:
                     return self._leave_on_signal(step + 1, saved=path, during="an evaluation")
-                self.metrics.evaluated(step + 1, val)
+                self.loop.metrics.evaluated(step + 1, val)
         return None
 
     def _leave_on_signal(self, step: int, saved: str | None, during: str = "") -> int:
@@ -380,7 +373,7 @@ class Trainer:
         """Rank 0 records the preemption in the run directory, and each node's first rank tells its
         own launcher (every node's launcher exits 75, not only the one with rank 0)."""
         if self.is_main or distributed.local_rank() == 0:
-            record_preemption(self.run_dir if self.is_main else None, step, path)
+            record_preemption(self.loop.workspace.run_dir if self.is_main else None, step, path)
 
     def _evaluate_and_train(self, start: int) -> tuple[int | None, float, float]:
         """The first evaluation, the steps from `start`, the final evaluation, each of which a
@@ -400,7 +393,7 @@ class Trainer:
                             "the checkpoint resumed from holds it" if start else "nothing trained yet")
             self._record_preemption(start, None)
             return start, nan, nan
-        self.metrics.evaluated(start, first_val, line=False)
+        self.loop.metrics.evaluated(start, first_val, line=False)
         preempted_at = self._train(start)
         if preempted_at is not None:  # a preempted job saves and leaves: no final evaluation in the grace period
             return preempted_at, first_val, nan
@@ -409,7 +402,7 @@ class Trainer:
             steps = self.cfg.train.max_steps
             saved = self._saved[1] if self._saved is not None and self._saved[0] == steps else None
             return self._leave_on_signal(steps, saved=saved, during="the final evaluation"), first_val, nan
-        self.metrics.evaluated(self.cfg.train.max_steps, final_val, line=False)
+        self.loop.metrics.evaluated(self.cfg.train.max_steps, final_val, line=False)
         return None, first_val, final_val
 
     def _on_signal(self, name: str) -> None:
@@ -418,7 +411,7 @@ class Trainer:
 
     def _record(self, pending: PendingStep, values: StepValues) -> bool:
         """Hand a finished step's figures to the metrics and the history; returns its preempt flag."""
-        self.metrics.end_step(pending.step, values.loss, values.norm, pending.lr, pending.timing, values.routing)
+        self.loop.metrics.end_step(pending.step, values.loss, values.norm, pending.lr, pending.timing, values.routing)
         self.history.append(values.loss)
         return values.preempt
 
@@ -430,12 +423,12 @@ class Trainer:
         stopped the run early (train.py then exits with :data:`pipeflow.run.signals.PREEMPTED_EXIT_CODE`)."""
         cfg = self.cfg.train
         if self.is_main:
-            for line in start_lines(self.cfg, self.mesh, self.describe(), self.run_dir, self.compiled,
-                                    self.pipeline.shapes.mode):
+            for line in start_lines(self.cfg, self.mesh, self.describe(), self.loop.workspace.run_dir,
+                                    self.parts.compiled, self.pipeline.shapes.mode):
                 log.info(line)
         start = self.resume()
         if self.is_main:
-            clear_preemption(self.run_dir)
+            clear_preemption(self.loop.workspace.run_dir)
         trained = len(self.history)
         numbers = signal_numbers(cfg.save_on_signal)
         restore = catch_signals(numbers, self._on_signal)
@@ -449,12 +442,13 @@ class Trainer:
         first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val,
                   "val_perplexity": perplexity(final_val), "preempted_at": preempted_at}
-        result.update(self.metrics.close(self.schedule))
-        if self.compiled is not None:
-            result["compile"] = self.compiled.summary()
+        result.update(self.loop.metrics.close(self.schedule))
+        if self.parts.compiled is not None:
+            result["compile"] = self.parts.compiled.summary()
             if self.is_main:
-                log.info(compile_line(result["compile"], self.compiled.seconds))
+                log.info(compile_line(result["compile"], self.parts.compiled.seconds))
         self.close()
         if self.is_main and preempted_at is None:
-            log.info(end_line(result, self.batches.best_loss, with_perplexity=self.metrics.items[1] is not None))
+            log.info(end_line(result, self.plan.batches.best_loss,
+                              with_perplexity=self.loop.metrics.items[1] is not None))
         return result
