@@ -84,12 +84,25 @@ def first_sentence(text: str) -> str:
 
 
 def type_name(kind: Any) -> str:
-    """A field's type as written in the schema (``int``, ``str | None``, ``list[int]``)."""
+    """A field's type as written in the schema (``int``, ``str | None``, ``list[int]``); a choice
+    (an Enum of :mod:`pipeflow.run.config_choices`) as its words (``static | per_step``)."""
     if isinstance(kind, str):
-        return kind
+        from pipeflow.run import config_choices
+
+        return re.sub(r"\b[A-Z]\w+\b", lambda m: _choice_words(getattr(config_choices, m.group(0), None)) or m.group(0),
+                      kind)
     if isinstance(kind, type):
         return kind.__name__
     return str(kind).replace("typing.", "")
+
+
+def _choice_words(kind: Any) -> str | None:
+    """The words of a choice (an Enum), joined as its alternatives; None for another type."""
+    from enum import Enum
+
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return " | ".join(str(member.value) for member in kind)
+    return None
 
 
 def value_text(value: Any) -> str:
@@ -132,7 +145,9 @@ def rows(schema: type, prefix: str, values: dict[str, Any], notes: dict[str, str
     page: `seen` maps a type to `where` it was, and a later one points there); `values` (a YAML
     option's) override the schema's defaults, `notes` describe fields lacking a comment."""
     seen = {} if seen is None else seen
-    comments = {**notes, **{k: v for k, v in field_comments(schema).items() if v}}
+    comments = dict(notes)
+    for klass in reversed(schema.__mro__):  # a field a base class declares: the base's comment
+        comments.update({k: v for k, v in field_comments(klass).items() if v})
     out = []
     for spec in dataclasses.fields(schema):
         if spec.name.startswith("_"):
@@ -219,6 +234,39 @@ def model_section() -> list[str]:
     return out
 
 
+def data_section() -> list[str]:
+    """One row per data key: which sources take it (``data=<source>``), and its default in each
+    (the schema's, overlaid with the option's YAML), the commonest first."""
+    from pipeflow.run.config_data import DATA_SCHEMAS
+
+    kinds = {"every source": set(DATA_SCHEMAS), "token data": {"markov", "text", "tokens", "chat"},
+             "file data": {"text", "tokens", "chat"}, "images": {"cifar10", "mnist", "imagefolder", "fakedata"}}
+    found: dict[str, dict[str, Any]] = {}  # key -> {source: (type, default, comment)}
+    for source, schema in DATA_SCHEMAS.items():
+        values = yaml_values(CONFIGS / "data" / f"{source}.yaml")
+        comments: dict[str, str] = {}
+        for klass in reversed(schema.__mro__):
+            comments.update({k: v for k, v in field_comments(klass).items() if v})
+        for spec in dataclasses.fields(schema):
+            found.setdefault(spec.name, {})[source] = (spec.type, values.get(spec.name, default_of(spec)),
+                                                       comments.get(spec.name, ""))
+    out = ["Each `data=` option takes only the keys its source reads; another is refused, naming them.", "",
+           "| key | type | sources | default | what it does |",
+           "| --- | --- | --- | --- | --- |"]
+    for key, per_source in found.items():
+        sources = set(per_source)
+        named = next((kind for kind, members in kinds.items() if members == sources), ", ".join(per_source))
+        kind, _, comment = next(iter(per_source.values()))
+        by_value: dict[str, list[str]] = {}
+        for source, (_, default, _) in per_source.items():
+            by_value.setdefault(value_text(default), []).append(source)
+        ranked = sorted(by_value.items(), key=lambda item: -len(item[1]))
+        default = "the option's" if key == "name" else "; ".join(
+            f"`{cell(text)}`" + ("" if i == 0 else f" ({', '.join(names)})") for i, (text, names) in enumerate(ranked))
+        out.append(f"| `data.{key}` | {cell(type_name(kind))} | {named} | {default} | {cell(comment)} |")
+    return out
+
+
 def _merge_defaults(lines: tuple[str, ...], options: list[str]) -> str:
     """One table row from the same key's rows of several options: their defaults side by side
     where they differ (``resnet18` (resnet18), `resnet50` (resnet50)``)."""
@@ -273,6 +321,11 @@ def render() -> dict[Path, str]:
     for spec in dataclasses.fields(Config):
         schema = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else None  # type: ignore[misc]
         if not dataclasses.is_dataclass(schema):
+            continue
+        if spec.name == "data":  # each source its own schema
+            doc = (inspect.getdoc(type(schema)) or "").replace("\n", " ")
+            index.append(f"| [`data.*`](config/data.md) | {cell(first_sentence(doc))} |")
+            pages[SECTIONS / "data.md"] = section_page("data.*", prose(doc), data_section())
             continue
         option = CONFIGS / spec.name / f"{chosen.get(spec.name)}.yaml"
         values = yaml_values(option) if option.is_file() else {}

@@ -136,7 +136,11 @@ def small(argv: list[str]) -> list[str]:
     entry = "train.py" if "train.py" in argv else next((a for a in argv if a in SMALL), None)
     if entry is None or any(a.startswith("--") for a in argv):
         return list(argv)
-    settings = SMALL[entry]
+    from pipeflow.run.config_data import data_keys
+
+    source = next((a.partition("=")[2] for a in argv if a.startswith("data=")), "markov")
+    settings = {key: value for key, value in SMALL[entry].items()  # the data keys its source takes
+                if not key.startswith("data.") or key.removeprefix("data.") in data_keys(source)}
     kept = [a for a in argv if a.partition("=")[0].lstrip("+") not in settings]
     return kept + [f"{key}={value}" for key, value in settings.items()]
 

@@ -81,8 +81,8 @@ def generate_command_from_checkpoint(folder: str, run_dir: str) -> dict[str, Any
     if dist.get_rank() == 0:
         os.makedirs(run_dir, exist_ok=True)
         fx.write_tokenizer(os.path.join(run_dir, "tokenizer"))
-        cfg = compose_config(["model=hf", f"model.path={folder}", "train.dtype=float64",
-                              f"data.tokenizer={os.path.join(run_dir, 'tokenizer')}"])
+        cfg = compose_config(["model=hf", f"model.path={folder}", "train.dtype=float64", "data=chat",  # a chat run's
+                              f"data.path={run_dir}/chats.jsonl", f"data.tokenizer={os.path.join(run_dir, 'tokenizer')}"])
         OmegaConf.save(cfg, os.path.join(run_dir, "config.yaml"))
         with open(os.path.join(run_dir, "prompts.txt"), "w") as f:
             f.write("hello how are you\nwhat is two plus three\n")
@@ -135,7 +135,8 @@ def generate_from_a_lora_checkpoint(folder: str, run_dir: str) -> dict[str, Any]
     from pipeflow.run.plan import compose_config
 
     tokenizer_dir = os.path.join(run_dir, "tokenizer")
-    cfg = compose_config(["model=hf", f"model.path={folder}", "train.dtype=float64", f"data.tokenizer={tokenizer_dir}"])
+    cfg = compose_config(["model=hf", f"model.path={folder}", "train.dtype=float64", "data=chat",  # a chat run's
+                          f"data.path={run_dir}/chats.jsonl", f"data.tokenizer={tokenizer_dir}"])
     OmegaConf.update(cfg, "model.lora", dict(lora_cases.LORA), merge=True)
     spec = build_spec(cfg.model)
     mine = split(len(spec.layers), dist.get_world_size())[dist.get_rank()]

@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
-from pipeflow.run.config import Config, GPTModelConfig
+from pipeflow.run.config import DATA_SCHEMAS, Config, GPTModelConfig, MarkovDataConfig
 from pipeflow.models.spec import run_layers
 from pipeflow.runtime.tied import tie_in_place
 from pipeflow.runtime.zero import local_optimizer, owned_parameters
@@ -47,13 +47,16 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def make_config(dp: int, schedule: str = "1f1b", m: int = 2, **train: Any) -> Any:
     """A small tied GPT on Markov data, float64, no profiling; `train` overrides any section
-    as ``section__key=value`` (e.g. ``optim__grad_clip=0.05``)."""
+    as ``section__key=value`` (e.g. ``optim__grad_clip=0.05``); ``data__name`` picks the data
+    source's schema (its keys)."""
+    data = DATA_SCHEMAS[train.pop("data__name", "markov")](seq_len=8, batch_size=BATCH)
+    if isinstance(data, MarkovDataConfig):
+        data.vocab_size, data.num_tokens = 32, 4000
     cfg = OmegaConf.structured(Config(model=GPTModelConfig(
-        vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=True)))
+        vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=True), data=data))
     cfg.schedule.name = schedule
     cfg.pipeline.num_microbatches = m
     cfg.pipeline.profile = False
-    cfg.data.update(vocab_size=32, seq_len=8, batch_size=BATCH, num_tokens=4000)
     cfg.optim.update(lr=1e-2, warmup_steps=2, grad_clip=0.0)
     cfg.train.update(param_dtype="float64", max_steps=3, eval_every=0, eval_batches=1, log_every=100)
     cfg.parallel.dp = dp
@@ -137,7 +140,7 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
         worst["param"] = max([worst["param"]] + [rel_diff(a.detach(), b.detach()) for a, b in both])
         x, _ = reference.batches.train.get(step)
         worst["lengths"].update(a.shape[1] for a in x) if isinstance(x, list) else worst["lengths"].add(x.shape[1])
-    worst["compile"] = None if trainer.compiled is None else trainer.compiled.summary()  # train.compile
+    worst["compile"] = None if trainer.parts.compiled is None else trainer.parts.compiled.summary()  # train.compile
     moved = trainer.pipeline.offloaded  # pipeline.offload: the last step's copies, and the groups planned here
     program = next(iter(trainer.pipeline.programs.values()))
     worst["offloaded"] = None if moved is None else {"bytes": moved.bytes, "groups": moved.groups,
@@ -219,10 +222,10 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: boo
     if trainer.mesh.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
         trainer.params[0].register_hook(lambda g: torch.full_like(g, float("inf")) if armed[0] else g)
     before = [p.detach().clone() for p in trainer.params]
-    scale0 = trainer.scaler.scale
+    scale0 = trainer.loop.update.scaler.scale
     _, norm0 = trainer.train_step(0)
     unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
-    scale1 = trainer.scaler.scale
+    scale1 = trainer.loop.update.scaler.scale
     armed[0] = False
     _, norm1 = trainer.train_step(1)
     changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
@@ -240,7 +243,7 @@ def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1, 
                       train__param_dtype="float32", train__precision=precision, train__check_finite=checked)
     trainer = build_run(cfg, torch.device("cpu"))
     if precision == "fp16" and fault == "inf-grad":
-        trainer.scaler.scale = trainer.scaler.min_scale
+        trainer.loop.update.scaler.scale = trainer.loop.update.scaler.min_scale
     if trainer.mesh.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:
         if fault == "inf-grad":
             trainer.params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
@@ -389,7 +392,7 @@ def resume_across_layouts() -> dict[str, Any] | None:
     spec = instantiate(straight["float32"].cfg.model)
     model = torch.nn.ModuleList(spec.build_all())
     model.load_state_dict(references["float32"], strict=True)
-    x, y = straight["float32"].batches.val.get(0)
+    x, y = straight["float32"].plan.batches.val.get(0)
     with torch.no_grad():
         out["export_val_loss"] = float(spec.loss_fn(run_layers(list(model), x), y))
     out["trainer_val_loss"] = val
@@ -474,7 +477,7 @@ def owned_timeouts_and_watchdog_lifecycle() -> dict[str, Any]:
     with mock.patch.object(builder, "_watchdog", watchdog):
         trainer = build_run(cfg, torch.device("cpu"))
     groups = {"world": None, "pp": trainer.mesh.pp_group, "dp": trainer.mesh.dp_group}
-    groups.update({f"tie {t.name}": t.group for t in trainer.tied.ties if t.group is not None})
+    groups.update({f"tie {t.name}": t.group for t in trainer.parts.tied.ties if t.group is not None})
     first = {name: group_timeout_s(g) for name, g in groups.items()}
     alive = made[0].alive and trainer.pipeline.comm.watchdog is made[0]
     trainer.fit()
@@ -518,7 +521,7 @@ def full_shard_gathers_and_reduces_once_per_step(schedule: str = "1f1b", m: int 
     params = trainer.params
     return {
         "counts": counts, "events": events, "nested": nested, "units": trainer.pipeline.sharding.unit_stages(),
-        "stages": sorted(trainer.stages), "reducer": trainer.reducer is not None,
+        "stages": sorted(trainer.stages), "reducer": trainer.parts.reducer is not None,
         "params_sharded": all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() or p.shape[0] < 2
                               for p in params),
         "state_sharded": all(isinstance(trainer.optimizer.state[p]["exp_avg"], DTensor) for p in params),
@@ -566,11 +569,11 @@ def fp16_overflow_skips_sharded() -> dict[str, Any]:
     if trainer.mesh.pp_rank == 1 and trainer.mesh.dp_rank == 0:
         trainer.stages[1].module[0].register_forward_hook(poison)
     before = [p.detach().to_local().clone() for p in trainer.params]
-    scale0 = trainer.scaler.scale
+    scale0 = trainer.loop.update.scaler.scale
     _, norm0 = trainer.train_step(0)
     unchanged = all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.params))
     armed[0] = False
-    scale1 = trainer.scaler.scale
+    scale1 = trainer.loop.update.scaler.scale
     _, norm1 = trainer.train_step(1)
     changed = any(not torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.params))
     return {"skipped": unchanged, "finite0": math.isfinite(norm0), "scale_ratio": scale1 / scale0,

@@ -22,7 +22,7 @@ from pipeflow.data.chat import load_chat_tokenizer, tokenize_conversation  # noq
 from pipeflow.data.chat_rows import ChatBatches, pack_rows, tokenize_conversations  # noqa: E402
 from pipeflow.data.prepare import main as prepare_main  # noqa: E402
 from pipeflow.errors import ChatDataError, ConfigError  # noqa: E402
-from pipeflow.run.config import DataConfig  # noqa: E402
+from pipeflow.run.config import ChatDataConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_batches_visit_every_row_once_an_epoch_the_same_on_every_call(conversati
 
 
 def _chat_config(**keys) -> object:
-    return OmegaConf.merge(OmegaConf.structured(DataConfig), {"name": "chat", "seq_len": 24, "batch_size": 2,
+    return OmegaConf.merge(OmegaConf.structured(ChatDataConfig), {"name": "chat", "seq_len": 24, "batch_size": 2, "pack_documents": False,
                                                               "val_fraction": 0.25, **keys})
 
 

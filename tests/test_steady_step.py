@@ -192,16 +192,16 @@ def test_without_fused_adamw_the_step_reads_back_before_its_update(one_rank_grou
 def test_a_nan_in_the_input_batch_read_back_a_step_late_names_the_batch(one_rank_group, tmp_path) -> None:
     from omegaconf import OmegaConf
 
-    from pipeflow.run.config import Config, MLPModelConfig
+    from pipeflow.run.config import Config, GaussianDataConfig, MLPModelConfig
 
-    cfg = OmegaConf.structured(Config(model=MLPModelConfig(in_features=8, num_classes=4, num_layers=2)))
-    cfg.data.update(name="gaussian", batch_size=8, in_features=8, num_classes=4)
+    cfg = OmegaConf.structured(Config(model=MLPModelConfig(in_features=8, num_classes=4, num_layers=2),
+                                      data=GaussianDataConfig(batch_size=8, in_features=8, num_classes=4)))
     cfg.pipeline.update(num_microbatches=2, profile=False)
     cfg.optim.update(fused=True)
     cfg.train.update(run_dir=str(tmp_path), max_steps=4, eval_every=0)
     cfg.metrics.update(memory_steps=[], tensorboard=False)
     trainer = build_run(cfg, torch.device("cpu"))
-    source, real = trainer.batches.train, trainer.batches.train.get
+    source, real = trainer.plan.batches.train, trainer.plan.batches.train.get
 
     def poisoned(step: int):
         x, y = real(step)

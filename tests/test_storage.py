@@ -159,9 +159,12 @@ def test_the_sharing_verdicts() -> None:
 
 
 def test_checkpoint_storage_takes_shared_or_local() -> None:
-    from pipeflow.run.config import Config, MLPModelConfig
+    from omegaconf.errors import ValidationError
+
+    from pipeflow.run.config import Config, MLPModelConfig, TrainConfig
     cfg = OmegaConf.structured(Config(model=MLPModelConfig()))
     check_values(cfg)
-    cfg.train.checkpoint_storage = "nfs"
+    with pytest.raises(ValidationError, match=r"Invalid value 'nfs', expected one of \[shared, local\]"):
+        cfg.train.checkpoint_storage = "nfs"  # a choice: refused where it is set
     with pytest.raises(ConfigError, match="train.checkpoint_storage='nfs' is not one of shared, local"):
-        check_values(cfg)
+        TrainConfig(checkpoint_storage="nfs")

@@ -22,15 +22,16 @@ from pipeflow.data.prepare import prepare, train_tokenizer  # noqa: E402
 from pipeflow.data.tokens import TokenStream, document_ids, open_tokens, token_paths  # noqa: E402
 from pipeflow.errors import ConfigError  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
-from pipeflow.run.config import DataConfig  # noqa: E402
+from pipeflow.run.config import TokensDataConfig  # noqa: E402
+from pipeflow.run.plan import compose_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def data_cfg(path: Path | str, **kw) -> DataConfig:
+def data_cfg(path: Path | str, **kw) -> TokensDataConfig:
     base = dict(name="tokens", path=str(path), token_dtype="uint16", pack_documents=False, eos_id=None,
                 val_fraction=0.1, seq_len=8, batch_size=4, seed=1, variable_lengths=False, min_seq_len=None)
-    return DataConfig(**{**base, **kw})
+    return TokensDataConfig(**{**base, **kw})
 
 
 def model(vocab: int = 1000) -> SimpleNamespace:
@@ -260,8 +261,8 @@ def test_data_eval_path_holds_out_a_file_and_evaluations_report_perplexity(one_r
     assert int(batches.val.get(0)[0].min()) >= 20 and int(batches.train.get(3)[0].max()) < 17
     with pytest.raises(ConfigError, match=r"data.eval_path='.*nothing' matches no file"):
         build_batches(data_cfg(tmp_path / "train.bin", eval_path=str(tmp_path / "nothing")), model())
-    with pytest.raises(ConfigError, match="data=text, tokens or chat"):
-        build_batches(SimpleNamespace(name="markov", eval_path="x.txt"), model())
+    with pytest.raises(Exception, match="data=markov has no key eval_path"):  # its own batches: refused composing
+        compose_config(["data.eval_path=x.txt"])
     (tmp_path / "a.txt").write_text("abcabcabd" * 20)
     (tmp_path / "b.txt").write_text("dcba" * 10)
     text = build_batches(SimpleNamespace(**{**vars(data_cfg(tmp_path / "a.txt")), "name": "text", "level": "char",

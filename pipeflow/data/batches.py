@@ -22,6 +22,7 @@ class Batches:
 
 IMAGE_DATA = ("cifar10", "mnist", "imagefolder", "fakedata")
 TOKEN_DATA = ("markov", "text", "tokens", "chat")
+FILE_DATA = ("text", "tokens", "chat")  # token data read from data.path, held out from data.eval_path
 
 
 def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
@@ -38,16 +39,16 @@ def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
         ConfigError: unknown data name, or a vocabulary larger than the model's.
     """
     name = cfg.name
-    eval_path = cfg.eval_path
-    if eval_path is not None and name not in ("text", "tokens", "chat"):
-        raise ConfigError(f"data.eval_path={eval_path!r} names held-out data for data=text, tokens or chat; data={name} "
-                          f"makes its own validation batches: set data.eval_path=null")
+    eval_path = cfg.eval_path if name in FILE_DATA else None
     if name in IMAGE_DATA:
         from pipeflow.data.vision import build_image_batches  # torchvision costs seconds to import
 
+        # each image source its own keys: a folder (cifar10, mnist, imagefolder), a download
+        # (cifar10, mnist), a count of images (fakedata)
+        own = {key: getattr(cfg, key) for key in ("root", "download", "fake_size") if hasattr(cfg, key)}
         make = lambda seed, train: build_image_batches(  # noqa: E731
-            name, cfg.root, cfg.batch_size, seed, cfg.download, train, cfg.image_size, cfg.num_classes, cfg.fake_size
-        )
+            name, batch_size=cfg.batch_size, seed=seed, train=train, image_size=cfg.image_size,
+            num_classes=cfg.num_classes, **{"root": "", **own})
         return Batches(make(cfg.seed, True), make(cfg.seed + 1, False))
     if name == "gaussian":
         make = lambda split: datasets.ClassificationBatches(  # noqa: E731
@@ -94,17 +95,15 @@ def build_batches(cfg: Any, model_cfg: Any, chunks: int = 1) -> Batches:
 def sequence_lengths(cfg: Any) -> tuple[int, int] | None:
     """``data.variable_lengths``: the range each micro-batch's sequence length is drawn from
     (``data.min_seq_len`` .. ``data.seq_len``); None for fixed lengths."""
-    if not cfg.variable_lengths:
+    if cfg.name not in TOKEN_DATA or not cfg.variable_lengths:  # only token data has the key
         return None
-    if cfg.name not in TOKEN_DATA:
-        raise ConfigError(f"data.variable_lengths=true needs token data ({', '.join(TOKEN_DATA)}), not data={cfg.name}")
     return (cfg.min_seq_len if cfg.min_seq_len is not None else max(1, cfg.seq_len // 4), cfg.seq_len)
 
 
 def varies(cfg: Any, chunks: int) -> bool:
     """True when the micro-batches of a step can differ in shape: variable lengths, or a batch of
     rows that does not split into `chunks` equal micro-batches."""
-    return bool(cfg.variable_lengths) or cfg.batch_size % chunks != 0
+    return sequence_lengths(cfg) is not None or cfg.batch_size % chunks != 0
 
 
 def split_microbatches(batch: torch.Tensor | list[torch.Tensor], m: int) -> list[torch.Tensor]:

@@ -1,11 +1,12 @@
 """The one place a run is built: every object constructed from the config with its settings.
 
 :func:`build_run` turns the resolved config into this rank's part of the pipeline in named
-phases, each returning a small value the next takes: the plan (model, data, schedule, layout:
-:class:`RunPlan`), the topology (mesh, transport, deadlines: :class:`Topology`), the schedule
-settled on the measured link, the parts (stages, tied weights, reducer, compiled layers:
-:class:`Parts`), the layout with the runtime's measured costs, and the loop (pipeline, optimizer,
-metrics), handed to the :class:`~pipeflow.run.trainer.Trainer`, which only runs it.  Nothing is
+phases, each returning a small value the next takes (:mod:`pipeflow.run.phases`): the plan
+(model, data, schedule, layout: :class:`RunPlan`), the topology (mesh, transport, deadlines:
+:class:`Topology`), the schedule settled on the measured link, the parts (stages, tied weights,
+reducer, compiled layers: :class:`ModelParts`), the layout with the runtime's measured costs,
+and the loop (pipeline, the step's update with its optimizer, metrics: :class:`Loop`); the
+:class:`~pipeflow.run.trainer.Trainer` holds those values and only runs them.  Nothing is
 configured by assigning attributes from outside after construction.  The model's own building
 (the ``model`` config's builder) is :mod:`pipeflow.run.model_build`.
 """
@@ -16,14 +17,13 @@ import functools
 import logging
 import os
 import platform
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from pipeflow.data import (TOKEN_DATA, Batches, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
+from pipeflow.data import (TOKEN_DATA, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
                            split_microbatches, varies)
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
@@ -35,13 +35,17 @@ from pipeflow.planning.ep_links import expert_exchange
 from pipeflow.planning.expert_cost import expert_layers
 from pipeflow.planning.measured_cluster import rank_hosts, start_links
 from pipeflow.planning.rehearsal import with_rehearsal
-from pipeflow.planning.step_model import fused_adamw, measure_step_costs
+from pipeflow.planning.runtime_timing import fused_adamw
+from pipeflow.planning.step_model import measure_step_costs
 from pipeflow.planning.tensor_cost import largest_collective_bytes
 from pipeflow.run import guard
 from pipeflow.run.compile_phase import compile_and_warm_up, compile_options
 from pipeflow.run.model_build import build_spec, built_on_every_rank
 from pipeflow.run.config import RecvPosting, check_config, tensor_degree
+from pipeflow.run.config_data import typed_data
 from pipeflow.run.faults import install_from_env
+from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
+from pipeflow.run.step_update import StepUpdate
 from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
 from pipeflow.runtime.events import EventRecorder, clock_for
@@ -59,7 +63,7 @@ from pipeflow.runtime.expert_parallel import expert_groups, expert_parameters, s
 from pipeflow.runtime.routing import routing_sync
 from pipeflow.runtime.stage import build_stages, layers_by_index
 from pipeflow.runtime.tensor_parallel import parallelize_stages
-from pipeflow.runtime.compile import CompileOptions, forget_compiled
+from pipeflow.runtime.compile import forget_compiled
 from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.runtime.zero import build_optimizer
@@ -68,52 +72,6 @@ from pipeflow.schedules.auto import AUTO, write_schedule
 from pipeflow.schedules.offload import HostLink
 
 log = logging.getLogger("pipeflow")
-
-
-@dataclass
-class RunPlan:
-    """The model and data, and the plan every rank makes alike before any group exists: the
-    degrees, the schedule, this replica's first batch (the profile's sample, compile's warm-up),
-    the posting policy, ``train.compile``'s options and the layout (profiled partition)."""
-
-    config_hash: str
-    dp: int
-    pp: int
-    tp: int
-    ep: int
-    dtype: torch.dtype
-    spec: ModelSpec
-    schedule: PipelineSchedule
-    batches: Batches
-    first: tuple
-    posting: Posting
-    compiled: CompileOptions | None
-    layout: Layout
-
-
-@dataclass
-class Topology:
-    """Where this rank sits: the mesh (in its order), the pipeline's transport and the deadlines
-    every group the run uses keeps."""
-
-    mesh: Mesh
-    comm: P2PComm
-    deadlines: Deadlines
-
-
-@dataclass
-class Parts:
-    """This rank's model, built and placed: its stages (split over tp, experts over ep, sharded
-    over dp), the recorder, tied weights, the dp reducer, the compiled layers and what trains."""
-
-    stages: dict
-    recorder: EventRecorder
-    ep_group: Any
-    sharding: FullShard | None
-    tied: TiedWeights
-    reducer: GradReducer | None
-    compiled: Any
-    params: list
 
 
 def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
@@ -153,7 +111,7 @@ def plan_run(cfg: DictConfig, device: torch.device) -> RunPlan:
     m = cfg.pipeline.num_microbatches
     schedule = build_schedule(cfg.schedule.name, pp, m, cfg.schedule.stages_per_rank, cfg.schedule.placement,
                               cfg.schedule.path, cfg.schedule.stage_to_rank)
-    batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
+    batches = build_batches(typed_data(cfg.data), cfg.model, chunks=dp * m)
     first = shard(batches.train.get(0), 0, dp)
     sample, sample_target = split_microbatches(first[0], m)[0], split_microbatches(first[1], m)[0]
     # auto's choice is made by the whole world (every replica alike, so no replica waits on a
@@ -208,7 +166,7 @@ def settle_schedule(cfg: DictConfig, plan: RunPlan, topology: Topology, device: 
     return dataclasses.replace(plan, schedule=schedule, layout=layout), synthesis, link
 
 
-def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torch.device) -> Parts:
+def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torch.device) -> ModelParts:
     """This rank's stages built (a layer only one rank can fail on fails every rank), split over
     tp, their experts over ep, sharded over dp (FSDP2), tied weights joined, the dp reducer, the
     layers compiled and warmed up; and the parameters that train (a LoRA base trains none)."""
@@ -235,18 +193,18 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
     reducer = (GradReducer(stages, mesh.dp_group, dp, unreduced=expert_parameters(stages) if ep > 1 else (),
                            unreduced_group=same_experts) if dp > 1 and sharding is None else None)
     compiled = None
-    if plan.compiled is not None:  # before anything times the stages: they run compiled
+    if plan.compile_options is not None:  # before anything times the stages: they run compiled
         units = {s: [(spec.layers[i].name, spec.unit_to_compile(i, layer))
                      for i, layer in zip(layout.ranges[s], stage.module)] for s, stage in stages.items()}
-        compiled = compile_and_warm_up(plan.compiled, comm, schedule, stages, units, plan.first, m, plan.dtype,
+        compiled = compile_and_warm_up(plan.compile_options, comm, schedule, stages, units, plan.first, m, plan.dtype,
                                        shape_mode(cfg, dp * m), plan.posting.options(not comm.independent_ops)[0],
                                        sharding, evaluates=cfg.train.eval_batches > 0)
     # what is trained: a LoRA run's frozen base weights get no gradient, no AdamW state, no reduction
     params = [p for p in unique_parameters(stage.parameters() for stage in stages.values()) if p.requires_grad]
-    return Parts(stages, recorder, ep_group, sharding, tied, reducer, compiled, params)
+    return ModelParts(stages, recorder, ep_group, sharding, tied, reducer, compiled, params)
 
 
-def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Parts, link: HostLink | None,
+def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelParts, link: HostLink | None,
                    device: torch.device) -> Layout:
     """The layout with the runtime's own costs measured here (collective: transfers, links, groups,
     the tail; rehearsed on shared cores) for its prediction, and ``pipeline.offload``'s plan."""
@@ -275,7 +233,7 @@ def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Pa
     return layout
 
 
-def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Parts, layout: Layout,
+def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelParts, layout: Layout,
                synthesis: Synthesis | None, device: torch.device) -> Trainer:
     """The pipeline over the stages, the optimizer, fault injection and the finite check, the run
     directory (after everything a config can fail on: a sweep's invalid job leaves none behind),
@@ -297,23 +255,22 @@ def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Parts,
     run_dir = workspace.run_dir
     if synthesis is not None and rank == 0:
         write_auto_schedule(schedule, synthesis, run_dir)
-    lengths = sequence_lengths(cfg.data)  # variable lengths: tokens/s counts the lengths' expected mean
-    per_sample = None if cfg.data.name not in TOKEN_DATA else cfg.data.seq_len if lengths is None else sum(lengths) / 2
+    data = typed_data(cfg.data)
+    lengths = sequence_lengths(data)  # variable lengths: tokens/s counts the lengths' expected mean
+    per_sample = None if data.name not in TOKEN_DATA else data.seq_len if lengths is None else sum(lengths) / 2
     metrics = RunMetrics(cfg, parts.recorder, comm.rank, pp, device, run_dir, layout.prediction,
                          (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
                          calibrator(schedule, stage_boundary_bytes(layout.ranges, layout.profiles),
                                     run_meta(cfg, schedule, layout, device, dp, mesh.grid)),
                          first_pipeline=mesh.first_pipeline, grid=mesh.grid)
-    return Trainer(
-        cfg=cfg, device=device, config_hash=plan.config_hash, mesh=mesh, spec=spec, schedule=schedule,
-        layout=layout, batches=plan.batches, stages=stages, pipeline=pipeline, posting=plan.posting,
-        deadlines=topology.deadlines, tied=parts.tied, reducer=parts.reducer,
-        scaler=LossScaler(cfg.train.precision == "fp16"), finite=finite, faults=faults, params=parts.params,
-        optimizer=optimizer, metrics=metrics, run_dir=run_dir, workspace=workspace,
-        memory=MemoryAccountant(stages, optimizer, device), compiled=parts.compiled,
-        routing=routing_sync(layers_by_index(stages, layout.ranges), len(spec.layers),
-                             int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0), plan.ep),
-    )
+    scaler = LossScaler(cfg.train.precision == "fp16")
+    memory = MemoryAccountant(stages, optimizer, device)
+    routing = routing_sync(layers_by_index(stages, layout.ranges), len(spec.layers),
+                           int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0), plan.ep)
+    update = StepUpdate(device, schedule, stages, parts.params, optimizer, cfg.optim.grad_clip, parts.tied,
+                        parts.reducer, scaler, finite, routing, workspace, mesh.dp * mesh.tp)
+    loop = Loop(pipeline, update, faults, metrics, workspace, memory)
+    return Trainer(cfg, device, dataclasses.replace(plan, layout=layout), topology, parts, loop)
 
 
 def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSchedule, layout: Layout,
@@ -365,7 +322,7 @@ def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                     "local_ranks": local, "device": device.type,
                     "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-        "seq_len": cfg.data.seq_len, "tp": tensor_degree(cfg.parallel),
+        "seq_len": OmegaConf.select(cfg, "data.seq_len"), "tp": tensor_degree(cfg.parallel),
         "precision": cfg.train.precision, "hosts": names,
         "links": start_links(layout.step_costs, grid.pipelines() if grid is not None else [], names),
         "model": OmegaConf.to_container(cfg.model, resolve=True), "dtype": cfg.train.param_dtype,
@@ -409,7 +366,7 @@ def shape_mode(cfg: DictConfig, chunks: int) -> str:
     """How the pipeline learns shapes (:mod:`pipeflow.runtime.shapes`): every micro-batch its own
     when they can differ (variable lengths, a batch that does not split into `chunks` equal
     micro-batches), else ``comm.shapes``."""
-    return "per_microbatch" if varies(cfg.data, chunks) else str(cfg.comm.shapes)
+    return "per_microbatch" if varies(typed_data(cfg.data), chunks) else str(cfg.comm.shapes)
 
 
 def _boundary_bytes(layout: Layout) -> int:

@@ -28,6 +28,7 @@ from pipeflow.planning.hardware import Cluster, load_hardware, override
 from pipeflow.planning.measured_cluster import measured_layers, with_measured_links
 from pipeflow.planning.roofline import trace_layers
 from pipeflow.run.config import tensor_degree
+from pipeflow.run.config_data import TokenDataConfig, typed_data
 
 HEADROOM = 0.9  # of a GPU's memory for tensors; the rest: allocator, NCCL buffers, kernels' workspace
 
@@ -65,7 +66,11 @@ def run_cluster_plan(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[Cl
                           f"{cluster.gpus_per_host} GPUs: plan for at most {cluster.hosts * cluster.gpus_per_host}")
     start = time.perf_counter()
     dtype = "fp16" if cfg.train.precision == "fp16" else "bf16"
-    seq = int(cfg.data.seq_len)
+    data = typed_data(cfg.data)
+    if not isinstance(data, TokenDataConfig):
+        raise ConfigError(f"plan.hardware costs a token model by the roofline: data={data.name} has no sequences; "
+                          "choose token data (data=markov, text, tokens or chat)")
+    seq = data.seq_len
     try:
         shapes = trace_layers(instantiate(cfg.model), seq, torch.float16 if dtype == "fp16" else torch.bfloat16)
     except (RuntimeError, NotImplementedError, TypeError) as err:
@@ -78,7 +83,7 @@ def run_cluster_plan(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[Cl
             raise ConfigError(f"plan.calibration={plan.calibration} gives the cluster planner nothing it measured: "
                               f"{'; '.join(lines)}; no link timed at start either (runs record them with a profile, "
                               "pipeline.profile=true, over two ranks or more)")
-    work = Workload(shapes, seq, int(cfg.data.batch_size), dtype)
+    work = Workload(shapes, seq, data.batch_size, dtype)
     space = cluster_space(cfg)
     limit = plan.memory_limit_gb * 1e9 if plan.memory_limit_gb is not None else HEADROOM * cluster.gpu.memory_gb * 1e9
     picks, counts = search_cluster(work, cluster, space, limit)

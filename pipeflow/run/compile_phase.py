@@ -24,6 +24,7 @@ from torch import nn
 from pipeflow.data import microbatch_inputs, microbatch_targets, sequence_lengths
 from pipeflow.planning.rehearsal import untouched
 from pipeflow.run.config import tensor_degree
+from pipeflow.run.config_data import typed_data
 from pipeflow.run.model_build import built_on_every_rank
 from pipeflow.runtime.compile import CompiledForward, CompileOptions, compile_stage_layers, fallbacks, graphs_compiled
 from pipeflow.runtime.events import EventRecorder
@@ -43,9 +44,10 @@ def compile_options(cfg: DictConfig, chunks: int | None = None) -> CompileOption
     if not cfg.train.compile:
         return None
     dims = set()
-    if sequence_lengths(cfg.data) is not None:
+    data = typed_data(cfg.data)
+    if sequence_lengths(data) is not None:
         dims.add(1)
-    if chunks is not None and cfg.data.batch_size % chunks:
+    if chunks is not None and data.batch_size % chunks:
         dims.add(0)
     if cfg.comm.shapes == "per_microbatch":
         dims.update((0, 1))

@@ -6,7 +6,8 @@ nearest keys named (:mod:`pipeflow.run.config_keys`), and an old key name read a
 (:mod:`pipeflow.run.config_renames`).  Each section checks itself in ``__post_init__`` when
 :func:`typed_config` makes the composed config typed objects (once, at start); the checks that
 span sections are :mod:`pipeflow.run.config_checks`, the model schemas
-:mod:`pipeflow.run.config_models`; their names are importable from here too.
+:mod:`pipeflow.run.config_models`, one schema per data source :mod:`pipeflow.run.config_data`,
+the closed sets of words :mod:`pipeflow.run.config_choices`; their names are importable from here too.
 """
 from __future__ import annotations
 
@@ -21,7 +22,13 @@ from pipeflow.errors import ConfigError
 from pipeflow.run.config_checks import (BACKENDS, DTYPES, RESUME_WORDS, SHARD_MODES, STORAGES, auto_replicas,
                                         check_comm, check_across_sections, check_paths, check_sequence_parallel,
                                         check_targets, resolve_layout, tensor_degree)
-from pipeflow.run.config_choices import Choice, Placement, RecvPosting, ShapeMode
+from pipeflow.run.config_choices import (Backend, Balance, CheckpointStorage, Choice, OffloadMode, Overlong,
+                                        ParamDtype, Placement, Precision, RecvPosting, ShapeMode, ShardMode,
+                                        SplitSearch, TextLevel, TokenDtype)
+from pipeflow.run.config_data import (DATA_SCHEMAS, ChatDataConfig, Cifar10DataConfig, DataConfig, FakeDataConfig,
+                                      FileDataConfig, GaussianDataConfig, ImageDataConfig, ImageFolderDataConfig,
+                                      MarkovDataConfig, MnistDataConfig, TextDataConfig, TokenDataConfig,
+                                      TokensDataConfig, check_data_links, typed_data)
 from pipeflow.run.config_keys import config_keys, install_key_suggestions, suggest_keys
 from pipeflow.run.config_models import (GPTModelConfig, HFModelConfig, MLPModelConfig, ModuleModelConfig,
                                         ResNetModelConfig, SleepModelConfig, TorchvisionModelConfig, model_schema)
@@ -58,10 +65,10 @@ class PipelineConfig:
 
     num_microbatches: int = 8
     split_points: list[Any] | None = None  # first layer (index or name) of stages 1..S-1
-    balance: str = "uniform"  # uniform | params | time | memory (ignored with split_points)
+    balance: Balance = Balance.uniform  # uniform | params | time | memory (ignored with split_points)
     profile: bool = True  # profile layers (on pipeline rank 0) for the partition table
     checkpoint_activations: Any = False  # true | false | n: recompute every n-th layer in backward
-    offload: str = "none"  # none | auto | all: held activations copied to host memory in the pipeline's gaps
+    offload: OffloadMode = OffloadMode.none  # none | auto | all: held activations copied to host memory in the pipeline's gaps
     overlap_pairs: bool = True  # dualpipev: each paired F and B run interleaved, one's all_to_all behind the other's compute
 
     def __post_init__(self) -> None:
@@ -71,39 +78,6 @@ class PipelineConfig:
         check_section_counts("pipeline", self)
         checkpoint_every(self.checkpoint_activations)
         check_mode(self.offload)
-
-
-@dataclass
-class DataConfig:
-    """Where batches come from: ``markov`` (made locally), ``text`` (a local file), ``tokens``
-    (token files read through memory maps), ``chat`` (conversations, prompts masked), ``gaussian``,
-    or images: ``cifar10``, ``mnist``, ``imagefolder`` (under ``data.root``), ``fakedata``."""
-
-    name: str = "markov"
-    batch_size: int = 32
-    seq_len: int = 64
-    vocab_size: int = 64
-    num_tokens: int = 200_000
-    path: str | None = None
-    # text, tokens, chat: a held-out file, folder or glob (data.path's formats) train.eval_every
-    # evaluates on, data.path then trained on whole; null: the last val_fraction of data.path
-    eval_path: str | None = None
-    level: str = "byte"  # text: "byte" (vocab 256) or "char"
-    val_fraction: float = 0.1
-    in_features: int = 32
-    num_classes: int = 10
-    root: str = "data"
-    download: bool = False
-    image_size: int | None = None
-    fake_size: int = 1024
-    seed: int = 1234
-    variable_lengths: bool = False  # token data: each micro-batch its own sequence length
-    min_seq_len: int | None = None  # with variable_lengths: lengths drawn from min_seq_len..seq_len (null: seq_len // 4)
-    token_dtype: str = "uint16"  # tokens: the dtype of headerless files (uint16 or uint32; .npy files carry their own)
-    pack_documents: bool = False  # tokens: inputs (tokens, document ids), documents split at eos_id
-    eos_id: int | None = None  # tokens: the end-of-document id (checked against model.vocab_size)
-    overlong: str = "drop"  # chat: a conversation longer than seq_len + 1 tokens: drop | truncate | error
-    tokenizer: str | None = None  # chat: the folder of the tokenizer and chat template (null: model.path)
 
 
 @dataclass
@@ -128,13 +102,13 @@ class TrainConfig:
     log_every: int = 25
     eval_every: int = 100
     eval_batches: int = 4
-    param_dtype: str = "float32"  # parameters, gradients and optimizer state (the master weights)
+    param_dtype: ParamDtype = ParamDtype.float32  # parameters, gradients and optimizer state (the master weights)
     run_dir: str | None = None  # default: an explicit hydra.run.dir, else outputs/<timestamp>; chosen by rank 0
-    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast compute dtype; weights stay in train.param_dtype
+    precision: Precision = Precision.fp32  # the autocast compute dtype (fp32: none); weights stay in train.param_dtype
     save_every: int = 0  # write a checkpoint every n steps (and at the end); 0: never
     # shared: one run directory every host sees; local: each host its own disk, each writes its
     # ranks' part (python -m pipeflow.checkpoint gather merges them); docs/guides/multinode.md "Storage"
-    checkpoint_storage: str = "shared"
+    checkpoint_storage: CheckpointStorage = CheckpointStorage.shared
     resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
     check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage (fp16 overflow: skipped)
     # signals that save a checkpoint at the next step boundary and end the job (exit code 75):
@@ -170,7 +144,7 @@ class ParallelConfig:
     pp: int | None = None  # default: world size / (dp x tp)
     # what each stage's data-parallel group shards: none (full replicas), optimizer (ZeRO-1:
     # AdamW state and update), full (FSDP2: parameters and gradients too)
-    shard: str = "none"
+    shard: ShardMode = ShardMode.none
     # tensor parallel: each stage's layers split over tp ranks (innermost: the GPUs of a node)
     tp: int = 1
     # with tp > 1: norms, dropout and the activations between stages sharded along the sequence
@@ -216,7 +190,7 @@ class CommConfig:
 class DistConfig:
     """Backend and device; default: NCCL on ``cuda:LOCAL_RANK`` when CUDA is present, else gloo/CPU."""
 
-    backend: str | None = None
+    backend: Backend | None = None  # null: nccl with CUDA, else gloo
     device: str | None = None
 
     def __post_init__(self) -> None:
@@ -261,7 +235,7 @@ class PlanConfig:
     schedules: list[str] | None = None  # null: every built-in schedule
     microbatches: list[int] | None = None  # null: every count that divides data.batch_size
     max_chunks: int = 4  # stages per rank tried by schedules that take any count
-    splits: str = "balanced"  # balanced (time, memory, uniform) | all (every split; small models)
+    splits: SplitSearch = SplitSearch.balanced  # balanced (time, memory, uniform) | all (every split; small models)
     comm_latency_ms: float | None = None  # per communicating step; null: measured (2 local processes)
     action_overhead_ms: float | None = None  # the runtime's own cost per F/B/W action; null: measured
     repeats: int = 5  # timed runs per layer when profiling
@@ -281,7 +255,7 @@ class PlanConfig:
     # pipeline.offload modes tried with every layout (none | auto | all), their copies over a
     # device-host link of this bandwidth each way, on a copy engine beside compute (a GPU's PCIe);
     # null: measured on this machine's device as train.py measures it (a CPU: memcpys on the compute thread)
-    offload_modes: list[str] = field(default_factory=lambda: ["none"])
+    offload_modes: list[OffloadMode] = field(default_factory=lambda: [OffloadMode.none])
     host_link_gbps: float | None = None
     # a cluster you do not have (docs/guides/cluster-planning.md): a preset (a100_sxm_80gb, h100_sxm, h200_sxm, b200) or a
     # YAML file; layers costed by a roofline instead of profiled, tp x pp x dp searched for plan.gpus GPUs
@@ -322,10 +296,13 @@ def typed_config(cfg: Any) -> Config:
     Raises:
         ConfigError: naming the key, its value and what to change.
     """
-    sections = {}
+    sections: dict[str, Any] = {}
     for name, schema in SECTIONS.items():
-        node = OmegaConf.structured(schema)
         try:
+            if name == "data":  # each source its own schema (pipeflow.run.config_data)
+                sections[name] = typed_data(cfg[name] if name in cfg else OmegaConf.structured(DataConfig))
+                continue
+            node = OmegaConf.structured(schema)
             if name in cfg:  # resolved where it stands: an interpolation may name another section
                 node = OmegaConf.merge(node, OmegaConf.to_container(cfg[name], resolve=True, throw_on_missing=True))
             sections[name] = OmegaConf.to_object(node)
@@ -333,6 +310,7 @@ def typed_config(cfg: Any) -> Config:
             key = str(exc.full_key)
             key = key if key.startswith(f"{name}.") else f"{name}.{key}"
             raise ConfigError(f"{key} is not set (???): give it a value, {key}=<value>") from exc
+    check_data_links(cfg)
     return Config(model=OmegaConf.select(cfg, "model", throw_on_missing=False), **sections)
 
 
@@ -373,16 +351,20 @@ def register_configs() -> None:
     cs.store(group="model", name="base_module", node=ModuleModelConfig)
     cs.store(group="model", name="base_hf", node=HFModelConfig)
     cs.store(group="schedule", name="base_schedule", node=ScheduleConfig)
-    cs.store(group="data", name="base_data", node=DataConfig)
-    cs.store(group="optim", name="base_optim", node=OptimConfig)
+    for source, data_schema in DATA_SCHEMAS.items():  # data=<source>: configs/data/<source>.yaml names base_<source>
+        cs.store(group="data", name=f"base_{source}", node=data_schema)
 
 
 __all__ = [  # the schemas, and the checks and key helpers read from here by their callers
-    "BACKENDS", "Choice", "CommConfig", "Config", "DTYPES", "DataConfig", "DistConfig", "GPTModelConfig",
+    "BACKENDS", "Backend", "Balance", "CheckpointStorage", "Choice", "OffloadMode", "Overlong", "ParamDtype",
+    "Precision", "ShardMode", "SplitSearch", "TextLevel", "TokenDtype", "ChatDataConfig", "Cifar10DataConfig", "CommConfig", "Config", "DATA_SCHEMAS", "DTYPES",
+    "DataConfig", "DistConfig", "FakeDataConfig", "FileDataConfig", "GPTModelConfig", "GaussianDataConfig",
+    "ImageDataConfig", "ImageFolderDataConfig", "MarkovDataConfig", "MnistDataConfig", "TextDataConfig",
+    "TokenDataConfig", "TokensDataConfig",
     "HFModelConfig", "MLPModelConfig", "MetricsConfig", "ModuleModelConfig", "OptimConfig", "ParallelConfig",
     "PipelineConfig", "Placement", "PlanConfig", "RESUME_WORDS", "RecvPosting", "ResNetModelConfig", "SHARD_MODES",
     "STORAGES", "ScheduleConfig", "ShapeMode", "SleepModelConfig", "TorchvisionModelConfig", "TrainConfig",
     "auto_replicas", "check_across_sections", "check_comm", "check_config", "check_paths", "check_sequence_parallel", "check_targets",
     "check_values", "config_keys", "install_key_suggestions", "model_schema", "register_configs", "resolve_layout",
-    "suggest_keys", "tensor_degree", "typed_config",
+    "suggest_keys", "tensor_degree", "typed_config", "typed_data",
 ]

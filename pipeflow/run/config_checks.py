@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from omegaconf import OmegaConf
 
 from pipeflow.errors import ConfigError
+from pipeflow.run.config_data import TextDataConfig, TokenDataConfig, typed_data
 from pipeflow.run.config_keys import config_keys
 from pipeflow.run.config_values import check_deadlines, check_layout_counts
 from pipeflow.runtime.expert_parallel import check_expert_parallel
@@ -108,10 +109,13 @@ def check_sequence_parallel(cfg: Any) -> None:
     if tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits the sequence over the tp "
                           "ranks of a stage)")
-    if cfg.data.variable_lengths:
+    data = typed_data(cfg.data)
+    if not isinstance(data, TokenDataConfig):  # no sequence to split (images, features)
+        return
+    if data.variable_lengths:
         raise ConfigError(f"parallel.sequence_parallel=true with data.variable_lengths=true: every sequence length must "
                           f"split into parallel.tp={tp} equal slices; set one of them to false")
-    seq_len = cfg.data.seq_len
+    seq_len = data.seq_len
     if seq_len % tp:
         raise ConfigError(f"parallel.sequence_parallel=true: data.seq_len={seq_len} does not split into parallel.tp={tp} "
                           f"equal slices; choose a length divisible by {tp}")
@@ -175,8 +179,9 @@ def check_paths(cfg: Any) -> None:
     Raises:
         ConfigError: naming the key, the path, and what to set instead.
     """
-    data_path = cfg.data.path
-    if cfg.data.name == "text" and data_path is not None and not os.path.isfile(data_path):
+    data = typed_data(cfg.data)
+    data_path = data.path if isinstance(data, TextDataConfig) else None
+    if data_path is not None and not os.path.isfile(data_path):
         raise ConfigError(f"data.path={data_path!r} is not a file; point data.path at a local text file")
     schedule_path = OmegaConf.select(cfg, "schedule.path")
     if cfg.schedule.name == "custom" and schedule_path is not None and not os.path.isfile(schedule_path):

@@ -37,3 +37,90 @@ class RecvPosting(Choice):
     ahead = "ahead"
     at_step = "at_step"
     auto = "auto"
+
+
+class TextLevel(Choice):
+    """``data.level`` (data=text): a token per byte (vocabulary 256) or per character of the file."""
+
+    byte = "byte"
+    char = "char"
+
+
+class TokenDtype(Choice):
+    """``data.token_dtype`` (data=tokens): the dtype of headerless token files (.npy carry their own)."""
+
+    uint16 = "uint16"
+    uint32 = "uint32"
+
+
+class Overlong(Choice):
+    """``data.overlong`` (data=chat): what a conversation longer than a row becomes."""
+
+    drop = "drop"
+    truncate = "truncate"
+    error = "error"
+
+
+class ParamDtype(Choice):
+    """``train.param_dtype``: the dtype of parameters, gradients and optimizer state."""
+
+    float32 = "float32"
+    float64 = "float64"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Precision(Choice):
+    """``train.precision``: the autocast compute dtype (fp32: none)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class CheckpointStorage(Choice):
+    """``train.checkpoint_storage``: one run directory every host sees, or each host its own disk."""
+
+    shared = "shared"
+    local = "local"
+
+
+class ShardMode(Choice):
+    """``parallel.shard``: what a stage's data-parallel group shards (none, ZeRO-1, FSDP2)."""
+
+    none = "none"
+    optimizer = "optimizer"
+    full = "full"
+
+
+class Backend(Choice):
+    """``dist.backend``: the process group's backend (null: NCCL with CUDA, else gloo)."""
+
+    nccl = "nccl"
+    gloo = "gloo"
+    mpi = "mpi"
+    ucc = "ucc"
+
+
+class Balance(Choice):
+    """``pipeline.balance``: what the partition evens out over the stages."""
+
+    uniform = "uniform"
+    params = "params"
+    time = "time"
+    memory = "memory"
+
+
+class OffloadMode(Choice):
+    """``pipeline.offload`` (and ``plan.offload_modes``): which held activations go to host memory."""
+
+    none = "none"
+    auto = "auto"
+    all = "all"
+
+
+class SplitSearch(Choice):
+    """``plan.splits``: the stage splits the planner tries."""
+
+    balanced = "balanced"
+    all = "all"

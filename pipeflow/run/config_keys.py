@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Any
 
 from hydra.errors import ConfigCompositionException
@@ -11,6 +12,8 @@ from omegaconf import OmegaConf
 
 from pipeflow.errors import ConfigError
 from pipeflow.run.config_renames import rename_keys, rename_overrides
+
+_SHOWN: dict = {}  # sweep warnings already shown: once per process (every job's config is composed twice)
 
 
 class ComposingConfigError(ConfigError, ConfigCompositionException):
@@ -52,11 +55,22 @@ def _with_suggestion(exc: Exception, overrides: list[Any], cfg: Any) -> Exceptio
     key = text[len("Could not override '"):].split("'", 1)[0]
     value = next((o.input_line.partition("=")[2] for o in overrides if o.key_or_group == key), "...")
     close = suggest_keys(key, config_keys(cfg))
-    if not close:
+    if close:
+        options = " or ".join(f"{k}={value}" for k in close)
+        return ConfigCompositionException(
+            f"Could not override '{key}': the config has no such key. Did you mean {options}?\n"
+            f"(To add a new key anyway: +{key}={value})"
+        )
+    parent = key.rpartition(".")[0]
+    node = OmegaConf.select(cfg, parent, throw_on_missing=False) if parent else None
+    if not OmegaConf.is_dict(node):
         return None
-    options = " or ".join(f"{k}={value}" for k in close)
+    # a section of its own schema per option (data=chat): name the option and the keys it has
+    if parent == "data" and "name" in node:  # a schema per source: another source's key is never added
+        return ConfigCompositionException(f"Could not override '{key}': data={node.name} has no key "
+                                          f"{key.rpartition('.')[2]}; its keys: {', '.join(node)}")
     return ConfigCompositionException(
-        f"Could not override '{key}': the config has no such key. Did you mean {options}?\n"
+        f"Could not override '{key}': {parent} has no key {key.rpartition('.')[2]}; its keys: {', '.join(node)}\n"
         f"(To add a new key anyway: +{key}={value})"
     )
 
@@ -78,6 +92,7 @@ def install_key_suggestions() -> None:
     _install_file_renames(ConfigLoaderImpl)
 
     def apply_with_suggestions(overrides: list[Any], cfg: Any) -> None:
+        overrides = sweep_data_overrides(overrides, cfg)
         try:  # old key names: warned, or refused naming the new
             overrides = rename_overrides(overrides, cfg)
         except ConfigError as exc:
@@ -92,6 +107,30 @@ def install_key_suggestions() -> None:
 
     apply_with_suggestions._pipeflow_suggests = True  # type: ignore[attr-defined]
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_with_suggestions)
+
+
+def sweep_data_overrides(overrides: list[Any], cfg: Any) -> list[Any]:
+    """Hydra's parsed overrides of one job, less, in a multirun (``-m``: ``hydra.mode=MULTIRUN``
+    among them), each ``data.<key>`` that the job's data source does not take but another one does
+    (warned once): a sweep over sources (``-m data=markov,text data.path=my.txt``) gives each
+    source the keys it takes.  Outside a sweep such a key is refused, naming the source's keys."""
+    from pipeflow.run.config_data import DATA_SCHEMAS, data_keys
+
+    if not any(o.key_or_group == "hydra.mode" and str(o.value()) == "MULTIRUN" for o in overrides):
+        return overrides
+    data = OmegaConf.select(cfg, "data", throw_on_missing=False)
+    if not OmegaConf.is_dict(data) or "name" not in data:
+        return overrides
+    others = {key for source in DATA_SCHEMAS for key in data_keys(source)}
+    kept = []
+    for override in overrides:
+        section, _, key = override.key_or_group.partition(".")
+        if section == "data" and key in others and key not in data:
+            warnings.warn_explicit(f"{override.input_line} left out of the jobs with data={data.name}: that source "
+                                   f"takes no {key}", UserWarning, filename="sweep", lineno=0, registry=_SHOWN)
+            continue
+        kept.append(override)
+    return kept
 
 
 def _install_file_renames(loader: Any) -> None:

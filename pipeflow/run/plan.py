@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 from pipeflow.data import build_batches
 from pipeflow.run.compile_phase import compile_options
 from pipeflow.run.config import PlanConfig, register_configs, resolve_layout, tensor_degree
+from pipeflow.run.config_data import typed_data
 from pipeflow.run.plan_ep import expert_costs
 from pipeflow.run.plan_tp import search_tp, tp_degrees, tp_link_figures  # noqa: F401 - search_tp: part of the API
 from pipeflow.runtime import hosts
@@ -89,7 +90,7 @@ def profile_costs(cfg: DictConfig, sizes: Sequence[int], device: torch.device) -
     """Profile the model's layers at the smallest and largest micro-batch size of `sizes`."""
 
     spec = instantiate(cfg.model)
-    sample = build_batches(cfg.data, cfg.model).train.get(0)[0]
+    sample = build_batches(typed_data(cfg.data), cfg.model).train.get(0)[0]
     dtype = getattr(torch, cfg.train.param_dtype)
     b_low, b_high = min(sizes), max(sizes)
     amp = compute_dtype(cfg.train.precision)
@@ -277,7 +278,8 @@ def runtime_model(cfg: DictConfig, layers: Sequence[LayerProfile], device: torch
     per-action overhead (``plan.action_overhead_ms``, else measured), the cores its dp x pp ranks
     share on this host (threads per rank: OMP_NUM_THREADS, torchrun's 1 by default), and the
     optimizer's tail on the parameters of a p-th of the model; and a line saying so."""
-    from pipeflow.planning.step_model import HostShare, measure_action_overhead_s, measure_optimizer_s
+    from pipeflow.planning.runtime_timing import measure_action_overhead_s, measure_optimizer_s
+    from pipeflow.planning.step_model import HostShare
 
     posting = "group" if device.type == "cuda" else "at_step" if cfg.comm.post_recvs == "at_step" else "ahead"
     set_ms = cfg.plan.action_overhead_ms

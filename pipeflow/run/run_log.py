@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 from pipeflow.data import sequence_lengths
 from pipeflow.observability.metrics import perplexity
 from pipeflow.run.compile_phase import CompilePhase
+from pipeflow.run.config_data import typed_data
 from pipeflow.runtime.mesh import Mesh
 
 
@@ -24,7 +25,7 @@ def start_lines(cfg: DictConfig, mesh: Mesh, described: str, run_dir: str, compi
              f"{mesh.grid.describe()}{mesh.order_reason}"]
     if compiled is not None:
         lines.append(compiled.describe())
-    lengths = sequence_lengths(cfg.data)
+    lengths = sequence_lengths(typed_data(cfg.data))
     if lengths is not None or shapes_mode == "per_microbatch":
         drawn = f"; sequence lengths drawn from {lengths[0]}..{lengths[1]}" if lengths is not None else ""
         lines.append(f"micro-batches of a step may differ in shape (each learned per step){drawn}")
