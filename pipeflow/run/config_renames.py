@@ -57,7 +57,7 @@ RENAMES: tuple[KeyRename, ...] = (
 )
 BY_OLD = {rename.old: rename for rename in RENAMES}
 # groups of one option, now plain sections of the schema: `pipeline=default` names nothing
-REMOVED_GROUPS = ("pipeline", "metrics", "plan")
+REMOVED_GROUPS = ("pipeline", "metrics", "plan", "optim")
 
 
 def new_value(rename: KeyRename, value: Any, current: Any = None) -> Any:
