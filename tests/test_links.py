@@ -53,3 +53,45 @@ def test_each_dp_group_is_listed_and_one_far_slower_than_the_others_named() -> N
     assert text.startswith("dp all-reduce per group: ranks [0, 4]: 10.00 ms; ranks [1, 5]: 11.00 ms")
     assert "slow dp group: ranks [2, 6] all-reduce 90.00 ms, 8.6x the median" in text
     assert "slow dp group" not in describe_dp_groups([((0, 2), 0.010), ((1, 3), 0.090)])  # two: no median to stand out
+
+
+def test_a_link_with_a_burst_passes_spaced_transfers_at_line_rate_and_queues_the_rest() -> None:
+    from pipeflow.schedules import Bucket, RuntimeCosts, lower, simulate
+
+    schedule = build_schedule("gpipe", 2, 4)
+    cost = lambda a: (1.0 if a.stage == 0 else 0.1) if a.kind == "F" else 0.1  # noqa: E731
+
+    def rank1_forwards(burst: float) -> list[float]:
+        runtime = RuntimeCosts(transfer=lambda op: 0.0, bucket=lambda op: Bucket(1000.0, 1.5e-3, 0.0, burst))
+        sim = simulate(schedule, lower(schedule, "ahead"), cost, runtime=runtime)
+        return [round(start, 9) for r, a, start, _ in sim.timeline if r == 1 and a.kind == "F"]
+
+    # 1000 bytes sent every second, 1.5 s each at the sustained rate: a full bucket passes the first,
+    # then each finds only what refilled since (tokens at 1/1.5e-3 bytes per second)
+    assert rank1_forwards(1000.0) == [1.0, 2.5, 4.0, 5.5]
+    assert rank1_forwards(0.0) == [2.5, 4.0, 5.5, 7.0]  # no burst: each queues behind the one before
+    assert rank1_forwards(1e9) == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_the_probe_finds_a_token_buckets_latency_sustained_rate_and_burst(monkeypatch) -> None:
+    from pipeflow.planning import links
+
+    latency, sustained, burst = 2e-4, 8e-8, 256e3
+    tokens = [burst]
+
+    def exchange(comm, peer, num_bytes, repeats, warmup=2, what=""):  # a tbf link, every call back to back
+        times = []
+        for _ in range(warmup + repeats):
+            fast = min(float(num_bytes), tokens[0])
+            tokens[0] -= fast
+            times.append(latency + (num_bytes - fast) * sustained)
+        return sorted(times[warmup:])[len(times[warmup:]) // 2]
+
+    monkeypatch.setattr(links, "exchange_s", exchange)
+    monkeypatch.setattr(links.time, "sleep", lambda s: tokens.__setitem__(0, burst))  # a pause refills it
+    got = links.probe_pair(None, 1)
+    assert abs(got[0] - latency) < 1e-12 and abs(got[1] - sustained) < 1e-15
+    assert abs(got[2] - burst) < 1.0 and got[3] == 0.0
+    burst = 0.0  # no bucket: one rate, no burst
+    got = links.probe_pair(None, 1)
+    assert got[2] == 0.0 and abs(got[1] - sustained) < 0.01 * sustained and got[3] == got[1]  # latency: 4 KB at that rate

@@ -6,11 +6,18 @@ boundary (the slowest rank's).  Across hosts the boundaries differ by orders of 
 pair of ranks on one host talks through memory, a pair on two hosts through the network.  Here
 every pair of pipeline ranks the program exchanges between (``stage_to_rank`` of each stage and
 the next: the wrap-around of interleaved schedules too) is timed alone, both directions in one
-batched call as the steady state has them, at the model's boundary sizes, and a
-``latency + bytes x per_byte`` line is fitted through the sizes.  Pairs that share no rank are
-timed at the same time (rounds of a matching), every pipeline (data-parallel and tensor-parallel
-replica) at once: as in training, replicas share the links between hosts.  The slowest replica of
-each pair sets its figure (every replica waits for the slowest at the step's end).
+batched call as the steady state has them.  Pairs that share no rank are timed at the same time
+(rounds of a matching), every pipeline (data-parallel and tensor-parallel replica) at once: as in
+training, replicas share the links between hosts.  The slowest replica of each pair sets its
+figure (every replica waits for the slowest at the step's end).
+
+A link is three figures, so that it holds for every size the program sends and however far apart
+it sends them (:func:`probe_pair`): the latency of a small message, the sustained rate of a large
+message sent back to back, and the burst (how many bytes pass at line rate after a pause, from the
+first large message).  A token bucket (``tbf``,
+a switch's buffers) passes a burst at line rate: a link costed by one probe size would be fast
+for spaced small boundaries and slow for long ones, or the other way round.  The simulator
+queues each pair's transfers on its link (:class:`~pipeflow.schedules.Bucket`).
 """
 from __future__ import annotations
 
@@ -23,14 +30,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.planning.comm_cost import exchange_s, fit_line
+from pipeflow.planning.comm_cost import exchange_s
 from pipeflow.runtime import hosts
-from pipeflow.schedules import PipelineSchedule
+from pipeflow.schedules import Bucket, PipelineSchedule
 from pipeflow.schedules.ir import CommOp
 
-_WARMUP = 3
 SLOW_FACTOR = 3.0  # a link this many times slower than the median of its peers is named
-PROBE_BYTES = 1 << 21  # always timed beside the model's own sizes (see measure_links)
+PROBE_BYTES = 1 << 20  # a message past a token bucket's burst, timed beside the model's own sizes
+PAUSE_S = 0.05  # idle time before a timing that starts with a full bucket
+LATENCY_BYTES = 1 << 12  # the small exchange that times a link's latency
+_SMALL_REPEATS = 3  # small exchanges (few: they must stay within a burst)
+_SUSTAINED_REPEATS = 3  # back-to-back probes after the first
+_NO_BURST = 0.05  # a burst below this share of the probe is noise: the link has none
 
 
 @dataclass(frozen=True)
@@ -39,9 +50,12 @@ class Link:
 
     Attributes:
         ranks: the two pipeline ranks (lower first).
-        latency_s, per_byte_s: a transfer's ``latency_s + bytes * per_byte_s``.
+        latency_s, per_byte_s: a transfer's ``latency_s + bytes * per_byte_s`` at the sustained
+            rate (the link busy).
         global_ranks: the slowest replica's global ranks of the two ends.
         hosts: the host names of those ranks (empty names on one host).
+        burst_bytes: what passes at line rate after a pause (0: no burst).
+        burst_per_byte_s: seconds per byte within the burst (None: ``per_byte_s``).
     """
 
     ranks: tuple[int, int]
@@ -49,10 +63,22 @@ class Link:
     per_byte_s: float
     global_ranks: tuple[int, int] = (0, 0)
     hosts: tuple[str, str] = ("", "")
+    burst_bytes: float = 0.0
+    burst_per_byte_s: float | None = None
 
     def seconds(self, num_bytes: float) -> float:
-        """One transfer of `num_bytes` on this link."""
+        """One transfer of `num_bytes` on this link at its sustained rate (the link busy)."""
         return self.latency_s + self.per_byte_s * num_bytes
+
+    def burst_seconds(self, num_bytes: float) -> float:
+        """One transfer of `num_bytes` within a burst (a full bucket)."""
+        line = self.per_byte_s if self.burst_per_byte_s is None else self.burst_per_byte_s
+        return self.latency_s + line * num_bytes
+
+    def bucket(self, num_bytes: float) -> Bucket:
+        """A transfer of `num_bytes` through this link, for the simulator to queue."""
+        line = self.per_byte_s if self.burst_per_byte_s is None else self.burst_per_byte_s
+        return Bucket(num_bytes, self.per_byte_s, line, self.burst_bytes)
 
     @property
     def crosses_hosts(self) -> bool:
@@ -68,7 +94,11 @@ class Link:
             where = (f" crosses hosts {self.hosts[0]} -> {self.hosts[1]}" if self.crosses_hosts
                      else f" within host {self.hosts[0]}")
         rate = f"{1e-6 / self.per_byte_s:.1f} MB/s" if self.per_byte_s > 0 else "no per-byte cost measured"
-        return f"pipeline ranks {a}-{b}{where}: {1e3 * self.latency_s:.3f} ms + {rate}"
+        burst = ""
+        if self.burst_bytes > 0:
+            line = self.burst_per_byte_s or 0.0
+            burst = f", bursts of {self.burst_bytes / 1e3:.0f} KB" + (f" at {1e-6 / line:.0f} MB/s" if line > 0 else "")
+        return f"pipeline ranks {a}-{b}{where}: {1e3 * self.latency_s:.3f} ms + {rate}{burst}"
 
 
 @dataclass(frozen=True)
@@ -155,48 +185,69 @@ def matching_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, in
     return rounds
 
 
-def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], replicas: Sequence[Sequence[int]],
-                  repeats: int = 8) -> PipelineLinks:
-    """Time every pair of pipeline ranks the program uses, alone, at `sizes` bytes (see the
-    module docstring).  Collective over the world; every rank returns the same links.
+def probe_pair(comm: Any, peer: int, what: str = "time a link for the step model") -> tuple[float, float, float, float]:
+    """(latency s, sustained s per byte, burst bytes, s per byte within the burst) of the link to
+    pipeline rank `peer`, who runs the same probe (every exchange both directions at once).
+
+    After a pause (the bucket full) a few small exchanges give the latency; after another pause
+    one :data:`PROBE_BYTES` message is timed (what a full bucket does to it), then a few back to
+    back (the bucket empty: the sustained rate).  The burst is what the first large message
+    gained over the others, taken to pass at line rate (its per-byte cost 0: a burst moves at
+    memory or NIC speed, far above a rate worth limiting); a link whose first message is no
+    faster has no burst, and one rate.
+    """
+    time.sleep(PAUSE_S)
+    latency = exchange_s(comm, peer, LATENCY_BYTES, _SMALL_REPEATS, 1, what)
+    time.sleep(PAUSE_S)
+    first = exchange_s(comm, peer, PROBE_BYTES, 1, 0, what)
+    sustained = exchange_s(comm, peer, PROBE_BYTES, _SUSTAINED_REPEATS, 0, what)
+    per_byte = max(0.0, sustained - latency) / PROBE_BYTES
+    gained = (sustained - first) / per_byte if per_byte > 0 else 0.0
+    burst = min(float(PROBE_BYTES), gained) if gained >= _NO_BURST * PROBE_BYTES else 0.0
+    return latency, per_byte, burst, 0.0 if burst > 0 else per_byte
+
+
+def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], replicas: Sequence[Sequence[int]]
+                  ) -> PipelineLinks:
+    """Time every pair of pipeline ranks the program uses, alone, at `sizes` bytes and past a
+    burst (see the module docstring).  Collective over the world; every rank returns the same
+    links.
 
     Args:
         comm: this rank's pipeline communicator (``post``/``wait``, ``rank``, ``size``, ``device``).
         schedule: the program's schedule (its ``stage_to_rank`` gives the pairs).
-        sizes: the transfer sizes to time, bytes.
+        sizes: the model's transfer sizes, bytes (the slowest replica is the slowest at the largest).
         replicas: the global ranks of every pipeline (``Mesh.replicas``), to name the slowest's ends.
-        repeats: timed exchanges per size.
     """
     started = time.perf_counter()
     pairs = link_pairs(schedule)
     index = {pair: k for k, pair in enumerate(pairs)}
-    figures = torch.zeros(max(1, len(pairs)), 2, dtype=torch.float64, device=comm.device)  # NCCL: on the device
-    # the model's sizes and one past a token bucket's burst: a small model's boundaries alone leave
-    # the per-byte term to noise (fitted to 0), and a link that bursts at line rate looks fast
-    sizes = sorted({max(4, int(n)) for n in sizes} | {PROBE_BYTES})
+    figures = torch.zeros(max(1, len(pairs)), 4, dtype=torch.float64, device=comm.device)  # NCCL: on the device
     for group in matching_rounds(pairs):
         mine = next((pair for pair in group if comm.rank in pair), None)
         if mine is not None:
             peer = mine[1] if mine[0] == comm.rank else mine[0]
-            points = [(float(n), exchange_s(comm, peer, n, repeats, _WARMUP)) for n in sizes]
-            figures[index[mine]] = torch.tensor(fit_line(points), dtype=torch.float64, device=comm.device)
+            figures[index[mine]] = torch.tensor(probe_pair(comm, peer), dtype=torch.float64, device=comm.device)
         dist.barrier(group=comm.group)  # the next round's pairs start together
     world = dist.get_world_size()
     gathered = [torch.zeros_like(figures) for _ in range(world)]
     dist.all_gather(gathered, figures)
     gathered = [g.cpu() for g in gathered]
-    largest = float(max(sizes))
+    largest = float(max(sizes, default=PROBE_BYTES))
     links = []
     for (a, b), k in index.items():
-        worst = None  # (seconds at the largest size, latency, per_byte, pipeline)
+        worst = None  # (seconds at the model's largest size, the figures, pipeline)
         for pipe, ranks in enumerate(replicas):
-            latency, per_byte = torch.maximum(gathered[ranks[a]][k], gathered[ranks[b]][k]).tolist()
+            ends = torch.stack([gathered[ranks[a]][k], gathered[ranks[b]][k]])
+            latency, per_byte, _, line = ends.max(dim=0).values.tolist()
+            burst = float(ends[:, 2].min())  # the end that saw the smaller burst
             cost = latency + per_byte * largest
             if worst is None or cost > worst[0]:
-                worst = (cost, latency, per_byte, pipe)
-        _, latency, per_byte, pipe = worst  # type: ignore[misc]
+                worst = (cost, (latency, per_byte, burst, line), pipe)
+        _, (latency, per_byte, burst, line), pipe = worst  # type: ignore[misc]
         ends = (replicas[pipe][a], replicas[pipe][b])
-        links.append(Link((a, b), latency, per_byte, ends, (_host(ends[0]), _host(ends[1]))))
+        links.append(Link((a, b), latency, per_byte, ends, (_host(ends[0]), _host(ends[1])), burst,
+                          line if burst > 0 else None))
     return PipelineLinks(tuple(links), tuple(schedule.stage_to_rank), time.perf_counter() - started)
 
 

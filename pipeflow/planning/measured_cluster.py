@@ -44,7 +44,7 @@ def start_links(costs: Any, pipelines: Sequence[Sequence[int]], host_names: Sequ
     None where it measured none), as ``costs.json`` keeps them: every pair of pipeline ranks
     where the job spans hosts, else the first pipeline's ring, and with tp > 1 every tp group's
     all-reduce; each with its global ranks and their hosts (`host_names`: per global rank),
-    ``latency_s`` and ``per_byte_s``."""
+    ``latency_s`` and ``per_byte_s`` (a pair of pipeline ranks also its ``burst_bytes``)."""
     if costs is None or not pipelines:
         return []
     # tp > 1: each tp group's ring all-reduce (bytes over its bus bandwidth, as the roofline's collectives)
@@ -54,7 +54,7 @@ def start_links(costs: Any, pipelines: Sequence[Sequence[int]], host_names: Sequ
     if costs.links is not None:
         return [{"what": f"pipeline ranks {link.ranks[0]}-{link.ranks[1]}", "ranks": list(link.global_ranks),
                  "hosts": [host_names[r] for r in link.global_ranks], "latency_s": link.latency_s,
-                 "per_byte_s": link.per_byte_s} for link in costs.links.links] + tp_groups
+                 "per_byte_s": link.per_byte_s, "burst_bytes": link.burst_bytes} for link in costs.links.links] + tp_groups
     ring = list(pipelines[0])
     if len(ring) < 2 or (costs.latency_s <= 0 and costs.per_byte_s <= 0):
         return tp_groups

@@ -280,7 +280,8 @@ def predict_step(
     boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]
     bytes_of, p = op_bytes(boundary), schedule.num_ranks
     idle = transfer_cost(costs, bytes_of)
-    runtime = RuntimeCosts(idle, [0.0] * p, [costs.post_s] * p, offload=copies, exchanges=exchanges)
+    runtime = RuntimeCosts(idle, [0.0] * p, [costs.post_s] * p, offload=copies, exchanges=exchanges,
+                           bucket=link_buckets(costs, bytes_of))
     cost = action_costs(ranges, profiles, schedule, costs.action_overhead_s)
     fraction = [stage_cpu(profiles, r) for r in ranges]
     busy = None
@@ -298,7 +299,7 @@ def predict_step(
 
 def transfer_cost(costs: StepCosts, bytes_of: Callable[[CommOp], float]) -> Callable[[CommOp], float]:
     """An op's transfer seconds between idle ranks: on its own link where the links were measured
-    (several hosts), else the ring's figures."""
+    (several hosts: within a burst, :func:`link_buckets` adds the rest), else the ring's figures."""
     if costs.links is None:
         return lambda op: costs.latency_s + costs.per_byte_s * bytes_of(op)
 
@@ -306,9 +307,22 @@ def transfer_cost(costs: StepCosts, bytes_of: Callable[[CommOp], float]) -> Call
         link = costs.links.of(op)
         if link is None:  # a pair the measurement did not see: the ring's figures
             return costs.latency_s + costs.per_byte_s * bytes_of(op)
-        return link.seconds(bytes_of(op))
+        return link.burst_seconds(bytes_of(op))
 
     return on_link
+
+
+def link_buckets(costs: StepCosts, bytes_of: Callable[[CommOp], float]) -> Callable[[CommOp], Any] | None:
+    """Where the links were measured, each op's transfer queued on its link (its burst and
+    sustained rate: :class:`~pipeflow.schedules.Bucket`); None with the ring's figures."""
+    if costs.links is None:
+        return None
+
+    def bucket(op: CommOp) -> Any:
+        link = costs.links.of(op)
+        return None if link is None else link.bucket(bytes_of(op))
+
+    return bucket
 
 
 def stage_cpu(profiles: Sequence[Any], layers: range) -> float:

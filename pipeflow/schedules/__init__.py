@@ -23,7 +23,7 @@ from pipeflow.schedules.generators import (
 from pipeflow.schedules.ir import Action, CommOp, PipelineSchedule, Program, Step
 from pipeflow.schedules.lowering import lower
 from pipeflow.schedules.registry import GENERATORS, LAYOUTS, SCHEDULES, ClosedForm, ScheduleEntry, register_schedule
-from pipeflow.schedules.simulator import RuntimeCosts, SimResult, simulate, validate
+from pipeflow.schedules.simulator import Bucket, RuntimeCosts, SimResult, simulate, validate
 from pipeflow.schedules.zero_bubble import dualpipev, interleaved_zb, zb_h1, zbv
 from pipeflow.schedules.controllable import v_half, v_min, zb_h2
 from pipeflow.schedules.auto import StageCosts, Synthesis, auto, synthesize
@@ -140,6 +140,7 @@ def _custom(
 
 __all__ = [
     "Action",
+    "Bucket",
     "StageCosts",
     "Synthesis",
     "auto",

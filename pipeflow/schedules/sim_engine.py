@@ -21,6 +21,30 @@ Channel = tuple[int, int]  # (src rank, dst rank)
 TransferFn = Callable[[CommOp], float]  # seconds from both sides posted to an op's completion
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """A link whose transfers queue on it and that passes a burst at line rate (a token bucket,
+    as ``tc tbf`` and many switches' buffers behave; with no burst, a link that serializes its
+    transfers at its sustained rate).
+
+    A transfer of n bytes starts once both sides are posted and the link has sent what was queued
+    before it; the bytes covered by the tokens then cost the transfer's own seconds (the
+    runtime's ``transfer``: latency plus the line rate), the rest ``per_byte_s`` each (the
+    sustained rate), refilling the tokens at that rate up to ``burst_bytes``.
+
+    Attributes:
+        nbytes: the transfer's bytes.
+        per_byte_s: the sustained seconds per byte.
+        burst_per_byte_s: seconds per byte within the burst (what ``transfer`` charges).
+        burst_bytes: the tokens a full bucket holds.
+    """
+
+    nbytes: float
+    per_byte_s: float
+    burst_per_byte_s: float = 0.0
+    burst_bytes: float = 0.0
+
+
 @dataclass
 class SimResult:
     """What one simulated run of the programs measured.
@@ -84,6 +108,9 @@ class RuntimeCosts:
         exchanges: the communication inside an action's cost (an MoE layer's ``all_to_all``) as
             (seconds, how many exchanges): an overlapped pair (``Step.paired``) hides it behind
             the other action's compute (:func:`overlapped_pair`).  None: actions hold none.
+        bucket: the :class:`Bucket` an op's transfer goes through (None: the op costs
+            ``transfer`` alone, whatever else its link carries).  The transfers of one directed
+            pair of ranks share its bucket, in channel order.
     """
 
     transfer: TransferFn | None = None
@@ -92,6 +119,7 @@ class RuntimeCosts:
     start: Sequence[float] = ()
     offload: OffloadCosts | None = None
     exchanges: Callable[[Action], tuple[float, int]] | None = None
+    bucket: Callable[[CommOp], Bucket | None] | None = None
 
     def of(self, what: Sequence[float], r: int) -> float:
         """`what`'s value for rank r (0 where not given)."""
@@ -219,6 +247,8 @@ class Simulation:
         self.timeline: list[tuple[int, Action, float, float]] = []
         self.pair_second: list[tuple[float, float] | None] = [None] * p  # (start, end) of a pair's B to come
         self.pair_waited = [False] * p  # the B of the pair to come waited for its recvs at the pair's start
+        self.arrivals: dict[Channel, list[float]] = defaultdict(list)  # bucketed transfers' ends, in channel order
+        self.buckets: dict[Channel, tuple[float, float, float]] = {}  # (link free at, tokens, at) per channel
 
     def run(self) -> SimResult:
         """Advance every rank as far as it goes until all finish; raise on a deadlock."""
@@ -342,7 +372,33 @@ class Simulation:
             del self.posted[r][op]
             if not op.is_send:
                 self.received[r].add(op)
-        return max([self.clock[r]] + [max(s[0].time, o.time) + self.transfer(s[0].op) for s, o in zip(slots, others) if o])
+        return max([self.clock[r]] + [self._arrival(s, o) for s, o in zip(slots, others) if o])
+
+    def _arrival(self, slot: _Slot, other: _Posted) -> float:
+        """When the transfer of `slot`'s op (its counterpart `other` posted) completes."""
+        posted, _, index = slot
+        op = posted.op
+        if self.runtime.bucket is None or self.runtime.bucket(op) is None:
+            return max(posted.time, other.time) + self.transfer(op)
+        channel = (posted.rank, op.peer) if op.is_send else (op.peer, posted.rank)
+        ends = self.arrivals[channel]
+        while len(ends) <= index:  # earlier transfers of the channel first: they queue ahead of it
+            send, recv = self.queues[channel, True][len(ends)], self.queues[channel, False][len(ends)]
+            ends.append(self._through_bucket(channel, send.op, max(send.time, recv.time)))
+        return ends[index]
+
+    def _through_bucket(self, channel: Channel, op: CommOp, start: float) -> float:
+        """The end of `op`'s transfer, ready at `start`, through its channel's :class:`Bucket`."""
+        bucket = self.runtime.bucket(op)  # type: ignore[misc]
+        assert bucket is not None
+        free, tokens, at = self.buckets.get(channel, (0.0, bucket.burst_bytes, 0.0))
+        begin = max(start, free)
+        if bucket.per_byte_s > 0:
+            tokens = min(bucket.burst_bytes, tokens + (begin - at) / bucket.per_byte_s)
+        excess = max(0.0, bucket.nbytes - tokens)
+        queued = excess * bucket.per_byte_s  # how long the link sends at its sustained rate
+        self.buckets[channel] = (begin + queued, max(0.0, tokens - bucket.nbytes), begin + queued)
+        return begin + self.transfer(op) + excess * max(0.0, bucket.per_byte_s - bucket.burst_per_byte_s)
 
     def _waiting_on(self, r: int, k: int) -> list[_Slot]:
         """The posted ops rank r waits for in its current phase of step k."""

@@ -17,9 +17,9 @@ from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, PipelineSchedule, P
 from pipeflow.schedules.lowering import lower
 from pipeflow.schedules.offload import Group, OffloadCosts, OffloadPlan, plan_offload
 from pipeflow.schedules.program_checks import check_channel_counts, check_programs
-from pipeflow.schedules.sim_engine import Channel, CostFn, RuntimeCosts, SimResult, Simulation, TransferFn
+from pipeflow.schedules.sim_engine import Bucket, Channel, CostFn, RuntimeCosts, SimResult, Simulation, TransferFn
 
-__all__ = ["Channel", "CostFn", "Costs", "DEFAULT_COSTS", "RuntimeCosts", "SimResult", "TransferFn", "simulate",
+__all__ = ["Bucket", "Channel", "CostFn", "Costs", "DEFAULT_COSTS", "RuntimeCosts", "SimResult", "TransferFn", "simulate",
            "simulated_plan", "validate"]
 
 Costs = Mapping[str, float] | CostFn
