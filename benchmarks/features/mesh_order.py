@@ -55,9 +55,11 @@ def run(model: str, order: str, steps: int, rate_mbit: float) -> dict:
     median = re.search(r"INFO median step ([\d.]+) ms \|", text)  # the summary line, not post_recvs's
     predicted = re.search(r"predicted step ([\d.]+) ms", text)
     chosen = re.search(r"mesh order (\[\w+,\w+,\w+\])", text)
+    measured = [float(s) for s in re.findall(r"measured in ([\d.]+) s", text)]  # the links (and auto's host links)
     if median is None or predicted is None or chosen is None:
         raise SystemExit(f"{model} {order}: no figures in the output:\n{text[-4000:]}")
-    return {"order": chosen.group(1), "step": float(median.group(1)), "predicted": float(predicted.group(1))}
+    return {"order": chosen.group(1), "step": float(median.group(1)), "predicted": float(predicted.group(1)),
+            "measuring_s": sum(measured)}
 
 
 def main() -> None:
@@ -81,13 +83,15 @@ def main() -> None:
         for order, rs in runs.items():
             predicted = statistics.median(r["predicted"] for r in rs)
             rounds = ", ".join(f"{r['step']:.1f}" for r in rs)
+            measuring = max(r["measuring_s"] for r in rs)
             print(f"{model:12s} order {order}: step {medians[order]:.1f} ms (rounds {rounds}), "
                   f"predicted at start {predicted:.1f} ms, "
-                  f"predicted/measured {predicted / medians[order]:.2f}")
+                  f"predicted/measured {predicted / medians[order]:.2f}, links measured in {measuring:.2f} s at most")
         faster = min(medians, key=medians.get)
         auto = run(model, "auto", args.steps, args.rate_mbit)
         print(f"{model:12s} auto picked {auto['order']} (faster measured: {faster}); auto's step {auto['step']:.1f} ms "
-              f"= {auto['step'] / medians[faster]:.2f}x the faster order's, predicted {auto['predicted']:.1f} ms")
+              f"= {auto['step'] / medians[faster]:.2f}x the faster order's, predicted {auto['predicted']:.1f} ms, "
+              f"measuring the links took {auto['measuring_s']:.2f} s")
 
 
 if __name__ == "__main__":

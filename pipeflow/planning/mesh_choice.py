@@ -16,6 +16,7 @@ when predicted at least :data:`MARGIN` faster (ties and noise keep ``[dp,pp,tp]`
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,26 +25,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.planning.comm_cost import exchange_s, fit_line
-from pipeflow.planning.links import Link, PipelineLinks, link_pairs
+from pipeflow.planning.links import Link, PipelineLinks, link_pairs, probe_pair
 from pipeflow.planning.step_model import StepCosts, predict_step
 from pipeflow.runtime import hosts
 from pipeflow.runtime.mesh_order import DEFAULT_ORDER, MeshGrid, order_text
 from pipeflow.schedules import PipelineSchedule
 
 MARGIN = 0.02  # another order must be predicted this much faster than [dp,pp,tp]
-# bytes timed per exchange: the latency, and a per-byte term from a message well past a token
-# bucket's burst (a network that passes a burst at line rate would look fast on small probes)
-_SIZES = (1 << 12, 1 << 21)
-_REPEATS = 4
 
 
 @dataclass(frozen=True)
 class HostLinks:
-    """A transfer's ``(latency s, s per byte)`` between two ranks of one host and of two hosts."""
+    """A transfer's ``(latency s, s per byte)`` between two ranks of one host and of two hosts (at
+    the sustained rate), and the bytes each passes at line rate after a pause (its burst:
+    :func:`~pipeflow.planning.links.probe_pair`)."""
 
     intra: tuple[float, float]
     inter: tuple[float, float]
+    intra_burst: float = 0.0
+    inter_burst: float = 0.0
+
+    def link(self, across: bool, pair: tuple[int, int]) -> Link:
+        """The link between pipeline ranks `pair`, within a host or (`across`) between hosts."""
+        (latency, per_byte), burst = (self.inter, self.inter_burst) if across else (self.intra, self.intra_burst)
+        return Link(pair, latency, per_byte, burst_bytes=burst, burst_per_byte_s=0.0 if burst > 0 else None)
 
     def seconds(self, across: bool, num_bytes: float) -> float:
         """One transfer of `num_bytes` within a host or (`across`) between hosts."""
@@ -52,9 +57,10 @@ class HostLinks:
 
     def describe(self) -> str:
         """``within a host 0.05 ms + 2100 MB/s, across hosts 0.4 ms + 11.9 MB/s``."""
-        def one(fig: tuple[float, float]) -> str:
-            return f"{1e3 * fig[0]:.3f} ms + " + (f"{1e-6 / fig[1]:.1f} MB/s" if fig[1] > 0 else "no per-byte cost")
-        return f"within a host {one(self.intra)}, across hosts {one(self.inter)}"
+        def one(fig: tuple[float, float], burst: float) -> str:
+            return (f"{1e3 * fig[0]:.3f} ms + " + (f"{1e-6 / fig[1]:.1f} MB/s" if fig[1] > 0 else "no per-byte cost")
+                    + (f", bursts of {burst / 1e3:.0f} KB" if burst > 0 else ""))
+        return f"within a host {one(self.intra, self.intra_burst)}, across hosts {one(self.inter, self.inter_burst)}"
 
 
 def host_of_rank(world: int) -> list[int]:
@@ -80,21 +86,21 @@ def measure_host_links(device: torch.device, host_index: Sequence[int]) -> HostL
     first = [host_index.index(h) for h in sorted(set(host_index))]
     same = [r for r in range(len(host_index)) if host_index[r] == 0][:2]
     pairs = [tuple(same) if len(same) == 2 else None, (first[0], first[1]) if len(first) > 1 else None]
-    figures = torch.zeros(2, 2, dtype=torch.float64, device=device)
+    figures = torch.zeros(2, 4, dtype=torch.float64, device=device)
+    figures[:, 2] = -math.inf  # ranks outside a pair leave the burst to its ends
     for k, pair in enumerate(pairs):
         if pair is not None and comm.rank in pair:
             peer = pair[1] if pair[0] == comm.rank else pair[0]
-            points = [(float(n), exchange_s(comm, peer, n, _REPEATS, 1, "time a host link for parallel.order=auto"))
-                      for n in _SIZES]
-            figures[k] = torch.tensor(fit_line(points), dtype=torch.float64, device=device)
+            latency, per_byte, burst, _ = probe_pair(comm, peer, "time a host link for parallel.order=auto")
+            figures[k] = torch.tensor([latency, per_byte, -burst, 0.0], dtype=torch.float64, device=device)
         dist.barrier()
-    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
-    intra, inter = (tuple(row) for row in figures.cpu().tolist())
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the slower end's figures, the smaller burst
+    intra, inter = ((row[0], row[1], -row[2]) for row in figures.cpu().tolist())
     if pairs[0] is None:
         intra = inter
     if pairs[1] is None:
         inter = intra
-    return HostLinks(intra, inter)  # type: ignore[arg-type]
+    return HostLinks(intra[:2], inter[:2], intra[2], inter[2])  # type: ignore[arg-type]
 
 
 def ring_allreduce_s(links: HostLinks, group: Sequence[int], host_index: Sequence[int], num_bytes: float) -> float:
@@ -180,8 +186,7 @@ def predict_order(order: tuple[str, ...], dp: int, pp: int, tp: int, schedule: P
     pipes = grid.pipelines()
     plinks = []
     for a, b in link_pairs(schedule):
-        latency, per_byte = links.inter if crosses_hosts(pipes, host_index, a, b) else links.intra
-        plinks.append(Link((a, b), latency, per_byte))
+        plinks.append(links.link(crosses_hosts(pipes, host_index, a, b), (a, b)))
     costs = StepCosts(latency_s=links.intra[0], per_byte_s=links.intra[1],
                       links=PipelineLinks(tuple(plinks), tuple(schedule.stage_to_rank)))
     pipeline_s = predict_step(schedule, ranges, profiles, costs).makespan
