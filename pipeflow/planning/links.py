@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,8 @@ PROBE_BYTES = 1 << 20  # a message past a token bucket's burst, timed beside the
 PAUSE_S = 0.05  # idle time before a timing that starts with a full bucket
 LATENCY_BYTES = 1 << 12  # the small exchange that times a link's latency
 _SMALL_REPEATS = 3  # small exchanges (few: they must stay within a burst)
-_SUSTAINED_REPEATS = 3  # back-to-back probes after the first
+_FIRSTS = 3  # large messages timed each after a pause (the median kept)
+_SUSTAINED_REPEATS = 3  # large messages timed back to back, after one that empties the bucket
 _NO_BURST = 0.05  # a burst below this share of the probe is noise: the link has none
 
 
@@ -185,26 +186,32 @@ def matching_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, in
     return rounds
 
 
-def probe_pair(comm: Any, peer: int, what: str = "time a link for the step model") -> tuple[float, float, float, float]:
-    """(latency s, sustained s per byte, burst bytes, s per byte within the burst) of the link to
-    pipeline rank `peer`, who runs the same probe (every exchange both directions at once).
+def probe_pair(comm: Any, peer: int | None, sync: Callable[[], None], what: str = "time a link for the step model"
+               ) -> tuple[float, float, float]:
+    """(latency s, sustained s per byte, burst bytes) of the link to
+    pipeline rank `peer`, who runs the same probe (every exchange both directions at once); with
+    `peer` None only the `sync` calls (every rank of the world calls them at the same points, so
+    the pairs timed at once, and the replicas sharing a link, run each phase together).
 
-    After a pause (the bucket full) a few small exchanges give the latency; after another pause
-    one :data:`PROBE_BYTES` message is timed (what a full bucket does to it), then a few back to
-    back (the bucket empty: the sustained rate).  The burst is what the first large message
-    gained over the others, taken to pass at line rate (its per-byte cost 0: a burst moves at
-    memory or NIC speed, far above a rate worth limiting); a link whose first message is no
+    After a pause (the bucket full) a few small exchanges give the latency.  Then, each after a
+    pause, :data:`PROBE_BYTES` messages are timed alone (what a full bucket does to them), and a
+    few back to back (the bucket empty: the sustained rate).  The burst is what a first large
+    message gained over the others, taken to pass at line rate (its per-byte cost 0: a burst moves
+    at memory or NIC speed, far above a rate worth limiting); a link whose first messages are no
     faster has no burst, and one rate.
     """
-    time.sleep(PAUSE_S)
-    latency = exchange_s(comm, peer, LATENCY_BYTES, _SMALL_REPEATS, 1, what)
-    time.sleep(PAUSE_S)
-    first = exchange_s(comm, peer, PROBE_BYTES, 1, 0, what)
-    sustained = exchange_s(comm, peer, PROBE_BYTES, _SUSTAINED_REPEATS, 0, what)
+    def phase(time_it: Callable[[], float]) -> float:
+        sync()
+        time.sleep(PAUSE_S)
+        return time_it() if peer is not None else 0.0
+
+    latency = phase(lambda: exchange_s(comm, peer, LATENCY_BYTES, _SMALL_REPEATS, 1, what))
+    first = statistics.median(phase(lambda: exchange_s(comm, peer, PROBE_BYTES, 1, 0, what)) for _ in range(_FIRSTS))
+    sustained = phase(lambda: exchange_s(comm, peer, PROBE_BYTES, _SUSTAINED_REPEATS, 1, what))
     per_byte = max(0.0, sustained - latency) / PROBE_BYTES
     gained = (sustained - first) / per_byte if per_byte > 0 else 0.0
     burst = min(float(PROBE_BYTES), gained) if gained >= _NO_BURST * PROBE_BYTES else 0.0
-    return latency, per_byte, burst, 0.0 if burst > 0 else per_byte
+    return latency, per_byte, burst
 
 
 def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], replicas: Sequence[Sequence[int]]
@@ -222,13 +229,13 @@ def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], r
     started = time.perf_counter()
     pairs = link_pairs(schedule)
     index = {pair: k for k, pair in enumerate(pairs)}
-    figures = torch.zeros(max(1, len(pairs)), 4, dtype=torch.float64, device=comm.device)  # NCCL: on the device
+    figures = torch.zeros(max(1, len(pairs)), 3, dtype=torch.float64, device=comm.device)  # NCCL: on the device
     for group in matching_rounds(pairs):
         mine = next((pair for pair in group if comm.rank in pair), None)
+        peer = None if mine is None else (mine[1] if mine[0] == comm.rank else mine[0])
+        got = probe_pair(comm, peer, dist.barrier)  # every replica's pair at once, phase by phase
         if mine is not None:
-            peer = mine[1] if mine[0] == comm.rank else mine[0]
-            figures[index[mine]] = torch.tensor(probe_pair(comm, peer), dtype=torch.float64, device=comm.device)
-        dist.barrier(group=comm.group)  # the next round's pairs start together
+            figures[index[mine]] = torch.tensor(got, dtype=torch.float64, device=comm.device)
     world = dist.get_world_size()
     gathered = [torch.zeros_like(figures) for _ in range(world)]
     dist.all_gather(gathered, figures)
@@ -237,17 +244,21 @@ def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], r
     links = []
     for (a, b), k in index.items():
         worst = None  # (seconds at the model's largest size, the figures, pipeline)
+        bursts = []
         for pipe, ranks in enumerate(replicas):
             ends = torch.stack([gathered[ranks[a]][k], gathered[ranks[b]][k]])
-            latency, per_byte, _, line = ends.max(dim=0).values.tolist()
-            burst = float(ends[:, 2].min())  # the end that saw the smaller burst
+            latency, per_byte, _ = ends.max(dim=0).values.tolist()
+            bursts.append(float(ends[:, 2].min()))  # the end that saw the smaller burst
             cost = latency + per_byte * largest
             if worst is None or cost > worst[0]:
-                worst = (cost, (latency, per_byte, burst, line), pipe)
-        _, (latency, per_byte, burst, line), pipe = worst  # type: ignore[misc]
+                worst = (cost, (latency, per_byte), pipe)
+        _, (latency, per_byte), pipe = worst  # type: ignore[misc]
+        # replicas sharing a bucket do not split it evenly (the first to send takes more): each is
+        # simulated with its mean share
+        burst = statistics.fmean(bursts)
         ends = (replicas[pipe][a], replicas[pipe][b])
         links.append(Link((a, b), latency, per_byte, ends, (_host(ends[0]), _host(ends[1])), burst,
-                          line if burst > 0 else None))
+                          0.0 if burst > 0 else None))
     return PipelineLinks(tuple(links), tuple(schedule.stage_to_rank), time.perf_counter() - started)
 
 

@@ -86,14 +86,15 @@ def measure_host_links(device: torch.device, host_index: Sequence[int]) -> HostL
     first = [host_index.index(h) for h in sorted(set(host_index))]
     same = [r for r in range(len(host_index)) if host_index[r] == 0][:2]
     pairs = [tuple(same) if len(same) == 2 else None, (first[0], first[1]) if len(first) > 1 else None]
-    figures = torch.zeros(2, 4, dtype=torch.float64, device=device)
+    figures = torch.zeros(2, 3, dtype=torch.float64, device=device)
     figures[:, 2] = -math.inf  # ranks outside a pair leave the burst to its ends
     for k, pair in enumerate(pairs):
-        if pair is not None and comm.rank in pair:
-            peer = pair[1] if pair[0] == comm.rank else pair[0]
-            latency, per_byte, burst, _ = probe_pair(comm, peer, "time a host link for parallel.order=auto")
-            figures[k] = torch.tensor([latency, per_byte, -burst, 0.0], dtype=torch.float64, device=device)
-        dist.barrier()
+        if pair is None:
+            continue
+        peer = (pair[1] if pair[0] == comm.rank else pair[0]) if comm.rank in pair else None
+        latency, per_byte, burst = probe_pair(comm, peer, dist.barrier, "time a host link for parallel.order=auto")
+        if peer is not None:
+            figures[k] = torch.tensor([latency, per_byte, -burst], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the slower end's figures, the smaller burst
     intra, inter = ((row[0], row[1], -row[2]) for row in figures.cpu().tolist())
     if pairs[0] is None:

@@ -10,8 +10,11 @@ every rank interprets its own program (the lowering it will run) with its own st
 first batch, for a few steps, through the same interpreter, transport and event recorder as a
 training step, and :func:`pipeflow.planning.calibration.calibrate` turns the record into costs
 (per-stage F, B, W, transfers, posting, start offsets).  The start-of-run prediction is that
-calibration simulated, plus the measured tail (optimizer, all-reduces): the calibrated model
-of this program on this host, known before step 0.
+calibration simulated, plus the measured tail (optimizer, all-reduces) and the end-of-step wait
+the rehearsal saw (data-parallel replicas that share cores or links do not end together): the
+calibrated model of this program on this host, known before step 0.  Where the links between
+hosts were measured, each boundary keeps its own link's rate and burst
+(:func:`~pipeflow.planning.step_model.rehearsed_on_links`).
 
 Nothing of the run changes: no optimizer step, the gradients are dropped, buffers (BatchNorm
 statistics) restored and the random state forked.  CPU only (on a GPU ranks do not share cores
@@ -129,4 +132,6 @@ def with_rehearsal(
             best = (step_s, cal)
     release_cached_memory(comm.device)  # the rehearsals' pipelines and activations are gone: hand them back
     assert best is not None
-    return replace(costs, posting=best[1].posting, rehearsed=best[1])
+    # the tail: the reductions and the optimizer as measured at start, then the end-of-step wait
+    # the rehearsal saw (for the slowest replica and the synchronizing all-reduce)
+    return replace(costs, posting=best[1].posting, rehearsed=best[1], tail_s=costs.tail_s + best[1].tail_s)

@@ -270,8 +270,11 @@ def predict_step(
     exchanges = costs.ep_links.exchanges(profiles, ranges) if costs.ep_links is not None else None
     if costs.rehearsed is not None:  # rehearsed F then B: each action's exchanges inside its cost
         cal = costs.rehearsed
+        runtime = replace(cal.runtime(), offload=copies, exchanges=exchanges)
+        if costs.links is not None:  # the host's late deliveries as rehearsed, each link's rate as measured
+            runtime = replace(runtime, transfer=rehearsed_on_links(cal, costs.links), bucket=link_buckets(costs, cal.op_bytes))
         return simulate(schedule, lower(schedule, cal.posting, offload=plan, overlap=costs.overlap_pairs),
-                        cal.action_cost(schedule), runtime=replace(cal.runtime(), offload=copies, exchanges=exchanges))
+                        cal.action_cost(schedule), runtime=runtime)
 
     if costs.tp_links is not None:  # the layers' tp collectives on their group's measured link
         profiles = costs.tp_links.profiles(profiles, ranges, schedule.stage_to_rank)
@@ -310,6 +313,21 @@ def transfer_cost(costs: StepCosts, bytes_of: Callable[[CommOp], float]) -> Call
         return link.burst_seconds(bytes_of(op))
 
     return on_link
+
+
+def rehearsed_on_links(cal: Any, links: Any) -> Callable[[CommOp], float]:
+    """An op's transfer seconds within a burst where a rehearsal ran on measured links: the
+    rehearsal's latency (on shared cores it carries the deliveries that wait for a core) plus the
+    bytes at the op's own link's line rate; the rest of a long message :func:`link_buckets`
+    queues at the link's sustained rate.  A pair not measured: the rehearsal's line."""
+
+    def transfer(op: CommOp) -> float:
+        link = links.of(op)
+        if link is None:
+            return cal.transfer_s(cal.op_bytes(op))
+        return cal.latency_s + link.burst_seconds(cal.op_bytes(op)) - link.latency_s
+
+    return transfer
 
 
 def link_buckets(costs: StepCosts, bytes_of: Callable[[CommOp], float]) -> Callable[[CommOp], Any] | None:
