@@ -37,11 +37,11 @@ from pipeflow.schedules.ir import CommOp
 
 SLOW_FACTOR = 3.0  # a link this many times slower than the median of its peers is named
 PROBE_BYTES = 1 << 20  # a message past a token bucket's burst, timed beside the model's own sizes
-PAUSE_S = 0.05  # idle time before a timing that starts with a full bucket
+PAUSE_S = 0.03  # idle time before a timing that starts with a full bucket
 LATENCY_BYTES = 1 << 12  # the small exchange that times a link's latency
 _SMALL_REPEATS = 3  # small exchanges (few: they must stay within a burst)
 _FIRSTS = 3  # large messages timed each after a pause (the median kept)
-_SUSTAINED_REPEATS = 3  # large messages timed back to back, after one that empties the bucket
+_SUSTAINED_REPEATS = 2  # large messages timed back to back, after one that empties the bucket
 _NO_BURST = 0.05  # a burst below this share of the probe is noise: the link has none
 
 
