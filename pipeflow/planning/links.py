@@ -9,7 +9,7 @@ the next: the wrap-around of interleaved schedules too) is timed alone, both dir
 batched call as the steady state has them.  Pairs that share no rank are timed at the same time
 (rounds of a matching), every pipeline (data-parallel and tensor-parallel replica) at once: as in
 training, replicas share the links between hosts.  The slowest replica of each pair sets its
-figure (every replica waits for the slowest at the step's end).
+figure's latency; its rate and burst are the replicas' mean shares.
 
 A link is three figures, so that it holds for every size the program sends and however far apart
 it sends them (:func:`probe_pair`): the latency of a small message, the sustained rate of a large
@@ -21,6 +21,7 @@ queues each pair's transfers on its link (:class:`~pipeflow.schedules.Bucket`).
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -36,18 +37,19 @@ from pipeflow.schedules import Bucket, PipelineSchedule
 from pipeflow.schedules.ir import CommOp
 
 SLOW_FACTOR = 3.0  # a link this many times slower than the median of its peers is named
-PROBE_BYTES = 1 << 20  # a message past a token bucket's burst, timed beside the model's own sizes
-PAUSE_S = 0.03  # idle time before a timing that starts with a full bucket
+PROBE_BYTES = 1 << 19  # a message past a token bucket's burst, timed beside the model's own sizes
+PAUSE_S = 0.05  # idle time before a timing that starts with a full bucket
 LATENCY_BYTES = 1 << 12  # the small exchange that times a link's latency
 _SMALL_REPEATS = 3  # small exchanges (few: they must stay within a burst)
 _FIRSTS = 3  # large messages timed each after a pause (the median kept)
-_SUSTAINED_REPEATS = 2  # large messages timed back to back, after one that empties the bucket
+_SUSTAINED_REPEATS = 3  # large messages timed back to back, after one that empties the bucket
 _NO_BURST = 0.05  # a burst below this share of the probe is noise: the link has none
 
 
 @dataclass(frozen=True)
 class Link:
-    """One pair of pipeline ranks as measured (the slowest replica's).
+    """One pair of pipeline ranks as measured (the slowest replica's latency, the replicas' mean rate
+    and burst).
 
     Attributes:
         ranks: the two pipeline ranks (lower first).
@@ -133,7 +135,7 @@ class PipelineLinks:
 
     def describe(self, num_bytes: float) -> str:
         """The start-of-run lines: every link, and those far slower than their peers named."""
-        lines = [f"links measured in {self.measured_s:.2f} s (both directions at once; the slowest replica's): "
+        lines = [f"links measured in {self.measured_s:.2f} s (both directions at once, every replica): "
                  + "; ".join(link.describe() for link in self.links)]
         for link, ratio in self.slow(num_bytes):
             lines.append(f"slow link: {link.describe()} costs {ratio:.1f}x the median of the pipeline's links for "
@@ -243,18 +245,22 @@ def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], r
     largest = float(max(sizes, default=PROBE_BYTES))
     links = []
     for (a, b), k in index.items():
-        worst = None  # (seconds at the model's largest size, the figures, pipeline)
-        bursts = []
+        worst = None  # (seconds at the model's largest size, latency, pipeline)
+        rates, bursts = [], []
         for pipe, ranks in enumerate(replicas):
             ends = torch.stack([gathered[ranks[a]][k], gathered[ranks[b]][k]])
             latency, per_byte, _ = ends.max(dim=0).values.tolist()
+            rates.append(1.0 / per_byte if per_byte > 0 else float("inf"))
             bursts.append(float(ends[:, 2].min()))  # the end that saw the smaller burst
             cost = latency + per_byte * largest
             if worst is None or cost > worst[0]:
-                worst = (cost, (latency, per_byte), pipe)
-        _, (latency, per_byte), pipe = worst  # type: ignore[misc]
-        # replicas sharing a bucket do not split it evenly (the first to send takes more): each is
-        # simulated with its mean share
+                worst = (cost, latency, pipe)
+        _, latency, pipe = worst  # type: ignore[misc]
+        # replicas sharing a link do not split it evenly over a short probe (one takes more of the
+        # rate and of the burst than the other): each is simulated with its mean share, and the
+        # skew this leaves between replicas is the end-of-step wait a rehearsal measures
+        mean_rate = statistics.fmean(rates)
+        per_byte = 1.0 / mean_rate if math.isfinite(mean_rate) else 0.0
         burst = statistics.fmean(bursts)
         ends = (replicas[pipe][a], replicas[pipe][b])
         links.append(Link((a, b), latency, per_byte, ends, (_host(ends[0]), _host(ends[1])), burst,
