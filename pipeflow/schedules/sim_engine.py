@@ -13,36 +13,13 @@ from typing import NamedTuple
 from pipeflow.errors import DeadlockError, ScheduleError
 from pipeflow.schedules.deadlock_grid import cell, deadlock_grid
 from pipeflow.schedules.ir import BACKWARD, FORWARD, WEIGHT, Action, CommOp, PipelineSchedule, Program, Step
+from pipeflow.schedules.link_queue import Bucket, LinkQueues
 from pipeflow.schedules.lowering import pair_posts, recvs_needed
 from pipeflow.schedules.offload import Group, HostLink, OffloadCosts
 
 CostFn = Callable[[Action], float]
 Channel = tuple[int, int]  # (src rank, dst rank)
 TransferFn = Callable[[CommOp], float]  # seconds from both sides posted to an op's completion
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """A link whose transfers queue on it and that passes a burst at line rate (a token bucket,
-    as ``tc tbf`` and many switches' buffers behave; with no burst, a link that serializes its
-    transfers at its sustained rate).
-
-    A transfer of n bytes starts once both sides are posted and the link has sent what was queued
-    before it; the bytes covered by the tokens then cost the transfer's own seconds (the
-    runtime's ``transfer``: latency plus the line rate), the rest ``per_byte_s`` each (the
-    sustained rate), refilling the tokens at that rate up to ``burst_bytes``.
-
-    Attributes:
-        nbytes: the transfer's bytes.
-        per_byte_s: the sustained seconds per byte.
-        burst_per_byte_s: seconds per byte within the burst (what ``transfer`` charges).
-        burst_bytes: the tokens a full bucket holds.
-    """
-
-    nbytes: float
-    per_byte_s: float
-    burst_per_byte_s: float = 0.0
-    burst_bytes: float = 0.0
 
 
 @dataclass
@@ -248,7 +225,7 @@ class Simulation:
         self.pair_second: list[tuple[float, float] | None] = [None] * p  # (start, end) of a pair's B to come
         self.pair_waited = [False] * p  # the B of the pair to come waited for its recvs at the pair's start
         self.arrivals: dict[Channel, list[float]] = defaultdict(list)  # bucketed transfers' ends, in channel order
-        self.buckets: dict[Channel, tuple[float, float, float]] = {}  # (link free at, tokens, at) per channel
+        self.links = LinkQueues()
 
     def run(self) -> SimResult:
         """Advance every rank as far as it goes until all finish; raise on a deadlock."""
@@ -384,21 +361,10 @@ class Simulation:
         ends = self.arrivals[channel]
         while len(ends) <= index:  # earlier transfers of the channel first: they queue ahead of it
             send, recv = self.queues[channel, True][len(ends)], self.queues[channel, False][len(ends)]
-            ends.append(self._through_bucket(channel, send.op, max(send.time, recv.time)))
+            bucket = self.runtime.bucket(send.op)
+            assert bucket is not None
+            ends.append(self.links.through(channel, bucket, max(send.time, recv.time), self.transfer(send.op)))
         return ends[index]
-
-    def _through_bucket(self, channel: Channel, op: CommOp, start: float) -> float:
-        """The end of `op`'s transfer, ready at `start`, through its channel's :class:`Bucket`."""
-        bucket = self.runtime.bucket(op)  # type: ignore[misc]
-        assert bucket is not None
-        free, tokens, at = self.buckets.get(channel, (0.0, bucket.burst_bytes, 0.0))
-        begin = max(start, free)
-        if bucket.per_byte_s > 0:
-            tokens = min(bucket.burst_bytes, tokens + (begin - at) / bucket.per_byte_s)
-        excess = max(0.0, bucket.nbytes - tokens)
-        queued = excess * bucket.per_byte_s  # how long the link sends at its sustained rate
-        self.buckets[channel] = (begin + queued, max(0.0, tokens - bucket.nbytes), begin + queued)
-        return begin + self.transfer(op) + excess * max(0.0, bucket.per_byte_s - bucket.burst_per_byte_s)
 
     def _waiting_on(self, r: int, k: int) -> list[_Slot]:
         """The posted ops rank r waits for in its current phase of step k."""
