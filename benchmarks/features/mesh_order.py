@@ -91,9 +91,10 @@ def main() -> None:
                   f"predicted/measured {predicted / medians[order]:.2f}, links measured in {measuring:.2f} s at most")
         faster = min(medians, key=medians.get)
         auto = run(model, "auto", args.steps, args.rate_mbit)
-        print(f"{model:12s} auto picked {auto['order']} (faster measured: {faster}); auto's step {auto['step']:.1f} ms "
-              f"= {auto['step'] / medians[faster]:.2f}x the faster order's, predicted {auto['predicted']:.1f} ms, "
-              f"measuring the links took {auto['measuring_s']:.2f} s")
+        picked = medians.get(auto["order"], auto["step"])  # the picked order's median over the rounds
+        print(f"{model:12s} auto picked {auto['order']} (faster measured: {faster}): its median step "
+              f"{picked / medians[faster]:.2f}x the faster order's; auto's own run {auto['step']:.1f} ms, "
+              f"predicted {auto['predicted']:.1f} ms, measuring the links took {auto['measuring_s']:.2f} s")
 
 
 if __name__ == "__main__":
