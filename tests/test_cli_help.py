@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 
 from pipeflow.data import prepare
-from pipeflow.run import checkpoint, generate, launch, plan
+from pipeflow.run import checkpoint, generate, launch, plan, plan_help
 from pipeflow.schedules import compare, show
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def test_plan_help_writes_every_keys_default_as_an_override_takes_it(capsys: pyt
         flags: dict = dataclasses.field(default_factory=lambda: {"a": True, "b": None})
         steps: list = dataclasses.field(default_factory=lambda: [1, 2.5, "x"])
 
-    assert [plan.default_text(f) for f in dataclasses.fields(Made)] == ["???", "{a: true, b: null}", "[1, 2.5, x]"]
+    assert [plan_help.default_text(f) for f in dataclasses.fields(Made)] == ["???", "{a: true, b: null}", "[1, 2.5, x]"]
 
 
 def test_plan_refuses_an_unknown_option_with_its_usage(capsys: pytest.CaptureFixture) -> None:

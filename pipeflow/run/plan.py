@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import inspect
 import os
-import re
 import shlex
 import sys
 import tempfile
@@ -25,15 +23,15 @@ from typing import Any, Sequence
 
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from pipeflow.data import build_batches
 from pipeflow.run.compile_phase import compile_options
-from pipeflow.run.config import PlanConfig, register_configs, resolve_layout, tensor_degree
+from pipeflow.run.config import register_configs, resolve_layout, tensor_degree
 from pipeflow.run.config_data import typed_data
 from pipeflow.run.plan_ep import expert_costs
+from pipeflow.run.plan_help import CONFIG_DIR, USAGE, help_text
 from pipeflow.run.plan_tp import search_tp, tp_degrees, tp_link_figures  # noqa: F401 - search_tp: part of the API
 from pipeflow.runtime import hosts
 from pipeflow.runtime.distributed import choose_device
@@ -46,13 +44,11 @@ from pipeflow.planning.profile import LayerProfile, profile_layers
 from pipeflow.schedules import GENERATORS
 from pipeflow.schedules.offload import HostLink, check_mode
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 # what a pick sets (pipeline.stages_per_rank: that key's old name); parallel.order stays: a pick's
 # own (when not [dp,pp,tp]) follows it and wins
 _PICK_KEYS = {"schedule", "pipeline.num_microbatches", "schedule.stages_per_rank", "pipeline.split_points",
               "parallel.tp", "pipeline.offload", "pipeline.stages_per_rank"}
 _HELP_FLAGS = ("-h", "--help")
-USAGE = "usage: python -m pipeflow.plan [key=value ...]"
 _SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes",
            "tp_forward_bytes", "tp_backward_bytes")
 
@@ -374,84 +370,6 @@ def write_csv(result: PlanResult, path: str) -> None:
             writer.writerow([c.schedule, c.num_microbatches, c.stages_per_rank, " ".join(map(str, c.split_points)),
                              f"{1e3 * c.step_s:.4f}", f"{c.bubble:.4f}", f"{c.peak_bytes / 1e6:.3f}", fits,
                              c.overrides(), "" if c.rehearsed_s is None else f"{1e3 * c.rehearsed_s:.4f}", c.offload])
-
-
-def _schema_keys(schema: type) -> list[str]:
-    """``key: default  # comment`` for every field of a config dataclass: its defaults (made by
-    its default factory where it has one) and the comments in its source, the one place they are
-    written: beside the key, or as ``# ...`` lines above it where the source has them there."""
-    beside, above = _field_comments(inspect.getsource(schema))
-    lines = []
-    for f in dataclasses.fields(schema):
-        lines += [f"# {text}" for text in above.get(f.name, [])]
-        lines.append(f"{f.name}: {default_text(f)}" + (f"  # {beside[f.name]}" if f.name in beside else ""))
-    return lines
-
-
-def _field_comments(source: str) -> tuple[dict[str, str], dict[str, list[str]]]:
-    """The comment beside each field of a dataclass's `source`, and the comment lines just above it."""
-    beside: dict[str, str] = {}
-    above: dict[str, list[str]] = {}
-    pending: list[str] = []
-    for line in source.splitlines():
-        comment = re.match(r"^\s+#\s?(.*)$", line)
-        key = re.match(r"^\s+(\w+):[^#]*(?:#\s*(.*))?$", line)
-        if comment:
-            pending.append(comment.group(1))
-        elif key:
-            if key.group(2):
-                beside[key.group(1)] = key.group(2)
-            if pending:
-                above[key.group(1)] = pending
-            pending = []
-        else:
-            pending = []
-    return beside, above
-
-
-def default_text(f: dataclasses.Field) -> str:
-    """A dataclass field's default as a YAML override writes it (``[none]``, ``null``, ``true``;
-    ``???`` for a field without one)."""
-    if f.default is not dataclasses.MISSING:
-        return _yaml_text(f.default)
-    if f.default_factory is not dataclasses.MISSING:
-        return _yaml_text(f.default_factory())
-    return "???"
-
-
-def _yaml_text(value: Any) -> str:
-    """`value` in YAML's flow style, as a ``key=value`` override takes it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_yaml_text(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {_yaml_text(v)}" for k, v in value.items()) + "}"
-    return str(value)
-
-
-def help_text() -> str:
-    """What ``python -m pipeflow.plan --help`` prints: the usage line, what the planner does, the
-    config groups (as Hydra's ``--help`` lists them) and the ``plan.*`` keys with their defaults."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        hydra_app = GlobalHydra.instance().hydra
-        assert hydra_app is not None
-        groups = hydra_app.format_config_groups(lambda group: not group.startswith("hydra"))
-    plan_keys = _schema_keys(PlanConfig)
-    return "\n".join([
-        USAGE, "",
-        "Predict the best pipeline layout before running: profile every layer on this machine, simulate",
-        "every (schedule x micro-batch count x stages per rank x split), print the fastest that fit",
-        "plan.memory_limit_gb with the train.py overrides that run them.  Takes the same key=value",
-        "overrides as train.py (configs/); parallel.pp (the pipeline ranks) is required.", "",
-        "== Config groups (group=option) ==", groups,
-        "== The planner's keys (plan.<key>=value, defaults) ==", *plan_keys, "",
-        "example: python -m pipeflow.plan model=gpt parallel.pp=4 plan.memory_limit_gb=2 plan.top=5",
-        "exit status: 0 a layout fits, 1 none fits the memory limit, 2 a bad command line or config",
-    ])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
