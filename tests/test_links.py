@@ -89,9 +89,14 @@ def test_the_probe_finds_a_token_buckets_latency_sustained_rate_and_burst(monkey
 
     monkeypatch.setattr(links, "exchange_s", exchange)
     monkeypatch.setattr(links.time, "sleep", lambda s: tokens.__setitem__(0, burst))  # a pause refills it
-    got = links.probe_pair(None, 1, lambda: None)
+    got = links.probe_pair(None, 1, lambda x: x)
     assert abs(got[0] - latency) < 1e-12 and abs(got[1] - sustained) < 1e-15
     assert abs(got[2] - burst) < 1.0
     burst = 0.0  # no bucket: one rate, no burst
-    got = links.probe_pair(None, 1, lambda: None)
+    got = links.probe_pair(None, 1, lambda x: x)
     assert got[2] == 0.0 and abs(got[1] - sustained) < 0.01 * sustained  # the latency: 4 KB at that rate
+    sleeps = []
+    monkeypatch.setattr(links.time, "sleep", sleeps.append)
+    sustained = 1e-9  # a fast link: no pause spent looking for a burst that would save microseconds
+    got = links.probe_pair(None, 1, lambda x: x)
+    assert got[2] == 0.0 and sleeps == [] and abs(got[1] - sustained) < 0.01 * sustained

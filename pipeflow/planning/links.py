@@ -44,6 +44,7 @@ _SMALL_REPEATS = 3  # small exchanges (few: they must stay within a burst)
 _FIRSTS = 3  # large messages timed each after a pause (the median kept)
 _SUSTAINED_REPEATS = 3  # large messages timed back to back, after one that empties the bucket
 _NO_BURST = 0.05  # a burst below this share of the probe is noise: the link has none
+FAST_S = 2e-3  # a probe message sent this fast: no burst worth pausing to time (a link past 250 MB/s)
 
 
 @dataclass(frozen=True)
@@ -188,32 +189,52 @@ def matching_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, in
     return rounds
 
 
-def probe_pair(comm: Any, peer: int | None, sync: Callable[[], None], what: str = "time a link for the step model"
-               ) -> tuple[float, float, float]:
-    """(latency s, sustained s per byte, burst bytes) of the link to
-    pipeline rank `peer`, who runs the same probe (every exchange both directions at once); with
-    `peer` None only the `sync` calls (every rank of the world calls them at the same points, so
-    the pairs timed at once, and the replicas sharing a link, run each phase together).
+def probe_pair(comm: Any, peer: int | None, agree: Callable[[float], float],
+               what: str = "time a link for the step model") -> tuple[float, float, float]:
+    """(latency s, sustained s per byte, burst bytes) of the link to pipeline rank `peer`, who runs
+    the same probe (every exchange both directions at once); with `peer` None only the `agree`
+    calls.  `agree(x)` is the largest `x` of the world's ranks, every rank calling it at the same
+    points: the pairs timed at once, and the replicas sharing a link, run each phase together.
 
-    After a pause (the bucket full) a few small exchanges give the latency.  Then, each after a
-    pause, :data:`PROBE_BYTES` messages are timed alone (what a full bucket does to them), and a
-    few back to back (the bucket empty: the sustained rate).  The burst is what a first large
-    message gained over the others, taken to pass at line rate (its per-byte cost 0: a burst moves
-    at memory or NIC speed, far above a rate worth limiting); a link whose first messages are no
-    faster has no burst, and one rate.
+    Where every pair sends one :data:`PROBE_BYTES` message in under :data:`FAST_S`, a burst would
+    save less than that: such messages back to back give the rate, a small exchange the latency,
+    and the link has no burst.  Otherwise, after a pause (the bucket full) the small exchange
+    gives the latency, large messages each timed after a pause show what a full bucket does to
+    them, and a few back to back (after one that empties the bucket) the sustained rate.  The
+    burst is what the first messages gained over the sustained ones, taken to pass at line rate
+    (its per-byte cost 0: a burst moves at memory or NIC speed, far above a rate worth limiting);
+    a link whose first messages are no faster has no burst, and one rate.
     """
-    def phase(time_it: Callable[[], float]) -> float:
-        sync()
-        time.sleep(PAUSE_S)
+    def timed(time_it: Callable[[], float], pause: bool = True) -> float:
+        agree(0.0)
+        if pause:
+            time.sleep(PAUSE_S)
         return time_it() if peer is not None else 0.0
 
-    latency = phase(lambda: exchange_s(comm, peer, LATENCY_BYTES, _SMALL_REPEATS, 1, what))
-    first = statistics.median(phase(lambda: exchange_s(comm, peer, PROBE_BYTES, 1, 0, what)) for _ in range(_FIRSTS))
-    sustained = phase(lambda: exchange_s(comm, peer, PROBE_BYTES, _SUSTAINED_REPEATS, 1, what))
+    def back_to_back() -> float:
+        return exchange_s(comm, peer, PROBE_BYTES, _SUSTAINED_REPEATS, 1, what)
+
+    small = lambda: exchange_s(comm, peer, LATENCY_BYTES, _SMALL_REPEATS, 1, what)  # noqa: E731
+    if agree(timed(lambda: exchange_s(comm, peer, PROBE_BYTES, 1, 0, what), pause=False)) < FAST_S:
+        sustained, latency = timed(back_to_back, pause=False), timed(small, pause=False)
+        return latency, max(0.0, sustained - latency) / PROBE_BYTES, 0.0
+    latency = timed(small)
+    first = statistics.median(timed(lambda: exchange_s(comm, peer, PROBE_BYTES, 1, 0, what)) for _ in range(_FIRSTS))
+    sustained = timed(back_to_back)
     per_byte = max(0.0, sustained - latency) / PROBE_BYTES
     gained = (sustained - first) / per_byte if per_byte > 0 else 0.0
     burst = min(float(PROBE_BYTES), gained) if gained >= _NO_BURST * PROBE_BYTES else 0.0
     return latency, per_byte, burst
+
+
+def world_max(device: Any) -> Callable[[float], float]:
+    """`agree` for :func:`probe_pair`: the largest value of the world's ranks (a barrier too)."""
+    def agree(value: float) -> float:
+        figure = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(figure, op=dist.ReduceOp.MAX)
+        return float(figure.item())
+
+    return agree
 
 
 def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], replicas: Sequence[Sequence[int]]
@@ -235,7 +256,7 @@ def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], r
     for group in matching_rounds(pairs):
         mine = next((pair for pair in group if comm.rank in pair), None)
         peer = None if mine is None else (mine[1] if mine[0] == comm.rank else mine[0])
-        got = probe_pair(comm, peer, dist.barrier)  # every replica's pair at once, phase by phase
+        got = probe_pair(comm, peer, world_max(comm.device))  # every replica's pair at once, phase by phase
         if mine is not None:
             figures[index[mine]] = torch.tensor(got, dtype=torch.float64, device=comm.device)
     world = dist.get_world_size()

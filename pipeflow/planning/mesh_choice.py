@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.planning.links import Link, PipelineLinks, link_pairs, probe_pair
+from pipeflow.planning.links import Link, PipelineLinks, link_pairs, probe_pair, world_max
 from pipeflow.planning.step_model import StepCosts, predict_step
 from pipeflow.runtime import hosts
 from pipeflow.runtime.mesh_order import DEFAULT_ORDER, MeshGrid, order_text
@@ -92,7 +92,7 @@ def measure_host_links(device: torch.device, host_index: Sequence[int]) -> HostL
         if pair is None:
             continue
         peer = (pair[1] if pair[0] == comm.rank else pair[0]) if comm.rank in pair else None
-        latency, per_byte, burst = probe_pair(comm, peer, dist.barrier, "time a host link for parallel.order=auto")
+        latency, per_byte, burst = probe_pair(comm, peer, world_max(device), "time a host link for parallel.order=auto")
         if peer is not None:
             figures[k] = torch.tensor([latency, per_byte, -burst], dtype=torch.float64, device=device)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # the slower end's figures, the smaller burst
