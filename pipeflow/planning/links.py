@@ -220,15 +220,20 @@ def probe_pair(comm: Any, peer: int | None, agree: Callable[[float], float],
         # the least of a few: a delivery that waited for a core only adds, and at this speed the
         # per-byte term is the difference of two short times
         latency = timed(lambda: min(exchange_s(comm, peer, LATENCY_BYTES, 1, 0, what) for _ in range(5)), pause=False)
-        per_byte = (sustained - latency if sustained > latency else sustained) / PROBE_BYTES
-        return min(latency, sustained), per_byte, 0.0
+        return min(latency, sustained), _per_byte(sustained, latency), 0.0
     latency = timed(small)
     first = statistics.median(timed(lambda: exchange_s(comm, peer, PROBE_BYTES, 1, 0, what)) for _ in range(_FIRSTS))
     sustained = timed(back_to_back)
-    per_byte = max(0.0, sustained - latency) / PROBE_BYTES
+    per_byte, latency = _per_byte(sustained, latency), min(latency, sustained)
     gained = (sustained - first) / per_byte if per_byte > 0 else 0.0
     burst = min(float(PROBE_BYTES), gained) if gained >= _NO_BURST * PROBE_BYTES else 0.0
     return latency, per_byte, burst
+
+
+def _per_byte(sustained: float, latency: float) -> float:
+    """Seconds per byte of :data:`PROBE_BYTES` sent in `sustained` beyond the `latency`; where a
+    noisy latency came out above it, the whole time (a bound: the link is at least that fast)."""
+    return (sustained - latency if sustained > latency else sustained) / PROBE_BYTES
 
 
 def world_max(device: Any) -> Callable[[float], float]:
