@@ -58,8 +58,8 @@ class Link:
             rate (the link busy).
         global_ranks: the slowest replica's global ranks of the two ends.
         hosts: the host names of those ranks (empty names on one host).
-        burst_bytes: what passes at line rate after a pause (0: no burst).
-        burst_per_byte_s: seconds per byte within the burst (None: ``per_byte_s``).
+        burst_bytes: what passes at line rate after a pause (0: no burst), at no per-byte cost
+            (:func:`probe_pair`).
     """
 
     ranks: tuple[int, int]
@@ -68,21 +68,23 @@ class Link:
     global_ranks: tuple[int, int] = (0, 0)
     hosts: tuple[str, str] = ("", "")
     burst_bytes: float = 0.0
-    burst_per_byte_s: float | None = None
 
     def seconds(self, num_bytes: float) -> float:
         """One transfer of `num_bytes` on this link at its sustained rate (the link busy)."""
         return self.latency_s + self.per_byte_s * num_bytes
 
+    @property
+    def line_per_byte_s(self) -> float:
+        """Seconds per byte within a burst: none where the link has one, else the sustained rate."""
+        return 0.0 if self.burst_bytes > 0 else self.per_byte_s
+
     def burst_seconds(self, num_bytes: float) -> float:
         """One transfer of `num_bytes` within a burst (a full bucket)."""
-        line = self.per_byte_s if self.burst_per_byte_s is None else self.burst_per_byte_s
-        return self.latency_s + line * num_bytes
+        return self.latency_s + self.line_per_byte_s * num_bytes
 
     def bucket(self, num_bytes: float) -> Bucket:
         """A transfer of `num_bytes` through this link, for the simulator to queue."""
-        line = self.per_byte_s if self.burst_per_byte_s is None else self.burst_per_byte_s
-        return Bucket(num_bytes, self.per_byte_s, line, self.burst_bytes)
+        return Bucket(num_bytes, self.per_byte_s, self.line_per_byte_s, self.burst_bytes)
 
     @property
     def crosses_hosts(self) -> bool:
@@ -98,10 +100,7 @@ class Link:
             where = (f" crosses hosts {self.hosts[0]} -> {self.hosts[1]}" if self.crosses_hosts
                      else f" within host {self.hosts[0]}")
         rate = f"{1e-6 / self.per_byte_s:.1f} MB/s" if self.per_byte_s > 0 else "no per-byte cost measured"
-        burst = ""
-        if self.burst_bytes > 0:
-            line = self.burst_per_byte_s or 0.0
-            burst = f", bursts of {self.burst_bytes / 1e3:.0f} KB" + (f" at {1e-6 / line:.0f} MB/s" if line > 0 else "")
+        burst = f", bursts of {self.burst_bytes / 1e3:.0f} KB" if self.burst_bytes > 0 else ""
         return f"pipeline ranks {a}-{b}{where}: {1e3 * self.latency_s:.3f} ms + {rate}{burst}"
 
 
@@ -293,8 +292,7 @@ def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], r
         per_byte = 1.0 / mean_rate if math.isfinite(mean_rate) else 0.0
         burst = statistics.fmean(bursts)
         ends = (replicas[pipe][a], replicas[pipe][b])
-        links.append(Link((a, b), latency, per_byte, ends, (_host(ends[0]), _host(ends[1])), burst,
-                          0.0 if burst > 0 else None))
+        links.append(Link((a, b), latency, per_byte, ends, (_host(ends[0]), _host(ends[1])), burst))
     return PipelineLinks(tuple(links), tuple(schedule.stage_to_rank), time.perf_counter() - started)
 
 

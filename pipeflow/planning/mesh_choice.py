@@ -48,7 +48,7 @@ class HostLinks:
     def link(self, across: bool, pair: tuple[int, int]) -> Link:
         """The link between pipeline ranks `pair`, within a host or (`across`) between hosts."""
         (latency, per_byte), burst = (self.inter, self.inter_burst) if across else (self.intra, self.intra_burst)
-        return Link(pair, latency, per_byte, burst_bytes=burst, burst_per_byte_s=0.0 if burst > 0 else None)
+        return Link(pair, latency, per_byte, burst_bytes=burst)
 
     def seconds(self, across: bool, num_bytes: float) -> float:
         """One transfer of `num_bytes` within a host or (`across`) between hosts."""
