@@ -325,7 +325,7 @@ def rehearsed_on_links(cal: Any, links: Any) -> Callable[[CommOp], float]:
         link = links.of(op)
         if link is None:
             return cal.transfer_s(cal.op_bytes(op))
-        return cal.latency_s + link.burst_seconds(cal.op_bytes(op)) - link.latency_s
+        return cal.latency_s + link.line_per_byte_s * cal.op_bytes(op)
 
     return transfer
 

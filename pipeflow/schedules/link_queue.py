@@ -24,15 +24,14 @@ class Bucket:
     Attributes:
         nbytes: the transfer's bytes.
         per_byte_s: the sustained seconds per byte.
-        burst_per_byte_s: seconds per byte within the burst (what ``transfer`` charges).
+        line_per_byte_s: seconds per byte within the burst (what ``transfer`` charges).
         burst_bytes: the tokens a full bucket holds.
     """
 
     nbytes: float
     per_byte_s: float
-    burst_per_byte_s: float = 0.0
+    line_per_byte_s: float = 0.0
     burst_bytes: float = 0.0
-
 
 
 class LinkQueues:
@@ -52,4 +51,4 @@ class LinkQueues:
         excess = max(0.0, bucket.nbytes - tokens)
         queued = excess * bucket.per_byte_s  # how long the link sends at its sustained rate
         self.state[channel] = (begin + queued, max(0.0, tokens - bucket.nbytes))
-        return begin + transfer_s + excess * max(0.0, bucket.per_byte_s - bucket.burst_per_byte_s)
+        return begin + transfer_s + excess * max(0.0, bucket.per_byte_s - bucket.line_per_byte_s)
