@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import scale_cases
+import warm
 from pipeflow.run.builder import build_run
 from pipeflow.run.checkpoint import find_latest, resolve
 
@@ -68,8 +69,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     assert len(interrupted) == 1 and (interrupted[0] / "meta.json").is_file()  # the interrupted save, all but renamed
     assert find_latest(str(root)) == str(root / "step_00000002")
     assert resolve("auto", str(root)) == str(root / "step_00000002")
-    cli = subprocess.run([sys.executable, "-m", "pipeflow.checkpoint", "export", str(root), str(tmp_path / "model.pt")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cli = warm.run_python(["-m", "pipeflow.checkpoint", "export", str(root), str(tmp_path / "model.pt")], cwd=ROOT,
+                          timeout=120)
     assert cli.returncode == 0, cli.stderr[-3000:]
     state = torch.load(tmp_path / "model.pt")
     assert f"wrote {len(state)} tensors" in cli.stdout and all(torch.isfinite(v).all() for v in state.values())

@@ -16,16 +16,17 @@ from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.partition import partition_layers
 from pipeflow.schedules import build_schedule
 
+import warm
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["model.n_layer=2", "model.n_embd=32", "data.batch_size=16", "data.num_tokens=20000", "train.eval_batches=2"]
 
 
 def torchrun(nproc: int, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Run train.py under torchrun with `nproc` processes; returns the finished process."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-           "train.py", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    """train.py on `nproc` ranks with the environment torchrun gives them, each rank a fork of the
+    suite's warm server (tests/warm.py: no interpreter start, no imports); what subprocess.run returns."""
+    return warm.launch(["train.py", *overrides], nproc, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                       timeout=timeout)
 
 
 def compose_config(*overrides: str):
@@ -81,10 +82,7 @@ def test_a_torchvision_model_through_the_config_group_trains_under_torchrun(tmp_
 
 def test_your_module_example_trains_under_torchrun_with_no_arguments(tmp_path: Path) -> None:
     """examples/your_module.py: a plain GPT nn.Module split by from_module, no arguments."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           str(ROOT / "examples" / "your_module.py")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    run = warm.launch([str(ROOT / "examples" / "your_module.py")], 2, cwd=tmp_path, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert re.search(r"^0 +\| 0 +\| before\.\.blocks\.1 ", run.stdout, re.M), run.stdout  # the partition table
     assert re.search(r"^1 +\| 1 +\| blocks\.2\.\.after ", run.stdout, re.M), run.stdout
@@ -161,8 +159,7 @@ def test_an_unknown_key_like_no_other_keeps_hydras_message() -> None:
 
 def test_train_py_says_did_you_mean_for_a_misspelt_key() -> None:
     """What the user sees from @hydra.main (the override step Hydra runs before main)."""
-    run = subprocess.run([sys.executable, "train.py", "pipeline.num_microbatch=4"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    run = warm.run_python(["train.py", "pipeline.num_microbatch=4"], cwd=ROOT, timeout=120)
     assert run.returncode != 0
     assert "Did you mean pipeline.num_microbatches=4?" in run.stderr, run.stderr[-2000:]
 

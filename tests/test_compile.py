@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from mp_harness import CaseResult, run_cases
+from mp_harness import CaseResult, run_cases, selected_cases
 from pipeflow.errors import CompileFallbackWarning, ConfigError
 from pipeflow.runtime import compiled_backward
 from pipeflow.runtime.compile import CompileOptions, check_options, compile_layer, compile_stage_layers
@@ -268,12 +268,12 @@ def _cases() -> list[tuple[str, object]]:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[CaseResult]]:
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[CaseResult]]:
     import scale_cases
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(scale_cases.TMP_ENV, str(tmp_path_factory.mktemp("runs")))
-        return run_cases(2, _cases())
+        return run_cases(2, selected_cases(request, _cases()))
 
 
 def _values(results: list[CaseResult]) -> list:

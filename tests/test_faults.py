@@ -1,6 +1,6 @@
 """Failures become named errors, never hangs: config checks, agreement, stage faults, OOM, and
-torchrun jobs with an injected fault (PIPEFLOW_FAULT_INJECT) that must exit non-zero, promptly,
-naming the culprit, with no process left behind."""
+jobs with an injected fault (PIPEFLOW_FAULT_INJECT) that must exit non-zero, promptly, naming the
+culprit, with no process left behind (train.py on warm forks; torchrun where its agent is the subject)."""
 from __future__ import annotations
 
 import functools
@@ -25,6 +25,7 @@ from checkpoint_cases import (  # noqa: F401 - save-failure tests, run on this m
     test_a_save_with_a_lost_or_foreign_lock_stops_every_rank_and_writes_nothing,
     test_the_saves_collectives_wait_with_the_steady_deadline_after_the_first_step,
 )
+import warm
 from mp_harness import CaseResult, run_cases
 from pipeflow.run import guard
 from pipeflow.runtime import failures
@@ -470,17 +471,22 @@ INJECTED = re.compile(r"\[pipeflow fault injection\] rank (\d+): (\w+) at traini
 
 
 class Job:
-    """A finished torchrun job: exit code, output, seconds from the injected fault to the exit."""
+    """A finished job: exit code, output, seconds from the injected fault to the exit, and the
+    processes left behind: under torchrun (`launched=False`) those whose command line names the
+    run directory; on warm forks (tests/warm.py) the ranks that had not left by themselves within
+    WARM_LEAVE_S of the first failure and had to be ended."""
 
     def __init__(self, proc: subprocess.CompletedProcess, ended: float, marker: str) -> None:
         self.returncode = proc.returncode
         self.output = proc.stdout + proc.stderr
         match = INJECTED.search(self.output)
         self.detect_s = ended - float(match.group(4)) if match else None
-        self.survivors = _survivors(marker, ended + SURVIVOR_GRACE_S)
+        terminated = getattr(proc, "terminated", None)
+        self.survivors = terminated if terminated is not None else _survivors(marker, ended + SURVIVOR_GRACE_S)
 
 
 SURVIVOR_GRACE_S = 0.5  # a job's processes may take this long after torchrun returns to be gone
+WARM_LEAVE_S = 20.0  # on warm forks, every rank must leave by itself within this long of the first failure
 
 
 def _survivors(marker: str, deadline: float) -> list[int]:
@@ -507,22 +513,22 @@ def _pids_with(marker: str) -> list[int]:
 
 def run_job(nproc: int, tmp_path: Path, *overrides: str, fault: str | None = None,
             per_rank: dict[int, str] | None = None, monitor_interval_s: float | None = None) -> Job:
-    """torchrun train.py with `fault` in PIPEFLOW_FAULT_INJECT; `per_rank` adds an override on one rank;
-    `monitor_interval_s` sets how often torchrun's agent looks at its workers (0.1 s by default)."""
+    """train.py on `nproc` ranks with `fault` in PIPEFLOW_FAULT_INJECT; `per_rank` adds an override
+    on one rank.  The ranks are warm forks (tests/warm.py) that must all leave by themselves;
+    `monitor_interval_s` launches real torchrun instead, its agent looking at its workers that
+    often (for what only torchrun's agent reports: a worker's signal)."""
     args = [*FAST, *overrides, f"train.run_dir={tmp_path}"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
-    if monitor_interval_s is not None:
-        launch += ["--monitor-interval", str(monitor_interval_s)]
-    if per_rank:  # a shell decides each rank's overrides from LOCAL_RANK
-        cases_ = " ".join(f'[ "$LOCAL_RANK" = {r} ] && set -- "$@" {o};' for r, o in per_rank.items())
-        cmd = [*launch, "--no-python", "bash", "-c", f'{cases_} exec {sys.executable} train.py "$@"', "train.py", *args]
-    else:
-        cmd = [*launch, "train.py", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PIPEFLOW_FAULT_INJECT", None)
     if fault:
         env["PIPEFLOW_FAULT_INJECT"] = fault
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    if monitor_interval_s is None:
+        proc = warm.launch(["train.py", *args], nproc, cwd=ROOT, env=env, timeout=180,
+                           per_rank={r: [o] for r, o in (per_rank or {}).items()}, peers_ended_after_s=WARM_LEAVE_S)
+        return Job(proc, time.time(), str(tmp_path))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+              "--monitor-interval", str(monitor_interval_s), "train.py", *args]
+    proc = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
     return Job(proc, time.time(), str(tmp_path))
 
 

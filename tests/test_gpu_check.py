@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import warm
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
@@ -56,8 +58,8 @@ TINY = ["--case", "n_layer=2", "n_embd=32", "seq=16", "batch=4", "m=2", "--round
 
 
 def _benchmark(script: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """`python script args` on a fork of the warm server (tests/warm.py)."""
+    return warm.run_python([str(script), *args], cwd=ROOT, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _plain(*args: str) -> subprocess.CompletedProcess:

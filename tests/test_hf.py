@@ -24,7 +24,7 @@ pytest.importorskip("safetensors")
 import chat_cases  # noqa: E402
 import generate_cases  # noqa: E402
 import lora_cases  # noqa: E402
-from mp_harness import run_cases  # noqa: E402
+from mp_harness import run_cases, selected_cases  # noqa: E402
 from pipeflow.errors import ConfigError  # noqa: E402
 from pipeflow.models.hf import build_hf  # noqa: E402
 from pipeflow.models.spec import run_layers  # noqa: E402
@@ -247,7 +247,7 @@ LORA_CASES_4 = {"lora-dp2-zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"pa
 GENERATE_KINDS = ("llama", "mistral_window")  # generation on the pipeline (tests/generate_cases.py)
 
 
-def _world(folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) -> dict:
+def _world(request: pytest.FixtureRequest, folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) -> dict:
     cases = [(f"{kind}-{schedule}", functools.partial(_pipelined_vs_hf, folders[kind.removesuffix("_packed")],
                                                       kind.removesuffix("_packed"), schedule, 4,
                                                       packed=kind.endswith("_packed")))
@@ -269,19 +269,19 @@ def _world(folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) ->
                                                             folders["llama"], os.path.join(folders["runs"], "gen"))))
         cases.append(("generate-lora", functools.partial(generate_cases.generate_from_a_lora_checkpoint,
                                                          folders["llama"], os.path.join(folders["runs"], "gen-lora"))))
-    return run_cases(world_size, cases)
+    return run_cases(world_size, selected_cases(request, cases))
 
 
 @pytest.fixture(scope="module")
-def world2(folders):
+def world2(request, folders):
     """Every 2-process case, run once in one 2-process world."""
-    return _world(folders, 2, MP_CASES, TRAINER_CASES)
+    return _world(request, folders, 2, MP_CASES, TRAINER_CASES)
 
 
 @pytest.fixture(scope="module")
-def world4(folders):
+def world4(request, folders):
     """Every 4-process case (each rank one decoder layer, the embedding and head with the ends)."""
-    return _world(folders, 4, MP_CASES_4, {**TRAINER_CASES_4, **TP_CASES_4})
+    return _world(request, folders, 4, MP_CASES_4, {**TRAINER_CASES_4, **TP_CASES_4})
 
 
 def _check(results: list) -> None:

@@ -13,6 +13,7 @@ import matplotlib.image
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import warm
 from tests.test_cli import ROOT, torchrun
 
 P, M, STEPS, LOG_EVERY, TRACED = 4, 8, 6, 2, 3
@@ -132,8 +133,7 @@ def test_console_has_one_line_per_interval_from_rank_0_and_the_summary(run) -> N
 
 
 def test_cfg_job_prints_the_resolved_config_with_the_metrics_group() -> None:
-    done = subprocess.run([sys.executable, "train.py", "--cfg", "job", "metrics.trace_steps=[5]"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = warm.run_python(["train.py", "--cfg", "job", "metrics.trace_steps=[5]"], cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert re.search(r"^metrics:\n  tensorboard: true\n  log_every: null\n  trace_steps:\n  - 5\n  progress_bar: true",
                      done.stdout, re.M), done.stdout
@@ -141,11 +141,11 @@ def test_cfg_job_prints_the_resolved_config_with_the_metrics_group() -> None:
 
 def test_a_single_process_token_run_logs_tokens_per_s(tmp_path: Path) -> None:
     """`python train.py` (a pipeline of one rank) on token data: tokens/s = samples/s x seq_len."""
-    done = subprocess.run([sys.executable, "train.py", "model.n_layer=1", "model.n_embd=16", "data.batch_size=8",
+    done = warm.run_python(["train.py", "model.n_layer=1", "model.n_embd=16", "data.batch_size=8",
                            "data.seq_len=16", "data.num_tokens=5000", "pipeline.num_microbatches=2",
                            "pipeline.profile=false", "train.max_steps=3", "train.log_every=1", "train.eval_every=0",
                            "train.eval_batches=1", "metrics.trace_steps=[1]", f"train.run_dir={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+                          cwd=ROOT, timeout=180)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     events.Reload()

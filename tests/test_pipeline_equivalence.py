@@ -12,7 +12,7 @@ import pytest
 
 import moe_cases
 import pipeline_cases as cases
-from mp_harness import CaseResult, run_cases
+from mp_harness import CaseResult, run_cases, selected_cases
 
 TOLERANCE = 1e-9
 MODELS = ("gpt", "masked_mlp")
@@ -177,7 +177,7 @@ def _all_cases() -> list[tuple[str, object]]:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["p2", "p4"])
 def world(request: pytest.FixtureRequest) -> tuple[int, dict[str, list[CaseResult]]]:
-    return request.param, run_cases(request.param, _all_cases())
+    return request.param, run_cases(request.param, selected_cases(request, _all_cases()))
 
 
 def _values(results: list[CaseResult]) -> list:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import warm
 from pipeflow.run.config import check_config
 from pipeflow.errors import ScheduleError
 from pipeflow.planning.partition import partition_layers
@@ -158,12 +159,12 @@ def test_interpolate_is_linear_between_the_profiled_sizes() -> None:
 
 
 def test_plan_cli_prints_overrides_that_compose_into_a_valid_config(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "pipeflow.plan", "model=gpt", "model.n_layer=2", "model.n_embd=32",
+    cmd = ["-m", "pipeflow.plan", "model=gpt", "model.n_layer=2", "model.n_embd=32",
            "data.batch_size=8", "data.num_tokens=5000", "train.precision=bf16", "parallel.pp=2", "plan.top=4",
            "plan.repeats=1",
            f"plan.csv={tmp_path / 'plan.csv'}"]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    run = warm.run_python(cmd, cwd=ROOT, timeout=300,  # a fork of the warm server (tests/warm.py)
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert run.returncode == 0, run.stdout + run.stderr
     rows = re.findall(r"^\d+ +\| (\S+) +\| (\d+) +\| (\d) +\| ([\d.]+) +\| ([\d.]+)% +\| ([\d.]+) +\| (.+)$",
                       run.stdout, re.M)

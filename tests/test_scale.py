@@ -13,7 +13,7 @@ import pytest
 import masked_cases
 import moe_cases
 import scale_cases as cases
-from mp_harness import CaseResult, run_cases
+from mp_harness import CaseResult, run_cases, selected_cases
 
 TOLERANCE = 1e-9
 CLIP = 0.05
@@ -192,10 +192,10 @@ def test_steps_read_back_a_step_late_train_as_the_unsplit_model(world, name: str
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[CaseResult]]:
+def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[CaseResult]]:
     with pytest.MonkeyPatch.context() as patch:  # run directories under pytest's tmp dir
         patch.setenv(cases.TMP_ENV, str(tmp_path_factory.mktemp("runs")))
-        return run_cases(WORLD, _cases())
+        return run_cases(WORLD, selected_cases(request, _cases()))
 
 
 def _values(results: list[CaseResult]) -> list:
