@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
@@ -71,11 +72,9 @@ def selected_cases(request: pytest.FixtureRequest,
 def _worker(rank: int, world_size: int, port: int, cases: Sequence[tuple[str, Callable[[], Any]]], out_dir: str,
             env: Mapping[str, str]) -> None:
     log = os.path.join(out_dir, f"rank{rank}.log")
-    warm.become({**env, "OMP_NUM_THREADS": "1"}, log, log)
-    import torch
+    warm.become({**env, "OMP_NUM_THREADS": "1"}, log, log)  # one intra-op thread per rank
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -91,8 +90,8 @@ def _worker(rank: int, world_size: int, port: int, cases: Sequence[tuple[str, Ca
             results[name] = CaseResult(error=f"{exc}\n{traceback.format_exc()}", error_type=type(exc).__name__)
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
-    os.sys.stdout.flush()
-    os.sys.stderr.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
     # A case may have left a peer's op unmatched (fault tests); do not wait on the group.
     os._exit(0)
 

@@ -472,7 +472,7 @@ INJECTED = re.compile(r"\[pipeflow fault injection\] rank (\d+): (\w+) at traini
 
 class Job:
     """A finished job: exit code, output, seconds from the injected fault to the exit, and the
-    processes left behind: under torchrun (`launched=False`) those whose command line names the
+    processes left behind: under torchrun (`monitor_interval_s` given) those whose command line names the
     run directory; on warm forks (tests/warm.py) the ranks that had not left by themselves within
     WARM_LEAVE_S of the first failure and had to be ended."""
 

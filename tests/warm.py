@@ -75,10 +75,10 @@ def become(env: Mapping[str, str], stdout: str | None = None, stderr: str | None
     """In a fork: take the caller's environment and send this process's output to files (appended)."""
     os.environ.clear()
     os.environ.update(env)
+    sys.stdout.flush()
+    sys.stderr.flush()
     for fd, path in ((1, stdout), (2, stderr)):
         if path is not None:
-            sys.stdout.flush()
-            sys.stderr.flush()
             out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(out, fd)
             os.close(out)
@@ -203,7 +203,7 @@ def launch(argv: Sequence[str], nproc: int | None = None, *, cwd: str | Path = R
 def _supervise(procs: list[multiprocessing.Process], timeout: float, peers_ended_after_s: float) -> list[int] | None:
     """Wait for every process; end the rest once one failed (as torchrun does).  Returns the
     ranks sent a signal, or None when the timeout struck (every process killed)."""
-    deadline, failed_at, terminated, killed = time.monotonic() + timeout, None, [], False
+    deadline, failed_at, terminated = time.monotonic() + timeout, None, None
     while any(proc.exitcode is None for proc in procs):
         now = time.monotonic()
         if now > deadline:
@@ -213,18 +213,18 @@ def _supervise(procs: list[multiprocessing.Process], timeout: float, peers_ended
             return None
         if failed_at is None and any(proc.exitcode not in (None, 0) for proc in procs):
             failed_at = now
-        if failed_at is not None and now - failed_at >= peers_ended_after_s and not terminated:
+        if failed_at is not None and terminated is None and now - failed_at >= peers_ended_after_s:
             terminated = [rank for rank, proc in enumerate(procs) if proc.exitcode is None]
             for rank in terminated:
                 procs[rank].terminate()
-        if terminated and not killed and failed_at is not None and now - failed_at >= peers_ended_after_s + TERM_GRACE_S:
-            killed = True
+        if terminated and now - failed_at >= peers_ended_after_s + TERM_GRACE_S:
             for rank in terminated:
-                procs[rank].kill()
+                if procs[rank].exitcode is None:
+                    procs[rank].kill()
         multiprocessing.connection.wait([proc.sentinel for proc in procs if proc.exitcode is None], timeout=0.05)
     for proc in procs:
         proc.join()
-    return terminated
+    return terminated or []
 
 
 def run_python(argv: Sequence[str], **kwargs: Any) -> Launched:
