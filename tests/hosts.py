@@ -15,6 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from examples.emulated_hosts import EmulatedHosts, unavailable  # noqa: E402
+from warm_exec import interpreters  # noqa: E402
 
 __all__ = ["EmulatedHosts", "emulated_hosts", "launch_on_hosts", "outputs", "SMALL64"]
 
@@ -37,11 +38,13 @@ def emulated_hosts() -> Iterator[type[EmulatedHosts]]:
 
 def launch_on_hosts(hosts: EmulatedHosts, overrides: list[str], nproc: int = 2, torchrun_args: str = "",
                     nnodes: str | None = None, timeout_s: float = 120, env: dict[str, str] | None = None,
-                    on: list[int] | None = None) -> list[subprocess.Popen]:
-    """``examples/multinode.sh`` with `overrides` on every host (or those in `on`), the endpoint on host 0."""
+                    on: list[int] | None = None, warm_workers: bool = True) -> list[subprocess.Popen]:
+    """``examples/multinode.sh`` with `overrides` on every host (or those in `on`), the endpoint on
+    host 0: the launcher and torchrun real on each host, their workers warm forks joined to the
+    host (``tests/warm_exec.py``) unless `warm_workers` is false."""
     base = {"NNODES": nnodes or str(hosts.count), "NPROC": str(nproc), "ENDPOINT": hosts.endpoint(),
             "RUN_ID": f"t{os.getpid()}", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-            "TORCHRUN_ARGS": torchrun_args, **(env or {})}
+            "TORCHRUN_ARGS": torchrun_args, **(interpreters() if warm_workers else {}), **(env or {})}
     return [hosts.run(i, [str(ROOT / "examples" / "multinode.sh"), *overrides], base, timeout_s)
             for i in (on if on is not None else range(hosts.count))]
 

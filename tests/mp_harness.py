@@ -26,6 +26,7 @@ import warm
 
 COLLECTIVE_TIMEOUT_S = 60  # a case that fails on one rank must not hang the others for long
 WORLD_DEADLINE_S = 420  # the whole world is killed after this
+CASE_TIMES_ENV = "PIPEFLOW_CASE_TIMES"  # set to N: each world prints its N slowest cases
 
 
 @dataclass
@@ -35,6 +36,7 @@ class CaseResult:
     value: Any = None
     error: str | None = None
     error_type: str | None = None
+    seconds: float = 0.0  # the case's wall time on this rank
 
 
 _free_port = warm.free_port
@@ -84,10 +86,12 @@ def _worker(rank: int, world_size: int, port: int, cases: Sequence[tuple[str, Ca
     )
     results: dict[str, CaseResult] = {}
     for name, case in cases:
+        started = time.perf_counter()
         try:
             results[name] = CaseResult(value=case())
         except Exception as exc:  # recorded, asserted by the test that owns the case
             results[name] = CaseResult(error=f"{exc}\n{traceback.format_exc()}", error_type=type(exc).__name__)
+        results[name].seconds = time.perf_counter() - started
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
     sys.stdout.flush()
@@ -134,4 +138,16 @@ def run_cases(world_size: int, cases: Sequence[tuple[str, Callable[[], Any]]]) -
                                    f"before writing its results:\n{logs[rank][-4000:]}")
             with open(path, "rb") as f:
                 per_rank.append(pickle.load(f))
-    return WorldResults({name: [per_rank[r][name] for r in range(world_size)] for name, _ in cases})
+    results = WorldResults({name: [per_rank[r][name] for r in range(world_size)] for name, _ in cases})
+    if os.environ.get(CASE_TIMES_ENV):
+        _print_case_times(world_size, results, int(os.environ[CASE_TIMES_ENV]))
+    return results
+
+
+def _print_case_times(world_size: int, results: dict[str, list[CaseResult]], count: int) -> None:
+    """The world's `count` slowest cases (the slowest rank's time), to the terminal."""
+    slowest = sorted(((max(r.seconds for r in ranks), name) for name, ranks in results.items()), reverse=True)
+    total = sum(s for s, _ in slowest)
+    lines = [f"{s:7.2f}s {name}" for s, name in slowest[:count]]
+    sys.__stderr__.write(f"\n[{world_size}-process world: {len(results)} cases, {total:.1f} s; the slowest]\n"
+                         + "\n".join(lines) + "\n")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
+from warm_exec import interpreters
 
 from pipeflow.run.config import check_config
 from pipeflow.planning.partition import plan_partition
@@ -52,7 +53,7 @@ def test_recipe_values_can_still_be_overridden() -> None:
 def _example_whose_loss_falls(script: str, work: Path, steps: int) -> str:
     """Run ``examples/<script>`` in `work` for `steps` steps; its output, once it exited 0 and its
     run's final line says the loss fell."""
-    env = {**os.environ, "WORK": str(work), "STEPS": str(steps), "PYTHON": sys.executable}
+    env = {**os.environ, "WORK": str(work), "STEPS": str(steps), **interpreters(launchers=True)}
     run = subprocess.run(["bash", str(ROOT / "examples" / script)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr

@@ -26,6 +26,7 @@ from checkpoint_cases import (  # noqa: F401 - save-failure tests, run on this m
     test_the_saves_collectives_wait_with_the_steady_deadline_after_the_first_step,
 )
 import warm
+from warm_exec import interpreters
 from mp_harness import CaseResult, run_cases
 from pipeflow.run import guard
 from pipeflow.runtime import failures
@@ -528,7 +529,7 @@ def run_job(nproc: int, tmp_path: Path, *overrides: str, fault: str | None = Non
         return Job(proc, time.time(), str(tmp_path))
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
               "--monitor-interval", str(monitor_interval_s), "train.py", *args]
-    proc = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=180, env={**env, **interpreters()})
     return Job(proc, time.time(), str(tmp_path))
 
 

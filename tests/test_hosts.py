@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm
 
 from hosts import SMALL64, emulated_hosts, launch_on_hosts, outputs, step_losses  # noqa: F401 - a fixture
+from warm_exec import interpreters
 from pipeflow.run.checkpoint import export, find_latest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,9 +34,9 @@ def _weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
 def one_process(tmp_path_factory) -> tuple[dict[int, float], dict[str, torch.Tensor]]:
     """The same training in one process (one stage): its per-step losses and final weights."""
     run_dir = tmp_path_factory.mktemp("one_process")
-    done = subprocess.run([sys.executable, "train.py", *SMALL64, f"train.max_steps={STEPS}", f"train.save_every={STEPS}",
-                           "pipeline.num_microbatches=2", f"train.run_dir={run_dir}", f"hydra.run.dir={run_dir}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = warm.run_python(["train.py", *SMALL64, f"train.max_steps={STEPS}", f"train.save_every={STEPS}",
+                            "pipeline.num_microbatches=2", f"train.run_dir={run_dir}", f"hydra.run.dir={run_dir}"],
+                           timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     return step_losses(done.stdout + done.stderr), _weights(run_dir, run_dir / "w.pt")
 
@@ -85,7 +87,9 @@ def test_plain_torchrun_whose_gloo_would_bind_loopback_across_hosts_stops_every_
         emulated_hosts, tmp_path) -> None:
     """Without the launcher's interface (torchrun given --local-addr only), on hosts whose own
     names resolve to 127.0.0.1: gloo would bind loopback; every rank stops at the join, naming
-    the host and the fix, before any process group exists."""
+    the host and the fix, before any process group exists.  Its workers are real interpreters
+    (the other launches' are warm forks joined to the host): one test keeps a fresh worker's
+    start on a host, with its own imports, name and /etc/hosts, checked."""
     with emulated_hosts(2, names="loopback") as hosts:
         procs = [hosts.run(i, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", hosts.endpoint(), "--rdzv-id", "bind",
@@ -185,7 +189,7 @@ def test_a_slurm_job_saves_on_the_time_limits_signal_and_requeues_itself(emulate
                "PIPEFLOW_TEST_HOSTS": json.dumps([[ns, name] for ns, name in zip(hosts.namespaces, hosts.hostnames)]),
                "PIPEFLOW_TEST_REQUEUED": str(tmp_path / "requeued"), "SLURM_JOB_ID": "4242",
                "SLURM_JOB_NODELIST": "host[0-1]", "SLURM_JOB_NUM_NODES": "2", "SLURM_SUBMIT_DIR": str(ROOT),
-               "NPROC": "2", "PYTHON": sys.executable}
+               "NPROC": "2", "PYTHON": sys.executable, **interpreters()}
         job = subprocess.Popen(["timeout", "-k", "5", "150", "bash", str(ROOT / "examples" / "slurm.sbatch"), *SMALL64,
                                 "parallel.pp=2", "parallel.dp=auto", "pipeline.num_microbatches=2",
                                 "train.max_steps=100000", "train.save_every=0", f"train.run_dir={run_dir}"],

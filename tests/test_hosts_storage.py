@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import torch
+import warm
 from hosts import SMALL64, emulated_hosts, launch_on_hosts, outputs  # noqa: F401 - a fixture
 
 from pipeflow.run.checkpoint import main
@@ -68,8 +69,7 @@ def test_local_storage_keeps_each_hosts_part_and_gather_merges_them(emulated_hos
     merged_weights, replica = torch.load(tmp_path / "w.pt"), torch.load(tmp_path / "w0.pt")
     assert sorted(merged_weights) == sorted(replica)
     assert all(torch.equal(merged_weights[k], v) for k, v in replica.items())
-    resumed = subprocess.run([sys.executable, "train.py", *SMALL64, "train.max_steps=21", f"train.resume={out}",
-                              f"train.run_dir={tmp_path / 'one'}", f"hydra.run.dir={tmp_path / 'one'}"],
-                             cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=120)
+    resumed = warm.run_python(["train.py", *SMALL64, "train.max_steps=21", f"train.resume={out}",
+                               f"train.run_dir={tmp_path / 'one'}", f"hydra.run.dir={tmp_path / 'one'}"], env=ENV, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from checkpoint {out} at step 20" in resumed.stdout + resumed.stderr

@@ -10,12 +10,13 @@ from pathlib import Path
 
 from test_cli import SMALL, torchrun
 from mp_harness import _free_port
+from warm_exec import interpreters
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_two_nodes_train_and_a_single_node_resumes_with_another_dp(tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNODES": "2", "NPROC": "2", "PYTHON": sys.executable,
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NNODES": "2", "NPROC": "2", "PYTHON": sys.executable, **interpreters(),
            "ENDPOINT": f"127.0.0.1:{_free_port()}", "RUN_ID": f"test{os.getpid()}"}
     overrides = [*SMALL, "parallel.dp=2", "pipeline.num_microbatches=2", "train.max_steps=40", "train.eval_every=0",
                  "train.save_every=20", "pipeline.checkpoint_activations=true", f"train.run_dir={tmp_path}"]

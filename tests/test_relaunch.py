@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from warm_exec import interpreters
 
 from pipeflow.run.checkpoint import export, find_latest
 
@@ -22,7 +23,8 @@ STEP = re.compile(r"step\s+(\d+)/6 \| loss ([\d.]+)")
 
 
 def _launch(cwd: Path, fault: str | None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "PIPEFLOW_RELAUNCH_DELAY_S": "0.5"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "PIPEFLOW_RELAUNCH_DELAY_S": "0.5",
+           **interpreters()}
     env.pop("PIPEFLOW_FAULT_INJECT", None)
     if fault:
         env["PIPEFLOW_FAULT_INJECT"] = fault
@@ -68,7 +70,7 @@ def test_sigterm_to_the_launcher_saves_at_the_next_step_exits_75_and_resume_cont
     long = [a for a in RUN if not a.startswith(("train.max_steps", "train.save_every"))]
     args = [sys.executable, "-m", "pipeflow.launch", "--standalone", "--nproc-per-node", "2",
             str(ROOT / "train.py"), *long, "train.max_steps=100000", "train.save_every=0", f"train.run_dir={run_dir}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **interpreters()}
     env.pop("PIPEFLOW_FAULT_INJECT", None)
     job = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []

@@ -107,10 +107,15 @@ def processes(target: Callable[..., None], args_of: Callable[[int], tuple], coun
     return procs
 
 
-def _entry(argv: Sequence[str], cwd: str, env: Mapping[str, str], stdout: str, stderr: str) -> None:
-    """Run ``python *argv`` in this fork as the interpreter would: a script, ``-m module`` or ``-c code``."""
+def run_main(argv: Sequence[str], cwd: str, env: Mapping[str, str], stdout: str | None = None,
+             stderr: str | None = None, unbuffered: bool = False) -> None:
+    """Run ``python *argv`` in this fork as the interpreter would (a script, ``-m module`` or
+    ``-c code``), then leave with its exit status."""
     os.chdir(cwd)
     become(env, stdout, stderr)
+    if unbuffered:  # python -u
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=True)
     # The interpreter's default handlers: a SIGINT is a KeyboardInterrupt, a SIGTERM ends the process.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -120,8 +125,13 @@ def _entry(argv: Sequence[str], cwd: str, env: Mapping[str, str], stdout: str, s
             sys.argv = [argv[1], *argv[2:]]
             sys.path.insert(0, os.getcwd())
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-":
+            sys.argv = ["-", *argv[1:]]
+            sys.path.insert(0, "")
+            exec(compile(sys.stdin.read(), "<stdin>", "exec"), {"__name__": "__main__"})
         elif argv[0] == "-c":
             sys.argv = ["-c", *argv[2:]]
+            sys.path.insert(0, "")
             exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})
         else:
             script = os.path.abspath(argv[0])
@@ -188,7 +198,7 @@ def launch(argv: Sequence[str], nproc: int | None = None, *, cwd: str | Path = R
             rank_env = env if nproc is None else {**env, **torchrun_env(rank, count, port, run_id)}
             return ([*argv, *(per_rank or {}).get(rank, ())], str(cwd), rank_env, out, err)
 
-        procs = processes(_entry, args_of, count)
+        procs = processes(run_main, args_of, count)
         terminated = _supervise(procs, timeout, peers_ended_after_s)
         stdout, stderr = Path(out).read_text() if os.path.exists(out) else "", Path(err).read_text() if os.path.exists(err) else ""
     if terminated is None:
