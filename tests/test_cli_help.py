@@ -1,15 +1,14 @@
 """Every command answers --help with a usage text and exit status 0: the `python -m pipeflow.…`
 commands in-process (their main(argv)), train.py (Hydra's --help, hydra.help in configs/) in one
-subprocess."""
+warm process."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import warm
 
 from pipeflow.data import prepare
 from pipeflow.run import checkpoint, generate, launch, plan, plan_help
@@ -83,8 +82,8 @@ def test_plan_refuses_an_unknown_option_with_its_usage(capsys: pytest.CaptureFix
 
 
 def test_train_py_help_is_hydras_help_with_our_usage_and_config_groups(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = warm.run_python([str(ROOT / "train.py"), "--help"], cwd=tmp_path, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.startswith("usage: torchrun --nproc-per-node N train.py [key=value ...]"), run.stdout
     assert "schedule: 1f1b," in run.stdout and "model: " in run.stdout  # $APP_CONFIG_GROUPS

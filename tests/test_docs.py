@@ -4,7 +4,7 @@ pages keep their size limits, and every command of the start path (docs/start/*.
 How the start path is checked (``scripts/start_path.py`` sorts the commands):
 
 - one-process commands (``python train.py ...``, ``python -m pipeflow.plan ...``,
-  ``python -m pipeflow.data.prepare ...``) run for real, in page order, in one subprocess, with
+  ``python -m pipeflow.data.prepare ...``) run for real, in page order, in one warm process, with
   small settings in place of the page's (``train.max_steps=2``, ``plan.repeats=1``, ...), in a
   scratch folder holding the files the pages ask you to write;
 - multi-process and several-machine commands (``torchrun ... train.py``,
@@ -19,9 +19,10 @@ import importlib.util
 import itertools
 import py_compile
 import re
-import subprocess
 import sys
 from pathlib import Path
+
+import warm
 
 ROOT = Path(__file__).resolve().parent.parent
 KB = 1024
@@ -102,8 +103,7 @@ def test_start_path_multi_process_commands_compose() -> None:
 
 
 def test_start_path_one_process_commands_run(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "start_path.py"), "--run", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = warm.run_python([str(ROOT / "scripts" / "start_path.py"), "--run", str(tmp_path)], timeout=600, cwd=ROOT)
     steps = [line for line in proc.stdout.splitlines() if line.startswith(("RUN", "OK", "FAILED"))]
     assert proc.returncode == 0, ("a start-path command failed (python scripts/start_path.py --run DIR):\n"
                                   + "\n".join(steps[-3:]) + "\n" + (proc.stdout + proc.stderr)[-3000:])
