@@ -75,12 +75,28 @@ def _torchrun_that(monkeypatch, outcome: BaseException | None, preempted: bool) 
     monkeypatch.setattr(torchrun, "main", main)
 
 
+def _child_failed(*codes: int) -> BaseException:
+    """torchrun's ChildFailedError with workers that exited with `codes`."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    return ChildFailedError("train.py", {rank: ProcessFailure(rank, 1000 + rank, code, "<N/A>")
+                                         for rank, code in enumerate(codes)})
+
+
+def _signal(sig: signal.Signals) -> BaseException:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    return SignalException(f"Process 1 got signal: {sig}", sigval=sig)
+
+
 @pytest.mark.parametrize(("outcome", "preempted", "status"), [
     (None, False, 0),
-    (RuntimeError("ChildFailedError: train.py FAILED"), False, 1),
-    (RuntimeError("ChildFailedError: train.py FAILED"), True, PREEMPTED_EXIT_CODE),
+    (_child_failed(1, 0), False, 1),
+    (_child_failed(75, 75), True, PREEMPTED_EXIT_CODE),  # the workers alone got the signal, and saved
+    (_signal(signal.SIGTERM), True, PREEMPTED_EXIT_CODE),  # the scheduler's signal reached the launcher
+    (_child_failed(1, 75), True, 1),  # issue 57: rank 1 crashed, torchrun stopped rank 0: a failure
     (SystemExit(3), False, 3),
-])
+], ids=["done", "failed", "workers_signalled", "launcher_signalled", "crash_then_stopped", "torchrun_exit"])
 def test_the_launchers_status_tells_a_preemption_from_a_failure(monkeypatch, capsys, outcome, preempted, status) -> None:
     _torchrun_that(monkeypatch, outcome, preempted)
     monkeypatch.delenv(STATUS_FILE_ENV, raising=False)

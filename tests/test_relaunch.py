@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from warm_exec import interpreters
 
@@ -61,24 +62,32 @@ def test_relaunch_loop_survives_a_killed_worker_and_matches_an_uninterrupted_run
     assert sorted(reference) == sorted(resumed) and all(torch.equal(reference[k], resumed[k]) for k in reference)
 
 
-def test_sigterm_to_the_launcher_saves_at_the_next_step_exits_75_and_resume_continues_there(tmp_path: Path) -> None:
-    """train.save_on_signal (default SIGTERM): what a cluster scheduler sends before it kills a job.
-    Every rank saves at the same step boundary, says so, and exits 75, and so does the launcher
-    (python -m pipeflow.launch: torchrun alone exits 1); the run directory records the step;
-    train.resume=auto continues from that step, so at most the step in flight is lost."""
+@pytest.mark.parametrize("ctrl_c", [False, True], ids=["sigterm", "ctrl_c"])
+def test_sigterm_to_the_launcher_saves_at_the_next_step_exits_75_and_resume_continues_there(
+        tmp_path: Path, ctrl_c: bool) -> None:
+    """train.save_on_signal (default SIGTERM and SIGINT): what a cluster scheduler sends before it
+    kills a job, or Ctrl-C in the terminal (SIGINT to the launcher's process group; torchrun's agent
+    passes it on to the workers, issue 57). Every rank saves at the same step boundary, says so, and
+    exits 75, and so does the launcher (python -m pipeflow.launch: torchrun alone exits 1); the run
+    directory records the step; train.resume=auto continues from that step, so at most the step in
+    flight is lost."""
     run_dir = tmp_path / "run"
     long = [a for a in RUN if not a.startswith(("train.max_steps", "train.save_every"))]
     args = [sys.executable, "-m", "pipeflow.launch", "--standalone", "--nproc-per-node", "2",
             str(ROOT / "train.py"), *long, "train.max_steps=100000", "train.save_every=0", f"train.run_dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **interpreters()}
     env.pop("PIPEFLOW_FAULT_INJECT", None)
-    job = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=ctrl_c)
     lines = []
     try:
         for line in job.stdout:  # type: ignore[union-attr]
             lines.append(line)
             if re.search(r"step\s+3/100000 \| loss", line):
-                job.send_signal(signal.SIGTERM)
+                if ctrl_c:  # what the terminal sends: SIGINT to the foreground process group
+                    os.killpg(job.pid, signal.SIGINT)
+                else:
+                    job.send_signal(signal.SIGTERM)
                 break
         rest, _ = job.communicate(timeout=120)
     finally:
@@ -96,3 +105,35 @@ def test_sigterm_to_the_launcher_saves_at_the_next_step_exits_75_and_resume_cont
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert re.search(rf"resumed from checkpoint \S+step_{step:08d} at step {step}", resumed.stdout + resumed.stderr)
     assert not (run_dir / "preempted").exists()  # the run went on: no longer preempted
+
+
+CRASHING_MODEL = '''
+import functools, os, time
+from pipeflow.models.mlp import build_mlp
+
+
+@functools.wraps(build_mlp)
+def build(**kwargs):
+    if os.environ.get("RANK") == "1":
+        os._exit(1)  # a crash on one rank while its peer still builds its model
+    time.sleep(10)
+    return build_mlp(**kwargs)
+'''
+
+
+def test_a_rank_that_crashes_at_start_up_is_a_failure_not_a_preemption(tmp_path: Path) -> None:
+    """Issue 57: rank 1 exits 1 while rank 0 builds its model; torchrun's agent SIGTERMs rank 0,
+    which leaves at once recording a stop at start-up.  The launcher exits 1 (torchrun's own
+    status) and says why, not 75: a requeue on 75 would restart a crashing job forever."""
+    (tmp_path / "crashing_model.py").write_text(CRASHING_MODEL)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path), **interpreters()}
+    env.pop("PIPEFLOW_FAULT_INJECT", None)
+    done = subprocess.run([sys.executable, "-m", "pipeflow.launch", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "train.py"), *RUN, "model._target_=crashing_model.build",
+                           f"train.run_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    text = done.stdout + done.stderr
+    assert done.returncode == 1, text[-4000:]
+    assert re.search(r"\[pipeflow.launch\] a worker failed \(exit statuses \[1, 75\]\) and torchrun stopped the "
+                     r"others, which recorded 'preempted at start-up", text), text[-4000:]
+    assert "exiting with status 75" not in text and text.count("leaving with status 75") <= 1, text[-4000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,38 @@ def test_save_on_signal_names() -> None:
         signal_numbers("SIGKILL")
     with pytest.raises(ConfigError, match="not a signal"):
         signal_numbers("SIGNOPE")
+
+
+def test_ctrl_c_saves_like_sigterm_counts_torchruns_copy_once_and_a_second_press_quits(
+        one_rank_group, tmp_path, monkeypatch) -> None:
+    """Issue 57: SIGINT is in train.save_on_signal's default; under torchrun a worker gets a Ctrl-C
+    twice (the terminal's and the agent's) within a moment: one request.  A Ctrl-C pressed again
+    later (past signals.REPEAT_WITHIN_S) quits at once with KeyboardInterrupt."""
+    from pipeflow.run import signals
+
+    trainer = _trainer(tmp_path, train__max_steps=8, train__save_every=0)
+    assert signal_numbers(trainer.cfg.train.save_on_signal) == [signal.SIGTERM, signal.SIGINT]
+    received: list[str] = []
+    monkeypatch.setattr(signals, "REPEAT_WITHIN_S", 0.2)
+    restore = catch_signals(signal_numbers(trainer.cfg.train.save_on_signal), received.append)
+    try:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)  # torchrun's copy: no KeyboardInterrupt, one request
+        assert received == ["SIGINT"]
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)  # pressed again: quit without waiting for the save
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    stopped = catch_signals([signal.SIGINT], trainer._on_signal)
+    try:
+        trainer.advance(0)
+        signal.raise_signal(signal.SIGINT)
+        assert trainer._train(1) == 3  # saved at the next step boundary, as on SIGTERM
+    finally:
+        stopped()
+    assert _saved_steps(tmp_path) == ["step_00000003"]
 
 
 def test_without_fused_adamw_the_step_reads_back_before_its_update(one_rank_group, tmp_path) -> None:

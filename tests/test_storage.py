@@ -24,7 +24,7 @@ from pipeflow.errors import ConfigError, RunDirNotSharedError  # noqa: E402
 from pipeflow.run import checkpoint, storage  # noqa: E402
 from pipeflow.run.checkpoint_gather import gather  # noqa: E402
 from pipeflow.run.config import check_values  # noqa: E402
-from pipeflow.run.export import read_layers  # noqa: E402
+from pipeflow.run.export import check_complete, read_layers  # noqa: E402
 from pipeflow.runtime import hosts  # noqa: E402
 
 TWO_HOSTS = hosts.HostTable((("h0", "10.0.0.1", (0, 1)), ("h1", "10.0.0.2", (2, 3))))
@@ -59,6 +59,17 @@ def _save_failing_on_host1(root: str, stage: int) -> None:
         checkpoint.save(root, 3, layers, opt, {}, job="jobL", storage="local")
     finally:
         checkpoint._commit_part = real
+
+
+class TwoLinears:
+    """The run's model as export sees it (:func:`pipeflow.run.export.check_complete`): two layers
+    with weights."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def build_all(self) -> list[torch.nn.Module]:
+        return [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
 
 
 def local_save_resume_gather() -> dict:
@@ -104,6 +115,15 @@ def local_save_resume_gather() -> dict:
     checkpoint.load(box[0], whole, opt)
     ref, _ = _layers(stage, 1)
     out["merged_load"] = all(torch.equal(ref[stage].state_dict()[k], v) for k, v in whole[stage].state_dict().items())
+    # pp outermost (rank = stage * 2 + dp): host h0's ranks 0-1 hold stage 0 alone; its part is half the model
+    across = [os.path.join(base, "across", f"host{i}", "checkpoints") for i in range(2)]
+    layers, opt = _layers(rank // 2, 1)
+    checkpoint.save(across[host], 1, layers, opt, {"dp": 2, "pp": 2}, job="jobP", storage="local")
+    if rank == 0:
+        part, whole_part = os.path.join(across[0], "step_00000001"), os.path.join(roots[0], "step_00000001")
+        out["half_export"] = _error(lambda: check_complete(part, read_layers(part), TwoLinears()))
+        out["whole_export"] = check_complete(whole_part, read_layers(whole_part), TwoLinears())
+    dist.barrier()
     _on_rank0(lambda: shutil.rmtree(base, ignore_errors=True))
     hosts.remember(hosts.HostTable())
     return out
@@ -134,6 +154,12 @@ def test_local_storage_saves_each_hosts_part_resumes_in_any_host_order_and_gathe
         assert out["merged_load"]
     main = values[0]
     assert "global ranks 2-3" in main["incomplete"] and "host h1" in main["incomplete"], main["incomplete"]
+    # issue 57: export refuses one host's part that lacks layers (it wrote 8 of 16 tensors with rc 0)
+    half = main["half_export"]
+    assert half.startswith("CheckpointError: checkpoint ") and "is host h0's part of step 1" in half, half
+    assert "global ranks 0-1" in half and "lacks layers 1 of the run's model (2 layers)" in half, half
+    assert "python -m pipeflow.checkpoint gather" in half, half
+    assert main["whole_export"] is None  # a part holding a whole replica exports
     assert main["merged_ok"] is None
     assert main["merged"][1] == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp",
                                  "meta.json", "rng"]

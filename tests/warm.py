@@ -113,6 +113,10 @@ def run_main(argv: Sequence[str], cwd: str, env: Mapping[str, str], stdout: str 
     ``-c code``), then leave with its exit status."""
     os.chdir(cwd)
     become(env, stdout, stderr)
+    # the interpreter reads PYTHONPATH at start; the server started with its own
+    for entry in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
+        if entry not in sys.path:
+            sys.path.insert(0, os.path.abspath(entry))
     if unbuffered:  # python -u
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(write_through=True)

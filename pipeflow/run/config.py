@@ -111,9 +111,9 @@ class TrainConfig:
     checkpoint_storage: CheckpointStorage = CheckpointStorage.shared
     resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
     check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage (fp16 overflow: skipped)
-    # signals that save a checkpoint at the next step boundary and end the job (exit code 75):
-    # what a cluster scheduler sends before it kills a job; [] or null: off
-    save_on_signal: Any = field(default_factory=lambda: ["SIGTERM"])  # a name, a list of names, or false
+    # signals that save a checkpoint at the next step boundary and end the job (exit code 75): a
+    # scheduler's before it kills a job, Ctrl-C (again 5 s later: quit unsaved); [] or null: off
+    save_on_signal: Any = field(default_factory=lambda: ["SIGTERM", "SIGINT"])  # a name, a list of names, or false
     # torch.compile each layer (its forward and its backward; split-backward schedules compute B
     # and W once each); docs/guides/compile.md
     compile: bool = False

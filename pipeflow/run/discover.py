@@ -30,7 +30,7 @@ log = logging.getLogger("pipeflow")
 CONFIG_FILE = "config.yaml"
 IGNORED_KEYS = frozenset({
     "train.max_steps", "train.log_every", "train.eval_every", "train.eval_batches", "train.save_every",
-    "train.run_dir", "train.resume", "train.check_finite",
+    "train.run_dir", "train.resume", "train.check_finite", "train.save_on_signal",  # how a run stops: not what it trains
 })
 IGNORED_PREFIXES = ("metrics.", "plan.", "parallel.", "pipeline.", "schedule.", "comm.", "dist.")
 SHOWN_RUNS = 3

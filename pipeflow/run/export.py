@@ -48,7 +48,8 @@ from pipeflow.errors import CheckpointError, ConfigError
 from pipeflow.models.dcp_metadata import SafeReader
 from pipeflow.models.spec import ModelSpec
 from pipeflow.run import checkpoint_gather, export_lora, integrity
-from pipeflow.run.checkpoint_find import resolve, verify
+from pipeflow.run.checkpoint_find import read_meta, resolve, verify
+from pipeflow.runtime.hosts import rank_ranges
 
 log = logging.getLogger("pipeflow")
 
@@ -130,6 +131,43 @@ def _check_layers(spec: ModelSpec, layers: dict[int, Any], path: str) -> str:
         return (f"checkpoint {path} holds layers up to {max(layers)} but the run's model {spec.name!r} has "
                 f"{len(spec)} layers: its config.yaml is not the config that checkpoint was saved with")
     return ""
+
+
+def check_complete(path: str, layers: dict[int, Any], spec: ModelSpec | None) -> None:
+    """Refuse to export part of a model: a host's part of a ``train.checkpoint_storage=local``
+    checkpoint that lacks layers the other hosts' parts hold (gather them first), or a checkpoint
+    without some layers of its run's model.
+
+    Raises:
+        CheckpointError: naming the layers missing, the host and ranks, and what to run.
+    """
+    meta = read_meta(path)
+    expected = _stateful_layers(spec) if spec is not None else None
+    missing = sorted(expected - set(layers)) if expected is not None else []
+    if not missing:
+        if expected is None and meta.get("storage") == "local":
+            log.warning("note: %s is one host's part (train.checkpoint_storage=local) and the run's model could not be "
+                        "built here (%s): whether it holds every layer is not checked", path, model_of(path)[1])
+        return
+    lacking = f"layers {rank_ranges(missing)} of the run's model ({len(spec)} layers)"  # type: ignore[arg-type]
+    if meta.get("storage") == "local":
+        raise CheckpointError(
+            f"checkpoint {path} is host {meta.get('host')}'s part of step {meta.get('step')} "
+            f"(train.checkpoint_storage=local, global ranks {rank_ranges(meta.get('host_ranks', []))}): it lacks "
+            f"{lacking}, which the other hosts' parts hold; merge the parts first: python -m pipeflow.checkpoint "
+            f"gather <each host's {os.path.basename(path.rstrip('/'))}> <out>, then export <out>")
+    raise CheckpointError(f"checkpoint {path} lacks {lacking}: it is damaged or was not saved by this run; "
+                          f"export another checkpoint")
+
+
+def _stateful_layers(spec: ModelSpec) -> set[int] | None:
+    """The indices of `spec`'s layers that hold parameters or buffers (built on the meta device);
+    None when they cannot be built here."""
+    try:
+        with torch.device("meta"):
+            return {i for i, layer in enumerate(spec.build_all()) if layer.state_dict()}
+    except Exception:  # noqa: BLE001 - no check rather than no export
+        return None
 
 
 def named(layers: dict[int, dict[str, torch.Tensor]], spec: ModelSpec, tied_once: bool) -> dict[str, torch.Tensor]:
@@ -297,6 +335,8 @@ def export(path: str, out: str, format: str = "pt", force: bool = False,
     _check_target(out, force, hf=format != "pt")
     layers = read_layers(path)
     spec, why = model_of(path)
+    if export_lora.base_of(path) is None:  # an adapters-only checkpoint holds the adapters' layers alone
+        check_complete(path, layers, spec)
     if format == "peft" or merge_lora or export_lora.base_of(path) is not None:
         if format == "peft":
             write, count = export_lora.adapter_folder(path, layers, spec, why)

@@ -6,7 +6,9 @@ signal save and exit 75, but torchrun itself reports a failed child (status 1): 
 script or a scheduler's requeue cannot tell.  This launcher runs torchrun in its own process
 (so a signal reaches torchrun once, whoever sends it), gives the workers a status file
 (``PIPEFLOW_STATUS_FILE``) in which rank 0 records ``preempted at step N``, and exits with
-:data:`~pipeflow.run.signals.PREEMPTED_EXIT_CODE` when it does.
+:data:`~pipeflow.run.signals.PREEMPTED_EXIT_CODE` when it does and the job was asked to stop: a
+signal reached this launcher, or every worker that ended early ended with 75.  A worker that
+failed, whose peers torchrun then stopped (and who recorded their stop), is a failure: status 1.
 
 **Each node finds its own address** (``--nnodes`` above 1 with a c10d ``--rdzv-endpoint``).
 torchrun publishes the rank-0 node's ``socket.getfqdn()`` as ``MASTER_ADDR`` and gloo binds
@@ -41,6 +43,7 @@ USAGE = """usage: python -m pipeflow.launch [torchrun options] train.py [overrid
 torchrun (python -m torch.distributed.run) with two additions:
   * exit status 75 when the job was preempted (a train.save_on_signal signal: saved, relaunch
     with train.resume=auto to continue), where torchrun alone reports 1 as for a failure;
+    1 when a worker failed (the others torchrun stopped are no preemption);
     0 when the job finished, torchrun's own status otherwise;
   * on several nodes (--nnodes N or MIN:MAX with N, MAX > 1, --rdzv-backend c10d,
     --rdzv-endpoint HOST:PORT) it finds this node's address on the route to the endpoint and
@@ -259,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(added)
     from torch.distributed import run as torchrun  # late: --help and address errors need no torch
 
+    signalled, failed_codes = False, []
     with status_file() as path:
         os.environ[STATUS_FILE_ENV] = path
         try:
@@ -268,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         except BaseException as exc:  # noqa: BLE001 - torchrun's ChildFailedError, its SignalException
             sigval = getattr(exc, "sigval", None)
+            signalled = sigval is not None
+            failed_codes = [failure.exitcode for failure in getattr(exc, "failures", {}).values()]
             status = 128 + int(sigval) if sigval is not None else 1
             print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)  # torchrun's report (exitcode lines)
             if _rendezvous_lost(exc):
@@ -276,7 +282,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"job again on the nodes left, with ENDPOINT on one of them and train.resume=auto (the newest "
                      f"verified checkpoint is taken)")
         preempted = preemption_recorded(path)
-    if preempted is not None:
+    if preempted is None or status == 0:
+        return status
+    if signalled or (failed_codes and all(code == PREEMPTED_EXIT_CODE for code in failed_codes)):
         _say(f"{preempted}; exiting with status {PREEMPTED_EXIT_CODE} (relaunch with train.resume=auto to continue)")
         return PREEMPTED_EXIT_CODE
+    # torchrun's agent stopped the workers because one failed: those it stopped say "preempted",
+    # but a requeue on 75 would restart a crashing job forever
+    _say(f"a worker failed (exit statuses {sorted(set(failed_codes))}) and torchrun stopped the others, which "
+         f"recorded '{preempted}'; exiting with status {status}: a failure, not a preemption (status "
+         f"{PREEMPTED_EXIT_CODE} would have a requeue restart a crashing job)")
     return status

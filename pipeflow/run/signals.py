@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,9 @@ from pipeflow.errors import ConfigError
 log = logging.getLogger("pipeflow")
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: the job saved and stopped on a signal; relaunch to continue
+# A signal again within this long is the same request: Ctrl-C reaches a worker twice under torchrun
+# (from the terminal's process group, and forwarded by the agent).  A Ctrl-C later than this quits.
+REPEAT_WITHIN_S = 5.0
 
 
 def signal_names(names: Any) -> list[str]:
@@ -47,8 +51,20 @@ def signal_numbers(names: Any) -> list[int]:
 def catch_signals(numbers: list[int], on_signal: Callable[[str], None]) -> Callable[[], None]:
     """Call ``on_signal(name)`` when a signal in `numbers` arrives (it only sets a flag: the step's
     all-reduce carries it); returns a function that restores the previous handlers.  Outside the
-    main thread (where Python cannot install handlers) nothing is installed, with a warning."""
+    main thread (where Python cannot install handlers) nothing is installed, with a warning.
+
+    The same signal again counts once; only SIGINT repeated more than :data:`REPEAT_WITHIN_S`
+    after the first (a second Ctrl-C, not torchrun's copy of the first) raises
+    ``KeyboardInterrupt``: quit now, without the save."""
+    first: dict[int, float] = {}
+
     def handler(signum: int, frame: Any) -> None:
+        now = time.monotonic()
+        if signum in first:
+            if signum == signal.SIGINT and now - first[signum] > REPEAT_WITHIN_S:
+                raise KeyboardInterrupt
+            return
+        first[signum] = now
         on_signal(signal.Signals(signum).name)
 
     previous: dict[int, Any] = {}
