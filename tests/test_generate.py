@@ -73,6 +73,30 @@ def test_options_and_the_stage_split():
     assert split(6, 4) == [range(0, 1), range(1, 3), range(3, 4), range(4, 6)]
     with pytest.raises(ConfigError, match="at most 6"):
         split(6, 7)
+    # issue 57: YAML reads 1e-30 as text; it is a float all the same
+    assert parse_options(["generate.temperature=1e-30"])[0].temperature == 1e-30
+
+
+def test_prompts_that_cannot_be_generated_from_are_named(tmp_path):
+    """Issue 57: an empty prompts file was rc 0 with no output; a token id outside the vocabulary a
+    raw IndexError."""
+    from omegaconf import OmegaConf
+
+    from pipeflow.run.generate import Prompts, read_prompts
+
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    with pytest.raises(ConfigError, match=r"generate.prompts='.*empty.txt' holds no prompt"):
+        read_prompts(str(tmp_path / "empty.txt"))
+    (tmp_path / "p.txt").write_text("1 2\n\n3\n")
+    assert read_prompts(str(tmp_path / "p.txt")) == ["1 2", "3"]
+    options, _ = parse_options([f"generate.prompts={tmp_path / 'p.txt'}"])
+    prompts = Prompts(OmegaConf.create({"model": {"vocab_size": 64}}), options, hf=False)
+    assert prompts.encode("0 63") == [0, 63]
+    with pytest.raises(ConfigError, match=r"prompt '3 64' has token id 64, outside the model's vocabulary 0..63 "
+                                          r"\(model.vocab_size=64\)"):
+        prompts.encode("3 64")
+    with pytest.raises(ConfigError, match=r"token id -1"):
+        prompts.encode("-1 2")
 
 
 def test_the_runs_saved_config_is_read_and_overrides_apply_on_top(tmp_path):

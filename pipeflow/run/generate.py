@@ -20,6 +20,7 @@ written as one JSON line per prompt ``{"prompt": ..., "completion": ...}``.  The
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -95,6 +96,9 @@ def _option_value(name: str, text: str, item: str) -> Any:
         kind = "token id or a list of them"
     else:
         kind = type(getattr(GenerateOptions(), name)).__name__
+        if kind == "float" and isinstance(parsed, str):  # YAML reads 1e-30 (no dot) as text
+            with contextlib.suppress(ValueError):
+                parsed = float(parsed)
         fits = type(parsed).__name__ == kind or (kind == "float" and type(parsed) is int)
     if not fits:
         raise ConfigError(f"{item!r}: generate.{name} takes a {kind}")
@@ -213,12 +217,29 @@ def split(layers: int, stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
+def read_prompts(path: str) -> list[str]:
+    """The prompts of file `path`: its lines that are not blank.
+
+    Raises:
+        ConfigError: the file cannot be read, or holds no prompt.
+    """
+    try:
+        with open(path) as f:
+            lines = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as exc:
+        raise ConfigError(f"generate.prompts={path!r} cannot be read ({exc}): a text file, one prompt a line") from exc
+    if not lines:
+        raise ConfigError(f"generate.prompts={path!r} holds no prompt (it is empty or blank): write one prompt a line")
+    return lines
+
+
 class Prompts:
     """Reads prompts into token ids and completions back to text, for ``model=hf`` (the model's
     tokenizer) or ``model=gpt`` (space-separated ids)."""
 
     def __init__(self, cfg: DictConfig, options: GenerateOptions, hf: bool) -> None:
         self.options, self.tokenizer = options, None
+        self.vocab_size = OmegaConf.select(cfg, "model.vocab_size", default=None)
         if hf:
             from transformers import AutoTokenizer
 
@@ -234,9 +255,17 @@ class Prompts:
         """One prompt line as token ids."""
         if self.tokenizer is None:
             try:
-                return [int(t) for t in line.split()]
+                ids = [int(t) for t in line.split()]
             except ValueError as exc:
                 raise ConfigError(f"model=gpt prompts are space-separated token ids; {line!r} is not") from exc
+            outside = [i for i in ids if i < 0 or (self.vocab_size is not None and i >= self.vocab_size)]
+            if outside:
+                where = f"generate.prompts={self.options.prompts!r}: prompt {line!r} has token id {outside[0]}"
+                if self.vocab_size is None:
+                    raise ConfigError(f"{where}: token ids are 0 or more")
+                raise ConfigError(f"{where}, outside the model's vocabulary 0..{self.vocab_size - 1} "
+                                  f"(model.vocab_size={self.vocab_size})")
+            return ids
         if self.options.chat:
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": line}], add_generation_prompt=True,
                                                      tokenize=True)
@@ -323,12 +352,7 @@ def _generate(cfg: DictConfig, path: str | None, options: GenerateOptions, devic
         merge_adapters(layers)
     prompts = Prompts(cfg, options, spec.name.startswith("hf-"))
     decoder = stage_decoder(cfg, spec, layers)
-    try:
-        with open(options.prompts) as f:
-            lines = [line.rstrip("\n") for line in f if line.strip()]
-    except OSError as exc:
-        raise ConfigError(f"generate.prompts={options.prompts!r} cannot be read ({exc}): a text file, one prompt a "
-                          f"line") from exc
+    lines = read_prompts(options.prompts)
     eos, pad = prompts.stop_ids(cfg)
     ids = [prompts.encode(line) for line in lines]
     b = options.batch_size
