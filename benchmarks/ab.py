@@ -28,6 +28,20 @@ ROOT = Path(__file__).resolve().parents[1]
 FIGURE = r"([\d.]+) ms"
 
 
+def commit_of(revision: str) -> str:
+    """The commit `revision` names in this repository.
+
+    Raises:
+        SystemExit: it names no commit (unknown, or a tree or file such as ``HEAD:docs``).
+    """
+    done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"ab: --base {revision!r} names no commit of {ROOT}: give a commit, branch or tag "
+                         f"(git log --oneline lists them)")
+    return done.stdout.strip()
+
+
 def export(commit: str, into: Path) -> Path:
     """The tree of `commit`, written into `into` (no git state changes)."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True, check=True).stdout
@@ -73,11 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--figure", default=FIGURE, help="regex whose first group is the figure (default: last '<n> ms')")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per run")
     args = parser.parse_args(argv[:split])
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1 round is needed for a median")
     command = argv[split + 1:]
     if not command:
         raise SystemExit("ab: no benchmark command after --")
+    commit = commit_of(args.base)
     with tempfile.TemporaryDirectory(prefix="pipeflow-ab-") as tmp:
-        base = export(args.base, Path(tmp))
+        base = export(commit, Path(tmp))
         figures: dict[str, list[float]] = {"base": [], "head": []}
         for k in range(args.rounds):
             order = (("base", base), ("head", ROOT)) if k % 2 == 0 else (("head", ROOT), ("base", base))

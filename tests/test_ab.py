@@ -25,3 +25,16 @@ def test_each_tree_runs_with_its_own_pipeflow_and_one_line_compares_them() -> No
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("ab: head/base ") and f"head {head:g} ms" in last, last  # this tree's own package
     assert f"base {head:g} ms" not in last  # the base ran from its exported copy
+
+
+def test_a_base_that_names_no_commit_and_no_rounds_are_refused_in_one_line(capsys) -> None:
+    """Issue 57: an unknown base was a 13-line CalledProcessError, --rounds 0 a StatisticsError,
+    and a tree (HEAD:docs) was taken as a base."""
+    import pytest
+
+    for base in ("no-such-revision", "HEAD:docs"):
+        with pytest.raises(SystemExit, match=rf"ab: --base '{base}' names no commit of .*: give a commit"):
+            ab.main(["--base", base, "--", "true"])
+    with pytest.raises(SystemExit) as stop:
+        ab.main(["--base", "HEAD", "--rounds", "0", "--", "true"])
+    assert stop.value.code == 2 and "--rounds 0: at least 1 round" in capsys.readouterr().err
