@@ -33,6 +33,10 @@ def test_a_key_of_another_source_is_refused_naming_this_sources_keys() -> None:
         compose_config(["data=chat", "data.level=byte"])
     with pytest.raises(Exception, match=r"Did you mean data.overlong=drop\?"):  # a near miss: the nearest key
         compose_config(["data=chat", "data.overlng=drop"])
+    # issue 57: the previous release took data.vocab_size with data=tokens; the error suggested data.batch_size
+    with pytest.raises(Exception, match=r"'data.vocab_size': data=tokens has no key vocab_size; it is the model's "
+                                        r"here: model.vocab_size=64. data=tokens's keys: name, batch_size, .*path"):
+        compose_config(["data=tokens", "data.vocab_size=64"])
     with pytest.raises(ConfigError, match=r"^data.level is not a key of data=markov; its keys: name, batch_size"):
         typed_data(OmegaConf.create({"name": "markov", "level": "byte"}))  # a plain YAML, read without the schemas
     # a sweep over sources (-m data=markov,text data.path=x.txt): each job takes the keys its source has

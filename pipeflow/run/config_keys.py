@@ -47,6 +47,21 @@ def suggest_keys(key: str, known: list[str], count: int = 2) -> list[str]:
     return difflib.get_close_matches(key, known, n=count, cutoff=0.8)
 
 
+def _model_key_given_as_data(key: str, value: str, cfg: Any) -> Exception | None:
+    """``data.vocab_size=64`` where the data source has no such key but the model does (the
+    vocabulary of ``data=tokens`` is the model's): the error names the model's key (None: another
+    case).  Without it the nearest key by spelling, ``data.batch_size``, would be suggested."""
+    section, _, leaf = key.partition(".")
+    data = OmegaConf.select(cfg, "data", throw_on_missing=False)
+    model = OmegaConf.select(cfg, "model", throw_on_missing=False)
+    if section != "data" or "." in leaf or not OmegaConf.is_dict(data) or "name" not in data:
+        return None
+    if not OmegaConf.is_dict(model) or leaf not in model:
+        return None
+    return ConfigCompositionException(f"Could not override '{key}': data={data.name} has no key {leaf}; it is the "
+                                      f"model's here: model.{leaf}={value}. data={data.name}'s keys: {', '.join(data)}")
+
+
 def _with_suggestion(exc: Exception, overrides: list[Any], cfg: Any) -> Exception | None:
     """Hydra's 'Could not override' error for an unknown key, with a did-you-mean (None: another error)."""
     text = str(exc)
@@ -54,6 +69,9 @@ def _with_suggestion(exc: Exception, overrides: list[Any], cfg: Any) -> Exceptio
         return None
     key = text[len("Could not override '"):].split("'", 1)[0]
     value = next((o.input_line.partition("=")[2] for o in overrides if o.key_or_group == key), "...")
+    moved = _model_key_given_as_data(key, value, cfg)
+    if moved is not None:
+        return moved
     close = suggest_keys(key, config_keys(cfg))
     if close:
         options = " or ".join(f"{k}={value}" for k in close)
