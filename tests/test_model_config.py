@@ -147,6 +147,17 @@ def test_model_init_from_loads_every_built_in_model_from_its_export(tmp_path: Pa
         build_spec(cfg.model).build_layers([last])
 
 
+def test_a_builder_that_cannot_be_imported_is_named_in_one_line() -> None:
+    """Issue 57: model._target_=no.such.module.build gave Hydra's InstantiationException text,
+    naming no key."""
+    from omegaconf import OmegaConf
+    from pipeflow.run.builder import build_spec
+
+    with pytest.raises(ConfigError, match=r"^model._target_='no.such.module.build' cannot be imported \(.*'no'.*\): "
+                                          r"give the import path of a builder"):
+        build_spec(OmegaConf.create({"_target_": "no.such.module.build"}))
+
+
 def test_a_builders_own_error_is_its_one_line_not_hydras_wrapper(tmp_path: Path) -> None:
     """Issue 38: every model=hf ConfigError arrived inside Hydra's InstantiationException (the
     builder's line buried in a traceback); build_spec raises the builder's own error, Hydra's

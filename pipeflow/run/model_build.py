@@ -53,6 +53,16 @@ def build_spec(model_cfg: DictConfig) -> ModelSpec:
         ConfigError: a key the builder takes no argument for, the builder's own, or the builder
             returned something else than a ModelSpec.
     """
+    target = OmegaConf.select(model_cfg, "_target_")
+    if isinstance(target, str):
+        try:
+            get_method(target)
+        except Exception as exc:  # noqa: BLE001 - Hydra's text is several lines with no key in it
+            cause = str(exc.__cause__ or exc).strip().splitlines()
+            raise ConfigError(f"model._target_={target!r} cannot be imported ({cause[-1] if cause else type(exc).__name__}"
+                              f"): give the import path of a builder that returns a ModelSpec, e.g. "
+                              f"pipeflow.models.build_gpt, on the PYTHONPATH of every rank "
+                              f"(docs/start/2-your-model.md)") from exc
     try:
         spec = instantiate(builder_config(model_cfg))
     except InstantiationException as exc:
