@@ -193,3 +193,14 @@ def test_a_users_builder_on_a_built_in_schema_is_not_passed_its_null_keys() -> N
     assert build_spec(_compose(*overrides).model).name
     with pytest.raises(ConfigError, match=r"^model.init_from is not an argument of examples.custom_model.build_residual_mlp"):
         build_spec(_compose(*overrides, "model.init_from=x.pt").model)
+
+
+def test_rows_longer_than_the_models_positions_are_refused_naming_both_keys() -> None:
+    """Issue 57: model.block_size=8 data.seq_len=16 stopped in the first step with a StageError
+    (an index error in the position embedding), no key named."""
+    from pipeflow.run.config import check_config
+
+    with pytest.raises(ConfigError, match=r"^data.seq_len=16 is longer than model.block_size=8, the positions the "
+                                          r"model has: set model.block_size=16 \(or more\), or data.seq_len=8$"):
+        check_config(_compose("model.block_size=8", "data.seq_len=16"), 1)
+    assert check_config(_compose("model.block_size=16", "data.seq_len=16"), 1) == (1, 1)

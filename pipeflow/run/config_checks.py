@@ -129,6 +129,19 @@ def tensor_degree(parallel: Any) -> int:
 SHARD_MODES = ("none", "optimizer", "full")
 
 
+def check_context(cfg: Any) -> None:
+    """A model with ``block_size`` positions (model=gpt) must fit the data's rows (``data.seq_len``).
+
+    Raises:
+        ConfigError: naming both keys and the two ways to agree.
+    """
+    block = OmegaConf.select(cfg, "model.block_size", default=None)
+    seq_len = OmegaConf.select(cfg, "data.seq_len", default=None)
+    if isinstance(block, int) and isinstance(seq_len, int) and seq_len > block:
+        raise ConfigError(f"data.seq_len={seq_len} is longer than model.block_size={block}, the positions the model "
+                          f"has: set model.block_size={seq_len} (or more), or data.seq_len={block}")
+
+
 def check_across_sections(cfg: Any, world_size: int) -> tuple[int, int]:
     """What spans the sections, once each section is checked (:func:`pipeflow.run.config.check_config`
     runs both); returns (dp, pp).
@@ -138,6 +151,7 @@ def check_across_sections(cfg: Any, world_size: int) -> tuple[int, int]:
     """
     dp, pp = resolve_layout(cfg.parallel, world_size)
     check_targets(cfg)
+    check_context(cfg)
     check_sequence_parallel(cfg)
     check_expert_parallel(cfg.parallel.ep, dp, tensor_degree(cfg.parallel), cfg.parallel.shard,
                           int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0))  # a model without experts
