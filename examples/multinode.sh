@@ -20,7 +20,10 @@
 #   PYTHON    the interpreter (default python3)
 #
 # Global rank = node rank * NPROC + local rank; docs/start/4-scale-out.md says where each rank's stage goes.
-# Checkpoints (train.save_every) need a directory every node sees (train.run_dir on a shared FS).
+# Checkpoints (train.save_every): train.run_dir on a file system every node sees, or
+# train.checkpoint_storage=local (each node keeps its own part; python -m pipeflow.checkpoint
+# gather merges the parts). An elastic job (NNODES=1:2) needs a layout that fits the smaller
+# world: parallel.dp=auto with a parallel.pp that divides the ranks left.
 set -euo pipefail
 NNODES=${NNODES:-2}
 NPROC=${NPROC:-8}

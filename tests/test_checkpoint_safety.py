@@ -322,6 +322,9 @@ def test_a_latest_that_is_a_directory_is_named_at_resume_and_left_at_save(one_ra
 def test_a_first_failure_that_only_lost_a_peer_is_not_named_as_the_cause() -> None:
     cause = "rank 2: StageError: pipeline rank 2, stage 2, micro-batch 3, action 2F3: RuntimeError: boom"
     assert guard.first_failure_note(cause) == f"the first failure in this job was {cause}"
+    gone = f"{guard.UNKNOWN_FIRST}the rendezvous store is gone (DistStoreError); its host ended"
+    assert guard.first_failure_note(gone) == ("the job's first failure is not known here: the rendezvous store is "
+                                              "gone (DistStoreError); its host ended")  # issue 57: was "... was unknown"
     survivor = ("rank 1: RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
                 "closed by peer [127.0.0.1]:3983")
     note = guard.first_failure_note(survivor)

@@ -163,6 +163,7 @@ MESSAGE_SAYS_ALL = (ConfigError, ScheduleError, CheckpointError, RunDirLockedErr
 # words of a failure that only saw a peer go away (its connection closed or reset; a save's own
 # wording, pipeflow.run.checkpoint)
 LOST_PEER_SIGNS = (*failures.CONNECTION_LOST_SIGNS, "a peer stopped taking part")
+UNKNOWN_FIRST = "not known: "  # a failure watch that lost the store: no record to read
 
 
 def first_failure_note(first: str) -> str:
@@ -172,6 +173,8 @@ def first_failure_note(first: str) -> str:
     a survivor's that only saw its connection go.  Such a record is named as what it is, not as
     the job's root cause.
     """
+    if first.startswith(UNKNOWN_FIRST):
+        return f"the job's first failure is not known here: {first.removeprefix(UNKNOWN_FIRST)}"
     if not any(sign in first for sign in LOST_PEER_SIGNS):
         return f"the first failure in this job was {first}"
     return (f"the first failure recorded in this job was {first}; that rank had only lost a peer, so the rank "
@@ -242,7 +245,7 @@ def watch_for_failures(
             except Exception as exc:  # noqa: BLE001 - the store's host is gone: so is the job
                 if stop.is_set():
                     return
-                first = f"unknown: the rendezvous store is gone ({type(exc).__name__}); its host (rank 0 or the launcher) ended"
+                first = f"{UNKNOWN_FIRST}the rendezvous store is gone ({type(exc).__name__}); its host (rank 0 or the launcher) ended"
             if first.startswith(f"rank {rank}:") or _FAILING.is_set():  # fail() is ending this rank
                 return
             log.error("rank %d: leaving because the job failed elsewhere; %s", rank, first_failure_note(first))
