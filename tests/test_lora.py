@@ -40,8 +40,8 @@ def _base(folder: Path) -> Path:
     return folder
 
 
-def _config(source: Path, run_dir: Path, *extra: str):
-    return compose_config(["model=hf", f"model.path={source}", *LORA, "data.vocab_size=32", "data.seq_len=8",
+def _config(source: Path, run_dir: Path, *extra: str, lora: bool = True):
+    return compose_config(["model=hf", f"model.path={source}", *(LORA if lora else []), "data.vocab_size=32", "data.seq_len=8",
                            "data.batch_size=4", "pipeline.num_microbatches=2", "pipeline.profile=false",
                            "train.dtype=float64", "train.eval_every=0", "train.log_every=100", "train.max_steps=2",
                            "optim.lr=0.05", f"train.run_dir={run_dir}", "metrics.memory_steps=[]", *extra])
@@ -135,6 +135,11 @@ def test_resume_loads_the_adapters_and_refuses_another_base(trained, one_rank_gr
     moved = build_run(_config(other, tmp_path / "run3", f"train.resume={path}"), torch.device("cpu"))
     with pytest.raises(CheckpointError, match="LoRA adapters trained on the base .* other weights"):
         moved.resume()
+    # issue 57: into a run without model.lora it said "has no ...weight ... saved from another model"
+    full = build_run(_config(source, tmp_path / "run4", f"train.resume={path}", lora=False), torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"holds LoRA adapters only \(the base they were trained on is named in its "
+                                          r"meta.json, not saved\), and this run has no model.lora: resume it with"):
+        full.resume()
 
 
 def test_named_errors(tmp_path: Path) -> None:

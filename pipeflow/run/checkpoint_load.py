@@ -17,6 +17,7 @@ from pipeflow.models.dcp_metadata import SafeReader
 from pipeflow.run import integrity
 from pipeflow.run.checkpoint_find import read_meta
 from pipeflow.run.checkpoint_state import model_state, optimizer_state, whole_strided
+from pipeflow.run.lora_base import LORA_BASE
 from pipeflow.run.storage import host_part
 from pipeflow.runtime import hosts
 from pipeflow.runtime.fsdp import local
@@ -115,6 +116,12 @@ def _check_model(path: str, model: dict[str, torch.Tensor], saved: dict[str, Any
                 f"only what its own ranks saved, and this host's ranks now hold other layers); resume with the hosts "
                 f"in the order that saved it, or gather the parts (python -m pipeflow.checkpoint gather) and resume "
                 f"from the merged checkpoint")
+        if LORA_BASE in read_meta(path):  # saved by a LoRA run: its adapters only, the base named
+            raise ConfigError(
+                f"checkpoint {path} holds LoRA adapters only (the base they were trained on is named in its "
+                f"meta.json, not saved), and this run has no model.lora: resume it with the model.lora it was trained "
+                f"with, or merge it (python -m pipeflow.checkpoint export --format hf --merge-lora {path} <folder>) and "
+                f"start from that folder (model.path=<folder>)")
         raise ConfigError(
             f"rank {culprit}: checkpoint {path} has no {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} "
             f"of this shape ({len(keys)} of that rank's model entries missing or reshaped): it was saved from "
