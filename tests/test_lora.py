@@ -26,6 +26,7 @@ from pipeflow.runtime.tensor_parallel_lora import is_lora_linear, lora_split  # 
 from pipeflow.models.spec import run_layers  # noqa: E402
 from pipeflow.run import checkpoint as ck  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
+from pipeflow.run.export import export  # noqa: E402
 from pipeflow.run.plan import compose_config  # noqa: E402
 from pipeflow.runtime.stage import layers_by_index  # noqa: E402
 
@@ -140,6 +141,16 @@ def test_resume_loads_the_adapters_and_refuses_another_base(trained, one_rank_gr
     with pytest.raises(ConfigError, match=r"holds LoRA adapters only \(the base they were trained on is named in its "
                                           r"meta.json, not saved\), and this run has no model.lora: resume it with"):
         full.resume()
+    # ... and exporting adapters from a run that has none said it "holds LoRA adapters"; peft + merge was rc 0
+    plain = build_run(_config(source, tmp_path / "run5", "train.save_every=2", lora=False), torch.device("cpu"))
+    plain.fit()
+    saved = f"{plain.checkpoint_root}/step_00000002"
+    for words in ({"format": "peft"}, {"format": "pt", "merge_lora": True}):
+        with pytest.raises(ConfigError, match=r"was not saved by a LoRA run \(its meta.json names no base model\): "
+                                              r"--(format peft|merge-lora) needs adapters"):
+            export(saved, str(tmp_path / "out"), **words)
+    with pytest.raises(ConfigError, match=r"^--merge-lora merges the adapters into the base: use it with --format hf"):
+        export(path, str(tmp_path / "out"), format="peft", merge_lora=True)
 
 
 def test_named_errors(tmp_path: Path) -> None:

@@ -331,7 +331,14 @@ def export(path: str, out: str, format: str = "pt", force: bool = False,
     """
     if format not in FORMATS:
         raise ConfigError(f"export format {format!r} is not one of {list(FORMATS)}")
+    if format == "peft" and merge_lora:
+        raise ConfigError("--merge-lora merges the adapters into the base: use it with --format hf or pt; "
+                          "--format peft writes the adapters alone")
     path = resolve(path, path)  # a checkpoint, or the newest under a root
+    if (format == "peft" or merge_lora) and export_lora.base_of(path) is None:
+        asked = "--format peft" if format == "peft" else "--merge-lora"
+        raise ConfigError(f"checkpoint {path} was not saved by a LoRA run (its meta.json names no base model): "
+                          f"{asked} needs adapters; export the whole model with --format pt or --format hf")
     _check_target(out, force, hf=format != "pt")
     layers = read_layers(path)
     spec, why = model_of(path)
