@@ -60,6 +60,14 @@ def test_named_errors_name_the_file_and_line(tokenizers, tmp_path) -> None:
     fx.write_jsonl(path, [[{"content": "who am I"}]])
     with pytest.raises(ChatDataError, match="bad.jsonl:1: message 0 .* needs a string \"role\""):
         tokenize_conversations([path], tokenizer)
+    fx.write_jsonl(path, [[{"role": "user", "content": "hi"}, {"role": "asistant", "content": "ok"}]])
+    with pytest.raises(ChatDataError, match=r"bad.jsonl:1: message 1 has role 'asistant'; the roles are system, user, "
+                                            r"assistant, tool"):  # issue 57: trained on nothing, silently
+        tokenize_conversations([path], tokenizer)
+    fx.write_jsonl(path, [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]])
+    with pytest.raises(ChatDataError, match=r"bad.jsonl:1: message 1 \(assistant\) has content None; a message's "
+                                            r"content is text"):
+        tokenize_conversations([path], tokenizer)
     fx.write_jsonl(path, [[{"role": "tool", "content": "42"}, {"role": "assistant", "content": "ok"}]])
     with pytest.raises(ChatDataError, match=r"bad.jsonl:1: the chat template refuses .*\['tool', 'assistant'\].*"
                                             r"role tool is not supported"):

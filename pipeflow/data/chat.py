@@ -74,6 +74,9 @@ def _parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
     yield from datasets.load_dataset("parquet", data_files=str(path), split="train")
 
 
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates take
+
+
 def _messages(row: Any, where: str) -> tuple[str, list[dict[str, Any]]]:
     """The row's messages, checked: a list of {role, content} dicts."""
     messages = row.get("messages") if isinstance(row, dict) else None
@@ -85,6 +88,12 @@ def _messages(row: Any, where: str) -> tuple[str, list[dict[str, Any]]]:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
             raise ChatDataError(f"{where}: message {k} is {message!r}; each message needs a string \"role\" and a "
                                 f"\"content\"")
+        if message["role"] not in ROLES:  # a misspelt "assistant" would be masked: trained on nothing, silently
+            raise ChatDataError(f"{where}: message {k} has role {message['role']!r}; the roles are "
+                                f"{', '.join(ROLES)} (only assistant turns are trained)")
+        if not isinstance(message["content"], (str, list)):
+            raise ChatDataError(f"{where}: message {k} ({message['role']}) has content {message['content']!r}; "
+                                f"a message's content is text")
     return where, messages
 
 
