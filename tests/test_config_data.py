@@ -61,6 +61,9 @@ def test_a_model_reading_a_key_its_data_lacks_is_named_and_optim_is_a_section() 
     with pytest.raises(ConfigError, match=r"^model.num_classes=\$\{data.num_classes\} but data=markov has no "
                                           r"num_classes: choose data that has it \(data=gaussian, cifar10"):
         check_values(compose_config(["model=resnet18"]))
+    with pytest.raises(ConfigError, match=r"^model.vocab_size=\$\{data.vocab_size\} but data=chat has no vocabulary "
+                                          r"of its own: its token ids are its tokenizer's .* use model=hf model.path="):
+        check_values(compose_config(["data=chat"]))  # issue 57: it said "choose data that has it"
     with pytest.raises(ConfigError, match=r"optim=adamw: optim is no longer a config group .* optim.<key>="):
         compose_config(["optim=adamw"])
     assert compose_config(["optim.lr=0.5"]).optim.lr == 0.5

@@ -223,6 +223,11 @@ def check_data_links(cfg: Any) -> None:
         if match and match.group(1) not in keys:
             key = match.group(1)
             having = [name for name, schema in DATA_SCHEMAS.items() if key in {s.name for s in fields(schema)}]
+            if key == "vocab_size" and "tokenizer" in keys:  # data=chat: the vocabulary is its tokenizer's
+                raise ConfigError(f"{path}={value} but data={source} has no vocabulary of its own: its token ids are "
+                                  f"its tokenizer's (data.tokenizer, or model.path), which model=hf reads; use "
+                                  f"model=hf model.path=<the Hugging Face folder>, or set {path}=<the tokenizer's "
+                                  f"size>")
             raise ConfigError(f"{path}={value} but data={source} has no {key}: choose data that has it "
                               f"(data={', '.join(having)}), or set {path}=<value>")
 
