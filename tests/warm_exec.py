@@ -14,11 +14,13 @@ environment that makes a launcher's workers warm.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import multiprocessing.connection
 import multiprocessing.reduction
 import os
+import shutil
 import socket
 import stat
 import struct
@@ -54,6 +56,7 @@ def _start() -> dict[str, str]:
     """Listen on a unix socket (a thread per worker) and write the shim's executable."""
     warm.start_server()
     folder = tempfile.mkdtemp(prefix="pipeflow-warm-")
+    atexit.register(shutil.rmtree, folder, True)  # the socket and the shim go with the test run
     path = os.path.join(folder, "broker.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
