@@ -44,7 +44,8 @@ def one_process(tmp_path_factory) -> tuple[dict[int, float], dict[str, torch.Ten
 # the start-of-run report: the mesh order, and with profiled layers every link of the program measured
 REPORTED = {
     "missing": [r"mesh order \[pp,dp,tp\]: pipeline ranks \[0, 2\] \[1, 3\]",
-                r"links measured in [\d.]+ s .*: pipeline ranks 0-1 crosses hosts host0 -> host1: [\d.]+ ms \+ [\d.]+ MB/s",
+                r"links measured in [\d.]+ s .*: pipeline ranks 0-1 \(global ranks [01] and [23]\) crosses hosts host0 -> "
+                r"host1: [\d.]+ ms \+ [\d.]+ MB/s",
                 r"dp all-reduce per group: ranks \[0, 1\] within host host0: [\d.]+ ms; ranks \[2, 3\] within host host1"],
     "loopback": [r"mesh order \[dp,pp,tp\]: pipeline ranks \[0, 1, 2, 3\] \(parallel.order=auto: one dimension above 1",
                  r"pipeline ranks 0-1 within host host0: .*; pipeline ranks 1-2 crosses hosts host0 -> host1: .*; "

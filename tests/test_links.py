@@ -35,6 +35,9 @@ def test_a_link_far_slower_than_its_peers_is_named_with_its_hosts_and_ranks() ->
     assert "pipeline ranks 0-1 within host a: 0.100 ms + 1000.0 MB/s" in text
     assert "slow link: pipeline ranks 1-2 crosses hosts a -> b" in text and "global ranks 1 and 2" in text
     assert PipelineLinks(links.links[:2], (0, 1, 2)).slow(1e6) == []  # two links: no median to stand out from
+    # issue 57: pipeline-rank numbers that are not the global ranks were read as global ones
+    other = Link((0, 1), 1e-4, 1e-9, global_ranks=(4, 5), hosts=("node2", "node2"))
+    assert other.describe().startswith("pipeline ranks 0-1 (global ranks 4 and 5) within host node2: 0.100 ms")
 
 
 def test_each_op_is_costed_on_its_own_link_and_the_ring_figures_without_links() -> None:

@@ -92,8 +92,8 @@ class Link:
         return self.hosts[0] != self.hosts[1]
 
     def describe(self) -> str:
-        """``boundary 1-2 crosses hosts host0 -> host1: 0.412 ms + 11.9 MB/s`` (hosts named only
-        on several hosts)."""
+        """``pipeline ranks 1-2 crosses hosts host0 -> host1: 0.412 ms + 11.9 MB/s`` (hosts named
+        only on several hosts; the global ranks where they are other numbers)."""
         a, b = self.ranks
         where = ""
         if self.hosts[0]:
@@ -101,7 +101,10 @@ class Link:
                      else f" within host {self.hosts[0]}")
         rate = f"{1e-6 / self.per_byte_s:.1f} MB/s" if self.per_byte_s > 0 else "no per-byte cost measured"
         burst = f", bursts of {self.burst_bytes / 1e3:.0f} KB" if self.burst_bytes > 0 else ""
-        return f"pipeline ranks {a}-{b}{where}: {1e3 * self.latency_s:.3f} ms + {rate}{burst}"
+        g = self.global_ranks
+        known = g[0] != g[1]  # (0, 0): not recorded
+        named = f" (global ranks {g[0]} and {g[1]})" if known and tuple(g) != (a, b) else ""  # not read as global
+        return f"pipeline ranks {a}-{b}{named}{where}: {1e3 * self.latency_s:.3f} ms + {rate}{burst}"
 
 
 @dataclass(frozen=True)
