@@ -133,10 +133,11 @@ def _check_layers(spec: ModelSpec, layers: dict[int, Any], path: str) -> str:
     return ""
 
 
-def check_complete(path: str, layers: dict[int, Any], spec: ModelSpec | None) -> None:
+def check_complete(path: str, layers: dict[int, Any], spec: ModelSpec | None, why: str = "") -> None:
     """Refuse to export part of a model: a host's part of a ``train.checkpoint_storage=local``
     checkpoint that lacks layers the other hosts' parts hold (gather them first), or a checkpoint
-    without some layers of its run's model.
+    without some layers of its run's model.  `why`: why `spec` is None (:func:`model_of`'s), for
+    the note where nothing can be checked.
 
     Raises:
         CheckpointError: naming the layers missing, the host and ranks, and what to run.
@@ -147,7 +148,7 @@ def check_complete(path: str, layers: dict[int, Any], spec: ModelSpec | None) ->
     if not missing:
         if expected is None and meta.get("storage") == "local":
             log.warning("note: %s is one host's part (train.checkpoint_storage=local) and the run's model could not be "
-                        "built here (%s): whether it holds every layer is not checked", path, model_of(path)[1])
+                        "built here (%s): whether it holds every layer is not checked", path, why or "no model")
         return
     lacking = f"layers {rank_ranges(missing)} of the run's model ({len(spec)} layers)"  # type: ignore[arg-type]
     if meta.get("storage") == "local":
@@ -335,16 +336,17 @@ def export(path: str, out: str, format: str = "pt", force: bool = False,
         raise ConfigError("--merge-lora merges the adapters into the base: use it with --format hf or pt; "
                           "--format peft writes the adapters alone")
     path = resolve(path, path)  # a checkpoint, or the newest under a root
-    if (format == "peft" or merge_lora) and export_lora.base_of(path) is None:
+    base = export_lora.base_of(path)  # a LoRA run's checkpoint: its adapters alone, the base named
+    if (format == "peft" or merge_lora) and base is None:
         asked = "--format peft" if format == "peft" else "--merge-lora"
         raise ConfigError(f"checkpoint {path} was not saved by a LoRA run (its meta.json names no base model): "
                           f"{asked} needs adapters; export the whole model with --format pt or --format hf")
     _check_target(out, force, hf=format != "pt")
     layers = read_layers(path)
     spec, why = model_of(path)
-    if export_lora.base_of(path) is None:  # an adapters-only checkpoint holds the adapters' layers alone
-        check_complete(path, layers, spec)
-    if format == "peft" or merge_lora or export_lora.base_of(path) is not None:
+    if base is None:
+        check_complete(path, layers, spec, why)
+    else:
         if format == "peft":
             write, count = export_lora.adapter_folder(path, layers, spec, why)
             _write_folder(out, write)
