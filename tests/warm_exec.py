@@ -93,6 +93,7 @@ def _detach(dup: Any) -> int:
 
 def _serve(conn: socket.socket) -> None:
     """One worker: read the shim's request, start the fork, pass signals on, report its status."""
+    fds: list[int] = []
     with conn:
         try:
             data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
@@ -106,12 +107,12 @@ def _serve(conn: socket.socket) -> None:
                 request["argv"], request["cwd"], request["env"], request["pid"], [_Fd(fd) for fd in fds]))
             proc.start()
         except Exception as exc:  # noqa: BLE001 - said on the worker's own stderr, as an interpreter would
-            for fd in locals().get("fds", ())[2:3]:
+            for fd in fds[2:3]:  # the stand-in's stderr
                 os.write(fd, f"[warm broker] could not start the worker: {exc!r}\n".encode())
             conn.sendall(b"X" + struct.pack("!i", 1))
             return
         finally:
-            for fd in locals().get("fds", ()):
+            for fd in fds:
                 os.close(fd)
         while True:
             ready = multiprocessing.connection.wait([proc.sentinel, conn])
