@@ -47,6 +47,11 @@ PRELOAD = (
     "torch.utils.tensorboard", "transformers", "safetensors.torch", "pipeflow", "pipeflow.run.builder",
     "pipeflow.run.config", "pipeflow.run.trainer", "pipeflow.run.sweep", "pipeflow.run.plan",
     "pipeflow.models", "pipeflow.runtime.pipeline", "pipeflow.schedules",
+    # imported later by most forks, 1.2 s each: torch.optim's first optimizer imports dynamo
+    # (and with it inductor and triton); the Hugging Face, LoRA and torchvision runs their models
+    "torch._dynamo", "torch._inductor.compile_fx", "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama", "transformers.models.auto.tokenization_auto", "peft",
+    "torchvision.models", "torchvision.datasets", "torchvision.transforms",
 )
 TERM_GRACE_S = 30.0  # as torchrun's agent: SIGTERM to the ranks left, SIGKILL this long after
 
