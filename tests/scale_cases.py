@@ -7,6 +7,7 @@ schedule, clipping and AdamW.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import math
@@ -49,11 +50,7 @@ def make_config(dp: int, schedule: str = "1f1b", m: int = 2, **train: Any) -> An
     """A small tied GPT on Markov data, float64, no profiling; `train` overrides any section
     as ``section__key=value`` (e.g. ``optim__grad_clip=0.05``); ``data__name`` picks the data
     source's schema (its keys)."""
-    data = DATA_SCHEMAS[train.pop("data__name", "markov")](seq_len=8, batch_size=BATCH)
-    if isinstance(data, MarkovDataConfig):
-        data.vocab_size, data.num_tokens = 32, 4000
-    cfg = OmegaConf.structured(Config(model=GPTModelConfig(
-        vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=True), data=data))
+    cfg = copy.deepcopy(_base_config(train.pop("data__name", "markov")))
     cfg.schedule.name = schedule
     cfg.pipeline.num_microbatches = m
     cfg.pipeline.profile = False
@@ -66,6 +63,17 @@ def make_config(dp: int, schedule: str = "1f1b", m: int = 2, **train: Any) -> An
     if cfg.train.run_dir is None:
         cfg.train.run_dir = _shared_dir("pipeflow-scale-")
     return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _base_config(data_name: str) -> Any:
+    """The small tied GPT's config on `data_name` (made once per process: a typed config costs
+    milliseconds a copy does not)."""
+    data = DATA_SCHEMAS[data_name](seq_len=8, batch_size=BATCH)
+    if isinstance(data, MarkovDataConfig):
+        data.vocab_size, data.num_tokens = 32, 4000
+    return OmegaConf.structured(Config(model=GPTModelConfig(
+        vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, tie_embeddings=True), data=data))
 
 
 class Reference:

@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeflow.errors import OffloadError
-from pipeflow.runtime.host_link import measure_link
+import pipeflow.runtime.host_link as host_link_module
+from pipeflow.runtime.host_link import HostLinkMeasure, measure_link, measured_once
 from pipeflow.runtime.offload import ActivationOffloader, PinnedPool
 
 D = 4
@@ -299,3 +300,20 @@ def test_measure_link_on_the_cpu() -> None:
     for rate in (link.d2h_bytes_per_s, link.h2d_bytes_per_s):
         assert math.isfinite(rate) and rate > 0
     assert not link.overlapped and not link.link().overlapped
+
+
+def test_a_process_measures_its_host_link_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second run built in the same process plans with the first run's link, not a new measure."""
+    calls = []
+
+    def measure(device: str) -> HostLinkMeasure:
+        calls.append(device)
+        return HostLinkMeasure(1e9, 2e9, overlapped=False)
+
+    monkeypatch.setattr(host_link_module, "measure_link", measure)
+    measured_once.cache_clear()
+    try:
+        first, again = measured_once("cpu"), measured_once("cpu")
+    finally:
+        measured_once.cache_clear()
+    assert first is again and calls == ["cpu"]

@@ -55,7 +55,7 @@ from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
 from pipeflow.runtime.mesh_order import parse_order
 from pipeflow.planning.mesh_choice import choose_order
-from pipeflow.runtime.host_link import HostLinkMeasure, measure_link
+from pipeflow.runtime.host_link import HostLinkMeasure, measured_once
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
@@ -286,9 +286,9 @@ def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSch
 
 def host_link(device: torch.device) -> HostLink:
     """The host link ``pipeline.offload`` plans for: this rank's copies measured
-    (:func:`~pipeflow.runtime.host_link.measure_link`), the slowest rank's bandwidths taken by every
+    (:func:`~pipeflow.runtime.host_link.measured_once`), the slowest rank's bandwidths taken by every
     rank (collective), so every rank plans and predicts with the same link."""
-    measured = measure_link(device)
+    measured = measured_once(str(device))
     both = torch.tensor([measured.d2h_bytes_per_s, measured.h2d_bytes_per_s], dtype=torch.float64, device=device)
     dist.all_reduce(both, op=dist.ReduceOp.MIN)
     slowest = HostLinkMeasure(*both.tolist(), overlapped=measured.overlapped)

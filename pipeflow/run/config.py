@@ -28,7 +28,7 @@ from pipeflow.run.config_choices import (Backend, Balance, CheckpointStorage, Ch
 from pipeflow.run.config_data import (DATA_SCHEMAS, ChatDataConfig, Cifar10DataConfig, DataConfig, FakeDataConfig,
                                       FileDataConfig, GaussianDataConfig, ImageDataConfig, ImageFolderDataConfig,
                                       MarkovDataConfig, MnistDataConfig, TextDataConfig, TokenDataConfig,
-                                      TokensDataConfig, check_data_links, typed_data)
+                                      TokensDataConfig, check_data_links, schema_node, typed_data)
 from pipeflow.run.config_keys import config_keys, install_key_suggestions, suggest_keys
 from pipeflow.run.config_models import (GPTModelConfig, HFModelConfig, MLPModelConfig, ModuleModelConfig,
                                         ResNetModelConfig, SleepModelConfig, TorchvisionModelConfig, model_schema)
@@ -300,9 +300,9 @@ def typed_config(cfg: Any) -> Config:
     for name, schema in SECTIONS.items():
         try:
             if name == "data":  # each source its own schema (pipeflow.run.config_data)
-                sections[name] = typed_data(cfg[name] if name in cfg else OmegaConf.structured(DataConfig))
+                sections[name] = typed_data(cfg[name] if name in cfg else schema_node(DataConfig))
                 continue
-            node = OmegaConf.structured(schema)
+            node = schema_node(schema)
             if name in cfg:  # resolved where it stands: an interpolation may name another section
                 node = OmegaConf.merge(node, OmegaConf.to_container(cfg[name], resolve=True, throw_on_missing=True))
             sections[name] = OmegaConf.to_object(node)

@@ -35,7 +35,7 @@ from pipeflow.run.plan_help import CONFIG_DIR, USAGE, help_text
 from pipeflow.run.plan_tp import search_tp, tp_degrees, tp_link_figures  # noqa: F401 - search_tp: part of the API
 from pipeflow.runtime import hosts
 from pipeflow.runtime.distributed import choose_device
-from pipeflow.runtime.host_link import measure_link
+from pipeflow.runtime.host_link import measured_once
 from pipeflow.runtime.precision import compute_dtype
 from pipeflow.errors import ConfigError
 from pipeflow.planning.order_search import order_note
@@ -131,7 +131,7 @@ def host_link_for(cfg: DictConfig, space: SearchSpace, device: torch.device) -> 
     gbps = cfg.plan.host_link_gbps
     if gbps is not None:
         return space, f"; offload over {gbps:g} GB/s each way (plan.host_link_gbps)"
-    measured = measure_link(device)
+    measured = measured_once(str(device))
     link = measured.link(SearchSpace.host_link.latency_s if measured.overlapped else 0.0)
     where = "beside compute" if measured.overlapped else "on the compute thread: auto hides nothing"
     return dataclasses.replace(space, host_link=link), (

@@ -2,6 +2,7 @@
 its copies over it: :class:`~pipeflow.schedules.offload.HostLink`)."""
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -52,6 +53,14 @@ def measure_link(device: torch.device | str, nbytes: int | None = None, repeats:
     d2h = _cuda_median_s(lambda: host.copy_(dev, non_blocking=True), stream, repeats)
     h2d = _cuda_median_s(lambda: dev.copy_(host, non_blocking=True), stream, repeats)
     return HostLinkMeasure(nbytes / d2h, nbytes / h2d, overlapped=True)
+
+
+@functools.lru_cache(maxsize=None)
+def measured_once(device: str) -> HostLinkMeasure:
+    """:func:`measure_link` of `device` with its defaults, once per process: the copy path does not
+    change while a process lives, and a second run built in it (a sweep's trial, a re-plan) then
+    plans its copies with the same link as the first rather than another noisy measure."""
+    return measure_link(device)
 
 
 def _median_s(copy: Any, repeats: int) -> float:
