@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import compileall
 import datetime
+import os
 import sys
 from pathlib import Path
 
@@ -24,11 +25,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     Every process the suite starts reads that bytecode instead of compiling the sources again
     (where PYTHONDONTWRITEBYTECODE is set, as on CI, nothing else writes it): about 0.2 s of
-    pipeflow's import (-X importtime) in each of the interpreters the launch tests start."""
-    for folder in ("pipeflow", "tests", "examples", "benchmarks", "scripts"):
-        compileall.compile_dir(str(ROOT / folder), quiet=2)
-    compileall.compile_file(str(ROOT / "train.py"), quiet=2)
-    warm.start_server()
+    pipeflow's import (-X importtime) in each of the interpreters the launch tests start.
+    Under pytest-xdist the controller writes the bytecode and each worker starts its server."""
+    worker = hasattr(session.config, "workerinput")
+    if not worker:
+        for folder in ("pipeflow", "tests", "examples", "benchmarks", "scripts"):
+            compileall.compile_dir(str(ROOT / folder), quiet=2)
+        compileall.compile_file(str(ROOT / "train.py"), quiet=2)
+    if worker or not getattr(session.config.option, "numprocesses", 0):  # not the xdist controller
+        warm.start_server()
 
 
 # The quick selection, ``python -m pytest -q -m "not slow"`` (docs/dev/testing.md): the pure and
@@ -64,14 +69,48 @@ QUICK = (
 )
 
 
+# The modules whose process worlds keep both cores busy on their own.  Under pytest-xdist
+# (pyproject's ``-n auto --dist loadgroup``) they run one after another on one worker, first,
+# while the other worker runs the modules that mostly wait (launchers, deadlines, emulated hosts)
+# or use one core (pure tests): two of them at once would only share the cores, and the waiting
+# modules would then wait side by side.  Every other module is a group of its own, so a
+# module's world is still started once.
+BOTH_CORES = (
+    "test_scale.py", "test_pipeline_equivalence.py", "test_tensor_parallel.py", "test_compile.py", "test_hf.py",
+    "test_schedules_more.py", "test_cli.py",
+)
+FEW_CORES = (os.cpu_count() or 2) <= 3  # with more, a world leaves cores to a second one
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Workers for ``-n auto``: two on 2 cores (one runs a module's process world while the other's
+    module waits on a launcher or runs pure tests on the idle core), up to four on bigger
+    machines; none for one module (it runs in this process, as ``-n 0`` runs every selection);
+    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N`` choose."""
+    given = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if given:
+        return int(given)
+    files = {arg.split("::")[0] for arg in config.args}
+    if files and all(name.endswith(".py") for name in files) and len(files) == 1:
+        return 0  # one module runs on one worker anyway: no worker to start
+    return max(2, min(4, (os.cpu_count() or 2) // 2))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the slow tests (SLOW, WORLD_FIXTURES), QUICK excepted."""
+    """Mark the slow tests (SLOW, WORLD_FIXTURES), QUICK excepted; put the BOTH_CORES modules
+    first and in one xdist group, every other module in a group of its own."""
     for item in items:
         nodeid = item.nodeid.removeprefix("tests/")
         slow = bool(WORLD_FIXTURES & set(getattr(item, "fixturenames", ()))) or nodeid.startswith(SLOW)
         if slow and not nodeid.startswith(QUICK):
             item.add_marker(pytest.mark.slow)
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.removeprefix("tests/").split("::")[0]
+
+    together = FEW_CORES and BOTH_CORES or ()
+    items.sort(key=lambda item: module(item) not in together)
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group("both_cores" if module(item) in together else module(item)))
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
