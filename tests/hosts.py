@@ -40,11 +40,12 @@ def launch_on_hosts(hosts: EmulatedHosts, overrides: list[str], nproc: int = 2, 
                     nnodes: str | None = None, timeout_s: float = 120, env: dict[str, str] | None = None,
                     on: list[int] | None = None, warm_workers: bool = True) -> list[subprocess.Popen]:
     """``examples/multinode.sh`` with `overrides` on every host (or those in `on`), the endpoint on
-    host 0: the launcher and torchrun real on each host, their workers warm forks joined to the
-    host (``tests/warm_exec.py``) unless `warm_workers` is false."""
+    host 0: the launcher (``python -m pipeflow.launch``, torchrun's agent inside it) and its
+    workers warm forks joined to the host (``tests/warm_exec.py``: the same code, signals and exit
+    statuses, no interpreter start), or every one a fresh interpreter when `warm_workers` is false."""
     base = {"NNODES": nnodes or str(hosts.count), "NPROC": str(nproc), "ENDPOINT": hosts.endpoint(),
             "RUN_ID": f"t{os.getpid()}", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
-            "TORCHRUN_ARGS": torchrun_args, **(interpreters() if warm_workers else {}), **(env or {})}
+            "TORCHRUN_ARGS": torchrun_args, **(interpreters(launchers=True) if warm_workers else {}), **(env or {})}
     return [hosts.run(i, [str(ROOT / "examples" / "multinode.sh"), *overrides], base, timeout_s)
             for i in (on if on is not None else range(hosts.count))]
 
