@@ -129,3 +129,42 @@ def test_a_selection_runs_only_the_cases_its_tests_read() -> None:
 def test_the_shim_starts_without_site_packages() -> None:
     first = Path(interpreters()["PYTHON_EXEC"]).read_text().splitlines()[0]
     assert first == f"#!{sys.executable} -SE"
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _rank_1_dies() -> int:
+    if _rank() == 1:
+        os._exit(7)
+    return 0
+
+
+def _rank_0_times_out() -> int:
+    if _rank() == 0:
+        raise TimeoutError("a collective timed out")
+    return 1
+
+
+def test_a_case_that_breaks_its_world_is_named_and_the_next_cases_run_in_a_new_world() -> None:
+    """A rank that dies in a case, and a timeout met in one, end their world; the harness records
+    how, and the cases after each still run, each rank answering, in a new world."""
+    import mp_harness
+
+    cases = [("before", _rank), ("dies", _rank_1_dies), ("after", _rank), ("times-out", _rank_0_times_out),
+             ("last", _rank)]
+    with pytest.warns(mp_harness.WorldRestarted) as restarts:
+        results = mp_harness.run_cases(2, cases)
+    assert [str(w.message).split(" broke")[0] for w in restarts if w.category is mp_harness.WorldRestarted] == [
+        "2-process world: case 'dies'", "2-process world: case 'times-out'"]
+    for name in ("before", "after", "last"):
+        assert [r.value for r in results[name]] == [0, 1] and not any(r.broke_world for r in results[name])
+    died = results["dies"]
+    assert died[0].value == 0 and died[1].error_type == "WorldBroken" and "exited 7" in died[1].error
+    assert died[0].broke_world == died[1].broke_world == "rank 1 exited 7 during it"
+    timed = results["times-out"]
+    assert timed[0].error_type == "TimeoutError" and timed[1].value == 1
+    assert "met a timeout" in timed[0].broke_world and timed[0].broke_world == timed[1].broke_world
