@@ -230,3 +230,15 @@ def test_a_run_records_the_links_it_timed_at_start():
     got = start_links(costs, [[0, 2]], ["a"] * 4)  # two tp groups, nothing else timed
     assert [x["what"] for x in got] == ["a tp group's all-reduce"] * 2 and got[1]["per_byte_s"] == 1 / 100e9
     assert measured_links(got)["intra"][0].latency_us == pytest.approx(6.0)
+
+
+def test_a_model_no_layout_of_the_gpus_can_hold_is_refused_before_any_split():
+    """100,000 layers of width 65,536 on 8 GPUs: named at once (it used to search for minutes:
+    its layer names were checked pairwise, then split over every stage count)."""
+    from pipeflow.run.plan import compose_config, run_plan
+
+    words = ["plan.hardware=h100_sxm", "plan.gpus=8", "model.n_layer=100000", "model.n_embd=65536", "model.n_head=512"]
+    with pytest.raises(ConfigError, match=r"parameters: their weights, gradients and optimizer state are [\d,.]+ TB, "
+                                          r"[\d,]+ GB per GPU even spread over all plan.gpus=8, over the 72 GB each "
+                                          r"can hold; plan for at least plan.gpus=[\d,]+ or a smaller model"):
+        run_plan(compose_config(words), overrides=words)

@@ -10,6 +10,7 @@ tuple is unpacked as the positional arguments of the next layer, a Tensor is its
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -183,11 +184,12 @@ class ModelSpec:
         if not self.layers:
             raise ConfigError(f"model {self.name!r} has no layers")
         names = self.layer_names()
-        duplicates = sorted({n for n in names if names.count(n) > 1})
+        duplicates = sorted(n for n, count in collections.Counter(names).items() if count > 1)  # linear: 1e5 layers
         if duplicates:
             raise ConfigError(f"model {self.name!r}: duplicate layer names {duplicates}")
+        known = set(names)
         for tie, members in self.tied.items():
-            unknown = [layer for layer, _ in members if layer not in names]
+            unknown = [layer for layer, _ in members if layer not in known]
             if unknown or len(members) < 2:
                 raise ConfigError(
                     f"model {self.name!r}: tied parameter {tie!r} needs two or more members among "

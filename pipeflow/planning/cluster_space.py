@@ -62,6 +62,7 @@ def search_cluster(work: Workload, cluster: Cluster, space: ClusterSpace, capaci
     Raises:
         ConfigError: no tp x pp divides the GPUs (or the pinned degrees do not).
     """
+    check_fits_somewhere(work, space.gpus, capacity_bytes)
     estimates: list[tuple[float, Layout]] = []
     pruned = 0
     cache: dict = {}
@@ -122,6 +123,25 @@ def _layouts(work: Workload, cluster: Cluster, space: ClusterSpace) -> Iterator[
                         for shard in space.shards if dp > 1 else ("none",):
                             for order in space.orders if dp > 1 and pp > 1 else space.orders[:1]:
                                 yield Layout(tp, pp, dp, name, v, b, recompute, tp > 1, False, shard, order)
+
+
+def check_fits_somewhere(work: Workload, gpus: int, capacity_bytes: float) -> None:
+    """Refuse, before any layout is split, a model whose parameters, gradients and optimizer state
+    alone exceed `capacity_bytes` per GPU even spread evenly over all `gpus` (the least any
+    layout holds per GPU: tp and pp split the weights at most `gpus` ways, and no sharding
+    divides them further).
+
+    Raises:
+        ConfigError: naming the parameters, the bytes per GPU and the GPUs it would need.
+    """
+    params = math.fsum(shape.params for shape in work.shapes)
+    total = params * (4 if work.dtype == "fp32" else 2) * (2 + OPTIMIZER_FACTOR)
+    if total / gpus > capacity_bytes:
+        need = math.ceil(total / capacity_bytes)
+        raise ConfigError(f"the model has {params / 1e9:,.1f} B parameters: their weights, gradients and optimizer "
+                          f"state are {total / 1e12:,.1f} TB, {total / gpus / 1e9:,.0f} GB per GPU even spread over "
+                          f"all plan.gpus={gpus}, over the {capacity_bytes / 1e9:g} GB each can hold; plan for at "
+                          f"least plan.gpus={need:,} or a smaller model")
 
 
 def _schedules(space: ClusterSpace, pp: int, layers: int) -> Iterator[tuple[str, int]]:
