@@ -27,7 +27,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from pipeflow.errors import (
-    CheckpointError, ConfigError, ConfigMismatchError, JoinTimeoutError, LaunchError, RunDirLockedError, ScheduleError,
+    AllTargetsMaskedError, CheckpointError, ConfigError, ConfigMismatchError, JoinTimeoutError, LaunchError,
+    NonFiniteError, RunDirLockedError, ScheduleError,
 )
 from pipeflow.runtime import failures, hosts
 
@@ -159,7 +160,10 @@ def check_same_program(schedule: Any, ranges: Sequence[range], group: dist.Proce
 
 # ----------------------------------------------------------------------------- failing fast
 # errors whose message says everything (no traceback logged)
-MESSAGE_SAYS_ALL = (ConfigError, ScheduleError, CheckpointError, RunDirLockedError, JoinTimeoutError, LaunchError)
+# failures whose message names the place and the fix: one line, no traceback (a NaN's step and
+# stage, a batch with nothing to learn from)
+MESSAGE_SAYS_ALL = (ConfigError, ScheduleError, CheckpointError, RunDirLockedError, JoinTimeoutError, LaunchError,
+                    NonFiniteError, AllTargetsMaskedError)
 # words of a failure that only saw a peer go away (its connection closed or reset; a save's own
 # wording, pipeflow.run.checkpoint)
 LOST_PEER_SIGNS = (*failures.CONNECTION_LOST_SIGNS, "a peer stopped taking part")
