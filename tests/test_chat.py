@@ -179,3 +179,19 @@ def test_data_eval_path_holds_out_other_conversations(tokenizers, tmp_path) -> N
     assert len(both.val.rows.inputs) == 1 and torch.equal(both.val.rows.inputs[0], both.train.rows.inputs[0])
     with pytest.raises(ChatDataError, match="data.eval_path="):
         build_batches(_chat_config(path=str(jsonl), tokenizer=str(folder), eval_path=str(tmp_path / "none")), model)
+
+
+def test_training_data_with_nothing_to_learn_is_named_as_the_training_data(tokenizers, tmp_path) -> None:
+    """No assistant turn, or truncation that cuts every answer: data.path named with the fix, not
+    an AllTargetsMaskedError blaming the evaluation's batches (issue 57, item 10)."""
+    folder, _ = tokenizers["marked"]
+    model = OmegaConf.create({"vocab_size": 64})
+    prompts = fx.write_jsonl(tmp_path / "prompts.jsonl", [[{"role": "user", "content": "hello how are you"}]] * 4)
+    with pytest.raises(ChatDataError, match=r"the 3 trained conversations of data.path=.*prompts.jsonl have no "
+                                            r"assistant turn: every token is prompt"):
+        build_batches(_chat_config(path=str(prompts), tokenizer=str(folder)), model)
+    long_prompt = [{"role": "user", "content": "hello how are you " * 8}, {"role": "assistant", "content": "fine"}]
+    cut = fx.write_jsonl(tmp_path / "cut.jsonl", [long_prompt] * 4)
+    with pytest.raises(ChatDataError, match=r"keep no assistant token in rows of data.seq_len=24 "
+                                            r"\(data.overlong=truncate drops or cuts every answer\): raise data.seq_len"):
+        build_batches(_chat_config(path=str(cut), tokenizer=str(folder), overlong="truncate"), model)

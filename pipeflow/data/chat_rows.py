@@ -237,6 +237,8 @@ def build_chat_batches(cfg: Any, model_cfg: Any) -> tuple[ChatBatches, ChatBatch
         cut = len(whole) - int(len(whole) * cfg.val_fraction)
         conversations, held_out = whole.part(0, cut), whole.part(cut, len(whole))
     train, train_counts = pack_rows(conversations, cfg.seq_len, cfg.overlong, pad_id, cfg.pack_documents)
+    if not train_counts["targets"]:
+        raise ChatDataError(_no_training_target(conversations, cfg))
     val, counts = train, {**summary_of(whole), **train_counts, "held_out": len(held_out)}
     if len(held_out):
         val, val_counts = pack_rows(held_out, cfg.seq_len, cfg.overlong, pad_id, cfg.pack_documents)
@@ -249,6 +251,17 @@ def build_chat_batches(cfg: Any, model_cfg: Any) -> tuple[ChatBatches, ChatBatch
                     "(data.overlong=%s)", counts["dropped"], cfg.seq_len, counts["truncated"], cfg.overlong)
     return (ChatBatches(train, cfg.batch_size, cfg.seed, cfg.pack_documents),
             ChatBatches(val, cfg.batch_size, cfg.seed + 1, cfg.pack_documents))
+
+
+def _no_training_target(conversations: Conversations, cfg: Any) -> str:
+    """Why the trained conversations of ``data.path`` leave nothing to learn: no assistant turn in
+    them, or none within the rows ``data.seq_len`` and ``data.overlong`` make of them."""
+    where = f"data=chat: the {len(conversations)} trained conversations of data.path={cfg.path}"
+    if not conversations.trained.any():
+        return (f"{where} have no assistant turn: every token is prompt, masked, so there is nothing to train; add "
+                f"assistant replies (the turns a model learns to write)")
+    return (f"{where} keep no assistant token in rows of data.seq_len={cfg.seq_len} (data.overlong={cfg.overlong} "
+            f"drops or cuts every answer): raise data.seq_len, or shorten the prompts")
 
 
 def _conversations(path: str, cfg: Any, model_cfg: Any, key: str = "data.path") -> tuple[Conversations, int]:
