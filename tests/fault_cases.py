@@ -326,7 +326,6 @@ def tp_peer_lost() -> str:
 
     from pipeflow.models.spec import LayerSpec, ModelSpec
     from pipeflow.runtime.tensor_parallel import parallelize_stages
-    from pipeflow.runtime.timeouts import set_group_timeout
 
     tp = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
     spec = ModelSpec("split", [LayerSpec("block", _SplitBlock, ()), LayerSpec("head", torch.nn.Linear, (8, 4))],
@@ -337,11 +336,54 @@ def tp_peer_lost() -> str:
     schedule = build_schedule("interleaved_1f1b", 1, 2, stages_per_rank=2)
     pipe = Pipeline(stages, schedule, P2PComm(_own_group(), torch.device("cpu"), timeout_s=10.0))
     x, y = torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
-    pipe.run([(mb,) for mb in x.chunk(2)], list(y.chunk(2)))  # both tp ranks take part
+    return _step_then_rank_1_stops(pipe, tp, x, y)
+
+
+class _ExpertBlock(torch.nn.Module):
+    """Two routed experts (top 1) on a residual stream of width 8, (B, T, 8) -> (B, T, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from pipeflow.models.moe import MoE, MoEConfig
+
+        self.moe = MoE(8, MoEConfig(experts=2, top_k=1, aux_loss_coef=0.0), bias=False, dropout=0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(x)
+
+
+def ep_peer_lost() -> str:
+    """An ep group of both ranks splits the experts of stage 0 of each rank's own two-stage
+    pipeline; after a clean step rank 1 stops taking part and rank 0's next step meets gloo's raw
+    timeout inside the experts' all_to_all (the group's deadline lowered to 1 s): it must name the
+    expert-parallel exchange and the ep group, not blame the layer (issue 57, item 9)."""
+    import datetime
+
+    from pipeflow.models.spec import LayerSpec, ModelSpec
+    from pipeflow.runtime.expert_parallel import split_experts
+
+    ep = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
+    spec = ModelSpec("experts", [LayerSpec("block", _ExpertBlock, ()), LayerSpec("head", torch.nn.Linear, (8, 4))],
+                     loss_fn=lambda o, t: ((o - t) ** 2).mean())
+    torch.manual_seed(0)  # the same router on both ranks
+    stages = build_stages(spec, partition_layers(2, 2), [0, 1], dtype=torch.float64)
+    assert split_experts([stages[0].module], ep, 2) == 1
+    schedule = build_schedule("interleaved_1f1b", 1, 2, stages_per_rank=2)
+    pipe = Pipeline(stages, schedule, P2PComm(_own_group(), torch.device("cpu"), timeout_s=10.0))
+    x, y = torch.randn(4, 3, 8, dtype=torch.float64), torch.randn(4, 3, 4, dtype=torch.float64)
+    return _step_then_rank_1_stops(pipe, ep, x, y)
+
+
+def _step_then_rank_1_stops(pipe: Pipeline, group: Any, x: torch.Tensor, y: torch.Tensor) -> str:
+    """A step both ranks of `group` take part in; then rank 1 stops and rank 0 steps again with
+    the group's deadline lowered to 1 s: rank 0's error text."""
+    from pipeflow.runtime.timeouts import set_group_timeout
+
+    pipe.run([(mb,) for mb in x.chunk(2)], list(y.chunk(2)))
     dist.barrier()
     if dist.get_rank() == 1:
         return "stopped"
-    set_group_timeout(tp, 1.0)
+    set_group_timeout(group, 1.0)
     return _error(lambda: pipe.run([(mb,) for mb in x.chunk(2)], list(y.chunk(2))))
 
 

@@ -252,6 +252,7 @@ def _world_cases() -> list[tuple[str, object]]:
         ("finite-input", functools.partial(cases.nan_input_blamed, False)),
         ("dp-peer-stops", cases.dp_peer_stops_answering),
         ("tp-peer-lost", cases.tp_peer_lost),
+        ("ep-peer-lost", cases.ep_peer_lost),
         *checkpoint_cases.WORLD_CASES,
     ]
 
@@ -414,6 +415,16 @@ def test_a_lost_tp_peer_is_a_comm_error_naming_the_tp_group_not_the_layer(world)
     assert ("(this rank's layers are split over its tp group) over global ranks [0, 1] failed: no answer within the "
             "group's timeout") in text, text
     assert "The backend said: " in text and text.endswith("| cause: RuntimeError"), text
+
+
+def test_a_lost_ep_peer_is_a_comm_error_naming_the_ep_group_not_the_layer(world) -> None:
+    """Issue 57: a killed expert-parallel peer was ``StageError ... action 2B3: RuntimeError: [gloo]
+    Connection closed by peer``, blaming the layer; tp named its group, ep did not."""
+    text, other = _values(world["ep-peer-lost"])
+    assert other == "stopped"
+    assert text.startswith("CommError: rank 0: the expert-parallel all_to_all at pipeline rank 0, stage "), text
+    assert ("(this rank's MoE experts are split over its ep group) over global ranks [0, 1] failed: no answer "
+            "within the group's timeout") in text, text
 
 
 def test_a_backend_failure_in_a_training_step_names_the_collective(monkeypatch: pytest.MonkeyPatch) -> None:

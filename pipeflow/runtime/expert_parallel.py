@@ -124,6 +124,17 @@ def split_experts(layers: Iterable[nn.Module], group: dist.ProcessGroup, ep: int
     return split
 
 
+def expert_parallel_ranks(stages: Iterable[Any]) -> list[int] | None:
+    """The global ranks of the ep group whose experts `stages`' MoE layers exchange tokens with
+    (None: no layer's experts are split); a stage is a module or holds one (``.module``)."""
+    for stage in stages:
+        for module in getattr(stage, "module", stage).modules():
+            exchange = getattr(module, "_exchange", None) if isinstance(module, MoE) else None
+            if isinstance(exchange, AllToAllExchange):
+                return list(dist.get_process_group_ranks(exchange.group))
+    return None
+
+
 def expert_groups(dp_groups: list[list[int]], ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """This rank's ep group (ep consecutive ranks of its dp group: they split the experts) and the
     group of the dp / ep ranks that hold the same experts (None when ep = dp), made from every

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from pipeflow.errors import CommError, PipeflowError, StageError, StageOutOfMemoryError
 from pipeflow.runtime import hosts
+from pipeflow.runtime.expert_parallel import expert_parallel_ranks
 from pipeflow.runtime.tensor_parallel import tensor_parallel_ranks
 
 OOM_HINTS = (
@@ -74,10 +75,13 @@ def stage_failure(exc: BaseException, where: str, stages: Mapping[int, Any], dev
     """The error to raise for `exc`, raised by a user's layer at `where` (rank, stage, micro-batch, action).
 
     Out-of-memory becomes a :class:`StageOutOfMemoryError` with :func:`memory_report` and
-    :data:`OOM_HINTS`; a backend's failure with layers split over a tp group a :class:`CommError`
-    (:func:`tensor_parallel_failure`); anything else a :class:`StageError`.  Raise it ``from exc``.
+    :data:`OOM_HINTS`; a backend's failure with layers split over a tp group, or experts over an ep
+    group, a :class:`CommError` (:func:`tensor_parallel_failure`, :func:`expert_parallel_failure`);
+    anything else a :class:`StageError`.  Raise it ``from exc``.
     """
     lost = tensor_parallel_failure(exc, where, stages)
+    if lost is None:
+        lost = expert_parallel_failure(exc, where, stages)
     if lost is not None:
         return lost
     first_line = (str(exc).splitlines() or [""])[0]
@@ -97,13 +101,27 @@ def tensor_parallel_failure(exc: BaseException, where: str, stages: Mapping[int,
     `where` says where it was met: tp collectives are waited for lazily, so the one that failed may
     belong to an earlier layer of this rank than the action named.
     """
+    return _split_group_failure(exc, lambda: tensor_parallel_ranks(stages.values()),
+                                f"the tensor-parallel collective at {where} (this rank's layers are split over its "
+                                f"tp group)")
+
+
+def expert_parallel_failure(exc: BaseException, where: str, stages: Mapping[int, Any]) -> CommError | None:
+    """For a backend's failure met inside the layers of `stages` when their MoE experts are split
+    over an ep group (``parallel.ep``): a :class:`CommError` naming the expert-parallel exchange,
+    the group's global ranks and whether a peer left or stopped answering.  None otherwise."""
+    return _split_group_failure(exc, lambda: expert_parallel_ranks(stages.values()),
+                                f"the expert-parallel all_to_all at {where} (this rank's MoE experts are split "
+                                f"over its ep group)")
+
+
+def _split_group_failure(exc: BaseException, ranks_of: Callable[[], list[int] | None], what: str) -> CommError | None:
+    """`exc` as a :class:`CommError` of `what` over the group ``ranks_of()`` names, when it is a
+    backend's failure and the layers are split over such a group; else None."""
     if not is_backend_failure(exc):
         return None
-    ranks = tensor_parallel_ranks(stages.values())
-    if ranks is None:
-        return None
-    what = f"the tensor-parallel collective at {where} (this rank's layers are split over its tp group)"
-    return collective_failure(exc, what, ranks)
+    ranks = ranks_of()
+    return None if ranks is None else collective_failure(exc, what, ranks)
 
 
 def progress_note(program: Sequence[Any], position: int, last: int = 4) -> str:
