@@ -187,3 +187,23 @@ def test_a_lost_rendezvous_host_is_named_with_the_way_out(monkeypatch, capsys) -
     assert launch.main(["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:29500", "train.py"]) == 1
     assert ("lost the rendezvous at 127.0.0.1:29500 (RuntimeError): the node that hosts it is gone"
             in capsys.readouterr().err)
+
+
+def test_a_rendezvous_port_another_program_holds_is_named_before_torchrun_waits_on_it(node) -> None:
+    """Issue 57, item 6: the launcher hung without a line when the endpoint's port was taken."""
+    import socket
+
+    node("10.9.0.1")  # this node hosts the endpoint
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        argv = [*ELASTIC[:7], f"10.9.0.1:{port}", *ELASTIC[8:]]
+        with pytest.raises(LaunchError, match=rf"--rdzv-endpoint 10.9.0.1:{port}: this node hosts the rendezvous, "
+                                              rf"but port {port} here is taken by another program .*--rdzv-endpoint "
+                                              r"10.9.0.1:<port>"):
+            launch.with_node_address(argv, {})
+        node("10.9.0.2")  # another node only connects to it
+        assert launch.with_node_address(argv, {})[2].hosts_endpoint is False
+    node("10.9.0.1")
+    assert launch.with_node_address(argv, {})[2].hosts_endpoint  # freed: the host may take it

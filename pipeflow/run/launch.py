@@ -26,6 +26,7 @@ restart count, which differs between agents, and a restart reuses stale addresse
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
 import socket
@@ -181,6 +182,25 @@ def find_address(endpoint: str) -> NodeAddress:
     return NodeAddress(source, interface, hosts_endpoint=ip in mine)
 
 
+def check_port_free(endpoint: str) -> None:
+    """On the node that hosts the rendezvous: refuse an endpoint port another program holds
+    (torchrun's agent would take that program for its store and wait on it without a word).
+
+    Raises:
+        LaunchError: naming the port and the fix.
+    """
+    host, port = split_endpoint(endpoint)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed job's TIME_WAIT is no owner
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise LaunchError(f"--rdzv-endpoint {endpoint}: this node hosts the rendezvous, but port {port} here is "
+                                  f"taken by another program (a job still running?); stop it or choose a free port: "
+                                  f"--rdzv-endpoint {host}:<port>") from None
+
+
 def with_node_address(argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str], NodeAddress | None]:
     """`argv` and `env` with this node's address added (see the module's docstring), or as they
     are on one node, without a c10d endpoint, or with a loopback endpoint (agents on one machine).
@@ -196,6 +216,8 @@ def with_node_address(argv: list[str], env: dict[str, str]) -> tuple[list[str], 
     if ipaddress.ip_address(resolve(host, f"--rdzv-endpoint {endpoint!r}")).is_loopback:
         return argv, {}, None  # several agents on one machine: loopback is right
     node = find_address(endpoint)
+    if node.hosts_endpoint:
+        check_port_free(endpoint)
     cut = script_index(argv)
     head, tail = list(argv[:cut]), argv[cut:]
     if option(argv, "local-addr") is None:
