@@ -233,7 +233,8 @@ class RunLock:
         os.remove(stale)
         if not _is_me(holder):
             self.taken_over = holder
-            log.warning("took over the stale lock of a job that is gone: %s", holder)
+            log.warning("took over the stale lock of a process that is gone (this job before a restart, or an "
+                        "earlier job): %s", holder)
 
     def _watch(self) -> None:
         """Every :data:`WATCH_S` s: check the run directory and the lock are still this job's (else
