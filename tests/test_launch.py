@@ -42,12 +42,17 @@ def test_each_node_gets_its_address_interface_and_whether_it_hosts_the_rendezvou
     assert found == launch.NodeAddress("10.9.0.2", "eth0", hosts_endpoint=False)
     cut = argv.index("train.py")
     assert argv[cut:] == ["train.py", "parallel.pp=2"]  # the script's own arguments untouched
-    assert argv[:cut][-4:] == ["--local-addr", "10.9.0.2", "--rdzv-conf", "is_host=0"]
+    assert argv[:cut][-4:] == ["--local-addr", "10.9.0.2", "--rdzv-conf",
+                               "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,is_host=0"]
     assert env == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     node("10.9.0.1")
-    argv, env, found = launch.with_node_address([*ELASTIC[:-2], "--rdzv-conf", "join_timeout=60", *ELASTIC[-2:]],
-                                                {"GLOO_SOCKET_IFNAME": "ib0"})
-    assert found.hosts_endpoint and "join_timeout=60,is_host=1" in argv and "GLOO_SOCKET_IFNAME" not in env
+    argv, env, found = launch.with_node_address([*ELASTIC[:-2], "--rdzv-conf", "join_timeout=60,last_call_timeout=9",
+                                                 *ELASTIC[-2:]], {"GLOO_SOCKET_IFNAME": "ib0"})
+    assert found.hosts_endpoint and "GLOO_SOCKET_IFNAME" not in env
+    assert ("join_timeout=60,last_call_timeout=9,keep_alive_interval=1,keep_alive_max_attempt=3,is_host=1"
+            in argv)  # the recovery defaults (issue 57, item 4) where not given
+    argv, _, _ = launch.with_node_address([*ELASTIC[:-2], "--rdzv_conf=is_host=0", *ELASTIC[-2:]], {})
+    assert "--rdzv_conf=is_host=0,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3" in argv
 
 
 def test_one_node_or_a_loopback_endpoint_is_left_as_torchrun_has_it(node) -> None:

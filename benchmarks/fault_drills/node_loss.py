@@ -19,6 +19,7 @@ import argparse
 import os
 import random
 import re
+import statistics
 import shutil
 import subprocess
 import sys
@@ -32,9 +33,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from hosts import SMALL64, launch_on_hosts, step_losses  # noqa: E402
 from examples.emulated_hosts import EmulatedHosts, unavailable  # noqa: E402
 
-# rendezvous knobs that bound the recovery: a lost node's restart re-rendezvouses within
-# last_call_timeout once the survivors are there; join_timeout bounds waiting for the minimum
-RDZV_CONF = "join_timeout=60,last_call_timeout=2"
+# the documented command's: pipeflow.launch's recovery defaults (launch.RDZV_DEFAULTS); pass
+# --rdzv-conf to try others (a lost node's restart re-rendezvouses within last_call_timeout once
+# the survivors are there)
+RDZV_CONF = ""
 
 
 def overrides(run_dir: str, steps: int, save_every: int) -> list[str]:
@@ -61,8 +63,9 @@ def trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: 
     lines: list[tuple[float, str]] = []
     with EmulatedHosts(2, names="missing") as hosts:
         procs = launch_on_hosts(hosts, overrides(run_dir, steps, save_every), nnodes="1:2",
-                                torchrun_args=f"--max-restarts 3 --rdzv-conf {rdzv_conf}",
-                                timeout_s=timeout_s, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if shared_store else "1"})
+                                torchrun_args="--max-restarts 3" + (f" --rdzv-conf {rdzv_conf}" if rdzv_conf else ""),
+                                timeout_s=timeout_s, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if shared_store else "1"},
+                                warm_workers=False)  # real interpreters: a restart's imports are part of the recovery
         pump = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in procs[0].stdout))
         pump.start()
         killed_at = None
@@ -98,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per trial")
-    parser.add_argument("--rdzv-conf", default=RDZV_CONF, help=f"torchrun's --rdzv-conf (default {RDZV_CONF})")
+    parser.add_argument("--rdzv-conf", default=RDZV_CONF,
+                        help="torchrun's --rdzv-conf (default: none, the launcher's recovery defaults)")
     parser.add_argument("--store", choices=["shared", "fresh"], default="shared",
                         help="torchrun's shared agent store across restarts (plain torchrun's default), or a fresh "
                              "one per restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, pipeflow.launch's default)")
@@ -111,11 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = tempfile.mkdtemp(prefix="pipeflow-drill-")
     try:
         expected = reference(args.steps, workdir)
-        failures = 0
+        failures, recovery_times = 0, []
         for k in range(args.trials):
             kill_step = rng.randrange(args.save_every + 1, args.steps - 5)
             got = trial(kill_step, args.steps, args.save_every, workdir, args.timeout, args.store == "shared",
                         args.rdzv_conf)
+            recovery_times.append(got["recovery_s"])
             same = bool(got["losses"]) and all(expected.get(s) == v for s, v in got["losses"].items())
             ok = got["status"] == 0 and got["killed"] and got["resumed_at"] is not None and same
             failures += not ok
@@ -128,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             if not ok:
                 print(got["text"][-4000:], flush=True)
         print(f"{args.trials - failures} of {args.trials} trials finished with the uninterrupted run's losses "
-              f"({args.store} store, --rdzv-conf {args.rdzv_conf})")
+              f"({args.store} store, --rdzv-conf {args.rdzv_conf or 'as the launcher sets it'})")
+        recoveries = sorted(r for r in recovery_times if r is not None)
+        if recoveries:
+            print(f"kill -> first resumed step: median {statistics.median(recoveries):.1f} s "
+                  f"(min {recoveries[0]:.1f}, max {recoveries[-1]:.1f}, {len(recoveries)} trials)")
         return 1 if failures else 0
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

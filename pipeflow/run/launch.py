@@ -52,11 +52,21 @@ torchrun (python -m torch.distributed.run) with two additions:
     (unless already set) and --rdzv-conf is_host=1 on the node that owns the endpoint's
     address (is_host=0 elsewhere), and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (unless set:
     each restart's workers get a fresh store, so no address of the attempt before is reused,
-    pytorch#135712).  Options given explicitly are left as they are.
+    pytorch#135712); it refuses an endpoint port another program holds on the hosting node;
+  * a lost node recovered in seconds: --rdzv-conf last_call_timeout=2 (a re-rendezvous closes
+    2 s after the minimum of nodes is there; torchrun's 30 s), keep_alive_interval=1 and
+    keep_alive_max_attempt=3 (a node is lost after 3 s of silence; torchrun's 15 s).
+Options and --rdzv-conf keys given explicitly are left as they are.
 
 Every torchrun option is accepted (python -m torch.distributed.run --help lists them).
 Environment: PIPEFLOW_LAUNCH_VERBOSE=1 prints the address decisions.
 """
+
+# torchrun's c10d rendezvous, where the job spans nodes (each overridable in --rdzv-conf): a
+# node's loss is seen after 3 missed 1 s keep-alives (torchrun: 3 of 5 s), and a re-rendezvous
+# closes 2 s after the minimum of nodes is there (torchrun: 30 s); benchmarks/fault_drills/node_loss.py
+RDZV_DEFAULTS = {"last_call_timeout": "2", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+
 
 @dataclass(frozen=True)
 class NodeAddress:
@@ -222,22 +232,30 @@ def with_node_address(argv: list[str], env: dict[str, str]) -> tuple[list[str], 
     head, tail = list(argv[:cut]), argv[cut:]
     if option(argv, "local-addr") is None:
         head += ["--local-addr", node.address]
-    conf = option(argv, "rdzv-conf")
-    if conf is None:
-        head += ["--rdzv-conf", f"is_host={int(node.hosts_endpoint)}"]
-    elif "is_host" not in conf:
-        head = [_with_is_host(arg, node.hosts_endpoint) for arg in head]
+    head = _with_rendezvous_conf(head, {**RDZV_DEFAULTS, "is_host": str(int(node.hosts_endpoint))})
     added = {name: node.interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not env.get(name)}
     if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:  # a fresh store per rendezvous round (pytorch#135712)
         added["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return head + tail, added, node
 
 
-def _with_is_host(arg: str, hosts: bool) -> str:
-    """An ``--rdzv-conf`` argument (or its value) with ``is_host`` appended; others unchanged."""
-    if arg.startswith(("--rdzv-conf=", "--rdzv_conf=")) or ("=" in arg and not arg.startswith("-")):
-        return f"{arg},is_host={int(hosts)}"
-    return arg
+def _with_rendezvous_conf(options: list[str], extra: dict[str, str]) -> list[str]:
+    """torchrun's `options` with each key of `extra` that their ``--rdzv-conf`` lacks appended to it
+    (an ``--rdzv-conf`` added when there is none); a key given keeps its value."""
+    def joined(given: str) -> str:
+        have = {item.split("=", 1)[0].strip() for item in given.split(",") if item.strip()}
+        return ",".join([*([given] if given else []), *(f"{k}={v}" for k, v in extra.items() if k not in have)])
+
+    out = list(options)
+    for i, arg in enumerate(out):
+        if arg in ("--rdzv-conf", "--rdzv_conf") and i + 1 < len(out):
+            out[i + 1] = joined(out[i + 1])
+            return out
+        if arg.startswith(("--rdzv-conf=", "--rdzv_conf=")):
+            name, value = arg.split("=", 1)
+            out[i] = f"{name}={joined(value)}"
+            return out
+    return [*out, "--rdzv-conf", joined("")]
 
 
 @contextlib.contextmanager
