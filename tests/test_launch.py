@@ -212,3 +212,44 @@ def test_a_rendezvous_port_another_program_holds_is_named_before_torchrun_waits_
         assert launch.with_node_address(argv, {})[2].hosts_endpoint is False
     node("10.9.0.1")
     assert launch.with_node_address(argv, {})[2].hosts_endpoint  # freed: the host may take it
+
+
+def test_while_the_agent_waits_for_its_rendezvous_the_launcher_says_so_every_few_seconds() -> None:
+    """Issue 57, items 4 and 6: nothing was printed for the ~42 s of a recovery, nor while a node
+    waited for others that never came."""
+    from pipeflow.run.launch_wait import WaitReporter
+
+    argv = [*ELASTIC[:-2], "--rdzv-id", "job7", "--rdzv-conf", "join_timeout=60", *ELASTIC[-2:]]
+    assert launch.rendezvous_wait(["--standalone", "--nproc-per-node", "2", "train.py"]) is None
+    reporter = launch.rendezvous_wait(argv)
+    assert reporter.what == "10.9.0.1:29500 (run id job7, --nnodes 1:2)" and reporter.deadline_s == 60
+    now, workers, said = [0.0], [0], []
+    waits = WaitReporter(reporter.what, 60, said.append, lambda: workers[0], lambda: now[0])
+    for t, running in ((2, 0), (5, 0), (8, 0), (10.4, 0), (12, 2), (30, 2), (31, 0), (34, 0), (36.2, 0)):
+        now[0], workers[0] = t, running
+        waits.tick()
+    assert said == [
+        "waiting for the rendezvous at 10.9.0.1:29500 (run id job7, --nnodes 1:2): 5 s of at most 60 "
+        "(--rdzv-conf join_timeout)",
+        "waiting for the rendezvous at 10.9.0.1:29500 (run id job7, --nnodes 1:2): 10 s of at most 60 "
+        "(--rdzv-conf join_timeout)",
+        "waiting for the rendezvous at 10.9.0.1:29500 (run id job7, --nnodes 1:2) again (the workers ended: a "
+        "restart, or the job's end): 5 s of at most 60 (--rdzv-conf join_timeout)"]
+
+
+def test_the_launcher_counts_its_running_workers_from_proc() -> None:
+    import subprocess
+    import sys
+
+    from pipeflow.run.launch_wait import live_children
+
+    before = live_children()
+    if before is None:
+        pytest.skip("/proc does not list children here")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert live_children() == before + 1
+    finally:
+        child.kill()
+        child.wait()
+    assert live_children() == before

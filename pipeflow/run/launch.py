@@ -32,10 +32,12 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeflow.errors import LaunchError
+from pipeflow.run.launch_wait import WaitReporter
 from pipeflow.run.signals import PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
 from pipeflow.runtime.hosts import interface_addresses
 
@@ -55,7 +57,9 @@ torchrun (python -m torch.distributed.run) with two additions:
     pytorch#135712); it refuses an endpoint port another program holds on the hosting node;
   * a lost node recovered in seconds: --rdzv-conf last_call_timeout=2 (a re-rendezvous closes
     2 s after the minimum of nodes is there; torchrun's 30 s), keep_alive_interval=1 and
-    keep_alive_max_attempt=3 (a node is lost after 3 s of silence; torchrun's 15 s).
+    keep_alive_max_attempt=3 (a node is lost after 3 s of silence; torchrun's 15 s);
+  * while the agent waits for its rendezvous across nodes (at start, after a restart), a line
+    every 5 s: what it waits for, for how long, and the deadline.
 Options and --rdzv-conf keys given explicitly are left as they are.
 
 Every torchrun option is accepted (python -m torch.distributed.run --help lists them).
@@ -66,6 +70,7 @@ Environment: PIPEFLOW_LAUNCH_VERBOSE=1 prints the address decisions.
 # node's loss is seen after 3 missed 1 s keep-alives (torchrun: 3 of 5 s), and a re-rendezvous
 # closes 2 s after the minimum of nodes is there (torchrun: 30 s); benchmarks/fault_drills/node_loss.py
 RDZV_DEFAULTS = {"last_call_timeout": "2", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+TORCHRUN_JOIN_TIMEOUT_S = 600  # torchrun's c10d join_timeout where --rdzv-conf gives none
 
 
 @dataclass(frozen=True)
@@ -281,6 +286,25 @@ def _rendezvous_lost(exc: BaseException) -> bool:
     return False
 
 
+def rendezvous_wait(argv: list[str]) -> WaitReporter | None:
+    """What reports the agent's waits for its c10d rendezvous across nodes (None: one node, or
+    another rendezvous backend)."""
+    if max_nodes(argv) <= 1 or (option(argv, "rdzv-backend") or "static") != "c10d":
+        return None
+    conf = dict(item.split("=", 1) for item in (option(argv, "rdzv-conf") or "").split(",") if "=" in item)
+    what = (f"{option(argv, 'rdzv-endpoint')} (run id {option(argv, 'rdzv-id') or 'none'}, --nnodes "
+            f"{option(argv, 'nnodes')})")
+    return WaitReporter(what, float(conf.get("join_timeout", TORCHRUN_JOIN_TIMEOUT_S)), _say)
+
+
+@contextlib.contextmanager
+def _set_on_exit(event: threading.Event) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        event.set()
+
+
 def _say(text: str) -> None:
     print(f"[pipeflow.launch] {text}", file=sys.stderr, flush=True)
 
@@ -302,8 +326,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(added)
     from torch.distributed import run as torchrun  # late: --help and address errors need no torch
 
-    signalled, failed_codes = False, []
-    with status_file() as path:
+    signalled, failed_codes, stop_watch = False, [], threading.Event()
+    waiting = rendezvous_wait(argv)
+    if waiting is not None:  # the agent says nothing while it waits for the other nodes
+        waiting.watch(stop_watch)
+    with status_file() as path, _set_on_exit(stop_watch):
         os.environ[STATUS_FILE_ENV] = path
         try:
             torchrun.main(argv)

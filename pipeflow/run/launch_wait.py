@@ -1,0 +1,77 @@
+"""What ``python -m pipeflow.launch`` says while torchrun's agent waits for its rendezvous.
+
+The agent prints nothing while it waits for the other nodes (at start, and again after a restart
+or a lost node), so a job whose other nodes never come looked hung.  The launcher watches its own
+child processes (the agent's workers): while it has none, it says every few seconds what it
+waits for and for how long.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+
+WAIT_REPORT_S = 5.0  # seconds between two lines while the agent waits
+
+
+def live_children(pid: int | None = None) -> int | None:
+    """How many child processes process `pid` (this one) has now, read from ``/proc`` (None where
+    ``/proc`` cannot say: not Linux)."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    count = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                count += len(f.read().split())
+        except FileNotFoundError:  # a thread that just ended
+            continue
+        except OSError:
+            return None
+    return count
+
+
+class WaitReporter:
+    """Says (`say`) every `every_s` seconds, while `workers()` counts none, that the launcher waits
+    for the rendezvous `what`, for how long, and the deadline; once workers ran and are gone, that
+    it waits again (a restart's re-rendezvous, or the job's end)."""
+
+    def __init__(self, what: str, deadline_s: float, say: Callable[[str], None],
+                 workers: Callable[[], int | None] = live_children, clock: Callable[[], float] = time.monotonic,
+                 every_s: float = WAIT_REPORT_S) -> None:
+        self.what, self.deadline_s, self.say, self.workers, self.clock, self.every_s = (
+            what, deadline_s, say, workers, clock, every_s)
+        self._since: float | None = clock()
+        self._said = self._since
+        self._ran = False
+
+    def tick(self) -> None:
+        """Look once: a line when it has waited another `every_s` seconds without workers."""
+        count, now = self.workers(), self.clock()
+        if count is None:
+            return
+        if count > 0:
+            self._ran, self._since = True, None
+            return
+        if self._since is None:  # the workers ended: waiting again
+            self._since = self._said = now
+            return
+        if now - self._said >= self.every_s:
+            self._said = now
+            again = " again (the workers ended: a restart, or the job's end)" if self._ran else ""
+            self.say(f"waiting for the rendezvous at {self.what}{again}: {now - self._since:.0f} s of at most "
+                     f"{self.deadline_s:.0f} (--rdzv-conf join_timeout)")
+
+    def watch(self, stop: threading.Event) -> threading.Thread:
+        """Tick every second in a daemon thread until `stop` is set."""
+        def loop() -> None:
+            while not stop.wait(1.0):
+                self.tick()
+
+        thread = threading.Thread(target=loop, name="pipeflow-launch-wait", daemon=True)
+        thread.start()
+        return thread
