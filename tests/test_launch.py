@@ -69,6 +69,13 @@ def test_an_endpoint_this_node_cannot_use_stops_at_once_naming_the_fix(node, mon
         launch.with_node_address(ELASTIC, {})
 
 
+def test_the_launchers_refusal_names_the_error_class_and_exits_2(node, monkeypatch, capsys) -> None:
+    """Issue 57, item 8: it printed ``[pipeflow.launch] error: ...`` without the LaunchError the docs name."""
+    monkeypatch.setattr(launch, "route_source", lambda ip, port: "127.0.0.1")
+    assert launch.main(ELASTIC) == 2
+    assert capsys.readouterr().err.startswith("[pipeflow.launch] error: LaunchError: this node would reach the endpoint")
+
+
 def _torchrun_that(monkeypatch, outcome: BaseException | None, preempted: bool) -> None:
     from torch.distributed import run as torchrun
 

@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         argv, added, node = with_node_address(argv, dict(os.environ))
     except LaunchError as exc:
-        _say(f"error: {exc}")
+        _say(f"error: {type(exc).__name__}: {exc}")  # the class the docs' fault table names
         return 2
     if node is not None and os.environ.get("PIPEFLOW_LAUNCH_VERBOSE"):
         _say(f"this node: {node.address} on {node.interface}"
