@@ -38,6 +38,17 @@ KINDS = {  # name -> (config class, model class, config keys beyond SMALL)
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
     "mistral_window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 5}),  # window < T = 12
     "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    # issue 58's first families beyond those three: sliding windows where the family has them
+    "qwen3_window": ("Qwen3Config", "Qwen3ForCausalLM", {"sliding_window": 5, "use_sliding_window": True,
+                                                         "max_window_layers": 1}),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {"head_dim": 8}),
+    "exaone4_window": ("Exaone4Config", "Exaone4ForCausalLM", {"sliding_window": 5}),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
+    "ministral_window": ("MinistralConfig", "MinistralForCausalLM", {"sliding_window": 5, "head_dim": 8}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
 }
 
 
@@ -196,7 +207,7 @@ def _bf16_vs_fp32(folder: str, run_dir: str, dp: int, schedule: str, m: int = 2)
 
 
 MP_CASES = (("llama", "1f1b"), ("llama", "zb_h1"), ("llama_tied", "1f1b"), ("llama_tied", "zb_h1"),
-            ("mistral_window", "1f1b"), ("qwen2_tied", "zb_h1"), ("llama_packed", "1f1b"))
+            ("mistral_window", "1f1b"), ("qwen2_tied", "zb_h1"), ("llama_packed", "1f1b"), ("qwen3_window", "1f1b"))
 MP_CASES_4 = (("llama_tied", "zb_h1"),)  # the tie spans ranks 0 and 3; split backward
 
 

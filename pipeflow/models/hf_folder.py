@@ -19,11 +19,24 @@ from torch import Tensor, nn
 from pipeflow.errors import CheckpointError, ConfigError
 from pipeflow.models.materialise import check_finite
 
-# model_type -> (the modeling module under transformers.models, the *ForCausalLM class name)
+# model_type -> (the modeling module under transformers.models, the *ForCausalLM class name): the
+# families whose base model only embeds, runs its decoder layers (rotary and masks from the
+# positions, sliding windows by layer_types or Mistral's sliding_window) and norms, with no
+# scaling, dropout or state outside the layers (read in their forward), each tested in float64
+# against transformers (tests/test_hf.py)
 SUPPORTED = {
     "llama": ("llama.modeling_llama", "LlamaForCausalLM"),
     "mistral": ("mistral.modeling_mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
+    "olmo": ("olmo.modeling_olmo", "OlmoForCausalLM"),
+    "olmo2": ("olmo2.modeling_olmo2", "Olmo2ForCausalLM"),
+    "stablelm": ("stablelm.modeling_stablelm", "StableLmForCausalLM"),
+    "helium": ("helium.modeling_helium", "HeliumForCausalLM"),
+    "exaone4": ("exaone4.modeling_exaone4", "Exaone4ForCausalLM"),
+    "arcee": ("arcee.modeling_arcee", "ArceeForCausalLM"),
+    "ministral": ("ministral.modeling_ministral", "MinistralForCausalLM"),
+    "apertus": ("apertus.modeling_apertus", "ApertusForCausalLM"),
 }
 TESTED_TRANSFORMERS = ("5.25",)  # major.minor versions the exactness tests ran on
 CONFIG = "config.json"
