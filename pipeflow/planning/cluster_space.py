@@ -19,7 +19,7 @@ from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.cluster_search import HOLD_ALL, ORDERS, OPTIMIZER_FACTOR, Layout, Prediction, Workload, predict
 from pipeflow.planning.cluster_search import optimizer_s, reduction_s, stage_ranges, tp_link
 from pipeflow.planning.hardware import Cluster
-from pipeflow.planning.roofline import Efficiency, Placement, profiles_at
+from pipeflow.planning.roofline import Efficiency, Placement, profiles_at, weight_bytes
 from pipeflow.schedules import LAYOUTS, SCHEDULES
 
 CLUSTER_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
@@ -135,7 +135,7 @@ def check_fits_somewhere(work: Workload, gpus: int, capacity_bytes: float) -> No
         ConfigError: naming the parameters, the bytes per GPU and the GPUs it would need.
     """
     params = math.fsum(shape.params for shape in work.shapes)
-    total = params * (4 if work.dtype == "fp32" else 2) * (2 + OPTIMIZER_FACTOR)
+    total = params * weight_bytes(work.dtype) * (2 + OPTIMIZER_FACTOR)
     if total / gpus > capacity_bytes:
         need = math.ceil(total / capacity_bytes)
         raise ConfigError(f"the model has {params / 1e9:,.1f} B parameters: their weights, gradients and optimizer "

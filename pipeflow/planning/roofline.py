@@ -327,6 +327,11 @@ class Placement:
     tp_link: Link | None = None
 
 
+def weight_bytes(dtype: str) -> int:
+    """Bytes of one parameter in the training dtype `dtype` (fp32 4; bf16, fp16 2; fp8: bf16 weights)."""
+    return 4 if dtype == "fp32" else 2
+
+
 def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
                   eff: Efficiency = Efficiency()) -> LayerProfile:
     """`shape`'s costs for a micro-batch of `b` samples on one of ``place.tp`` ranks, as the
@@ -363,7 +368,7 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
         activations = b * (shape.saved_residual_bytes / (tp if sp else 1) + shape.saved_split_bytes / tp)
     params = round(shape.params * split_scale)
     return LayerProfile(
-        name=shape.name, params=params, param_bytes=params * (4 if place.dtype == "fp32" else 2),  # fp8: bf16 weights
+        name=shape.name, params=params, param_bytes=params * weight_bytes(place.dtype),
         forward_s=forward, backward_s=input_grad + weight_grad, activation_bytes=round(activations),
         input_grad_s=input_grad, weight_grad_s=weight_grad,
         output_bytes=round(b * shape.output_bytes / (tp if sp else 1)),

@@ -244,11 +244,17 @@ def with_node_address(argv: list[str], env: dict[str, str]) -> tuple[list[str], 
     return head + tail, added, node
 
 
+def rdzv_conf_items(value: str | None) -> dict[str, str]:
+    """``--rdzv-conf``'s ``key=value,key=value`` as a dict (a key without a value maps to "")."""
+    return {key.strip(): rest for key, _, rest in (item.partition("=") for item in (value or "").split(","))
+            if key.strip()}
+
+
 def _with_rendezvous_conf(options: list[str], extra: dict[str, str]) -> list[str]:
     """torchrun's `options` with each key of `extra` that their ``--rdzv-conf`` lacks appended to it
     (an ``--rdzv-conf`` added when there is none); a key given keeps its value."""
     def joined(given: str) -> str:
-        have = {item.split("=", 1)[0].strip() for item in given.split(",") if item.strip()}
+        have = rdzv_conf_items(given)
         return ",".join([*([given] if given else []), *(f"{k}={v}" for k, v in extra.items() if k not in have)])
 
     out = list(options)
@@ -291,7 +297,7 @@ def rendezvous_wait(argv: list[str]) -> WaitReporter | None:
     another rendezvous backend)."""
     if max_nodes(argv) <= 1 or (option(argv, "rdzv-backend") or "static") != "c10d":
         return None
-    conf = dict(item.split("=", 1) for item in (option(argv, "rdzv-conf") or "").split(",") if "=" in item)
+    conf = rdzv_conf_items(option(argv, "rdzv-conf"))
     what = (f"{option(argv, 'rdzv-endpoint')} (run id {option(argv, 'rdzv-id') or 'none'}, --nnodes "
             f"{option(argv, 'nnodes')})")
     return WaitReporter(what, float(conf.get("join_timeout", TORCHRUN_JOIN_TIMEOUT_S)), _say)
