@@ -80,6 +80,8 @@ BOTH_CORES = (
     "test_schedules_more.py", "test_cli.py",
 )
 FEW_CORES = (os.cpu_count() or 2) <= 3  # with more, a world leaves cores to a second one
+
+
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """Workers for ``-n auto``: two on 2 cores (one runs a module's process world while the other's
     module waits on a launcher or runs pure tests on the idle core), up to four on bigger
@@ -89,7 +91,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     if given:
         return int(given)
     files = {arg.split("::")[0] for arg in config.args}
-    if files and all(name.endswith(".py") for name in files) and len(files) == 1:
+    if len(files) == 1 and next(iter(files)).endswith(".py"):
         return 0  # one module runs on one worker anyway: no worker to start
     return max(2, min(4, (os.cpu_count() or 2) // 2))
 

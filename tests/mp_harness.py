@@ -197,8 +197,8 @@ def run_cases(world_size: int, cases: Sequence[tuple[str, Callable[[], Any]]]) -
 
     A case that breaks its world (a rank dies or hangs in it, the ranks cannot meet after it, or
     one meets a timeout in it) is recorded as such (``broke_world``; a rank that did not finish
-    it gets an error saying how it left), named on the terminal, and the cases after it run in
-    a new world: up to :data:`MAX_WORLDS` worlds, then the rest are recorded as not run.
+    it gets an error saying how it left), named in a :class:`WorldRestarted` warning, and the
+    cases after it run in a new world: up to :data:`MAX_WORLDS` worlds, then the rest are recorded as not run.
 
     Returns:
         ``results[name][rank]`` for every case.
