@@ -9,7 +9,13 @@ import pytest
 
 from pipeflow.errors import LaunchError
 from pipeflow.run import launch
-from pipeflow.run.signals import PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, leave_at_once_on, record_preemption
+from pipeflow.run.signals import (
+    AGENT_STOP,
+    PREEMPTED_EXIT_CODE,
+    STATUS_FILE_ENV,
+    leave_at_once_on,
+    record_preemption,
+)
 from pipeflow.runtime import hosts
 from pipeflow.runtime.hosts import HostInfo, HostTable
 
@@ -44,7 +50,8 @@ def test_each_node_gets_its_address_interface_and_whether_it_hosts_the_rendezvou
     assert argv[cut:] == ["train.py", "parallel.pp=2"]  # the script's own arguments untouched
     assert argv[:cut][-4:] == ["--local-addr", "10.9.0.2", "--rdzv-conf",
                                "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,is_host=0"]
-    assert env == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert env == {"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                   "PIPEFLOW_RDZV_ENDPOINT": "10.9.0.1:29500"}  # the job's identity for its lock (issue 57, item 5)
     node("10.9.0.1")
     argv, env, found = launch.with_node_address([*ELASTIC[:-2], "--rdzv-conf", "join_timeout=60,last_call_timeout=9",
                                                  *ELASTIC[-2:]], {"GLOO_SOCKET_IFNAME": "ib0"})
@@ -56,9 +63,13 @@ def test_each_node_gets_its_address_interface_and_whether_it_hosts_the_rendezvou
 
 
 def test_one_node_or_a_loopback_endpoint_is_left_as_torchrun_has_it(node) -> None:
-    for argv in (["--standalone", "--nproc-per-node", "2", "train.py"],
-                 ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500", "train.py"]):
-        assert launch.with_node_address(argv, {}) == (argv, {}, None)
+    """Agents on one machine keep their addresses, but get a fresh store per rendezvous round too:
+    without it a node that joins hangs the restart in torchrun's store (issue 57, item 2)."""
+    argv = ["--standalone", "--nproc-per-node", "2", "train.py"]
+    assert launch.with_node_address(argv, {}) == (argv, {}, None)
+    argv = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29500", "train.py"]
+    assert launch.with_node_address(argv, {}) == (argv, {"PIPEFLOW_RDZV_ENDPOINT": "127.0.0.1:29500",
+                                                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, None)
 
 
 def test_an_endpoint_this_node_cannot_use_stops_at_once_naming_the_fix(node, monkeypatch) -> None:
@@ -117,8 +128,13 @@ def test_the_launchers_status_tells_a_preemption_from_a_failure(monkeypatch, cap
         assert "preempted at step 7: checkpoint /runs/a/checkpoints/step_00000007" in capsys.readouterr().err
 
 
-def test_a_signal_during_start_up_leaves_at_once_with_75_and_says_so(monkeypatch, tmp_path) -> None:
+@pytest.mark.parametrize(("before", "after"), [
+    ("", "preempted at start-up: nothing saved"),
+    (f"{AGENT_STOP}: a worker failed\n", AGENT_STOP),  # torchrun's agent stopped it: no preemption recorded
+], ids=["signal_to_the_job", "agent_stop"])
+def test_a_signal_during_start_up_leaves_at_once_with_75_and_says_so(monkeypatch, tmp_path, before, after) -> None:
     status = tmp_path / "status"
+    status.write_text(before)
     monkeypatch.setenv(STATUS_FILE_ENV, str(status))
     left: list[int] = []
     restore = leave_at_once_on([signal.SIGUSR1], 0, left.append)
@@ -126,8 +142,36 @@ def test_a_signal_during_start_up_leaves_at_once_with_75_and_says_so(monkeypatch
         signal.raise_signal(signal.SIGUSR1)
     finally:
         restore()
-    assert left == [PREEMPTED_EXIT_CODE] and status.read_text().startswith("preempted at start-up: nothing saved")
+    assert left == [PREEMPTED_EXIT_CODE] and status.read_text().startswith(after)
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_the_agents_own_stops_are_marked_for_the_workers_and_a_signal_to_the_job_is_not(tmp_path) -> None:
+    """Issue 57, item 2: torchrun's agent SIGTERMs its workers when one failed or when a node joins
+    or leaves; the launcher marks those stops in its status file while they last, so a worker
+    neither says nor records a preemption (a requeue on 75 would restart a crashing job), and
+    puts back what a worker recorded there.  A signal to the launcher itself is a preemption:
+    its stop goes unmarked."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    status = tmp_path / "status"
+    status.write_text("preempted at step 4: checkpoint c\n")
+    seen: list[str] = []
+
+    class Context:  # what PContext.close needs of its processes
+        _tail_logs, filtered_stdout, filtered_stderr = (), None, None
+
+        def _close(self, death_sig, timeout) -> None:
+            seen.append(status.read_text())
+
+    with launch.marking_agent_stops(str(status)):
+        api.PContext.close(Context())  # a worker failed: the agent stops the rest
+        assert seen[-1].startswith(AGENT_STOP) and status.read_text() == "preempted at step 4: checkpoint c\n"
+        with pytest.raises(api.SignalException):
+            api._terminate_process_handler(signal.SIGTERM, None)  # the scheduler's signal reached the launcher
+        api.PContext.close(Context(), signal.SIGTERM)
+        assert not seen[-1].startswith(AGENT_STOP)
+    assert api.PContext.close.__name__ == "close"  # torchrun's own again
 
 
 def _infos(*rows: tuple[str, str, str], master: str = "10.9.0.1") -> list[HostInfo]:

@@ -123,8 +123,8 @@ def build(**kwargs):
 
 def test_a_rank_that_crashes_at_start_up_is_a_failure_not_a_preemption(tmp_path: Path) -> None:
     """Issue 57: rank 1 exits 1 while rank 0 builds its model; torchrun's agent SIGTERMs rank 0,
-    which leaves at once recording a stop at start-up.  The launcher exits 1 (torchrun's own
-    status) and says why, not 75: a requeue on 75 would restart a crashing job forever."""
+    which leaves at once, knowing the agent stopped it (no preemption recorded).  The launcher
+    exits 1 (torchrun's own status), not 75: a requeue on 75 would restart a crashing job forever."""
     (tmp_path / "crashing_model.py").write_text(CRASHING_MODEL)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path), **interpreters()}
     env.pop("PIPEFLOW_FAULT_INJECT", None)
@@ -134,6 +134,71 @@ def test_a_rank_that_crashes_at_start_up_is_a_failure_not_a_preemption(tmp_path:
                           text=True, timeout=120)
     text = done.stdout + done.stderr
     assert done.returncode == 1, text[-4000:]
-    assert re.search(r"\[pipeflow.launch\] a worker failed \(exit statuses \[1, 75\]\) and torchrun stopped the "
-                     r"others, which recorded 'preempted at start-up", text), text[-4000:]
-    assert "exiting with status 75" not in text and text.count("leaving with status 75") <= 1, text[-4000:]
+    # rank 0 knows its SIGTERM came from torchrun's agent (the launcher marks the agent's stops):
+    # it says so and records no preemption
+    assert "during start-up from torchrun's agent, which stops its workers" in text, text[-4000:]
+    assert "preempted" not in text and "status 75" not in text, text[-4000:]
+
+
+def test_a_node_that_joins_restarts_the_workers_after_a_save_and_that_is_no_preemption(tmp_path: Path) -> None:
+    """Issue 57, item 2: two launchers as two nodes of one elastic job (--nnodes 1:2).  The second
+    joins while the first trains: torchrun's agent SIGTERMs its workers to restart them on the
+    bigger world; they save (nothing lost), say it was the agent, record no preemption, and go on
+    from that step with dp 2; the launcher does not exit.  A SIGTERM to both launchers then is a
+    preemption: each saves, and both launchers exit 75."""
+    import socket
+    import threading
+    import time
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **interpreters(launchers=True)}
+    env.pop("PIPEFLOW_FAULT_INJECT", None)
+    long = [a for a in RUN if not a.startswith(("train.max_steps", "train.save_every"))]
+    args = [env["PYTHON"], "-m", "pipeflow.launch", "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend",
+            "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "join", "--rdzv-conf",
+            "join_timeout=60,last_call_timeout=1", str(ROOT / "train.py"), *long, "parallel.pp=2", "parallel.dp=auto",
+            "train.max_steps=100000", "train.save_every=0", "train.resume=auto", f"train.run_dir={run_dir}"]
+    lines: list[str] = []
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+        return proc
+
+    def when(pattern: str, after: int = 0) -> int:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            for i in range(after, len(lines)):
+                if re.search(pattern, lines[i]):
+                    return i
+            time.sleep(0.1)
+        raise AssertionError(f"no {pattern!r} in 90 s:\n" + "".join(lines)[-4000:])
+
+    first = start()
+    second = None
+    try:
+        when(r"step\s+3/100000 \| loss")
+        second = start()
+        stopped = when(r"stopped at step \d+ by torchrun's agent")
+        resumed = when(r"resumed from checkpoint \S+ at step \d+ \(saved with dp=1, pp=2", stopped)
+        when(r"step\s+\d+/100000 \| loss", resumed)
+        first.send_signal(signal.SIGTERM)  # the scheduler's signal, on both nodes
+        second.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+        second.wait(timeout=60)
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+    text = "".join(lines)
+    saved = re.search(r"stopped at step (\d+) by torchrun's agent, .*: saved \S+step_(\d+)", text)
+    assert saved and saved.group(1) == str(int(saved.group(2))), text[-4000:]
+    assert re.search(rf"resumed from checkpoint \S+step_{int(saved.group(1)):08d} at step {saved.group(1)}", text)
+    assert "mesh: dp=2 x pp=2" in text, text[-4000:]
+    assert first.returncode == second.returncode == 75, text[-4000:]
+    assert text.count("[pipeflow.launch] preempted at step") == 2 and text.count("preempted at step") == 3, text[-4000:]
+

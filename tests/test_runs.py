@@ -3,6 +3,7 @@ bounded joins, no orphans, validation of what a run is given.  Pure or single-pr
 the multi-process cases are in test_faults.py (checkpoints) and test_scale.py (non-finite)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -11,7 +12,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -97,9 +100,9 @@ def sleeper():
     proc.wait()
 
 
-def _write_lock(run: Path, host: str, pid: int, age_s: float = 0.0) -> Path:
+def _write_lock(run: Path, host: str, pid: int, age_s: float = 0.0, rdzv: str = "") -> Path:
     path = run / lock.LOCK_FILE
-    path.write_text(json.dumps({"host": host, "pid": pid, "token": "theirs"}))
+    path.write_text(json.dumps({"host": host, "pid": pid, "token": "theirs", "rdzv": rdzv}))
     os.utime(path, (time.time() - age_s, time.time() - age_s))
     return path
 
@@ -110,13 +113,59 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@contextlib.contextmanager
+def _renewing(path: Path, every_s: float) -> Iterator[None]:
+    """A live holder on another host: its lease renewed every `every_s` seconds."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(every_s):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+    thread = threading.Thread(target=renew, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def test_a_second_live_job_is_refused_naming_host_and_pid(tmp_path: Path, sleeper) -> None:
     _write_lock(tmp_path, socket.gethostname(), sleeper.pid, age_s=3600)  # same host: the pid decides
     with pytest.raises(RunDirLockedError, match=rf"in use by another live job: pid {sleeper.pid} on host {socket.gethostname()}"):
         lock.RunLock(str(tmp_path)).acquire()
-    _write_lock(tmp_path, "node-7", 1234, age_s=5)  # another host: a fresh lease
-    with pytest.raises(RunDirLockedError, match=r"pid 1234 on host node-7 \(lease renewed 5 s ago\)"):
-        lock.RunLock(str(tmp_path)).acquire()
+    path = _write_lock(tmp_path, "node-7", 1234)  # another host, renewing its lease: watched, then refused
+    with _renewing(path, 0.05), pytest.raises(RunDirLockedError, match=r"pid 1234 on host node-7 \(lease renewed 0 s ago\)"):
+        lock.RunLock(str(tmp_path), lease_s=0.8).acquire()
+
+
+def test_a_restart_is_never_refused_by_its_own_dead_lock_on_a_lost_host(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 57, item 5: the job's rank 0 died with its host (the rendezvous host), its lease is
+    fresh, and the survivors start again at once: taken over at the first try, for the same
+    rendezvous at once, for a rendezvous that answers no more at once, and otherwise after one
+    renewal period unrenewed (before: refused until the 60 s lease ran out)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        closed = free.getsockname()[1]  # nothing listens here once the socket is closed
+    monkeypatch.setenv(lock.RDZV_ENDPOINT_ENV, "10.9.0.2:29500")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    for rdzv, says, lease_s in (("10.9.0.2:29500 job7", "this job's before its restart (the same rendezvous", 60.0),
+                                (f"127.0.0.1:{closed} job7", f"endpoint 127.0.0.1:{closed} answers no more", 60.0),
+                                ("", "was not renewed in 3 s: its job is gone", 4.0)):
+        _write_lock(tmp_path, "node1", 1234, age_s=1, rdzv=rdzv)
+        taker = lock.RunLock(str(tmp_path), lease_s=lease_s)
+        began = time.monotonic()
+        with caplog.at_level("WARNING"):
+            token = taker.acquire()
+        assert taker.taken_over is not None and taker.taken_over.host == "node1"
+        assert says in caplog.text
+        assert time.monotonic() - began < lock.renewal_window_s(lease_s) + 2
+        held = json.loads((tmp_path / lock.LOCK_FILE).read_text())
+        assert held["token"] == token and held["rdzv"] == "10.9.0.2:29500 job7"
+        taker.release()
+        caplog.clear()
 
 
 def test_a_stale_lock_of_a_dead_job_is_taken_over(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 
 from pipeflow.errors import LaunchError
 from pipeflow.run.launch_wait import WaitReporter
-from pipeflow.run.signals import PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
+from pipeflow.run.lock import RDZV_ENDPOINT_ENV
+from pipeflow.run.signals import AGENT_STOP, PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
 from pipeflow.runtime.hosts import interface_addresses
 
 USAGE = """usage: python -m pipeflow.launch [torchrun options] train.py [overrides ...]
@@ -46,13 +47,16 @@ USAGE = """usage: python -m pipeflow.launch [torchrun options] train.py [overrid
 torchrun (python -m torch.distributed.run) with two additions:
   * exit status 75 when the job was preempted (a train.save_on_signal signal: saved, relaunch
     with train.resume=auto to continue), where torchrun alone reports 1 as for a failure;
-    1 when a worker failed (the others torchrun stopped are no preemption);
+    1 when a worker failed (the others torchrun stopped are no preemption: the launcher marks
+    the agent's own stops, so those workers record none); a restart for a node that joined or
+    left the job saves, restarts the workers and goes on, without an exit;
     0 when the job finished, torchrun's own status otherwise;
   * on several nodes (--nnodes N or MIN:MAX with N, MAX > 1, --rdzv-backend c10d,
     --rdzv-endpoint HOST:PORT) it finds this node's address on the route to the endpoint and
     passes --local-addr, sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to that interface
     (unless already set) and --rdzv-conf is_host=1 on the node that owns the endpoint's
-    address (is_host=0 elsewhere), and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (unless set:
+    address (is_host=0 elsewhere), and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (also on one
+    machine; unless set:
     each restart's workers get a fresh store, so no address of the attempt before is reused,
     pytorch#135712); it refuses an endpoint port another program holds on the hosting node;
   * a lost node recovered in seconds: --rdzv-conf last_call_timeout=2 (a re-rendezvous closes
@@ -227,9 +231,14 @@ def with_node_address(argv: list[str], env: dict[str, str]) -> tuple[list[str], 
     backend = option(argv, "rdzv-backend") or "static"
     if max_nodes(argv) <= 1 or not endpoint or backend != "c10d":
         return argv, {}, None
-    host, _ = split_endpoint(endpoint)
-    if ipaddress.ip_address(resolve(host, f"--rdzv-endpoint {endpoint!r}")).is_loopback:
-        return argv, {}, None  # several agents on one machine: loopback is right
+    host, port = split_endpoint(endpoint)
+    address = resolve(host, f"--rdzv-endpoint {endpoint!r}")
+    # the job's identity for its run directory's lock: a restart on the same rendezvous is this job
+    rendezvous = {RDZV_ENDPOINT_ENV: f"[{address}]:{port}" if ":" in address else f"{address}:{port}"}
+    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:  # a fresh store per rendezvous round (pytorch#135712)
+        rendezvous["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if ipaddress.ip_address(address).is_loopback:
+        return argv, rendezvous, None  # several agents on one machine: loopback is right
     node = find_address(endpoint)
     if node.hosts_endpoint:
         check_port_free(endpoint)
@@ -239,8 +248,7 @@ def with_node_address(argv: list[str], env: dict[str, str]) -> tuple[list[str], 
         head += ["--local-addr", node.address]
     head = _with_rendezvous_conf(head, {**RDZV_DEFAULTS, "is_host": str(int(node.hosts_endpoint))})
     added = {name: node.interface for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not env.get(name)}
-    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:  # a fresh store per rendezvous round (pytorch#135712)
-        added["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    added.update(rendezvous)
     return head + tail, added, node
 
 
@@ -279,6 +287,44 @@ def status_file() -> Iterator[str]:
     finally:
         with contextlib.suppress(OSError):
             os.remove(path)
+
+
+@contextlib.contextmanager
+def marking_agent_stops(path: str) -> Iterator[None]:
+    """While torchrun's agent stops its own workers unasked (a worker failed, or a node joined or
+    left and it restarts them), `path` says so (:data:`~pipeflow.run.signals.AGENT_STOP`): the
+    workers' SIGTERM is then no preemption, and they neither say nor record one.  A signal sent to
+    this launcher (a scheduler's, Ctrl-C) is passed on unmarked: that is a preemption."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    signalled = threading.Event()
+    handler, close = api._terminate_process_handler, api.PContext.close
+
+    def on_signal(signum: int, frame: object) -> None:
+        signalled.set()
+        handler(signum, frame)
+
+    def marked_close(context: api.PContext, death_sig: object = None, timeout: int = 30) -> None:
+        if signalled.is_set():
+            return close(context, death_sig, timeout)
+        try:
+            with open(path) as f:
+                before = f.read()  # a preemption a worker recorded stays
+            with open(path, "w") as f:
+                f.write(f"{AGENT_STOP}: a worker failed, or a node joined or left and the workers restart\n")
+        except OSError:
+            return close(context, death_sig, timeout)
+        try:
+            return close(context, death_sig, timeout)
+        finally:
+            with contextlib.suppress(OSError), open(path, "w") as f:
+                f.write(before)
+
+    api._terminate_process_handler, api.PContext.close = on_signal, marked_close  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        api._terminate_process_handler, api.PContext.close = handler, close  # type: ignore[method-assign]
 
 
 def _rendezvous_lost(exc: BaseException) -> bool:
@@ -336,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     waiting = rendezvous_wait(argv)
     if waiting is not None:  # the agent says nothing while it waits for the other nodes
         waiting.watch(stop_watch)
-    with status_file() as path, _set_on_exit(stop_watch):
+    with status_file() as path, _set_on_exit(stop_watch), marking_agent_stops(path):
         os.environ[STATUS_FILE_ENV] = path
         try:
             torchrun.main(argv)

@@ -8,7 +8,13 @@ holder is live: on this machine (and pid namespace), while its pid exists; anywh
 lease is fresher than ``lease_s``.  A host name is not enough to tell: containers and cloned images
 often share one, and a live job on another machine of our name must not be judged by a pid here.
 A lock written before the machine was recorded is judged by its host name, as it was then.
-A stale lock (its job died, on any host) is taken over.  Taking the lock is atomic
+A stale lock (its job died, on any host) is taken over.  A lock on another machine whose lease is
+still fresh is judged by more than its age, so that a restart after a lost host (the rendezvous
+host's included) is never refused by its own dead lock: a lock of the same rendezvous (endpoint
+and run id, which ``python -m pipeflow.launch`` gives the workers) is this job's before its
+restart; a lock whose rendezvous endpoint answers no more belongs to a job that cannot go on
+(torchrun cannot move a rendezvous); any other is watched for one renewal period
+(:func:`renewal_window_s`, about 20 s), and taken over if it is not renewed.  Taking the lock is atomic
 (``O_CREAT | O_EXCL``); a take-over first renames the stale file away, which only one
 contender can do.  The same process may take its own lock again (a sweep's jobs, tests).
 
@@ -25,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import errno
 import os
 import socket
 import threading
@@ -40,6 +47,8 @@ log = logging.getLogger("pipeflow")
 LOCK_FILE = "pipeflow.lock"
 LEASE_S = 60.0
 WATCH_S = 2.0  # how often the lease thread checks that the run directory and the lock are still this job's
+RDZV_ENDPOINT_ENV = "PIPEFLOW_RDZV_ENDPOINT"  # set by pipeflow's launcher: the job's c10d rendezvous endpoint
+PROBE_S = 3.0  # how long a look at a lock holder's rendezvous endpoint may take
 _HELD: dict[str, RunLock] = {}  # the locks this process holds, by job token
 
 
@@ -53,6 +62,7 @@ class Holder:
     age_s: float
     machine: str = ""  # boot id and network namespace; "" in a lock written before it was recorded
     pid_ns: str = ""  # the pid namespace its pid counts in; "" where unknown
+    rdzv: str = ""  # its job's rendezvous, ``endpoint run-id`` (:func:`job_rendezvous`); "" where unknown
 
     def __str__(self) -> str:
         return f"pid {self.pid} on {self.where()} (lease renewed {self.age_s:.0f} s ago)"
@@ -94,7 +104,7 @@ def read_holder(path: str) -> Holder | None:
         with open(path) as f:
             data = json.load(f)
         return Holder(str(data["host"]), int(data["pid"]), str(data["token"]), age,
-                      str(data.get("machine", "")), str(data.get("pid_ns", "")))
+                      str(data.get("machine", "")), str(data.get("pid_ns", "")), str(data.get("rdzv", "")))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
@@ -130,6 +140,49 @@ def live_holder(run_dir: str, lease_s: float = LEASE_S) -> Holder | None:
 
 def _is_me(holder: Holder) -> bool:
     return holder.local() and holder.pid == os.getpid()
+
+
+def job_rendezvous() -> str:
+    """This job's c10d rendezvous as ``endpoint run-id`` ("" where the launcher did not say it):
+    two jobs of one rendezvous are one job, since torchrun makes them one (a node that joins a
+    live job's rendezvous restarts its workers first)."""
+    endpoint = os.environ.get(RDZV_ENDPOINT_ENV, "")
+    return f"{endpoint} {os.environ.get('TORCHELASTIC_RUN_ID', 'none')}" if endpoint else ""
+
+
+def renewal_window_s(lease_s: float) -> float:
+    """The longest a live holder goes without renewing its lease (it renews every ``lease_s / 4``
+    seconds, looking every :data:`WATCH_S`), with a margin for a slow file system."""
+    period = lease_s / 4
+    return period + min(WATCH_S, period) + min(3.0, period)
+
+
+def rendezvous_gone(rdzv: str, timeout_s: float = PROBE_S) -> str | None:
+    """Why the rendezvous endpoint of ``rdzv`` (``host:port run-id``) is certainly gone (its host
+    unknown or unreachable, nothing listening on its port), or None where it answers or the look
+    was inconclusive (a timeout)."""
+    endpoint = rdzv.split(" ", 1)[0]
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except (socket.gaierror, ValueError) as exc:
+        return f"its rendezvous endpoint {endpoint} does not resolve ({exc})"
+    except TimeoutError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+            return f"its rendezvous endpoint {endpoint} answers no more ({os.strerror(exc.errno)})"
+        return None
+
+
+def _same_lease(path: str, holder: Holder, mtime_ns: int) -> bool:
+    """Whether `path` is still `holder`'s lock with modification time `mtime_ns` (not renewed)."""
+    now = read_holder(path)
+    try:
+        return now is not None and now.token == holder.token and os.stat(path).st_mtime_ns == mtime_ns
+    except FileNotFoundError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -206,7 +259,8 @@ class RunLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump({"host": socket.gethostname(), "machine": machine_id(), "pid_ns": pid_namespace(),
-                           "pid": os.getpid(), "token": self.token, "started": time.time()}, f)
+                           "pid": os.getpid(), "token": self.token, "started": time.time(),
+                           "rdzv": job_rendezvous()}, f)
             self._thread = threading.Thread(target=self._watch, name="pipeflow-lock-lease", daemon=True)
             self._thread.start()
             _HELD[self.token] = self
@@ -218,12 +272,15 @@ class RunLock:
         holder = read_holder(self.path)
         if holder is None:
             return
-        if not _is_me(holder) and is_live(holder, self.lease_s):
+        verdict = "gone" if _is_me(holder) or not is_live(holder, self.lease_s) else self._judge(holder)
+        if verdict == "changed":
+            return  # released or taken meanwhile: the caller tries again
+        if verdict == "live":
             raise RunDirLockedError(
                 f"run directory {os.path.dirname(self.path)} is in use by another live job: {holder} "
                 f"({self.path}). Wait for it to end, stop it, or give this job another train.run_dir; "
-                f"a lock left by a job that died is taken over by itself (at once on the same machine, "
-                f"{self.lease_s:.0f} s after its last renewal from another one)"
+                f"a lock left by a job that died is taken over by itself (at once on the same machine or for the "
+                f"same rendezvous, else when its lease goes unrenewed for {renewal_window_s(self.lease_s):.0f} s)"
             )
         stale = f"{self.path}.stale.{self.token}"
         try:
@@ -235,6 +292,40 @@ class RunLock:
             self.taken_over = holder
             log.warning("took over the stale lock of a process that is gone (this job before a restart, or an "
                         "earlier job): %s", holder)
+
+    def _judge(self, holder: Holder) -> str:
+        """``gone`` where `holder`, live by its lease, is a job that is gone: this job before its
+        restart (the same rendezvous), a job whose rendezvous answers no more, or one that does not
+        renew its lease in :func:`renewal_window_s` (watched here, from now: the holder's clock and
+        this one's may differ, a change of the lock file's time does not lie); ``changed`` where the
+        lock was released or replaced meanwhile; ``live`` otherwise."""
+        if holder.local() or holder.host == "?":
+            return "live"
+        mine = job_rendezvous()
+        if holder.rdzv and holder.rdzv == mine:
+            log.warning("the lock of %s is this job's before its restart (the same rendezvous %s): taken over",
+                        holder, mine)
+            return "gone"
+        why = rendezvous_gone(holder.rdzv) if holder.rdzv else None
+        if why is not None:
+            log.warning("the lock of %s belongs to a job that cannot go on: %s; taken over", holder, why)
+            return "gone"
+        try:
+            mtime_ns = os.stat(self.path).st_mtime_ns
+        except FileNotFoundError:
+            return "changed"
+        window = renewal_window_s(self.lease_s)
+        log.warning("run directory %s is locked by %s: waiting up to %.0f s to see whether that job still renews "
+                    "its lease (a job that is gone, such as this one before a lost host, does not)",
+                    os.path.dirname(self.path), holder, window)
+        deadline = time.monotonic() + window
+        while time.monotonic() < deadline:
+            time.sleep(min(0.5, self.lease_s / 16))
+            if not _same_lease(self.path, holder, mtime_ns):
+                now = read_holder(self.path)
+                return "live" if now is not None and now.token == holder.token else "changed"
+        log.warning("the lock of %s was not renewed in %.0f s: its job is gone; taken over", holder, window)
+        return "gone"
 
     def _watch(self) -> None:
         """Every :data:`WATCH_S` s: check the run directory and the lock are still this job's (else

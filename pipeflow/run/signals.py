@@ -111,6 +111,24 @@ def record_preemption(run_dir: str | None, step: int | None, checkpoint: str | N
     return line
 
 
+AGENT_STOP = "stopped by torchrun's agent"  # the launcher's mark in its status file while the agent stops its workers
+
+
+def agent_stopping() -> bool:
+    """Whether this worker's signal came from torchrun's own agent stopping its workers (to restart
+    them for a node that joined or left, or after a worker failed), which ``python -m
+    pipeflow.launch`` marks in its status file: no preemption, whatever the signal.  False under
+    plain torchrun, which cannot tell."""
+    path = os.environ.get(STATUS_FILE_ENV)
+    if not path:
+        return False
+    try:
+        with open(path) as f:
+            return f.read(len(AGENT_STOP)) == AGENT_STOP
+    except OSError:
+        return False
+
+
 def clear_preemption(run_dir: str) -> None:
     """Rank 0, when a run starts training: remove a ``<run_dir>/preempted`` left by the launch before."""
     try:
@@ -145,10 +163,14 @@ def leave_at_once_on(numbers: list[int], rank: int, leave: Callable[[int], None]
         leave: ends the process with the given status (flushing the logs first).
     """
     def on_signal(name: str) -> None:
-        log.warning("rank %d: %s during start-up, before the first step of this launch: nothing to save; leaving "
-                    "with status %d (the same command with train.resume=auto starts again)", rank, name,
-                    PREEMPTED_EXIT_CODE)
-        if os.environ.get("LOCAL_RANK", str(rank)) == "0":
-            record_preemption(None, None, None)
+        if agent_stopping():
+            log.warning("rank %d: %s during start-up from torchrun's agent, which stops its workers (a node joined "
+                        "or left, or a worker failed): nothing to save; leaving", rank, name)
+        else:
+            log.warning("rank %d: %s during start-up, before the first step of this launch: nothing to save; "
+                        "leaving with status %d (the same command with train.resume=auto starts again)", rank, name,
+                        PREEMPTED_EXIT_CODE)
+            if os.environ.get("LOCAL_RANK", str(rank)) == "0":
+                record_preemption(None, None, None)
         leave(PREEMPTED_EXIT_CODE)
     return catch_signals(numbers, on_signal)

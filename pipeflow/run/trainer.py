@@ -32,7 +32,14 @@ from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
 from pipeflow.run.evaluation import held_out_loss, reached_a_rank
 from pipeflow.run.readback import PendingStep, StepValues
 from pipeflow.run.run_log import compile_line, end_line, start_lines
-from pipeflow.run.signals import catch_signals, clear_preemption, record_preemption, signal_names, signal_numbers
+from pipeflow.run.signals import (
+    agent_stopping,
+    catch_signals,
+    clear_preemption,
+    record_preemption,
+    signal_names,
+    signal_numbers,
+)
 from pipeflow.run.step_update import clip_grad_norm_global, lr_at, unique_parameters
 from pipeflow.run.train_state import TrainState
 from pipeflow.runtime import distributed, failures
@@ -77,6 +84,7 @@ class Trainer:
     loop: Loop
     history: list[float] = field(default_factory=list)
     _signalled: str | None = field(default=None, init=False, repr=False)  # the train.save_on_signal signal received
+    _from_agent: bool = field(default=False, init=False, repr=False)  # it was torchrun's agent stopping its workers
     _watching_signals: bool = field(default=False, init=False, repr=False)  # evaluations check for it
     _saved: tuple[int, str] | None = field(default=None, init=False, repr=False)  # last saved or resumed: (step, folder)
 
@@ -364,15 +372,21 @@ class Trainer:
         names = list(map(str, signal_names(self.cfg.train.save_on_signal)))
         if self.is_main:
             where = f" during {during}" if during else ""
-            log.warning("preempted at step %d%s: saved %s (a signal of train.save_on_signal=%s reached a rank); "
-                        "the same command with train.resume=auto continues from here", step, where, path, names)
+            if self._from_agent:
+                log.warning("stopped at step %d%s by torchrun's agent, which stops its workers to restart them (a "
+                            "node joined or left the job) or after a worker failed: saved %s, where a restart "
+                            "continues", step, where, path)
+            else:
+                log.warning("preempted at step %d%s: saved %s (a signal of train.save_on_signal=%s reached a rank); "
+                            "the same command with train.resume=auto continues from here", step, where, path, names)
         self._record_preemption(step, path)
         return step
 
     def _record_preemption(self, step: int, path: str | None) -> None:
         """Rank 0 records the preemption in the run directory, and each node's first rank tells its
-        own launcher (every node's launcher exits 75, not only the one with rank 0)."""
-        if self.is_main or distributed.local_rank() == 0:
+        own launcher (every node's launcher exits 75, not only the one with rank 0); nothing is
+        recorded when torchrun's agent stopped the workers (a restart, a failure: no preemption)."""
+        if (self.is_main or distributed.local_rank() == 0) and not self._from_agent:
             record_preemption(self.loop.workspace.run_dir if self.is_main else None, step, path)
 
     def _evaluate_and_train(self, start: int) -> tuple[int | None, float, float]:
@@ -406,7 +420,11 @@ class Trainer:
         return None, first_val, final_val
 
     def _on_signal(self, name: str) -> None:
-        """A ``train.save_on_signal`` signal reached this rank: the next step's all-reduce carries it."""
+        """A ``train.save_on_signal`` signal reached this rank: the next step's all-reduce carries it.
+        Whether torchrun's agent sent it is judged now: a peer that saved and left makes the agent
+        stop the rest, which must not turn this rank's own preemption into an agent's stop."""
+        if self._signalled is None:
+            self._from_agent = agent_stopping()
         self._signalled = name
 
     def _record(self, pending: PendingStep, values: StepValues) -> bool:
