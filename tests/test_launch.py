@@ -4,6 +4,7 @@ and the host table that names peers' hosts in messages."""
 from __future__ import annotations
 
 import signal
+import socket
 
 import pytest
 
@@ -274,18 +275,36 @@ def test_while_the_agent_waits_for_its_rendezvous_the_launcher_says_so_every_few
     assert launch.rendezvous_wait(["--standalone", "--nproc-per-node", "2", "train.py"]) is None
     reporter = launch.rendezvous_wait(argv)
     assert reporter.what == "10.9.0.1:29500 (run id job7, --nnodes 1:2)" and reporter.deadline_s == 60
+    assert reporter.probe is not None  # not the hosting node: it looks whether the endpoint answers
+    assert launch.rendezvous_wait([*ELASTIC[:-2], "--rdzv-conf", "is_host=1", *ELASTIC[-2:]]).probe is None
     now, workers, said = [0.0], [0], []
-    waits = WaitReporter(reporter.what, 60, said.append, lambda: workers[0], lambda: now[0])
-    for t, running in ((2, 0), (5, 0), (8, 0), (10.4, 0), (12, 2), (30, 2), (31, 0), (34, 0), (36.2, 0)):
+    silence = ["No route to host"]
+    waits = WaitReporter(reporter.what, 60, said.append, lambda: workers[0], lambda: now[0], probe=lambda: silence[0])
+    # a child seen at one look only (a helper the agent ran, 7 s) is no worker: the wait goes on
+    for t, running in ((2, 0), (5, 0), (7, 1), (8, 0), (10.4, 0), (11, 2), (12, 2), (30, 2), (31, 0), (34, 0),
+                       (36.2, 0)):
         now[0], workers[0] = t, running
+        silence[0] = None if t > 6 else silence[0]
         waits.tick()
     assert said == [
         "waiting for the rendezvous at 10.9.0.1:29500 (run id job7, --nnodes 1:2): 5 s of at most 60 "
-        "(--rdzv-conf join_timeout)",
+        "(--rdzv-conf join_timeout); the endpoint does not answer: No route to host",
         "waiting for the rendezvous at 10.9.0.1:29500 (run id job7, --nnodes 1:2): 10 s of at most 60 "
         "(--rdzv-conf join_timeout)",
         "waiting for the rendezvous at 10.9.0.1:29500 (run id job7, --nnodes 1:2) again (the workers ended: a "
         "restart, or the job's end): 5 s of at most 60 (--rdzv-conf join_timeout)"]
+
+
+def test_an_endpoint_that_does_not_answer_is_named_with_the_reason() -> None:
+    from pipeflow.run.launch_wait import endpoint_silence
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+        assert endpoint_silence("127.0.0.1", port) == (f"nothing listens on port {port} there (not started yet, or "
+                                                       f"another port)")
+        free.listen(1)
+        assert endpoint_silence("127.0.0.1", port) is None
 
 
 def test_the_launcher_counts_its_running_workers_from_proc() -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import ipaddress
 import os
 import socket
@@ -37,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeflow.errors import LaunchError
-from pipeflow.run.launch_wait import WaitReporter
+from pipeflow.run.launch_wait import WaitReporter, endpoint_silence
 from pipeflow.run.lock import RDZV_ENDPOINT_ENV
 from pipeflow.run.signals import AGENT_STOP, PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
 from pipeflow.runtime.hosts import interface_addresses
@@ -344,9 +345,12 @@ def rendezvous_wait(argv: list[str]) -> WaitReporter | None:
     if max_nodes(argv) <= 1 or (option(argv, "rdzv-backend") or "static") != "c10d":
         return None
     conf = rdzv_conf_items(option(argv, "rdzv-conf"))
-    what = (f"{option(argv, 'rdzv-endpoint')} (run id {option(argv, 'rdzv-id') or 'none'}, --nnodes "
-            f"{option(argv, 'nnodes')})")
-    return WaitReporter(what, float(conf.get("join_timeout", TORCHRUN_JOIN_TIMEOUT_S)), _say)
+    endpoint = option(argv, "rdzv-endpoint") or ""
+    what = f"{endpoint} (run id {option(argv, 'rdzv-id') or 'none'}, --nnodes {option(argv, 'nnodes')})"
+    probe = None
+    if conf.get("is_host") != "1" and endpoint:  # the hosting node's own store answers once it is up
+        probe = functools.partial(endpoint_silence, *split_endpoint(endpoint))
+    return WaitReporter(what, float(conf.get("join_timeout", TORCHRUN_JOIN_TIMEOUT_S)), _say, probe=probe)
 
 
 @contextlib.contextmanager
@@ -355,6 +359,21 @@ def _set_on_exit(event: threading.Event) -> Iterator[None]:
         yield
     finally:
         event.set()
+
+
+@contextlib.contextmanager
+def _agent_cpp_log_level(level: str) -> Iterator[None]:
+    """torch's C++ log level for this process only (read once, when torch loads): the agent's store
+    client logs each failed connection to the endpoint as a warning with ~20 C++ frames, which the
+    launcher's own wait line says in one; the workers keep the level the user set (or torch's)."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ or "torch" in sys.modules:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = level
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def _say(text: str) -> None:
@@ -376,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"this node: {node.address} on {node.interface}"
              f"{', hosting the rendezvous' if node.hosts_endpoint else ''}; {added or 'socket interfaces as set'}")
     os.environ.update(added)
-    from torch.distributed import run as torchrun  # late: --help and address errors need no torch
+    with _agent_cpp_log_level("ERROR"):
+        from torch.distributed import run as torchrun  # late: --help and address errors need no torch
 
     signalled, failed_codes, stop_watch = False, [], threading.Event()
     waiting = rendezvous_wait(argv)

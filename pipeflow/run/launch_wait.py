@@ -3,11 +3,14 @@
 The agent prints nothing while it waits for the other nodes (at start, and again after a restart
 or a lost node), so a job whose other nodes never come looked hung.  The launcher watches its own
 child processes (the agent's workers): while it has none, it says every few seconds what it
-waits for and for how long.
+waits for, for how long, and, on a node that does not host the rendezvous, whether the endpoint
+answers at all (a wrong or unreachable address waits out the whole join_timeout otherwise).
 """
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -35,27 +38,46 @@ def live_children(pid: int | None = None) -> int | None:
     return count
 
 
+def endpoint_silence(host: str, port: int, timeout_s: float = 3.0) -> str | None:
+    """Why nothing answers at `host`:`port` (``No route to host``, ``nothing listens on port
+    29500``, ``no answer within 3 s``), or None when something accepts a connection there."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except TimeoutError:
+        return f"no answer within {timeout_s:.0f} s"
+    except OSError as exc:
+        if exc.errno == errno.ECONNREFUSED:
+            return f"nothing listens on port {port} there (not started yet, or another port)"
+        return exc.strerror or str(exc)
+
+
 class WaitReporter:
     """Says (`say`) every `every_s` seconds, while `workers()` counts none, that the launcher waits
-    for the rendezvous `what`, for how long, and the deadline; once workers ran and are gone, that
-    it waits again (a restart's re-rendezvous, or the job's end)."""
+    for the rendezvous `what`, for how long, the deadline and (with `probe`) why the endpoint does
+    not answer; once workers ran and are gone, that it waits again (a restart's re-rendezvous, or
+    the job's end).  Children seen at one look only (a helper the agent runs) are no workers."""
 
     def __init__(self, what: str, deadline_s: float, say: Callable[[str], None],
                  workers: Callable[[], int | None] = live_children, clock: Callable[[], float] = time.monotonic,
-                 every_s: float = WAIT_REPORT_S) -> None:
-        self.what, self.deadline_s, self.say, self.workers, self.clock, self.every_s = (
-            what, deadline_s, say, workers, clock, every_s)
+                 every_s: float = WAIT_REPORT_S, probe: Callable[[], str | None] | None = None) -> None:
+        self.what, self.deadline_s, self.say, self.workers, self.clock, self.every_s, self.probe = (
+            what, deadline_s, say, workers, clock, every_s, probe)
         self._since: float | None = clock()
         self._said = self._since
         self._ran = False
+        self._looks_with_children = 0
 
     def tick(self) -> None:
         """Look once: a line when it has waited another `every_s` seconds without workers."""
         count, now = self.workers(), self.clock()
         if count is None:
             return
-        if count > 0:
+        self._looks_with_children = self._looks_with_children + 1 if count > 0 else 0
+        if self._looks_with_children >= 2:
             self._ran, self._since = True, None
+            return
+        if count > 0:
             return
         if self._since is None:  # the workers ended: waiting again
             self._since = self._said = now
@@ -63,8 +85,10 @@ class WaitReporter:
         if now - self._said >= self.every_s:
             self._said = now
             again = " again (the workers ended: a restart, or the job's end)" if self._ran else ""
+            silence = self.probe() if self.probe is not None else None
             self.say(f"waiting for the rendezvous at {self.what}{again}: {now - self._since:.0f} s of at most "
-                     f"{self.deadline_s:.0f} (--rdzv-conf join_timeout)")
+                     f"{self.deadline_s:.0f} (--rdzv-conf join_timeout)"
+                     f"{f'; the endpoint does not answer: {silence}' if silence else ''}")
 
     def watch(self, stop: threading.Event) -> threading.Thread:
         """Tick every second in a daemon thread until `stop` is set."""
