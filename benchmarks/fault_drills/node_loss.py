@@ -12,6 +12,14 @@ from) and whether every step's loss from the resumed step on equals that of an u
 run in one process (float64, as printed).  Exit status 1 when any trial fails.
 
     python benchmarks/fault_drills/node_loss.py --trials 10
+
+``--lose rendezvous-host`` kills host 0 instead (it hosts the rendezvous and rank 0, which holds
+the run directory's lock): the job ends on host 1, and the drill starts it again there at once,
+as the launcher's message says (the same command, ENDPOINT on host 1); each
+trial says whether that first try started (the dead job's lock taken over, not refused) and the
+seconds from the kill to its first resumed step.
+
+    python benchmarks/fault_drills/node_loss.py --trials 5 --lose rendezvous-host
 """
 from __future__ import annotations
 
@@ -93,6 +101,71 @@ def trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: 
             "losses": step_losses(after), "text": text}
 
 
+def rendezvous_host_trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: float) -> dict:
+    """One job, host 0 (the rendezvous, rank 0, the lock) killed once step `kill_step` is logged;
+    the job started again on host 1 as soon as host 1's launcher has ended."""
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=workdir)
+    lines: list[tuple[float, str]] = []
+    job = overrides(run_dir, steps, save_every)
+    with EmulatedHosts(2, names="missing") as hosts:
+        procs = launch_on_hosts(hosts, job, nnodes="1:2", torchrun_args="--max-restarts 3", timeout_s=timeout_s,
+                                warm_workers=False)
+        pumps = [threading.Thread(target=lambda p=p: lines.extend((time.monotonic(), line) for line in p.stdout))
+                 for p in procs]
+        for pump in pumps:
+            pump.start()
+        pattern = re.compile(rf"step\s+{kill_step}/{steps} \|")
+        while not any(pattern.search(line) for _, line in list(lines)):
+            if procs[0].poll() is not None:
+                break
+            time.sleep(0.02)
+        hosts.kill(0)
+        killed_at = time.monotonic()
+        procs[1].wait(timeout=timeout_s)
+        for pump in pumps:
+            pump.join()
+        ended_at = time.monotonic()
+        again = launch_on_hosts(hosts, job, nnodes="1:2", timeout_s=timeout_s, on=[1], warm_workers=False,
+                                env={"ENDPOINT": f"{hosts.addresses[1]}:29500"})[0]
+        restart = [(time.monotonic(), line) for line in again.stdout]  # type: ignore[union-attr]
+        status = again.wait()
+    text = "".join(line for _, line in restart)
+    resumed = re.search(r"resumed from checkpoint \S+ at step (\d+)", text)
+    first = next((t for t, line in restart if resumed and re.search(r"step\s+\d+/\d+ \| loss", line)), None)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    how = re.search(r"(this job's before its restart|answers no more|was not renewed in \d+ s)", text)
+    return {"status": status, "refused": "RunDirLockedError" in text, "lock": how.group(1) if how else "free",
+            "resumed_at": int(resumed.group(1)) if resumed else None, "ended_s": ended_at - killed_at,
+            "recovery_s": first - killed_at if first is not None else None, "text": text}
+
+
+def _rendezvous_host_trials(args: argparse.Namespace, rng: random.Random, workdir: str) -> int:
+    """The ``--lose rendezvous-host`` trials: one line each, then the median recovery."""
+    failures, recoveries = 0, []
+    for k in range(args.trials):
+        kill_step = rng.randrange(args.save_every + 1, args.steps - 5)
+        got = rendezvous_host_trial(kill_step, args.steps, args.save_every, workdir, args.timeout)
+        ok = got["status"] == 0 and not got["refused"] and got["resumed_at"] is not None
+        failures += not ok
+        if got["recovery_s"] is not None:
+            recoveries.append(got["recovery_s"])
+        print(f"trial {k + 1:2d}: killed host 0 at step {kill_step:3d} | host 1's launcher ended after "
+              f"{got['ended_s']:.1f} s | restart on host 1 {'REFUSED' if got['refused'] else 'started'} (the dead "
+              f"job's lock: {got['lock']}), status "
+              f"{got['status']}, resumed at step {got['resumed_at']} | kill -> first resumed step "
+              f"{got['recovery_s']:.1f} s | {'ok' if ok else 'FAILED'}" if got["recovery_s"] is not None else
+              f"trial {k + 1:2d}: FAILED (status {got['status']}, refused {got['refused']})", flush=True)
+        if not ok:
+            print(got["text"][-4000:], flush=True)
+    print(f"{args.trials - failures} of {args.trials} restarts after losing the rendezvous host started at the "
+          f"first try and finished")
+    if recoveries:
+        recoveries.sort()
+        print(f"kill -> first resumed step: median {statistics.median(recoveries):.1f} s (min {recoveries[0]:.1f}, "
+              f"max {recoveries[-1]:.1f})")
+    return 1 if failures else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the trials and print one line each, then a summary."""
     parser = argparse.ArgumentParser(prog="python benchmarks/fault_drills/node_loss.py", description=__doc__.splitlines()[0])
@@ -103,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=240, help="seconds per trial")
     parser.add_argument("--rdzv-conf", default=RDZV_CONF,
                         help="torchrun's --rdzv-conf (default: none, the launcher's recovery defaults)")
+    parser.add_argument("--lose", choices=["host1", "rendezvous-host"], default="host1",
+                        help="host 1 (the survivors go on), or host 0, which hosts the rendezvous and rank 0 (the "
+                             "job ends; it is started again on host 1 at once)")
     parser.add_argument("--store", choices=["shared", "fresh"], default="shared",
                         help="torchrun's shared agent store across restarts (plain torchrun's default), or a fresh "
                              "one per restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, pipeflow.launch's default)")
@@ -114,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     workdir = tempfile.mkdtemp(prefix="pipeflow-drill-")
     try:
+        if args.lose == "rendezvous-host":
+            return _rendezvous_host_trials(args, rng, workdir)
         expected = reference(args.steps, workdir)
         failures, recovery_times = 0, []
         for k in range(args.trials):

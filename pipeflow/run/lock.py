@@ -48,7 +48,7 @@ LOCK_FILE = "pipeflow.lock"
 LEASE_S = 60.0
 WATCH_S = 2.0  # how often the lease thread checks that the run directory and the lock are still this job's
 RDZV_ENDPOINT_ENV = "PIPEFLOW_RDZV_ENDPOINT"  # set by pipeflow's launcher: the job's c10d rendezvous endpoint
-PROBE_S = 3.0  # how long a look at a lock holder's rendezvous endpoint may take
+PROBE_S = 5.0  # how long a look at a lock holder's rendezvous endpoint may take (a dead host: ARP gives up in ~3 s)
 _HELD: dict[str, RunLock] = {}  # the locks this process holds, by job token
 
 
