@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from hosts import SMALL64, emulated_hosts, launch_on_hosts, outputs  # noqa: F401 - a fixture
+from test_runs import renewing
 from pipeflow.errors import ConfigError, LaunchError, RunDirLockedError
 from pipeflow.run import lock
 from pipeflow.runtime import clocks
@@ -47,9 +48,9 @@ def _write_lock(run: Path, age_s: float = 0.0, **fields: object) -> Path:
                                     {"pid_ns": "pid:1"}])  # this machine, another container's pids
 def test_a_live_lease_on_another_machine_of_our_name_is_not_judged_by_a_pid_here(tmp_path, fields) -> None:
     fields = {"machine": machine_id(), **fields}
-    _write_lock(tmp_path, **fields)  # its pid does not exist here, its lease is fresh
-    with pytest.raises(RunDirLockedError, match="in use by another live job: pid") as err:
-        lock.RunLock(str(tmp_path)).acquire()
+    path = _write_lock(tmp_path, **fields)  # its pid does not exist here, its lease is renewed
+    with renewing(path, 0.05), pytest.raises(RunDirLockedError, match="in use by another live job: pid") as err:
+        lock.RunLock(str(tmp_path), lease_s=0.8).acquire()
     if fields["machine"] != machine_id():
         assert f"(machine {fields['machine']}: another machine than this one, which has the same name" in str(err.value)
     _write_lock(tmp_path, age_s=2 * lock.LEASE_S, **fields)  # its lease ran out: taken over

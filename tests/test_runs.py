@@ -114,7 +114,7 @@ def _dead_pid() -> int:
 
 
 @contextlib.contextmanager
-def _renewing(path: Path, every_s: float) -> Iterator[None]:
+def renewing(path: Path, every_s: float) -> Iterator[None]:
     """A live holder on another host: its lease renewed every `every_s` seconds."""
     stop = threading.Event()
 
@@ -136,7 +136,7 @@ def test_a_second_live_job_is_refused_naming_host_and_pid(tmp_path: Path, sleepe
     with pytest.raises(RunDirLockedError, match=rf"in use by another live job: pid {sleeper.pid} on host {socket.gethostname()}"):
         lock.RunLock(str(tmp_path)).acquire()
     path = _write_lock(tmp_path, "node-7", 1234)  # another host, renewing its lease: watched, then refused
-    with _renewing(path, 0.05), pytest.raises(RunDirLockedError, match=r"pid 1234 on host node-7 \(lease renewed 0 s ago\)"):
+    with renewing(path, 0.05), pytest.raises(RunDirLockedError, match=r"pid 1234 on host node-7 \(lease renewed 0 s ago\)"):
         lock.RunLock(str(tmp_path), lease_s=0.8).acquire()
 
 
