@@ -42,7 +42,7 @@ def trainer_on_chat_vs_hf(folder: str, kind: str, run_dir: str, dp: int = 1, sch
                                   data__seq_len=16, data__pack_documents=True, data__overlong="truncate",
                                   data__val_fraction=0.0, data__batch_size=4)
     trainer = build_run(cfg, torch.device("cpu"))
-    ref = getattr(transformers, test_hf.KINDS[kind][1]).from_pretrained(folder).to(torch.float64)
+    ref = test_hf.reference(kind, folder).to(torch.float64)
     o = cfg.optim
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
     batches = build_batches(cfg.data, cfg.model)

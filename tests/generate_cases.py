@@ -52,7 +52,7 @@ def pipeline_vs_hf_generate(folder: str, kind: str) -> dict[str, Any] | None:
     greedy = out["batched"]
     out["eos_ids"] = (greedy[0][2], greedy[2][4])
     out["eos"] = run(3, 0, Sampler(), out["eos_ids"])
-    ref = getattr(transformers, test_hf.KINDS[kind][1]).from_pretrained(folder).to(torch.float64)
+    ref = test_hf.reference(kind, folder).to(torch.float64)
     ref.generation_config.eos_token_id = None
     out["hf"] = [ref.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               do_sample=False, max_new_tokens=STEPS, pad_token_id=0)[0, len(p):].tolist()

@@ -57,7 +57,7 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
     trainer = build_run(cfg, torch.device("cpu"))
     dtype = getattr(torch, cfg.train.param_dtype)
     spec = build_spec(cfg.model)
-    ref = getattr(transformers, test_hf.KINDS[kind][1]).from_pretrained(folder).to(dtype)
+    ref = test_hf.reference(kind, folder).to(dtype)
     ref = inject_adapter_in_model(spec.lora.peft_config(), ref)
     with torch.no_grad():  # the pipelined layers' adapters, every layer's
         for layer in spec.build_all(dtype=dtype):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
+import logging
 from typing import Any, Callable
 
 import torch
@@ -49,12 +50,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import document_positions
+from pipeflow.models.hf_convert import checkpoint_sources
 from pipeflow.models.hf_folder import SUPPORTED, SafetensorsWeights, load_config
 from pipeflow.models.lora import LoraConfig, check_targets, lora_settings
 from pipeflow.models.materialise import StateDictFile, skeleton, zero_parameters
 from pipeflow.models.module_spec import cross_entropy
 from pipeflow.models.pieces import Piece, cut
 from pipeflow.models.spec import LayerSpec, ModelSpec
+
+log = logging.getLogger("pipeflow")
 
 _DECODER_KWARGS = ("attention_mask", "position_ids", "position_embeddings")
 _TIE = "model.embed_tokens.weight"
@@ -104,6 +108,8 @@ class _Decoder:
             whole = hidden.new_empty((hidden.shape[0], position_ids.shape[1], *hidden.shape[2:]))
         mask, cos_sin = self._shared(piece, whole, position_ids, doc is not None)
         layer = piece.model.layers.get_submodule(str(self.index))  # type: ignore[union-attr]
+        if hidden.dtype == torch.float64:
+            _loop_experts(layer)
         out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
         out = out[0] if isinstance(out, tuple) else out
         return (out, position_ids) if doc is None else (out, position_ids, doc)
@@ -125,6 +131,15 @@ class _Decoder:
         if "rope" not in made:
             made["rope"] = piece.rotary_emb(hidden, position_ids)  # type: ignore[operator]
         return made[self.sliding], made["rope"]
+
+
+def _loop_experts(layer: nn.Module) -> None:
+    """Have the layer's experts run one expert at a time (transformers' ``eager``): torch's
+    ``grouped_mm``, which transformers picks where it can, takes no float64."""
+    for module in layer.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_experts_implementation", None) not in (None, "eager"):
+            config._experts_implementation = "eager"  # type: ignore[union-attr]
 
 
 def _sliding(model_type: str, config: Any, index: int) -> bool:
@@ -171,13 +186,34 @@ def _weights(root: nn.Module, path: str, tied: bool, init_from: str | None) -> C
     """
     if init_from:
         return StateDictFile(init_from, "the model's state dict under its Hugging Face names").load_into
-    weights = SafetensorsWeights(path)
+    weights = SafetensorsWeights(path, functools.partial(checkpoint_sources, root))
     if not weights.files:
         return None
     aliases = {"lm_head.weight": _TIE} if tied else {}
     if torch.get_default_device().type != "meta":  # on meta (export, counting) nothing is loaded
         weights.check({key: list(t.shape) for key, t in root.state_dict(keep_vars=True).items()}, aliases)
     return functools.partial(weights.load_into, aliases=aliases)
+
+
+def _check_trainable_as_stored(config: Any, path: str | None) -> None:
+    """Refuse quantized weights by name (FP8 with ``weight_scale_inv``, MXFP4: copied into the
+    model's dtype they would be wrong, not merely less precise); say that multi-token-prediction
+    layers (DeepSeek-V3's ``num_nextn_predict_layers``), which the model transformers builds lacks,
+    are skipped.
+
+    Raises:
+        ConfigError: the config has a ``quantization_config``.
+    """
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization).__name__
+        raise ConfigError(f"model.path={path!r} holds quantized weights (quantization_config: {method}); model=hf "
+                          f"trains unquantized weights only: dequantize the folder first (load it with "
+                          f"transformers and save_pretrained it in bf16 or fp32)")
+    mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+    if mtp:
+        log.warning("model.path=%r: its %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not part "
+                    "of the model transformers builds; they are skipped (neither loaded nor trained)", path, mtp)
 
 
 def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = None,
@@ -211,6 +247,7 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
             Inf in a loaded tensor.
     """
     config = load_config(path)
+    _check_trainable_as_stored(config, path)
     import importlib
 
     module_name, class_name = SUPPORTED[config.model_type]

@@ -7,16 +7,20 @@ They read only config.json and the files' headers (names, shapes, offsets), neve
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import json
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from pipeflow.errors import CheckpointError, ConfigError
+from pipeflow.models.hf_convert import Fused
 from pipeflow.models.materialise import check_finite
 
 # model_type -> (the modeling module under transformers.models, the *ForCausalLM class name): the
@@ -37,6 +41,13 @@ SUPPORTED = {
     "arcee": ("arcee.modeling_arcee", "ArceeForCausalLM"),
     "ministral": ("ministral.modeling_ministral", "MinistralForCausalLM"),
     "apertus": ("apertus.modeling_apertus", "ApertusForCausalLM"),
+    # mixtures of experts: the fused expert weights loaded through transformers' conversion mapping
+    "mixtral": ("mixtral.modeling_mixtral", "MixtralForCausalLM"),
+    "qwen2_moe": ("qwen2_moe.modeling_qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("qwen3_moe.modeling_qwen3_moe", "Qwen3MoeForCausalLM"),
+    "olmoe": ("olmoe.modeling_olmoe", "OlmoeForCausalLM"),
+    "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", "DeepseekV3ForCausalLM"),
+    "gpt_oss": ("gpt_oss.modeling_gpt_oss", "GptOssForCausalLM"),
 }
 TESTED_TRANSFORMERS = ("5.25",)  # major.minor versions the exactness tests ran on
 CONFIG = "config.json"
@@ -164,13 +175,17 @@ class SafetensorsWeights:
 
     Args:
         folder: holds ``*.safetensors`` (and optionally ``model.safetensors.index.json``).
+        sources: the model tensors the checkpoint's names make (:func:`~pipeflow.models.hf_convert.
+            checkpoint_sources`: transformers' conversion mapping); None: each name is the model's.
     """
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, sources: Callable[[list[str]], dict[str, str | Fused]] | None = None) -> None:
         self.folder = folder
         self.files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
         self._where: dict[str, str] | None = None
         self._shapes: dict[str, list[int]] = {}
+        self._make_sources = sources
+        self._sources: dict[str, str | Fused] = {}
 
     def _indexed_files(self) -> dict[str, str]:
         """Tensor name -> file, from ``model.safetensors.index.json``.
@@ -219,7 +234,20 @@ class SafetensorsWeights:
                 if not indexed:
                     where.update({name: file for name in shapes})
             self._where = where
+            names = list(where)
+            self._sources = self._make_sources(names) if self._make_sources else {name: name for name in names}
         return self._where
+
+    def _source(self, key: str, aliases: dict[str, str]) -> str | Fused | None:
+        """What makes model tensor `key` (its alias's, for a tied head), None where nothing does."""
+        self.where()
+        found = self._sources.get(key)
+        return found if found is not None else self._sources.get(aliases.get(key, key))
+
+    def _shape(self, source: str | Fused) -> list[int] | None:
+        if isinstance(source, Fused):
+            return source.shape(self._shapes) if all(n in self._shapes for n in source.names()) else None
+        return self._shapes.get(source)
 
     def check(self, expected: dict[str, list[int]], aliases: dict[str, str]) -> None:
         """Every tensor of the model (name -> shape, e.g. the meta skeleton's state dict) is in a
@@ -232,11 +260,14 @@ class SafetensorsWeights:
         where = self.where()
         missing, wrong = [], []
         for key, shape in expected.items():
-            name = key if key in where else aliases.get(key, key)
-            if name not in where or name not in self._shapes:
+            source = self._source(key, aliases)
+            have = self._shape(source) if source is not None else None
+            if have is None:
                 missing.append(key)
-            elif self._shapes[name] != shape:
-                wrong.append(f"{name!r} in {where[name]} has shape {self._shapes[name]}, the model's is {shape}")
+            elif have != shape:
+                named = f"{source!r} in {where[source]}" if isinstance(source, str) else (
+                    f"{key!r} fused from {len(source.names())} tensors ({source.names()[0]!r}, ...)")
+                wrong.append(f"{named} has shape {have}, the model's is {shape}")
         if missing:
             more = len(missing) - SHOWN
             listed = ", ".join(map(repr, missing[:SHOWN])) + (f" and {more} more" if more > 0 else "")
@@ -259,19 +290,40 @@ class SafetensorsWeights:
 
         where = self.where()
         by_file: dict[str, list[tuple[str, Tensor]]] = {}  # each file opened once for the piece's tensors
+        fused: list[tuple[str, Fused, Tensor]] = []
         for key, target in piece.state_dict(keep_vars=True).items():
-            name = key if key in where else aliases.get(key, key)
-            if name not in where:
+            source = self._source(key, aliases)
+            if source is None:
                 raise ConfigError(f"layer {layer!r}: tensor {key!r} is in none of the safetensors files in "
                                   f"{self.folder!r} ({[os.path.basename(f) for f in self.files]})")
-            by_file.setdefault(where[name], []).append((name, target))
+            if isinstance(source, Fused):
+                fused.append((key, source, target))
+            else:
+                by_file.setdefault(where[source], []).append((source, target))
         for file, tensors in by_file.items():
             with safe_open(file, framework="pt") as f:
                 for name, target in tensors:
-                    shape = list(f.get_slice(name).get_shape())
-                    if shape != list(target.shape):
-                        raise ConfigError(f"layer {layer!r}: tensor {name!r} in {file!r} has shape {shape}, "
-                                          f"the model's is {list(target.shape)}")
-                    with torch.no_grad():
-                        target.copy_(f.get_tensor(name))
-                    check_finite(target, f"layer {layer!r}: tensor {name!r} in {file}")
+                    self._copy(layer, f"{name!r} in {file}", lambda n=name: f.get_tensor(n), target)
+        with contextlib.ExitStack() as opened:
+            handles: dict[str, Any] = {}
+
+            def read(name: str) -> Tensor:
+                file = where[name]
+                if file not in handles:
+                    handles[file] = opened.enter_context(safe_open(file, framework="pt"))
+                return handles[file].get_tensor(name)
+
+            for key, source, target in fused:  # only this layer's experts are read
+                self._copy(layer, f"{key!r} (fused from {source.names()[0]!r} ...)",
+                           functools.partial(source.assemble, read), target)
+
+    @staticmethod
+    def _copy(layer: str, what: str, read: Callable[[], Tensor], target: Tensor) -> None:
+        """Copy ``read()`` into `target`, its shape and finiteness checked."""
+        value = read()
+        if list(value.shape) != list(target.shape):
+            raise ConfigError(f"layer {layer!r}: tensor {what} has shape {list(value.shape)}, the model's is "
+                              f"{list(target.shape)}")
+        with torch.no_grad():
+            target.copy_(value)
+        check_finite(target, f"layer {layer!r}: tensor {what}")
