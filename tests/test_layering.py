@@ -124,7 +124,8 @@ def test_models_import_only_torch_torchvision_and_their_spec():
                      "fnmatch"}
     # model=hf (hf.py, hf_folder.py only): Hugging Face's own modules and lazy tensor reads, imported inside its functions;
     # it lists a folder's safetensors files (glob) and reads its config / index (json), warns on untested versions
-    only_in = {"hf.py": {"transformers", "safetensors", "importlib"},
+    # hf.py says what it skips of a checkpoint (logging); hf_convert.py reads transformers' conversion mapping
+    only_in = {"hf.py": {"transformers", "safetensors", "importlib", "logging"}, "hf_convert.py": {"transformers"},
                "hf_folder.py": {"transformers", "safetensors", "glob", "json", "warnings"},
                "lora.py": {"peft"},  # model.lora: peft's LoRA layers, imported inside its functions
                "hf_decode.py": {"transformers"},  # generation: the model's own cache and masks, imported inside

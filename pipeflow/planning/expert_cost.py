@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeflow.models.hf_experts import hf_experts_modules
 from pipeflow.models.moe import MoE
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.profile import LayerProfile
@@ -69,7 +70,8 @@ def expert_layers(spec: ModelSpec) -> ExpertLayers:
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             layer = spec.layers[index].build()
         params.append(sum(p.numel() for name, p in layer.named_parameters() if ".experts." in f".{name}"))
-        top_k.append(sum(m.cfg.top_k for m in layer.modules() if isinstance(m, MoE)))
+        top_k.append(sum(m.cfg.top_k for m in layer.modules() if isinstance(m, MoE))
+                     + sum(int(getattr(m.config, "num_experts_per_tok", 0)) for _, m in hf_experts_modules(layer)))
     return ExpertLayers(tuple(params), tuple(top_k))
 
 

@@ -183,6 +183,9 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
     ep_group, same_experts = expert_groups(mesh.grid.dp_groups(), ep) if ep > 1 else (None, None)
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     if ep > 1:  # each stage's experts split over ep of its dp ranks, tokens exchanged by all_to_all (timed)
+        if not any(expert_layers(spec).params):
+            raise ConfigError(f"parallel.ep={ep}: the model has no experts to split (no MoE layer, and no experts "
+                              f"module its Hugging Face config's base_model_ep_plan names); use parallel.ep=1")
         split_experts([layer for stage in stages.values() for layer in stage.module], ep_group, ep, recorder)
     sharding = full_shard(cfg, spec, stages, layout.ranges, mesh)  # before anything holds the parameters
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),

@@ -8,9 +8,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from pipeflow.errors import ConfigError
+from pipeflow.models.hf_experts import expert_shard
 from pipeflow.runtime.fsdp import local, strided
 from pipeflow.runtime.tensor_parallel import gathered
 from pipeflow.runtime.zero import local_optimizer, parameter_of
@@ -28,8 +30,14 @@ def param_names(layers: dict[int, nn.Module]) -> dict[int, list[str]]:
 
 
 def model_state(layers: dict[int, nn.Module]) -> dict[str, torch.Tensor]:
-    """Layer i's ``state_dict()`` under ``model.layers.<i>.<key>`` (tensors share the layers' storage)."""
-    return {f"model.layers.{i}.{k}": v for i, layer in layers.items() for k, v in layer.state_dict().items()}
+    """Layer i's ``state_dict()`` under ``model.layers.<i>.<key>`` (tensors share the layers' storage;
+    a Hugging Face experts tensor split by ``parallel.ep`` as the slice of the whole it is)."""
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in layers.items():
+        params = dict(layer.named_parameters())
+        for k, v in layer.state_dict().items():
+            out[f"model.layers.{i}.{k}"] = _like(params[k], v) if k in params else v
+    return out
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, layers: dict[int, nn.Module], fill: bool) -> dict[str, torch.Tensor]:
@@ -60,12 +68,30 @@ def optimizer_state(optimizer: torch.optim.Optimizer, layers: dict[int, nn.Modul
 
 
 def _like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """An AdamW state tensor as its parameter holds it: a local shard of a DTensor parameter becomes
-    a DTensor of the same placement (sharing its storage, so a load writes into it)."""
+    """A tensor (a parameter's value, its AdamW state) as its parameter holds it: a local shard of
+    a DTensor parameter becomes a DTensor of the same placement, and so does a slice of a Hugging
+    Face experts tensor split by ``parallel.ep`` (sharded on the expert dimension over the ep
+    group); each shares its storage, so a load writes into it."""
     if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.dim() > 0:
         return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
+    shard = expert_shard(param)
+    if shard is not None and value.dim() > 0:
+        group, shape = shard
+        return DTensor.from_local(value, _mesh(group, value.device.type), [Shard(0)], run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
     return value
+
+
+_MESHES: dict[tuple[int, str], DeviceMesh] = {}
+
+
+def _mesh(group: Any, device_type: str) -> DeviceMesh:
+    """The device mesh of process group `group` (made once)."""
+    key = (id(group), device_type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device_type)
+    return _MESHES[key]
 
 
 def whole_strided(state: dict[str, torch.Tensor], gather: bool) -> tuple[dict[str, Any], list[tuple[Any, Any]]]:

@@ -153,8 +153,9 @@ def check_across_sections(cfg: Any, world_size: int) -> tuple[int, int]:
     check_targets(cfg)
     check_context(cfg)
     check_sequence_parallel(cfg)
+    experts = OmegaConf.select(cfg, "model.moe.experts", default=None)  # None (model=hf): known once built
     check_expert_parallel(cfg.parallel.ep, dp, tensor_degree(cfg.parallel), cfg.parallel.shard,
-                          int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0))  # a model without experts
+                          None if experts is None else int(experts))
     m, batch = cfg.pipeline.num_microbatches, cfg.data.batch_size
     if batch < dp * m:
         raise ConfigError(

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.aux_loss import in_shape_trial
+from pipeflow.models.hf_experts import hf_experts_modules, split_hf_experts
 from pipeflow.models.moe import MoE
 from pipeflow.runtime import overlap
 from pipeflow.runtime.events import A2A, EventRecorder
@@ -121,6 +122,10 @@ def split_experts(layers: Iterable[nn.Module], group: dist.ProcessGroup, ep: int
                 module.split_experts(rank, ep, exchange)
                 overlap.mark_communicating(module)  # its exchanges are an overlapped pair's hand-over points
                 split += 1
+        for path, module in hf_experts_modules(layer):  # a Hugging Face family's fused experts
+            split_hf_experts(path, module, rank, ep, group, exchange)
+            overlap.mark_communicating(module)
+            split += 1
     return split
 
 
@@ -159,17 +164,18 @@ def is_expert_parameter(name: str) -> bool:
     return ".experts." in f".{name}"
 
 
-def check_expert_parallel(ep: int, dp: int, tp: int, shard: str, experts: int) -> None:
+def check_expert_parallel(ep: int, dp: int, tp: int, shard: str, experts: int | None) -> None:
     """Raise ConfigError for a ``parallel.ep`` this runtime cannot run, naming what to change: ep
     must divide dp (the ep ranks are consecutive dp ranks of a stage; with ep < dp each expert is
     held by dp / ep of them) and the experts, and runs without tensor parallelism and without
-    ``parallel.shard`` (experts are not sharded further)."""
+    ``parallel.shard`` (experts are not sharded further).  `experts` None: not known before the
+    model is built (``model=hf``: :func:`split_experts` checks them)."""
     if ep == 1:
         return
     problems = (
         (experts == 0, "the model has no experts (model.moe.experts=0): use parallel.ep=1"),
         (dp % ep != 0, f"the ep ranks are a stage's dp ranks: ep must divide parallel.dp={dp}"),
-        (experts % ep != 0, f"parallel.ep={ep} does not divide model.moe.experts={experts}"),
+        (experts is not None and experts % ep != 0, f"parallel.ep={ep} does not divide model.moe.experts={experts}"),
         (tp > 1, f"experts are not split by tensor parallelism: parallel.tp={tp} with parallel.ep={ep}; use tp=1"),
         (shard != "none", f"parallel.shard={shard} with parallel.ep={ep}: experts are not sharded over the ranks "
                           f"holding the same expert yet; use parallel.shard=none"),
