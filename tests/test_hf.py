@@ -524,6 +524,46 @@ def test_a_checkpoint_with_per_expert_tensors_loads_into_fused_experts(tmp_path)
     assert read.shape({"a": [2, 3], "b": [2, 3]}) == [2, 2, 3]
 
 
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_each_moe_layer_adds_its_own_balancing_loss_and_counts_its_experts(tmp_path, kind):
+    """Issue 58: with output_router_logits and router_aux_loss_coef, each MoE layer's loss is the
+    family's load_balancing_loss_func of its own router logits (per layer, not transformers' one
+    loss over every layer's logits concatenated), attached for backward where the layer runs: the
+    gradients equal cross entropy + coef x the sum of those per-layer losses (float64), and the
+    step's figures hold each layer's tokens per expert and weighted loss."""
+    import importlib
+
+    from pipeflow.models.aux_loss import aux_loss_scope
+    from pipeflow.models.hf import ROUTERS
+    from pipeflow.models.module_spec import cross_entropy
+
+    write_model(str(tmp_path), kind)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(output_router_logits=True, router_aux_loss_coef=0.05)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    layers = build_hf(str(tmp_path)).build_all(dtype=torch.float64)
+    ref = reference(kind, str(tmp_path)).to(torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(64, (3, 12), generator=gen), torch.randint(64, (3, 12), generator=gen)
+    with aux_loss_scope(1.0):
+        loss = cross_entropy(run_layers(layers, x), y)
+    loss.backward()
+    out = ref(x, output_router_logits=True)
+    balance = importlib.import_module(type(ref).__module__).load_balancing_loss_func
+    E, k = int(config.get("num_local_experts") or config["num_experts"]), config["num_experts_per_tok"]
+    per_layer = [0.05 * balance((logits,), E, k, None) for logits in out.router_logits]
+    (cross_entropy(out.logits, y) + sum(per_layer)).backward()
+    pairs = [(p, ref.get_parameter(n)) for layer in layers for n, p in layer.named_parameters()]
+    assert max(rel(a.grad, b.grad) for a, b in pairs) <= TOLERANCE
+    routers = [r for layer in layers for r in getattr(layer, ROUTERS, ())]
+    assert len(routers) == SMALL["num_hidden_layers"]
+    for router, logits, aux in zip(routers, out.router_logits, per_layer):
+        stats = router.take_stats()
+        chosen = torch.topk(logits.softmax(-1), k, dim=-1).indices
+        assert stats[:E].tolist() == torch.bincount(chosen.flatten(), minlength=E).double().tolist()
+        assert abs(stats[-1].item() - aux.item()) <= 1e-12 * abs(aux.item())
+
+
 def test_quantized_weights_are_refused_by_name(tmp_path):
     write_model(str(tmp_path), "llama", weights=False)
     config = json.loads((tmp_path / "config.json").read_text())

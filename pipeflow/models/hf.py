@@ -51,6 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import document_positions
 from pipeflow.models.hf_convert import checkpoint_sources
+from pipeflow.models.hf_routing import routed_experts, watch_routers
 from pipeflow.models.hf_folder import SUPPORTED, SafetensorsWeights, load_config
 from pipeflow.models.lora import LoraConfig, check_targets, lora_settings
 from pipeflow.models.materialise import StateDictFile, skeleton, zero_parameters
@@ -61,6 +62,7 @@ from pipeflow.models.spec import LayerSpec, ModelSpec
 log = logging.getLogger("pipeflow")
 
 _DECODER_KWARGS = ("attention_mask", "position_ids", "position_embeddings")
+ROUTERS = "_pipeflow_routers"  # a decoder piece's RouterFigures (pipeflow.models.hf_routing)
 _TIE = "model.embed_tokens.weight"
 # Hugging Face's tensor-parallel style names (base_model_tp_plan values) -> pipeflow's (TP_STYLES)
 HF_TP_STYLES = {"colwise": "colwise_whole", "rowwise": "rowwise"}  # a decoder's norms gather their output
@@ -112,6 +114,8 @@ class _Decoder:
             _loop_experts(layer)
         out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
         out = out[0] if isinstance(out, tuple) else out
+        for router in getattr(piece, ROUTERS, ()):  # an MoE layer's auxiliary loss, for backward
+            out = router.attach(out)
         return (out, position_ids) if doc is None else (out, position_ids, doc)
 
     def _shared(self, piece: Piece, hidden: Tensor, position_ids: Tensor, packed: bool) -> tuple[Any, Any]:
@@ -172,6 +176,7 @@ class _Layers:
         if isinstance(adapter, _Decoder):  # real inv_freq buffers (non-persistent: not in the state dict)
             rotary = type(self.root.model.rotary_emb)  # type: ignore[union-attr]
             piece.add_module("rotary_emb", rotary(config=self.root.config))
+            object.__setattr__(piece, ROUTERS, watch_routers(self.root, piece))
         return piece
 
 
@@ -274,7 +279,8 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
     ties = {_TIE: [("embedding", _TIE), ("head", "lm_head.weight")]} if tied else {}
     return ModelSpec(f"hf-{config.model_type}", specs, loss_fn=cross_entropy, seed=seed, tied=ties,
                      export_name=hf_name, save_config=config.save_pretrained, compile_unit=decoder_layer,
-                     tp_plan=functools.partial(hf_tp_plan, config), lora=settings)
+                     tp_plan=functools.partial(hf_tp_plan, config), lora=settings,
+                     routed_experts=routed_experts(config))
 
 
 def hf_tp_plan(config: Any, index: int, layer: nn.Module, tp: int) -> dict[str, str]:

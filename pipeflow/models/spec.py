@@ -130,6 +130,8 @@ class ModelSpec:
             a loss that counts otherwise (a mask of its own); None: ``ignore_index`` decides.
         lora: ``model.lora`` (:class:`~pipeflow.models.lora.LoraSettings`): each layer is built with
             peft's LoRA layers around its targeted modules, everything else frozen; None: no LoRA.
+        routed_experts: the routed experts of each MoE layer, for a model whose config is not
+            pipeflow's ``model.moe`` (a Hugging Face MoE family); 0: as ``model.moe`` says.
     """
 
     name: str
@@ -144,6 +146,7 @@ class ModelSpec:
     ignore_index: int | None = IGNORE_INDEX
     count_fn: Callable[[Any], int] | None = None
     lora: Any = None
+    routed_experts: int = 0
 
     def loss_count(self, targets: Any) -> int:
         """How many of `targets` the loss averages over: what weighs a micro-batch's mean loss in

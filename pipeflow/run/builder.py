@@ -269,7 +269,7 @@ def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelP
     scaler = LossScaler(cfg.train.precision == "fp16")
     memory = MemoryAccountant(stages, optimizer, device)
     routing = routing_sync(layers_by_index(stages, layout.ranges), len(spec.layers),
-                           int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0), plan.ep)
+                           int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0) or spec.routed_experts, plan.ep)
     update = StepUpdate(device, schedule, stages, parts.params, optimizer, cfg.optim.grad_clip, parts.tied,
                         parts.reducer, scaler, finite, routing, workspace, mesh.dp * mesh.tp)
     loop = Loop(pipeline, update, faults, metrics, workspace, memory)

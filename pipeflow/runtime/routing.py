@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from pipeflow.models.hf_routing import ROUTING
 from pipeflow.models.moe import MoE
 from pipeflow.runtime.expert_parallel import is_expert_parameter
 
@@ -56,9 +58,10 @@ class RoutingSync:
         self.num_layers, self.experts = num_layers, experts
         self.split = {id(p): ep for layer in layers.values() for name, p in layer.named_parameters()
                       if ep > 1 and is_expert_parameter(name)}  # {id(expert parameter): ep}
-        self.routers: dict[int, MoE] = {}
+        self.routers: dict[int, Any] = {}  # MoE, or a Hugging Face router's RouterFigures
         for index, layer in layers.items():
-            found = [m for m in layer.modules() if isinstance(m, MoE)]
+            found = [m if isinstance(m, MoE) else getattr(m, ROUTING) for m in layer.modules()
+                     if isinstance(m, MoE) or hasattr(m, ROUTING)]
             if len(found) > 1:
                 raise ValueError(f"layer {index} holds {len(found)} MoE modules; router statistics take one per layer")
             if found:
