@@ -564,6 +564,34 @@ def test_each_moe_layer_adds_its_own_balancing_loss_and_counts_its_experts(tmp_p
         assert abs(stats[-1].item() - aux.item()) <= 1e-12 * abs(aux.item())
 
 
+def test_deepseek_v3s_correction_bias_moves_towards_the_mean_load_after_each_step(tmp_path):
+    """Issue 58: aux-loss-free balancing. The step's tokens per expert (summed in the step's packet,
+    as over micro-batches and ranks) move each MoE layer's e_score_correction_bias by
+    model.moe.bias_update_rate x sign(mean - load), outside the optimizer; 0 leaves it."""
+    from pipeflow.models.aux_loss import aux_loss_scope
+    from pipeflow.runtime.routing import RoutingSync
+
+    write_model(str(tmp_path), "deepseek_v3")
+    for rate in (0.01, 0.0):
+        spec = build_hf(str(tmp_path), moe={"bias_update_rate": rate})
+        layers = spec.build_all(dtype=torch.float64)
+        sync = RoutingSync(dict(enumerate(layers)), len(layers), spec.routed_experts)
+        assert sorted(sync.routers) == [2, 3, 4]  # decoder layers 1-3 (first_k_dense_replace=1 keeps layer 0 dense)
+        before = {i: r.bias.clone() for i, r in sync.routers.items()}
+        with aux_loss_scope(1.0):
+            run_layers(layers, torch.randint(64, (3, 12), generator=torch.Generator().manual_seed(0)))
+        packet = sync.packet(torch.device("cpu"))
+        sync.balance(packet)
+        block = packet.view(len(layers), -1)
+        for i, router in sync.routers.items():
+            load = block[i, :8]
+            assert load.sum() == 3 * 12 * 2  # every token's two experts counted
+            expected = before[i] + rate * torch.sign(load.mean() - load).to(before[i].dtype)
+            assert torch.equal(router.bias, expected) and router.bias.dtype == before[i].dtype
+    with pytest.raises(ConfigError, match=r"model.moe.bias_update_rate=-1.0 must be >= 0"):
+        build_hf(str(tmp_path), moe={"bias_update_rate": -1.0})
+
+
 def test_quantized_weights_are_refused_by_name(tmp_path):
     write_model(str(tmp_path), "llama", weights=False)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -319,9 +319,8 @@ def build_gpt(
         seed: the model seed every layer's init derives from.
         tie_embeddings: share the token embedding with the output head (GPT-2 style); the two
             copies live on different stages and their gradients are summed every step.
-        init_from: a file (or torch.distributed.checkpoint directory) holding the layers' weights under
-            ``<layer index>.<key>`` (what ``python -m pipeflow.checkpoint export`` writes for it), loaded
-            instead of the seeded init, each rank reading only its own layers.
+        init_from: a file or DCP directory of the layers' weights under ``<layer index>.<key>``
+            (what ``export`` writes), loaded instead of the seeded init; each rank reads its own.
         moe: ``model.moe``: mixture-of-experts blocks (:class:`~pipeflow.models.moe.MoEConfig`;
             ``experts=0``, the default, keeps every block dense).
         lora: ``model.lora`` (:mod:`pipeflow.models.lora`): peft's LoRA in the blocks' Linear

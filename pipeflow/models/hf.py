@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from dataclasses import dataclass
 import inspect
 import logging
 from typing import Any, Callable
@@ -67,6 +68,31 @@ _TIE = "model.embed_tokens.weight"
 # Hugging Face's tensor-parallel style names (base_model_tp_plan values) -> pipeflow's (TP_STYLES)
 HF_TP_STYLES = {"colwise": "colwise_whole", "rowwise": "rowwise"}  # a decoder's norms gather their output
 _TP_DIVIDES = ("num_attention_heads", "num_key_value_heads", "vocab_size")  # each tp rank holds 1/tp of these
+
+
+@dataclass
+class HFMoEConfig:
+    """``model.moe`` for ``model=hf``: what pipeflow adds to a mixture-of-experts family's training
+    (the experts, routers and their losses are the family's config's)."""
+
+    bias_update_rate: float = 0.001  # DeepSeek-V3's aux-loss-free balancing: the per-step bias step (0: none)
+
+
+def _moe_config(value: Any) -> HFMoEConfig:
+    """``model.moe`` (a dataclass, a mapping or Hydra's node) as an :class:`HFMoEConfig`, checked.
+
+    Raises:
+        ConfigError: an unknown key, or a negative rate.
+    """
+    items = dict(vars(value)) if isinstance(value, HFMoEConfig) else dict(value or {})
+    unknown = sorted(set(map(str, items)) - {"bias_update_rate"})
+    if unknown:
+        raise ConfigError(f"model.moe has no key(s) {unknown} with model=hf; it takes bias_update_rate (the experts "
+                          f"and routers are the Hugging Face config's)")
+    config = HFMoEConfig(**items)
+    if not config.bias_update_rate >= 0:
+        raise ConfigError(f"model.moe.bias_update_rate={config.bias_update_rate} must be >= 0 (0: no bias updates)")
+    return config
 
 
 def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[Tensor, ...]:
@@ -158,8 +184,9 @@ class _Layers:
     """Builds layer k: cut it from the meta skeleton, give it real tensors (loaded or initialised)."""
 
     def __init__(self, root: nn.Module, plans: list[tuple[str, list[str], Any]],
-                 load: Callable[[nn.Module, str], None] | None) -> None:
+                 load: Callable[[nn.Module, str], None] | None, moe: HFMoEConfig) -> None:
         self.root, self.plans, self.load = root, plans, load  # load(piece, layer name): its tensors from disk
+        self.moe = moe
 
     def build(self, k: int) -> nn.Module:
         name, paths, adapter = self.plans[k]
@@ -176,7 +203,7 @@ class _Layers:
         if isinstance(adapter, _Decoder):  # real inv_freq buffers (non-persistent: not in the state dict)
             rotary = type(self.root.model.rotary_emb)  # type: ignore[union-attr]
             piece.add_module("rotary_emb", rotary(config=self.root.config))
-            object.__setattr__(piece, ROUTERS, watch_routers(self.root, piece))
+            object.__setattr__(piece, ROUTERS, watch_routers(self.root, piece, self.moe.bias_update_rate))
         return piece
 
 
@@ -222,19 +249,19 @@ def _check_trainable_as_stored(config: Any, path: str | None) -> None:
 
 
 def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = None,
-             lora: LoraConfig = LoraConfig()) -> ModelSpec:
+             lora: LoraConfig = LoraConfig(), moe: HFMoEConfig = HFMoEConfig()) -> ModelSpec:
     """A Hugging Face ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2) as pipeline layers.
 
     Args:
         path: a local folder with the model's config.json, and its ``*.safetensors`` to load
             (without them the weights are initialised from the config, seeded).
         seed: layer i is initialised under a RNG seeded from (seed, i) when nothing is loaded.
-        init_from: a state dict file (``torch.save``) or torch.distributed.checkpoint directory
-            under the Hugging Face names (``python -m pipeflow.checkpoint export`` writes one),
-            loaded instead of the folder's safetensors files.
+        init_from: a state dict file or DCP directory under the Hugging Face names (what
+            ``export`` writes), loaded instead of the folder's safetensors files.
         lora: ``model.lora`` (rank, alpha, dropout, targets; :mod:`pipeflow.models.lora`): peft's
             LoRA layers in each decoder layer's targeted Linear modules, the base frozen; None
             or rank 0: none.
+        moe: ``model.moe`` of a mixture-of-experts family (:class:`HFMoEConfig`).
 
     Returns:
         A ModelSpec of ``num_hidden_layers + 2`` layers (embedding, decoder layers, head) whose
@@ -274,7 +301,7 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
     settings = lora_settings(lora)
     if settings is not None:  # on the meta skeleton, before any layer is built
         check_targets(settings, root.named_modules(), {"lm_head": "the output head"})
-    layers = _Layers(root, plans, _weights(root, path, tied, init_from))
+    layers = _Layers(root, plans, _weights(root, path, tied, init_from), _moe_config(moe))
     specs = [LayerSpec(name, layers.build, (k,)) for k, (name, _, _) in enumerate(plans)]
     ties = {_TIE: [("embedding", _TIE), ("head", "lm_head.weight")]} if tied else {}
     return ModelSpec(f"hf-{config.model_type}", specs, loss_fn=cross_entropy, seed=seed, tied=ties,

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from pipeflow.models.aux_loss import attach_aux_loss, current_scope
 
 ROUTING = "_pipeflow_routing"  # the attribute a router module's RouterFigures hangs on
+CORRECTION_BIAS = "e_score_correction_bias"  # the per-expert bias of aux-loss-free balancing (a float32 buffer)
 
 
 class RouterFigures:
@@ -40,8 +41,11 @@ class RouterFigures:
             coefficient), or None: no auxiliary loss.
     """
 
-    def __init__(self, router: nn.Module, experts: int, top_k: int, aux: Callable[[Tensor], Tensor] | None) -> None:
+    def __init__(self, router: nn.Module, experts: int, top_k: int, aux: Callable[[Tensor], Tensor] | None,
+                 bias_update_rate: float = 0.0) -> None:
         self.experts, self.top_k, self.aux = experts, top_k, aux
+        self.bias: Tensor | None = getattr(router, CORRECTION_BIAS, None)  # DeepSeek-V3's, a buffer
+        self.rate = bias_update_rate
         self._stats: Tensor | None = None
         self._pending: list[Tensor] = []  # this forward's aux losses, attached by the decoder layer's adapter
         router.register_forward_hook(self._seen)
@@ -73,19 +77,29 @@ class RouterFigures:
         return stats if stats is not None else torch.zeros(self.experts + 2, dtype=torch.float64)
 
     def balance(self, counts: Tensor) -> None:
-        """Aux-loss-free balancing is not applied to Hugging Face routers (yet): a no-op."""
+        """Aux-loss-free balancing (DeepSeek-V3): move each expert's correction bias by
+        ``bias_update_rate`` towards the mean load, by the step's tokens per expert `counts` (E,)
+        summed over micro-batches and ranks (the same on every rank, so every replica agrees);
+        outside the optimizer, in the bias's own dtype.  A no-op for a router without that bias."""
+        if self.bias is None or self.rate <= 0:
+            return
+        step = self.rate * torch.sign(counts.mean() - counts)
+        with torch.no_grad():
+            self.bias.add_(step.to(self.bias.device, self.bias.dtype))
 
 
-def watch_routers(root: nn.Module, layer: nn.Module) -> list[RouterFigures]:
+def watch_routers(root: nn.Module, layer: nn.Module, bias_update_rate: float = 0.0) -> list[RouterFigures]:
     """A :class:`RouterFigures` on every router of `layer` (a piece of the model `root`, a
-    ``*ForCausalLM``): the modules of the class its model records ``router_logits`` from."""
+    ``*ForCausalLM``): the modules of the class its model records ``router_logits`` from; a
+    router with a correction bias moves it by `bias_update_rate` per step."""
     recorded = getattr(type(root), "_can_record_outputs", None) or {}
     cls = getattr(recorded.get("router_logits"), "target_class", None)
     if cls is None:
         return []
     experts, top_k = routed_experts(root.config), int(getattr(root.config, "num_experts_per_tok", 0))
     aux = _aux_loss(root, experts, top_k)
-    return [RouterFigures(module, experts, top_k, aux) for module in layer.modules() if isinstance(module, cls)]
+    return [RouterFigures(module, experts, top_k, aux, bias_update_rate) for module in layer.modules()
+            if isinstance(module, cls)]
 
 
 def _aux_loss(root: nn.Module, experts: int, top_k: int) -> Callable[[Tensor], Tensor] | None:

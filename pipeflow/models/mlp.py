@@ -30,9 +30,8 @@ def build_mlp(
         num_layers: number of hidden blocks (Linear + GELU) between ``input`` and ``head``.
         num_classes: number of classes (logit width).
         seed: the model seed every layer's init derives from.
-        init_from: a file (or torch.distributed.checkpoint directory) holding the layers' weights under
-            ``<layer index>.<key>`` (what ``python -m pipeflow.checkpoint export`` writes for it), loaded
-            instead of the seeded init, each rank reading only its own layers.
+        init_from: a file or DCP directory of the layers' weights under ``<layer index>.<key>``
+            (what ``export`` writes), loaded instead of the seeded init; each rank reads its own.
 
     Returns:
         A ModelSpec: ``input`` (Linear in->hidden + GELU), ``hidden.k`` (Linear + GELU),
