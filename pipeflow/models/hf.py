@@ -38,6 +38,7 @@ whole before the projections after them.
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 from dataclasses import dataclass
@@ -105,9 +106,13 @@ def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[
     return hidden, document_positions(doc), doc
 
 
-def _head(piece: Piece, hidden: Tensor, *_: Tensor) -> Tensor:
-    """Final norm and output head: hidden (B, T, C) -> logits (B, T, V)."""
-    return piece.lm_head(piece.model.norm(hidden))  # type: ignore[operator]
+def _head(piece: Piece, hidden: Tensor, *_: Tensor, softcap: float | None = None) -> Tensor:
+    """Final norm and output head: hidden (B, T, C) -> logits (B, T, V); with `softcap` (Gemma's
+    ``final_logit_softcapping``) the logits squashed into (-softcap, softcap) as the model does."""
+    logits = piece.lm_head(piece.model.norm(hidden))  # type: ignore[operator]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
 _SHARED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # position ids -> (their key, {what: value})
@@ -126,8 +131,9 @@ class _Decoder:
     refilled in place, so each layer makes its own (exact; the detection syncs once per layer).
     """
 
-    def __init__(self, config: Any, index: int, sliding: bool) -> None:
+    def __init__(self, config: Any, index: int, sliding: bool, rope_type: str | None = None) -> None:
         self.config, self.index, self.sliding = config, index, sliding
+        self.rope_type = rope_type  # Gemma 3: the rotary embedding of this layer's type (local or global)
 
     def __call__(self, piece: Piece, hidden: Tensor, position_ids: Tensor,
                  doc: Tensor | None = None) -> tuple[Tensor, ...]:
@@ -158,9 +164,11 @@ class _Decoder:
             make = masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
             made[self.sliding] = make(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
                                       position_ids=position_ids if packed else None)
-        if "rope" not in made:
-            made["rope"] = piece.rotary_emb(hidden, position_ids)  # type: ignore[operator]
-        return made[self.sliding], made["rope"]
+        rope = ("rope", self.rope_type)
+        if rope not in made:
+            made[rope] = (piece.rotary_emb(hidden, position_ids) if self.rope_type is None  # type: ignore[operator]
+                          else piece.rotary_emb(hidden, position_ids, self.rope_type))  # type: ignore[operator]
+        return made[self.sliding], made[rope]
 
 
 def _loop_experts(layer: nn.Module) -> None:
@@ -200,11 +208,31 @@ class _Layers:
             with torch.no_grad():
                 for sub in piece.modules():
                     self.root._init_weights(sub)  # type: ignore[operator]
+        _fill_transient_buffers(self.root, piece)
         if isinstance(adapter, _Decoder):  # real inv_freq buffers (non-persistent: not in the state dict)
             rotary = type(self.root.model.rotary_emb)  # type: ignore[union-attr]
             piece.add_module("rotary_emb", rotary(config=self.root.config))
             object.__setattr__(piece, ROUTERS, watch_routers(self.root, piece, self.moe.bias_update_rate))
         return piece
+
+
+def _fill_transient_buffers(root: nn.Module, piece: nn.Module) -> None:
+    """Give the piece's non-persistent buffers (in no checkpoint: Gemma's embedding scale) the values
+    the model's own ``_init_weights`` gives them, on a twin, so no loaded parameter is touched;
+    rotary embeddings are made whole apart."""
+    for module in piece.modules():
+        names = [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None]
+        if not names or "RotaryEmbedding" in type(module).__name__:
+            continue
+        twin = copy.copy(module)
+        twin._parameters = {k: None if p is None else nn.Parameter(torch.empty_like(p), p.requires_grad)
+                            for k, p in module._parameters.items()}
+        twin._buffers = dict(module._buffers)
+        with torch.no_grad():
+            twin._buffers.update({n: module._buffers[n].clone() for n in names})
+            root._init_weights(twin)  # type: ignore[operator]
+        for n in names:
+            module._buffers[n] = twin._buffers[n]
 
 
 def _weights(root: nn.Module, path: str, tied: bool, init_from: str | None) -> Callable[[nn.Module, str], None] | None:
@@ -242,6 +270,9 @@ def _check_trainable_as_stored(config: Any, path: str | None) -> None:
         raise ConfigError(f"model.path={path!r} holds quantized weights (quantization_config: {method}); model=hf "
                           f"trains unquantized weights only: dequantize the folder first (load it with "
                           f"transformers and save_pretrained it in bf16 or fp32)")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ConfigError(f"model.path={path!r}: its config sets use_bidirectional_attention (an encoder's "
+                          f"attention); model=hf trains causal decoders: set it false or use another model")
     mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
     if mtp:
         log.warning("model.path=%r: its %d multi-token-prediction layer(s) (num_nextn_predict_layers) are not part "
@@ -294,9 +325,12 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
                               f"signature for model=hf (transformers {__import__('transformers').__version__})")
     n = config.num_hidden_layers
     plans: list[tuple[str, list[str], Any]] = [("embedding", ["model.embed_tokens"], _embed)]
-    plans += [(f"layer.{i}", [f"model.layers.{i}"], _Decoder(config, i, _sliding(config.model_type, config, i)))
+    by_type = "layer_type" in inspect.signature(type(root.model.rotary_emb).forward).parameters
+    plans += [(f"layer.{i}", [f"model.layers.{i}"],
+               _Decoder(config, i, _sliding(config.model_type, config, i), config.layer_types[i] if by_type else None))
               for i in range(n)]
-    plans.append(("head", ["model.norm", "lm_head"], _head))
+    plans.append(("head", ["model.norm", "lm_head"],
+                  functools.partial(_head, softcap=getattr(config, "final_logit_softcapping", None))))
     tied = bool(getattr(config, "tie_word_embeddings", False))
     settings = lora_settings(lora)
     if settings is not None:  # on the meta skeleton, before any layer is built

@@ -41,6 +41,16 @@ SUPPORTED = {
     "arcee": ("arcee.modeling_arcee", "ArceeForCausalLM"),
     "ministral": ("ministral.modeling_ministral", "MinistralForCausalLM"),
     "apertus": ("apertus.modeling_apertus", "ApertusForCausalLM"),
+    # the embedding scaled inside its module, logits soft-capped in the head, Gemma 3's rotary per layer type
+    "gemma": ("gemma.modeling_gemma", "GemmaForCausalLM"),
+    "gemma2": ("gemma2.modeling_gemma2", "Gemma2ForCausalLM"),
+    "gemma3_text": ("gemma3.modeling_gemma3", "Gemma3ForCausalLM"),
+    "phi3": ("phi3.modeling_phi3", "Phi3ForCausalLM"),
+    "smollm3": ("smollm3.modeling_smollm3", "SmolLM3ForCausalLM"),
+    "glm": ("glm.modeling_glm", "GlmForCausalLM"),
+    "glm4": ("glm4.modeling_glm4", "Glm4ForCausalLM"),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense.modeling_hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
+    "ernie4_5": ("ernie4_5.modeling_ernie4_5", "Ernie4_5ForCausalLM"),
     # mixtures of experts: the fused expert weights loaded through transformers' conversion mapping
     "mixtral": ("mixtral.modeling_mixtral", "MixtralForCausalLM"),
     "qwen2_moe": ("qwen2_moe.modeling_qwen2_moe", "Qwen2MoeForCausalLM"),
@@ -48,6 +58,12 @@ SUPPORTED = {
     "olmoe": ("olmoe.modeling_olmoe", "OlmoeForCausalLM"),
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", "DeepseekV3ForCausalLM"),
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", "GptOssForCausalLM"),
+    "glm4_moe": ("glm4_moe.modeling_glm4_moe", "Glm4MoeForCausalLM"),
+    "deepseek_v2": ("deepseek_v2.modeling_deepseek_v2", "DeepseekV2ForCausalLM"),
+    "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe.modeling_hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
+    "dots1": ("dots1.modeling_dots1", "Dots1ForCausalLM"),
+    "flex_olmo": ("flex_olmo.modeling_flex_olmo", "FlexOlmoForCausalLM"),
 }
 TESTED_TRANSFORMERS = ("5.25",)  # major.minor versions the exactness tests ran on
 CONFIG = "config.json"
