@@ -34,7 +34,7 @@ def _set_lora_b(named: Any) -> None:
 
 
 def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str, m: int = 2, steps: int = 2,
-                    resume_dp: bool = False, **overrides: Any) -> dict:
+                    resume_dp: bool = False, lora_targets: tuple[str, ...] = (), **overrides: Any) -> dict:
     """Worst relative differences of loss, trainable gradients and parameters over `steps` AdamW steps;
     and what the frozen base holds: gradients, optimizer state, parameters handed to the optimizer.
     With `resume_dp`, the run's checkpoint resumed by a dp = world, pp = 1 run: its adapters against
@@ -53,7 +53,8 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
     import test_hf
 
     cfg = test_hf._trainer_config(folder, f"{run_dir}-{dist.get_world_size()}", dp, schedule, m, **overrides)
-    OmegaConf.update(cfg, "model.lora", dict(LORA), merge=True)  # a typed node: merged, as an override is
+    lora = dict(LORA, targets=list(lora_targets)) if lora_targets else dict(LORA)
+    OmegaConf.update(cfg, "model.lora", lora, merge=True)  # a typed node: merged, as an override is
     trainer = build_run(cfg, torch.device("cpu"))
     dtype = getattr(torch, cfg.train.param_dtype)
     spec = build_spec(cfg.model)

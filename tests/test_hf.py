@@ -372,14 +372,17 @@ TP_CASES_4 = {  # dp1 x pp2 x tp2: each stage's layers split by the config's bas
 LORA_CASES = {"lora-zb_h1-compiled": ("llama", 1, "zb_h1", 2, {"resume_dp": True, "train__compile": True,  # then
                                                                  "train__compile_backend": "aot_eager"}),  # dp2 x pp1
               "lora-tied-1f1b-ckpt": ("llama_tied", 1, "1f1b", 2, {"pipeline__checkpoint_activations": True})}
-LORA_CASES_4 = {"lora-dp2-zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full",
+LORA_CASES_4 = {  # issue 58: DeepSeek-V3's latent attention adapted, its experts split over ep 2, DualPipeV's pairs
+                "lora-deepseek_v3-ep2-dualpipev": ("deepseek_v3", 2, "dualpipev", 4, {
+                    "parallel__ep": 2, "lora_targets": ("q_b_proj", "kv_b_proj", "o_proj")}),
+                "lora-dp2-zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full",
                                                                              "resume_dp": True}),  # then dp4 x pp1
                 # pp2 x tp2, sequence parallel, split backward: q/v adapters split by rows, down_proj's by columns
                 "lora-pp2-tp2-sp-zb_h1": ("llama", 1, "zb_h1", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True,
                                                                "resume_dp": True})}  # then dp4 x pp1 x tp1
 
 
-GENERATE_KINDS = ("llama", "mistral_window")  # generation on the pipeline (tests/generate_cases.py)
+GENERATE_KINDS = ("llama", "mistral_window", "qwen3_moe", "gemma3_text")  # tests/generate_cases.py
 
 
 def _world(request: pytest.FixtureRequest, folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) -> dict:
@@ -520,9 +523,11 @@ def test_lora_trainer_equals_the_unsplit_peft_model_on_2_processes(world2, name)
 @pytest.mark.parametrize("name", list(LORA_CASES_4))
 def test_lora_trainer_equals_the_unsplit_peft_model_on_4_processes(world4, name):
     """model.lora with FSDP2 over dp2 and zbv (a rank whose stages hold only frozen weights trains
-    nothing); with pp2 x tp2 and sequence parallelism, each adapter split with the Linear it wraps."""
+    nothing); with pp2 x tp2 and sequence parallelism, each adapter split with the Linear it wraps;
+    DeepSeek-V3's latent attention adapted while its frozen experts are split over ep 2 (no
+    gradient reaches them) under DualPipeV."""
     _check_lora(world4[name])
-    if "full-shard" in name:
+    if "full-shard" in name or "ep2" in name:
         assert min(r.value["compared"] for r in world4[name]) == 0
     else:  # tp: the adapters of the split Linear modules are DTensors too
         assert all(r.value["sharded"] > 0 for r in world4[name]), [r.value for r in world4[name]]
@@ -645,6 +650,16 @@ def test_deepseek_v3s_correction_bias_moves_towards_the_mean_load_after_each_ste
             assert torch.equal(router.bias, expected) and router.bias.dtype == before[i].dtype
     with pytest.raises(ConfigError, match=r"model.moe.bias_update_rate=-1.0 must be >= 0"):
         build_hf(str(tmp_path), moe={"bias_update_rate": -1.0})
+
+
+def test_generation_of_a_latent_attention_family_is_refused_by_name(tmp_path):
+    from pipeflow.models.hf_decode import HFStageDecoder
+
+    write_model(str(tmp_path), "deepseek_v3")
+    spec = build_hf(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"does not take deepseek_v3's multi-head latent attention yet "
+                                          r"\(kv_lora_rank=8"):
+        HFStageDecoder(transformers.AutoConfig.from_pretrained(str(tmp_path)), {0: spec.layers[0].build()})
 
 
 def test_quantized_weights_are_refused_by_name(tmp_path):
@@ -906,7 +921,7 @@ def test_generation_on_the_pipeline_equals_hugging_face_generate(world2, kind):
     for row, greedy in zip(out["eos"], out["batched"]):
         stop = next((k for k, t in enumerate(greedy) if t in out["eos_ids"]), None)
         assert row == (greedy if stop is None else greedy[:stop + 1])
-    assert len(out["eos"][0]) == 3 and len(out["eos"][2]) <= 5
+    assert len(out["eos"][0]) <= 3 and len(out["eos"][2]) <= 5  # cut at its first (a token may repeat)
 
 
 def test_generate_command_reads_the_runs_config_and_checkpoint(world2):

@@ -106,13 +106,18 @@ def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[
     return hidden, document_positions(doc), doc
 
 
-def _head(piece: Piece, hidden: Tensor, *_: Tensor, softcap: float | None = None) -> Tensor:
+def head_logits(piece: nn.Module, hidden: Tensor, softcap: float | None = None) -> Tensor:
     """Final norm and output head: hidden (B, T, C) -> logits (B, T, V); with `softcap` (Gemma's
     ``final_logit_softcapping``) the logits squashed into (-softcap, softcap) as the model does."""
     logits = piece.lm_head(piece.model.norm(hidden))  # type: ignore[operator]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     return logits
+
+
+def _head(piece: Piece, hidden: Tensor, *_: Tensor, softcap: float | None = None) -> Tensor:
+    """The head piece's forward (:func:`head_logits`); the position and document ids end here."""
+    return head_logits(piece, hidden, softcap)
 
 
 _SHARED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # position ids -> (their key, {what: value})
@@ -143,7 +148,7 @@ class _Decoder:
         mask, cos_sin = self._shared(piece, whole, position_ids, doc is not None)
         layer = piece.model.layers.get_submodule(str(self.index))  # type: ignore[union-attr]
         if hidden.dtype == torch.float64:
-            _loop_experts(layer)
+            loop_experts(layer)
         out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
         out = out[0] if isinstance(out, tuple) else out
         for router in getattr(piece, ROUTERS, ()):  # an MoE layer's auxiliary loss, for backward
@@ -171,7 +176,7 @@ class _Decoder:
         return made[self.sliding], made[rope]
 
 
-def _loop_experts(layer: nn.Module) -> None:
+def loop_experts(layer: nn.Module) -> None:
     """Have the layer's experts run one expert at a time (transformers' ``eager``): torch's
     ``grouped_mm``, which transformers picks where it can, takes no float64."""
     for module in layer.modules():

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.hf import _sliding as sliding_layer
+from pipeflow.models.hf import head_logits, loop_experts
 
 
 def _sliding(config: Any, index: int) -> bool:
@@ -39,11 +40,20 @@ class HFStageDecoder:
     """
 
     def __init__(self, config: Any, layers: dict[int, nn.Module]) -> None:
+        if getattr(config, "kv_lora_rank", None):
+            raise ConfigError(f"generation on the pipeline does not take {config.model_type}'s multi-head latent "
+                              f"attention yet (kv_lora_rank={config.kv_lora_rank}: its cache holds latents); export "
+                              f"the checkpoint (python -m pipeflow.checkpoint export --format hf) and generate with "
+                              f"transformers")
         self.config = config
         self.layers = dict(sorted(layers.items()))
         self.last = config.num_hidden_layers + 1
         self.context = int(config.max_position_embeddings)
         decoders = [i - 1 for i in self.layers if 0 < i < self.last]
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+        rotary = next((layer.rotary_emb for i, layer in self.layers.items() if 0 < i < self.last), None)
+        by_type = rotary is not None and "layer_type" in inspect.signature(type(rotary).forward).parameters
+        self.rope_types = list(config.layer_types) if by_type else None
         self.first_of_kind = {}  # sliding? -> this stage's first decoder layer of that kind
         for d in decoders:
             self.first_of_kind.setdefault(_sliding(config, d), d)
@@ -79,21 +89,26 @@ class HFStageDecoder:
         """
         hidden = x
         masks: dict[bool, Any] = {}
-        rope = None
+        ropes: dict[str | None, Any] = {}
         for i, layer in self.layers.items():
             if i == 0:
                 hidden = layer.model.embed_tokens(x)  # type: ignore[union-attr,operator]
             elif i == self.last:
-                return layer.lm_head(layer.model.norm(hidden[:, -1:]))[:, -1]  # type: ignore[union-attr,operator]
+                return head_logits(layer, hidden[:, -1:], self.softcap)[:, -1]
             else:
                 d = i - 1
                 sliding = _sliding(self.config, d)
                 if sliding not in masks:
                     masks[sliding] = self._mask(sliding, hidden, positions, pad_mask, cache)
-                if rope is None:
-                    rope = layer.rotary_emb(hidden, positions)  # type: ignore[operator]
-                out = self._decoder(d)(hidden, attention_mask=masks[sliding], position_ids=positions,
-                                       position_embeddings=rope, use_cache=True, cache=cache)
+                kind = self.rope_types[d] if self.rope_types else None  # Gemma 3: local or global rotary
+                if kind not in ropes:
+                    ropes[kind] = (layer.rotary_emb(hidden, positions) if kind is None  # type: ignore[operator]
+                                   else layer.rotary_emb(hidden, positions, kind))  # type: ignore[operator]
+                decoder = self._decoder(d)
+                if hidden.dtype == torch.float64:
+                    loop_experts(decoder)
+                out = decoder(hidden, attention_mask=masks[sliding], position_ids=positions,
+                              position_embeddings=ropes[kind], use_cache=True, cache=cache)
                 hidden = out[0] if isinstance(out, tuple) else out
         return hidden
 

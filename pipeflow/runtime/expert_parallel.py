@@ -188,4 +188,5 @@ def check_expert_parallel(ep: int, dp: int, tp: int, shard: str, experts: int | 
 def expert_parameters(stages: Mapping[int, Any]) -> list[nn.Parameter]:
     """The routed experts' parameters of this rank's stages (``.experts.`` in their names): split
     over the ep ranks, not replicated, so neither all-reduced over dp nor counted 1/dp in a norm."""
-    return [p for stage in stages.values() for name, p in stage.module.named_parameters() if is_expert_parameter(name)]
+    return [p for stage in stages.values() for name, p in stage.module.named_parameters()
+            if is_expert_parameter(name) and p.requires_grad]  # frozen experts (LoRA) have no gradient to reduce
