@@ -22,6 +22,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import warm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +42,14 @@ def test_configuration_reference_is_current() -> None:
     generator = _script("config_reference")
     stale = generator.stale_pages(generator.render())
     assert not stale, f"stale: {', '.join(stale)}; run `python scripts/config_reference.py` to regenerate"
+
+
+def test_hugging_face_families_page_is_current() -> None:
+    """docs/reference/hf-families.md is made from tests/test_hf.py's cases (issue 58): a family added
+    to model=hf without a test, or a case added without regenerating the page, fails here."""
+    pytest.importorskip("transformers")
+    generator = _script("hf_families")
+    assert generator.PAGE.read_text() == generator.render(), "stale: run `python scripts/hf_families.py`"
 
 
 def _user_pages() -> list[Path]:

@@ -328,6 +328,28 @@ def test_a_trained_tiny_llama_exports_to_what_from_pretrained_loads_with_the_sam
     assert not torch.equal(model.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # trained, not init
 
 
+def test_a_trained_tiny_moe_exports_fused_experts_that_from_pretrained_loads(one_rank_group, tmp_path: Path) -> None:
+    """Issue 58: a Qwen3-MoE folder (per-expert tensors on disk) trained on the pipeline exports its
+    fused experts under the model's own names, which from_pretrained loads with the same logits."""
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    source = tmp_path / "tiny-moe"
+    Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_experts=4,
+                   num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                   max_position_embeddings=16).save_pretrained(source)
+    path, layers = _trained(tmp_path / "run", ["model=hf", f"model.path={source}", "data.vocab_size=32",
+                                               "data.seq_len=8", "data.batch_size=4"], dtype="float32")
+    out = tmp_path / "exported"
+    assert ck.main(["export", "--format", "hf", path, str(out)]) == 0
+    assert "model.layers.1.mlp.experts.gate_up_proj" in _read_safetensors(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(32, (3, 8))
+    with torch.no_grad():
+        expected = run_layers([layers[i] for i in sorted(layers)], x)
+        torch.testing.assert_close(model(x).logits, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(("fmt", "call", "code"), [
     ("pt", "replace", errno.EROFS), ("hf", "makedirs", errno.EROFS), ("hf", "rename", errno.EBUSY),
     ("pt", "replace", errno.EBUSY)], ids=["pt-read-only", "hf-read-only", "hf-busy", "pt-busy"])

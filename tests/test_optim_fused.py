@@ -59,3 +59,10 @@ def test_the_tail_times_the_optimizer_the_run_uses() -> None:
     params = [torch.nn.Parameter(torch.zeros(100)) for _ in range(2)]
     assert measure_optimizer_s(params, torch.device("cpu"), repeats=2, fused=True) > 0.0
     assert all(p.grad is None for p in params)
+
+
+def test_a_rank_with_nothing_to_train_times_no_optimizer_step() -> None:
+    """A pipeline rank whose stages hold only frozen weights (LoRA's embedding and head) has no
+    optimizer step to time; the start-of-run measurement raised AdamW's "empty parameter list"."""
+    assert measure_optimizer_s([], torch.device("cpu"), repeats=2) == 0.0
+

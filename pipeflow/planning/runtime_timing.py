@@ -84,7 +84,10 @@ def measure_optimizer_s(params: Sequence[nn.Parameter], device: torch.device, re
                         fused: bool | None = None) -> float:
     """Seconds of the trainer's work on `params` (scratch ones: they are stepped) after the
     pipeline: the per-tensor gradient norms and the clip's multiply, one AdamW step (fused as `fused`, see
-    :func:`fused_adamw`), zeroing the gradients."""
+    :func:`fused_adamw`), zeroing the gradients; 0 for none (a rank whose stages hold only frozen
+    weights, LoRA's, has no optimizer step)."""
+    if not params:
+        return 0.0
     for p in params:
         p.grad = torch.zeros_like(p)
     # not fused: None, torch's default (for-each on CUDA), which fused=False would turn off
