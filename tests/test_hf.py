@@ -184,6 +184,13 @@ def _pipelined_vs_hf(folder: str, kind: str, schedule: str, m: int, steps: int =
     return worst
 
 
+def _every_moe_ep2(folders: dict) -> dict:
+    """Every mixture-of-experts kind not among TRAINER_CASES_4 through the Trainer on dp 2 x pp 2
+    with its experts split over ep 2 (1F1B, one AdamW step): {kind: worst differences}."""
+    return {kind: _trainer_vs_hf(folders[kind], kind, os.path.join(folders["runs"], f"ep2-{kind}"), 2, "1f1b",
+                                 steps=1, parallel__ep=2) for kind in EVERY_MOE}
+
+
 def _every_family(folders: dict) -> dict:
     """Every kind not among MP_CASES pipelined over the 2 ranks (1F1B, 2 micro-batches, one SGD
     step) against transformers on the whole batch: {kind: worst differences}."""
@@ -219,7 +226,7 @@ class _Slice:
 
     @property
     def grad(self) -> torch.Tensor:
-        return self.param.grad[self.rows]
+        return _grad(self.param)[self.rows]
 
     def detach(self) -> torch.Tensor:
         return self.param.detach()[self.rows]
@@ -257,11 +264,13 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
     o = cfg.optim
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
-    both = [(mine, _ref_slice(mine, ref.get_parameter(name))) for stage in trainer.stages.values()
-            for layer in stage.module for name, mine in layer.named_parameters()]
+    named = [(name, mine, _ref_slice(mine, ref.get_parameter(name))) for stage in trainer.stages.values()
+             for layer in stage.module for name, mine in layer.named_parameters()]
+    both = [(mine, theirs) for name, mine, theirs in named if not name.endswith(FLOAT32_KEPT)]
+    float32 = [(mine, theirs) for name, mine, theirs in named if name.endswith(FLOAT32_KEPT)]
     from torch.distributed.tensor import DTensor
 
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "compared": len(both), "lengths": set(),
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "compared": len(named), "lengths": set(),
              "sharded": sum(isinstance(mine, DTensor) for mine, _ in both),
              "ep_split": sum(expert_shard(mine) is not None for mine, _ in both)}
     for step in range(steps):
@@ -277,12 +286,16 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
             loss_ref = cross_entropy(ref(x).logits, y)
         loss_ref.backward()
         worst["loss"] = max(worst["loss"], abs(loss - loss_ref.item()) / abs(loss_ref.item()))
-        worst["grad"] = max([worst["grad"]] + [rel(_full(a.grad), b.grad) for a, b in both])  # b: a view's grad
+        worst["grad"] = max([worst["grad"]] + [rel(_full(_grad(a)), _grad(b)) for a, b in both])  # b: maybe a view's
+        worst["grad_float32"] = max([worst.get("grad_float32", 0.0)]
+                                    + [rel(_full(_grad(a)), _grad(b)) for a, b in float32])  # routers in float32
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         opt_ref.step()
         opt_ref.zero_grad()
         worst["param"] = max([worst["param"]] + [rel(_full(a.detach()), b.detach()) for a, b in both])
+        worst["param_float32"] = max([worst.get("param_float32", 0.0)]
+                                     + [rel(_full(a.detach()), b.detach()) for a, b in float32])
     worst["compile"] = None if trainer.parts.compiled is None else trainer.parts.compiled.summary()  # train.compile
     if resume_ep1:  # the checkpoint resumed at ep 1, dp = world, pp 1: every rank every expert, and AdamW's moments
         path = trainer.save_checkpoint(steps)
@@ -328,6 +341,15 @@ MP_CASES = (("llama", "1f1b"), ("llama", "zb_h1"), ("llama_tied", "1f1b"), ("lla
             ("mistral_window", "1f1b"), ("qwen2_tied", "zb_h1"), ("llama_packed", "1f1b"), ("qwen3_window", "1f1b"),
             ("qwen3_moe", "1f1b"), ("deepseek_v3", "zb_h1"))
 EVERY_FAMILY = [kind for kind in KINDS if kind not in {k for k, _ in MP_CASES}]  # the case "every-family"
+EXPERT_KEYS = {"num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"}
+
+
+def is_moe(kind: str) -> bool:
+    """Whether `kind`'s tiny config routes tokens to experts."""
+    return bool(KINDS[kind][2].keys() & EXPERT_KEYS)
+
+
+EVERY_MOE = [k for k in KINDS if is_moe(k) and k not in ("qwen3_moe", "mixtral")]  # the case "every-moe-ep2"
 MP_CASES_4 = (("llama_tied", "zb_h1"),)  # the tie spans ranks 0 and 3; split backward
 
 
@@ -396,6 +418,8 @@ def _world(request: pytest.FixtureRequest, folders: dict, world_size: int, pairs
     cases += [(name, functools.partial(lora_cases.trainer_vs_peft, folders[kind], kind,
                                        os.path.join(folders["runs"], name), dp, schedule, m, **overrides))
               for name, (kind, dp, schedule, m, overrides) in (LORA_CASES if world_size == 2 else LORA_CASES_4).items()]
+    if world_size == 4:
+        cases.append(("every-moe-ep2", functools.partial(_every_moe_ep2, folders)))
     if world_size == 2:
         cases.append(("every-family", functools.partial(_every_family, folders)))
         cases.append(("bf16", functools.partial(_bf16_vs_fp32, folders["llama"], os.path.join(folders["runs"], "bf16"),
@@ -455,6 +479,8 @@ def _check_trainer(results: list, tolerance: float) -> None:
         assert result.value["compared"] > 0
         for key in ("loss", "grad", "param"):
             assert result.value[key] <= tolerance, (rank, key, result.value)
+        for key in ("grad_float32", "param_float32"):  # what a family computes in float32 (routers)
+            assert result.value.get(key, 0.0) <= max(tolerance, FLOAT32_TOLERANCE), (rank, key, result.value)
 
 
 @pytest.mark.parametrize("name", list(TRAINER_CASES))
@@ -469,6 +495,15 @@ def test_trainer_equals_hugging_face_on_2_processes(world2, name):
         assert (compiled is not None) == ("compiled" in name)
         if compiled is not None:  # every layer of the rank compiled whole
             assert compiled["layers"] > 0 and compiled["eager_layers"] == {}, compiled
+
+
+@pytest.mark.parametrize("kind", EVERY_MOE)
+def test_every_moe_family_with_its_experts_split_over_ep2_equals_hugging_face(world4, kind):
+    """Issue 58: each mixture-of-experts family through the Trainer on dp 2 x pp 2 x ep 2 (its fused
+    experts split by the config's base_model_ep_plan) against transformers on the whole batch."""
+    results = [CaseResult(value=r.value[kind]) if r.error is None else r for r in world4["every-moe-ep2"]]
+    _check_trainer(results, TOLERANCE)
+    assert sum(r.value["ep_split"] for r in results) > 0
 
 
 @pytest.mark.parametrize("name", list(TRAINER_CASES_4))

@@ -320,3 +320,17 @@ def test_the_planner_costs_the_experts_exchanges_on_the_link_it_measured() -> No
     assert note.startswith("; ep 2: a rank holds 1/2 of the experts")
     moe, dense = per_rank(4)[1], per_rank(4)[0]
     assert moe.forward_s > 1e-3 + 3e-4 and dense.forward_s == 1e-3 and params[1] / 2 < moe.params < params[1]
+
+
+def test_experts_parallelism_cannot_split_are_named_before_anything_runs() -> None:
+    """A parameter named as a routed expert's (``.experts.``) in no module parallel.ep splits would be
+    taken for a split one (its gradient never reduced over dp): the builder refuses it by name."""
+    from torch import nn
+
+    from pipeflow.models.hf_experts import unsplittable_experts
+
+    layer = nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.experts = nn.Linear(2, 2)
+    assert unsplittable_experts(layer, lambda m: False) == ["mlp.experts.weight", "mlp.experts.bias"]
+    assert unsplittable_experts(layer, lambda m: m is layer.mlp) == []

@@ -43,6 +43,17 @@ def hf_experts_modules(layer: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def unsplittable_experts(layer: nn.Module, splittable: Callable[[nn.Module], bool]) -> list[str]:
+    """The parameters of `layer` named as routed experts' (``.experts.``) that no module expert
+    parallelism splits holds: neither one `splittable` says it splits (pipeflow's MoE) nor an
+    experts module of the config's ``base_model_ep_plan``; their gradients would be taken for
+    split ones."""
+    covered = {path for path, _ in hf_experts_modules(layer)}
+    covered |= {path for path, module in layer.named_modules() if splittable(module)}
+    return [name for name, _ in layer.named_parameters()
+            if ".experts." in f".{name}" and not any(name.startswith(f"{path}.") for path in covered if path)]
+
+
 def expert_shard(param: Tensor) -> tuple[Any, torch.Size] | None:
     """(the ep process group, the whole tensor's shape) of a parameter split along its experts, or
     None for any other."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeflow.models.hf_experts import hf_experts_modules
+from pipeflow.models.hf_experts import hf_experts_modules, unsplittable_experts
 from pipeflow.models.moe import MoE
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.profile import LayerProfile
@@ -73,6 +73,17 @@ def expert_layers(spec: ModelSpec) -> ExpertLayers:
         top_k.append(sum(m.cfg.top_k for m in layer.modules() if isinstance(m, MoE))
                      + sum(int(getattr(m.config, "num_experts_per_tok", 0)) for _, m in hf_experts_modules(layer)))
     return ExpertLayers(tuple(params), tuple(top_k))
+
+
+def unsplit_expert_parameters(spec: ModelSpec) -> list[str]:
+    """Every experts parameter of the model (``.experts.`` in its name) that ``parallel.ep`` would
+    not split, as ``<layer index>.<name>`` (each layer built on the meta device)."""
+    stray = []
+    for index in range(len(spec)):
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            layer = spec.layers[index].build()
+        stray += [f"{index}.{name}" for name in unsplittable_experts(layer, lambda m: isinstance(m, MoE))]
+    return stray
 
 
 def expert_parameter_counts(spec: ModelSpec) -> list[int]:
