@@ -328,9 +328,10 @@ def test_a_trained_tiny_llama_exports_to_what_from_pretrained_loads_with_the_sam
     assert not torch.equal(model.model.embed_tokens.weight, initial.model.embed_tokens.weight)  # trained, not init
 
 
-def test_a_trained_tiny_moe_exports_fused_experts_that_from_pretrained_loads(one_rank_group, tmp_path: Path) -> None:
+def test_a_trained_tiny_moe_exports_its_experts_as_the_hub_stores_them(one_rank_group, tmp_path: Path) -> None:
     """Issue 58: a Qwen3-MoE folder (per-expert tensors on disk) trained on the pipeline exports its
-    fused experts under the model's own names, which from_pretrained loads with the same logits."""
+    experts as the hub stores them (each expert's tensors apart, transformers' conversion mapping
+    reversed), which from_pretrained loads with the same logits."""
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -342,7 +343,9 @@ def test_a_trained_tiny_moe_exports_fused_experts_that_from_pretrained_loads(one
                                                "data.seq_len=8", "data.batch_size=4"], dtype="float32")
     out = tmp_path / "exported"
     assert ck.main(["export", "--format", "hf", path, str(out)]) == 0
-    assert "model.layers.1.mlp.experts.gate_up_proj" in _read_safetensors(out)
+    stored = _read_safetensors(out)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in stored  # as the hub stores experts, one by one
+    assert not any(name.endswith("gate_up_proj") for name in stored)
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     x = torch.randint(32, (3, 8))
     with torch.no_grad():

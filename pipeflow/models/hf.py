@@ -346,7 +346,16 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
     return ModelSpec(f"hf-{config.model_type}", specs, loss_fn=cross_entropy, seed=seed, tied=ties,
                      export_name=hf_name, save_config=config.save_pretrained, compile_unit=decoder_layer,
                      tp_plan=functools.partial(hf_tp_plan, config), lora=settings,
-                     routed_experts=routed_experts(config))
+                     routed_experts=routed_experts(config), as_stored=functools.partial(as_stored, root))
+
+
+def as_stored(root: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`tensors` under the model's names as ``save_pretrained`` writes them (transformers' own
+    conversion mapping reversed: a MoE's fused experts back to each expert's tensors, as the hub
+    stores them and other tools read them)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(root, dict(tensors))
 
 
 def hf_tp_plan(config: Any, index: int, layer: nn.Module, tp: int) -> dict[str, str]:

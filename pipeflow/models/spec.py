@@ -132,6 +132,9 @@ class ModelSpec:
             peft's LoRA layers around its targeted modules, everything else frozen; None: no LoRA.
         routed_experts: the routed experts of each MoE layer, for a model whose config is not
             pipeflow's ``model.moe`` (a Hugging Face MoE family); 0: as ``model.moe`` says.
+        as_stored: ``as_stored({export name: tensor})`` -> the tensors as the model's library
+            stores them on disk (a Hugging Face MoE's per-expert tensors), for ``export --format
+            hf``; None: as exported.
     """
 
     name: str
@@ -147,6 +150,7 @@ class ModelSpec:
     count_fn: Callable[[Any], int] | None = None
     lora: Any = None
     routed_experts: int = 0
+    as_stored: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
     def loss_count(self, targets: Any) -> int:
         """How many of `targets` the loss averages over: what weighs a micro-batch's mean loss in

@@ -284,6 +284,9 @@ def _export_hf(layers: dict[int, dict[str, torch.Tensor]], spec: ModelSpec | Non
     if mismatch:
         raise CheckpointError(mismatch)
     tensors = named(layers, spec, tied_once=True)
+    as_stored = getattr(spec, "as_stored", None)
+    if as_stored is not None:  # as the model's library stores it (a MoE's experts one by one)
+        tensors = {name: t.contiguous() for name, t in as_stored(tensors).items()}
 
     def write(folder: str) -> None:
         save_config(folder)
