@@ -383,6 +383,7 @@ TRAINER_CASES_4 = {  # dp2 x pp2
     "zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full"}, TOLERANCE),
 }
 TP_CASES_4 = {  # dp1 x pp2 x tp2: each stage's layers split by the config's base_model_tp_plan
+    "pp2-tp2-mixtral-1f1b": ("mixtral", 1, "1f1b", 2, {"parallel__tp": 2}, TOLERANCE),
     "pp2-tp2-tied-1f1b": ("llama_tied", 1, "1f1b", 2, {"parallel__tp": 2}, TOLERANCE),
     "pp2-tp2-tied-zbv": ("llama_tied", 1, "zbv", 2, {"parallel__tp": 2}, TOLERANCE),  # tied pair on one stage
     "pp2-tp2-tied-1f1b-sp": ("llama_tied", 1, "1f1b", 2, {"parallel__tp": 2, "parallel__sequence_parallel": True},
