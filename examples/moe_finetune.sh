@@ -10,8 +10,9 @@
 #      overlapping each micro-batch pair's all_to_all with the other's compute; the experts, loaded
 #      into fused weights through transformers' conversion mapping, stay frozen
 #   3. export the adapters merged into the model (python -m pipeflow.checkpoint export --format hf
-#      --merge-lora) and generate with transformers (the pipeline's own generation does not take
-#      latent attention yet)
+#      --merge-lora), each expert's tensors apart as the hub stores them, and generate with
+#      transformers (the tiny model has no tokenizer; with one, python -m pipeflow.generate
+#      generates on the pipeline from the run's checkpoint, as docs/guides/generate.md says)
 #
 #   examples/moe_finetune.sh                                   # writes under outputs/moe_finetune_<time>
 #   WORK=/tmp/moe STEPS=40 examples/moe_finetune.sh train.log_every=5   # more train.py overrides follow

@@ -79,7 +79,7 @@ KINDS = {  # name -> (config class, model class, config keys beyond SMALL)
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1,
         "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "kv_lora_rank": 8, "q_lora_rank": 16,
-        "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8}),
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "num_key_value_heads": 4}),  # MLA: kv = q heads
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8,
                                                       "sliding_window": 5,
                                                       "layer_types": ["sliding_attention", "full_attention"] * 2}),
@@ -94,7 +94,7 @@ KINDS = {  # name -> (config class, model class, config keys beyond SMALL)
         **_GROUPED, "n_routed_experts": 8, "n_shared_experts": 1, "head_dim": 8, "pad_token_id": 0}),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
         **_GROUPED, "n_routed_experts": 8, "n_shared_experts": 1, "kv_lora_rank": 8, "q_lora_rank": 16,
-        "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "pad_token_id": 0}),
+        "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "num_key_value_heads": 4, "pad_token_id": 0}),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {
         "moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 16, "head_dim": 8, "pad_token_id": 0}),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {"num_experts": 4, "moe_topk": 2,
@@ -405,7 +405,7 @@ LORA_CASES_4 = {  # issue 58: DeepSeek-V3's latent attention adapted, its expert
                                                                "resume_dp": True})}  # then dp4 x pp1 x tp1
 
 
-GENERATE_KINDS = ("llama", "mistral_window", "qwen3_moe", "gemma3_text")  # tests/generate_cases.py
+GENERATE_KINDS = ("llama", "mistral_window", "qwen3_moe", "deepseek_v3", "gemma3_text")  # tests/generate_cases.py
 
 
 def _world(request: pytest.FixtureRequest, folders: dict, world_size: int, pairs: tuple, trainer_cases: dict) -> dict:
@@ -686,16 +686,6 @@ def test_deepseek_v3s_correction_bias_moves_towards_the_mean_load_after_each_ste
             assert torch.equal(router.bias, expected) and router.bias.dtype == before[i].dtype
     with pytest.raises(ConfigError, match=r"model.moe.bias_update_rate=-1.0 must be >= 0"):
         build_hf(str(tmp_path), moe={"bias_update_rate": -1.0})
-
-
-def test_generation_of_a_latent_attention_family_is_refused_by_name(tmp_path):
-    from pipeflow.models.hf_decode import HFStageDecoder
-
-    write_model(str(tmp_path), "deepseek_v3")
-    spec = build_hf(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"does not take deepseek_v3's multi-head latent attention yet "
-                                          r"\(kv_lora_rank=8"):
-        HFStageDecoder(transformers.AutoConfig.from_pretrained(str(tmp_path)), {0: spec.layers[0].build()})
 
 
 def test_quantized_weights_are_refused_by_name(tmp_path):

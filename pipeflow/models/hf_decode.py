@@ -40,11 +40,6 @@ class HFStageDecoder:
     """
 
     def __init__(self, config: Any, layers: dict[int, nn.Module]) -> None:
-        if getattr(config, "kv_lora_rank", None):
-            raise ConfigError(f"generation on the pipeline does not take {config.model_type}'s multi-head latent "
-                              f"attention yet (kv_lora_rank={config.kv_lora_rank}: its cache holds latents); export "
-                              f"the checkpoint (python -m pipeflow.checkpoint export --format hf) and generate with "
-                              f"transformers")
         self.config = config
         self.layers = dict(sorted(layers.items()))
         self.last = config.num_hidden_layers + 1
