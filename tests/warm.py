@@ -25,6 +25,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.forkserver
 import os
+import random
 import runpy
 import signal
 import socket
@@ -69,8 +70,29 @@ def start_server() -> None:
     multiprocessing.forkserver.ensure_running()
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands to outgoing connections (32768 where /proc cannot say)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now."""
+    """A TCP port free on 127.0.0.1 now, below the ephemeral range where one can be found: between
+    this call and the store's bind, any outgoing connection of a concurrent test (gloo opens many)
+    may take a port of the ephemeral range, which once reset a 4-rank job's store at start-up."""
+    low = _ephemeral_low()
+    rng = random.Random()  # not the tests' seeded global generator
+    for _ in range(20):
+        port = rng.randrange(10000, low) if low > 10000 else 0
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
