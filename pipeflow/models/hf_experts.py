@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeflow.errors import ConfigError
+from pipeflow.models.moe import combine_experts
 
 EP_DISPATCH = "ep_dispatch_experts"  # the ep plan's style of a module whose experts a rank splits
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # split parameter -> (group, its whole shape)
@@ -110,11 +111,7 @@ def _dispatch(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, expert
               exchange: Callable[..., Tensor], local: list[Callable[[Tensor], Tensor]]) -> Tensor:
     """sum_j top_k_weights[n, j] * expert_{top_k_index[n, j]}(hidden[n]) for every token n, the
     experts run where they live."""
-    k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by global expert
-    token = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(k)[order]
-    sizes = torch.bincount(flat, minlength=experts).tolist()
-    outs = exchange(hidden[token], sizes, local)
-    weighted = outs * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(outs.dtype)
-    return torch.zeros_like(hidden).index_add_(0, token, weighted.to(hidden.dtype))
+    rows = torch.arange(hidden.shape[0], device=hidden.device).repeat_interleave(top_k_index.shape[-1])
+    out = combine_experts(hidden, rows, top_k_index.reshape(-1), top_k_weights.reshape(-1), experts,
+                          lambda tokens, sizes: exchange(tokens, sizes, local))
+    return out.to(hidden.dtype)

@@ -94,6 +94,20 @@ def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 
+def combine_experts(tokens: Tensor, rows: Tensor, flat_e: Tensor, flat_g: Tensor, experts: int,
+                    run: Callable[[Tensor, list[int]], Tensor]) -> Tensor:
+    """The assignments (token ``rows[a]`` to expert ``flat_e[a]`` with gate ``flat_g[a]``) sorted by
+    expert, ``run(their tokens, the count per expert)`` giving the experts' outputs in that order
+    (locally, or through expert parallelism's exchange), times the gates added back per token:
+    (N, C) -> (N, C).  Shared by pipeflow's MoE and the Hugging Face experts under ``parallel.ep``."""
+    order = flat_e.argsort(stable=True)
+    sizes = _sizes(flat_e, experts)
+    rows, flat_g = rows[order], flat_g[order]
+    ys = run(tokens[rows], sizes)
+    ys = ys * flat_g[:, None].to(ys.dtype)  # (n kept, C)
+    return torch.zeros(tokens.shape, dtype=ys.dtype, device=tokens.device).index_add(0, rows, ys)
+
+
 def _sizes(flat_e: Tensor, experts: int) -> list[int]:
     """Assignments per expert (one host read per layer); on the meta device, where shapes are
     traced without values (the planner's roofline), the balanced load."""
@@ -206,16 +220,14 @@ class MoE(nn.Module):
         if keep is not None:
             kept = keep.flatten()
             flat_e, flat_g, rows = flat_e[kept], flat_g[kept], rows[kept]
-        order = flat_e.argsort(stable=True)
-        sizes = _sizes(flat_e, self.cfg.experts)
-        rows, flat_g = rows[order], flat_g[order]
         experts = list(self.experts.values())
         if self._exchange is None:
-            ys = torch.cat([expert(t) for expert, t in zip(experts, tokens[rows].split(sizes))])
+            def run(sorted_tokens: Tensor, sizes: list[int]) -> Tensor:
+                return torch.cat([expert(t) for expert, t in zip(experts, sorted_tokens.split(sizes))])
         else:  # sent to the ranks holding their experts, run there, sent back in this order
-            ys = self._exchange(tokens[rows], sizes, experts)
-        ys = ys * flat_g[:, None].to(ys.dtype)  # (n kept, C)
-        return torch.zeros(N, tokens.size(1), dtype=ys.dtype, device=tokens.device).index_add(0, rows, ys)
+            def run(sorted_tokens: Tensor, sizes: list[int]) -> Tensor:
+                return self._exchange(sorted_tokens, sizes, experts)
+        return combine_experts(tokens, rows, flat_e, flat_g, self.cfg.experts, run)
 
     def _aux_loss(self, logits: Tensor, probs: Tensor, counts: Tensor) -> Tensor | None:
         """This micro-batch's balancing loss plus z-loss (None when both weights are 0)."""
