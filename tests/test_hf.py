@@ -971,3 +971,18 @@ def test_generate_command_applies_a_lora_runs_adapters(world2):
     out = results[0].value
     assert out["written"] == out["expected"]["lora"]
     assert out["written"] != out["expected"]["base"]  # the adapters changed what the model says
+
+
+def test_a_split_hugging_face_experts_layer_names_its_ep_group(one_rank_group, tmp_path):
+    """A Hugging Face experts module split by parallel.ep keeps its exchange where
+    expert_parallel_ranks looks, so a lost ep peer is named as the ep group's failure, as for
+    pipeflow's own MoE (before: only MoE modules were looked at)."""
+    import torch.distributed as dist
+
+    from pipeflow.runtime.expert_parallel import expert_parallel_ranks, split_experts
+
+    write_model(str(tmp_path), "qwen3_moe")
+    layer = build_hf(str(tmp_path)).layers[1].build()
+    assert expert_parallel_ranks([layer]) is None
+    assert split_experts([layer], dist.group.WORLD, 1) == 1
+    assert expert_parallel_ranks([layer]) == [0]

@@ -84,6 +84,7 @@ def split_hf_experts(path: str, module: nn.Module, rank: int, ranks: int, group:
         _SHARDS[local] = (group, param.shape)
         setattr(module, name, local)
     local_experts = _LocalExperts(module, per)
+    module._exchange = exchange  # where a peer's failure is named as the ep group's (expert_parallel_ranks)
     module.forward = functools.partial(  # type: ignore[method-assign]
         _dispatch, experts=experts, exchange=exchange, local=local_experts.each)
 

@@ -134,7 +134,7 @@ def expert_parallel_ranks(stages: Iterable[Any]) -> list[int] | None:
     (None: no layer's experts are split); a stage is a module or holds one (``.module``)."""
     for stage in stages:
         for module in getattr(stage, "module", stage).modules():
-            exchange = getattr(module, "_exchange", None) if isinstance(module, MoE) else None
+            exchange = getattr(module, "_exchange", None)  # pipeflow's MoE, or a Hugging Face experts module
             if isinstance(exchange, AllToAllExchange):
                 return list(dist.get_process_group_ranks(exchange.group))
     return None
