@@ -56,34 +56,28 @@ class ExpertLink:
 
 @dataclass(frozen=True)
 class ExpertLayers:
-    """Per layer of a model: its routed experts' parameters and its top_k (0 for a dense layer)."""
+    """Per layer of a model: its routed experts' parameters and its top_k (0 for a dense layer);
+    and the experts parameters ``parallel.ep`` would not split (``<layer index>.<name>``)."""
 
     params: tuple[int, ...]
     top_k: tuple[int, ...]
+    unsplit: tuple[str, ...] = ()
 
 
 def expert_layers(spec: ModelSpec) -> ExpertLayers:
-    """Each layer's routed-expert parameters (names with ``.experts.``) and the top_k of its MoE
-    module (0 where it has none), built one layer at a time on the meta device."""
-    params, top_k = [], []
+    """Each layer's routed-expert parameters (names with ``.experts.``), the top_k of its MoE
+    module (0 where it has none) and its experts parameters in no module expert parallelism splits
+    (:func:`~pipeflow.models.hf_experts.unsplittable_experts`), built one layer at a time on the
+    meta device."""
+    params, top_k, unsplit = [], [], []
     for index in range(len(spec)):
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             layer = spec.layers[index].build()
         params.append(sum(p.numel() for name, p in layer.named_parameters() if ".experts." in f".{name}"))
         top_k.append(sum(m.cfg.top_k for m in layer.modules() if isinstance(m, MoE))
                      + sum(int(getattr(m.config, "num_experts_per_tok", 0)) for _, m in hf_experts_modules(layer)))
-    return ExpertLayers(tuple(params), tuple(top_k))
-
-
-def unsplit_expert_parameters(spec: ModelSpec) -> list[str]:
-    """Every experts parameter of the model (``.experts.`` in its name) that ``parallel.ep`` would
-    not split, as ``<layer index>.<name>`` (each layer built on the meta device)."""
-    stray = []
-    for index in range(len(spec)):
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            layer = spec.layers[index].build()
-        stray += [f"{index}.{name}" for name in unsplittable_experts(layer, lambda m: isinstance(m, MoE))]
-    return stray
+        unsplit += [f"{index}.{name}" for name in unsplittable_experts(layer, lambda m: isinstance(m, MoE))]
+    return ExpertLayers(tuple(params), tuple(top_k), tuple(unsplit))
 
 
 def expert_parameter_counts(spec: ModelSpec) -> list[int]:

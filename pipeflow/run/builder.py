@@ -32,7 +32,7 @@ from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
 from pipeflow.planning.layout import Layout, choose_layout, with_offload, with_step_costs
 from pipeflow.planning.ep_links import expert_exchange
-from pipeflow.planning.expert_cost import expert_layers, unsplit_expert_parameters
+from pipeflow.planning.expert_cost import expert_layers
 from pipeflow.planning.measured_cluster import rank_hosts, start_links
 from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.runtime_timing import fused_adamw
@@ -183,14 +183,14 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
     ep_group, same_experts = expert_groups(mesh.grid.dp_groups(), ep) if ep > 1 else (None, None)
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     if ep > 1:  # each stage's experts split over ep of its dp ranks, tokens exchanged by all_to_all (timed)
-        if not any(expert_layers(spec).params):
+        experts = expert_layers(spec)  # every layer on the meta device, once
+        if not any(experts.params):
             raise ConfigError(f"parallel.ep={ep}: the model has no experts to split (no MoE layer, and no experts "
                               f"module its Hugging Face config's base_model_ep_plan names); use parallel.ep=1")
-        stray = unsplit_expert_parameters(spec)
-        if stray:
-            raise ConfigError(f"parallel.ep={ep}: experts parameters {stray[:3]} are in no module expert parallelism "
-                              f"splits (pipeflow's MoE, or one the Hugging Face config's base_model_ep_plan names "
-                              f"ep_dispatch_experts); use parallel.ep=1")
+        if experts.unsplit:
+            raise ConfigError(f"parallel.ep={ep}: experts parameters {list(experts.unsplit[:3])} are in no module "
+                              f"expert parallelism splits (pipeflow's MoE, or one the Hugging Face config's "
+                              f"base_model_ep_plan names ep_dispatch_experts); use parallel.ep=1")
         split_experts([layer for stage in stages.values() for layer in stage.module], ep_group, ep, recorder)
     sharding = full_shard(cfg, spec, stages, layout.ranges, mesh)  # before anything holds the parameters
     tied = TiedWeights(spec, layout.ranges, schedule.stage_to_rank, layers_by_index(stages, layout.ranges),
