@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import errno
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
+
+from pipeflow.runtime.hosts import connect_failure
 
 WAIT_REPORT_S = 5.0  # seconds between two lines while the agent waits
 
@@ -41,15 +42,14 @@ def live_children(pid: int | None = None) -> int | None:
 def endpoint_silence(host: str, port: int, timeout_s: float = 3.0) -> str | None:
     """Why nothing answers at `host`:`port` (``No route to host``, ``nothing listens on port
     29500``, ``no answer within 3 s``), or None when something accepts a connection there."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            return None
-    except TimeoutError:
+    failure = connect_failure(host, port, timeout_s)
+    if failure is None:
+        return None
+    if isinstance(failure, TimeoutError):
         return f"no answer within {timeout_s:.0f} s"
-    except OSError as exc:
-        if exc.errno == errno.ECONNREFUSED:
-            return f"nothing listens on port {port} there (not started yet, or another port)"
-        return exc.strerror or str(exc)
+    if failure.errno == errno.ECONNREFUSED:
+        return f"nothing listens on port {port} there (not started yet, or another port)"
+    return failure.strerror or str(failure)
 
 
 class WaitReporter:

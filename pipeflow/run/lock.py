@@ -29,9 +29,9 @@ at the same step boundary with that error within seconds instead of training on 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
-import errno
 import os
 import socket
 import threading
@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 
 from pipeflow.errors import RunDirLockedError, RunDirLostError
-from pipeflow.runtime.hosts import machine_id
+from pipeflow.runtime.hosts import connect_failure, machine_id
 
 log = logging.getLogger("pipeflow")
 
@@ -164,16 +164,15 @@ def rendezvous_gone(rdzv: str, timeout_s: float = PROBE_S) -> str | None:
     endpoint = rdzv.split(" ", 1)[0]
     host, _, port = endpoint.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return None
-    except (socket.gaierror, ValueError) as exc:
-        return f"its rendezvous endpoint {endpoint} does not resolve ({exc})"
-    except TimeoutError:
-        return None
-    except OSError as exc:
-        if exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
-            return f"its rendezvous endpoint {endpoint} answers no more ({os.strerror(exc.errno)})"
-        return None
+        failure = connect_failure(host.strip("[]"), int(port), timeout_s)
+    except ValueError as exc:
+        failure = socket.gaierror(str(exc))
+    if isinstance(failure, socket.gaierror):
+        return f"its rendezvous endpoint {endpoint} does not resolve ({failure})"
+    if failure is not None and failure.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                                                 errno.EHOSTDOWN):
+        return f"its rendezvous endpoint {endpoint} answers no more ({os.strerror(failure.errno)})"
+    return None  # it answers, or the look was inconclusive (a timeout)
 
 
 def _same_lease(path: str, holder: Holder, mtime_ns: int) -> bool:

@@ -121,6 +121,17 @@ def this_host() -> HostInfo:
     return HostInfo(socket.gethostname(), machine_id(), gloo_bind_address(), os.environ.get("MASTER_ADDR", "127.0.0.1"))
 
 
+def connect_failure(host: str, port: int, timeout_s: float) -> OSError | None:
+    """Why a TCP connection to `host`:`port` failed within `timeout_s` (a ``TimeoutError``, a
+    ``socket.gaierror`` for a name that does not resolve, or the ``OSError`` with its errno), or
+    None when something accepted it (closed at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return exc
+
+
 def is_loopback(address: str) -> bool:
     """Whether `address` (an IP, or a name as this host resolves it) is a loopback address; a
     name that does not resolve is not."""
