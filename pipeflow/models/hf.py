@@ -41,9 +41,9 @@ from __future__ import annotations
 import copy
 import fnmatch
 import functools
-from dataclasses import dataclass
 import inspect
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -53,8 +53,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import document_positions
 from pipeflow.models.hf_convert import checkpoint_sources
-from pipeflow.models.hf_routing import routed_experts, watch_routers
 from pipeflow.models.hf_folder import SUPPORTED, SafetensorsWeights, load_config
+from pipeflow.models.hf_routing import routed_experts, watch_routers
 from pipeflow.models.lora import LoraConfig, check_targets, lora_settings
 from pipeflow.models.materialise import StateDictFile, skeleton, zero_parameters
 from pipeflow.models.module_spec import cross_entropy
@@ -174,6 +174,13 @@ class _Decoder:
             made[rope] = (piece.rotary_emb(hidden, position_ids) if self.rope_type is None  # type: ignore[operator]
                           else piece.rotary_emb(hidden, position_ids, self.rope_type))  # type: ignore[operator]
         return made[self.sliding], made[rope]
+
+
+def rope_types(config: Any, rotary: nn.Module) -> list[str] | None:
+    """Each decoder layer's type, where the model's rotary embedding takes one (Gemma 3: local and
+    global layers rotate differently); None where one rotary embedding serves every layer."""
+    by_type = "layer_type" in inspect.signature(type(rotary).forward).parameters
+    return list(config.layer_types) if by_type else None
 
 
 def loop_experts(layer: nn.Module) -> None:
@@ -330,9 +337,9 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
                               f"signature for model=hf (transformers {__import__('transformers').__version__})")
     n = config.num_hidden_layers
     plans: list[tuple[str, list[str], Any]] = [("embedding", ["model.embed_tokens"], _embed)]
-    by_type = "layer_type" in inspect.signature(type(root.model.rotary_emb).forward).parameters
+    ropes = rope_types(config, root.model.rotary_emb)
     plans += [(f"layer.{i}", [f"model.layers.{i}"],
-               _Decoder(config, i, _sliding(config.model_type, config, i), config.layer_types[i] if by_type else None))
+               _Decoder(config, i, _sliding(config.model_type, config, i), ropes[i] if ropes else None))
               for i in range(n)]
     plans.append(("head", ["model.norm", "lm_head"],
                   functools.partial(_head, softcap=getattr(config, "final_logit_softcapping", None))))

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.hf import _sliding as sliding_layer
-from pipeflow.models.hf import head_logits, loop_experts
+from pipeflow.models.hf import head_logits, loop_experts, rope_types
 
 
 def _sliding(config: Any, index: int) -> bool:
@@ -47,8 +47,7 @@ class HFStageDecoder:
         decoders = [i - 1 for i in self.layers if 0 < i < self.last]
         self.softcap = getattr(config, "final_logit_softcapping", None)
         rotary = next((layer.rotary_emb for i, layer in self.layers.items() if 0 < i < self.last), None)
-        by_type = rotary is not None and "layer_type" in inspect.signature(type(rotary).forward).parameters
-        self.rope_types = list(config.layer_types) if by_type else None
+        self.rope_types = rope_types(config, rotary) if rotary is not None else None
         self.first_of_kind = {}  # sliding? -> this stage's first decoder layer of that kind
         for d in decoders:
             self.first_of_kind.setdefault(_sliding(config, d), d)
