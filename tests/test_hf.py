@@ -69,7 +69,8 @@ KINDS = {  # name -> (config class, model class, config keys beyond SMALL)
     # mixtures of experts (issue 58): saved with per-expert tensors, loaded into fused experts through
     # transformers' conversion mapping; routers top-k softmax, shared experts, DeepSeek-V3's group-limited
     # routing with its correction bias and a dense first layer, gpt-oss's biased experts and sinks
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                        "sliding_window": 5}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                             "moe_intermediate_size": 16,
                                                             "shared_expert_intermediate_size": 32}),
@@ -84,7 +85,8 @@ KINDS = {  # name -> (config class, model class, config keys beyond SMALL)
                                                       "sliding_window": 5,
                                                       "layer_types": ["sliding_attention", "full_attention"] * 2}),
     # more families with the standard layout (pad_token_id 0: their defaults lie outside a 64-token vocabulary)
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    # Phi-3 and Mixtral slide every layer's window once sliding_window is set (Mistral's forward), not by layer_types
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0, "sliding_window": 5}),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"pad_token_id": 0}),
     "glm": ("GlmConfig", "GlmForCausalLM", {"pad_token_id": 0, "head_dim": 8}),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {"pad_token_id": 0, "head_dim": 8}),
@@ -104,6 +106,17 @@ KINDS = {  # name -> (config class, model class, config keys beyond SMALL)
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                             "pad_token_id": 0}),
 }
+
+# families taken by the form of their forwards (pipeflow.models.hf_forms), not by name; each made from
+# its own config class with SMALL's sizes on 2 layers and the keys below where the class has them
+BY_FORM = ("aria_text", "axk1", "bitnet", "diffllama", "exaone_moe", "flint", "glm4_moe_lite", "jais2", "kolibri1",
+           "minicpm5_moe", "ministral3", "phimoe", "seed_oss", "solar_open", "vaultgemma", "youtu")
+_BY_FORM_KEYS = {"num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+                 "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1,
+                 "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "head_dim": 8,
+                 "shared_expert_intermediate_size": 32, "kv_lora_rank": 8, "q_lora_rank": 16, "qk_rope_head_dim": 4,
+                 "qk_nope_head_dim": 4, "v_head_dim": 8, "sliding_window": 5}
+_MLA = {"num_key_value_heads": 4, "head_dim": 4}  # multi-head latent attention: kv = q heads, rotary on qk_rope_head_dim
 
 
 def reference(kind: str, folder: str) -> torch.nn.Module:
@@ -597,6 +610,73 @@ def test_layers_in_sequence_equal_the_model_forward(tmp_path, kind):
     assert names == set(ref.state_dict())
 
 
+def has_experts(model_type: str) -> bool:
+    """Whether a family taken by form is a mixture of experts (its config class routes experts)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return bool(vars(CONFIG_MAPPING[model_type]()).keys() & EXPERT_KEYS)
+
+
+def _by_form_model(folder: str, model_type: str) -> torch.nn.Module:
+    """A tiny random model of a family taken by form, saved into `folder`."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from pipeflow.models.hf_forms import causal_lm_classes
+
+    config_cls = CONFIG_MAPPING[model_type]
+    defaults = config_cls()
+    extra = {key: value for key, value in _BY_FORM_KEYS.items() if hasattr(defaults, key)}
+    extra.update(_MLA if "kv_lora_rank" in extra else {})
+    config = config_cls(**{**SMALL, "num_hidden_layers": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                           **extra}, experts_implementation="eager")
+    torch.manual_seed(1)
+    model = getattr(transformers, causal_lm_classes()[model_type])(config)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("model_type", BY_FORM)
+def test_a_family_taken_by_the_form_of_its_forwards_trains_as_its_own_model(tmp_path, model_type):
+    """Issue 58: a family no test names (PhiMoE, Seed-OSS, VaultGemma ...) is cut because its forwards
+    are a tested family's: its layers in sequence give its own model's logits and gradients in
+    training mode (dropout and router jitter drawn alike: one seed, one process), float64."""
+    _by_form_model(str(tmp_path), model_type)
+    spec = build_hf(str(tmp_path))
+    layers = spec.build_all(dtype=torch.float64)
+    tie_in_place(spec, dict(enumerate(layers)))
+    from pipeflow.models.hf_forms import family
+
+    kind = family(transformers.AutoConfig.from_pretrained(str(tmp_path)))
+    assert not kind.tested
+    ref = kind.cls.from_pretrained(str(tmp_path), experts_implementation="eager").to(torch.float64).train()
+    x = torch.randint(64, (3, 12), generator=torch.Generator().manual_seed(0))
+    weights = torch.randn(3, 12, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(5)
+    (run_layers(layers, x) * weights).sum().backward()
+    torch.manual_seed(5)
+    logits = ref(x).logits
+    (logits * weights).sum().backward()
+    mine = {key: p for layer in layers for key, p in layer.named_parameters()}
+    theirs = dict(ref.named_parameters(remove_duplicate=False))  # a tied head under its own name too
+    assert mine.keys() == theirs.keys()
+    for key, param in mine.items():
+        tolerance = FLOAT32_TOLERANCE if key.endswith(FLOAT32_KEPT) else TOLERANCE
+        assert rel(_grad(param), _grad(theirs[key])) <= tolerance, key
+
+
+def test_the_forms_a_family_is_taken_by_are_the_tested_families_forms():
+    """Every tested family's forwards are among hf_forms' forms (one family stands for each), and
+    a tested family of Mistral's form slides every layer by sliding_window."""
+    from pipeflow.models import hf_forms
+    from pipeflow.models.hf_forms import TESTED
+
+    for which, forms in (("base", hf_forms.BASE_FORMS), ("head", hf_forms.HEAD_FORMS)):
+        known = {hf_forms._form(kind, which) for kind in forms}
+        assert {kind for kind in TESTED if hf_forms._form(kind, which) not in known} == set()
+        assert len(known) == len(forms)  # no form stood for twice
+    assert [k for k in TESTED if hf_forms._window_mask(k)] == ["mistral", "phi3", "mixtral", "qwen3_moe"]
+
+
 def test_a_checkpoint_with_per_expert_tensors_loads_into_fused_experts(tmp_path):
     """Issue 58: Mixtral stores experts.<e>.w1/w3/w2 under block_sparse_moe; transformers' conversion
     mapping renames and fuses them into mlp.experts.gate_up_proj (w1 then w3 per expert) and
@@ -736,8 +816,12 @@ def test_named_errors(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         build_hf(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ConfigError, match=r"^model=hf does not support GPT2LMHeadModel \(model_type 'gpt2', .*config.json\); "
-                                          r"supported: LlamaForCausalLM \(model_type 'llama'\), MistralForCausalLM"):
+    with pytest.raises(ConfigError, match=r"^model=hf does not support GPT2LMHeadModel \(model_type 'gpt2'\): "
+                                          r"GPT2LMHeadModel.forward computes outside its layers"):
+        build_hf(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5Model"]}))
+    with pytest.raises(ConfigError, match=r"^model=hf does not support T5Model \(model_type 't5', .*config.json\): "
+                                          r"transformers has no \*ForCausalLM of that model_type"):
         build_hf(str(tmp_path))
 
 

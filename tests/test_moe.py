@@ -228,14 +228,21 @@ def test_the_memory_prediction_counts_one_ep_ranks_experts() -> None:
     assert split[1].param_bytes == 4 * split[1].params and split[0] is profiles[0]
 
 
-@pytest.mark.parametrize("model_type, arch", [("phimoe", "PhimoeForCausalLM"), ("jamba", "JambaForCausalLM")])
-def test_a_hugging_face_moe_family_is_a_named_error(tmp_path, model_type: str, arch: str) -> None:
-    """model=hf with an MoE family it does not take stays a named error (PhiMoE's router jitters
-    in training, Jamba has state outside its layers); Mixtral and Qwen3-MoE train (tests/test_hf.py)."""
-    from pipeflow.models.hf_folder import check_architecture
+@pytest.mark.parametrize("model_type, reason", [
+    ("jamba", "its linear_attention layers keep a state of their own"),
+    ("qwen3_next", "its linear_attention layers keep a state of their own"),
+    ("cohere", r"CohereForCausalLM.forward computes outside its layers .*`logits = logits \* self.logit_scale`"),
+    ("granite", r"GraniteModel.forward computes outside its layers .*embedding_multiplier"),
+    ("gemma3", r"a multimodal config \(sub-configs \['text_config', 'vision_config'\]\)")])
+def test_a_hugging_face_family_model_hf_cannot_cut_is_refused_with_its_reason(model_type: str, reason: str) -> None:
+    """A family is taken by the form of its forwards (pipeflow.models.hf_forms); one that keeps state
+    outside its attention, scales outside its layers or is multimodal is refused naming why."""
+    transformers = pytest.importorskip("transformers")
+    from pipeflow.models.hf_forms import family
 
-    with pytest.raises(ConfigError, match=f"model=hf does not support {arch} \\(model_type '{model_type}'"):
-        check_architecture({"model_type": model_type, "architectures": [arch], "num_local_experts": 8}, "config.json")
+    config = transformers.AutoConfig.for_model(model_type)
+    with pytest.raises(ConfigError, match=f"^model=hf does not support .*\\(model_type '{model_type}'\\): {reason}"):
+        family(config)
 
 
 def test_the_all_to_all_cost_model_adds_each_moe_layers_exchanges_to_its_actions() -> None:

@@ -53,7 +53,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import document_positions
 from pipeflow.models.hf_convert import checkpoint_sources
-from pipeflow.models.hf_folder import SUPPORTED, SafetensorsWeights, load_config
+from pipeflow.models.hf_folder import SafetensorsWeights, load_config
+from pipeflow.models.hf_forms import family, tested_forms
 from pipeflow.models.hf_routing import routed_experts, watch_routers
 from pipeflow.models.lora import LoraConfig, check_targets, lora_settings
 from pipeflow.models.materialise import StateDictFile, skeleton, zero_parameters
@@ -192,9 +193,11 @@ def loop_experts(layer: nn.Module) -> None:
             config._experts_implementation = "eager"  # type: ignore[union-attr]
 
 
-def _sliding(model_type: str, config: Any, index: int) -> bool:
-    """Whether decoder layer `index` attends over a sliding window (as the model's forward decides)."""
-    if model_type == "mistral":
+def sliding_layer(config: Any, index: int) -> bool:
+    """Whether decoder layer `index` attends over a sliding window (as the model's forward decides:
+    every layer once ``sliding_window`` is set in Mistral's form, Phi-3's among them; else by
+    ``layer_types``)."""
+    if family(config).window_mask:
         return getattr(config, "sliding_window", None) is not None
     layer_types = getattr(config, "layer_types", None)
     return bool(layer_types) and layer_types[index] == "sliding_attention"
@@ -293,7 +296,8 @@ def _check_trainable_as_stored(config: Any, path: str | None) -> None:
 
 def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = None,
              lora: LoraConfig = LoraConfig(), moe: HFMoEConfig = HFMoEConfig()) -> ModelSpec:
-    """A Hugging Face ``*ForCausalLM`` of the Llama family (Llama, Mistral, Qwen2) as pipeline layers.
+    """A Hugging Face ``*ForCausalLM`` (a tested family, or one of their form:
+    :mod:`pipeflow.models.hf_forms`) as pipeline layers.
 
     Args:
         path: a local folder with the model's config.json, and its ``*.safetensors`` to load
@@ -322,12 +326,12 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
             Inf in a loaded tensor.
     """
     config = load_config(path)
+    kind = family(config, path)
     _check_trainable_as_stored(config, path)
-    import importlib
-
-    module_name, class_name = SUPPORTED[config.model_type]
-    cls = getattr(importlib.import_module(f"transformers.models.{module_name}"), class_name)
-    root = skeleton(lambda: cls(config))
+    if not kind.tested:
+        log.info("model.path=%r: %s, not a tested family, is cut as %s's model and %s's head, whose forwards it "
+                 "shares (docs/reference/hf-families.md)", path, kind.cls.__name__, *tested_forms(kind.model_type))
+    root = skeleton(lambda: kind.cls(config))
     decoder = type(root.model.layers[0]) if len(root.model.layers) else None
     if decoder is not None:
         accepted = inspect.signature(decoder.forward).parameters
@@ -339,7 +343,7 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
     plans: list[tuple[str, list[str], Any]] = [("embedding", ["model.embed_tokens"], _embed)]
     ropes = rope_types(config, root.model.rotary_emb)
     plans += [(f"layer.{i}", [f"model.layers.{i}"],
-               _Decoder(config, i, _sliding(config.model_type, config, i), ropes[i] if ropes else None))
+               _Decoder(config, i, sliding_layer(config, i), ropes[i] if ropes else None))
               for i in range(n)]
     plans.append(("head", ["model.norm", "lm_head"],
                   functools.partial(_head, softcap=getattr(config, "final_logit_softcapping", None))))

@@ -21,13 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from pipeflow.errors import ConfigError
-from pipeflow.models.hf import _sliding as sliding_layer
 from pipeflow.models.hf import head_logits, loop_experts, rope_types
-
-
-def _sliding(config: Any, index: int) -> bool:
-    """Whether decoder layer `index` attends over a sliding window (as the model's forward decides)."""
-    return sliding_layer(config.model_type, config, index)
+from pipeflow.models.hf import sliding_layer as _sliding
 
 
 class HFStageDecoder:

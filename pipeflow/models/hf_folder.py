@@ -21,50 +21,9 @@ from torch import Tensor, nn
 
 from pipeflow.errors import CheckpointError, ConfigError
 from pipeflow.models.hf_convert import Fused
+from pipeflow.models.hf_forms import TESTED, causal_lm_classes
 from pipeflow.models.materialise import check_finite
 
-# model_type -> (the modeling module under transformers.models, the *ForCausalLM class name): the
-# families whose base model only embeds, runs its decoder layers (rotary and masks from the
-# positions, sliding windows by layer_types or Mistral's sliding_window) and norms, with no
-# scaling, dropout or state outside the layers (read in their forward), each tested in float64
-# against transformers (tests/test_hf.py)
-SUPPORTED = {
-    "llama": ("llama.modeling_llama", "LlamaForCausalLM"),
-    "mistral": ("mistral.modeling_mistral", "MistralForCausalLM"),
-    "qwen2": ("qwen2.modeling_qwen2", "Qwen2ForCausalLM"),
-    "qwen3": ("qwen3.modeling_qwen3", "Qwen3ForCausalLM"),
-    "olmo": ("olmo.modeling_olmo", "OlmoForCausalLM"),
-    "olmo2": ("olmo2.modeling_olmo2", "Olmo2ForCausalLM"),
-    "stablelm": ("stablelm.modeling_stablelm", "StableLmForCausalLM"),
-    "helium": ("helium.modeling_helium", "HeliumForCausalLM"),
-    "exaone4": ("exaone4.modeling_exaone4", "Exaone4ForCausalLM"),
-    "arcee": ("arcee.modeling_arcee", "ArceeForCausalLM"),
-    "ministral": ("ministral.modeling_ministral", "MinistralForCausalLM"),
-    "apertus": ("apertus.modeling_apertus", "ApertusForCausalLM"),
-    # the embedding scaled inside its module, logits soft-capped in the head, Gemma 3's rotary per layer type
-    "gemma": ("gemma.modeling_gemma", "GemmaForCausalLM"),
-    "gemma2": ("gemma2.modeling_gemma2", "Gemma2ForCausalLM"),
-    "gemma3_text": ("gemma3.modeling_gemma3", "Gemma3ForCausalLM"),
-    "phi3": ("phi3.modeling_phi3", "Phi3ForCausalLM"),
-    "smollm3": ("smollm3.modeling_smollm3", "SmolLM3ForCausalLM"),
-    "glm": ("glm.modeling_glm", "GlmForCausalLM"),
-    "glm4": ("glm4.modeling_glm4", "Glm4ForCausalLM"),
-    "hunyuan_v1_dense": ("hunyuan_v1_dense.modeling_hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
-    "ernie4_5": ("ernie4_5.modeling_ernie4_5", "Ernie4_5ForCausalLM"),
-    # mixtures of experts: the fused expert weights loaded through transformers' conversion mapping
-    "mixtral": ("mixtral.modeling_mixtral", "MixtralForCausalLM"),
-    "qwen2_moe": ("qwen2_moe.modeling_qwen2_moe", "Qwen2MoeForCausalLM"),
-    "qwen3_moe": ("qwen3_moe.modeling_qwen3_moe", "Qwen3MoeForCausalLM"),
-    "olmoe": ("olmoe.modeling_olmoe", "OlmoeForCausalLM"),
-    "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", "DeepseekV3ForCausalLM"),
-    "gpt_oss": ("gpt_oss.modeling_gpt_oss", "GptOssForCausalLM"),
-    "glm4_moe": ("glm4_moe.modeling_glm4_moe", "Glm4MoeForCausalLM"),
-    "deepseek_v2": ("deepseek_v2.modeling_deepseek_v2", "DeepseekV2ForCausalLM"),
-    "ernie4_5_moe": ("ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeForCausalLM"),
-    "hunyuan_v1_moe": ("hunyuan_v1_moe.modeling_hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM"),
-    "dots1": ("dots1.modeling_dots1", "Dots1ForCausalLM"),
-    "flex_olmo": ("flex_olmo.modeling_flex_olmo", "FlexOlmoForCausalLM"),
-}
 TESTED_TRANSFORMERS = ("5.25",)  # major.minor versions the exactness tests ran on
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -112,28 +71,31 @@ def read_config_json(file: str) -> dict[str, Any]:
 
 
 def check_architecture(raw: dict[str, Any], file: str) -> str:
-    """The supported model_type config.json names, agreeing with its ``architectures``.
+    """The model_type config.json names, agreeing with its ``architectures``: a tested family's or
+    one transformers has a ``*ForCausalLM`` for (whose forwards :func:`~pipeflow.models.hf_forms.
+    family` then checks).
 
     Raises:
-        ConfigError: model_type and architectures contradict each other (both named), or the
-            model is not of a supported kind.
+        ConfigError: model_type and architectures contradict each other (both named), or
+            transformers has no ``*ForCausalLM`` of that model_type.
     """
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
     if not isinstance(architectures, list):
         architectures = [architectures]
-    wanted = SUPPORTED.get(model_type, (None, None))[1]
+    classes = {**causal_lm_classes(), **{kind: cls for kind, (_, cls) in TESTED.items()}}
+    wanted = classes.get(model_type)
     if wanted is not None and all(a == wanted for a in architectures):
         return model_type
-    types_of = {cls: kind for kind, (_, cls) in SUPPORTED.items()}
+    types_of = {cls: kind for kind, cls in classes.items()}
     claimed = [a for a in architectures if a in types_of and a != wanted]
-    if claimed:
+    if claimed and wanted is not None:
         raise ConfigError(f"{file} contradicts itself: model_type {model_type!r} but architectures {architectures} "
                           f"({claimed[0]} is model_type {types_of[claimed[0]]!r}); correct whichever is wrong, "
                           f"or {FOLDER_FIX}")
     named = ", ".join(map(str, architectures)) or "no architectures"
-    raise ConfigError(f"model=hf does not support {named} (model_type {model_type!r}, {file}); supported: "
-                      f"{', '.join(f'{cls} (model_type {kind!r})' for kind, (_, cls) in SUPPORTED.items())}")
+    raise ConfigError(f"model=hf does not support {named} (model_type {model_type!r}, {file}): transformers has no "
+                      f"*ForCausalLM of that model_type; model=hf trains text decoders (docs/reference/hf-families.md)")
 
 
 def load_config(path: str | None) -> Any:
