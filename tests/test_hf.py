@@ -700,6 +700,64 @@ def test_a_checkpoint_with_per_expert_tensors_loads_into_fused_experts(tmp_path)
     assert read.shape({"a": [2, 3], "b": [2, 3]}) == [2, 2, 3]
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_an_ep_rank_holds_and_reads_only_its_own_experts(tmp_path, monkeypatch, kind):
+    """Issue 58: under parallel.ep a layer is built holding only its ep rank's experts and reads only
+    their tensors: Mixtral's per-expert ones (experts 2, 3 of 4 on ep rank 1 of 2), gpt-oss's fused
+    ones as rows of the stored tensor."""
+    import safetensors
+
+    from pipeflow.models.hf_experts import NARROWED, reading_experts_of
+
+    model = write_model(str(tmp_path), kind)
+    read: list[tuple[str, object]] = []
+    opened = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self.file = opened(*args, **kwargs)
+
+        def __enter__(self):
+            self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append((name, None))
+            return self.file.get_tensor(name)
+
+        def get_slice(self, name):  # a header's shape, or rows read by indexing
+            part = self.file.get_slice(name)
+
+            class Rows:
+                def __getitem__(self, index):
+                    read.append((name, "rows"))
+                    return part[index]
+
+                def __getattr__(self, attr):
+                    return getattr(part, attr)
+            return Rows()
+
+        def __getattr__(self, name):  # keys(), metadata(): the header
+            return getattr(self.file, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    with reading_experts_of(1, 2):
+        layer = build_hf(str(tmp_path)).layers[2].build()  # decoder layer 1
+    experts = layer.get_submodule("model.layers.1.mlp.experts")
+    assert getattr(experts, NARROWED) == (1, 2, 4)
+    whole = dict(model.named_parameters())
+    for name, param in experts.named_parameters():
+        assert torch.equal(param, whole[f"model.layers.1.mlp.experts.{name}"][2:4]), name
+    names = [name for name, _ in read if ".experts." in name]
+    if kind == "mixtral":
+        assert names and all(".experts.2." in n or ".experts.3." in n for n in names), names
+    else:
+        assert names and all(how == "rows" for name, how in read if ".experts." in name), read
+
+
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_each_moe_layer_adds_its_own_balancing_loss_and_counts_its_experts(tmp_path, kind):
     """Issue 58: with output_router_logits and router_aux_loss_coef, each MoE layer's loss is the

@@ -55,6 +55,7 @@ from pipeflow.models.gpt import document_positions
 from pipeflow.models.hf_convert import checkpoint_sources
 from pipeflow.models.hf_folder import SafetensorsWeights, load_config
 from pipeflow.models.hf_forms import family, tested_forms
+from pipeflow.models.hf_experts import narrow_experts
 from pipeflow.models.hf_routing import routed_experts, watch_routers
 from pipeflow.models.lora import LoraConfig, check_targets, lora_settings
 from pipeflow.models.materialise import StateDictFile, skeleton, zero_parameters
@@ -207,18 +208,19 @@ class _Layers:
     """Builds layer k: cut it from the meta skeleton, give it real tensors (loaded or initialised)."""
 
     def __init__(self, root: nn.Module, plans: list[tuple[str, list[str], Any]],
-                 load: Callable[[nn.Module, str], None] | None, moe: HFMoEConfig) -> None:
-        self.root, self.plans, self.load = root, plans, load  # load(piece, layer name): its tensors from disk
-        self.moe = moe
+                 load: Callable[..., None] | None, moe: HFMoEConfig, reads_rows: bool = False) -> None:
+        self.root, self.plans, self.load = root, plans, load  # load(piece, layer name[, rows]): its tensors from disk
+        self.moe, self.reads_rows = moe, reads_rows  # reads_rows: load reads rows of a tensor (an ep rank's experts)
 
     def build(self, k: int) -> nn.Module:
         name, paths, adapter = self.plans[k]
         piece = cut(self.root, paths, adapter)
         if torch.get_default_device().type == "meta":  # counting parameters: keep it on meta
             return piece
+        rows = narrow_experts(piece) if self.reads_rows else {}  # under parallel.ep: only this rank's experts
         zero_parameters(piece, torch.device("cpu"))
         if self.load is not None:
-            self.load(piece, name)
+            self.load(piece, name, rows=rows) if rows else self.load(piece, name)
         else:
             with torch.no_grad():
                 for sub in piece.modules():
@@ -351,7 +353,8 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
     settings = lora_settings(lora)
     if settings is not None:  # on the meta skeleton, before any layer is built
         check_targets(settings, root.named_modules(), {"lm_head": "the output head"})
-    layers = _Layers(root, plans, _weights(root, path, tied, init_from), _moe_config(moe))
+    load = _weights(root, path, tied, init_from)
+    layers = _Layers(root, plans, load, _moe_config(moe), reads_rows=load is not None and not init_from)
     specs = [LayerSpec(name, layers.build, (k,)) for k, (name, _, _) in enumerate(plans)]
     ties = {_TIE: [("embedding", _TIE), ("head", "lm_head.weight")]} if tied else {}
     return ModelSpec(f"hf-{config.model_type}", specs, loss_fn=cross_entropy, seed=seed, tied=ties,

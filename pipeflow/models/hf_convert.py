@@ -46,9 +46,13 @@ class Fused:
         """The fused tensor's shape from its sources' shapes (headers only)."""
         return list(self.assemble(lambda name: torch.empty(shapes[name], device="meta")).shape)
 
-    def assemble(self, read: Callable[[str], Tensor]) -> Tensor:
-        """The fused tensor from ``read(name)`` of each source."""
-        parts: list[Any] = [[read(name) for name in group] for group in self.sources]
+    def assemble(self, read: Callable[[str], Tensor], rows: tuple[int, int] | None = None) -> Tensor:
+        """The fused tensor from ``read(name)`` of each source; with `rows` ``(lo, hi)``, only its
+        experts ``lo .. hi``, reading only their sources where the experts are stacked first."""
+        if rows is not None and not self._experts_first():
+            return self.assemble(read)[rows[0]:rows[1]]
+        groups = [group[rows[0]:rows[1]] if rows is not None else group for group in self.sources]
+        parts: list[Any] = [[read(name) for name in group] for group in groups]
         for op, dim in self.ops:
             if op == "stack":
                 parts = [torch.stack(group, dim) for group in parts]
@@ -56,6 +60,12 @@ class Fused:
                 parts = [torch.cat(parts, dim)]
         (whole,) = parts
         return whole
+
+    def _experts_first(self) -> bool:
+        """Whether the expert lists are stacked on dim 0 and concatenated on another (so expert e's
+        rows come from each list's e-th source alone)."""
+        return all(dim == 0 for op, dim in self.ops if op == "stack") and all(
+            dim != 0 for op, dim in self.ops if op == "cat")
 
 
 def _expert_order(name: str) -> list[Any]:

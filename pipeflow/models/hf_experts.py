@@ -17,9 +17,11 @@ holds each expert once and resumes under another ep.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import fnmatch
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +33,8 @@ from pipeflow.models.moe import combine_experts
 
 EP_DISPATCH = "ep_dispatch_experts"  # the ep plan's style of a module whose experts a rank splits
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # split parameter -> (group, its whole shape)
+_READING: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar("experts_read", default=None)
+NARROWED = "_pipeflow_expert_slice"  # an experts module built with only its slice: (rank, ranks, experts)
 
 
 def hf_experts_modules(layer: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -61,6 +65,61 @@ def expert_shard(param: Tensor) -> tuple[Any, torch.Size] | None:
     return _SHARDS.get(param)
 
 
+@contextlib.contextmanager
+def reading_experts_of(rank: int, ranks: int) -> Iterator[None]:
+    """While it lasts, layers built from a model folder hold and read only ep rank `rank`'s experts
+    of `ranks` (:func:`narrow_experts`): a rank never holds, nor reads, the others'."""
+    token = _READING.set((rank, ranks))
+    try:
+        yield
+    finally:
+        _READING.reset(token)
+
+
+def _slice_of(path: str, experts: int, rank: int, ranks: int) -> tuple[int, int]:
+    """Experts ``lo .. hi`` of ep rank `rank`.
+
+    Raises:
+        ConfigError: `ranks` does not divide the experts.
+    """
+    if experts % ranks:
+        raise ConfigError(f"parallel.ep={ranks} does not divide the {experts} experts of {path}: each ep rank holds "
+                          f"experts/ep of them; choose an ep that divides {experts}")
+    per = experts // ranks
+    return rank * per, (rank + 1) * per
+
+
+def narrow_experts(layer: nn.Module) -> dict[str, tuple[int, int]]:
+    """Under :func:`reading_experts_of`, make each experts module of `layer` (on the meta device,
+    before its tensors are allocated) hold only this rank's slice of every fused parameter; returns
+    ``{state dict key: (lo, hi)}``, the rows of the whole tensor each key is to be read from (empty:
+    nothing narrowed).
+
+    Raises:
+        ConfigError: ep does not divide a module's experts, or a parameter is not fused along them.
+    """
+    reading = _READING.get()
+    rows: dict[str, tuple[int, int]] = {}
+    if reading is None:
+        return rows
+    rank, ranks = reading
+    for path, module in hf_experts_modules(layer):
+        experts = int(getattr(module, "num_experts"))
+        lo, hi = _slice_of(path, experts, rank, ranks)
+        for name, param in list(module.named_parameters(recurse=False)):
+            _check_fused(path, name, param, experts)
+            setattr(module, name, nn.Parameter(param.detach()[lo:hi], requires_grad=param.requires_grad))
+            rows[f"{path}.{name}"] = (lo, hi)
+        setattr(module, NARROWED, (rank, ranks, experts))
+    return rows
+
+
+def _check_fused(path: str, name: str, param: Tensor, experts: int) -> None:
+    if param.dim() == 0 or param.shape[0] != experts:
+        raise ConfigError(f"{path}.{name} has shape {list(param.shape)}, not fused along the {experts} experts: "
+                          f"model=hf cannot split it for parallel.ep; use parallel.ep=1")
+
+
 def split_hf_experts(path: str, module: nn.Module, rank: int, ranks: int, group: Any,
                      exchange: Callable[[Tensor, list[int], list[Callable[[Tensor], Tensor]]], Tensor]) -> None:
     """Keep experts ``rank * E / ranks ..`` of the Hugging Face experts `module` (at `path`) and
@@ -71,17 +130,20 @@ def split_hf_experts(path: str, module: nn.Module, rank: int, ranks: int, group:
         ConfigError: `ranks` does not divide the experts, or a parameter is not fused along them.
     """
     experts = int(getattr(module, "num_experts"))
-    if experts % ranks:
-        raise ConfigError(f"parallel.ep={ranks} does not divide the {experts} experts of {path}: each ep rank holds "
-                          f"experts/ep of them; choose an ep that divides {experts}")
-    per = experts // ranks
-    lo, hi = rank * per, (rank + 1) * per
+    lo, hi = _slice_of(path, experts, rank, ranks)
+    per = hi - lo
+    narrowed = getattr(module, NARROWED, None)  # built with only this slice (read from the model folder)
+    if narrowed is not None and narrowed != (rank, ranks, experts):
+        raise RuntimeError(f"{path} was built with experts of ep rank {narrowed[0]} of {narrowed[1]}, but it is ep "
+                           f"rank {rank} of {ranks} of its group: the ep ranks were counted differently")
     for name, param in list(module.named_parameters(recurse=False)):
-        if param.dim() == 0 or param.shape[0] != experts:
-            raise ConfigError(f"{path}.{name} has shape {list(param.shape)}, not fused along the {experts} experts: "
-                              f"model=hf cannot split it for parallel.ep; use parallel.ep=1")
-        local = nn.Parameter(param.detach()[lo:hi].clone(), requires_grad=param.requires_grad)
-        _SHARDS[local] = (group, param.shape)
+        if narrowed is not None:
+            local, whole = param, torch.Size([experts, *param.shape[1:]])
+        else:
+            _check_fused(path, name, param, experts)
+            local = nn.Parameter(param.detach()[lo:hi].clone(), requires_grad=param.requires_grad)
+            whole = param.shape
+        _SHARDS[local] = (group, whole)
         setattr(module, name, local)
     local_experts = _LocalExperts(module, per)
     module._exchange = exchange  # where a peer's failure is named as the ep group's (expert_parallel_ranks)

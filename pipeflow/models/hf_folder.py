@@ -257,8 +257,10 @@ class SafetensorsWeights:
             raise ConfigError(f"tensor {wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else "")
                               + f": the weights do not match {self.folder}/{CONFIG}; {FOLDER_FIX}")
 
-    def load_into(self, piece: nn.Module, layer: str, aliases: dict[str, str]) -> None:
-        """Copy the piece's tensors (its keys are the model's names) from the files.
+    def load_into(self, piece: nn.Module, layer: str, aliases: dict[str, str],
+                  rows: dict[str, tuple[int, int]] | None = None) -> None:
+        """Copy the piece's tensors (its keys are the model's names) from the files; a key in `rows`
+        holds rows ``lo .. hi`` of the stored tensor (an ep rank's experts): only those are read.
 
         Raises:
             ConfigError: a tensor is in no file, or its shape differs from the model's.
@@ -277,11 +279,13 @@ class SafetensorsWeights:
             if isinstance(source, Fused):
                 fused.append((key, source, target))
             else:
-                by_file.setdefault(where[source], []).append((source, target))
+                by_file.setdefault(where[source], []).append((source, target, (rows or {}).get(key)))
         for file, tensors in by_file.items():
             with safe_open(file, framework="pt") as f:
-                for name, target in tensors:
-                    self._copy(layer, f"{name!r} in {file}", lambda n=name: f.get_tensor(n), target)
+                for name, target, part in tensors:
+                    read = ((lambda n=name: f.get_tensor(n)) if part is None
+                            else (lambda n=name, p=part: f.get_slice(n)[p[0]:p[1]]))
+                    self._copy(layer, f"{name!r} in {file}", read, target)
         with contextlib.ExitStack() as opened:
             handles: dict[str, Any] = {}
 
@@ -291,9 +295,9 @@ class SafetensorsWeights:
                     handles[file] = opened.enter_context(safe_open(file, framework="pt"))
                 return handles[file].get_tensor(name)
 
-            for key, source, target in fused:  # only this layer's experts are read
+            for key, source, target in fused:  # only this layer's experts are read (only this rank's, in `rows`)
                 self._copy(layer, f"{key!r} (fused from {source.names()[0]!r} ...)",
-                           functools.partial(source.assemble, read), target)
+                           functools.partial(source.assemble, read, (rows or {}).get(key)), target)
 
     @staticmethod
     def _copy(layer: str, what: str, read: Callable[[], Tensor], target: Tensor) -> None:

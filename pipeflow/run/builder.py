@@ -12,6 +12,7 @@ configured by assigning attributes from outside after construction.  The model's
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.data import (TOKEN_DATA, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
                            split_microbatches, varies)
+from pipeflow.models.hf_experts import reading_experts_of
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
@@ -59,7 +61,7 @@ from pipeflow.runtime.host_link import HostLinkMeasure, measured_once
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
-from pipeflow.runtime.expert_parallel import expert_groups, expert_parameters, split_experts
+from pipeflow.runtime.expert_parallel import expert_groups, expert_parameters, expert_rank, split_experts
 from pipeflow.runtime.routing import routing_sync
 from pipeflow.runtime.stage import build_stages, layers_by_index
 from pipeflow.runtime.tensor_parallel import parallelize_stages
@@ -172,14 +174,17 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
     layers compiled and warmed up; and the parameters that train (a LoRA base trains none)."""
     spec, schedule, layout, mesh, comm = plan.spec, plan.schedule, plan.layout, topology.mesh, topology.comm
     m = schedule.num_microbatches
-    stages = built_on_every_rank(functools.partial(
-        build_stages, spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, plan.dtype,
-        compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations)))
+    ep, dp = plan.ep, plan.dp
+    # a Hugging Face MoE folder: each ep rank holds and reads only its own experts
+    reading = reading_experts_of(expert_rank(mesh.grid.dp_groups(), ep), ep) if ep > 1 else contextlib.nullcontext()
+    with reading:
+        stages = built_on_every_rank(functools.partial(
+            build_stages, spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, plan.dtype,
+            compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations)))
     if mesh.tp > 1:  # each layer split over the stage's tp ranks, before FSDP2 shards over dp
         parallelize_stages(spec, stages, layout.ranges, mesh.tp_mesh, bool(cfg.parallel.sequence_parallel),
                            cfg.parallel.shard)
     # its own groups, even at ep = dp: the dp group's gradient all-reduce may run beside an exchange
-    ep, dp = plan.ep, plan.dp
     ep_group, same_experts = expert_groups(mesh.grid.dp_groups(), ep) if ep > 1 else (None, None)
     recorder = EventRecorder(clock_for(device))  # CUDA events on a GPU, perf_counter on the CPU
     if ep > 1:  # each stage's experts split over ep of its dp ranks, tokens exchanged by all_to_all (timed)

@@ -140,6 +140,15 @@ def expert_parallel_ranks(stages: Iterable[Any]) -> list[int] | None:
     return None
 
 
+def expert_rank(dp_groups: list[list[int]], ep: int) -> int:
+    """This rank's rank in the ep group :func:`expert_groups` makes for it (known before any group
+    is made: the layers are built holding only its experts)."""
+    me = dist.get_rank()
+    ranks = next(ranks for ranks in dp_groups if me in ranks)
+    first = ranks.index(me) // ep * ep
+    return sorted(ranks[first:first + ep]).index(me)  # a process group numbers its ranks in order
+
+
 def expert_groups(dp_groups: list[list[int]], ep: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
     """This rank's ep group (ep consecutive ranks of its dp group: they split the experts) and the
     group of the dp / ep ranks that hold the same experts (None when ep = dp), made from every
