@@ -883,6 +883,20 @@ def test_named_errors(tmp_path):
         build_hf(str(tmp_path))
 
 
+def test_lora_targets_naming_the_fused_experts_are_refused_by_name(tmp_path):
+    """Issue 58: Qwen2-MoE's down_proj is both its shared expert's Linear and its routed experts' fused
+    tensor; a target that names the fused weights is refused, not silently left unadapted."""
+    from pipeflow.errors import LoraError
+    from pipeflow.models.lora import LoraConfig
+
+    write_model(str(tmp_path), "qwen2_moe", weights=False)
+    with pytest.raises(LoraError, match=r"match model.layers.0.mlp.experts.down_proj, model.layers.1.mlp.experts."
+                                        r"down_proj \(and 2 more\): a mixture of experts' fused weights"):
+        build_hf(str(tmp_path), lora=LoraConfig(rank=4, targets=["q_proj", "down_proj"]))
+    spec = build_hf(str(tmp_path), lora=LoraConfig(rank=4, targets=["q_proj", "model.layers.*.shared_expert.*"]))
+    assert spec.lora is not None
+
+
 def _damaged_tensors(folder, change) -> None:
     """Rewrite `folder`'s model.safetensors after `change(tensors)`."""
     from safetensors.torch import load_file, save_file

@@ -128,12 +128,16 @@ def check_targets(settings: LoraSettings, modules: Iterable[tuple[str, nn.Module
         out_of_scope: ``{module path: what it is}`` LoRA must not adapt (the output head).
 
     Raises:
-        LoraError: the targets match no Linear module, or match an embedding or `out_of_scope`.
+        LoraError: the targets match no Linear module, or match an embedding, `out_of_scope` or a
+            weight held by a module other than a Linear (a MoE's fused experts).
     """
-    chosen, refused, linear = [], [], set()
+    chosen, refused, linear, fused = [], [], set(), []
     for path, module in modules:
         if isinstance(module, nn.Linear):
             linear.add(path.rpartition(".")[2])
+        elif not isinstance(module, nn.Embedding):
+            fused += [f"{path}.{name}" for name, p in module.named_parameters(recurse=False)
+                      if p.dim() > 2 and settings.matches(f"{path}.{name}")]
         if not path or not settings.matches(path) or not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
         if isinstance(module, nn.Embedding) or path in out_of_scope:
@@ -144,6 +148,12 @@ def check_targets(settings: LoraSettings, modules: Iterable[tuple[str, nn.Module
         raise LoraError(f"model.lora.targets={list(settings.targets)} match {', '.join(refused[:4])}: LoRA on "
                         f"embeddings and the output head is out of scope; target the blocks' Linear modules instead "
                         f"(model=hf: e.g. [q_proj,k_proj,v_proj,o_proj])")
+    if fused:
+        raise LoraError(f"model.lora.targets={list(settings.targets)} match {', '.join(fused[:2])}"
+                        f"{f' (and {len(fused) - 2} more)' if len(fused) > 2 else ''}: a mixture of experts' fused "
+                        f"weights (one tensor for every expert, not a Linear module), which model.lora does not adapt "
+                        f"(peft's target_parameters); target Linear modules only (a glob such as "
+                        f"'model.layers.*.self_attn.*'), its Linear modules are named {sorted(linear)}")
     if not chosen:
         raise LoraError(f"model.lora.targets={list(settings.targets)} match no Linear module of the model; its Linear "
                         f"modules are named {sorted(linear)}")
