@@ -388,9 +388,10 @@ TRAINER_CASES = {
 }
 TRAINER_CASES_4 = {  # dp2 x pp2
     # issue 58: a Hugging Face MoE family's fused experts split over ep 2 (tokens by all_to_all), and
-    # DualPipeV's overlapped pairs handing over at those exchanges
+    # DualPipeV's overlapped pairs handing over at those exchanges, its attention compiled
     "ep2-qwen3_moe-1f1b": ("qwen3_moe", 2, "1f1b", 2, {"parallel__ep": 2, "resume_ep1": True}, TOLERANCE),
-    "ep2-mixtral-dualpipev": ("mixtral", 2, "dualpipev", 4, {"parallel__ep": 2}, TOLERANCE),
+    "ep2-mixtral-dualpipev-compiled": ("mixtral", 2, "dualpipev", 4, {
+        "parallel__ep": 2, "train__compile": True, "train__compile_backend": "aot_eager"}, TOLERANCE),
     "full-shard-tied-1f1b": ("llama_tied", 2, "1f1b", 2, {"parallel__shard": "full"}, TOLERANCE),
     "zbv-tied-zero1": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "optimizer"}, TOLERANCE),  # tie on rank 0
     "zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full"}, TOLERANCE),
@@ -527,6 +528,9 @@ def test_trainer_equals_hugging_face_on_dp2_pp2(world4, name):
     _check_trainer(world4[name], TRAINER_CASES_4[name][-1])
     full = TRAINER_CASES_4[name][4].get("parallel__shard") == "full"
     assert all((r.value["sharded"] == r.value["compared"]) == full for r in world4[name])  # FSDP2's DTensors
+    for result in world4[name]:  # compiled: every layer, a decoder whose experts are split by its attention
+        compiled = result.value["compile"]
+        assert (compiled is not None and compiled["eager_layers"] == {}) == ("compiled" in name), compiled
     split = sum(r.value["ep_split"] for r in world4[name])  # issue 58: each rank holds half of every layer's experts
     assert (split > 0) == name.startswith("ep2"), split
     if TRAINER_CASES_4[name][4].get("resume_ep1"):  # its checkpoint holds each expert once, whole at ep 1

@@ -429,10 +429,16 @@ def hf_tp_plan(config: Any, index: int, layer: nn.Module, tp: int) -> dict[str, 
 def decoder_layer(index: int, layer: nn.Module) -> nn.Module:
     """What ``train.compile`` compiles of layer `index`: a decoder layer's own module (its adapter's
     shared mask and rotary cache, Python state Dynamo cannot trace, stays eager: cheap elementwise
-    work once per stage); the embedding and head pieces whole."""
+    work once per stage); the embedding and head pieces whole.  A decoder whose experts are split
+    over ep compiles its attention: the experts' all_to_all exchange is no graph Dynamo traces whole."""
     decoders = getattr(getattr(layer, "model", None), "layers", None)
     children = list(decoders.children()) if decoders is not None else []
-    return children[0] if len(children) == 1 else layer
+    if len(children) != 1:
+        return layer
+    (decoder,) = children
+    attention = getattr(decoder, "self_attn", None)
+    split = any(getattr(module, "_exchange", None) is not None for module in decoder.modules())
+    return attention if split and isinstance(attention, nn.Module) else decoder
 
 
 def hf_name(index: int, key: str) -> str:
