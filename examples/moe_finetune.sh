@@ -9,10 +9,12 @@
 #      data-parallel ranks over which each MoE layer's experts are split (parallel.ep=2), DualPipeV
 #      overlapping each micro-batch pair's all_to_all with the other's compute; the experts, loaded
 #      into fused weights through transformers' conversion mapping, stay frozen
-#   3. export the adapters merged into the model (python -m pipeflow.checkpoint export --format hf
+#   3. generate on the pipeline from the run's checkpoint (python -m pipeflow.generate: 2 stages, the
+#      adapters applied, the experts whole on each rank: a checkpoint loads under any ep), with a
+#      word-level tokenizer of the tiny model's 64 ids (t0 ... t63) saved beside it
+#   4. export the adapters merged into the model (python -m pipeflow.checkpoint export --format hf
 #      --merge-lora), each expert's tensors apart as the hub stores them, and generate with
-#      transformers (the tiny model has no tokenizer; with one, python -m pipeflow.generate
-#      generates on the pipeline from the run's checkpoint, as docs/guides/generate.md says)
+#      transformers: the same tokens
 #
 #   examples/moe_finetune.sh                                   # writes under outputs/moe_finetune_<time>
 #   WORK=/tmp/moe STEPS=40 examples/moe_finetune.sh train.log_every=5   # more train.py overrides follow
@@ -47,6 +49,20 @@ torch.manual_seed(0)
 DeepseekV3ForCausalLM(config).save_pretrained(sys.argv[1])
 EOF
 fi
+if [ ! -f "$MODEL/tokenizer.json" ]; then
+    "$PYTHON" - "$MODEL" <<'EOF'
+import json
+import sys
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+size = json.load(open(f"{sys.argv[1]}/config.json"))["vocab_size"]
+words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t0"))
+words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(sys.argv[1])  # no special tokens: every id shows
+EOF
+fi
 
 echo "== 2. LoRA on pp 2 x dp 2 (ep 2) with DualPipeV -> $WORK/run"
 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 4 train.py model=hf "model.path=$MODEL" \
@@ -55,7 +71,14 @@ echo "== 2. LoRA on pp 2 x dp 2 (ep 2) with DualPipeV -> $WORK/run"
     data.batch_size=16 train.max_steps="$STEPS" train.save_every="$STEPS" train.eval_every=0 train.log_every=5 \
     metrics.tensorboard=false "train.run_dir=$WORK/run" "$@"
 
-echo "== 3. export merged, generate with transformers -> $WORK/merged"
+echo "== 3. generate on the pipeline (2 stages) from the run's checkpoint"
+printf 't5 t6 t7 t8\n' > "$WORK/prompts.txt"
+"$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 -m pipeflow.generate \
+    "train.resume=$WORK/run/checkpoints" "generate.prompts=$WORK/prompts.txt" generate.max_new_tokens=8 \
+    "generate.output=$WORK/generated.jsonl" parallel.dp=1 parallel.ep=1
+cat "$WORK/generated.jsonl"
+
+echo "== 4. export merged, generate with transformers -> $WORK/merged"
 "$PYTHON" -m pipeflow.checkpoint export --format hf --merge-lora "$WORK/run/checkpoints" "$WORK/merged"
 "$PYTHON" - "$WORK/merged" <<'EOF'
 import sys
