@@ -135,5 +135,5 @@ class CompileFallbackWarning(UserWarning):
 
 class LoraError(ConfigError):
     """``model.lora`` cannot be applied as asked: its targets match no module, match an embedding or
-    the output head (out of scope), or the run combines LoRA with what it does not support yet
-    (``parallel.tp`` > 1); the message names the key, the modules and what to change."""
+    the output head (out of scope), or adapt fused expert weights on a layout they do not run with
+    (ep, tp, shard=full); the message names the key, the modules and what to change."""

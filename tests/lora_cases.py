@@ -76,7 +76,9 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
                                 weight_decay=o.weight_decay)
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "compared": len(trainable), "frozen": len(frozen),
-             "frozen_grads": 0, "frozen_in_optimizer": 0}
+             "frozen_grads": 0, "frozen_in_optimizer": 0,
+             "adapters": sum(p.requires_grad for p in ref.parameters()),  # the whole model's adapter tensors
+             "expert_adapters": sum(".experts." in n for n, p in mine if p.requires_grad)}
     optimized = {id(p) for p in trainer.params}
     worst["frozen_in_optimizer"] = sum(id(p) in optimized for p in frozen)
     worst["sharded"] = sum(isinstance(p, DTensor) for p, _ in trainable)

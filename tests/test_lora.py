@@ -225,3 +225,45 @@ def test_the_built_in_gpt_takes_lora_by_module_names_and_merges_back(one_rank_gr
         torch.testing.assert_close(run_layers(plain, x), _logits(layers, x), rtol=1e-10, atol=1e-12)
     with pytest.raises(ConfigError, match="--format peft .* has none"):
         ck.export(path, str(tmp_path / "adapter"), format="peft")
+
+
+def test_fused_experts_adapted_export_to_peft_and_merge_back_with_the_pipelined_logits(tmp_path: Path) -> None:
+    """Issue 58: a Qwen3-MoE whose fused experts are adapted (peft's target_parameters) trains, exports
+    an adapter folder peft loads onto the base (the pipelined logits), and merges back."""
+    import datetime
+
+    import torch.distributed as dist
+    from mp_harness import _free_port
+
+    config = transformers.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    torch.manual_seed(3)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "base")
+    targets = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[q_proj,gate_up_proj,down_proj]"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        trainer = build_run(_config(tmp_path / "base", tmp_path / "run", *targets, lora=False), torch.device("cpu"))
+        for step in range(2):
+            trainer.train_step(step)
+        path = trainer.save_checkpoint(2)
+    finally:
+        dist.destroy_process_group()
+    layers = layers_by_index(trainer.stages, trainer.ranges)
+    x = torch.randint(32, (3, 8))
+    expected = _logits(layers, x)
+    assert ck.main(["export", "--format", "peft", path, str(tmp_path / "adapter")]) == 0
+    config = json.load(open(tmp_path / "adapter" / "adapter_config.json"))
+    assert config["target_parameters"] == [f"model.layers.{i}.mlp.experts.{w}" for i in range(2)
+                                           for w in ("gate_up_proj", "down_proj")]
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", experts_implementation="eager")
+    base = base.to(torch.float64).eval()
+    with torch.no_grad():
+        assert (base(x).logits - expected).abs().max() > 1e-3  # the adapters changed the model
+    tuned = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(tuned(x).logits, expected, rtol=1e-10, atol=1e-12)
+    assert ck.main(["export", "--format", "hf", "--merge-lora", path, str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float64,
+                                                              experts_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(x).logits, expected, rtol=1e-10, atol=1e-12)

@@ -342,7 +342,7 @@ def build_gpt(
     spec = ModelSpec(name="gpt", layers=layers_from(layers, init_from), loss_fn=gpt_loss, seed=seed, tied=tied,
                      tp_plan=functools.partial(gpt_tp_plan, cfg), lora=lora_settings(lora))
     if spec.lora is not None:  # every layer's module names, on meta
-        check_targets(spec.lora, layer_modules(spec), {"lm_head": "the output head"})
+        spec.lora = check_targets(spec.lora, layer_modules(spec), {"lm_head": "the output head"})
     return spec
 
 

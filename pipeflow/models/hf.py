@@ -352,7 +352,7 @@ def build_hf(path: str | None = None, seed: int = 0, init_from: str | None = Non
     tied = bool(getattr(config, "tie_word_embeddings", False))
     settings = lora_settings(lora)
     if settings is not None:  # on the meta skeleton, before any layer is built
-        check_targets(settings, root.named_modules(), {"lm_head": "the output head"})
+        settings = check_targets(settings, root.named_modules(), {"lm_head": "the output head"})
     load = _weights(root, path, tied, init_from)
     layers = _Layers(root, plans, load, _moe_config(moe), reads_rows=load is not None and not init_from)
     specs = [LayerSpec(name, layers.build, (k,)) for k, (name, _, _) in enumerate(plans)]

@@ -20,6 +20,7 @@ only when a layer is adapted.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import re
 from collections.abc import Iterable, Mapping
@@ -44,6 +45,9 @@ class LoraSettings:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple[str, ...] = ("q_proj", "v_proj")
+    # the whole model's fused expert weights (3-D parameters, not Linear modules) the targets name,
+    # adapted through peft's target_parameters (filled by check_targets)
+    parameters: tuple[str, ...] = ()
 
     @property
     def pattern(self) -> str:
@@ -64,6 +68,8 @@ class LoraSettings:
         if target_modules is None:  # plain names as peft's own list (it matches module names), globs as the pattern
             plain = not any(c in glob for glob in self.targets for c in ".*?[")
             target_modules = list(self.targets) if plain else self.pattern
+        if self.parameters and "target_parameters" not in extra:
+            extra["target_parameters"] = list(self.parameters)
         return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
                           target_modules=target_modules, **extra)
 
@@ -118,8 +124,9 @@ def lora_settings(value: Any) -> LoraSettings | None:
 
 
 def check_targets(settings: LoraSettings, modules: Iterable[tuple[str, nn.Module]],
-                  out_of_scope: Mapping[str, str]) -> list[str]:
-    """The module paths the targets adapt, of the whole model's `modules` (on meta).
+                  out_of_scope: Mapping[str, str]) -> LoraSettings:
+    """`settings` with the fused expert weights its targets name (:attr:`LoraSettings.parameters`),
+    checked against the whole model's `modules` (on meta).
 
     Args:
         settings: the LoRA settings.
@@ -128,16 +135,15 @@ def check_targets(settings: LoraSettings, modules: Iterable[tuple[str, nn.Module
         out_of_scope: ``{module path: what it is}`` LoRA must not adapt (the output head).
 
     Raises:
-        LoraError: the targets match no Linear module, or match an embedding, `out_of_scope` or a
-            weight held by a module other than a Linear (a MoE's fused experts).
+        LoraError: the targets match no Linear module nor fused expert weight, or match an
+            embedding or `out_of_scope`.
     """
     chosen, refused, linear, fused = [], [], set(), []
     for path, module in modules:
         if isinstance(module, nn.Linear):
             linear.add(path.rpartition(".")[2])
         elif not isinstance(module, nn.Embedding):
-            fused += [f"{path}.{name}" for name, p in module.named_parameters(recurse=False)
-                      if p.dim() > 2 and settings.matches(f"{path}.{name}")]
+            fused += fused_weights(settings, path, module)
         if not path or not settings.matches(path) or not isinstance(module, (nn.Linear, nn.Embedding)):
             continue
         if isinstance(module, nn.Embedding) or path in out_of_scope:
@@ -148,16 +154,38 @@ def check_targets(settings: LoraSettings, modules: Iterable[tuple[str, nn.Module
         raise LoraError(f"model.lora.targets={list(settings.targets)} match {', '.join(refused[:4])}: LoRA on "
                         f"embeddings and the output head is out of scope; target the blocks' Linear modules instead "
                         f"(model=hf: e.g. [q_proj,k_proj,v_proj,o_proj])")
-    if fused:
-        raise LoraError(f"model.lora.targets={list(settings.targets)} match {', '.join(fused[:2])}"
-                        f"{f' (and {len(fused) - 2} more)' if len(fused) > 2 else ''}: a mixture of experts' fused "
-                        f"weights (one tensor for every expert, not a Linear module), which model.lora does not adapt "
-                        f"(peft's target_parameters); target Linear modules only (a glob such as "
-                        f"'model.layers.*.self_attn.*'), its Linear modules are named {sorted(linear)}")
-    if not chosen:
+    if not chosen and not fused:
         raise LoraError(f"model.lora.targets={list(settings.targets)} match no Linear module of the model; its Linear "
                         f"modules are named {sorted(linear)}")
-    return chosen
+    return dataclasses.replace(settings, parameters=tuple(fused))
+
+
+def fused_weights(settings: LoraSettings, path: str, module: nn.Module) -> list[str]:
+    """The paths of `module`'s own 3-D parameters (a mixture of experts' fused weights, one
+    ``(experts, in, out)`` tensor for all) that the targets name, as peft's target_parameters."""
+    return [f"{path}.{name}" for name, p in module.named_parameters(recurse=False)
+            if p.dim() == 3 and settings.matches(f"{path}.{name}")]
+
+
+def check_fused_targets(settings: LoraSettings | None, ep: int, tp: int, shard: str) -> None:
+    """Refuse by name what LoRA on fused expert weights does not run with.
+
+    Raises:
+        LoraError: the targets adapt fused expert weights with parallel.ep, tp or shard=full.
+    """
+    if settings is None or not settings.parameters:
+        return
+    why = [(ep > 1, f"parallel.ep={ep}: peft keeps each expert's rank-r factors interleaved with the others', "
+                    f"so they cannot be split with the experts"),
+           (tp > 1, f"parallel.tp={tp}: the adapters of fused experts are not split by tensor parallelism"),
+           (shard == "full", "parallel.shard=full: peft applies them as a parametrization of the fused weight, "
+                             "which FSDP2's sharded parameters do not take")]
+    for bad, reason in why:
+        if bad:
+            raise LoraError(f"model.lora.targets={list(settings.targets)} adapt the fused expert weights "
+                            f"{', '.join(settings.parameters[:2])}{' ...' if len(settings.parameters) > 2 else ''} "
+                            f"(peft's target_parameters), which does not run with {reason}; adapt them on ep=1, "
+                            f"tp=1 without parallel.shard=full, or target Linear modules only")
 
 
 def layer_modules(spec: Any) -> Iterable[tuple[str, nn.Module]]:
@@ -169,16 +197,19 @@ def layer_modules(spec: Any) -> Iterable[tuple[str, nn.Module]]:
 
 
 def inject(settings: LoraSettings, layer: nn.Module) -> nn.Module:
-    """`layer` with peft's LoRA layers around its targeted Linear modules (in place) and every other
-    parameter frozen; a layer without targets is frozen whole."""
+    """`layer` with peft's LoRA layers around its targeted Linear modules and fused expert weights
+    (in place) and every other parameter frozen; a layer without targets is frozen whole."""
     paths = [path for path, module in layer.named_modules()
              if path and isinstance(module, nn.Linear) and settings.matches(path)]
-    if not paths:
+    fused = ([w for path, module in layer.named_modules() if not isinstance(module, (nn.Linear, nn.Embedding))
+              for w in fused_weights(settings, path, module)] if settings.parameters else [])
+    if not paths and not fused:
         layer.requires_grad_(False)
         return layer
     from peft import inject_adapter_in_model
 
-    adapted = inject_adapter_in_model(settings.peft_config(target_modules=paths), layer, adapter_name=ADAPTER)
+    config = settings.peft_config(target_modules=paths or None, target_parameters=fused)
+    adapted = inject_adapter_in_model(config, layer, adapter_name=ADAPTER)
     for name, p in adapted.named_parameters():  # peft freezes the rest; say so here too (bias, norms)
         p.requires_grad_(".lora_" in f".{name}")
     return adapted
@@ -208,7 +239,9 @@ def base_key(key: str) -> str | None:
     ``q_proj.weight``); None for an adapter's own tensor."""
     if ".lora_" in f".{key}":
         return None
-    return key.replace(".base_layer.", ".")
+    while ".base_layer." in key:  # a fused weight two adapters wrap: experts.base_layer.base_layer.gate_up_proj
+        key = key.replace(".base_layer.", ".")
+    return key
 
 
 def count_model(spec: Any) -> tuple[int, int]:

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.data import (TOKEN_DATA, build_batches, microbatch_inputs, microbatch_targets, sequence_lengths, shard,
                            split_microbatches, varies)
 from pipeflow.models.hf_experts import reading_experts_of
+from pipeflow.models.lora import check_fused_targets
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
@@ -175,6 +176,7 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
     spec, schedule, layout, mesh, comm = plan.spec, plan.schedule, plan.layout, topology.mesh, topology.comm
     m = schedule.num_microbatches
     ep, dp = plan.ep, plan.dp
+    check_fused_targets(spec.lora, ep, mesh.tp, cfg.parallel.shard)
     # a Hugging Face MoE folder: each ep rank holds and reads only its own experts
     reading = reading_experts_of(expert_rank(mesh.grid.dp_groups(), ep), ep) if ep > 1 else contextlib.nullcontext()
     with reading:
