@@ -284,7 +284,7 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
     from torch.distributed.tensor import DTensor
 
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "compared": len(named), "lengths": set(),
-             "sharded": sum(isinstance(mine, DTensor) for mine, _ in both),
+             "sharded": sum(isinstance(mine, DTensor) for _, mine, _ in named),
              "ep_split": sum(expert_shard(mine) is not None for mine, _ in both)}
     for step in range(steps):
         for group in trainer.optimizer.param_groups + opt_ref.param_groups:
@@ -393,6 +393,7 @@ TRAINER_CASES_4 = {  # dp2 x pp2
     "ep2-mixtral-dualpipev-compiled": ("mixtral", 2, "dualpipev", 4, {
         "parallel__ep": 2, "train__compile": True, "train__compile_backend": "aot_eager"}, TOLERANCE),
     "full-shard-tied-1f1b": ("llama_tied", 2, "1f1b", 2, {"parallel__shard": "full"}, TOLERANCE),
+    "full-shard-qwen3_moe-zbv": ("qwen3_moe", 2, "zbv", 2, {"parallel__shard": "full"}, TOLERANCE),  # experts whole
     "zbv-tied-zero1": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "optimizer"}, TOLERANCE),  # tie on rank 0
     "zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full"}, TOLERANCE),
 }
@@ -526,8 +527,9 @@ def test_every_moe_family_with_its_experts_split_over_ep2_equals_hugging_face(wo
 
 @pytest.mark.parametrize("name", list(TRAINER_CASES_4))
 def test_trainer_equals_hugging_face_on_dp2_pp2(world4, name):
-    """dp2 x pp2: FSDP2 (parallel.shard=full) with 1f1b and zbv; zbv (V placement: embedding and head, so
-    the tie, on pipeline rank 0) with ZeRO-1 too; Hugging Face MoE families with ep 2."""
+    """dp2 x pp2: FSDP2 (parallel.shard=full) with 1f1b and zbv (a MoE's fused experts and float32
+    routers sharded too); zbv (V placement: embedding and head, so the tie, on pipeline rank 0) with
+    ZeRO-1 too; Hugging Face MoE families with ep 2."""
     _check_trainer(world4[name], TRAINER_CASES_4[name][-1])
     full = TRAINER_CASES_4[name][4].get("parallel__shard") == "full"
     assert all((r.value["sharded"] == r.value["compared"]) == full for r in world4[name])  # FSDP2's DTensors
