@@ -323,6 +323,8 @@ def test_the_planner_costs_the_experts_exchanges_on_the_link_it_measured() -> No
     link = planner_link(costs, [1, 4], lambda b: 1e-4 + 1000 * b * 1e-9, torch.device("cpu"))
     assert link.latency_s == pytest.approx(1e-4) and link.bandwidth_Bps == pytest.approx(1e9)
     assert planner_link(costs, [1, 4], 2e-3, torch.device("cpu")).latency_s == 2e-3  # plan.comm_latency_ms
+    one = planner_link(costs, [4], lambda b: 3e-4, torch.device("cpu"))  # one micro-batch size: no slope (was 1/0)
+    assert one.latency_s == pytest.approx(3e-4) and one.bandwidth_Bps == float("inf")
     per_rank, note = expert_costs(cfg, costs, [1, 4], lambda b: 1e-4 + 1000 * b * 1e-9, torch.device("cpu"))
     assert note.startswith("; ep 2: a rank holds 1/2 of the experts")
     moe, dense = per_rank(4)[1], per_rank(4)[0]

@@ -111,11 +111,12 @@ class _Busy:
 
 
 def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """(intercept, slope >= 0) of the least-squares line through (bytes, seconds)."""
-    if len(points) == 1:
-        return points[0][1], 0.0
+    """(intercept, slope >= 0) of the least-squares line through (bytes, seconds); points all at one
+    size give their mean time and no slope."""
     mx = sum(x for x, _ in points) / len(points)
     my = sum(y for _, y in points) / len(points)
+    if all(x == mx for x, _ in points):  # one payload (one micro-batch size): no slope to fit
+        return my, 0.0
     slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points))
     return max(0.0, my - slope * mx), slope
 
