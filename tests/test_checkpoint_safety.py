@@ -203,7 +203,8 @@ def _wait_for(condition, seconds: float = 2.0) -> bool:
     return bool(condition())
 
 
-@pytest.mark.parametrize("damage", ["dir-removed", "lock-deleted", "lock-foreign", "own-process-again"])
+@pytest.mark.parametrize("damage", ["dir-removed", "lock-deleted", "lock-foreign", "own-process-again",
+                                    "lock-then-dir"])
 def test_the_lock_watch_notices_a_lost_run_dir_within_seconds(tmp_path: Path, monkeypatch, damage: str) -> None:
     """Issue 38 item 7: a removed run directory went unnoticed until the next save (440 steps)."""
     monkeypatch.setattr(lock, "WATCH_S", 0.02)
@@ -215,7 +216,7 @@ def test_the_lock_watch_notices_a_lost_run_dir_within_seconds(tmp_path: Path, mo
     try:
         if damage == "dir-removed":
             shutil.rmtree(run_dir)
-        elif damage == "lock-deleted":
+        elif damage in ("lock-deleted", "lock-then-dir"):
             (run_dir / lock.LOCK_FILE).unlink()
         elif damage == "lock-foreign":
             (run_dir / lock.LOCK_FILE).write_text(json.dumps({"host": "node-7", "pid": 4242, "token": "theirs"}))
@@ -225,16 +226,19 @@ def test_the_lock_watch_notices_a_lost_run_dir_within_seconds(tmp_path: Path, mo
             assert _wait_for(lambda: not held._thread.is_alive()) and held.lost is None
             return
         assert _wait_for(lambda: held.lost is not None)
+        if damage == "lock-then-dir":  # rmtree caught half way by the watch: every rank says the directory went
+            shutil.rmtree(run_dir)
         said = str(Workspace(str(run_dir), token, held).lost_error(7))
         path = run_dir / lock.LOCK_FILE
         expected = {"dir-removed": f"run directory {run_dir} no longer exists (removed while this job ran)",
+                    "lock-then-dir": f"run directory {run_dir} no longer exists (removed while this job ran)",
                     "lock-deleted": f"this job's lock {path} is gone",
                     "lock-foreign": f"{path} now names another job: pid 4242 on host node-7"}[damage]
         assert said.startswith(f"training stopped at step 7: {expected}"), said
         assert f"train.resume=auto train.run_dir={run_dir}" in said
         # a rank without the lock finds the same on the shared file system
         assert str(Workspace(str(run_dir), token).lost_error(7)) == said
-        assert damage != "dir-removed" or not run_dir.exists()  # nothing made again
+        assert damage not in ("dir-removed", "lock-then-dir") or not run_dir.exists()  # nothing made again
     finally:
         for taken in (held, again):
             if taken is not None:

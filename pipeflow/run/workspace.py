@@ -43,6 +43,8 @@ class Workspace:
         """What every rank raises when step `step`'s all-reduce says rank 0 lost the run directory:
         rank 0's finding, or on the other ranks what they find themselves (the directory is shared)."""
         loss = self.lock.lost if self.lock is not None else None
+        if loss is not None and not loss.dir_gone and not os.path.isdir(self.run_dir):
+            loss = None  # the watch saw the lock go first, the directory was being removed: say that
         if loss is None:
             loss = find_loss(self.run_dir, self.token) or Loss(
                 self.run_dir, f"rank 0 found that this job no longer holds run directory {self.run_dir}")
