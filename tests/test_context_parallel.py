@@ -1,0 +1,116 @@
+"""Context parallelism (issue 59): ring attention over the cp group on pipeflow's batched P2P
+transport, exact against attention over the whole sequence (float64).
+
+The split and its positions are pure functions (tested here in one process); the ring runs in
+one 4-process gloo world (tests/mp_harness.py): cp 4 over the whole world, and cp 2 in two
+groups of 2 at once.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from mp_harness import run_cases, selected_cases
+from pipeflow.runtime.ring_attention import (Masking, chunk_order, gather_sequence, local_positions,
+                                             split_sequence)
+
+TOLERANCE = 1e-12  # float64: per-tensor |a - b| / |b|
+
+
+def test_each_rank_holds_a_head_and_a_tail_chunk_with_their_global_positions():
+    assert chunk_order(2) == [(0, 3), (1, 2)]
+    assert local_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    x = torch.arange(24).view(1, 24)
+    parts = [split_sequence(x, r, 3) for r in range(3)]
+    assert all(torch.equal(p[0], torch.as_tensor(local_positions(24, r, 3))) for r, p in enumerate(parts))
+    assert torch.equal(gather_sequence(parts), x)
+
+
+def test_every_rank_attends_to_the_same_number_of_causal_pairs():
+    """The head-tail order balances causal work: each of N ranks sees T(T+1)/2N pairs."""
+    length, ranks = 32, 4
+    whole = Masking().mask(torch.arange(length), torch.arange(length))
+    pairs = [int(whole[0, 0][local_positions(length, r, ranks)].sum()) for r in range(ranks)]
+    assert pairs == [length * (length + 1) // 2 // ranks] * ranks
+
+
+def _reference(q, k, v, masking: Masking, scale: float):
+    """Attention over the whole sequence, the key/value heads repeated (plain autograd)."""
+    heads = q.shape[1]
+    keys = k.repeat_interleave(heads // k.shape[1], dim=1)
+    values = v.repeat_interleave(heads // v.shape[1], dim=1)
+    scores = (q @ keys.transpose(-2, -1)) * scale
+    positions = torch.arange(q.shape[2])
+    scores = scores.masked_fill(~masking.mask(positions, positions), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _ring_vs_whole(cp: int, window: int | None = None, documents: bool = False, heads: int = 4,
+                   kv_heads: int = 2) -> dict:
+    """This rank's output and q, k, v gradients of ring attention over a cp group of `cp` ranks
+    against the whole sequence's attention: worst relative differences."""
+    import math
+
+    import torch.distributed as dist
+
+    from pipeflow.runtime.ring_attention import RingComm, ring_attention
+    from pipeflow.runtime.transport import P2PComm
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]  # every rank makes each
+    group = groups[me // cp]
+    rank = dist.get_rank(group)
+    length, dim, batch = 8 * cp, 8, 2
+    gen = torch.Generator().manual_seed(7 + cp)
+    q = torch.randn(batch, heads, length, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, kv_heads, length, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, kv_heads, length, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(batch, heads, length, dim, generator=gen, dtype=torch.float64)
+    doc = None
+    if documents:  # documents of 5 and 3 tokens... crossing every chunk boundary
+        doc = torch.cumsum(torch.tensor([[1 if t % 5 == 0 else 0 for t in range(length)],
+                                         [1 if t % 3 == 0 else 0 for t in range(length)]]), dim=1)
+    masking = Masking(window=window, doc=doc)
+    scale = 1 / math.sqrt(dim)
+    ref = _reference(q, k, v, masking, scale)
+    ref.backward(grad_out)
+    part = [split_sequence(t.detach(), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+    ring = RingComm(P2PComm(group, torch.device("cpu"), timeout_s=30))
+    out = ring_attention(*part, ring, length, masking, scale)
+    out.backward(split_sequence(grad_out, rank, cp, dim=2))
+    mine = [out.detach()] + [p.grad for p in part]
+    theirs = [ref.detach(), q.grad, k.grad, v.grad]
+    return {name: _rel(a, split_sequence(b, rank, cp, dim=2))
+            for name, a, b in zip(("out", "dq", "dk", "dv"), mine, theirs)}
+
+
+CASES = {  # name -> (cp, keyword arguments of _ring_vs_whole)
+    "cp4-causal": (4, {}),
+    "cp2-causal": (2, {}),
+    "cp4-window": (4, {"window": 5}),
+    "cp2-documents": (2, {"documents": True}),
+    "cp4-documents-window-mha": (4, {"documents": True, "window": 7, "kv_heads": 4}),
+}
+
+
+@pytest.fixture(scope="module")
+def world4(request):
+    cases = [(name, functools.partial(_ring_vs_whole, cp, **kwargs)) for name, (cp, kwargs) in CASES.items()]
+    return run_cases(4, selected_cases(request, cases))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ring_attention_equals_attention_over_the_whole_sequence(world4, name):
+    """Issue 59: each rank's output and its q, k, v gradients (the backward's dK and dV carried home
+    round the ring) equal the whole sequence's, causal, with a sliding window, with packed
+    documents crossing the chunk boundaries, grouped-query attention carrying the few K/V heads."""
+    for rank, result in enumerate(world4[name]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        assert max(result.value.values()) <= TOLERANCE, (rank, result.value)
