@@ -37,6 +37,40 @@ def test_every_rank_attends_to_the_same_number_of_causal_pairs():
     assert pairs == [length * (length + 1) // 2 // ranks] * ranks
 
 
+def test_cp_is_a_mesh_dimension_just_outside_tp_unless_the_order_names_it():
+    from pipeflow.runtime.mesh_order import MeshGrid, parse_order
+
+    grid = MeshGrid(2, 2, 1, cp=2)  # [dp,pp,cp,tp]: a stage's cp ranks consecutive
+    assert grid.cp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.pipelines() == [[0, 2], [1, 3], [4, 6], [5, 7]]  # one per (dp, cp): the same program
+    assert grid.replica_groups() == [[0, 1, 4, 5], [2, 3, 6, 7]]  # what holds each parameter: dp x cp
+    assert grid.label(5) == "rank 5 (dp 1, pp 0, cp 1, tp 0)"
+    named = MeshGrid(2, 2, 1, parse_order("[cp,pp,dp,tp]"), cp=2)
+    assert named.cp_groups()[0] == [0, 4] and named.describe().startswith("mesh order [cp,pp,dp,tp]")
+    assert MeshGrid(2, 2, 1).rank_table() == [[[0], [1]], [[2], [3]]]  # without cp as before
+
+
+def test_cp_layout_and_its_named_errors(tmp_path):
+    import scale_cases
+
+    from pipeflow.errors import ConfigError
+    from pipeflow.run.config import check_config
+
+    def config(dp: int = 1, **overrides):
+        return scale_cases.make_config(dp, train__run_dir=str(tmp_path), **overrides)  # seq_len 8
+
+    assert check_config(config(parallel__cp=2), 4) == (1, 2)  # pp = world / (dp x cp)
+    with pytest.raises(ConfigError, match=r"parallel.dp=1 x parallel.pp=2 x parallel.cp=2 = 4 processes, but the "
+                                          r"world size is 8"):
+        check_config(config(parallel__cp=2, parallel__pp=2), 8)
+    with pytest.raises(ConfigError, match=r"2 x cp = 6 chunks .* data.seq_len=8 is not a multiple of 6"):
+        check_config(config(parallel__cp=3), 6)
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with parallel.shard=full"):
+        check_config(config(2, parallel__cp=2, parallel__shard="full"), 8)
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with data.variable_lengths"):
+        check_config(config(parallel__cp=2, data__variable_lengths=True), 4)
+
+
 def _reference(q, k, v, masking: Masking, scale: float):
     """Attention over the whole sequence, the key/value heads repeated (plain autograd)."""
     heads = q.shape[1]
@@ -100,9 +134,27 @@ CASES = {  # name -> (cp, keyword arguments of _ring_vs_whole)
 }
 
 
+# the real Trainer (model=gpt, float64) against the unsplit model on the whole batch (tests/scale_cases.py):
+# name -> (dp, schedule, overrides)
+TRAINER_CASES = {
+    "gpt-cp4": (1, "1f1b", {"parallel__cp": 4}),
+    "gpt-pp2-cp2-1f1b": (1, "1f1b", {"parallel__cp": 2}),
+    "gpt-pp2-cp2-zbv": (1, "zbv", {"parallel__cp": 2}),
+    "gpt-dp2-cp2": (2, "1f1b", {"parallel__cp": 2, "parallel__pp": 1}),
+}
+
+
+def _trainer_vs_unsplit(dp: int, schedule: str, overrides: dict) -> dict:
+    import scale_cases
+
+    worst = scale_cases.dp_equivalence(dp, schedule, 2, **overrides)
+    return {key: worst[key] for key in ("loss", "grad", "param", "params_compared")}
+
+
 @pytest.fixture(scope="module")
 def world4(request):
     cases = [(name, functools.partial(_ring_vs_whole, cp, **kwargs)) for name, (cp, kwargs) in CASES.items()]
+    cases += [(name, functools.partial(_trainer_vs_unsplit, *case)) for name, case in TRAINER_CASES.items()]
     return run_cases(4, selected_cases(request, cases))
 
 
@@ -114,3 +166,15 @@ def test_ring_attention_equals_attention_over_the_whole_sequence(world4, name):
     for rank, result in enumerate(world4[name]):
         assert result.error is None, f"rank {rank}: {result.error}"
         assert max(result.value.values()) <= TOLERANCE, (rank, result.value)
+
+
+@pytest.mark.parametrize("name", list(TRAINER_CASES))
+def test_the_trainer_with_context_parallelism_equals_the_unsplit_model(world4, name):
+    """Issue 59: model=gpt with parallel.cp through the real Trainer (each rank its head and tail
+    chunks, positions global, the loss weighted by its chunks' targets, gradients averaged over
+    dp x cp) against the unsplit model on the whole batch: loss, every gradient and parameter over
+    3 AdamW steps (float64); cp 4 alone, pp 2 x cp 2 with 1F1B and ZB-V, dp 2 x cp 2."""
+    for rank, result in enumerate(world4[name]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert v["params_compared"] > 0 and max(v["loss"], v["grad"], v["param"]) <= 1e-9, (rank, v)

@@ -11,7 +11,7 @@ from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.gpt_decode import GPTStageDecoder
 from pipeflow.models.spec import run_layers
-from pipeflow.run.generate import parse_options, split
+from pipeflow.run.generate import parse_options, run_config, split
 from pipeflow.runtime.decode import Sampler, generate, left_padded
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 1], [30]]
@@ -75,6 +75,9 @@ def test_options_and_the_stage_split():
         split(6, 7)
     # issue 57: YAML reads 1e-30 as text; it is a float all the same
     assert parse_options(["generate.temperature=1e-30"])[0].temperature == 1e-30
+    # issue 59: context parallelism is for training; generation splits layers, not sequences
+    with pytest.raises(ConfigError, match=r"^parallel.cp=2: generation splits the model's layers"):
+        run_config(["parallel.cp=2", "train.resume=x"])
 
 
 def test_prompts_that_cannot_be_generated_from_are_named(tmp_path):

@@ -90,6 +90,7 @@ class Embedding(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
+        self.context_parallel: Any = None  # parallel.cp: this rank's tokens' global positions (runtime.ring_attention)
         _init_weights(self, cfg.n_layer)
 
     def forward(self, idx: Tensor, doc: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -99,7 +100,8 @@ class Embedding(nn.Module):
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.block_size}")
         if doc is None:
-            pos = torch.arange(T, device=idx.device)  # (T,)
+            cp = self.context_parallel
+            pos = torch.arange(T, device=idx.device) if cp is None else cp.positions(T, idx.device)  # (T,)
             return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
         return self.drop(self.wte(idx) + self.wpe(document_positions(doc))), doc  # (B, T, C), (B, T)
 
@@ -115,6 +117,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout  # of the attention weights, inside SDPA (training only)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.context_parallel: Any = None  # parallel.cp: attention round the cp ring (runtime.ring_attention)
 
     def forward(self, x: Tensor, doc: Tensor | None = None) -> Tensor:
         """Attend over the past (of the same document, with ``doc``): (B, T, C) -> (B, T, C).
@@ -129,7 +132,10 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
         k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
         v = v.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
-        y = attend(q, k, v, doc, self.dropout if self.training else 0.0)  # (B, H, T, hs)
+        if self.context_parallel is not None:  # this rank's chunks of the sequence; keys and values go round
+            y = self.context_parallel.attend(q, k, v)
+        else:
+            y = attend(q, k, v, doc, self.dropout if self.training else 0.0)  # (B, H, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, width // 3)  # heads side by side again
         return self.resid_drop(self.c_proj(y))
 

@@ -51,12 +51,13 @@ from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
 from pipeflow.run.step_update import StepUpdate
 from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
+from pipeflow.runtime import ring_attention
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.fsdp import FullShard
 from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
-from pipeflow.runtime.mesh_order import parse_order
+from pipeflow.runtime.mesh_order import DEFAULT_ORDER, parse_order
 from pipeflow.planning.mesh_choice import choose_order
 from pipeflow.runtime.host_link import HostLinkMeasure, measured_once
 from pipeflow.runtime.pipeline import Pipeline
@@ -140,10 +141,13 @@ def connect(cfg: DictConfig, plan: RunPlan, device: torch.device) -> Topology:
     # every group the run uses times out a margin after pipeflow's own deadline (runtime/timeouts.py)
     deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
     order, why = mesh_order(cfg, plan.dp, plan.pp, plan.tp, plan.schedule, plan.layout, device, plan.dtype)
-    mesh = build_mesh(plan.dp, plan.pp, device, plan.tp, order)
+    mesh = build_mesh(plan.dp, plan.pp, device, plan.tp, order, cp=int(cfg.parallel.cp))
     mesh.order_reason = why
     deadlines.own(mesh.pp_group)
     deadlines.own(mesh.dp_group)
+    if mesh.cp > 1:
+        deadlines.own(mesh.cp_group)
+        deadlines.own(mesh.replica_group)
     comm = P2PComm(mesh.pp_group, device, deadlines=deadlines, watchdog=_watchdog(device, dist.get_rank()))
     comm.warmup()  # ranks may still be starting: the first-step deadline
     return Topology(mesh, comm, deadlines)
@@ -205,8 +209,11 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
     for group in tied.groups():
         topology.deadlines.own(group)
     tied.sync_initial_values()
-    reducer = (GradReducer(stages, mesh.dp_group, dp, unreduced=expert_parameters(stages) if ep > 1 else (),
-                           unreduced_group=same_experts) if dp > 1 and sharding is None else None)
+    if mesh.cp > 1:  # each layer's attention round the cp ring, on the transport's batched P2P
+        attach_context_parallel(stages, mesh, device, topology.deadlines)
+    replicas = mesh.replicas_of_parameters  # dp x cp ranks hold each parameter
+    reducer = (GradReducer(stages, mesh.replica_group, replicas, unreduced=expert_parameters(stages) if ep > 1 else (),
+                           unreduced_group=same_experts) if replicas > 1 and sharding is None else None)
     compiled = None
     if plan.compile_options is not None:  # before anything times the stages: they run compiled
         units = {s: [(spec.layers[i].name, spec.unit_to_compile(i, layer))
@@ -283,7 +290,7 @@ def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelP
     routing = routing_sync(layers_by_index(stages, layout.ranges), len(spec.layers),
                            int(OmegaConf.select(cfg, "model.moe.experts", default=0) or 0) or spec.routed_experts, plan.ep)
     update = StepUpdate(device, schedule, stages, parts.params, optimizer, cfg.optim.grad_clip, parts.tied,
-                        parts.reducer, scaler, finite, routing, workspace, mesh.dp * mesh.tp)
+                        parts.reducer, scaler, finite, routing, workspace, mesh.dp * mesh.cp * mesh.tp)
     loop = Loop(pipeline, update, faults, metrics, workspace, memory)
     return Trainer(cfg, device, dataclasses.replace(plan, layout=layout), topology, parts, loop)
 
@@ -295,8 +302,26 @@ def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSch
     given = parse_order(cfg.parallel.order)
     if given is not None:
         return given, ""
+    if int(cfg.parallel.cp) > 1:  # the order search does not weigh the cp ring yet
+        return DEFAULT_ORDER, " (parallel.order=auto with parallel.cp: the default order, cp just outside tp)"
     return choose_order(dp, pp, tp, schedule, layout.ranges, layout.profiles, device,
                         torch.empty((), dtype=dtype).element_size())
+
+
+def attach_context_parallel(stages: dict, mesh: Mesh, device: torch.device, deadlines: Deadlines) -> None:
+    """Give every layer that takes it (``context_parallel``, :mod:`pipeflow.runtime.ring_attention`)
+    the cp ring of this rank, warmed up (collective over the cp group).
+
+    Raises:
+        ConfigError: no layer of this rank's stages takes context parallelism.
+    """
+    comm = P2PComm(mesh.cp_group, device, deadlines=deadlines)
+    comm.warmup()  # NCCL's first batched call on a group involves every rank: the ring does
+    layers = [layer for stage in stages.values() for layer in stage.module]
+    if not ring_attention.attach(layers, ring_attention.ContextParallel(ring_attention.RingComm(comm))):
+        raise ConfigError(f"parallel.cp={mesh.cp}: no layer of stage(s) {sorted(stages)} takes context parallelism "
+                          f"(a module with a context_parallel attribute, as model=gpt's attention has); use "
+                          f"parallel.cp=1, or give your attention the hook (docs/start/4-scale-out.md#context-parallel)")
 
 
 def host_link(device: torch.device) -> HostLink:

@@ -138,7 +138,7 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """The process layout: ``parallel.dp`` x ``parallel.pp`` x ``parallel.tp`` = world size."""
+    """The process layout: ``parallel.dp`` x ``parallel.pp`` x ``parallel.cp`` x ``parallel.tp`` = world size."""
 
     dp: Any = 1  # replicas; auto: world size / (pp x tp), so one command fits any node count (needs pp)
     pp: int | None = None  # default: world size / (dp x tp)
@@ -155,6 +155,9 @@ class ParallelConfig:
     order: Any = "auto"
     # expert parallelism (model.moe): each stage's experts split over its dp ranks; 1 or parallel.dp
     ep: int = 1
+    # context parallelism: each sequence split over cp ranks (two chunks each, head and tail), every
+    # attention layer passing key/value blocks round their ring; just outside tp unless the order names cp
+    cp: int = 1
 
     def __post_init__(self) -> None:
         """Checked when the composed config becomes this object (:func:`typed_config`)."""

@@ -62,26 +62,52 @@ def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]
     Raises:
         ConfigError: if dp x pp x tp does not equal the world size.
     """
-    dp, tp = parallel.dp, tensor_degree(parallel)
+    dp, tp, cp = parallel.dp, tensor_degree(parallel), int(getattr(parallel, "cp", 1))
     check_layout_counts(parallel)
-    if world_size % tp:
-        raise ConfigError(f"parallel.tp={tp} does not divide the world size {world_size}; choose a tp that divides "
-                          f"{world_size} (the GPUs of a node, e.g. 8)")
+    width, across = tp * cp, (f" x parallel.cp={cp}" if cp > 1 else "") + (f" x parallel.tp={tp}" if tp > 1 else "")
+    if world_size % width:
+        raise ConfigError(f"parallel.tp={tp}{f' x parallel.cp={cp}' if cp > 1 else ''} does not divide the world size "
+                          f"{world_size}; choose degrees that divide {world_size} (the GPUs of a node, e.g. 8)")
     if dp == "auto":
-        dp = auto_replicas(parallel.pp, tp, world_size)
-    if world_size % (dp * tp):
+        dp = auto_replicas(parallel.pp, width, world_size)
+    if world_size % (dp * width):
         raise ConfigError(
             f"parallel.dp={dp} does not divide the world size {world_size}"
-            + (f" / parallel.tp={tp}" if tp > 1 else "") + f"; choose a dp that divides {world_size // tp}"
+            + (f" / ({across.removeprefix(' x ')})" if width > 1 else "") + f"; choose a dp that divides {world_size // width}"
         )
-    pp = parallel.pp if parallel.pp is not None else world_size // (dp * tp)
-    if dp * pp * tp != world_size:
-        shape = f"parallel.dp={dp} x parallel.pp={pp}" + (f" x parallel.tp={tp}" if tp > 1 else "")
+    pp = parallel.pp if parallel.pp is not None else world_size // (dp * width)
+    if dp * pp * width != world_size:
+        shape = f"parallel.dp={dp} x parallel.pp={pp}{across}"
         raise ConfigError(
-            f"{shape} = {dp * pp * tp} processes, but the world size is {world_size}; launch with torchrun "
-            f"--nproc-per-node {dp * pp * tp} or set parallel.pp={world_size // (dp * tp)}"
+            f"{shape} = {dp * pp * width} processes, but the world size is {world_size}; launch with torchrun "
+            f"--nproc-per-node {dp * pp * width} or set parallel.pp={world_size // (dp * width)}"
         )
     return dp, pp
+
+
+def check_context_parallel(cfg: Any) -> None:
+    """``parallel.cp``: each sequence cut into 2 x cp chunks of whole tokens, with what cp runs
+    with so far.
+
+    Raises:
+        ConfigError: 2 x cp does not divide ``data.seq_len``, or cp with parallel.shard=full,
+            sequence parallelism or variable-length micro-batches.
+    """
+    cp = int(OmegaConf.select(cfg, "parallel.cp", default=1) or 1)
+    if cp == 1:
+        return
+    seq_len = OmegaConf.select(cfg, "data.seq_len", default=None)
+    if isinstance(seq_len, int) and seq_len % (2 * cp):
+        raise ConfigError(f"parallel.cp={cp} cuts each sequence into 2 x cp = {2 * cp} chunks (each rank a head and a "
+                          f"tail chunk, so causal work is even), and data.seq_len={seq_len} is not a multiple of "
+                          f"{2 * cp}: set data.seq_len to a multiple of {2 * cp} (pad the data) or choose another cp")
+    refused = ((cfg.parallel.shard == "full", "parallel.shard=full (FSDP2 over dp x cp)"),
+               (bool(cfg.parallel.sequence_parallel), "parallel.sequence_parallel"),
+               (bool(OmegaConf.select(cfg, "data.variable_lengths", default=False)), "data.variable_lengths"),
+               (bool(OmegaConf.select(cfg, "data.pack_documents", default=False)), "data.pack_documents"))
+    for bad, what in refused:
+        if bad:
+            raise ConfigError(f"parallel.cp={cp} does not run with {what} yet; set parallel.cp=1 or turn it off")
 
 
 def auto_replicas(pp: int | None, tp: int, world_size: int) -> int:
@@ -153,6 +179,7 @@ def check_across_sections(cfg: Any, world_size: int) -> tuple[int, int]:
     check_targets(cfg)
     check_context(cfg)
     check_sequence_parallel(cfg)
+    check_context_parallel(cfg)
     experts = OmegaConf.select(cfg, "model.moe.experts", default=None)  # None (model=hf): known once built
     check_expert_parallel(cfg.parallel.ep, dp, tensor_degree(cfg.parallel), cfg.parallel.shard,
                           None if experts is None else int(experts))

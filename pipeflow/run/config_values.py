@@ -19,6 +19,7 @@ COUNT_KEYS: tuple[tuple[str, int, bool, str], ...] = (
     ("parallel.pp", 1, True, "pipeline ranks; null: world size / (dp x tp)"),
     ("parallel.tp", 1, False, "ranks per stage; 1: no tensor parallelism"),
     ("parallel.ep", 1, False, "ranks each stage's experts are split over; 1: no expert parallelism"),
+    ("parallel.cp", 1, False, "ranks each sequence is split over (ring attention); 1: no context parallelism"),
     ("pipeline.num_microbatches", 1, False, "micro-batches per step"),
     ("schedule.stages_per_rank", 1, True, "model chunks per rank; null: the schedule's own"),
     ("train.max_steps", 1, False, "the steps to train"),
@@ -30,7 +31,7 @@ COUNT_KEYS: tuple[tuple[str, int, bool, str], ...] = (
     ("metrics.timed_every", 1, False, "1: every step timed by CUDA events"),
     ("metrics.rehearse_steps", 0, True, "0: no rehearsal; null: automatic"),
 )
-LAYOUT_KEYS = ("dp", "pp", "tp")  # parallel.*: checked again by resolve_layout, which tests call alone
+LAYOUT_KEYS = ("dp", "pp", "tp", "cp")  # parallel.*: checked again by resolve_layout, which tests call alone
 _ABSENT = object()
 # (key, default): the deadlines, in seconds
 DEADLINE_KEYS: tuple[tuple[str, float], ...] = (
@@ -75,7 +76,7 @@ def check_layout_counts(parallel: Any) -> None:
     notes = {key.rpartition(".")[2]: spec for key, *spec in COUNT_KEYS if key.startswith("parallel.")}
     for name in LAYOUT_KEYS:
         least, nullable, note = notes[name]
-        value = getattr(parallel, name)
+        value = getattr(parallel, name, 1)
         check_count(f"parallel.{name}", value, least, nullable or name == "tp", note)
 
 

@@ -139,13 +139,18 @@ def run_config(overrides: Sequence[str]) -> tuple[DictConfig, str | None]:
     as train.py composes them) and the checkpoint ``train.resume`` names (None: none).
 
     Raises:
-        ConfigError: ``train.resume=auto`` without ``train.run_dir``, a path with no checkpoint, an
+        ConfigError: ``parallel.cp`` > 1, ``train.resume=auto`` without ``train.run_dir``, a path with no checkpoint, an
             override of a key the saved config lacks (``+key=value`` adds one), or overrides Hydra
             cannot compose.
     """
     from pipeflow.run.checkpoint_find import checkpoints_of, find_latest
     from pipeflow.run.export import config_file
 
+    cp = _given(overrides, "parallel.cp")
+    if cp not in (None, "1"):
+        raise ConfigError(f"parallel.cp={cp}: generation splits the model's layers over the processes, not its "
+                          f"sequences (context parallelism is for training long sequences); drop parallel.cp, a "
+                          f"checkpoint trained with cp generates on any number of processes")
     resume, path = _given(overrides, "train.resume"), None
     if resume in ("auto", "'auto'"):
         run_dir = _given(overrides, "train.run_dir")

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from pipeflow.data import loss_counts, microbatch_counts, microbatch_inputs, microbatch_targets, shard
 from pipeflow.errors import AllTargetsMaskedError
+from pipeflow.runtime.ring_attention import split_sequence
 from pipeflow.runtime.stage import Tensors
 
 
@@ -28,9 +29,10 @@ class MicroBatchSplit:
     """How this rank splits a batch: which ends of the pipeline it holds, its dp shard, and the
     micro-batch count, device, input dtype and loss count (``ModelSpec.loss_count``).
 
-    A micro-batch's weight is dp x the targets its loss counts (tokens or rows, less masked ones)
-    over the global batch's, so that summed over micro-batches and averaged over replicas, loss
-    and gradients are the global batch's mean over its counted targets however the micro-batches
+    A micro-batch's weight is dp x cp x the targets its loss counts (tokens or rows, less masked
+    ones; under ``parallel.cp`` those of this rank's chunks of the sequence) over the global
+    batch's, so that summed over micro-batches and averaged over the dp x cp ranks, loss and
+    gradients are the global batch's mean over its counted targets however the micro-batches
     differ in size or masking.  Every rank holds the global batch, so the global count needs no
     collective; counts are taken on the host batch.  An all-masked micro-batch weighs 0 (its
     stage skips its loss).
@@ -45,6 +47,8 @@ class MicroBatchSplit:
     device: torch.device
     dtype: torch.dtype
     loss_count: Callable[[Any], int] | None
+    cp_rank: int = 0
+    cp: int = 1  # parallel.cp: each row's sequence split over the cp ranks, head-tail (runtime.ring_attention)
 
     def split(self, source: Any, step: int, training: bool) -> MicroBatches:
         """Batch `step` of `source`, split (see :class:`MicroBatches`).
@@ -62,13 +66,15 @@ class MicroBatchSplit:
                 f"nothing to learn from (seen on rank {dist.get_rank()}, which holds the batch); check the data's "
                 f"masks (data=chat: does the chat template mark assistant turns?)")
         x, y = shard(batch, self.dp_rank, self.dp)
+        if self.cp > 1:
+            x, y = (split_sequence(x, self.cp_rank, self.cp), split_sequence(y, self.cp_rank, self.cp))
         m = self.microbatches
         inputs = targets = weights = None
         if self.holds_first:
             inputs = microbatch_inputs(x, m, self.device, self.dtype)
         if self.weighs:
             counts = microbatch_counts(y, m, self.loss_count)  # before the batch moves to the device
-            weights = [self.dp * c / total if total else 0.0 for c in counts]
+            weights = [self.dp * self.cp * c / total if total else 0.0 for c in counts]
         if self.holds_last:
             targets = microbatch_targets(y, m, self.device)
         return MicroBatches(inputs, targets, weights, total)

@@ -63,7 +63,8 @@ class TrainState:
                 f"checkpoint of step {step} not written: the weights of stage(s) {bad} hold NaN or Inf after the "
                 f"optimizer step (optim.lr={self.cfg.optim.lr} too large?); latest still names the last good checkpoint"
             )
-        meta = {"dp": self.mesh.dp, "pp": self.mesh.pp, "tp": self.mesh.tp, "order": list(self.mesh.grid.order),
+        meta = {"dp": self.mesh.dp, "pp": self.mesh.pp, "tp": self.mesh.tp, "cp": self.mesh.cp,
+                "order": list(self.mesh.grid.order),
                 "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
         if self.lora:  # the adapters only; the frozen base named, not copied
             meta[lora_base.LORA_BASE] = lora_base.record(self.cfg.model)

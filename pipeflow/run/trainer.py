@@ -191,7 +191,7 @@ class Trainer:
         split = MicroBatchSplit(
             holds_first=0 in self.stages, holds_last=self.schedule.num_stages - 1 in self.stages,
             weighs=self.schedule.num_stages - 1 in self.stages or self.loop.update.routing is not None,
-            dp_rank=self.mesh.dp_rank,
+            dp_rank=self.mesh.dp_rank, cp_rank=self.mesh.cp_rank, cp=self.mesh.cp,
             dp=self.dp, microbatches=self.schedule.num_microbatches, device=self.device,
             dtype=getattr(torch, self.cfg.train.param_dtype), loss_count=self.plan.spec.loss_count)
         return split.split(source, step, training=source is self.plan.batches.train)

@@ -1,5 +1,5 @@
-"""The process mesh (data parallel x pipeline parallel x tensor parallel) and the data-parallel
-gradient reduction.
+"""The process mesh (data parallel x pipeline parallel x context parallel x tensor parallel) and
+the data-parallel gradient reduction (over dp x cp: the ranks holding the same parameters).
 
 Global rank g sits at mesh coordinate (d, r, t) as ``parallel.order`` lays the dimensions out
 (:mod:`pipeflow.runtime.mesh_order`); by default g = (d * pp + r) * tp + t: tensor parallel
@@ -50,6 +50,10 @@ class Mesh:
         tp, tp_rank: the tensor-parallel degree and this rank's place in its tp group.
         tp_group: the ranks that split this rank's stages' layers (None at tp = 1).
         grid: every rank's coordinates under ``parallel.order``.
+        cp, cp_rank: the context-parallel degree and this rank's place in its cp ring.
+        cp_group: the ranks that split this rank's sequences (None at cp = 1).
+        replica_group: the ranks holding this rank's parameters, over dp x cp (the gradient
+            reduction's group; the dp group at cp = 1).
     """
 
     dp: int
@@ -65,15 +69,26 @@ class Mesh:
     tp_group: Any = None
     grid: MeshGrid | None = None  # the coordinates of every rank (parallel.order); None: the default order
     order_reason: str = ""  # why parallel.order=auto chose the order (for the start-of-run line)
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: Any = None
+    replica_group: Any = None
 
     def __post_init__(self) -> None:
         if self.grid is None:
-            self.grid = MeshGrid(self.dp, self.pp, self.tp)
+            self.grid = MeshGrid(self.dp, self.pp, self.tp, cp=self.cp)
+        if self.replica_group is None:
+            self.replica_group = self.dp_group
+
+    @property
+    def replicas_of_parameters(self) -> int:
+        """How many ranks hold each of this rank's parameters (dp x cp): the gradients' divisor."""
+        return self.dp * self.cp
 
     @property
     def first_pipeline(self) -> bool:
-        """True on the ranks of pipeline (d, t) = (0, 0): the one whose figures stand for all."""
-        return self.dp_rank == 0 and self.tp_rank == 0
+        """True on the ranks of pipeline (d, c, t) = (0, 0, 0): the one whose figures stand for all."""
+        return self.dp_rank == 0 and self.tp_rank == 0 and self.cp_rank == 0
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -81,31 +96,45 @@ class Mesh:
         return self.device_mesh["tp"] if self.tp > 1 and self.device_mesh is not None else None
 
     def describe(self) -> str:
-        """``dp=2 x pp=4 x tp=8`` (without tp at tp = 1)."""
-        return f"dp={self.dp} x pp={self.pp}" + (f" x tp={self.tp}" if self.tp > 1 else "")
+        """``dp=2 x pp=4 x cp=2 x tp=8`` (without cp or tp at 1)."""
+        return (f"dp={self.dp} x pp={self.pp}" + (f" x cp={self.cp}" if self.cp > 1 else "")
+                + (f" x tp={self.tp}" if self.tp > 1 else ""))
 
 
-def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, order: tuple[str, ...] = DEFAULT_ORDER) -> Mesh:
-    """Build the (dp, pp[, tp]) mesh over the default process group (collective: every rank calls it).
+def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, order: tuple[str, ...] = DEFAULT_ORDER,
+               cp: int = 1) -> Mesh:
+    """Build the (dp, pp[, cp][, tp]) mesh over the default process group (collective: every rank calls it).
 
     Args:
         dp: data-parallel degree.
-        pp: pipeline degree; dp * pp * tp must equal the world size (checked by config.check_config).
+        pp: pipeline degree; dp * pp * cp * tp must equal the world size (checked by config.check_config).
         device: this rank's device (its type names the mesh's device type).
         tp: tensor-parallel degree.
         order: ``parallel.order``, the dimensions outermost first (:mod:`pipeflow.runtime.mesh_order`).
+        cp: context-parallel degree.
     """
-    grid = MeshGrid(dp, pp, tp, order)
-    dp_rank, pp_rank, tp_rank = grid.coordinates(dist.get_rank())
+    grid = MeshGrid(dp, pp, tp, order, cp)
+    me = dist.get_rank()
+    dp_rank, pp_rank, tp_rank = grid.coordinates(me)
     replicas = grid.pipelines()
-    if dp * pp * tp == 1:
+    if dp * pp * tp * cp == 1:
         return Mesh(1, 1, 0, 0, None, None, replicas, None, grid=grid)
-    names = ("dp", "pp") if tp == 1 else ("dp", "pp", "tp")
     table = torch.tensor(grid.rank_table(), dtype=torch.int)
-    device_mesh = DeviceMesh(device.type, table[..., 0] if tp == 1 else table, mesh_dim_names=names)
+    if cp == 1:
+        names = ("dp", "pp") if tp == 1 else ("dp", "pp", "tp")
+        device_mesh = DeviceMesh(device.type, table[..., 0] if tp == 1 else table, mesh_dim_names=names)
+    else:
+        device_mesh = DeviceMesh(device.type, table, mesh_dim_names=("dp", "cp", "pp", "tp"))
     tp_group = device_mesh.get_group("tp") if tp > 1 else None
+    cp_group = device_mesh.get_group("cp") if cp > 1 else None
+    replica_group = None
+    if cp > 1:  # dp x cp: every rank makes every group, in one order
+        for ranks in grid.replica_groups():
+            group = dist.new_group(ranks)
+            replica_group = group if me in ranks else replica_group
     return Mesh(dp, pp, dp_rank, pp_rank, device_mesh.get_group("pp"), device_mesh.get_group("dp"), replicas,
-                device_mesh, tp, tp_rank, tp_group, grid)
+                device_mesh, tp, tp_rank, tp_group, grid, cp=cp, cp_rank=grid.cp_rank(me), cp_group=cp_group,
+                replica_group=replica_group)
 
 
 def _buckets(params: list[torch.nn.Parameter], bucket_bytes: int) -> list[list[torch.nn.Parameter]]:

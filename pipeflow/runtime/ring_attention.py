@@ -240,3 +240,47 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, ring: RingComm, length: int,
         return local_positions(length, rank, ring.size, q.device)
 
     return RingAttention.apply(q, k, v, ring, positions, masking, scale)
+
+
+class ContextParallel:
+    """What a model's layers are given under ``parallel.cp`` (:func:`attach`): the global positions
+    of this rank's tokens and attention over the whole sequence round the cp ring.  Models call it
+    through the attribute ``context_parallel`` (None without cp), so they import nothing of the
+    runtime: a layer holding that attribute takes context parallelism (the documented hook).
+
+    Args:
+        ring: the cp group's ring.
+    """
+
+    def __init__(self, ring: RingComm) -> None:
+        self.ring, self.rank, self.size = ring, ring.rank, ring.size
+
+    def positions(self, local_length: int, device: torch.device | None = None) -> Tensor:
+        """The global positions of this rank's `local_length` tokens (its head and tail chunks)."""
+        return local_positions(local_length * self.size, self.rank, self.size, device)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None, causal: bool = True,
+               scale: float | None = None) -> Tensor:
+        """Attention of this rank's q (B, H, T/N, D) over the whole sequence's k, v (B, Hkv, T/N, D
+        here each), round the ring; in a stage's shape trial (only the shape matters, and the other
+        cp ranks are not trying) over this rank's tokens alone."""
+        from pipeflow.models.aux_loss import in_shape_trial
+
+        if in_shape_trial():
+            return torch.zeros_like(q)
+        return ring_attention(q, k, v, self.ring, q.shape[2] * self.size, Masking(causal, window), scale)
+
+
+HOOK = "context_parallel"  # the attribute of a module that takes context parallelism
+
+
+def attach(modules: Any, context: ContextParallel) -> int:
+    """Give `context` to every module under `modules` (an iterable of modules) that has the
+    :data:`HOOK` attribute; returns how many took it."""
+    taken = 0
+    for root in modules:
+        for module in root.modules():
+            if hasattr(module, HOOK):
+                setattr(module, HOOK, context)
+                taken += 1
+    return taken
