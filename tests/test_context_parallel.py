@@ -141,6 +141,7 @@ TRAINER_CASES = {
     "gpt-pp2-cp2-1f1b": (1, "1f1b", {"parallel__cp": 2}),
     "gpt-pp2-cp2-zbv": (1, "zbv", {"parallel__cp": 2}),
     "gpt-dp2-cp2": (2, "1f1b", {"parallel__cp": 2, "parallel__pp": 1}),
+    "gpt-tp2-cp2": (1, "1f1b", {"parallel__cp": 2, "parallel__tp": 2, "parallel__pp": 1}),
 }
 
 
@@ -151,10 +152,37 @@ def _trainer_vs_unsplit(dp: int, schedule: str, overrides: dict) -> dict:
     return {key: worst[key] for key in ("loss", "grad", "param", "params_compared")}
 
 
+def _resumed_under_another_cp() -> dict:
+    """pp 2 x cp 2 trains 2 steps and saves; dp 2 x pp 2 (cp 1) resumes: every parameter as saved."""
+    import torch.distributed as dist
+
+    import scale_cases
+    from pipeflow.run.builder import build_run
+
+    cfg = scale_cases.make_config(1, "1f1b", 2, parallel__cp=2)
+    trainer = build_run(cfg, torch.device("cpu"))
+    for step in range(2):
+        trainer.train_step(step)
+    path = trainer.save_checkpoint(2)
+    mine = {f"{idx}.{name}": p.detach().clone() for s, stage in trainer.stages.items()
+            for layer, idx in zip(stage.module, trainer.ranges[s]) for name, p in layer.named_parameters()}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    trained = {key: value for part in every for key, value in part.items()}
+    again_cfg = scale_cases.make_config(2, "1f1b", 2, train__run_dir=f"{cfg.train.run_dir}-cp1", train__resume=path)
+    again = build_run(again_cfg, torch.device("cpu"))
+    step = again.resume()
+    diffs = [_rel(p.detach(), trained[f"{idx}.{name}"]) for s, stage in again.stages.items()
+             for layer, idx in zip(stage.module, again.ranges[s]) for name, p in layer.named_parameters()]
+    return {"step": step, "compared": len(diffs), "worst": max(diffs), "saved_cp": trainer.mesh.cp,
+            "resumed_cp": again.mesh.cp}
+
+
 @pytest.fixture(scope="module")
 def world4(request):
     cases = [(name, functools.partial(_ring_vs_whole, cp, **kwargs)) for name, (cp, kwargs) in CASES.items()]
     cases += [(name, functools.partial(_trainer_vs_unsplit, *case)) for name, case in TRAINER_CASES.items()]
+    cases.append(("resume-cp1", _resumed_under_another_cp))
     return run_cases(4, selected_cases(request, cases))
 
 
@@ -173,8 +201,17 @@ def test_the_trainer_with_context_parallelism_equals_the_unsplit_model(world4, n
     """Issue 59: model=gpt with parallel.cp through the real Trainer (each rank its head and tail
     chunks, positions global, the loss weighted by its chunks' targets, gradients averaged over
     dp x cp) against the unsplit model on the whole batch: loss, every gradient and parameter over
-    3 AdamW steps (float64); cp 4 alone, pp 2 x cp 2 with 1F1B and ZB-V, dp 2 x cp 2."""
+    3 AdamW steps (float64); cp 4 alone, pp 2 x cp 2 with 1F1B and ZB-V, dp 2 x cp 2, tp 2 x cp 2."""
     for rank, result in enumerate(world4[name]):
         assert result.error is None, f"rank {rank}: {result.error}"
         v = result.value
         assert v["params_compared"] > 0 and max(v["loss"], v["grad"], v["param"]) <= 1e-9, (rank, v)
+
+
+def test_a_checkpoint_of_a_cp_run_resumes_under_another_cp(world4):
+    """Issue 59: the cp ranks hold the same parameters, saved once; a run without cp resumes them."""
+    for rank, result in enumerate(world4["resume-cp1"]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert (v["step"], v["saved_cp"], v["resumed_cp"]) == (2, 2, 1) and v["compared"] > 0, v
+        assert v["worst"] == 0.0, v

@@ -394,6 +394,9 @@ TRAINER_CASES_4 = {  # dp2 x pp2
         "parallel__ep": 2, "train__compile": True, "train__compile_backend": "aot_eager"}, TOLERANCE),
     "full-shard-tied-1f1b": ("llama_tied", 2, "1f1b", 2, {"parallel__shard": "full"}, TOLERANCE),
     "full-shard-qwen3_moe-zbv": ("qwen3_moe", 2, "zbv", 2, {"parallel__shard": "full"}, TOLERANCE),  # experts whole
+    # issue 59: context parallelism through transformers' AttentionInterface (ring attention), windows too
+    "cp2-pp2-llama-1f1b": ("llama", 1, "1f1b", 2, {"parallel__cp": 2}, TOLERANCE),
+    "cp2-dp2-qwen3_window-1f1b": ("qwen3_window", 2, "1f1b", 2, {"parallel__cp": 2, "parallel__pp": 1}, TOLERANCE),
     "zbv-tied-zero1": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "optimizer"}, TOLERANCE),  # tie on rank 0
     "zbv-tied-full-shard": ("llama_tied", 2, "zbv", 2, {"parallel__shard": "full"}, TOLERANCE),
 }

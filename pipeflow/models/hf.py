@@ -104,7 +104,9 @@ def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[
     hidden = piece.model.embed_tokens(input_ids)  # type: ignore[operator]
     if doc is None:
         B, T = input_ids.shape
-        return hidden, torch.arange(T, device=input_ids.device).expand(B, T).contiguous()
+        cp = getattr(piece, CONTEXT_PARALLEL, None)  # parallel.cp: this rank's chunks' global positions
+        positions = torch.arange(T, device=input_ids.device) if cp is None else cp.positions(T, input_ids.device)
+        return hidden, positions.expand(B, T).contiguous()
     return hidden, document_positions(doc), doc
 
 
@@ -147,8 +149,9 @@ class _Decoder:
         whole = hidden  # with sequence parallelism `hidden` is a slice: mask and rotary are the sequence's
         if hidden.shape[1] != position_ids.shape[1]:
             whole = hidden.new_empty((hidden.shape[0], position_ids.shape[1], *hidden.shape[2:]))
-        mask, cos_sin = self._shared(piece, whole, position_ids, doc is not None)
         layer = piece.model.layers.get_submodule(str(self.index))  # type: ignore[union-attr]
+        ring = _ring_attention_of(layer)
+        mask, cos_sin = self._shared(piece, whole, position_ids, doc is not None, masked=not ring)
         if hidden.dtype == torch.float64:
             loop_experts(layer)
         out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
@@ -157,7 +160,8 @@ class _Decoder:
             out = router.attach(out)
         return (out, position_ids) if doc is None else (out, position_ids, doc)
 
-    def _shared(self, piece: Piece, hidden: Tensor, position_ids: Tensor, packed: bool) -> tuple[Any, Any]:
+    def _shared(self, piece: Piece, hidden: Tensor, position_ids: Tensor, packed: bool,
+                masked: bool = True) -> tuple[Any, Any]:
         from transformers import masking_utils
 
         key = (hidden.dtype, hidden.device, tuple(hidden.shape[:2]), torch.is_autocast_enabled(), id(self.config))
@@ -167,6 +171,8 @@ class _Decoder:
             if not packed:  # the positions are arange(T) in every row: the shape says all
                 _SHARED[position_ids] = entry
         made = entry[1]
+        if not masked:  # ring attention (parallel.cp) masks by the global positions itself
+            made.setdefault(self.sliding, None)
         if self.sliding not in made:
             make = masking_utils.create_sliding_window_causal_mask if self.sliding else masking_utils.create_causal_mask
             made[self.sliding] = make(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
@@ -176,6 +182,45 @@ class _Decoder:
             made[rope] = (piece.rotary_emb(hidden, position_ids) if self.rope_type is None  # type: ignore[operator]
                           else piece.rotary_emb(hidden, position_ids, self.rope_type))  # type: ignore[operator]
         return made[self.sliding], made[rope]
+
+
+CONTEXT_PARALLEL = "context_parallel"  # the hook parallel.cp attaches its ring to (runtime.ring_attention)
+RING_ATTENTION = "pipeflow_ring"  # the attention function registered with transformers for parallel.cp
+
+
+def _ring_attention_of(layer: nn.Module) -> bool:
+    """Whether `layer`'s attention runs round the cp ring (its hook attached): then its config
+    names :data:`RING_ATTENTION`, registered with transformers' ``AttentionInterface`` once, so
+    the family's own attention module calls it as it calls SDPA."""
+    attention = getattr(layer, "self_attn", None)
+    if getattr(attention, CONTEXT_PARALLEL, None) is None:
+        return False
+    if attention.config._attn_implementation != RING_ATTENTION:  # type: ignore[union-attr]
+        from transformers import AttentionInterface
+
+        if RING_ATTENTION not in AttentionInterface._global_mapping:
+            AttentionInterface.register(RING_ATTENTION, ring_attention_forward)
+        attention.config._attn_implementation = RING_ATTENTION  # type: ignore[union-attr]
+    return True
+
+
+def ring_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+                           dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
+                           **kwargs: Any) -> tuple[Tensor, None]:
+    """transformers' attention-function signature, run round the cp ring by the module's
+    ``context_parallel`` (query (B, H, T/cp, D), key and value with their own K/V heads; the mask
+    made from the global positions, causal, sliding by `sliding_window`); returns (B, T/cp, H, D).
+
+    Raises:
+        ConfigError: attention dropout, logit soft-capping or sinks, which the ring does not compute.
+    """
+    unsupported = [what for what, there in (("attention dropout", dropout), ("logit soft-capping", kwargs.get("softcap")),
+                                            ("attention sinks", kwargs.get("s_aux"))) if there]
+    if unsupported:
+        raise ConfigError(f"parallel.cp: {type(module).__name__} computes {unsupported[0]}, which ring attention does "
+                          f"not; set parallel.cp=1 for this model (or turn it off in its config)")
+    out = getattr(module, CONTEXT_PARALLEL).attend(query, key, value, window=sliding_window, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def rope_types(config: Any, rotary: nn.Module) -> list[str] | None:
@@ -229,6 +274,11 @@ class _Layers:
         if isinstance(adapter, _Decoder):  # real inv_freq buffers (non-persistent: not in the state dict)
             rotary = type(self.root.model.rotary_emb)  # type: ignore[union-attr]
             piece.add_module("rotary_emb", rotary(config=self.root.config))
+            for module in piece.modules():  # parallel.cp's hook: the attention round the ring
+                if hasattr(module, "q_proj") or type(module).__name__.endswith("Attention"):
+                    setattr(module, CONTEXT_PARALLEL, None)
+        elif adapter is _embed:  # parallel.cp's hook: the global positions of this rank's chunks
+            setattr(piece, CONTEXT_PARALLEL, None)
             object.__setattr__(piece, ROUTERS, watch_routers(self.root, piece, self.moe.bias_update_rate))
         return piece
 

@@ -117,6 +117,9 @@ def plan_run(cfg: DictConfig, device: torch.device) -> RunPlan:
                               cfg.schedule.path, cfg.schedule.stage_to_rank)
     batches = build_batches(typed_data(cfg.data), cfg.model, chunks=dp * m)
     first = shard(batches.train.get(0), 0, dp)
+    cp = int(cfg.parallel.cp)
+    if cp > 1:  # a rank holds T / cp of each row: the profile, memory and step predictions at that length
+        first = tuple(ring_attention.split_sequence(part, 0, cp) for part in first)
     sample, sample_target = split_microbatches(first[0], m)[0], split_microbatches(first[1], m)[0]
     # auto's choice is made by the whole world (every replica alike, so no replica waits on a
     # slower setting) and within about a quarter of the run, so short runs and sweeps measure

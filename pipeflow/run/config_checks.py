@@ -73,7 +73,8 @@ def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]
     if world_size % (dp * width):
         raise ConfigError(
             f"parallel.dp={dp} does not divide the world size {world_size}"
-            + (f" / ({across.removeprefix(' x ')})" if width > 1 else "") + f"; choose a dp that divides {world_size // width}"
+            + (f" / {across.removeprefix(' x ')}" if width == tp else f" / ({across.removeprefix(' x ')})" if width > 1
+               else "") + f"; choose a dp that divides {world_size // width}"
         )
     pp = parallel.pp if parallel.pp is not None else world_size // (dp * width)
     if dp * pp * width != world_size:
