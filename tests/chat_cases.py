@@ -18,7 +18,7 @@ import chat_fixtures as fx
 
 
 def trainer_on_chat_vs_hf(folder: str, kind: str, run_dir: str, dp: int = 1, schedule: str = "zb_h1", m: int = 2,
-                          steps: int = 2) -> dict[str, Any]:
+                          steps: int = 2, **overrides: Any) -> dict[str, Any]:
     """Train `steps` steps on data=chat pipelined and with Hugging Face's model on the global batch
     (same AdamW and lr schedule); worst relative differences of loss, gradients and parameters,
     and the trained share of the targets (prompts really masked)."""
@@ -40,7 +40,7 @@ def trainer_on_chat_vs_hf(folder: str, kind: str, run_dir: str, dp: int = 1, sch
     cfg = test_hf._trainer_config(folder, run_dir, dp, schedule, m, data__name="chat",
                                   data__path=os.path.join(chats, "chats.jsonl"), data__tokenizer=chats,
                                   data__seq_len=16, data__pack_documents=True, data__overlong="truncate",
-                                  data__val_fraction=0.0, data__batch_size=4)
+                                  data__val_fraction=0.0, data__batch_size=4, **overrides)
     trainer = build_run(cfg, torch.device("cpu"))
     ref = test_hf.reference(kind, folder).to(torch.float64)
     o = cfg.optim

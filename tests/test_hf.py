@@ -442,6 +442,9 @@ def _world(request: pytest.FixtureRequest, folders: dict, world_size: int, pairs
               for name, (kind, dp, schedule, m, overrides) in (LORA_CASES if world_size == 2 else LORA_CASES_4).items()]
     if world_size == 4:
         cases.append(("every-moe-ep2", functools.partial(_every_moe_ep2, folders)))
+        cases.append(("chat-cp2", functools.partial(chat_cases.trainer_on_chat_vs_hf, folders["llama"], "llama",
+                                                    os.path.join(folders["runs"], "chat-cp2"), 1, "1f1b",
+                                                    parallel__cp=2)))
     if world_size == 2:
         cases.append(("every-family", functools.partial(_every_family, folders)))
         cases.append(("bf16", functools.partial(_bf16_vs_fp32, folders["llama"], os.path.join(folders["runs"], "bf16"),
@@ -1109,6 +1112,17 @@ def test_trainer_on_chat_data_equals_hugging_face_on_the_masked_packed_batch(wor
         assert result.error is None, f"rank {rank}: {result.error}"
         v = result.value
         assert v["compared"] > 0 and 0 < v["trained"] < 0.5, (rank, v)  # most targets masked
+        for key in ("loss", "grad", "param"):
+            assert v[key] <= TOLERANCE, (rank, key, v)
+
+
+def test_trainer_on_packed_chat_data_with_context_parallelism_equals_hugging_face(world4):
+    """Issue 59: packed conversations on pp 2 x cp 2: documents cross the chunk boundaries, each rank
+    holding its head and tail chunks with the whole rows' document ids (positions, ring masks)."""
+    for rank, result in enumerate(world4["chat-cp2"]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert v["compared"] > 0 and 0 < v["trained"] < 0.5, (rank, v)
         for key in ("loss", "grad", "param"):
             assert v[key] <= TOLERANCE, (rank, key, v)
 

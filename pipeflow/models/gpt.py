@@ -103,7 +103,10 @@ class Embedding(nn.Module):
             cp = self.context_parallel
             pos = torch.arange(T, device=idx.device) if cp is None else cp.positions(T, idx.device)  # (T,)
             return self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C) + (T, C) -> (B, T, C)
-        return self.drop(self.wte(idx) + self.wpe(document_positions(doc))), doc  # (B, T, C), (B, T)
+        positions = document_positions(doc)  # (B, T): with parallel.cp the whole rows' (doc is whole)
+        if self.context_parallel is not None:
+            positions = positions[:, self.context_parallel.positions(T, idx.device)]
+        return self.drop(self.wte(idx) + self.wpe(positions)), doc  # (B, T, C), (B, T)
 
 
 class CausalSelfAttention(nn.Module):
@@ -133,7 +136,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
         v = v.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
         if self.context_parallel is not None:  # this rank's chunks of the sequence; keys and values go round
-            y = self.context_parallel.attend(q, k, v)
+            runs = None if doc is None else document_starts(doc).cumsum(dim=1)  # the whole rows' documents
+            y = self.context_parallel.attend(q, k, v, documents=runs)
         else:
             y = attend(q, k, v, doc, self.dropout if self.training else 0.0)  # (B, H, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, width // 3)  # heads side by side again

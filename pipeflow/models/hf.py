@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeflow.errors import ConfigError
-from pipeflow.models.gpt import document_positions
+from pipeflow.models.gpt import document_positions, document_starts
 from pipeflow.models.hf_convert import checkpoint_sources
 from pipeflow.models.hf_folder import SafetensorsWeights, load_config
 from pipeflow.models.hf_forms import family, tested_forms
@@ -107,7 +107,11 @@ def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[
         cp = getattr(piece, CONTEXT_PARALLEL, None)  # parallel.cp: this rank's chunks' global positions
         positions = torch.arange(T, device=input_ids.device) if cp is None else cp.positions(T, input_ids.device)
         return hidden, positions.expand(B, T).contiguous()
-    return hidden, document_positions(doc), doc
+    positions = document_positions(doc)  # with parallel.cp doc is the whole rows': this rank's chunks' positions
+    cp = getattr(piece, CONTEXT_PARALLEL, None)
+    if cp is not None:
+        positions = positions[:, cp.positions(input_ids.shape[1], input_ids.device)].contiguous()
+    return hidden, positions, doc
 
 
 def head_logits(piece: nn.Module, hidden: Tensor, softcap: float | None = None) -> Tensor:
@@ -154,7 +158,8 @@ class _Decoder:
         mask, cos_sin = self._shared(piece, whole, position_ids, doc is not None, masked=not ring)
         if hidden.dtype == torch.float64:
             loop_experts(layer)
-        out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin)
+        extra = {} if not ring or doc is None else {"cp_documents": document_starts(doc).cumsum(dim=1)}
+        out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin, **extra)
         out = out[0] if isinstance(out, tuple) else out
         for router in getattr(piece, ROUTERS, ()):  # an MoE layer's auxiliary loss, for backward
             out = router.attach(out)
@@ -206,10 +211,11 @@ def _ring_attention_of(layer: nn.Module) -> bool:
 
 def ring_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
                            dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
-                           **kwargs: Any) -> tuple[Tensor, None]:
+                           cp_documents: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, None]:
     """transformers' attention-function signature, run round the cp ring by the module's
     ``context_parallel`` (query (B, H, T/cp, D), key and value with their own K/V heads; the mask
-    made from the global positions, causal, sliding by `sliding_window`); returns (B, T/cp, H, D).
+    made from the global positions, causal, sliding by `sliding_window`, within the packed documents
+    `cp_documents` (B, T), the whole rows' document numbers); returns (B, T/cp, H, D).
 
     Raises:
         ConfigError: attention dropout, logit soft-capping or sinks, which the ring does not compute.
@@ -219,7 +225,8 @@ def ring_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value:
     if unsupported:
         raise ConfigError(f"parallel.cp: {type(module).__name__} computes {unsupported[0]}, which ring attention does "
                           f"not; set parallel.cp=1 for this model (or turn it off in its config)")
-    out = getattr(module, CONTEXT_PARALLEL).attend(query, key, value, window=sliding_window, scale=scaling)
+    out = getattr(module, CONTEXT_PARALLEL).attend(query, key, value, window=sliding_window, scale=scaling,
+                                                   documents=cp_documents)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -119,7 +119,7 @@ def plan_run(cfg: DictConfig, device: torch.device) -> RunPlan:
     first = shard(batches.train.get(0), 0, dp)
     cp = int(cfg.parallel.cp)
     if cp > 1:  # a rank holds T / cp of each row: the profile, memory and step predictions at that length
-        first = tuple(ring_attention.split_sequence(part, 0, cp) for part in first)
+        first = (ring_attention.split_inputs(first[0], 0, cp), ring_attention.split_sequence(first[1], 0, cp))
     sample, sample_target = split_microbatches(first[0], m)[0], split_microbatches(first[1], m)[0]
     # auto's choice is made by the whole world (every replica alike, so no replica waits on a
     # slower setting) and within about a quarter of the run, so short runs and sweeps measure

@@ -104,8 +104,7 @@ def check_context_parallel(cfg: Any) -> None:
                           f"{2 * cp}: set data.seq_len to a multiple of {2 * cp} (pad the data) or choose another cp")
     refused = ((cfg.parallel.shard == "full", "parallel.shard=full (FSDP2 over dp x cp)"),
                (bool(cfg.parallel.sequence_parallel), "parallel.sequence_parallel"),
-               (bool(OmegaConf.select(cfg, "data.variable_lengths", default=False)), "data.variable_lengths"),
-               (bool(OmegaConf.select(cfg, "data.pack_documents", default=False)), "data.pack_documents"))
+               (bool(OmegaConf.select(cfg, "data.variable_lengths", default=False)), "data.variable_lengths"))
     for bad, what in refused:
         if bad:
             raise ConfigError(f"parallel.cp={cp} does not run with {what} yet; set parallel.cp=1 or turn it off")

@@ -59,6 +59,14 @@ def split_sequence(x: Tensor, rank: int, ranks: int, dim: int = 1) -> Tensor:
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
+def split_inputs(x: Any, rank: int, ranks: int) -> Any:
+    """Cp rank `rank`'s share of a batch's rows (B, T): its two chunks of each row; packed documents
+    ``(tokens, document ids)`` keep the whole rows' document ids (positions and masks need them)."""
+    if isinstance(x, tuple):
+        return (split_sequence(x[0], rank, ranks), *x[1:])
+    return split_sequence(x, rank, ranks)
+
+
 def gather_sequence(parts: list[Tensor], dim: int = 1) -> Tensor:
     """The whole sequence from every cp rank's local part (``parts[i]``: rank i's), in order."""
     ranks = len(parts)
@@ -260,15 +268,16 @@ class ContextParallel:
         return local_positions(local_length * self.size, self.rank, self.size, device)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, window: int | None = None, causal: bool = True,
-               scale: float | None = None) -> Tensor:
+               scale: float | None = None, documents: Tensor | None = None) -> Tensor:
         """Attention of this rank's q (B, H, T/N, D) over the whole sequence's k, v (B, Hkv, T/N, D
-        here each), round the ring; in a stage's shape trial (only the shape matters, and the other
-        cp ranks are not trying) over this rank's tokens alone."""
+        here each), round the ring (`documents`: (B, T) the whole rows' document numbers, packed
+        documents attending within themselves); in a stage's shape trial (only the shape matters,
+        and the other cp ranks are not trying) zeros."""
         from pipeflow.models.aux_loss import in_shape_trial
 
         if in_shape_trial():
             return torch.zeros_like(q)
-        return ring_attention(q, k, v, self.ring, q.shape[2] * self.size, Masking(causal, window), scale)
+        return ring_attention(q, k, v, self.ring, q.shape[2] * self.size, Masking(causal, window, documents), scale)
 
 
 HOOK = "context_parallel"  # the attribute of a module that takes context parallelism
