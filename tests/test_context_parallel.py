@@ -69,6 +69,10 @@ def test_cp_layout_and_its_named_errors(tmp_path):
         check_config(config(2, parallel__cp=2, parallel__shard="full"), 8)
     with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with data.variable_lengths"):
         check_config(config(parallel__cp=2, data__variable_lengths=True), 4)
+    from pipeflow.run.plan import compose_config, run_plan
+
+    with pytest.raises(ConfigError, match=r"^parallel.cp=2: the planner does not price context parallelism's ring yet"):
+        run_plan(compose_config(["parallel.cp=2", "parallel.pp=2"]))
 
 
 def _reference(q, k, v, masking: Masking, scale: float):

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.data import build_batches
 from pipeflow.run.compile_phase import compile_options
@@ -154,6 +154,11 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
         return run_cluster_plan(cfg, overrides)
     if cfg.parallel.pp is None:
         raise ConfigError("the planner needs the pipeline size: add parallel.pp=<ranks>")
+    cp = int(OmegaConf.select(cfg, "parallel.cp", default=1) or 1)
+    if cp > 1:
+        raise ConfigError(f"parallel.cp={cp}: the planner does not price context parallelism's ring yet; a run prints "
+                          f"its own prediction at the start (profiled at data.seq_len / cp per rank), or plan with "
+                          f"parallel.cp=1 data.seq_len={cfg.data.seq_len // cp} for a rank's share")
     if cfg.parallel.dp == "auto":
         raise ConfigError("parallel.dp=auto takes the replicas from the world size, which the planner does not have: "
                           "give the replicas to plan for, e.g. parallel.dp=2")
