@@ -36,6 +36,18 @@ import torch
 from torch import Tensor
 
 CAUSAL = "causal"
+# False: each exchange is waited for as soon as it is posted, before the block it overlaps is
+# computed (the baseline benchmarks/features/context_parallel.py measures the overlap against)
+OVERLAP = True
+
+
+def _posted(ring: RingComm, tensor: Tensor, what: str) -> Callable[[], Tensor]:
+    """The wait for `tensor`'s pass round the ring (see :data:`OVERLAP`)."""
+    arrive = ring.pass_on(tensor, what)
+    if OVERLAP:
+        return arrive
+    arrived = arrive()
+    return lambda: arrived
 
 
 def chunk_order(ranks: int) -> list[tuple[int, int]]:
@@ -179,7 +191,7 @@ class RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         for step in range(n):
             source = (rank - step) % n
-            arrive = ring.pass_on(kv, f"ring attention key/value block of cp rank {source}") if step < n - 1 else None
+            arrive = _posted(ring, kv, f"ring attention key/value block of cp rank {source}") if step < n - 1 else None
             keys, values = _expand(kv[0], q.shape[1]), _expand(kv[1], q.shape[1])
             for rows, cols, mask in _pieces(masking.mask(mine, positions(source)), 2):
                 part, part_lse = _attend(q[..., rows, :], keys[..., cols, :], values[..., cols, :], mask, scale)
@@ -202,7 +214,7 @@ class RingAttention(torch.autograd.Function):
         kv, gathered = torch.stack([k, v]), None  # gathered: the wait for the gradients of the block held now
         for step in range(n):
             source = (rank - step) % n
-            arrive = ring.pass_on(kv, f"ring attention key/value block of cp rank {source}") if step < n - 1 else None
+            arrive = _posted(ring, kv, f"ring attention key/value block of cp rank {source}") if step < n - 1 else None
             keys, values = _expand(kv[0], heads), _expand(kv[1], heads)
             dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
             for rows, cols, mask in _pieces(masking.mask(mine, positions(source)), 2):
@@ -220,7 +232,7 @@ class RingAttention(torch.autograd.Function):
                 grads = grads + gathered()
             # on to the next rank, which holds this block next step; after the last step each
             # block's gradients, every rank's share summed, arrive at the rank that holds it
-            gathered = (ring.pass_on(grads, f"ring attention gradients of cp rank {source}'s block") if n > 1
+            gathered = (_posted(ring, grads, f"ring attention gradients of cp rank {source}'s block") if n > 1
                         else (lambda g=grads: g))
             if arrive is not None:
                 kv = arrive()
