@@ -91,6 +91,22 @@ def gloo_worker(threads: int = 1, timeout: datetime.timedelta | None = None) -> 
     return wrap
 
 
+def timed_train_steps(trainer: Any, steps: int, untimed: int = 2) -> list[float]:
+    """Train `untimed` + `steps` steps barrier to barrier (collective); the seconds of the timed
+    ones (step 0 builds shapes and optimizer state, step 1 is the one memory is measured at)."""
+    import torch.distributed as dist
+
+    times: list[float] = []
+    for step in range(steps + untimed):
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step(step)
+        dist.barrier()
+        if step >= untimed:
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def slowest_seconds(step: Callable[[], T], device: torch.device | None = None) -> tuple[float, T]:
     """(the slowest rank's seconds, what `step()` returned) of one call, every rank starting
     together: a barrier, the call, the max over the ranks (one all-reduce).

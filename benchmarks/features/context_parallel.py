@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from benchmarks.features.sharding import compose  # noqa: E402
-from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_per_degree  # noqa: E402
+from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_per_degree, timed_train_steps  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
 from pipeflow.runtime import ring_attention  # noqa: E402
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
@@ -95,14 +95,7 @@ def ring_times(args: argparse.Namespace, cp: int) -> dict[str, float]:
 def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
     cp = world
     trainer = build_run(compose(overrides(args, cp, os.path.join(args.tmp, f"cp{cp}"))), torch.device("cpu"))
-    times: list[float] = []
-    for step in range(args.steps + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        trainer.train_step(step)
-        dist.barrier()
-        if step >= 2:
-            times.append(time.perf_counter() - start)
+    times = timed_train_steps(trainer, args.steps)
     measured = trainer.loop.memory.peak
     predicted = trainer.layout.prediction.memory[0].peak
     ring = ring_times(args, cp) if cp > 1 else {}

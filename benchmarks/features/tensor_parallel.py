@@ -26,7 +26,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_per_degree  # noqa: E402
+from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_per_degree, timed_train_steps  # noqa: E402
 from benchmarks.features.sharding import compose  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
 from pipeflow.runtime.fsdp import local  # noqa: E402
@@ -107,14 +106,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
         end(step, accountant)
 
     trainer._end = counted_end
-    times: list[float] = []
-    for step in range(args.steps + 2):
-        dist.barrier()
-        start = time.perf_counter()
-        trainer.train_step(step)
-        dist.barrier()
-        if step >= 2:  # step 0 builds shapes and optimizer state, step 1 is measured for memory
-            times.append(time.perf_counter() - start)
+    times = timed_train_steps(trainer, args.steps)
     resident = trainer.loop.memory.resident
     memory["accountant"] = resident.params + resident.grads + resident.optimizer
     everyone: list = [None] * world
