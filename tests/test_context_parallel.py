@@ -65,8 +65,8 @@ def test_cp_layout_and_its_named_errors(tmp_path):
         check_config(config(parallel__cp=2, parallel__pp=2), 8)
     with pytest.raises(ConfigError, match=r"2 x cp = 6 chunks .* data.seq_len=8 is not a multiple of 6"):
         check_config(config(parallel__cp=3), 6)
-    with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with parallel.shard=full"):
-        check_config(config(2, parallel__cp=2, parallel__shard="full"), 8)
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with parallel.sequence_parallel"):
+        check_config(config(parallel__cp=2, parallel__tp=2, parallel__sequence_parallel=True), 4)
     with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with data.variable_lengths"):
         check_config(config(parallel__cp=2, data__variable_lengths=True), 4)
     from pipeflow.run.plan import compose_config, run_plan
@@ -147,6 +147,7 @@ TRAINER_CASES = {
     "gpt-dp2-cp2": (2, "1f1b", {"parallel__cp": 2, "parallel__pp": 1}),
     "gpt-tp2-cp2": (1, "1f1b", {"parallel__cp": 2, "parallel__tp": 2, "parallel__pp": 1}),
     "gpt-dp2-cp2-zero1": (2, "1f1b", {"parallel__cp": 2, "parallel__pp": 1, "parallel__shard": "optimizer"}),
+    "gpt-dp2-cp2-full-shard": (2, "1f1b", {"parallel__cp": 2, "parallel__pp": 1, "parallel__shard": "full"}),
 }
 
 

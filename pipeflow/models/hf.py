@@ -281,12 +281,12 @@ class _Layers:
         if isinstance(adapter, _Decoder):  # real inv_freq buffers (non-persistent: not in the state dict)
             rotary = type(self.root.model.rotary_emb)  # type: ignore[union-attr]
             piece.add_module("rotary_emb", rotary(config=self.root.config))
+            object.__setattr__(piece, ROUTERS, watch_routers(self.root, piece, self.moe.bias_update_rate))
             for module in piece.modules():  # parallel.cp's hook: the attention round the ring
                 if hasattr(module, "q_proj") or type(module).__name__.endswith("Attention"):
                     setattr(module, CONTEXT_PARALLEL, None)
         elif adapter is _embed:  # parallel.cp's hook: the global positions of this rank's chunks
             setattr(piece, CONTEXT_PARALLEL, None)
-            object.__setattr__(piece, ROUTERS, watch_routers(self.root, piece, self.moe.bias_update_rate))
         return piece
 
 

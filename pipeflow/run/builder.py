@@ -269,7 +269,8 @@ def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelP
     pipeline = Pipeline(stages, schedule, comm, shape_mode(cfg, dp * m), plan.posting, parts.recorder,
                         parts.reducer.stage_ready if parts.reducer is not None else None, parts.sharding,
                         layout.offload, overlap_pairs=cfg.pipeline.overlap_pairs)
-    optimizer = build_optimizer(parts.params, cfg.parallel.shard, mesh.dp_group, dp, announce=rank == 0,
+    optimizer = build_optimizer(parts.params, cfg.parallel.shard, mesh.replica_group, mesh.replicas_of_parameters,
+                                announce=rank == 0,
                                 lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
                                 weight_decay=cfg.optim.weight_decay,
                                 fused=fused_adamw(cfg.optim.fused, device) or None)  # None: torch's default
@@ -378,16 +379,18 @@ def run_meta(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, device
 
 
 def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[range], mesh: Mesh) -> FullShard | None:
-    """``parallel.shard=full`` with dp > 1: this rank's stages sharded over their dp group (FSDP2),
-    tied copies on this rank made one parameter first; None otherwise (at dp = 1 nothing to shard)."""
+    """``parallel.shard=full`` with dp x cp > 1: this rank's stages sharded over the ranks holding
+    the same parameters (FSDP2; with ``parallel.cp`` over dp x cp, as torchtitan's dp_shard_cp),
+    tied copies on this rank made one parameter first; None otherwise (one replica: nothing to shard)."""
     if cfg.parallel.shard != "full":
         return None
-    if mesh.dp == 1:
+    if mesh.replicas_of_parameters == 1:
         if dist.get_rank() == 0:
             log.info("parallel.shard=full with parallel.dp=1: one replica, nothing to shard; parameters stay whole")
         return None
     tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
-    return FullShard(stages, mesh.device_mesh["dp"])
+    over = mesh.device_mesh["dp"] if mesh.cp == 1 else mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
+    return FullShard(stages, over)
 
 
 REHEARSE_FROM_STEPS = 25  # metrics.rehearse_steps=null: runs this long rehearse (a second or two is little)
