@@ -354,3 +354,28 @@ def test_recording_a_failure_never_waits_for_a_stopped_store_host() -> None:
     call.start()
     call.join(5.0)  # without the bound it blocks for good (a TCPStore call on a stopped host does)
     assert said == [None] and time.monotonic() - started < 2.0  # about 2 * wait_s
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints_and_pinned_ones(one_rank_group, tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture) -> None:
+    """Issue 60: train.keep_last=K removes older complete checkpoints after each complete save; a
+    pinned one (python -m pipeflow.checkpoint pin) stays, and so does a run's leftover partial save."""
+    from pipeflow.errors import ConfigError
+    from pipeflow.run import retention
+    from pipeflow.run.export import main as checkpoint_main
+
+    root = tmp_path / "checkpoints"
+    layers, opt = _layer()
+    ck.save(str(root), 1, layers, opt, {"scaler": {}}, job="jobA", keep_last=2)
+    assert checkpoint_main(["pin", str(root / "step_00000001")]) == 0 and "pinned" in capsys.readouterr().out
+    (root / "step_00000002.jobB.tmp").mkdir()  # another save's partial folder: not a checkpoint, not ours to remove
+    for step in (2, 3, 4, 5):
+        ck.save(str(root), step, layers, opt, {"scaler": {}}, job="jobA", keep_last=2)
+    left = sorted(p.name for p in root.iterdir())
+    assert left == ["latest", "step_00000001", "step_00000002.jobB.tmp", "step_00000004", "step_00000005"], left
+    assert ck.choose("auto", str(root)) == str(root / "step_00000005")
+    assert checkpoint_main(["pin", "--unpin", str(root / "step_00000001")]) == 0
+    assert retention.prune(str(root), 2) == [str(root / "step_00000001")]
+    assert retention.prune(str(root), None) == []
+    with pytest.raises(ConfigError, match="is not a complete checkpoint"):
+        retention.pin(str(root / "step_00000002.jobB.tmp"))

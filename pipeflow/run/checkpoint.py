@@ -70,7 +70,7 @@ from torch import nn
 
 from pipeflow.errors import CheckpointError, CheckpointPeerLostError, RunDirLostError
 from pipeflow.models.dcp_metadata import SafeReader  # noqa: F401 - the reader every load uses, for callers
-from pipeflow.run import integrity, lock
+from pipeflow.run import integrity, lock, retention
 from pipeflow.run.storage import HostPart, host_part
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
     LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
@@ -166,7 +166,7 @@ class _Saving:
 
 def save(
     root: str, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-    job: str = "", storage: str = "shared",
+    job: str = "", storage: str = "shared", keep_last: int | None = None,
 ) -> str:
     """Write checkpoint ``<root>/step_<step>`` atomically (collective: every rank calls it).
 
@@ -185,6 +185,8 @@ def save(
             lock, the lock is checked first (:func:`pipeflow.run.lock.verify_held`).
         storage: ``shared`` (one folder every rank sees) or ``local`` (each host writes its own
             part: :func:`_finish_part`).
+        keep_last: ``train.keep_last``: once complete, older checkpoints beyond the newest K
+            removed (:mod:`pipeflow.run.retention`); None: all kept.
 
     Returns:
         The checkpoint directory.
@@ -206,7 +208,10 @@ def save(
         outcome = integrity.attempt(lambda: _save_rng(saving.tmp, rank), rank)
     saving.agree("writing its files", outcome)
     if part is not None:
-        return _finish_part(saving, meta, part, job)
+        final = _finish_part(saving, meta, part, job)
+        if rank == saving.tidy:  # each host its own disk's
+            retention.prune(root, keep_last)
+        return final
     world = dist.get_world_size()
     hashed = integrity.attempt(lambda: integrity.digest_share(saving.tmp, rank, world), rank)
     shares = saving.agree("hashing its files", hashed)
@@ -216,6 +221,8 @@ def save(
     saving.agree("committing it", committed)
     if job:
         _written[(job, os.path.abspath(root))] = final
+    if rank == 0:
+        retention.prune(root, keep_last)
     return final
 
 

@@ -106,6 +106,8 @@ class TrainConfig:
     run_dir: str | None = None  # default: an explicit hydra.run.dir, else outputs/<timestamp>; chosen by rank 0
     precision: Precision = Precision.fp32  # the autocast compute dtype (fp32: none); weights stay in train.param_dtype
     save_every: int = 0  # write a checkpoint every n steps (and at the end); 0: never
+    # keep only the K newest complete checkpoints (and pinned ones: python -m pipeflow.checkpoint pin); null: all
+    keep_last: int | None = None
     # shared: one run directory every host sees; local: each host its own disk, each writes its
     # ranks' part (python -m pipeflow.checkpoint gather merges them); docs/guides/multinode.md "Storage"
     checkpoint_storage: CheckpointStorage = CheckpointStorage.shared

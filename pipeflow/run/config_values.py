@@ -19,6 +19,7 @@ COUNT_KEYS: tuple[tuple[str, int, bool, str], ...] = (
     ("parallel.pp", 1, True, "pipeline ranks; null: world size / (dp x tp)"),
     ("parallel.tp", 1, False, "ranks per stage; 1: no tensor parallelism"),
     ("parallel.ep", 1, False, "ranks each stage's experts are split over; 1: no expert parallelism"),
+    ("train.keep_last", 1, True, "checkpoints kept (the newest, besides pinned ones); null: every one"),
     ("parallel.cp", 1, False, "ranks each sequence is split over (ring attention); 1: no context parallelism"),
     ("pipeline.num_microbatches", 1, False, "micro-batches per step"),
     ("schedule.stages_per_rank", 1, True, "model chunks per rank; null: the schedule's own"),

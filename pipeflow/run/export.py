@@ -47,7 +47,7 @@ import torch.distributed.checkpoint as dcp
 from pipeflow.errors import CheckpointError, ConfigError
 from pipeflow.models.dcp_metadata import SafeReader
 from pipeflow.models.spec import ModelSpec
-from pipeflow.run import checkpoint_gather, export_lora, integrity
+from pipeflow.run import checkpoint_gather, export_lora, integrity, retention
 from pipeflow.run.checkpoint_find import read_meta, resolve, verify
 from pipeflow.runtime.hosts import rank_ranges
 
@@ -397,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="examples:\n"
                "  python -m pipeflow.checkpoint export outputs/<time>/checkpoints model.pt\n"
                "  python -m pipeflow.checkpoint export --format hf outputs/<time>/checkpoints exported/\n"
-               "  python -m pipeflow.checkpoint gather node0/step_00000020 node1/step_00000020 merged/step_00000020",
+               "  python -m pipeflow.checkpoint gather node0/step_00000020 node1/step_00000020 merged/step_00000020\n"
+               "  python -m pipeflow.checkpoint pin outputs/<time>/checkpoints/step_00000020",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     exp = sub.add_parser(
@@ -428,11 +429,24 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("--max-shard-size", type=_size, default=DEFAULT_MAX_SHARD, metavar="SIZE",
                      help="--format hf: the largest safetensors file before sharding (default 5GB)")
     checkpoint_gather.add_parser(sub)
+    pin = sub.add_parser("pin", help="keep a checkpoint whatever train.keep_last says",
+                         description="Pin a checkpoint (a PINNED file in its folder): train.keep_last never removes "
+                                     "it; --unpin lets it go again.")
+    pin.add_argument("checkpoint", help="a step_<n> directory")
+    pin.add_argument("--unpin", action="store_true", help="remove the pin")
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers and not log.handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if args.command == "gather":
         return _gather(args.parts, args.out)
+    if args.command == "pin":
+        try:
+            retention.pin(args.checkpoint, pinned=not args.unpin)
+        except ConfigError as exc:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        print(f"{'unpinned' if args.unpin else 'pinned'} {args.checkpoint}")
+        return 0
     try:
         count = export(args.checkpoint, args.out, format=args.format, force=args.force,
                        max_shard_bytes=args.max_shard_size, merge_lora=args.merge_lora)

@@ -69,7 +69,7 @@ class TrainState:
         if self.lora:  # the adapters only; the frozen base named, not copied
             meta[lora_base.LORA_BASE] = lora_base.record(self.cfg.model)
         return checkpoint.save(self.root, step, self._layers(), self.optimizer, meta, job=self.job,
-                               storage=self.storage)
+                               storage=self.storage, keep_last=self.cfg.train.keep_last)
 
     def resume(self, announce: bool) -> tuple[int, str] | None:
         """Load the checkpoint ``train.resume`` names, if any; returns (its step, its folder), or None.
