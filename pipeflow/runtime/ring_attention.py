@@ -23,8 +23,10 @@ and after N steps each block's dK and dV arrive at the rank that holds it.  With
 to the query heads only for the compute, and their gradients are summed back.
 
 The per-block attention is written with matmuls and ``logsumexp`` (exact in float64, any mask:
-causal, sliding window, packed documents); a GPU kernel returning the log-sum-exp (SDPA's flash
-and efficient paths) computes the same per-block pair.
+causal, sliding window, packed documents); in float32 and lower on the CPU the blocks a mask
+shows whole or as a causal square go through torch's fused flash kernel, which returns the
+log-sum-exp beside the output (five times faster here; on GPUs SDPA's flash and efficient paths
+return it too, for a later step).
 """
 from __future__ import annotations
 
@@ -136,9 +138,29 @@ def _pieces(mask: Tensor, parts: int) -> list[tuple[slice, slice, Tensor | None]
     return out
 
 
+def _kernel_causality(q: Tensor, mask: Tensor | None) -> bool | None:
+    """Whether the fused CPU kernel computes this block (False: whole, True: causal), or None: the
+    matmul path.  The kernel takes float32 and lower (float64 stays on the matmul path, exact to
+    the last bit where the tests compare), no mask but the diagonal block's causal square, and
+    returns the rows' log-sum-exp with it."""
+    if q.device.type != "cpu" or q.dtype == torch.float64:
+        return None
+    if mask is None:
+        return False
+    square = mask.shape[-1] == mask.shape[-2] and mask.shape[0] == 1
+    if square and torch.equal(mask[0, 0], torch.ones_like(mask[0, 0]).tril()):
+        return True
+    return None
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
     """(out, lse) of q against one key/value block: softmax(q k^T scale, masked) v and the rows'
-    log-sum-exp (-inf for a row the block hides whole, whose out is 0)."""
+    log-sum-exp (-inf for a row the block hides whole, whose out is 0); through the fused kernel
+    where it applies (:func:`_kernel_causality`)."""
+    causal = _kernel_causality(q, mask)
+    if causal is not None:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
+        return out, lse.to(q.dtype)
     scores = (q @ k.transpose(-2, -1)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
