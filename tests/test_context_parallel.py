@@ -67,6 +67,10 @@ def test_cp_layout_and_its_named_errors(tmp_path):
         check_config(config(parallel__cp=3), 6)
     with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with parallel.sequence_parallel"):
         check_config(config(parallel__cp=2, parallel__tp=2, parallel__sequence_parallel=True), 4)
+    moe = config(2, parallel__cp=2, parallel__ep=2)
+    moe.model.moe.experts = 4
+    with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with parallel.ep=2 \(the experts' gradients"):
+        check_config(moe, 4)
     with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with data.variable_lengths"):
         check_config(config(parallel__cp=2, data__variable_lengths=True), 4)
     from pipeflow.run.plan import compose_config, run_plan

@@ -91,8 +91,8 @@ def check_context_parallel(cfg: Any) -> None:
     with so far.
 
     Raises:
-        ConfigError: 2 x cp does not divide ``data.seq_len``, or cp with sequence parallelism or
-            variable-length micro-batches.
+        ConfigError: 2 x cp does not divide ``data.seq_len``, or cp with sequence parallelism,
+            expert parallelism or variable-length micro-batches.
     """
     cp = int(OmegaConf.select(cfg, "parallel.cp", default=1) or 1)
     if cp == 1:
@@ -103,6 +103,8 @@ def check_context_parallel(cfg: Any) -> None:
                           f"tail chunk, so causal work is even), and data.seq_len={seq_len} is not a multiple of "
                           f"{2 * cp}: set data.seq_len to a multiple of {2 * cp} (pad the data) or choose another cp")
     refused = ((bool(cfg.parallel.sequence_parallel), "parallel.sequence_parallel"),
+               (int(cfg.parallel.ep) > 1, f"parallel.ep={cfg.parallel.ep} (the experts' gradients are summed over "
+                                          f"dp, not yet over the cp ranks that hold them too)"),
                (bool(OmegaConf.select(cfg, "data.variable_lengths", default=False)), "data.variable_lengths"))
     for bad, what in refused:
         if bad:
