@@ -79,6 +79,31 @@ def test_cp_layout_and_its_named_errors(tmp_path):
         run_plan(compose_config(["parallel.cp=2", "parallel.pp=2"]))
 
 
+def test_the_profile_of_a_cp_run_attends_round_a_loopback_ring(monkeypatch):
+    """Issue 59: the start-of-run profile (and so the memory and step predictions) runs each layer as
+    a cp rank does: its share of the rows, attention over cp blocks round a loopback ring (the
+    exchanges cost nothing here), so attention's compute and saved tensors are a rank's."""
+    from pipeflow.models.gpt import build_gpt
+    from pipeflow.planning.profile import profile_layers
+    from pipeflow.runtime import ring_attention
+
+    rings = []
+    real = ring_attention.ring_attention
+
+    def counted(q, k, v, ring, length, *args, **kwargs):
+        rings.append((ring.size, length, q.shape[2]))
+        return real(q, k, v, ring, length, *args, **kwargs)
+
+    monkeypatch.setattr(ring_attention, "ring_attention", counted)
+    spec = build_gpt(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    sample = ring_attention.split_sequence(torch.randint(32, (2, 16)), 0, 2)  # rank 0's chunks: 8 tokens
+    with_cp = profile_layers(spec, sample, repeats=1, context_parallel=2)
+    assert rings and set(rings) == {(2, 16, 8)}  # every block layer's attention: 2 ranks, the whole 16 tokens
+    rings.clear()
+    alone = profile_layers(spec, sample, repeats=1)
+    assert not rings and len(alone) == len(with_cp) == 4
+
+
 def _reference(q, k, v, masking: Masking, scale: float):
     """Attention over the whole sequence, the key/value heads repeated (plain autograd)."""
     heads = q.shape[1]

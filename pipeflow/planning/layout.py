@@ -276,6 +276,7 @@ def choose_layout(
     tp: int = 1,
     sequence_parallel: bool = False,
     ep: int = 1,
+    cp: int = 1,
 ) -> Layout:
     """Partition `spec` into the schedule's stages as the ``pipeline`` config says.
 
@@ -305,7 +306,8 @@ def choose_layout(
         # the B and W halves too where the schedule splits backwards, as the planner profiles them
         splits = bool(schedule.split_backwards())
         profile = functools.partial(profile_layers, spec, sample_input, device, dtype, split_backward=splits,
-                                    sample_target=sample_target, autocast_dtype=autocast_dtype, compiled=compiled)
+                                    sample_target=sample_target, autocast_dtype=autocast_dtype, compiled=compiled,
+                                    context_parallel=cp)
         box = [_profiled_or_error(profile) if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], PipeflowError):  # every rank names what rank 0 found (a damaged weights file)

@@ -18,6 +18,7 @@ from torch import Tensor
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning import layer_timing as timing
 from pipeflow.planning.tp_traffic import TensorTraffic
+from pipeflow.runtime import ring_attention
 from pipeflow.runtime.compile import CompileOptions, compile_layer, holds_all_parameters
 from pipeflow.runtime.precision import to_compute_dtype
 from pipeflow.schedules.auto import StageCosts
@@ -190,6 +191,7 @@ def profile_layers(
     sample_target: Any = None,
     autocast_dtype: torch.dtype | None = None,
     compiled: CompileOptions | None = None,
+    context_parallel: int = 1,
 ) -> list[LayerProfile]:
     """Profile every layer in order, the sample flowing through them, one layer alive at a time.
 
@@ -215,6 +217,10 @@ def profile_layers(
             passed on in it, as a stage sends them (None: fp32, no autocast).
         compiled: ``train.compile``'s options: each layer compiled as a stage compiles it (its
             warm-up run compiles it), so the profile times the compiled layer; None: eager.
+        context_parallel: ``parallel.cp``: the sample is a cp rank's share of the rows, and a
+            layer that takes context parallelism attends round a loopback ring of that size
+            (:class:`~pipeflow.runtime.ring_attention.LoopbackRing`): a cp rank's compute and
+            saved tensors, its exchanges not counted.
 
     Returns:
         One `LayerProfile` per layer, in order.
@@ -229,7 +235,7 @@ def profile_layers(
     profiles = []
     for index in range(len(spec)):
         profile, inputs = _profile_one(spec, index, inputs, device, dtype, repeats, split_backward, autocast_dtype,
-                                       compiled)
+                                       compiled, context_parallel)
         profiles.append(profile)
     if sample_target is not None and profiles and spec.loss_fn is not None:
         target = sample_target.to(device) if isinstance(sample_target, Tensor) else sample_target
@@ -254,10 +260,12 @@ def release_cached_memory(device: torch.device | str) -> None:
 def _profile_one(
     spec: ModelSpec, index: int, inputs: tuple, device: torch.device,
     dtype: torch.dtype | None, repeats: int, split_backward: bool = False,
-    autocast_dtype: torch.dtype | None = None, compiled: CompileOptions | None = None,
+    autocast_dtype: torch.dtype | None = None, compiled: CompileOptions | None = None, context_parallel: int = 1,
 ) -> tuple[LayerProfile, tuple]:
     """Build, measure and free layer `index`; return its profile and the next layer's inputs."""
     module = spec.build_layers([index], device, dtype)[0]
+    if context_parallel > 1:
+        ring_attention.attach([module], ring_attention.ContextParallel(ring_attention.LoopbackRing(context_parallel)))
     if compiled is not None:
         unit = spec.unit_to_compile(index, module)
         compile_layer(unit, spec.layers[index].name, compiled, split_backward, holds_all_parameters(unit, module))

@@ -134,7 +134,7 @@ def plan_run(cfg: DictConfig, device: torch.device) -> RunPlan:
                            lowering=posting.options(not P2PComm(None, device).independent_ops)[0],
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
                            autocast_dtype=compute_dtype(cfg.train.precision), compiled=options,
-                           tp=tp, sequence_parallel=cfg.parallel.sequence_parallel, ep=ep)
+                           tp=tp, sequence_parallel=cfg.parallel.sequence_parallel, ep=ep, cp=cp)
     return RunPlan(config_hash, dp, pp, tp, ep, dtype, spec, schedule, batches, first, posting, options, layout)
 
 
