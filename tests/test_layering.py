@@ -131,7 +131,8 @@ def test_models_import_only_torch_torchvision_and_their_spec():
                "hf_decode.py": {"transformers"},
                # which families are cut: their forwards' source compared (hf_forms)
                "hf_forms.py": {"transformers", "ast", "textwrap", "importlib"},
-               "hf_experts.py": {"contextvars"},  # which ep rank's experts a layer is built with  # generation: the model's own cache and masks, imported inside
+               "hf_experts.py": {"contextvars"},
+               "hf_attention.py": {"transformers"},  # parallel.cp: the ring registered as an attention function  # which ep rank's experts a layer is built with  # generation: the model's own cache and masks, imported inside
                "spec.py": {"numpy"}}  # a host batch's targets counted without a tensor op (no device could wait)
     strays = []
     for path in sorted((ROOT / "models").rglob("*.py")):

@@ -136,8 +136,8 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
         v = v.view(B, T, -1, hs).transpose(1, 2)  # (B, H, T, hs)
         if self.context_parallel is not None:  # this rank's chunks of the sequence; keys and values go round
-            runs = None if doc is None else document_starts(doc).cumsum(dim=1)  # the whole rows' documents
-            y = self.context_parallel.attend(q, k, v, documents=runs)
+            numbers = None if doc is None else document_numbers(doc)  # the whole rows' documents
+            y = self.context_parallel.attend(q, k, v, documents=numbers)
         else:
             y = attend(q, k, v, doc, self.dropout if self.training else 0.0)  # (B, H, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, width // 3)  # heads side by side again
@@ -210,6 +210,12 @@ def document_starts(doc: Tensor) -> Tensor:
     return starts
 
 
+def document_numbers(doc: Tensor) -> Tensor:
+    """Each position's document, numbered from 1 within its row: doc (B, T) ids -> (B, T) long
+    (two positions attend to each other only when their numbers are equal)."""
+    return document_starts(doc).cumsum(dim=1)
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None = None, dropout_p: float = 0.0) -> Tensor:
     """Causal attention: q, k, v (B, H, T, hs) -> (B, H, T, hs); with ``doc`` (B, T), within each
     document only (a position attends to the earlier positions of its own document).
@@ -230,7 +236,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None = None, dropout_p
 def document_mask(doc: Tensor) -> Tensor:
     """Who may attend to whom: doc (B, T) ids -> (B, T, T) bool, [b, t, s] True where s <= t in
     the same document (O(T^2) memory: the fallback of :func:`attend`)."""
-    run = document_starts(doc).cumsum(dim=1)  # (B, T): the document's number within its row
+    run = document_numbers(doc)  # (B, T): the document's number within its row
     T = doc.size(1)
     causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()  # (T, T), s <= t
     return causal & (run[:, :, None] == run[:, None, :])  # (B, T, T)

@@ -51,7 +51,8 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from pipeflow.errors import ConfigError
-from pipeflow.models.gpt import document_positions, document_starts
+from pipeflow.models.gpt import document_numbers, document_positions
+from pipeflow.models.hf_attention import CONTEXT_PARALLEL, ring_attention_of
 from pipeflow.models.hf_convert import checkpoint_sources
 from pipeflow.models.hf_folder import SafetensorsWeights, load_config
 from pipeflow.models.hf_forms import family, tested_forms
@@ -102,16 +103,14 @@ def _embed(piece: Piece, input_ids: Tensor, doc: Tensor | None = None) -> tuple[
     """Token ids (B, T) -> (hidden (B, T, C), position ids (B, T)); with document ids ``doc`` (B, T)
     the positions restart at each document and ``doc`` is passed on (it says "packed")."""
     hidden = piece.model.embed_tokens(input_ids)  # type: ignore[operator]
+    B, T = input_ids.shape
+    cp = getattr(piece, CONTEXT_PARALLEL, None)  # parallel.cp: the global positions of this rank's chunks
+    mine = None if cp is None else cp.positions(T, input_ids.device)
     if doc is None:
-        B, T = input_ids.shape
-        cp = getattr(piece, CONTEXT_PARALLEL, None)  # parallel.cp: this rank's chunks' global positions
-        positions = torch.arange(T, device=input_ids.device) if cp is None else cp.positions(T, input_ids.device)
+        positions = torch.arange(T, device=input_ids.device) if mine is None else mine
         return hidden, positions.expand(B, T).contiguous()
-    positions = document_positions(doc)  # with parallel.cp doc is the whole rows': this rank's chunks' positions
-    cp = getattr(piece, CONTEXT_PARALLEL, None)
-    if cp is not None:
-        positions = positions[:, cp.positions(input_ids.shape[1], input_ids.device)].contiguous()
-    return hidden, positions, doc
+    positions = document_positions(doc)  # with parallel.cp doc is the whole rows'
+    return hidden, (positions if mine is None else positions[:, mine].contiguous()), doc
 
 
 def head_logits(piece: nn.Module, hidden: Tensor, softcap: float | None = None) -> Tensor:
@@ -154,11 +153,11 @@ class _Decoder:
         if hidden.shape[1] != position_ids.shape[1]:
             whole = hidden.new_empty((hidden.shape[0], position_ids.shape[1], *hidden.shape[2:]))
         layer = piece.model.layers.get_submodule(str(self.index))  # type: ignore[union-attr]
-        ring = _ring_attention_of(layer)
+        ring = ring_attention_of(layer)
         mask, cos_sin = self._shared(piece, whole, position_ids, doc is not None, masked=not ring)
         if hidden.dtype == torch.float64:
             loop_experts(layer)
-        extra = {} if not ring or doc is None else {"cp_documents": document_starts(doc).cumsum(dim=1)}
+        extra = {} if not ring or doc is None else {"cp_documents": document_numbers(doc)}
         out = layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=cos_sin, **extra)
         out = out[0] if isinstance(out, tuple) else out
         for router in getattr(piece, ROUTERS, ()):  # an MoE layer's auxiliary loss, for backward
@@ -187,47 +186,6 @@ class _Decoder:
             made[rope] = (piece.rotary_emb(hidden, position_ids) if self.rope_type is None  # type: ignore[operator]
                           else piece.rotary_emb(hidden, position_ids, self.rope_type))  # type: ignore[operator]
         return made[self.sliding], made[rope]
-
-
-CONTEXT_PARALLEL = "context_parallel"  # the hook parallel.cp attaches its ring to (runtime.ring_attention)
-RING_ATTENTION = "pipeflow_ring"  # the attention function registered with transformers for parallel.cp
-
-
-def _ring_attention_of(layer: nn.Module) -> bool:
-    """Whether `layer`'s attention runs round the cp ring (its hook attached): then its config
-    names :data:`RING_ATTENTION`, registered with transformers' ``AttentionInterface`` once, so
-    the family's own attention module calls it as it calls SDPA."""
-    attention = getattr(layer, "self_attn", None)
-    if getattr(attention, CONTEXT_PARALLEL, None) is None:
-        return False
-    if attention.config._attn_implementation != RING_ATTENTION:  # type: ignore[union-attr]
-        from transformers import AttentionInterface
-
-        if RING_ATTENTION not in AttentionInterface._global_mapping:
-            AttentionInterface.register(RING_ATTENTION, ring_attention_forward)
-        attention.config._attn_implementation = RING_ATTENTION  # type: ignore[union-attr]
-    return True
-
-
-def ring_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
-                           dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
-                           cp_documents: Tensor | None = None, **kwargs: Any) -> tuple[Tensor, None]:
-    """transformers' attention-function signature, run round the cp ring by the module's
-    ``context_parallel`` (query (B, H, T/cp, D), key and value with their own K/V heads; the mask
-    made from the global positions, causal, sliding by `sliding_window`, within the packed documents
-    `cp_documents` (B, T), the whole rows' document numbers); returns (B, T/cp, H, D).
-
-    Raises:
-        ConfigError: attention dropout, logit soft-capping or sinks, which the ring does not compute.
-    """
-    unsupported = [what for what, there in (("attention dropout", dropout), ("logit soft-capping", kwargs.get("softcap")),
-                                            ("attention sinks", kwargs.get("s_aux"))) if there]
-    if unsupported:
-        raise ConfigError(f"parallel.cp: {type(module).__name__} computes {unsupported[0]}, which ring attention does "
-                          f"not; set parallel.cp=1 for this model (or turn it off in its config)")
-    out = getattr(module, CONTEXT_PARALLEL).attend(query, key, value, window=sliding_window, scale=scaling,
-                                                   documents=cp_documents)
-    return out.transpose(1, 2).contiguous(), None
 
 
 def rope_types(config: Any, rotary: nn.Module) -> list[str] | None:

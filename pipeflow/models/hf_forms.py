@@ -77,8 +77,8 @@ HEAD_FORMS = ("llama", "stablelm", "gemma2", "mixtral", "deepseek_v3")
 WINDOW_STATEMENT = ("mask_function = create_causal_mask if self.config.sliding_window is None else "
                     "create_sliding_window_causal_mask")
 ATTENTION_KINDS = {"full_attention", "sliding_attention"}  # layer_types whose layers keep no state of their own
-LAYOUT = ("embed_tokens", "layers", "norm")
-MULTIMODAL = {"text", "vision", "audio", "vq", "encoder", "decoder"}  # sub-config name prefixes of multimodal models  # the base model's cut: its pipeline plan
+LAYOUT = ("embed_tokens", "layers", "norm")  # the base model's cut: its pipeline plan
+MULTIMODAL = {"text", "vision", "audio", "vq", "encoder", "decoder"}  # sub-config name prefixes of multimodal models
 
 
 @dataclass(frozen=True)
@@ -152,13 +152,13 @@ def family(config: Any, path: str | None = None) -> Family:
         ConfigError: transformers has no ``*ForCausalLM`` for it, or it is refused (the reason named).
     """
     model_type = config.model_type
+    if model_type in TESTED:  # (asked once per decoder layer: no mapping read, the forms cached)
+        return Family(model_type, _classes(model_type)[0], True, _window_mask(model_type))
     classes = causal_lm_classes()
-    if model_type not in TESTED and model_type not in classes:
+    if model_type not in classes:
         where = f" ({path}/config.json)" if path else ""
         raise ConfigError(f"model=hf does not support model_type {model_type!r}{where}: transformers has no "
                           f"*ForCausalLM for it; model=hf trains text decoders")
-    if model_type in TESTED:
-        return Family(model_type, _classes(model_type)[0], True, _window_mask(model_type))
     name = f"{classes[model_type]} (model_type {model_type!r})"
 
     def refuse(reason: str) -> ConfigError:

@@ -119,7 +119,7 @@ def plan_run(cfg: DictConfig, device: torch.device) -> RunPlan:
     first = shard(batches.train.get(0), 0, dp)
     cp = int(cfg.parallel.cp)
     if cp > 1:  # a rank holds T / cp of each row: the profile, memory and step predictions at that length
-        first = (ring_attention.split_inputs(first[0], 0, cp), ring_attention.split_sequence(first[1], 0, cp))
+        first = ring_attention.split_batch(*first, 0, cp)
     sample, sample_target = split_microbatches(first[0], m)[0], split_microbatches(first[1], m)[0]
     # auto's choice is made by the whole world (every replica alike, so no replica waits on a
     # slower setting) and within about a quarter of the run, so short runs and sweeps measure
@@ -389,8 +389,7 @@ def full_shard(cfg: DictConfig, spec: ModelSpec, stages: dict, ranges: list[rang
             log.info("parallel.shard=full with parallel.dp=1: one replica, nothing to shard; parameters stay whole")
         return None
     tie_in_place(spec, layers_by_index(stages, ranges))  # one parameter, in one FSDP2 unit
-    over = mesh.device_mesh["dp"] if mesh.cp == 1 else mesh.device_mesh["dp", "cp"]._flatten("dp_cp")
-    return FullShard(stages, over)
+    return FullShard(stages, mesh.replica_mesh)
 
 
 REHEARSE_FROM_STEPS = 25  # metrics.rehearse_steps=null: runs this long rehearse (a second or two is little)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from pipeflow.data import loss_counts, microbatch_counts, microbatch_inputs, microbatch_targets, shard
 from pipeflow.errors import AllTargetsMaskedError
-from pipeflow.runtime.ring_attention import split_inputs, split_sequence
+from pipeflow.runtime.ring_attention import split_batch
 from pipeflow.runtime.stage import Tensors
 
 
@@ -67,7 +67,7 @@ class MicroBatchSplit:
                 f"masks (data=chat: does the chat template mark assistant turns?)")
         x, y = shard(batch, self.dp_rank, self.dp)
         if self.cp > 1:  # this rank's chunks of each row (packed documents: their ids whole)
-            x, y = split_inputs(x, self.cp_rank, self.cp), split_sequence(y, self.cp_rank, self.cp)
+            x, y = split_batch(x, y, self.cp_rank, self.cp)
         m = self.microbatches
         inputs = targets = weights = None
         if self.holds_first:

@@ -33,6 +33,7 @@ from pipeflow.runtime.fsdp import local
 from pipeflow.runtime.mesh_order import DEFAULT_ORDER, MeshGrid
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket size
+REPLICAS = "dp_cp"  # the flattened (dp, cp) dimension of the DeviceMesh under parallel.cp
 
 
 @dataclass
@@ -91,6 +92,14 @@ class Mesh:
         return self.dp_rank == 0 and self.tp_rank == 0 and self.cp_rank == 0
 
     @property
+    def replica_mesh(self) -> DeviceMesh | None:
+        """The one-dimensional mesh of the ranks holding this rank's parameters (dp, or dp x cp
+        flattened); None for one rank."""
+        if self.device_mesh is None:
+            return None
+        return self.device_mesh["dp" if self.cp == 1 else REPLICAS]
+
+    @property
     def tp_mesh(self) -> DeviceMesh | None:
         """The one-dimensional mesh of this rank's tp group (None at tp = 1)."""
         return self.device_mesh["tp"] if self.tp > 1 and self.device_mesh is not None else None
@@ -127,11 +136,8 @@ def build_mesh(dp: int, pp: int, device: torch.device, tp: int = 1, order: tuple
         device_mesh = DeviceMesh(device.type, table, mesh_dim_names=("dp", "cp", "pp", "tp"))
     tp_group = device_mesh.get_group("tp") if tp > 1 else None
     cp_group = device_mesh.get_group("cp") if cp > 1 else None
-    replica_group = None
-    if cp > 1:  # dp x cp: every rank makes every group, in one order
-        for ranks in grid.replica_groups():
-            group = dist.new_group(ranks)
-            replica_group = group if me in ranks else replica_group
+    # dp x cp: the ranks holding the same parameters, one flattened dimension ("dp_cp": FSDP2's mesh too)
+    replica_group = device_mesh["dp", "cp"]._flatten(REPLICAS).get_group() if cp > 1 else None
     return Mesh(dp, pp, dp_rank, pp_rank, device_mesh.get_group("pp"), device_mesh.get_group("dp"), replicas,
                 device_mesh, tp, tp_rank, tp_group, grid, cp=cp, cp_rank=grid.cp_rank(me), cp_group=cp_group,
                 replica_group=replica_group)

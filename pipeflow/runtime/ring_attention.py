@@ -73,12 +73,12 @@ def split_sequence(x: Tensor, rank: int, ranks: int, dim: int = 1) -> Tensor:
     return torch.cat([chunks[first], chunks[second]], dim=dim)
 
 
-def split_inputs(x: Any, rank: int, ranks: int) -> Any:
-    """Cp rank `rank`'s share of a batch's rows (B, T): its two chunks of each row; packed documents
-    ``(tokens, document ids)`` keep the whole rows' document ids (positions and masks need them)."""
-    if isinstance(x, tuple):
-        return (split_sequence(x[0], rank, ranks), *x[1:])
-    return split_sequence(x, rank, ranks)
+def split_batch(x: Any, y: Tensor, rank: int, ranks: int) -> tuple[Any, Tensor]:
+    """Cp rank `rank`'s share of a batch's inputs `x` and targets `y` (rows (B, T)): its two chunks
+    of each row; packed documents ``(tokens, document ids)`` keep the whole rows' document ids
+    (positions and masks need them)."""
+    tokens = (split_sequence(x[0], rank, ranks), *x[1:]) if isinstance(x, tuple) else split_sequence(x, rank, ranks)
+    return tokens, split_sequence(y, rank, ranks)
 
 
 def gather_sequence(parts: list[Tensor], dim: int = 1) -> Tensor:
@@ -153,6 +153,12 @@ def _kernel_causality(q: Tensor, mask: Tensor | None) -> bool | None:
     return None
 
 
+def _scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """q k^T scale, -inf where `mask` hides a pair (forward and backward alike)."""
+    scores = (q @ k.transpose(-2, -1)) * scale
+    return scores if mask is None else scores.masked_fill(~mask, float("-inf"))
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
     """(out, lse) of q against one key/value block: softmax(q k^T scale, masked) v and the rows'
     log-sum-exp (-inf for a row the block hides whole, whose out is 0); through the fused kernel
@@ -161,9 +167,7 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) 
     if causal is not None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)[:2]
         return out, lse.to(q.dtype)
-    scores = (q @ k.transpose(-2, -1)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = _scores(q, k, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
     return probs @ v, lse
@@ -255,10 +259,7 @@ class RingAttention(torch.autograd.Function):
             dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
             for rows, cols, mask in _pieces(masking.mask(mine, positions(source)), 2):
                 qs, ks, vs, go = q[..., rows, :], keys[..., cols, :], values[..., cols, :], grad_out[..., rows, :]
-                scores = (qs @ ks.transpose(-2, -1)) * scale
-                if mask is not None:
-                    scores = scores.masked_fill(~mask, float("-inf"))
-                probs = torch.exp(scores - safe_lse[..., rows, None])
+                probs = torch.exp(_scores(qs, ks, mask, scale) - safe_lse[..., rows, None])
                 dv[..., cols, :] += probs.transpose(-2, -1) @ go
                 dscores = probs * (go @ vs.transpose(-2, -1) - delta[..., rows, None]) * scale
                 dq[..., rows, :] += dscores @ ks
