@@ -8,6 +8,7 @@ groups of 2 at once.
 from __future__ import annotations
 
 import functools
+import re
 
 import pytest
 import torch
@@ -75,8 +76,34 @@ def test_cp_layout_and_its_named_errors(tmp_path):
         check_config(config(parallel__cp=2, data__variable_lengths=True), 4)
     from pipeflow.run.plan import compose_config, run_plan
 
-    with pytest.raises(ConfigError, match=r"^parallel.cp=2: the planner does not price context parallelism's ring yet"):
-        run_plan(compose_config(["parallel.cp=2", "parallel.pp=2"]))
+    with pytest.raises(ConfigError, match=r"2 x cp = 6 chunks .* data.seq_len=64 is not a multiple of 6"):
+        run_plan(compose_config(["parallel.pp=2", "data.seq_len=64", "plan.cp_sizes=[1,3]"]))
+    with pytest.raises(ConfigError, match=r"plan.hardware's roofline does not cost context parallelism yet"):
+        run_plan(compose_config(["parallel.cp=2", "plan.hardware=h100_sxm", "plan.gpus=8"]))
+
+
+def test_the_planner_answers_with_the_cp_a_long_sequence_needs():
+    """Issue 59: ``python -m pipeflow.plan data.seq_len=...`` profiles a cp rank's share and plans
+    cp > 1 where memory demands it: with nothing fitting at cp 1 it doubles cp, and the pick it
+    prints composes into a run of dp x pp x cp processes."""
+    from pipeflow.run.config import check_config
+    from pipeflow.run.plan import compose_config, run_plan
+
+    words = ["model=gpt", "model.n_layer=2", "model.n_embd=16", "model.n_head=2", "data.vocab_size=32",
+             "data.seq_len=1024", "data.batch_size=2", "parallel.pp=2", "plan.schedules=[1f1b]",
+             "plan.microbatches=[2]", "plan.comm_latency_ms=0", "plan.action_overhead_ms=0", "plan.repeats=1"]
+    both, report = run_plan(compose_config([*words, "plan.cp_sizes=[1,2]"]), overrides=words)
+    peaks = {cp: min(c.peak_bytes for c in both.candidates if c.cp == cp) for cp in (1, 2)}
+    assert peaks[2] < 0.75 * peaks[1], (peaks, report)  # a rank's activations: half the tokens
+    assert "as one of cp 2 ranks" in report and "cp 1, 2 planned (plan.cp_sizes)" in report, report
+    limit = f"plan.memory_limit_gb={(peaks[1] + peaks[2]) / 2e9}"
+    result, report = run_plan(compose_config([*words, limit]), overrides=[*words, limit])
+    assert {c.cp for c in result.candidates} == {2}, report
+    assert "cp 1, 2 planned (nothing fit the memory limit below the last)" in report, report
+    pick = re.search(r"run the pick: torchrun --nproc-per-node 4 train.py (.+)$", report, re.M)
+    assert pick and "parallel.cp=2" in pick.group(1), report
+    cfg = compose_config([w.strip("'") for w in pick.group(1).split()])
+    assert cfg.parallel.cp == 2 and check_config(cfg, world_size=4) == (1, 2)
 
 
 def test_the_profile_of_a_cp_run_attends_round_a_loopback_ring(monkeypatch):
@@ -102,6 +129,36 @@ def test_the_profile_of_a_cp_run_attends_round_a_loopback_ring(monkeypatch):
     rings.clear()
     alone = profile_layers(spec, sample, repeats=1)
     assert not rings and len(alone) == len(with_cp) == 4
+    # each block's passes logged for the planner: forward 1 key/value block (B 2 x 2 heads x 8 tokens
+    # x 8 dims, k and v, float32), backward that block again and 2 passes of its gradients
+    block = 2 * 2 * 2 * 8 * 8 * 4
+    ring = [(p.ring_forward_bytes, p.ring_forward_passes, p.ring_backward_bytes, p.ring_backward_passes)
+            for p in with_cp]
+    assert ring == [(0, 0, 0, 0), (block, 1, 3 * block, 3), (block, 1, 3 * block, 3), (0, 0, 0, 0)]
+    assert all(p.ring_forward_hidden_s > 0 and p.ring_backward_hidden_s > 0 for p in with_cp[1:3])
+    assert all(p.ring_forward_passes == 0 for p in alone)
+
+
+def test_the_planner_prices_what_the_compute_leaves_of_the_ring_exposed():
+    """Issue 59: a pass round the cp ring costs latency + bytes / bandwidth; the compute between
+    posting and waiting hides it, and only the excess is added, forward to F, backward to B."""
+    from pipeflow.planning.context_cost import largest_pass_bytes, ring_profile, ring_seconds
+    from pipeflow.planning.profile import LayerProfile
+    from pipeflow.planning.tensor_cost import TensorLink
+
+    layer = LayerProfile("block", 10, 40, forward_s=1.0, backward_s=2.0, activation_bytes=8, input_grad_s=1.5,
+                         weight_grad_s=0.5, ring_forward_bytes=3000, ring_forward_passes=3, ring_forward_hidden_s=0.5,
+                         ring_backward_bytes=9000, ring_backward_passes=9, ring_backward_hidden_s=20.0)
+    link = TensorLink(bandwidth_Bps=1000.0, latency_s=0.1)  # a forward pass: 0.1 + 1 s; 3 of them 3.3 s
+    priced = ring_profile(layer, link)
+    assert priced.forward_s == pytest.approx(1.0 + 3.3 - 0.5)
+    assert (priced.backward_s, priced.input_grad_s, priced.weight_grad_s) == (2.0, 1.5, 0.5)  # 9.9 s under 20
+    assert ring_seconds([layer], link) == pytest.approx((3.3 + 9.9, 2.8))
+    assert largest_pass_bytes([layer]) == 1000.0
+    slow = ring_profile(layer, TensorLink(bandwidth_Bps=100.0, latency_s=0.1))  # backward: 90.9 s, 20 hidden
+    assert slow.input_grad_s == pytest.approx(1.5 + 70.9) and slow.backward_s == pytest.approx(2.0 + 70.9)
+    bare = LayerProfile("mlp", 10, 40, forward_s=1.0, backward_s=2.0, activation_bytes=8)
+    assert ring_profile(bare, link) is bare
 
 
 def _reference(q, k, v, masking: Masking, scale: float):
@@ -203,8 +260,9 @@ def _resumed_under_another_cp() -> dict:
     import scale_cases
     from pipeflow.run.builder import build_run
 
-    cfg = scale_cases.make_config(1, "1f1b", 2, parallel__cp=2)
+    cfg = scale_cases.make_config(1, "1f1b", 2, parallel__cp=2, pipeline__profile=True)
     trainer = build_run(cfg, torch.device("cpu"))
+    ring = re.search(r"cp ring pass ([\d.]+) ms \+ ([\d.]+) MB/s", trainer.describe())
     for step in range(2):
         trainer.train_step(step)
     path = trainer.save_checkpoint(2)
@@ -219,7 +277,8 @@ def _resumed_under_another_cp() -> dict:
     diffs = [_rel(p.detach(), trained[f"{idx}.{name}"]) for s, stage in again.stages.items()
              for layer, idx in zip(stage.module, again.ranges[s]) for name, p in layer.named_parameters()]
     return {"step": step, "compared": len(diffs), "worst": max(diffs), "saved_cp": trainer.mesh.cp,
-            "resumed_cp": again.mesh.cp}
+            "resumed_cp": again.mesh.cp, "ring": ring and tuple(float(x) for x in ring.groups()),
+            "passes": sum(p.ring_forward_passes for p in trainer.layout.profiles)}
 
 
 @pytest.fixture(scope="module")
@@ -255,12 +314,15 @@ def test_the_trainer_with_context_parallelism_equals_the_unsplit_model(world4, n
 
 
 def test_a_checkpoint_of_a_cp_run_resumes_under_another_cp(world4):
-    """Issue 59: the cp ranks hold the same parameters, saved once; a run without cp resumes them."""
+    """Issue 59: the cp ranks hold the same parameters, saved once; a run without cp resumes them.
+    The saving run profiled its layers: its prediction prices the cp ring on its own group's link."""
     for rank, result in enumerate(world4["resume-cp1"]):
         assert result.error is None, f"rank {rank}: {result.error}"
         v = result.value
         assert (v["step"], v["saved_cp"], v["resumed_cp"]) == (2, 2, 1) and v["compared"] > 0, v
         assert v["worst"] == 0.0, v
+        # the start-of-run prediction prices the attention's passes on a pass timed on the cp group
+        assert v["ring"] and v["ring"][0] > 0 and v["ring"][1] > 0 and v["passes"] > 0, v
 
 
 def test_packed_documents_across_chunk_boundaries_train_as_the_unsplit_model(world4):

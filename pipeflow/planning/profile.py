@@ -65,6 +65,12 @@ class LayerProfile:
             ``norm`` modules, whose gradients (partial on each rank's slice) are summed over tp in W.
         trainable_bytes: bytes of the parameters that train (gradients, optimizer state) where some
             are frozen (a LoRA run); None: all of them.
+        ring_forward_bytes, ring_backward_bytes: profiled with ``parallel.cp``, the bytes one cp
+            rank sends round the ring in the layer's forward (key/value blocks) and backward
+            (key/value blocks and their gradients); ring_forward_passes, ring_backward_passes: in
+            how many passes; ring_forward_hidden_s, ring_backward_hidden_s: the compute between
+            posting each pass and waiting for it, summed (what the transfers can hide behind;
+            `pipeflow.planning.context_cost` prices them on a link).
     """
 
     name: str
@@ -86,6 +92,12 @@ class LayerProfile:
     tp_backward_collectives: int = 0
     tp_norm_bytes: int = 0
     trainable_bytes: int | None = None
+    ring_forward_bytes: int = 0
+    ring_backward_bytes: int = 0
+    ring_forward_passes: int = 0
+    ring_backward_passes: int = 0
+    ring_forward_hidden_s: float = 0.0
+    ring_backward_hidden_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -246,6 +258,17 @@ def profile_layers(
     return profiles
 
 
+def _ring_fields(passes: list[ring_attention.RingPass]) -> dict[str, Any]:
+    """The ``ring_*`` fields of a layer's profile from the passes of one forward and backward."""
+    fields: dict[str, Any] = {}
+    for direction, backward in (("forward", False), ("backward", True)):
+        mine = [p for p in passes if p.backward == backward]
+        fields[f"ring_{direction}_bytes"] = sum(p.bytes for p in mine)
+        fields[f"ring_{direction}_passes"] = len(mine)
+        fields[f"ring_{direction}_hidden_s"] = math.fsum(p.hidden_s for p in mine)
+    return fields
+
+
 def release_cached_memory(device: torch.device | str) -> None:
     """Hand the allocator's cached blocks back to the device after a start-of-run measurement.
 
@@ -264,8 +287,9 @@ def _profile_one(
 ) -> tuple[LayerProfile, tuple]:
     """Build, measure and free layer `index`; return its profile and the next layer's inputs."""
     module = spec.build_layers([index], device, dtype)[0]
+    ring = ring_attention.LoopbackRing(context_parallel)
     if context_parallel > 1:
-        ring_attention.attach([module], ring_attention.ContextParallel(ring_attention.LoopbackRing(context_parallel)))
+        ring_attention.attach([module], ring_attention.ContextParallel(ring))
     if compiled is not None:
         unit = spec.unit_to_compile(index, module)
         compile_layer(unit, spec.layers[index].name, compiled, split_backward, holds_all_parameters(unit, module))
@@ -276,17 +300,21 @@ def _profile_one(
     traffic.stop()
     activation_bytes, outputs = timing.activation_bytes(forward, inputs, params)
     outputs = to_compute_dtype(outputs, autocast_dtype)  # what a stage sends on (and the next layer receives)
-    times, fractions = [], []
+    times, fractions, passes = [], [], []
     for _ in range(repeats):
+        ring.passes.clear()
         wall, cpu = time.perf_counter(), time.process_time()
         times.append(timing.time_forward_backward(forward, inputs, device))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         fractions.append(cpu / wall if wall > 0 and device.type == "cpu" else 0.0)
+        passes.append(list(ring.passes))
     halves = ([timing.time_split_backward(forward, inputs, device) for _ in range(repeats)] if split_backward
               else [(0.0, 0.0)])
     for p in params:
         p.grad = None
+    fastest = min(range(repeats), key=lambda k: sum(times[k]))
     profile = LayerProfile(
+        **_ring_fields(passes[fastest]),
         name=spec.layers[index].name,
         params=sum(p.numel() for p in params),
         param_bytes=sum(p.numel() * p.element_size() for p in params),
@@ -296,7 +324,7 @@ def _profile_one(
         input_grad_s=min(h[0] for h in halves),
         weight_grad_s=min(h[1] for h in halves),
         output_bytes=sum(t.numel() * t.element_size() for t in outputs if isinstance(t, Tensor)),
-        cpu_fraction=fractions[min(range(repeats), key=lambda k: sum(times[k]))],
+        cpu_fraction=fractions[fastest],
         trainable_bytes=None if all(p.requires_grad for p in params) else sum(p.nbytes for p in params if p.requires_grad),
         **traffic.figures(),
     )

@@ -133,6 +133,7 @@ class Candidate:
     max_activations: float | None = None  # schedule=auto: the limit it was synthesised for
     rehearsed_s: float | None = None  # plan.rehearse: the step its run predicted from a rehearsal on this host
     tp: int = 1  # parallel.tp: each stage split over tp ranks (its costs one tp rank's)
+    cp: int = 1  # parallel.cp: each sequence split over cp ranks (its costs one cp rank's, the ring's included)
     offload: str = "none"  # pipeline.offload: activations copied to the host in the gaps
     offloaded_groups: int = 0  # how many (stage, micro-batch) groups its plan offloads
     order: tuple[str, ...] = DEFAULT_ORDER  # parallel.order: the mesh order, outermost first
@@ -147,6 +148,8 @@ class Candidate:
         parts = [f"schedule={self.schedule}", f"pipeline.num_microbatches={self.num_microbatches}"]
         if self.tp > 1:
             parts.append(f"parallel.tp={self.tp}")
+        if self.cp > 1:
+            parts.append(f"parallel.cp={self.cp}")
         if self.takes_chunks:
             parts.append(f"schedule.stages_per_rank={self.stages_per_rank}")
         if self.max_activations is not None:

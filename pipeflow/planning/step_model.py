@@ -111,6 +111,8 @@ class StepCosts:
             collectives are costed on their pipeline rank's tp link, not the assumed one.
         ep_links: with ep > 1, the ep groups' all_to_all measured at start
             (`pipeflow.planning.ep_links`): the MoE layers' exchanges are costed on it.
+        cp_link: with cp > 1, a pass round the cp ring measured at start: the attention's passes
+            are costed on it, less the compute they hide behind (`pipeflow.planning.context_cost`).
         overlap_pairs: ``pipeline.overlap_pairs``: the schedule's overlapped pairs are simulated
             interleaved, the MoE layers' exchanges of each action behind the other's compute.
         share: the host's cores and the ranks sharing them.
@@ -138,6 +140,7 @@ class StepCosts:
     tp_links: Any = None  # TpLinks: tp > 1, each tp group's all-reduce measured (`pipeflow.planning.tp_links`)
     ep_links: Any = None  # EpLinks: ep > 1, the ep groups' all_to_all measured (`pipeflow.planning.ep_links`)
     overlap_pairs: bool = False  # the run overlaps dualpipev's pairs (pipeline.overlap_pairs): simulated so
+    cp_link: Any = None  # TensorLink: cp > 1, a pass round the cp ring measured (`pipeflow.planning.context_cost`)
 
 
 def simulate_shared(
@@ -203,7 +206,7 @@ def measure_step_costs(
     dp_group: Any = None, dp: int = 1, action_overhead_s: float | None = None, busy: bool = True,
     fused: bool | None = None, schedule: PipelineSchedule | None = None, grid: Any = None,
     tp_group: Any = None, tp_payload: float = 0.0, sequence_parallel: bool = False,
-    ep_group: Any = None, experts: Any = None,
+    ep_group: Any = None, experts: Any = None, cp_comm: Any = None, ring_payload: float = 0.0,
 ) -> StepCosts:
     """Measure the runtime's costs on this run's own groups at start (collective over the world):
     transfers at the model's boundary sizes (and a quarter of the largest, for the per-byte
@@ -214,7 +217,8 @@ def measure_step_costs(
     program too, and each dp group's all-reduce apart.  With tp > 1 (`tp_group`, `grid`) each tp
     group's all-reduce at `tp_payload` bytes (the layers' largest collective), in the same pass;
     with ep > 1 (`ep_group`, `experts`: an :class:`~pipeflow.planning.ep_links.ExpertExchange`)
-    the ep groups' all_to_all too."""
+    the ep groups' all_to_all too; with cp > 1 (`cp_comm`, the cp group's transport) a pass round
+    the cp ring at `ring_payload` bytes (the layers' largest) and a quarter of it."""
     from pipeflow.planning.comm_cost import measure_transfers
     from pipeflow.planning.links import measure_links
 
@@ -237,6 +241,12 @@ def measure_step_costs(
         from pipeflow.planning.ep_links import measure_ep_links
 
         ep_links = measure_ep_links(device, ep_group, experts)
+    cp_link = None
+    if cp_comm is not None and cp_comm.size > 1:
+        from pipeflow.planning.tp_links import link_of
+
+        ring = int(ring_payload) or 4096
+        cp_link = link_of(*measure_transfers(cp_comm, [ring, max(4, ring // 4)])[:2])
     overhead = measure_action_overhead_s(device) if action_overhead_s is None else action_overhead_s
     reduce_s, rest = measure_tail_parts(params, device, dp_group, dp, fused=fused)
     release_cached_memory(device)  # the transfers' buffers too
@@ -253,7 +263,7 @@ def measure_step_costs(
         overhead = action_overhead_s
     return StepCosts(posting, latency, per_byte, post, overhead, tail, host_share(num_pp, device), busy_latency,
                      busy_per_byte, links=links, dp_reduce_s=reduce_s, dp_groups=groups, tp_links=tp_links,
-                     ep_links=ep_links)
+                     ep_links=ep_links, cp_link=cp_link)
 
 
 def predict_step(
@@ -280,6 +290,10 @@ def predict_step(
         profiles = costs.tp_links.profiles(profiles, ranges, schedule.stage_to_rank)
     if costs.ep_links is not None:  # the MoE layers' exchanges on the ep groups' measured link
         profiles = costs.ep_links.profiles(profiles)
+    if costs.cp_link is not None:  # the attention's passes round the cp ring, what compute leaves exposed
+        from pipeflow.planning.context_cost import ring_profiles
+
+        profiles = ring_profiles(profiles, costs.cp_link)
     boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]
     bytes_of, p = op_bytes(boundary), schedule.num_ranks
     idle = transfer_cost(costs, bytes_of)
@@ -368,5 +382,9 @@ def describe_costs(costs: StepCosts) -> str:
         reduce += f", {costs.tp_links.phrase()}"
     if costs.ep_links is not None:
         reduce += f", {costs.ep_links.phrase()}"
+    if costs.cp_link is not None:
+        from pipeflow.planning.tp_links import link_text
+
+        reduce += f", cp ring pass {link_text(costs.cp_link)}"
     return (f"posting {costs.posting}, transfer {1e3 * costs.latency_s:.3f} ms + {1e9 * costs.per_byte_s:.3f} ms/MB{busy}, "
             f"{1e3 * costs.action_overhead_s:.3f} ms per action, tail {1e3 * costs.tail_s:.2f} ms{reduce}{shared}")

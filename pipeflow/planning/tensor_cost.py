@@ -57,6 +57,9 @@ def split_profile(p: LayerProfile, tp: int, link: TensorLink, sequence_parallel:
                                                  else 0.0),
         activation_bytes=round(activations),
         output_bytes=round(p.output_bytes / tp) if sequence_parallel else p.output_bytes,
+        # with cp: a tp rank's attention holds a tp-th of the heads, so of the ring's blocks
+        ring_forward_bytes=round(p.ring_forward_bytes / tp), ring_backward_bytes=round(p.ring_backward_bytes / tp),
+        ring_forward_hidden_s=p.ring_forward_hidden_s / tp, ring_backward_hidden_s=p.ring_backward_hidden_s / tp,
     )
 
 

@@ -67,14 +67,14 @@ class TpLinks:
     def phrase(self) -> str:
         """``tp all-reduce 0.050 ms + 900.0 MB/s`` (the slowest pipeline rank's link)."""
         worst = max(self.per_rank, key=lambda link: link.all_reduce_s(max(self.payload_bytes, 1.0), self.tp, 1))
-        return f"tp all-reduce {_link_text(worst)}"
+        return f"tp all-reduce {link_text(worst)}"
 
     def describe(self, factor: float = SLOW_FACTOR) -> str:
         """The start-of-run lines: every tp group's link (its hosts named on several), and a group
         whose all-reduce of the representative size costs `factor` times the groups' median named."""
         size = max(self.payload_bytes, 1.0)
         lines = [f"tp all-reduce per group, measured in {self.measured_s:.2f} s: "
-                 + "; ".join(f"ranks {list(ranks)}{group_where(ranks)}: {_link_text(link)}" for ranks, link in self.groups)]
+                 + "; ".join(f"ranks {list(ranks)}{group_where(ranks)}: {link_text(link)}" for ranks, link in self.groups)]
         seconds = [link.all_reduce_s(size, self.tp, 1) for _, link in self.groups]
         median = statistics.median(seconds) if seconds else 0.0
         if len(seconds) >= 3 and median > 0:
@@ -85,7 +85,8 @@ class TpLinks:
         return "\n".join(lines)
 
 
-def _link_text(link: TensorLink) -> str:
+def link_text(link: TensorLink) -> str:
+    """``0.050 ms + 900.0 MB/s``: a link's latency and bandwidth."""
     rate = "no per-byte cost" if math.isinf(link.bandwidth_Bps) else f"{link.bandwidth_Bps / 1e6:.1f} MB/s"
     return f"{1e3 * link.latency_s:.3f} ms + {rate}"
 

@@ -33,6 +33,7 @@ from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_layout
 from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
+from pipeflow.planning.context_cost import largest_pass_bytes
 from pipeflow.planning.layout import Layout, choose_layout, with_offload, with_step_costs
 from pipeflow.planning.ep_links import expert_exchange
 from pipeflow.planning.expert_cost import expert_layers
@@ -212,8 +213,9 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
     for group in tied.groups():
         topology.deadlines.own(group)
     tied.sync_initial_values()
+    cp_comm = None
     if mesh.cp > 1:  # each layer's attention round the cp ring, on the transport's batched P2P
-        attach_context_parallel(stages, mesh, device, topology.deadlines)
+        cp_comm = attach_context_parallel(stages, mesh, device, topology.deadlines)
     replicas = mesh.replicas_of_parameters  # dp x cp ranks hold each parameter
     reducer = (GradReducer(stages, mesh.replica_group, replicas, unreduced=expert_parameters(stages) if ep > 1 else (),
                            unreduced_group=same_experts) if replicas > 1 and sharding is None else None)
@@ -226,7 +228,7 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
                                        sharding, evaluates=cfg.train.eval_batches > 0)
     # what is trained: a LoRA run's frozen base weights get no gradient, no AdamW state, no reduction
     params = [p for p in unique_parameters(stage.parameters() for stage in stages.values()) if p.requires_grad]
-    return ModelParts(stages, recorder, ep_group, sharding, tied, reducer, compiled, params)
+    return ModelParts(stages, recorder, ep_group, sharding, tied, reducer, compiled, params, cp_comm)
 
 
 def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelParts, link: HostLink | None,
@@ -243,7 +245,8 @@ def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Mo
                                    busy=rehearsal == 0, fused=cfg.optim.fused, schedule=schedule, grid=mesh.grid,
                                    tp_group=mesh.tp_group, tp_payload=largest_collective_bytes(layout.profiles),
                                    sequence_parallel=bool(cfg.parallel.sequence_parallel), ep_group=parts.ep_group,
-                                   experts=expert_exchange(expert_layers(spec), ep, layout.profiles) if ep > 1 else None)
+                                   experts=expert_exchange(expert_layers(spec), ep, layout.profiles) if ep > 1 else None,
+                                   cp_comm=parts.cp_comm, ring_payload=largest_pass_bytes(layout.profiles))
         costs = dataclasses.replace(costs, overlap_pairs=bool(cfg.pipeline.overlap_pairs))
         if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
             stages, first = parts.stages, plan.first
@@ -312,9 +315,9 @@ def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSch
                         torch.empty((), dtype=dtype).element_size())
 
 
-def attach_context_parallel(stages: dict, mesh: Mesh, device: torch.device, deadlines: Deadlines) -> None:
+def attach_context_parallel(stages: dict, mesh: Mesh, device: torch.device, deadlines: Deadlines) -> P2PComm:
     """Give every layer that takes it (``context_parallel``, :mod:`pipeflow.runtime.ring_attention`)
-    the cp ring of this rank, warmed up (collective over the cp group).
+    the cp ring of this rank, warmed up (collective over the cp group); returns the ring's transport.
 
     Raises:
         ConfigError: no layer of this rank's stages takes context parallelism.
@@ -325,7 +328,8 @@ def attach_context_parallel(stages: dict, mesh: Mesh, device: torch.device, dead
     if not ring_attention.attach(layers, ring_attention.ContextParallel(ring_attention.RingComm(comm))):
         raise ConfigError(f"parallel.cp={mesh.cp}: no layer of stage(s) {sorted(stages)} takes context parallelism "
                           f"(a module with a context_parallel attribute, as model=gpt's attention has); use "
-                          f"parallel.cp=1, or give your attention the hook (docs/start/4-scale-out.md#context-parallel)")
+                          f"parallel.cp=1, or give your attention the hook (docs/guides/long-context.md)")
+    return comm
 
 
 def host_link(device: torch.device) -> HostLink:

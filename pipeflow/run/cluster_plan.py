@@ -45,9 +45,14 @@ def run_cluster_plan(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[Cl
     and the report.
 
     Raises:
-        ConfigError: ``plan.gpus`` missing or not positive, an unknown hardware, a bad degree.
+        ConfigError: ``plan.gpus`` missing or not positive, an unknown hardware, a bad degree,
+            context parallelism (``parallel.cp``, ``plan.cp_sizes``).
     """
     plan = cfg.plan
+    if int(cfg.parallel.cp) > 1 or plan.cp_sizes:
+        raise ConfigError("plan.hardware's roofline does not cost context parallelism yet: plan parallel.cp on "
+                          "profiled layers (python -m pipeflow.plan without plan.hardware, on one GPU of the kind), "
+                          "which profiles a cp rank's share and prices its ring")
     if plan.gpus is None or plan.gpus < 1:
         raise ConfigError("plan.hardware needs the GPUs to plan for: add plan.gpus=<count>, e.g. plan.gpus=256")
     cluster = load_hardware(str(plan.hardware))

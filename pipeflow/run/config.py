@@ -257,6 +257,8 @@ class PlanConfig:
     # else 150 GB/s and 10 us (an NVLink-class node); set, they override plan.hardware's
     tp_bandwidth_gbps: float | None = None
     tp_latency_us: float | None = None
+    # context-parallel sizes searched (docs/guides/long-context.md); null: parallel.cp, doubled while nothing fits
+    cp_sizes: list[int] | None = None
     # pipeline.offload modes tried with every layout (none | auto | all), their copies over a
     # device-host link of this bandwidth each way, on a copy engine beside compute (a GPU's PCIe);
     # null: measured on this machine's device as train.py measures it (a CPU: memcpys on the compute thread)

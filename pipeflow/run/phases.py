@@ -88,6 +88,7 @@ class ModelParts:
             or with ``parallel.shard=full``).
         compiled: ``train.compile``'s start-up phase (None: eager), its recompiles reported at the end.
         params: the parameters that train (a LoRA run's frozen base is not among them).
+        cp_comm: the cp group's transport, whose ring the attention layers pass round (None at cp = 1).
     """
 
     stages: dict[int, Stage]
@@ -98,6 +99,7 @@ class ModelParts:
     reducer: GradReducer | None
     compiled: CompilePhase | None
     params: list[torch.nn.Parameter]
+    cp_comm: P2PComm | None = None
 
 
 @dataclass(frozen=True)

@@ -30,10 +30,11 @@ from pipeflow.data import build_batches
 from pipeflow.run.compile_phase import compile_options
 from pipeflow.run.config import register_configs, resolve_layout, tensor_degree
 from pipeflow.run.config_data import typed_data
+from pipeflow.run.plan_cp import context_degree, ring_pricing, search_cp
 from pipeflow.run.plan_ep import expert_costs
 from pipeflow.run.plan_help import CONFIG_DIR, USAGE, help_text
 from pipeflow.run.plan_tp import search_tp, tp_degrees, tp_link_figures  # noqa: F401 - search_tp: part of the API
-from pipeflow.runtime import hosts
+from pipeflow.runtime import hosts, ring_attention
 from pipeflow.runtime.distributed import choose_device
 from pipeflow.runtime.host_link import measured_once
 from pipeflow.runtime.precision import compute_dtype
@@ -47,10 +48,11 @@ from pipeflow.schedules.offload import HostLink, check_mode
 # what a pick sets (pipeline.stages_per_rank: that key's old name); parallel.order stays: a pick's
 # own (when not [dp,pp,tp]) follows it and wins
 _PICK_KEYS = {"schedule", "pipeline.num_microbatches", "schedule.stages_per_rank", "pipeline.split_points",
-              "parallel.tp", "pipeline.offload", "pipeline.stages_per_rank"}
+              "parallel.tp", "parallel.cp", "pipeline.offload", "pipeline.stages_per_rank"}
 _HELP_FLAGS = ("-h", "--help")
 _SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes",
-           "tp_forward_bytes", "tp_backward_bytes")
+           "tp_forward_bytes", "tp_backward_bytes", "ring_forward_bytes", "ring_backward_bytes",
+           "ring_forward_hidden_s", "ring_backward_hidden_s")
 
 
 def compose_config(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> DictConfig:
@@ -82,20 +84,24 @@ def _lerp(low: float, high: float, t: float) -> Any:
     return int(round(value)) if isinstance(low, int) else value
 
 
-def profile_costs(cfg: DictConfig, sizes: Sequence[int], device: torch.device) -> CostModel:
-    """Profile the model's layers at the smallest and largest micro-batch size of `sizes`."""
+def profile_costs(cfg: DictConfig, sizes: Sequence[int], device: torch.device, cp: int = 1) -> CostModel:
+    """Profile the model's layers at the smallest and largest micro-batch size of `sizes`, as a
+    rank of context-parallel degree `cp` runs them (its share of each row, attention round a
+    loopback ring whose passes the profile logs)."""
 
     spec = instantiate(cfg.model)
-    sample = build_batches(typed_data(cfg.data), cfg.model).train.get(0)[0]
+    sample, target = build_batches(typed_data(cfg.data), cfg.model).train.get(0)
+    if cp > 1:
+        sample = ring_attention.split_batch(sample, target, 0, cp)[0]
     dtype = getattr(torch, cfg.train.param_dtype)
     b_low, b_high = min(sizes), max(sizes)
     amp = compute_dtype(cfg.train.precision)
     compiled = compile_options(cfg)  # train.compile: the layers' compiled costs
     low = profile_layers(spec, sample[:b_low], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp,
-                         compiled=compiled)
+                         compiled=compiled, context_parallel=cp)
     high = low if b_high == b_low else profile_layers(
         spec, sample[:b_high], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp,
-        compiled=compiled)
+        compiled=compiled, context_parallel=cp)
     return interpolate(low, b_low, high, b_high)
 
 
@@ -154,11 +160,6 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
         return run_cluster_plan(cfg, overrides)
     if cfg.parallel.pp is None:
         raise ConfigError("the planner needs the pipeline size: add parallel.pp=<ranks>")
-    cp = int(OmegaConf.select(cfg, "parallel.cp", default=1) or 1)
-    if cp > 1:
-        raise ConfigError(f"parallel.cp={cp}: the planner does not price context parallelism's ring yet; a run prints "
-                          f"its own prediction at the start (profiled at data.seq_len / cp per rank), or plan with "
-                          f"parallel.cp=1 data.seq_len={cfg.data.seq_len // cp} for a rank's share")
     if cfg.parallel.dp == "auto":
         raise ConfigError("parallel.dp=auto takes the replicas from the world size, which the planner does not have: "
                           "give the replicas to plan for, e.g. parallel.dp=2")
@@ -171,38 +172,55 @@ def run_plan(cfg: DictConfig, costs: CostModel | None = None, overrides: Sequenc
     limit = None if cfg.plan.memory_limit_gb is None else cfg.plan.memory_limit_gb * 1e9
     replicas = f" x {dp} data-parallel replicas, batch {batch} per replica" if dp > 1 else f", batch {batch}"
     if cfg.plan.calibration is not None:
+        if context_degree(cfg) > 1 or cfg.plan.cp_sizes:
+            raise ConfigError("plan.calibration ranks layouts on one run's measured costs, which fix its cp; plan "
+                              "context parallelism on profiled costs: leave plan.calibration=null")
         result, header = _plan_calibrated(cfg, pp, batch, space, limit)
         header = f"planner: {pp} pipeline ranks{replicas}; {header}"
     else:
-        device = choose_device(cfg.dist.backend, cfg.dist.device)[1]
-        threads = torch.get_num_threads()
-        try:  # profile with the threads each rank of the run computes with
-            torch.set_num_threads(run_threads(dp * pp))
-            costs = costs or profile_costs(cfg, sizes, device)
-            latency, comm = comm_model(cfg, costs, sizes, device, pp)
-            costs, ep_note = expert_costs(cfg, costs, sizes, latency, device)  # parallel.ep: experts and all_to_alls
-            model, overhead_s, runtime = runtime_model(cfg, costs(max(sizes)), device, dp, pp)
-            if cfg.plan.comm_latency_ms is None and pp > 1 and device.type == "cpu":
-                model, busy = busy_comm(model, costs(max(sizes)), latency(max(sizes)) if callable(latency) else latency)
-                comm += busy
-        finally:
-            torch.set_num_threads(threads)
-        space, link_note = host_link_for(cfg, space, device)
-        result = search_tp(cfg, costs, pp, batch, space, limit, latency, overhead_s, model)
-        amp = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
-        degrees = tp_degrees(cfg)
-        tp_note = "" if degrees == [1] else (
-            "; tp {} costed over {:g} GB/s + {:g} us per collective (plan.tp_bandwidth_gbps, plan.tp_latency_us)"
-            .format(", ".join(map(str, degrees)), *tp_link_figures(cfg)))
-        header = (f"planner: {pp} pipeline ranks{replicas}, profiled on {device} ({cfg.train.param_dtype}{amp}) "
-                  f"at micro-batch sizes {min(sizes)} and {max(sizes)}; {comm}; {runtime}{tp_note}{ep_note}{link_note}")
+        result, header = search_cp(cfg, lambda cp: _profiled_search(cfg, cp, costs, pp, dp, batch, sizes, space, limit),
+                                   limit)
+        header = f"planner: {pp} pipeline ranks{replicas}, {header}"
     header += order_note(dp, pp, tp_degrees(cfg), space.hosts)
     if cfg.plan.rehearse > 0 and result.candidates:
+        if any(c.cp > 1 for c in result.candidates):
+            raise ConfigError("plan.rehearse builds layouts without context parallelism so far: plan.rehearse=0 "
+                              "with parallel.cp or plan.cp_sizes")
         result, rehearsed = rehearse_shortlist(result, cfg, overrides, dp * pp)
         header += f"; {rehearsed}"
     if cfg.plan.csv:
         write_csv(result, cfg.plan.csv)
     return result, header + "\n" + format_plan(result, cfg.plan.top, dp * pp, limit, overrides)
+
+
+def _profiled_search(cfg: DictConfig, cp: int, costs: CostModel | None, pp: int, dp: int, batch: int,
+                     sizes: Sequence[int], space: SearchSpace, limit: float | None) -> tuple[PlanResult, str]:
+    """Profile the layers as a rank of cp `cp` runs them (its share of each row, attention round a
+    loopback ring; `costs` given: those), price the runtime and the ring on its links, and search
+    every tp degree; the result and a phrase saying what was profiled and how it is costed."""
+    device = choose_device(cfg.dist.backend, cfg.dist.device)[1]
+    threads = torch.get_num_threads()
+    try:  # profile with the threads each rank of the run computes with
+        torch.set_num_threads(run_threads(dp * pp * cp))
+        costs = costs or profile_costs(cfg, sizes, device, cp)
+        latency, comm = comm_model(cfg, costs, sizes, device, pp)
+        costs, ep_note = expert_costs(cfg, costs, sizes, latency, device)  # parallel.ep: experts and all_to_alls
+        model, overhead_s, runtime = runtime_model(cfg, costs(max(sizes)), device, dp * cp, pp)
+        if cfg.plan.comm_latency_ms is None and pp > 1 and device.type == "cpu":
+            model, busy = busy_comm(model, costs(max(sizes)), latency(max(sizes)) if callable(latency) else latency)
+            comm += busy
+    finally:
+        torch.set_num_threads(threads)
+    space, link_note = host_link_for(cfg, dataclasses.replace(space, dp=space.dp * cp), device)
+    ring, cp_note = ring_pricing(cfg, cp)  # parallel.cp: the ring's exposed passes, on each tp rank's share
+    result = search_tp(cfg, costs, pp, batch, space, limit, latency, overhead_s, model, ring)
+    amp = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
+    degrees = tp_degrees(cfg)
+    tp_note = "" if degrees == [1] else (
+        "; tp {} costed over {:g} GB/s + {:g} us per collective (plan.tp_bandwidth_gbps, plan.tp_latency_us)"
+        .format(", ".join(map(str, degrees)), *tp_link_figures(cfg)))
+    return result, (f"profiled on {device} ({cfg.train.param_dtype}{amp}) at micro-batch sizes {min(sizes)} and "
+                    f"{max(sizes)}{cp_note}; {comm}; {runtime}{tp_note}{ep_note}{link_note}")
 
 
 def rehearse_shortlist(result: PlanResult, cfg: DictConfig, overrides: Sequence[str], world: int
@@ -334,13 +352,15 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
     `num_ranks` is the world size the pick is launched with."""
     rehearsed = any(c.rehearsed_s is not None for c in result.candidates)
     tp = any(c.tp > 1 for c in result.candidates + result.over_memory)  # a tp column where tp was searched
+    cp = any(c.cp > 1 for c in result.candidates + result.over_memory)  # likewise cp
     offload = any(c.offload != "none" for c in result.candidates + result.over_memory)  # likewise plan.offload_modes
-    rows = [("#", "schedule", "m", "v", *(("tp",) if tp else ()), *(("offload",) if offload else ()), "step (ms)",
+    rows = [("#", "schedule", "m", "v", *(("tp",) if tp else ()), *(("cp",) if cp else ()),
+             *(("offload",) if offload else ()), "step (ms)",
              *(("rehearsed (ms)",) if rehearsed else ()), "bubble", "peak mem/rank (MB)", "overrides")]
     for k, c in enumerate(result.candidates[:top], 1):
         step = (f"{1e3 * c.rehearsed_s:.2f}" if c.rehearsed_s is not None else "-",) if rehearsed else ()
         rows.append((str(k), c.schedule, str(c.num_microbatches), str(c.stages_per_rank), *((str(c.tp),) if tp else ()),
-                     *((c.offload,) if offload else ()),
+                     *((str(c.cp),) if cp else ()), *((c.offload,) if offload else ()),
                      f"{1e3 * c.step_s:.2f}", *step, f"{c.bubble:.1%}", f"{c.peak_bytes / 1e6:.1f}", c.overrides()))
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]) - 1)]
     lines = [" | ".join([cell.ljust(w) for cell, w in zip(r, widths)] + [r[-1]]) for r in rows]
@@ -357,7 +377,8 @@ def format_plan(result: PlanResult, top: int, num_ranks: int, limit_bytes: float
         keep = [shlex.quote(o) for o in overrides if o.split("=", 1)[0].lstrip("+~") not in _PICK_KEYS
                 and not o.startswith("plan.")]
         command = " ".join(["train.py", *keep, result.candidates[0].overrides()])
-        lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks * result.candidates[0].tp} {command}")
+        pick = result.candidates[0]
+        lines.append(f"run the pick: torchrun --nproc-per-node {num_ranks * pick.tp * pick.cp} {command}")
     else:
         hint = "" if offload else ", or let held activations go to host memory (plan.offload_modes=[none,auto,all])"
         lines.append(f"no layout fits: raise plan.memory_limit_gb, or try more micro-batches (plan.microbatches){hint}")

@@ -4,7 +4,7 @@ per degree on the layers' costs as one tp rank runs them, merged into one rankin
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import DictConfig
 
@@ -28,9 +28,10 @@ def tp_link_figures(cfg: DictConfig) -> tuple[float, float]:
 
 
 def search_tp(cfg: DictConfig, costs: CostModel, pp: int, batch: int, space: Any, limit: float | None,
-              latency: Any, overhead_s: float, model: Any) -> PlanResult:
+              latency: Any, overhead_s: float, model: Any, ring: Callable[[Any], Any] | None = None) -> PlanResult:
     """:func:`search` once per tensor-parallel degree (:func:`tp_degrees`), each on the layers' costs
-    as one tp rank runs them (`pipeflow.planning.tensor_cost`), merged into one ranking."""
+    as one tp rank runs them (`pipeflow.planning.tensor_cost`), merged into one ranking.  `ring`
+    (``parallel.cp``) prices the cp ring's passes on a tp rank's profiles."""
     from pipeflow.planning.tensor_cost import TensorLink, split_profiles
 
     gbps, us = tp_link_figures(cfg)
@@ -39,6 +40,8 @@ def search_tp(cfg: DictConfig, costs: CostModel, pp: int, batch: int, space: Any
     merged = PlanResult()
     for tp in tp_degrees(cfg):
         per_rank = costs if tp == 1 else (lambda b, tp=tp: split_profiles(costs(b), tp, link, sp))
+        if ring is not None:
+            per_rank = (lambda b, split=per_rank: ring(split(b)))
         got = search(per_rank, pp, batch, dataclasses.replace(space, tp=tp), limit, cfg.plan.optimizer_factor, latency,
                      overhead_s, model)
         merged.candidates += [dataclasses.replace(c, tp=tp) for c in got.candidates]

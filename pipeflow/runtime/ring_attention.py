@@ -19,8 +19,9 @@ shows whole runs without a mask.  Partial results merge exactly by their log-sum
 attention matrix is kept) while the key/value blocks go round the ring again (the next posted
 before the current is computed); the gradients for a block follow it one step behind, each rank
 adding its share before passing them on (that transfer runs under the next block's compute),
-and after N steps each block's dK and dV arrive at the rank that holds it.  With grouped-query attention the ring carries the few key/value heads, expanded
-to the query heads only for the compute, and their gradients are summed back.
+and after N steps each block's dK and dV arrive at the rank that holds it.  With grouped-query
+attention the ring carries the few key/value heads, expanded to the query heads only for the
+compute, and their gradients are summed back.
 
 The per-block attention is written with matmuls and ``logsumexp`` (exact in float64, any mask:
 causal, sliding window, packed documents); in float32 and lower on the CPU the blocks a mask
@@ -31,13 +32,16 @@ return it too, for a later step).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 CAUSAL = "causal"
+BACKWARD = "(backward)"  # the end of what a backward's pass round the ring says it carries
 # False: each exchange is waited for as soon as it is posted, before the block it overlaps is
 # computed (the baseline benchmarks/features/context_parallel.py measures the overlap against)
 OVERLAP = True
@@ -202,18 +206,45 @@ class RingComm:
         return arrived
 
 
+@dataclass(frozen=True)
+class RingPass:
+    """One pass round the ring as a :class:`LoopbackRing` saw it: in the backward or not, the
+    bytes each rank sends, and the compute between posting it and waiting for it (what a real
+    ring's transfer can hide behind)."""
+
+    backward: bool
+    bytes: int
+    hidden_s: float
+
+
 class LoopbackRing:
     """A ring of `size` ranks in one process, as rank 0 of it: each pass hands the tensor back.
     A layer profiled with it computes the blocks rank 0 of a real ring computes (its own keys
     and values standing for the others', masked as theirs), so the profile's attention cost and
-    saved tensors are a cp rank's; the exchanges cost nothing here."""
+    saved tensors are a cp rank's; the exchanges cost nothing here, and each is logged
+    (:attr:`passes`) for the planner to price on a link (`pipeflow.planning.context_cost`)."""
 
     def __init__(self, size: int) -> None:
         self.comm, self.rank, self.size = None, 0, size
+        self.passes: list[RingPass] = []
 
     def pass_on(self, tensor: Tensor, what: str) -> Callable[[], Tensor]:
-        """`tensor` itself, at once."""
-        return lambda: tensor
+        """`tensor` itself; the wait logs the pass and the time since it was posted."""
+        backward = what.endswith(BACKWARD)
+        _settle(tensor)
+        posted = time.perf_counter()
+
+        def arrived() -> Tensor:
+            _settle(tensor)
+            self.passes.append(RingPass(backward, tensor.numel() * tensor.element_size(), time.perf_counter() - posted))
+            return tensor
+        return arrived
+
+
+def _settle(tensor: Tensor) -> None:
+    """On a GPU, wait for the queued kernels, so host clocks time the device's compute."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
 class RingAttention(torch.autograd.Function):
@@ -254,7 +285,8 @@ class RingAttention(torch.autograd.Function):
         kv, gathered = torch.stack([k, v]), None  # gathered: the wait for the gradients of the block held now
         for step in range(n):
             source = (rank - step) % n
-            arrive = _posted(ring, kv, f"ring attention key/value block of cp rank {source}") if step < n - 1 else None
+            arrive = (_posted(ring, kv, f"ring attention key/value block of cp rank {source} {BACKWARD}")
+                      if step < n - 1 else None)
             keys, values = _expand(kv[0], heads), _expand(kv[1], heads)
             dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
             for rows, cols, mask in _pieces(masking.mask(mine, positions(source)), 2):
@@ -269,8 +301,8 @@ class RingAttention(torch.autograd.Function):
                 grads = grads + gathered()
             # on to the next rank, which holds this block next step; after the last step each
             # block's gradients, every rank's share summed, arrive at the rank that holds it
-            gathered = (_posted(ring, grads, f"ring attention gradients of cp rank {source}'s block") if n > 1
-                        else (lambda g=grads: g))
+            what = f"ring attention gradients of cp rank {source}'s block {BACKWARD}"
+            gathered = _posted(ring, grads, what) if n > 1 else (lambda g=grads: g)
             if arrive is not None:
                 kv = arrive()
         travel = gathered()
