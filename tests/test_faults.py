@@ -16,8 +16,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+import async_checkpoint_cases
 import checkpoint_cases
 import fault_cases as cases
+from async_checkpoint_cases import (  # noqa: F401 - background saves (issue 60), run on this module's world
+    test_a_full_disk_during_a_background_write_is_named_on_every_rank_and_latest_stays,
+    test_a_killed_writer_process_is_named_on_every_rank_and_the_next_save_starts_anew,
+    test_async_checkpoints_hold_the_files_a_synchronous_save_writes,
+    test_async_process_checkpoints_hold_the_files_a_synchronous_save_writes,
+    test_the_trainer_saves_in_the_background_as_it_saves_in_the_foreground,
+)
 from checkpoint_cases import (  # noqa: F401 - save-failure tests, run on this module's world
     test_a_full_disk_on_one_rank_names_its_errno_on_every_rank_and_removes_the_partial_folder,
     test_a_peer_lost_during_a_save_is_a_named_checkpoint_error,
@@ -254,6 +262,7 @@ def _world_cases() -> list[tuple[str, object]]:
         ("tp-peer-lost", cases.tp_peer_lost),
         ("ep-peer-lost", cases.ep_peer_lost),
         *checkpoint_cases.WORLD_CASES,
+        *async_checkpoint_cases.WORLD_CASES,
     ]
 
 

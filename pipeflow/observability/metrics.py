@@ -156,6 +156,17 @@ class RunMetrics:
         if self.writer is not None:
             self.writer.flush()
 
+    def checkpoint_saved(self, step: int, staged_s: float, write_s: float | None) -> None:
+        """A checkpoint of `step` complete (rank 0 writes): TensorBoard's ``checkpoint/stage_s``
+        (what training waited: the whole save when synchronous) and, written in the background,
+        ``checkpoint/write_s`` (off the training path)."""
+        if self.writer is None:
+            return
+        self.writer.add_scalar("checkpoint/stage_s", staged_s, step)
+        if write_s is not None:
+            self.writer.add_scalar("checkpoint/write_s", write_s, step)
+        self.writer.flush()
+
     def evaluated(self, step: int, loss: float, line: bool = True) -> None:
         """Report a held-out evaluation after `step` steps (rank 0): the log line ``step N |
         held-out loss L | perplexity P`` (where `line`; perplexity for token data) and the

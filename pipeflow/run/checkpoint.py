@@ -93,7 +93,8 @@ _written: dict[tuple[str, str], str] = {}  # (job, checkpoints folder) -> the ne
 _warned_latest: set[str] = set()  # the `latest` paths found to be directories (warned once)
 
 
-def _rng_state() -> dict[str, Any]:
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states, as a checkpoint keeps them (taken when the state is)."""
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -111,6 +112,9 @@ class _Saving:
     rank: int
     tidy: int = 0  # the rank that removes a partial folder: rank 0, or each host's first with local storage
     renamed: bool = False  # local storage: this host's part was renamed into place (removed if another's failed)
+    group: Any = None  # the process group its steps agree on (None: the default group)
+    part: HostPart | None = None  # local storage: this rank's host's part
+    job: str = ""
 
     @property
     def what(self) -> str:
@@ -122,9 +126,9 @@ class _Saving:
         barrier); returns every rank's value, or raises on every rank if any rank failed."""
         if outcome.peer_lost:
             self.lost_peer(doing, outcome.errors[0][1])
-        everyone: list[Any] = [None] * dist.get_world_size()
+        everyone: list[Any] = [None] * dist.get_world_size(self.group)
         try:
-            dist.all_gather_object(everyone, outcome)
+            dist.all_gather_object(everyone, outcome, group=self.group)
         except Exception as exc:  # noqa: BLE001 - gloo/NCCL: a peer died, was stopped, or hangs
             self.lost_peer(doing, integrity.describe(exc, self.rank)[0][1])
         failed = [o for o in everyone if o.errors]
@@ -172,7 +176,9 @@ def save(
 
     Each step of the save ends with every rank sharing its outcome (one all-gather), so a
     failure on any rank (a full disk, a lost lock) stops every rank with the same error, naming
-    each failed rank's own cause, and the partial folder is removed at once.
+    each failed rank's own cause, and the partial folder is removed at once.  The same steps
+    run in the background with ``train.checkpoint_mode=async`` (:mod:`pipeflow.run.checkpoint_async`:
+    :func:`begin`, :func:`state_to_save`, then :func:`finish` once the files are written).
 
     Args:
         root: the checkpoints directory (shared by all ranks).
@@ -196,34 +202,61 @@ def save(
         CheckpointPeerLostError: a peer died, was stopped or hangs during the save.
         CheckpointError: the write failed (naming the directory and each rank's error).
     """
+    saving = begin(root, step, job, storage)
+    state = state_to_save(layers, optimizer)
+    written = integrity.attempt(lambda: _write(state, saving.tmp, saving.part), saving.rank)
+    return finish(saving, meta, written, rng_state(), keep_last)
+
+
+def begin(root: str, step: int, job: str = "", storage: str = "shared", group: Any = None,
+          part: HostPart | None = None) -> _Saving:
+    """The first step of a save (collective over `group`, default: the world): the tidy rank checks
+    the lock and the folder and removes this job's leftover of the same step; every rank agrees.
+    `part`: local storage's host part to use (default :func:`~pipeflow.run.storage.host_part`)."""
     rank = dist.get_rank()
-    part = host_part() if storage == "local" else None
+    if storage == "local" and part is None:
+        part = host_part()
     final = os.path.join(root, f"step_{step:08d}")
     tmp = f"{final}.{job}.tmp" if job else f"{final}.tmp"
-    saving = _Saving(root, step, final, tmp, rank, part.first if part else 0)
+    saving = _Saving(root, step, final, tmp, rank, part.first if part else 0, group=group, part=part, job=job)
     saving.agree("preparing", integrity.attempt(lambda: _prepare(saving, job) if rank == saving.tidy else None, rank))
+    return saving
+
+
+def state_to_save(layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What DCP writes: the layers' and the optimizer's tensors under their layout-free names."""
     state, _ = whole_strided({**model_state(layers), **optimizer_state(optimizer, layers, fill=False)}, gather=True)
-    outcome = integrity.attempt(lambda: _write(state, saving.tmp, part), rank)
-    if not outcome.errors:
-        outcome = integrity.attempt(lambda: _save_rng(saving.tmp, rank), rank)
-    saving.agree("writing its files", outcome)
+    return state
+
+
+def finish(saving: _Saving, meta: dict[str, Any], written: integrity.Outcome, rng: dict[str, Any],
+           keep_last: int | None = None) -> str:
+    """The steps of a save after DCP wrote (or failed to write: `written`) this rank's files:
+    the RNG states `rng`, then, agreed across ranks, the digests, ``meta.json``, the rename,
+    ``latest`` and the retention (collective over the save's group).  Returns the checkpoint
+    directory; raises as :func:`save` does."""
+    rank, part = saving.rank, saving.part
+    if not written.errors:
+        written = integrity.attempt(lambda: _save_rng(saving.tmp, rank, rng), rank)
+    saving.agree("writing its files", written)
     if part is not None:
-        final = _finish_part(saving, meta, part, job)
+        final = _finish_part(saving, meta, part, saving.job)
         if rank == saving.tidy:  # each host its own disk's
-            retention.prune(root, keep_last)
+            retention.prune(saving.root, keep_last)
         return final
     world = dist.get_world_size()
     hashed = integrity.attempt(lambda: integrity.digest_share(saving.tmp, rank, world), rank)
     shares = saving.agree("hashing its files", hashed)
     files = {rel: digest for share in shares for rel, digest in share.items()}
-    meta = {**meta, "step": step, "world_size": world, "files": files}
-    committed = integrity.attempt(lambda: _commit(root, saving.tmp, final, meta) if rank == 0 else None, rank)
+    meta = {**meta, "step": saving.step, "world_size": world, "files": files}
+    committed = integrity.attempt(lambda: _commit(saving.root, saving.tmp, saving.final, meta) if rank == 0 else None,
+                                  rank)
     saving.agree("committing it", committed)
-    if job:
-        _written[(job, os.path.abspath(root))] = final
+    if saving.job:
+        _written[(saving.job, os.path.abspath(saving.root))] = saving.final
     if rank == 0:
-        retention.prune(root, keep_last)
-    return final
+        retention.prune(saving.root, keep_last)
+    return saving.final
 
 
 def _write(state: dict[str, Any], tmp: str, part: HostPart | None) -> None:
@@ -293,9 +326,9 @@ def _check_not_removed(saving: _Saving, job: str) -> None:
     )
 
 
-def _save_rng(tmp: str, rank: int) -> None:
+def _save_rng(tmp: str, rank: int, state: dict[str, Any]) -> None:
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    torch.save(state, os.path.join(tmp, "rng", f"rank{rank}.pt"))
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -22,8 +22,9 @@ from pipeflow.errors import ConfigError
 from pipeflow.run.config_checks import (BACKENDS, DTYPES, RESUME_WORDS, SHARD_MODES, STORAGES, auto_replicas,
                                         check_comm, check_across_sections, check_paths, check_sequence_parallel,
                                         check_targets, resolve_layout, tensor_degree)
-from pipeflow.run.config_choices import (Backend, Balance, CheckpointStorage, Choice, OffloadMode, Overlong,
-                                        ParamDtype, Placement, Precision, RecvPosting, ShapeMode, ShardMode,
+from pipeflow.run.config_choices import (Backend, Balance, CheckpointMode, CheckpointStorage, Choice, OffloadMode, Overlong,
+                                        ParamDtype, Placement, Precision, RecvPosting, SaveErrorAction, ShapeMode,
+                                        ShardMode,
                                         SplitSearch, TextLevel, TokenDtype)
 from pipeflow.run.config_data import (DATA_SCHEMAS, ChatDataConfig, Cifar10DataConfig, DataConfig, FakeDataConfig,
                                       FileDataConfig, GaussianDataConfig, ImageDataConfig, ImageFolderDataConfig,
@@ -111,6 +112,8 @@ class TrainConfig:
     # shared: one run directory every host sees; local: each host its own disk, each writes its
     # ranks' part (python -m pipeflow.checkpoint gather merges them); docs/guides/multinode.md "Storage"
     checkpoint_storage: CheckpointStorage = CheckpointStorage.shared
+    checkpoint_mode: CheckpointMode = CheckpointMode.sync  # sync | async (a thread writes) | async_process
+    on_save_error: SaveErrorAction = SaveErrorAction.stop  # a failed background save: stop, or warn and go on
     resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
     check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage (fp16 overflow: skipped)
     # signals that save a checkpoint at the next step boundary and end the job (exit code 75): a
@@ -136,6 +139,10 @@ class TrainConfig:
                               f"{', '.join(STORAGES)}: shared (one run directory every host sees) or local (each "
                               "host its own disk)")
         check_options(self.compile_mode, self.compile_backend)
+        if self.checkpoint_mode == "async_process" and self.checkpoint_storage == "local":
+            raise ConfigError("train.checkpoint_mode=async_process writes through one writer process per rank on a "
+                              "group of the whole job, which cannot write each host's own part: with "
+                              "train.checkpoint_storage=local use train.checkpoint_mode=async (a background thread)")
 
 
 @dataclass

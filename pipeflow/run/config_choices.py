@@ -85,6 +85,18 @@ class CheckpointStorage(Choice):
     local = "local"
 
 
+# made by call: "async" is a keyword, and Hydra takes a member by its name
+CheckpointMode = Choice("CheckpointMode", [(word, word) for word in ("sync", "async", "async_process")])
+CheckpointMode.__doc__ = "``train.checkpoint_mode``: write checkpoints while training waits, or in the background."
+
+
+class SaveErrorAction(Choice):
+    """``train.on_save_error``: what a failed background save does to training."""
+
+    stop = "stop"
+    warn = "warn"
+
+
 class ShardMode(Choice):
     """``parallel.shard``: what a stage's data-parallel group shards (none, ZeRO-1, FSDP2)."""
 

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from pipeflow.errors import NonFiniteError
 from pipeflow.run import checkpoint, lora_base, storage
+from pipeflow.run.checkpoint_async import BackgroundSaver
 from pipeflow.runtime import finite as nonfinite
 from pipeflow.runtime.mesh import Mesh
 from pipeflow.runtime.precision import LossScaler
@@ -49,8 +50,11 @@ class TrainState:
         layers = layers_by_index(self.stages, self.ranges)
         return lora_base.trainable(layers) if self.lora else layers
 
-    def save(self, step: int, device: torch.device) -> str:
+    def save(self, step: int, device: torch.device, saver: BackgroundSaver | None = None) -> Any:
         """Write ``<root>/step_<step>`` (collective; see :func:`pipeflow.run.checkpoint.save`); returns its folder.
+        With `saver` (``train.checkpoint_mode=async*``) stage it for the background writer and
+        return ``(its folder, the report of the save waited for)``
+        (:meth:`~pipeflow.run.checkpoint_async.BackgroundSaver.save`).
 
         Raises:
             NonFiniteError: a weight holds NaN or Inf (nothing is written; ``latest`` stays).
@@ -68,6 +72,9 @@ class TrainState:
                 "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
         if self.lora:  # the adapters only; the frozen base named, not copied
             meta[lora_base.LORA_BASE] = lora_base.record(self.cfg.model)
+        if saver is not None:
+            return saver.save(self.root, step, self._layers(), self.optimizer, meta, job=self.job,
+                              keep_last=self.cfg.train.keep_last)
         return checkpoint.save(self.root, step, self._layers(), self.optimizer, meta, job=self.job,
                                storage=self.storage, keep_last=self.cfg.train.keep_last)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ from omegaconf import DictConfig
 
 from pipeflow.observability.metrics import perplexity
 from pipeflow.planning.layout import Layout, describe_layout
+from pipeflow.run.checkpoint_async import BackgroundSaver, SaveReport, raise_or_warn
 from pipeflow.run.microbatch_split import MicroBatches, MicroBatchSplit
 from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
 from pipeflow.run.evaluation import held_out_loss, reached_a_rank
@@ -87,6 +89,7 @@ class Trainer:
     _from_agent: bool = field(default=False, init=False, repr=False)  # it was torchrun's agent stopping its workers
     _watching_signals: bool = field(default=False, init=False, repr=False)  # evaluations check for it
     _saved: tuple[int, str] | None = field(default=None, init=False, repr=False)  # last saved or resumed: (step, folder)
+    _saver: BackgroundSaver | None = field(default=None, init=False, repr=False)  # train.checkpoint_mode=async*
 
     @property
     def stages(self) -> dict[int, Stage]:
@@ -155,15 +158,53 @@ class Trainer:
                           self.loop.update.scaler, lora=self.plan.spec.lora is not None, root=self.checkpoint_root,
                           storage=self.checkpoint_storage, job=self.loop.workspace.token)
 
-    def save_checkpoint(self, step: int) -> str:
-        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.run.checkpoint).
+    def save_checkpoint(self, step: int, sync: bool = False) -> str:
+        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.run.checkpoint), or
+        with ``train.checkpoint_mode=async|async_process`` (unless `sync`) stage it and write it in
+        the background (:mod:`pipeflow.run.checkpoint_async`): the folder it will have is returned
+        at once, complete when reported.
 
         Raises:
             NonFiniteError: a weight holds NaN or Inf (nothing is written; ``latest`` stays).
         """
-        path = self.state.save(step, self.device)
+        started = time.perf_counter()
+        if sync or self.cfg.train.checkpoint_mode == "sync":
+            path = self.state.save(step, self.device)
+            if self.is_main:
+                log.info("saved checkpoint of step %d: %s (%.2f s)", step, path, time.perf_counter() - started)
+            self.loop.metrics.checkpoint_saved(step, time.perf_counter() - started, None)
+        else:
+            if self._saver is None:  # collective: every rank reaches its first save at the same step
+                self._saver = BackgroundSaver(str(self.cfg.train.checkpoint_mode), str(self.cfg.train.on_save_error),
+                                              self.device, self.checkpoint_storage)
+            path, waited = self.state.save(step, self.device, self._saver)
+            self._settled(waited)
+            if self.is_main and self._saver.inflight is not None:
+                log.info("staged checkpoint of step %d in %.2f s (train.checkpoint_mode=%s): writing it in the "
+                         "background", step, self._saver.inflight.staged_s, self.cfg.train.checkpoint_mode)
         self._saved = (step, path)
         return path
+
+    def _settled(self, report: SaveReport | None) -> None:
+        """Report a background save that ended: its line and figures, or its failure
+        (``train.on_save_error``: raised or warned on every rank alike)."""
+        if report is None:
+            return
+        if report.error is not None:
+            raise_or_warn(report, str(self.cfg.train.on_save_error))
+            return
+        if self.is_main:
+            log.info("saved checkpoint of step %d: %s (written in the background in %.2f s)", report.step,
+                     report.path, report.write_s)
+        self.loop.metrics.checkpoint_saved(report.step, report.staged_s, report.write_s)
+
+    def _wait_for_save(self, before: str) -> SaveReport | None:
+        """Wait for the background save in flight, if any (collective), and report it."""
+        if self._saver is None:
+            return None
+        report = self._saver.wait(before)
+        self._settled(report)
+        return report
 
     def resume(self) -> int:
         """Load the checkpoint ``train.resume`` names, if any (:meth:`TrainState.resume`); returns
@@ -321,6 +362,8 @@ class Trainer:
         directory's lock; called at the end of :meth:`fit`, so every run and every sweep job ends
         with it (idempotent)."""
         self.pipeline.comm.close()
+        if self._saver is not None:
+            self._saver.close()
         self.loop.workspace.release()
 
     def _train(self, start: int) -> int | None:
@@ -335,6 +378,8 @@ class Trainer:
         cfg = self.cfg.train
         previous: PendingStep | None = None
         for step in range(start, cfg.max_steps):
+            if self._saver is not None:  # a background save ended on every rank: reported at this boundary
+                self._settled(self._saver.poll())
             self.loop.metrics.begin_step(step)
             waiting, done = self.advance(step, previous)
             timing = self.loop.metrics.stop_step()
@@ -368,7 +413,16 @@ class Trainer:
             during: the phase the signal stopped (``an evaluation``), for the message.
         """
         distributed.saving_on_signal(True)  # a launcher that dies first must not end the save
-        path = saved if saved is not None else self.save_checkpoint(step)
+        if self._saver is not None:  # the save in flight finishes first; one that failed is saved again now
+            report = self._saver.wait("leaving")
+            if report is not None and report.error is not None:
+                if self.is_main:
+                    log.warning("the background checkpoint of step %d failed (%s): saving step %d now", report.step,
+                                report.error, step)
+                saved = None
+            else:
+                self._settled(report)
+        path = saved if saved is not None else self.save_checkpoint(step, sync=True)
         names = list(map(str, signal_names(self.cfg.train.save_on_signal)))
         if self.is_main:
             where = f" during {during}" if during else ""
@@ -456,6 +510,8 @@ class Trainer:
         finally:
             self._watching_signals = False
             restore()
+        if preempted_at is None:  # the last checkpoint is complete before the run says it ended
+            self._wait_for_save("the end of the run")
         losses = self.history[trained:]
         first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val,
