@@ -83,3 +83,63 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     assert 4 - len(resumed.history) == 2  # train.resume=auto picked step 2
     assert find_latest(str(root)) == str(root / "step_00000004")
     assert not list(root.glob("*.tmp"))  # the dead job's leftover, removed when its stale lock was taken over
+
+
+RANK_CHILD = textwrap.dedent("""
+    import os, sys, time
+    sys.path[:0] = [{root!r}, {tests!r}]
+    import torch, torch.distributed as dist
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    import scale_cases
+    from pipeflow.run import integrity
+    from pipeflow.run.builder import build_run
+    cfg = scale_cases.make_config(1, "1f1b", 2, train__param_dtype="float32", train__max_steps=40,
+                                  train__save_every=2, train__run_dir={run_dir!r}, train__checkpoint_mode="async",
+                                  comm__timeout_s=10)
+    share = integrity.digest_share
+    def stuck(folder, *args):  # rank 1's background save of step 4 stops while hashing its files
+        if rank == 1 and "step_00000004." in folder:
+            print("SAVING", flush=True)
+            time.sleep(120)
+        return share(folder, *args)
+    integrity.digest_share = stuck
+    build_run(cfg, torch.device("cpu")).fit()
+""")
+
+
+def test_a_rank_killed_during_a_background_write_leaves_latest_complete(tmp_path: Path, one_rank_group) -> None:
+    """Issue 60: rank 1 is killed (-9) while its background save of step 4 runs, training going on
+    meanwhile: rank 0 stops with a named error, latest still names step 2, complete, and the run
+    resumes from it (here under another layout: one rank)."""
+    import socket
+
+    run_dir = tmp_path / "run"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code = RANK_CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), port=port, run_dir=str(run_dir))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env) for r in (0, 1)]
+    lines = []
+    for line in ranks[1].stdout:
+        lines.append(line)
+        if line.startswith("SAVING"):
+            ranks[1].send_signal(signal.SIGKILL)
+            break
+    ranks[1].wait(timeout=60)
+    survivor = ranks[0].communicate(timeout=120)[0]
+    assert ranks[1].returncode == -signal.SIGKILL, "".join(lines)[-3000:]
+    assert ranks[0].returncode not in (0, None), survivor[-3000:]
+    # a named error, not a hang: the training's P2P or the save's agreement meets the dead peer first
+    assert "pipeflow.errors.CommError" in survivor or "CheckpointPeerLostError" in survivor, survivor[-3000:]
+    root = run_dir / "checkpoints"
+    assert find_latest(str(root)) == str(root / "step_00000002"), sorted(p.name for p in root.iterdir())
+    assert resolve("auto", str(root)) == str(root / "step_00000002")
+    cfg = scale_cases.make_config(1, "1f1b", 1, train__param_dtype="float32", train__max_steps=4, train__save_every=2,
+                                  train__run_dir=str(run_dir), train__resume="auto", parallel__pp=1)
+    resumed = build_run(cfg, torch.device("cpu"))
+    resumed.fit()
+    assert 4 - len(resumed.history) == 2  # train.resume=auto picked step 2
+    assert find_latest(str(root)) == str(root / "step_00000004")

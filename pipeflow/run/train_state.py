@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from pipeflow.errors import NonFiniteError
-from pipeflow.run import checkpoint, lora_base, storage
+from pipeflow.errors import CheckpointPeerLostError, NonFiniteError
+from pipeflow.run import checkpoint, integrity, lora_base, storage
 from pipeflow.run.checkpoint_async import BackgroundSaver
 from pipeflow.runtime import finite as nonfinite
 from pipeflow.runtime.mesh import Mesh
@@ -60,7 +60,14 @@ class TrainState:
             NonFiniteError: a weight holds NaN or Inf (nothing is written; ``latest`` stays).
         """
         flags = nonfinite.param_flags(self.stages, self.num_stages, device)
-        dist.all_reduce(flags)
+        try:
+            dist.all_reduce(flags)
+        except RuntimeError as exc:  # gloo/NCCL: a peer died or was stopped before the save
+            raise CheckpointPeerLostError(
+                f"checkpoint of step {step} not written: a peer stopped taking part while the ranks checked their "
+                f"weights before it (it died, was stopped, or hangs; the launcher's report names a rank that "
+                f"ended): {integrity.describe(exc, dist.get_rank())[0][1]}; nothing was written, latest is "
+                f"untouched") from exc
         bad = [s for s, flag in enumerate(flags.tolist()) if flag > 0]
         if bad:
             raise NonFiniteError(
