@@ -139,6 +139,45 @@ def killed_writer_process() -> dict[str, Any]:
     return out
 
 
+def background_save_given_up() -> dict[str, Any]:
+    """A preemption's bounded wait: step 1's background save is still hashing (slowed on rank 1)
+    when the wait's deadline passes: every rank gives it up, step 2 is saved at once, and step 1's
+    thread, when it gets there, refuses to commit on every rank and removes its partial folder."""
+    import time
+
+    from pipeflow.run import checkpoint as ck
+    from pipeflow.run import integrity
+    from pipeflow.run.checkpoint_async import BackgroundSaver
+
+    layers, opt = _model()
+    root = _shared_dir()
+    saver = BackgroundSaver("async", "stop", torch.device("cpu"))
+    real = integrity.digest_share
+
+    def slow(folder: str, *args: Any) -> Any:
+        if dist.get_rank() == 1 and "step_00000001." in folder:
+            time.sleep(1.5)
+        return real(folder, *args)
+
+    out: dict[str, Any] = {"root": root}
+    integrity.digest_share = slow
+    try:
+        saver.save(root, 1, layers, opt, {"scaler": {}}, job="jobA")
+        given_up = saver.inflight
+        out["report"] = saver.wait("leaving", timeout_s=0.2)
+        out["saved"] = os.path.basename(ck.save(root, 2, layers, opt, {"scaler": {}}, job="jobA"))
+        given_up.done.wait(30)
+        out["error"] = f"{type(given_up.error).__name__}: {given_up.error}"
+        dist.barrier()
+        out["left"] = sorted(os.listdir(root))
+        out["latest"] = os.path.basename(ck.find_latest(root))
+    finally:
+        integrity.digest_share = real
+        saver.close()
+        _on_rank0(lambda: shutil.rmtree(root, ignore_errors=True))
+    return out
+
+
 def trainer_saving_in_the_background() -> dict[str, Any]:
     """The Trainer with train.checkpoint_mode=async against one with sync, the same run: the same
     files at every saved step; a SIGTERM at the boundary where a save is in flight finishes it
@@ -220,6 +259,7 @@ WORLD_CASES = [
     ("async-process", functools.partial(saves_in_the_background, "async_process")),
     ("async-disk-full", background_save_on_a_full_disk),
     ("async-writer-killed", killed_writer_process),
+    ("async-given-up", background_save_given_up),
     ("async-trainer", trainer_saving_in_the_background),
 ]
 
@@ -270,6 +310,19 @@ def test_a_killed_writer_process_is_named_on_every_rank_and_the_next_save_starts
         assert f"latest still names {root}/step_00000001" in out["error"], out["error"]
         assert out["left"] == ["latest", "step_00000001"] and out["latest"] == "step_00000001", out
         assert out["after"] == "step_00000003", out
+
+
+def test_a_background_save_given_up_never_commits_and_latest_names_the_newer_save(world) -> None:
+    for out in _values(world["async-given-up"]):
+        root = out["root"]
+        assert out["report"] is None and out["saved"] == "step_00000002", out
+        assert out["error"] == (f"CheckpointError: checkpoint of step 1 not written ({root}/step_00000001.jobA.tmp): "
+                                f"deciding to commit it failed on rank 0: checkpoint of step 1 given up before it "
+                                f"was committed (a preemption's grace ran out while it was written in the "
+                                f"background); rank 1: checkpoint of step 1 given up before it was committed (a "
+                                f"preemption's grace ran out while it was written in the background); the partial "
+                                f"folder was removed, latest still names {root}/step_00000002"), out["error"]
+        assert out["left"] == ["latest", "step_00000002"] and out["latest"] == "step_00000002", out
 
 
 def test_the_trainer_saves_in_the_background_as_it_saves_in_the_foreground(world) -> None:

@@ -20,6 +20,7 @@ import async_checkpoint_cases
 import checkpoint_cases
 import fault_cases as cases
 from async_checkpoint_cases import (  # noqa: F401 - background saves (issue 60), run on this module's world
+    test_a_background_save_given_up_never_commits_and_latest_names_the_newer_save,
     test_a_full_disk_during_a_background_write_is_named_on_every_rank_and_latest_stays,
     test_a_killed_writer_process_is_named_on_every_rank_and_the_next_save_starts_anew,
     test_async_checkpoints_hold_the_files_a_synchronous_save_writes,

@@ -46,6 +46,9 @@ def test_local_storage_keeps_each_hosts_part_and_gather_merges_them(emulated_hos
     with emulated_hosts(2, private=(str(run_dir),)) as hosts:
         texts = outputs(launch_on_hosts(hosts, [*SMALL64, "parallel.dp=2", "parallel.pp=2", "train.max_steps=20",
                                                 "train.save_every=10", "train.checkpoint_storage=local",
+                                                # each host's part written in the background (issue 60); the
+                                                # synchronous local save: tests/test_storage.py
+                                                "train.checkpoint_mode=async",
                                                 "pipeline.num_microbatches=2", f"train.run_dir={run_dir}"]))
         codes = [p.returncode for p in hosts._procs]
         for i in range(2):

@@ -61,7 +61,7 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -230,17 +230,18 @@ def state_to_save(layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer
 
 
 def finish(saving: _Saving, meta: dict[str, Any], written: integrity.Outcome, rng: dict[str, Any],
-           keep_last: int | None = None) -> str:
+           keep_last: int | None = None, proceed: Callable[[], bool] | None = None) -> str:
     """The steps of a save after DCP wrote (or failed to write: `written`) this rank's files:
     the RNG states `rng`, then, agreed across ranks, the digests, ``meta.json``, the rename,
-    ``latest`` and the retention (collective over the save's group).  Returns the checkpoint
-    directory; raises as :func:`save` does."""
+    ``latest`` and the retention (collective over the save's group).  `proceed` (a background
+    save): asked on every rank before anything is committed; if any says no, the save is
+    refused on every rank.  Returns the checkpoint directory; raises as :func:`save` does."""
     rank, part = saving.rank, saving.part
     if not written.errors:
         written = integrity.attempt(lambda: _save_rng(saving.tmp, rank, rng), rank)
     saving.agree("writing its files", written)
     if part is not None:
-        final = _finish_part(saving, meta, part, saving.job)
+        final = _finish_part(saving, meta, part, saving.job, proceed)
         if rank == saving.tidy:  # each host its own disk's
             retention.prune(saving.root, keep_last)
         return final
@@ -249,6 +250,7 @@ def finish(saving: _Saving, meta: dict[str, Any], written: integrity.Outcome, rn
     shares = saving.agree("hashing its files", hashed)
     files = {rel: digest for share in shares for rel, digest in share.items()}
     meta = {**meta, "step": saving.step, "world_size": world, "files": files}
+    _agree_to_commit(saving, proceed)
     committed = integrity.attempt(lambda: _commit(saving.root, saving.tmp, saving.final, meta) if rank == 0 else None,
                                   rank)
     saving.agree("committing it", committed)
@@ -268,7 +270,20 @@ def _write(state: dict[str, Any], tmp: str, part: HostPart | None) -> None:
         dcp.save(state, storage_writer=part.writer(tmp), process_group=part.group)
 
 
-def _finish_part(saving: _Saving, meta: dict[str, Any], part: HostPart, job: str) -> str:
+def _agree_to_commit(saving: _Saving, proceed: Callable[[], bool] | None) -> None:
+    """Every rank says whether the save may still commit (`proceed`); one no refuses it everywhere."""
+    if proceed is None:
+        return
+
+    def ask() -> None:
+        if not proceed():
+            raise CheckpointError(f"{saving.what} given up before it was committed (a preemption's grace ran out "
+                                  f"while it was written in the background)")
+    saving.agree("deciding to commit it", integrity.attempt(ask, saving.rank))
+
+
+def _finish_part(saving: _Saving, meta: dict[str, Any], part: HostPart, job: str,
+                 proceed: Callable[[], bool] | None = None) -> str:
     """Local storage, after every host wrote its files: each host hashes its own (shared among its
     ranks), its first rank writes the host's ``meta.json`` and renames its folder; only once every
     host's part is in place does each point its own ``latest`` at it."""
@@ -278,6 +293,7 @@ def _finish_part(saving: _Saving, meta: dict[str, Any], part: HostPart, job: str
     files = {rel: digest for r in part.ranks for rel, digest in shares[r].items()}
     meta = {**meta, "step": saving.step, "world_size": world, "files": files, "storage": "local", "host": part.host,
             "host_ranks": list(part.ranks), "hosts": [[name, list(ranks)] for name, ranks in part.hosts]}
+    _agree_to_commit(saving, proceed)
     committed = integrity.attempt(lambda: _commit_part(saving, meta) if rank == saving.tidy else None, rank)
     saving.agree("committing its host's part", committed)
     pointed = integrity.attempt(lambda: _point_latest(saving.root, saving.final) if rank == saving.tidy else None, rank)

@@ -56,6 +56,7 @@ class SaveInFlight:
     write_s: float = 0.0
     write_failed: bool = False  # this rank's write failed (known before the ranks agree on it)
     writer_stopped: bool = False  # this rank's writer process was stopped because another rank's failed
+    abandoned: bool = False  # given up (a preemption's grace): it must not commit, whenever it gets there
 
 
 @dataclass
@@ -98,6 +99,8 @@ class BackgroundSaver:
                                                    use_async_staging=False, use_non_blocking_copy=pinned))
         self.inflight: SaveInFlight | None = None
         self.rank = dist.get_rank()
+        self._late = 0
+        self._given_up: SaveInFlight | None = None  # an abandoned save, whose thread may still use the group
 
     def save(self, root: str, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer,
              meta: dict[str, Any], job: str = "", keep_last: int | None = None) -> tuple[str, SaveReport | None]:
@@ -110,6 +113,9 @@ class BackgroundSaver:
                 first step raises them (nothing was staged).
         """
         waited = self.wait(f"the checkpoint of step {step}")
+        if self._given_up is not None:  # its thread refuses to commit soon; two on one group would mismatch
+            self._given_up.done.wait()
+            self._given_up = None
         started = time.perf_counter()
         saving = checkpoint.begin(root, step, job, self.storage, group=self.group, part=self.part)
         state = checkpoint.state_to_save(layers, optimizer)
@@ -139,7 +145,8 @@ class BackgroundSaver:
                 if written.errors and inflight.writer_stopped:
                     written.errors = [(self.rank, "its writer process was stopped: another rank's had failed")]
             inflight.write_failed = bool(written.errors)
-            inflight.path = checkpoint.finish(saving, meta, written, rng, keep_last)
+            inflight.path = checkpoint.finish(saving, meta, written, rng, keep_last,
+                                              proceed=lambda: not inflight.abandoned)
         except BaseException as exc:  # noqa: BLE001 - reported at a step boundary, on every rank
             inflight.error = exc
         finally:
@@ -153,26 +160,42 @@ class BackgroundSaver:
             return None
         return self._ended() if self._all_done() else None
 
-    def wait(self, before: str) -> SaveReport | None:
+    def wait(self, before: str, timeout_s: float | None = None) -> SaveReport | None:
         """Wait for the save in flight, if any (collective: every rank calls it at the same
-        boundary), saying so when it has to; its report."""
+        boundary), saying so when it has to; its report.  With `timeout_s`, once any rank has
+        waited that long every rank gives the save up (:meth:`abandon`) and None is returned."""
         if self.inflight is None:
             return None
         if not self.inflight.done.is_set() and self.rank == 0:
             log.info("waiting for the checkpoint of step %d to be written before %s", self.inflight.step, before)
-        while not self._all_done():
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._all_done(late=deadline is not None and time.monotonic() > deadline):
+            if self._late:
+                self.abandon()
+                return None
             self.inflight.done.wait(0.05)
         return self._ended()
 
-    def _all_done(self) -> bool:
-        """Whether every rank's save is done (one all-reduce on the poll group).  Where a rank's
-        writer process failed or died, every rank stops its own: the others' writes wait for the
-        dead one's part of DCP's collectives, and would wait until gloo's timeout."""
+    def abandon(self) -> None:
+        """Give the save in flight up: its thread goes on, but refuses to commit (agreed, so on
+        every rank) and removes its partial folder; ``latest`` stays where it was."""
+        if self.inflight is not None:
+            if self.rank == 0:
+                log.warning("gave up the checkpoint of step %d, still being written: it will not be committed",
+                            self.inflight.step)
+            self.inflight.abandoned = True
+            self._given_up, self.inflight = self.inflight, None
+
+    def _all_done(self, late: bool = False) -> bool:
+        """Whether every rank's save is done (one all-reduce on the poll group; `late`: this rank's
+        wait is past its deadline, and after the call :attr:`_late` says whether any rank's is).
+        Where a rank's writer process failed or died, every rank stops its own: the others' writes
+        wait for the dead one's part of DCP's collectives, and would wait until gloo's timeout."""
         assert self.inflight is not None
-        flags = torch.tensor([0 if self.inflight.done.is_set() else 1, int(self.inflight.write_failed)],
+        flags = torch.tensor([0 if self.inflight.done.is_set() else 1, int(self.inflight.write_failed), int(late)],
                              dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.poll_group)
-        busy, failed = flags.tolist()
+        busy, failed, self._late = flags.tolist()
         if failed and busy and self.mode == "async_process" and not self.inflight.write_failed:
             self.inflight.writer_stopped = True
             stop_writer_process()

@@ -56,6 +56,10 @@ __all__ = ["Trainer", "clip_grad_norm_global", "clip_on_device", "lr_at", "uniqu
 
 log = logging.getLogger("pipeflow")
 
+# a preemption waits this long for an older step's background save, then gives it up and saves its own
+# step at once: torchrun's agent and Slurm allow 30 s between SIGTERM and SIGKILL by default
+PREEMPT_WAIT_S = 20.0
+
 
 @dataclass
 class Trainer:
@@ -413,8 +417,11 @@ class Trainer:
             during: the phase the signal stopped (``an evaluation``), for the message.
         """
         distributed.saving_on_signal(True)  # a launcher that dies first must not end the save
-        if self._saver is not None:  # the save in flight finishes first; one that failed is saved again now
-            report = self._saver.wait("leaving")
+        if self._saver is not None and self._saver.inflight is not None:
+            # the save in flight finishes first, an older step's within PREEMPT_WAIT_S (else it is given up
+            # and this step saved now); one that failed is saved again now
+            same = self._saver.inflight.step == step
+            report = self._saver.wait("leaving", timeout_s=None if same else PREEMPT_WAIT_S)
             if report is not None and report.error is not None:
                 if self.is_main:
                     log.warning("the background checkpoint of step %d failed (%s): saving step %d now", report.step,
