@@ -2,7 +2,8 @@
 (``EmulatedHosts(2, private=(run_dir,))``): with ``train.checkpoint_storage=shared`` (the default)
 every rank stops at start naming what each host sees; with ``local`` dp 2 x pp 2 trains and saves,
 each host's disk holds its own part, and ``python -m pipeflow.checkpoint gather`` merges the
-parts into a checkpoint that exports and resumes in one process."""
+parts into a checkpoint that exports and resumes in one process; a host lost while the parts
+are saved in the background leaves each host's latest complete on every host."""
 from __future__ import annotations
 
 import os
@@ -76,3 +77,34 @@ def test_local_storage_keeps_each_hosts_part_and_gather_merges_them(emulated_hos
                                f"train.run_dir={tmp_path / 'one'}", f"hydra.run.dir={tmp_path / 'one'}"], env=ENV, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from checkpoint {out} at step 20" in resumed.stdout + resumed.stderr
+
+
+def test_a_host_lost_during_background_saves_leaves_each_hosts_latest_complete(emulated_hosts, tmp_path) -> None:
+    """Issue 60: local storage, saves in the background every 5 steps; host 1 is killed after a
+    save: host 0's ranks stop with a named error, and each host's latest names a step whose part
+    every host holds complete (gather merges them), however far the save in flight had got."""
+    from test_hosts import _watch, _when
+
+    run_dir, parts = tmp_path / "run", tmp_path / "parts"
+    run_dir.mkdir()
+    with emulated_hosts(2, private=(str(run_dir),)) as hosts:
+        procs = launch_on_hosts(hosts, [*SMALL64, "parallel.dp=2", "parallel.pp=2", "train.max_steps=100000",
+                                        "train.save_every=5", "train.checkpoint_storage=local",
+                                        "train.checkpoint_mode=async", "pipeline.num_microbatches=2",
+                                        "train.log_every=5", "comm.timeout_s=5", f"train.run_dir={run_dir}"])
+        lines, threads = _watch(procs)
+        _when(lines[0], r"saved checkpoint of step 10:", 120)
+        hosts.kill(1)
+        procs[0].wait(timeout=60)
+        for i in range(2):
+            shutil.copytree(hosts.disk(i, str(run_dir)), parts / f"host{i}")
+    for thread in threads:
+        thread.join(timeout=10)
+    text = "".join(line for _, line in lines[0])
+    assert procs[0].returncode == 1 and re.search(r"(CommError|PipelineTimeoutError|CheckpointPeerLostError)", text), \
+        text[-3000:]
+    latest = [(parts / f"host{i}" / "checkpoints" / "latest").read_text() for i in range(2)]
+    assert all(int(name.split("_")[1]) >= 10 for name in latest), latest
+    for name in set(latest):  # every host's part of each host's latest: complete, merged into the whole
+        steps = [str(parts / f"host{i}" / "checkpoints" / name) for i in range(2)]
+        assert main(["gather", *steps, str(tmp_path / "merged" / name)]) == 0, name
