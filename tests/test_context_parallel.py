@@ -262,7 +262,7 @@ def _resumed_under_another_cp() -> dict:
 
     cfg = scale_cases.make_config(1, "1f1b", 2, parallel__cp=2, pipeline__profile=True)
     trainer = build_run(cfg, torch.device("cpu"))
-    ring = re.search(r"cp ring pass ([\d.]+) ms \+ ([\d.]+) MB/s", trainer.describe())
+    ring = re.search(r"cp ring pass ([\d.]+) ms \+ (?:[\d.]+ MB/s|no per-byte cost)", trainer.describe())
     for step in range(2):
         trainer.train_step(step)
     path = trainer.save_checkpoint(2)
@@ -277,7 +277,7 @@ def _resumed_under_another_cp() -> dict:
     diffs = [_rel(p.detach(), trained[f"{idx}.{name}"]) for s, stage in again.stages.items()
              for layer, idx in zip(stage.module, again.ranges[s]) for name, p in layer.named_parameters()]
     return {"step": step, "compared": len(diffs), "worst": max(diffs), "saved_cp": trainer.mesh.cp,
-            "resumed_cp": again.mesh.cp, "ring": ring and tuple(float(x) for x in ring.groups()),
+            "resumed_cp": again.mesh.cp, "ring": ring and float(ring.group(1)),
             "passes": sum(p.ring_forward_passes for p in trainer.layout.profiles)}
 
 
@@ -322,7 +322,7 @@ def test_a_checkpoint_of_a_cp_run_resumes_under_another_cp(world4):
         assert (v["step"], v["saved_cp"], v["resumed_cp"]) == (2, 2, 1) and v["compared"] > 0, v
         assert v["worst"] == 0.0, v
         # the start-of-run prediction prices the attention's passes on a pass timed on the cp group
-        assert v["ring"] and v["ring"][0] > 0 and v["ring"][1] > 0 and v["passes"] > 0, v
+        assert v["ring"] is not None and v["ring"] >= 0 and v["passes"] > 0, v  # a fit may give no per-byte term
 
 
 def test_packed_documents_across_chunk_boundaries_train_as_the_unsplit_model(world4):

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from pipeflow.errors import CheckpointError, PipeflowError
+from pipeflow.errors import CheckpointError, CheckpointPeerLostError, PipeflowError
 from pipeflow.run import checkpoint, integrity
 from pipeflow.run.storage import HostPart, host_part
 
@@ -194,7 +194,14 @@ class BackgroundSaver:
         assert self.inflight is not None
         flags = torch.tensor([0 if self.inflight.done.is_set() else 1, int(self.inflight.write_failed), int(late)],
                              dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.poll_group)
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.poll_group)
+        except RuntimeError as exc:  # gloo/NCCL: a peer died or was stopped while the save was in flight
+            raise CheckpointPeerLostError(
+                f"checkpoint of step {self.inflight.step} not known to be written: a peer stopped taking part while "
+                f"it was written in the background (it died, was stopped, or hangs; the launcher's report names a "
+                f"rank that ended): {integrity.describe(exc, self.rank)[0][1]}; latest names the last complete "
+                f"checkpoint") from exc
         busy, failed, self._late = flags.tolist()
         if failed and busy and self.mode == "async_process" and not self.inflight.write_failed:
             self.inflight.writer_stopped = True
