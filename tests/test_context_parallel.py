@@ -332,3 +332,17 @@ def test_packed_documents_across_chunk_boundaries_train_as_the_unsplit_model(wor
         assert result.error is None, f"rank {rank}: {result.error}"
         v = result.value
         assert v["params_compared"] > 0 and max(v["loss"], v["grad"], v["param"], v["val"]) <= 1e-9, (rank, v)
+
+
+def test_a_cp_run_whose_layers_take_no_hook_is_a_config_error(one_rank_group):
+    """Issue 59: the builder raised this ConfigError without importing it (a NameError instead)."""
+    import types
+
+    from pipeflow.errors import ConfigError
+    from pipeflow.run.builder import attach_context_parallel
+    from pipeflow.runtime.transport import Deadlines
+
+    mesh = types.SimpleNamespace(cp_group=None, cp=2)
+    stages = {0: types.SimpleNamespace(module=torch.nn.Sequential(torch.nn.Linear(2, 2)))}
+    with pytest.raises(ConfigError, match=r"^parallel.cp=2: no layer of stage\(s\) \[0\] takes context parallelism"):
+        attach_context_parallel(stages, mesh, torch.device("cpu"), Deadlines(30.0, 30.0))

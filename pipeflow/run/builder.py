@@ -42,7 +42,9 @@ from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.runtime_timing import fused_adamw
 from pipeflow.planning.step_model import measure_step_costs
 from pipeflow.planning.tensor_cost import largest_collective_bytes
+from pipeflow.errors import ConfigError
 from pipeflow.run import guard
+from pipeflow.run.replan import replanned
 from pipeflow.run.compile_phase import compile_and_warm_up, compile_options
 from pipeflow.run.model_build import build_spec, built_on_every_rank
 from pipeflow.run.config import RecvPosting, check_config, tensor_degree
@@ -56,7 +58,7 @@ from pipeflow.runtime import ring_attention
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.fsdp import FullShard
-from pipeflow.runtime.memory import MemoryAccountant
+from pipeflow.runtime.memory import MemoryAccountant, device_memory_limit
 from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
 from pipeflow.runtime.mesh_order import DEFAULT_ORDER, parse_order
 from pipeflow.planning.mesh_choice import choose_order
@@ -97,6 +99,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
         ConfigMismatchError: the ranks resolved different configs.
         ConfigError, ScheduleError, PartitionError: a config the run cannot use.
     """
+    cfg = replanned(cfg, device)  # parallel.replan: the degrees for the world that met
     plan = plan_run(cfg, device)
     topology = connect(cfg, plan, device)
     plan, synthesis, link = settle_schedule(cfg, plan, topology, device)
@@ -343,16 +346,6 @@ def host_link(device: torch.device) -> HostLink:
     return slowest.link(COPY_LATENCY_S if measured.overlapped else 0.0)
 
 
-def device_memory_limit(device: torch.device) -> float | None:
-    """The tensor bytes a rank's predicted peak should fit (``pipeline.offload=auto`` offloads
-    more where it would not): on CUDA :data:`DEVICE_MEMORY_SHARE` of the device's memory (the
-    rest for the allocator's caching, workspaces and the CUDA context), no limit elsewhere."""
-    if torch.device(device).type != "cuda":
-        return None
-    return DEVICE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
-
-
-DEVICE_MEMORY_SHARE = 0.85
 # comm.post_recvs in the interpreter's terms (Posting's recvs_ahead)
 RECVS_AHEAD: dict[RecvPosting, bool | str] = {RecvPosting.ahead: True, RecvPosting.at_step: False,
                                               RecvPosting.auto: "auto"}
