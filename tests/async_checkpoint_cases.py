@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 from typing import Any
 
@@ -305,8 +306,10 @@ def test_a_killed_writer_process_is_named_on_every_rank_and_the_next_save_starts
     for out in _values(world["async-writer-killed"]):
         root = out["root"]
         assert out["error"].startswith(f"CheckpointError: checkpoint of step 2 not written ({root}/step_00000002.jobA.tmp):"
-                                       f" writing its files failed on rank 0: its writer process was stopped: another "
-                                       f"rank's had failed; rank 1: BrokenPipeError"), out["error"]
+                                       f" writing its files failed on rank 0: "), out["error"]
+        # rank 0's writer was stopped for rank 1's, unless it saw rank 1's writer gone first (gloo)
+        assert re.search(r"on rank 0: (its writer process was stopped: another rank's had failed|RuntimeError: .*"
+                         r"Connection closed by peer.*); rank 1: BrokenPipeError", out["error"]), out["error"]
         assert f"latest still names {root}/step_00000001" in out["error"], out["error"]
         assert out["left"] == ["latest", "step_00000001"] and out["latest"] == "step_00000001", out
         assert out["after"] == "step_00000003", out

@@ -19,6 +19,10 @@ from omegaconf import OmegaConf
 import async_checkpoint_cases
 import checkpoint_cases
 import fault_cases as cases
+import replan_cases
+from replan_cases import (  # noqa: F401 - parallel.replan (issue 61), run on this module's world
+    test_a_replanning_run_chooses_its_degrees_keeps_its_plan_and_restarts_on_it,
+)
 from async_checkpoint_cases import (  # noqa: F401 - background saves (issue 60), run on this module's world
     test_a_background_save_given_up_never_commits_and_latest_names_the_newer_save,
     test_a_full_disk_during_a_background_write_is_named_on_every_rank_and_latest_stays,
@@ -264,6 +268,7 @@ def _world_cases() -> list[tuple[str, object]]:
         ("ep-peer-lost", cases.ep_peer_lost),
         *checkpoint_cases.WORLD_CASES,
         *async_checkpoint_cases.WORLD_CASES,
+        *replan_cases.WORLD_CASES,
     ]
 
 

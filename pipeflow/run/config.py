@@ -150,12 +150,12 @@ class ParallelConfig:
     """The process layout: ``parallel.dp`` x ``parallel.pp`` x ``parallel.cp`` x ``parallel.tp`` = world size."""
 
     dp: Any = 1  # replicas; auto: world size / (pp x tp), so one command fits any node count (needs pp)
-    pp: int | None = None  # default: world size / (dp x tp)
+    pp: Any = None  # default: world size / (dp x tp); auto: replan's
     # what each stage's data-parallel group shards: none (full replicas), optimizer (ZeRO-1:
     # AdamW state and update), full (FSDP2: parameters and gradients too)
     shard: ShardMode = ShardMode.none
-    # tensor parallel: each stage's layers split over tp ranks (innermost: the GPUs of a node)
-    tp: int = 1
+    # tensor parallel: each stage's layers split over tp ranks (innermost: a node's GPUs); auto: replan's
+    tp: Any = 1
     # with tp > 1: norms, dropout and the activations between stages sharded along the sequence
     sequence_parallel: bool = False
     # the mesh's dimensions outermost first (the innermost's groups are consecutive ranks: one
@@ -167,6 +167,7 @@ class ParallelConfig:
     # context parallelism: each sequence split over cp ranks (two chunks each, head and tail), every
     # attention layer passing key/value blocks round their ring; just outside tp unless the order names cp
     cp: int = 1
+    replan: bool = False  # at each start, the auto degrees for the world that met
 
     def __post_init__(self) -> None:
         """Checked when the composed config becomes this object (:func:`typed_config`)."""

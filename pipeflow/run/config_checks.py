@@ -62,6 +62,9 @@ def resolve_layout(parallel: ParallelConfig, world_size: int) -> tuple[int, int]
     Raises:
         ConfigError: if dp x pp x tp does not equal the world size.
     """
+    if parallel.pp == "auto":
+        raise ConfigError("parallel.pp=auto is chosen when a run starts (parallel.replan=true); here give the "
+                          "pipeline ranks, e.g. parallel.pp=4")
     dp, tp, cp = parallel.dp, tensor_degree(parallel), int(getattr(parallel, "cp", 1))
     check_layout_counts(parallel)
     width, across = tp * cp, (f" x parallel.cp={cp}" if cp > 1 else "") + (f" x parallel.tp={tp}" if tp > 1 else "")
@@ -149,7 +152,14 @@ def check_sequence_parallel(cfg: Any) -> None:
 
 
 def tensor_degree(parallel: Any) -> int:
-    """``parallel.tp`` as an int (0 stays 0, for the checks to refuse)."""
+    """``parallel.tp`` as an int (0 stays 0, for the checks to refuse).
+
+    Raises:
+        ConfigError: ``auto``, which only a run that re-plans resolves (:mod:`pipeflow.run.replan`).
+    """
+    if parallel.tp == "auto":
+        raise ConfigError("parallel.tp=auto is chosen when a run starts (parallel.replan=true); here give a "
+                          "number (the planner: plan.tp_sizes lists the degrees it tries)")
     return int(parallel.tp)
 
 

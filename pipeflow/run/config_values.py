@@ -40,7 +40,8 @@ DEADLINE_KEYS: tuple[tuple[str, float], ...] = (
 )
 
 
-AUTO_KEYS = frozenset({"parallel.dp"})  # counts that may also be `auto` (derived from the world size)
+# counts that may also be `auto` (dp: derived from the world size; pp, tp: chosen by parallel.replan)
+AUTO_KEYS = frozenset({"parallel.dp", "parallel.pp", "parallel.tp"})
 
 
 def check_count(key: str, value: Any, least: int, nullable: bool, note: str) -> None:

@@ -24,24 +24,21 @@ from typing import Any, Sequence
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from pipeflow.data import build_batches
-from pipeflow.run.compile_phase import compile_options
 from pipeflow.run.config import register_configs, resolve_layout, tensor_degree
-from pipeflow.run.config_data import typed_data
+from pipeflow.run.plan_profile import interpolate, profile_costs, profile_sizes  # noqa: F401 - the API
 from pipeflow.run.plan_cp import context_degree, ring_pricing, search_cp
 from pipeflow.run.plan_ep import expert_costs
 from pipeflow.run.plan_help import CONFIG_DIR, USAGE, help_text
 from pipeflow.run.plan_tp import search_tp, tp_degrees, tp_link_figures  # noqa: F401 - search_tp: part of the API
-from pipeflow.runtime import hosts, ring_attention
+from pipeflow.runtime import hosts
 from pipeflow.runtime.distributed import choose_device
 from pipeflow.runtime.host_link import measured_once
-from pipeflow.runtime.precision import compute_dtype
 from pipeflow.errors import ConfigError
 from pipeflow.planning.order_search import order_note
 from pipeflow.planning.search import CostModel, PlanResult, SearchSpace, StepModel, search
-from pipeflow.planning.profile import LayerProfile, profile_layers
+from pipeflow.planning.profile import LayerProfile
 from pipeflow.schedules import GENERATORS
 from pipeflow.schedules.offload import HostLink, check_mode
 
@@ -50,9 +47,6 @@ from pipeflow.schedules.offload import HostLink, check_mode
 _PICK_KEYS = {"schedule", "pipeline.num_microbatches", "schedule.stages_per_rank", "pipeline.split_points",
               "parallel.tp", "parallel.cp", "pipeline.offload", "pipeline.stages_per_rank"}
 _HELP_FLAGS = ("-h", "--help")
-_SCALED = ("forward_s", "backward_s", "input_grad_s", "weight_grad_s", "activation_bytes", "output_bytes",
-           "tp_forward_bytes", "tp_backward_bytes", "ring_forward_bytes", "ring_backward_bytes",
-           "ring_forward_hidden_s", "ring_backward_hidden_s")
 
 
 def compose_config(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> DictConfig:
@@ -60,49 +54,6 @@ def compose_config(overrides: Sequence[str], config_dir: Path = CONFIG_DIR) -> D
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
-
-
-def interpolate(low: Sequence[LayerProfile], b_low: int, high: Sequence[LayerProfile], b_high: int) -> CostModel:
-    """Per-layer costs at any micro-batch size b, linear through the two profiled sizes.
-
-    Times and activation bytes are ``x(b) = x_low + (x_high - x_low) (b - b_low) / (b_high - b_low)``,
-    never below 0; with one profiled size (b_low == b_high) they are used as they are.
-    """
-    def at(b: int) -> list[LayerProfile]:
-        if b_high == b_low:
-            return list(low)
-        t = (b - b_low) / (b_high - b_low)
-        return [
-            dataclasses.replace(lo, **{k: _lerp(getattr(lo, k), getattr(hi, k), t) for k in _SCALED})
-            for lo, hi in zip(low, high)
-        ]
-    return at
-
-
-def _lerp(low: float, high: float, t: float) -> Any:
-    value = max(0.0, low + (high - low) * t)
-    return int(round(value)) if isinstance(low, int) else value
-
-
-def profile_costs(cfg: DictConfig, sizes: Sequence[int], device: torch.device, cp: int = 1) -> CostModel:
-    """Profile the model's layers at the smallest and largest micro-batch size of `sizes`, as a
-    rank of context-parallel degree `cp` runs them (its share of each row, attention round a
-    loopback ring whose passes the profile logs)."""
-
-    spec = instantiate(cfg.model)
-    sample, target = build_batches(typed_data(cfg.data), cfg.model).train.get(0)
-    if cp > 1:
-        sample = ring_attention.split_batch(sample, target, 0, cp)[0]
-    dtype = getattr(torch, cfg.train.param_dtype)
-    b_low, b_high = min(sizes), max(sizes)
-    amp = compute_dtype(cfg.train.precision)
-    compiled = compile_options(cfg)  # train.compile: the layers' compiled costs
-    low = profile_layers(spec, sample[:b_low], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp,
-                         compiled=compiled, context_parallel=cp)
-    high = low if b_high == b_low else profile_layers(
-        spec, sample[:b_high], device, dtype, cfg.plan.repeats, split_backward=True, autocast_dtype=amp,
-        compiled=compiled, context_parallel=cp)
-    return interpolate(low, b_low, high, b_high)
 
 
 def search_space(cfg: DictConfig, batch_size: int) -> SearchSpace:

@@ -171,3 +171,15 @@ class MemoryAccountant:
 
 def _unpack(saved: _Saved) -> torch.Tensor:
     return saved.tensor
+
+
+def device_memory_limit(device: torch.device) -> float | None:
+    """The tensor bytes a rank's predicted peak should fit (``pipeline.offload=auto`` offloads
+    more where it would not): on CUDA :data:`DEVICE_MEMORY_SHARE` of the device's memory (the
+    rest for the allocator's caching, workspaces and the CUDA context), no limit elsewhere."""
+    if torch.device(device).type != "cuda":
+        return None
+    return DEVICE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
+
+
+DEVICE_MEMORY_SHARE = 0.85
