@@ -114,7 +114,8 @@ def _plan(cfg: DictConfig, world: int, device: torch.device) -> tuple[Degrees, s
     if last is not None and last.get("world") != world:
         before = Degrees(**last["degrees"])
         change = "lost" if last["world"] > world else "gained"
-        was = f" (was {before.shape()} on {last['world']} ranks: the job {change} {abs(last['world'] - world)})"
+        n = abs(last["world"] - world)
+        was = f" (was {before.shape()} on {last['world']} ranks: the job {change} {n} rank{'s' if n > 1 else ''})"
     plans["last"] = {"world": world, "degrees": dataclasses.asdict(degrees)}
     _write(folder, "plans.json", plans)
     line = (f"re-planned for {world} ranks{_where()}: {degrees.shape()}{was}, predicted step "
@@ -242,7 +243,10 @@ def _where() -> str:
     if len(rows) < 2:
         return ""
     sizes = {len(r[2]) for r in rows}
-    return f" ({len(rows)} hosts x {sizes.pop()} ranks)" if len(sizes) == 1 else f" ({len(rows)} hosts)"
+    if len(sizes) > 1:
+        return f" ({len(rows)} hosts)"
+    each = sizes.pop()
+    return f" ({len(rows)} hosts x {each} rank{'s' if each > 1 else ''})"
 
 
 def _read(folder: str | None, name: str) -> dict | None:
