@@ -238,3 +238,45 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
     assert re.search(r"resumed from checkpoint \S+step_00000020 at step 20 \(saved with dp=1, pp=3", text), text[-4000:]
     after = step_losses(text.split("resumed from checkpoint", 1)[1])
     assert sorted(after) == list(range(20, STEPS)) and all(after[s] == losses[s] for s in after), (after, losses)
+
+
+GROW_STEPS = 300  # long enough for the third host to join while the job trains
+
+
+def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> None:
+    """Issue 61: 2 of 3 hosts start the elastic job (--nnodes 2:3, 1 rank each) and plan for 2
+    ranks; the third joins after step 15: the agents stop the workers, which save at the next step
+    boundary (no step retrained), and the 3 ranks re-plan pp 3 and finish with the losses of one
+    uninterrupted process."""
+    STEPS = GROW_STEPS  # noqa: N806 - the module's name, this test's count
+    reference = tmp_path / "one"
+    done = warm.run_python(["train.py", *SMALL64, f"train.max_steps={STEPS}", "pipeline.num_microbatches=2",
+                            f"train.run_dir={reference}", f"hydra.run.dir={reference}"], timeout=120,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = step_losses(done.stdout + done.stderr)
+    overrides = [*SMALL64, "parallel.replan=true", "parallel.pp=auto", "parallel.dp=auto", "pipeline.num_microbatches=2",
+                 f"train.max_steps={STEPS}", "train.save_every=10", "train.resume=auto",
+                 f"train.run_dir={tmp_path / 'run'}"]
+    common = {"nproc": 1, "nnodes": "2:3", "torchrun_args": "--max-restarts 3"}  # the launcher's own defaults
+    with emulated_hosts(3, names="missing") as hosts:
+        procs = launch_on_hosts(hosts, overrides, on=[0, 1], **common)
+        lines, threads = _watch(procs)
+        _when(lines[0], rf"step\s+15/{STEPS}", 120)
+        procs += launch_on_hosts(hosts, overrides, on=[2], **common)
+        for proc in procs:
+            proc.wait(timeout=150)
+    for thread in threads:
+        thread.join(timeout=10)
+    text = "".join(line for _, line in lines[0])
+    assert [p.returncode for p in procs] == [0, 0, 0], text[-4000:]
+    assert re.search(r"re-planned for 2 ranks \(2 hosts x 1 rank\): dp \d x pp \d x tp 1, predicted step", text), \
+        text[-4000:]
+    stopped = re.search(r"stopped at step (\d+) by torchrun's agent", text)
+    assert stopped, text[-4000:]
+    assert re.search(r"re-planned for 3 ranks \(3 hosts x 1 rank\): dp 1 x pp 3 x tp 1 \(was dp \d x pp \d x tp 1 on 2 "
+                     r"ranks: the job gained 1 rank\)", text), text[-4000:]
+    step = int(stopped.group(1))
+    assert re.search(rf"resumed from checkpoint \S+step_{step:08d} at step {step} ", text), text[-4000:]
+    after = step_losses(text.split("resumed from checkpoint", 1)[1])
+    assert sorted(after) == list(range(step, STEPS)) and all(after[s] == losses[s] for s in after), (after, losses)
