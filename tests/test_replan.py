@@ -55,3 +55,26 @@ def test_auto_degrees_need_replan_and_a_fixed_dp_must_fit() -> None:
         tensor_degree(compose_config(["parallel.tp=auto"]).parallel)
     fixed = _config("parallel.dp=2")
     assert best_degrees(_costs, fixed, 4, None).shape() == "dp 2 x pp 2 x tp 1"  # dp given: pp takes the rest
+
+
+def test_replan_refuses_context_and_expert_parallelism_by_name() -> None:
+    import torch
+
+    with pytest.raises(ConfigError, match=r"^parallel.replan plans dp x pp x tp; with parallel.cp=2 \(context "):
+        replanned(_config("parallel.cp=2"), torch.device("cpu"))
+
+
+def test_a_kept_plan_stands_only_for_the_same_memory_limit(tmp_path) -> None:
+    """The plan kept per world size is re-made when plan.memory_limit_gb changes (the profile is kept)."""
+    import torch
+
+    from pipeflow.run.replan import _plan
+
+    words = ["model.n_embd=16", "model.n_head=2", "data.seq_len=16", "plan.repeats=1", f"train.run_dir={tmp_path}"]
+    first, said = _plan(_config(*words), 4, torch.device("cpu"))
+    assert "(planned on the profile kept in the run directory)" in said, said
+    again, said = _plan(_config(*words), 4, torch.device("cpu"))
+    assert again == first and "(the plan kept for this world size)" in said, said
+    limit = f"plan.memory_limit_gb={first.peak_bytes * 10 / 1e9}"  # a limit the first plan meets too
+    limited, said = _plan(_config(*words, limit), 4, torch.device("cpu"))
+    assert "(planned on the profile kept" in said and limited.peak_bytes <= first.peak_bytes * 10, (said, limited)

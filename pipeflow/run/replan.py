@@ -72,6 +72,10 @@ def replanned(cfg: DictConfig, device: torch.device) -> DictConfig:
             raise ConfigError(f"parallel.{autos[0]}=auto is chosen at each start by re-planning: add "
                               f"parallel.replan=true (or give parallel.{autos[0]} a number)")
         return cfg
+    for key, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
+        if int(parallel.get(key, 1) or 1) > 1:
+            raise ConfigError(f"parallel.replan plans dp x pp x tp; with parallel.{key}={parallel[key]} ({what}) it "
+                              f"does not yet: set parallel.{key}=1 or give the degrees (parallel.replan=false)")
     world = dist.get_world_size() if dist.is_initialized() else 1
     box: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -95,15 +99,17 @@ def _plan(cfg: DictConfig, world: int, device: torch.device) -> tuple[Degrees, s
     """Rank 0: the degrees for `world` ranks (cached per world size) and the line saying why."""
     folder = os.path.join(cfg.train.run_dir, FOLDER) if cfg.train.run_dir else None
     low, b_low, high, b_high, key = _profiles(cfg, device, folder)
+    limit = _memory_limit(cfg, device)
+    # a kept plan stands for the same profile, memory limit and degrees asked for
+    key = f"{key}:{limit}:{cfg.parallel.dp}:{cfg.parallel.pp}:{cfg.parallel.tp}:{cfg.parallel.shard}"
     plans = _read(folder, "plans.json") or {}
     if plans.get("key") != key:
-        plans = {"key": key, "worlds": {}}
+        plans = {"key": key, "worlds": {}, "last": plans.get("last")}
     cached = plans["worlds"].get(str(world))
     if cached is not None:
         degrees, how = Degrees(**cached), "the plan kept for this world size"
     else:
         costs = _interpolated(low, b_low, high, b_high)
-        limit = _memory_limit(cfg, device)
         degrees = best_degrees(costs, cfg, world, limit, local_ranks=_local_ranks(world))
         if degrees is None:
             raise ConfigError(_too_small(costs, cfg, world, limit))
