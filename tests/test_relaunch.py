@@ -202,3 +202,25 @@ def test_a_node_that_joins_restarts_the_workers_after_a_save_and_that_is_no_pree
     assert first.returncode == second.returncode == 75, text[-4000:]
     assert text.count("[pipeflow.launch] preempted at step") == 2 and text.count("preempted at step") == 3, text[-4000:]
 
+
+
+def test_a_stop_that_reached_rank_0_only_through_the_step_is_the_agents_when_every_signal_was() -> None:
+    """Issue 61's grow drill: host 1's agent stopped its worker (a node joined) before host 0's
+    agent stopped rank 0; rank 0 learnt of the stop from the step's all-reduce alone and called it
+    a preemption. The packet's slot now sums 1 per rank its own agent stopped and 2^20 per rank
+    signalled from outside: every rank judges alike."""
+    import types
+
+    from pipeflow.run.readback import StepValues
+    from pipeflow.run.step_update import EXTERNAL_SIGNAL
+    from pipeflow.run.trainer import Trainer
+
+    rank0 = types.SimpleNamespace(loop=types.SimpleNamespace(metrics=types.SimpleNamespace(end_step=lambda *a: None)),
+                                  history=[], _from_agent=False)
+    pending = types.SimpleNamespace(step=7, lr=0.1, timing=None)
+    slot = 1.0  # host 1's worker, stopped by its agent; rank 0 not signalled yet
+    values = StepValues(1.0, 1.0, preempt=slot > 0, external=slot >= EXTERNAL_SIGNAL)
+    assert Trainer._record(rank0, pending, values) and rank0._from_agent  # no preemption: the launcher goes on
+    slot = 1.0 + EXTERNAL_SIGNAL  # and a scheduler's SIGTERM on another rank: a preemption after all
+    values = StepValues(1.0, 1.0, preempt=slot > 0, external=slot >= EXTERNAL_SIGNAL)
+    assert Trainer._record(rank0, pending, values) and not rank0._from_agent

@@ -20,6 +20,15 @@ trial says whether that first try started (the dead job's lock taken over, not r
 seconds from the kill to its first resumed step.
 
     python benchmarks/fault_drills/node_loss.py --trials 5 --lose rendezvous-host
+
+``--replan`` runs a job that re-plans its layout (``parallel.replan=true parallel.pp=auto
+parallel.dp=auto``, issue 61) on 3 hosts x 1 rank: host 2 is killed at a random step (the two
+left re-plan smaller), started again once the job has trained a few steps on 2 (the three
+re-plan larger after the workers saved); each trial checks the layout changed both times, every
+logged loss equals the uninterrupted run's, no step was retrained after the join, and times the
+kill to the first resumed step.  It ends with ``survived K of N``.
+
+    python benchmarks/fault_drills/node_loss.py --replan --trials 10 --steps 200
 """
 from __future__ import annotations
 
@@ -101,6 +110,85 @@ def trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: 
             "losses": step_losses(after), "text": text}
 
 
+def replan_overrides(run_dir: str, steps: int, save_every: int) -> list[str]:
+    """The re-planning drill's job: the same tiny GPT, its degrees chosen at each start."""
+    return [*SMALL64, f"train.max_steps={steps}", f"train.save_every={save_every}", "train.resume=auto",
+            f"train.run_dir={run_dir}", "parallel.replan=true", "parallel.pp=auto", "parallel.dp=auto",
+            "pipeline.num_microbatches=2"]
+
+
+def replan_trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: float) -> dict:
+    """3 hosts x 1 rank; host 2 killed once step `kill_step` is logged, started again once 5 more
+    steps were logged by the two left; what happened."""
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=workdir)
+    lines: list[tuple[float, str]] = []
+    job = replan_overrides(run_dir, steps, save_every)
+    common = {"nproc": 1, "nnodes": "2:3", "torchrun_args": "--max-restarts 5", "timeout_s": timeout_s,
+              "warm_workers": False}
+    killed_at = rejoined_at = None
+    with EmulatedHosts(3, names="missing") as hosts:
+        procs = launch_on_hosts(hosts, job, **common)
+        pump = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in procs[0].stdout))
+        pump.start()
+        kill = re.compile(rf"step\s+{kill_step}/{steps} \|")
+        while procs[0].poll() is None:
+            seen = list(lines)
+            if killed_at is None and any(kill.search(line) for _, line in seen):
+                hosts.kill(2)
+                killed_at = time.monotonic()
+            elif killed_at is not None and rejoined_at is None:
+                after = [line for t, line in seen if t > killed_at and re.search(r"step\s+\d+/\d+ \| loss", line)]
+                if len(after) >= 5:
+                    procs += launch_on_hosts(hosts, job, on=[2], **common)
+                    rejoined_at = time.monotonic()
+            time.sleep(0.02)
+        pump.join()
+        for proc in procs[1:]:
+            proc.wait(timeout=30)
+        status = procs[0].returncode
+    text = "".join(line for _, line in lines)
+    plans = re.findall(r"re-planned for (\d) ranks[^:]*: (dp \d x pp \d x tp \d)", text)
+    first_after = next((t for t, line in lines if killed_at and t > killed_at
+                        and re.search(r"step\s+\d+/\d+ \| loss", line)
+                        and any("resumed from checkpoint" in l2 for t2, l2 in lines if killed_at < t2 <= t)), None)
+    stopped = re.search(r"stopped at step (\d+) by torchrun's agent", text)
+    resumed = [int(n) for n in re.findall(r"resumed from checkpoint \S+ at step (\d+)", text)]
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"status": status, "plans": plans, "stopped_at": int(stopped.group(1)) if stopped else None,
+            "resumed": resumed, "recovery_s": first_after - killed_at if first_after and killed_at else None,
+            "rejoined": rejoined_at is not None, "losses": step_losses(text), "text": text}
+
+
+def _replan_trials(args: argparse.Namespace, rng: random.Random, workdir: str) -> int:
+    """The ``--replan`` trials: one line each, then ``survived K of N`` and the recovery times."""
+    expected = reference(args.steps, workdir)
+    survived, recoveries = 0, []
+    for k in range(args.trials):
+        kill_step = rng.randrange(args.save_every + 1, args.steps // 3)
+        got = replan_trial(kill_step, args.steps, args.save_every, workdir, args.timeout)
+        worlds = [int(w) for w, _ in got["plans"]]
+        shapes = [shape for _, shape in got["plans"]]
+        changed = worlds == [3, 2, 3] and shapes[0] != shapes[1] and shapes[1] != shapes[2]
+        same = bool(got["losses"]) and all(expected.get(s) == v for s, v in got["losses"].items())
+        kept = got["stopped_at"] is not None and got["stopped_at"] in got["resumed"]  # the join retrained nothing
+        ok = got["status"] == 0 and got["rejoined"] and changed and same and kept
+        survived += ok
+        if got["recovery_s"] is not None:
+            recoveries.append(got["recovery_s"])
+        recovery = f"{got['recovery_s']:.1f} s" if got["recovery_s"] is not None else "-"
+        print(f"trial {k + 1:2d}: killed host 2 at step {kill_step:3d} | layouts {' -> '.join(shapes) or '-'} | "
+              f"resumed at {got['resumed']} (the join saved step {got['stopped_at']}) | kill -> first resumed step "
+              f"{recovery} | losses {'equal' if same else 'DIFFER'} | {'ok' if ok else 'FAILED'}", flush=True)
+        if not ok:
+            print(got["text"][-4000:], flush=True)
+    print(f"survived {survived} of {args.trials}")
+    if recoveries:
+        recoveries.sort()
+        print(f"kill -> first resumed step: median {statistics.median(recoveries):.1f} s (min {recoveries[0]:.1f}, "
+              f"max {recoveries[-1]:.1f}, {len(recoveries)} trials)")
+    return 0 if survived == args.trials else 1
+
+
 def rendezvous_host_trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: float) -> dict:
     """One job, host 0 (the rendezvous, rank 0, the lock) killed once step `kill_step` is logged;
     the job started again on host 1 as soon as host 1's launcher has ended."""
@@ -179,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lose", choices=["host1", "rendezvous-host"], default="host1",
                         help="host 1 (the survivors go on), or host 0, which hosts the rendezvous and rank 0 (the "
                              "job ends; it is started again on host 1 at once)")
+    parser.add_argument("--replan", action="store_true",
+                        help="3 hosts x 1 rank re-planning their layout: lose host 2, then start it again")
     parser.add_argument("--store", choices=["shared", "fresh"], default="shared",
                         help="torchrun's shared agent store across restarts (plain torchrun's default), or a fresh "
                              "one per restart (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, pipeflow.launch's default)")
@@ -192,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.lose == "rendezvous-host":
             return _rendezvous_host_trials(args, rng, workdir)
+        if args.replan:
+            return _replan_trials(args, rng, workdir)
         expected = reference(args.steps, workdir)
         failures, recovery_times = 0, []
         for k in range(args.trials):

@@ -48,6 +48,7 @@ class StepValues:
     preempt: bool
     overflow: bool = False
     routing: RoutingFigures | None = None
+    external: bool = True  # with preempt: some rank's signal came from outside (a preemption), not its agent
 
 
 def packet_on_host(step: int, lr: float, packet: torch.Tensor) -> PendingStep:

@@ -63,6 +63,11 @@ def clip_grad_norm_global(
     return float(total), reduced
 
 
+# the step packet's preemption slot, summed over the ranks: 1 per rank whose own torchrun agent
+# stopped it (a restart: no preemption), this per rank signalled from outside (exact in float64)
+EXTERNAL_SIGNAL = float(1 << 20)
+
+
 @dataclass(frozen=True)
 class StepUpdate:
     """What a step's update touches on this rank.
@@ -90,12 +95,15 @@ class StepUpdate:
     workspace: Workspace | None
     pipelines: int
 
-    def reduce(self, step: int, lr: float, loss: torch.Tensor | None, preempt: bool) -> PendingStep:
+    def reduce(self, step: int, lr: float, loss: torch.Tensor | None, preempt: bool,
+               from_agent: bool = False) -> PendingStep:
         """Reductions and clipping of step `step` after its pipeline ran (`loss`: this rank's, or
-        None), queued on the device; the packet of figures copied towards the host without waiting."""
+        None), queued on the device; the packet of figures copied towards the host without waiting.
+        `preempt`: a ``train.save_on_signal`` signal reached this rank, `from_agent` from its own
+        torchrun agent (summed, the slot says whether any rank's came from outside)."""
         zero = torch.zeros(1, device=self.device, dtype=torch.float64)
         own_loss = zero if loss is None else loss.detach().double().reshape(1) / self.pipelines
-        flag = zero + (1.0 if preempt else 0.0)
+        flag = zero + ((1.0 if from_agent else EXTERNAL_SIGNAL) if preempt else 0.0)
         # rank 0's lock watch found the run directory gone or taken: every rank stops at this step
         lost = zero + (1.0 if self.workspace is not None and self.workspace.lost else 0.0)
         # train.check_finite's flags: before the dp and tie sums, which would spread a NaN to other stages
@@ -143,7 +151,7 @@ class StepUpdate:
             values, routing = values[:-self.routing.size], self.routing.figures(values[-self.routing.size:], self.pipelines)
             values[1] += routing.aux
         S = self.schedule.num_stages
-        norm, loss, preempt = values[0], values[1], values[2] > 0
+        norm, loss, preempt, external = values[0], values[1], values[2] > 0, values[2] >= EXTERNAL_SIGNAL
         if values[3] > 0 and self.workspace is not None:
             raise self.workspace.lost_error(pending.step)
         grad_stages, checked = values[4:4 + S], values[4 + S:]
@@ -156,7 +164,8 @@ class StepUpdate:
             if not loss_finite or (not math.isfinite(norm) and not self.scaler.enabled):
                 stages = [s for s, flag in enumerate(grad_stages) if flag > 0]
                 raise nonfinite.non_finite_step_error(pending.step, loss_finite, stages, self.schedule.stage_to_rank)
-        return StepValues(loss, norm, preempt, overflow=self.scaler.enabled and not math.isfinite(norm), routing=routing)
+        return StepValues(loss, norm, preempt, overflow=self.scaler.enabled and not math.isfinite(norm), routing=routing,
+                          external=external)
 
     def apply(self, pending: PendingStep, values: StepValues | None, announce: bool) -> None:
         """The optimizer step of `pending` (skipped on an fp16 overflow, which rank 0 logs when `announce`).

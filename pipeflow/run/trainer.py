@@ -268,7 +268,7 @@ class Trainer:
         inputs, targets, weights, _ = self._microbatches(self.plan.batches.train, step)
         loss = self.pipeline.run(inputs, targets, grad_scale=self.loop.update.scaler.scale, loss_weights=weights,
                                  memory=memory)
-        return self.loop.update.reduce(step, lr, loss, preempt=bool(self._signalled))
+        return self.loop.update.reduce(step, lr, loss, preempt=bool(self._signalled), from_agent=self._from_agent)
 
     def finish(self, pending: PendingStep) -> StepValues:
         """Read step `pending.step`'s packet back and judge it (:meth:`StepUpdate.judge`).
@@ -492,6 +492,8 @@ class Trainer:
         """Hand a finished step's figures to the metrics and the history; returns its preempt flag."""
         self.loop.metrics.end_step(pending.step, values.loss, values.norm, pending.lr, pending.timing, values.routing)
         self.history.append(values.loss)
+        if values.preempt:  # every rank alike: a stop by the agents only (a node joined or left) is no preemption
+            self._from_agent = not values.external
         return values.preempt
 
     def fit(self) -> dict[str, Any]:
