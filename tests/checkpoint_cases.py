@@ -43,7 +43,7 @@ def _disk_full(where: str, on_rank: int) -> Iterator[None]:
     file (``rng``) or rank 0's ``meta.json`` (``meta``)."""
     from pipeflow.run import checkpoint as ck
 
-    real_stream, real_save, real_atomic = dcp_fs.FileSystem.create_stream, torch.save, ck._write_atomic
+    real_stream, real_save, real_atomic = dcp_fs.FileSystem.create_stream, torch.save, ck.write_atomic
 
     def full(*args: Any) -> None:
         raise OSError(errno.ENOSPC, FULL)
@@ -67,12 +67,12 @@ def _disk_full(where: str, on_rank: int) -> Iterator[None]:
 
     if dist.get_rank() == on_rank:
         patch = {"data": (dcp_fs.FileSystem, "create_stream", stream), "rng": (torch, "save", save),
-                 "meta": (ck, "_write_atomic", atomic)}[where]
+                 "meta": (ck, "write_atomic", atomic)}[where]
         setattr(*patch)
     try:
         yield
     finally:
-        dcp_fs.FileSystem.create_stream, torch.save, ck._write_atomic = real_stream, real_save, real_atomic
+        dcp_fs.FileSystem.create_stream, torch.save, ck.write_atomic = real_stream, real_save, real_atomic
 
 
 def save_on_a_full_disk() -> dict[str, Any]:

@@ -91,6 +91,8 @@ log = logging.getLogger("pipeflow")
 
 _written: dict[tuple[str, str], str] = {}  # (job, checkpoints folder) -> the newest checkpoint that job wrote there
 _warned_latest: set[str] = set()  # the `latest` paths found to be directories (warned once)
+# what a CheckpointPeerLostError says of the peer, wherever a save meets one
+PEER_GONE = "(it died, was stopped, or hangs; the launcher's report names a rank that ended)"
 
 
 def rng_state() -> dict[str, Any]:
@@ -149,8 +151,8 @@ class _Saving:
         """Raise :class:`CheckpointPeerLostError` (the group cannot agree on anything any more)."""
         left = self._remove_partial()
         raise CheckpointPeerLostError(
-            f"{self.what} not written ({self.tmp}): a peer stopped taking part while {doing} (it died, was stopped, "
-            f"or hangs; the launcher's report names a rank that ended): {said}. The partial folder is removed "
+            f"{self.what} not written ({self.tmp}): a peer stopped taking part while {doing} {PEER_GONE}: {said}. "
+            f"The partial folder is removed "
             f"(by rank 0, if it is alive); {left}"
         )
 
@@ -305,7 +307,7 @@ def _finish_part(saving: _Saving, meta: dict[str, Any], part: HostPart, job: str
 
 def _commit_part(saving: _Saving, meta: dict[str, Any]) -> None:
     """A host's first rank: its ``meta.json`` last, then the rename (``latest`` waits for every host)."""
-    _write_atomic(os.path.join(saving.tmp, META), json.dumps(meta, indent=1))
+    write_atomic(os.path.join(saving.tmp, META), json.dumps(meta, indent=1))
     old = saving.tmp.removesuffix(".tmp") + ".old"
     if os.path.exists(saving.final):
         os.rename(saving.final, old)
@@ -347,7 +349,8 @@ def _save_rng(tmp: str, rank: int, state: dict[str, Any]) -> None:
     torch.save(state, os.path.join(tmp, "rng", f"rank{rank}.pt"))
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` whole or not at all: into ``<path>.part``, synced, then renamed."""
     try:
         with open(path + ".part", "w") as f:
             f.write(text)
@@ -362,7 +365,7 @@ def _write_atomic(path: str, text: str) -> None:
 
 def _commit(root: str, tmp: str, final: str, meta: dict[str, Any]) -> None:
     """Rank 0: meta.json last, then the rename that makes the checkpoint visible."""
-    _write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=1))
+    write_atomic(os.path.join(tmp, META), json.dumps(meta, indent=1))
     old = tmp.removesuffix(".tmp") + ".old"
     if os.path.exists(final):  # saving the same step again: keep the old one until the swap
         os.rename(final, old)
@@ -377,7 +380,7 @@ def _point_latest(root: str, final: str) -> None:
     the newest step folder when ``latest`` names none)."""
     pointer = os.path.join(root, LATEST)
     if not os.path.isdir(pointer):
-        _write_atomic(pointer, os.path.basename(final))
+        write_atomic(pointer, os.path.basename(final))
     elif pointer not in _warned_latest:
         _warned_latest.add(pointer)
         log.warning("%s is a directory, not the file naming the newest checkpoint: left as it is, so it does not name "

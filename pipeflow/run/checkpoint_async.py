@@ -199,9 +199,8 @@ class BackgroundSaver:
         except RuntimeError as exc:  # gloo/NCCL: a peer died or was stopped while the save was in flight
             raise CheckpointPeerLostError(
                 f"checkpoint of step {self.inflight.step} not known to be written: a peer stopped taking part while "
-                f"it was written in the background (it died, was stopped, or hangs; the launcher's report names a "
-                f"rank that ended): {integrity.describe(exc, self.rank)[0][1]}; latest names the last complete "
-                f"checkpoint") from exc
+                f"it was written in the background {checkpoint.PEER_GONE}: {integrity.describe(exc, self.rank)[0][1]}; "
+                f"latest names the last complete checkpoint") from exc
         busy, failed, self._late = flags.tolist()
         if failed and busy and self.mode == "async_process" and not self.inflight.write_failed:
             self.inflight.writer_stopped = True

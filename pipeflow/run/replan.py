@@ -31,6 +31,7 @@ from pipeflow.errors import ConfigError, PipeflowError
 from pipeflow.planning.profile import LayerProfile
 from pipeflow.planning.search import Candidate, SearchSpace, search
 from pipeflow.planning.tensor_cost import split_profiles
+from pipeflow.run.checkpoint import write_atomic
 from pipeflow.runtime import hosts
 from pipeflow.schedules import LAYOUTS
 
@@ -270,7 +271,4 @@ def _write(folder: str | None, name: str, value: dict) -> None:
     if folder is None:
         return
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, name)
-    with open(path + ".part", "w") as f:
-        json.dump(value, f)
-    os.replace(path + ".part", path)
+    write_atomic(os.path.join(folder, name), json.dumps(value))

@@ -65,9 +65,8 @@ class TrainState:
         except RuntimeError as exc:  # gloo/NCCL: a peer died or was stopped before the save
             raise CheckpointPeerLostError(
                 f"checkpoint of step {step} not written: a peer stopped taking part while the ranks checked their "
-                f"weights before it (it died, was stopped, or hangs; the launcher's report names a rank that "
-                f"ended): {integrity.describe(exc, dist.get_rank())[0][1]}; nothing was written, latest is "
-                f"untouched") from exc
+                f"weights before it {checkpoint.PEER_GONE}: {integrity.describe(exc, dist.get_rank())[0][1]}; "
+                f"nothing was written, latest is untouched") from exc
         bad = [s for s, flag in enumerate(flags.tolist()) if flag > 0]
         if bad:
             raise NonFiniteError(
