@@ -158,6 +158,16 @@ class EmulatedHosts:
                     pass
             time.sleep(0.05)
 
+    def limit(self, host: int, rate_mbit: float | None) -> None:
+        """Limit `host`'s link to `rate_mbit` both ways (tbf with a small burst: a slow link, not a
+        fast one with a long pause), or lift the limit (None)."""
+        for where, dev in ((self.namespaces[host], "eth0"), (self.bridge_ns, f"port{host}")):
+            if rate_mbit is None:
+                _ip("netns", "exec", where, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            else:
+                _ip("netns", "exec", where, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                    f"{rate_mbit}mbit", "burst", "16kb", "latency", "5s")
+
     def partition(self, host: int, cut: bool = True) -> None:
         """Cut `host` off (its bridge port down: no reset, packets just stop), or join it again."""
         _ip("-n", self.bridge_ns, "link", "set", f"port{host}", "down" if cut else "up")

@@ -240,12 +240,14 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
     assert sorted(after) == list(range(20, STEPS)) and all(after[s] == losses[s] for s in after), (after, losses)
 
 
-GROW_STEPS = 300  # long enough for the third host to join while the job trains
+GROW_STEPS = 120
+JOIN_RATE_MBIT = 0.3  # host 1's link while the third host joins: the 2-rank job slows to ~0.5 s a step
 
 
 def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> None:
     """Issue 61: 2 of 3 hosts start the elastic job (--nnodes 2:3, 1 rank each) and plan for 2
-    ranks; the third joins after step 15: the agents stop the workers, which save at the next step
+    ranks; the third joins after step 15 (host 1's link slowed until it has, however long its agent
+    takes to start under load): the agents stop the workers, which save at the next step
     boundary (no step retrained), and the 3 ranks re-plan pp 3 and finish with the losses of one
     uninterrupted process."""
     STEPS = GROW_STEPS  # noqa: N806 - the module's name, this test's count
@@ -263,13 +265,18 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
         procs = launch_on_hosts(hosts, overrides, on=[0, 1], **common)
         lines, threads = _watch(procs)
         _when(lines[0], rf"step\s+15/{STEPS}", 120)
+        hosts.limit(1, JOIN_RATE_MBIT)  # the job may not end before the third host's agent has joined
         procs += launch_on_hosts(hosts, overrides, on=[2], **common)
+        joined, joiner = _watch(procs[2:])
+        _when(lines[0], r"re-planned for 3 ranks", 120)
+        hosts.limit(1, None)
         for proc in procs:
             proc.wait(timeout=150)
-    for thread in threads:
+    for thread in threads + joiner:
         thread.join(timeout=10)
     text = "".join(line for _, line in lines[0])
-    assert [p.returncode for p in procs] == [0, 0, 0], text[-4000:]
+    assert [p.returncode for p in procs] == [0, 0, 0], text[-4000:] + "\nthe joining host:\n" + "".join(
+        line for _, line in joined[0])[-3000:]
     assert re.search(r"re-planned for 2 ranks \(2 hosts x 1 rank\): dp \d x pp \d x tp 1, predicted step", text), \
         text[-4000:]
     stopped = re.search(r"stopped at step (\d+) by torchrun's agent", text)
