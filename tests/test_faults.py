@@ -22,6 +22,8 @@ import fault_cases as cases
 import replan_cases
 from replan_cases import (  # noqa: F401 - parallel.replan (issue 61), run on this module's world
     test_a_replanning_run_chooses_its_degrees_keeps_its_plan_and_restarts_on_it,
+    test_a_folder_travels_between_ranks_a_chunk_at_a_time,
+    test_dropout_draws_the_same_masks_on_every_layout,
 )
 from async_checkpoint_cases import (  # noqa: F401 - background saves (issue 60), run on this module's world
     test_a_background_save_given_up_never_commits_and_latest_names_the_newer_save,

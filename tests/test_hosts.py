@@ -212,14 +212,19 @@ def test_a_slurm_job_saves_on_the_time_limits_signal_and_requeues_itself(emulate
 
 
 def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hosts, one_process, tmp_path) -> None:
-    """Issue 61: 3 hosts x 1 rank, parallel.replan=true parallel.pp=auto parallel.dp=auto: 3 ranks
-    plan pp 3 (3 replicas cannot share a batch of 8 in 2 micro-batches); host 2 killed after step
-    25; the survivors re-plan for 2 ranks, resume from step 20 on the new layout and finish with
-    the losses of one uninterrupted process."""
+    """Issue 61: 3 hosts x 1 rank, each its own disk (train.checkpoint_storage=local, each part
+    also on the next host: train.checkpoint_replicas=2), parallel.replan=true parallel.pp=auto
+    parallel.dp=auto: 3 ranks plan pp 3 (3 replicas cannot share a batch of 8 in 2 micro-batches);
+    host 2 killed after step 25; the survivors re-plan for 2 ranks, assemble step 20 from their
+    own parts and host 2's copy, resume on the new layout and finish with the losses of one
+    uninterrupted process."""
     losses, _ = one_process
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
     overrides = [*SMALL64, "parallel.replan=true", "parallel.pp=auto", "parallel.dp=auto", "pipeline.num_microbatches=2",
-                 f"train.max_steps={STEPS}", "train.save_every=10", "train.resume=auto", f"train.run_dir={tmp_path}"]
-    with emulated_hosts(3, names="missing") as hosts:
+                 f"train.max_steps={STEPS}", "train.save_every=10", "train.resume=auto", f"train.run_dir={run_dir}",
+                 "train.checkpoint_storage=local", "train.checkpoint_replicas=2"]
+    with emulated_hosts(3, names="missing", private=(str(run_dir),)) as hosts:
         procs = launch_on_hosts(hosts, overrides, nproc=1, nnodes="2:3",
                                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, torchrun_args="--max-restarts 3")
         lines, threads = _watch(procs)
@@ -227,15 +232,20 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
         hosts.kill(2)
         procs[0].wait(timeout=120)
         procs[1].wait(timeout=30)
+        copies = sorted(os.listdir(hosts.disk(0, str(run_dir)) / "checkpoints" / "replicas" / "host2"))
     for thread in threads:
         thread.join(timeout=10)
     text = "".join(line for _, line in lines[0])
     assert procs[0].returncode == 0, text[-4000:]
+    assert "step_00000020" in copies, copies  # host 2's part of step 20, kept on host 0's disk
     assert re.search(r"re-planned for 3 ranks \(3 hosts x 1 rank\): dp 1 x pp 3 x tp 1, predicted step", text), \
         text[-4000:]
     assert re.search(r"re-planned for 2 ranks \(2 hosts x 1 rank\): dp \d x pp \d x tp 1 \(was dp 1 x pp 3 x tp 1 on "
                      r"3 ranks: the job lost 1 rank\)", text), text[-4000:]
-    assert re.search(r"resumed from checkpoint \S+step_00000020 at step 20 \(saved with dp=1, pp=3", text), text[-4000:]
+    assert re.search(r"assembled step_00000020 from the parts the hosts hold \(host0's from rank 0, host1's from "
+                     r"rank 1, host2's from rank 0\)", text), text[-4000:]
+    assert re.search(r"resumed from checkpoint \S+assembled/step_00000020 at step 20 \(saved with dp=1, pp=3", text), \
+        text[-4000:]
     after = step_losses(text.split("resumed from checkpoint", 1)[1])
     assert sorted(after) == list(range(20, STEPS)) and all(after[s] == losses[s] for s in after), (after, losses)
 

@@ -118,7 +118,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v at once
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
-        self.dropout = cfg.dropout  # of the attention weights, inside SDPA (training only)
+        self.dropout = cfg.dropout  # of the attention weights, inside SDPA (training only) ...
+        self.attn_drop = nn.Dropout(cfg.dropout)  # ... or through this module when it is keyed (train.dropout_rng)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.context_parallel: Any = None  # parallel.cp: attention round the cp ring (runtime.ring_attention)
 
@@ -138,10 +139,26 @@ class CausalSelfAttention(nn.Module):
         if self.context_parallel is not None:  # this rank's chunks of the sequence; keys and values go round
             numbers = None if doc is None else document_numbers(doc)  # the whole rows' documents
             y = self.context_parallel.attend(q, k, v, documents=numbers)
+        elif self.training and self.dropout > 0.0 and getattr(self.attn_drop, "keyed", False):
+            y = self._attend_keyed(q, k, v, doc)  # (B, H, T, hs)
         else:
             y = attend(q, k, v, doc, self.dropout if self.training else 0.0)  # (B, H, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, width // 3)  # heads side by side again
         return self.resid_drop(self.c_proj(y))
+
+
+    def _attend_keyed(self, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
+        """:func:`attend` with its weights computed here and dropped through ``attn_drop`` (keyed
+        by sample and head: under tensor parallelism this rank's heads are numbered as the
+        whole model's, from the rank's coordinate on c_attn's mesh)."""
+        heads = q.size(1)
+        mesh = getattr(self.c_attn.weight, "device_mesh", None)
+        first = 0 if heads == self.n_head or mesh is None else mesh.get_local_rank() * heads
+        T = q.size(2)
+        allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if doc is None else document_mask(doc)[:, None]
+        scores = (q @ k.transpose(-2, -1)) * q.size(-1) ** -0.5  # (B, H, T, T)
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return self.attn_drop(weights, heads=(1, first, self.n_head)) @ v
 
 
 class MLP(nn.Module):

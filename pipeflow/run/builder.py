@@ -68,6 +68,7 @@ from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
 from pipeflow.runtime.expert_parallel import expert_groups, expert_parameters, expert_rank, split_experts
 from pipeflow.runtime.routing import routing_sync
+from pipeflow.runtime.keyed_dropout import key_dropout
 from pipeflow.runtime.stage import build_stages, layers_by_index
 from pipeflow.runtime.tensor_parallel import parallelize_stages
 from pipeflow.runtime.compile import forget_compiled
@@ -180,6 +181,21 @@ def settle_schedule(cfg: DictConfig, plan: RunPlan, topology: Topology, device: 
     return dataclasses.replace(plan, schedule=schedule, layout=layout), synthesis, link
 
 
+def _key_dropout(stages: dict, ranges: list[range], sequence_parallel: bool, rank: int) -> None:
+    """Every dropout of this rank's layers keyed by sample and layer (``train.dropout_rng=sample``).
+
+    Raises:
+        ConfigError: dropout under sequence parallelism (a rank holds a slice of each sample's
+            positions, so its masks would follow tp), or attention dropout inside a kernel.
+    """
+    where = f"rank {rank}"
+    keyed = sum(key_dropout(layer, index, where) for index, layer in layers_by_index(stages, ranges).items())
+    if keyed and sequence_parallel:
+        raise ConfigError(f"{where}: train.dropout_rng=sample keys dropout by each sample's positions, and "
+                          "parallel.sequence_parallel gives a rank a slice of them: set parallel.sequence_parallel=false, "
+                          "or train.dropout_rng=rank (each rank's own generator: masks then follow the layout)")
+
+
 def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torch.device) -> ModelParts:
     """This rank's stages built (a layer only one rank can fail on fails every rank), split over
     tp, their experts over ep, sharded over dp (FSDP2), tied weights joined, the dp reducer, the
@@ -194,6 +210,8 @@ def build_parts(cfg: DictConfig, plan: RunPlan, topology: Topology, device: torc
         stages = built_on_every_rank(functools.partial(
             build_stages, spec, layout.ranges, schedule.stages_of(mesh.pp_rank), device, plan.dtype,
             compute_dtype(cfg.train.precision), checkpoint_every(cfg.pipeline.checkpoint_activations)))
+    if cfg.train.dropout_rng == "sample":  # before tp splits and compiles the layers
+        _key_dropout(stages, layout.ranges, mesh.tp > 1 and bool(cfg.parallel.sequence_parallel), dist.get_rank())
     if mesh.tp > 1:  # each layer split over the stage's tp ranks, before FSDP2 shards over dp
         parallelize_stages(spec, stages, layout.ranges, mesh.tp_mesh, bool(cfg.parallel.sequence_parallel),
                            cfg.parallel.shard)

@@ -71,6 +71,7 @@ from torch import nn
 from pipeflow.errors import CheckpointError, CheckpointPeerLostError, RunDirLostError
 from pipeflow.models.dcp_metadata import SafeReader  # noqa: F401 - the reader every load uses, for callers
 from pipeflow.run import integrity, lock, retention
+from pipeflow.run.checkpoint_replicas import replicate
 from pipeflow.run.storage import HostPart, host_part
 from pipeflow.run.checkpoint_find import (  # noqa: F401 - part of this module's API
     LATEST, META, candidates, checkpoints_of, choose, find_latest, is_checkpoint, read_meta, resolve, verify,
@@ -117,6 +118,7 @@ class _Saving:
     group: Any = None  # the process group its steps agree on (None: the default group)
     part: HostPart | None = None  # local storage: this rank's host's part
     job: str = ""
+    replicas: int = 1  # local storage: hosts holding each host's part (train.checkpoint_replicas)
 
     @property
     def what(self) -> str:
@@ -172,7 +174,7 @@ class _Saving:
 
 def save(
     root: str, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer, meta: dict[str, Any],
-    job: str = "", storage: str = "shared", keep_last: int | None = None,
+    job: str = "", storage: str = "shared", keep_last: int | None = None, replicas: int = 1,
 ) -> str:
     """Write checkpoint ``<root>/step_<step>`` atomically (collective: every rank calls it).
 
@@ -195,6 +197,8 @@ def save(
             part: :func:`_finish_part`).
         keep_last: ``train.keep_last``: once complete, older checkpoints beyond the newest K
             removed (:mod:`pipeflow.run.retention`); None: all kept.
+        replicas: ``train.checkpoint_replicas``: with local storage, each host's part also kept
+            on the next ``replicas - 1`` hosts (:mod:`pipeflow.run.checkpoint_replicas`).
 
     Returns:
         The checkpoint directory.
@@ -204,14 +208,14 @@ def save(
         CheckpointPeerLostError: a peer died, was stopped or hangs during the save.
         CheckpointError: the write failed (naming the directory and each rank's error).
     """
-    saving = begin(root, step, job, storage)
+    saving = begin(root, step, job, storage, replicas=replicas)
     state = state_to_save(layers, optimizer)
     written = integrity.attempt(lambda: _write(state, saving.tmp, saving.part), saving.rank)
     return finish(saving, meta, written, rng_state(), keep_last)
 
 
 def begin(root: str, step: int, job: str = "", storage: str = "shared", group: Any = None,
-          part: HostPart | None = None) -> _Saving:
+          part: HostPart | None = None, replicas: int = 1) -> _Saving:
     """The first step of a save (collective over `group`, default: the world): the tidy rank checks
     the lock and the folder and removes this job's leftover of the same step; every rank agrees.
     `part`: local storage's host part to use (default :func:`~pipeflow.run.storage.host_part`)."""
@@ -220,7 +224,8 @@ def begin(root: str, step: int, job: str = "", storage: str = "shared", group: A
         part = host_part()
     final = os.path.join(root, f"step_{step:08d}")
     tmp = f"{final}.{job}.tmp" if job else f"{final}.tmp"
-    saving = _Saving(root, step, final, tmp, rank, part.first if part else 0, group=group, part=part, job=job)
+    saving = _Saving(root, step, final, tmp, rank, part.first if part else 0, group=group, part=part, job=job,
+                     replicas=replicas)
     saving.agree("preparing", integrity.attempt(lambda: _prepare(saving, job) if rank == saving.tidy else None, rank))
     return saving
 
@@ -243,7 +248,7 @@ def finish(saving: _Saving, meta: dict[str, Any], written: integrity.Outcome, rn
         written = integrity.attempt(lambda: _save_rng(saving.tmp, rank, rng), rank)
     saving.agree("writing its files", written)
     if part is not None:
-        final = _finish_part(saving, meta, part, saving.job, proceed)
+        final = _finish_part(saving, meta, part, saving.job, proceed, keep_last)
         if rank == saving.tidy:  # each host its own disk's
             retention.prune(saving.root, keep_last)
         return final
@@ -285,10 +290,11 @@ def _agree_to_commit(saving: _Saving, proceed: Callable[[], bool] | None) -> Non
 
 
 def _finish_part(saving: _Saving, meta: dict[str, Any], part: HostPart, job: str,
-                 proceed: Callable[[], bool] | None = None) -> str:
+                 proceed: Callable[[], bool] | None = None, keep_last: int | None = None) -> str:
     """Local storage, after every host wrote its files: each host hashes its own (shared among its
-    ranks), its first rank writes the host's ``meta.json`` and renames its folder; only once every
-    host's part is in place does each point its own ``latest`` at it."""
+    ranks), its first rank writes the host's ``meta.json`` and renames its folder (and copies it
+    to other hosts: ``train.checkpoint_replicas``); only once every host's part is in place does
+    each point its own ``latest`` at it."""
     rank, world = saving.rank, dist.get_world_size()
     hashed = integrity.attempt(lambda: integrity.digest_share(saving.tmp, part.index, len(part.ranks)), rank)
     shares = saving.agree("hashing its files", hashed)
@@ -298,6 +304,10 @@ def _finish_part(saving: _Saving, meta: dict[str, Any], part: HostPart, job: str
     _agree_to_commit(saving, proceed)
     committed = integrity.attempt(lambda: _commit_part(saving, meta) if rank == saving.tidy else None, rank)
     saving.agree("committing its host's part", committed)
+    if saving.replicas > 1 and len(part.hosts) > 1:
+        copied = integrity.attempt(lambda: replicate(saving.root, saving.final, part, saving.replicas, keep_last)
+                                   if rank == saving.tidy else None, rank)
+        saving.agree("copying its host's part to other hosts", copied)
     pointed = integrity.attempt(lambda: _point_latest(saving.root, saving.final) if rank == saving.tidy else None, rank)
     saving.agree(f"pointing {LATEST} at it", pointed)
     if job:

@@ -93,7 +93,8 @@ class BackgroundSaver:
         if storage == "local":  # each host's DCP write on a gloo group of its ranks (async_save needs a CPU one)
             part = host_part()
             groups = {ranks: dist.new_group(list(ranks), backend="gloo") for _, ranks in part.hosts}
-            self.part = HostPart(part.host, part.ranks, part.index, groups[part.ranks], part.hosts)
+            leaders = dist.new_group([ranks[0] for _, ranks in part.hosts], backend="gloo")
+            self.part = HostPart(part.host, part.ranks, part.index, groups[part.ranks], part.hosts, leaders)
         pinned = device.type == "cuda"
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                                    use_async_staging=False, use_non_blocking_copy=pinned))
@@ -103,7 +104,8 @@ class BackgroundSaver:
         self._given_up: SaveInFlight | None = None  # an abandoned save, whose thread may still use the group
 
     def save(self, root: str, step: int, layers: dict[int, nn.Module], optimizer: torch.optim.Optimizer,
-             meta: dict[str, Any], job: str = "", keep_last: int | None = None) -> tuple[str, SaveReport | None]:
+             meta: dict[str, Any], job: str = "", keep_last: int | None = None,
+             replicas: int = 1) -> tuple[str, SaveReport | None]:
         """Begin the checkpoint of `step` (collective) and return once it is staged: its folder
         (complete only when reported) and the report of the save it waited for, if one was in
         flight (the caller reports it).
@@ -117,7 +119,7 @@ class BackgroundSaver:
             self._given_up.done.wait()
             self._given_up = None
         started = time.perf_counter()
-        saving = checkpoint.begin(root, step, job, self.storage, group=self.group, part=self.part)
+        saving = checkpoint.begin(root, step, job, self.storage, group=self.group, part=self.part, replicas=replicas)
         state = checkpoint.state_to_save(layers, optimizer)
         rng = checkpoint.rng_state()
         part = saving.part

@@ -22,7 +22,8 @@ from pipeflow.errors import ConfigError
 from pipeflow.run.config_checks import (BACKENDS, DTYPES, RESUME_WORDS, SHARD_MODES, STORAGES, auto_replicas,
                                         check_comm, check_across_sections, check_paths, check_sequence_parallel,
                                         check_targets, resolve_layout, tensor_degree)
-from pipeflow.run.config_choices import (Backend, Balance, CheckpointMode, CheckpointStorage, Choice, OffloadMode, Overlong,
+from pipeflow.run.config_choices import (Backend, Balance, CheckpointMode, CheckpointStorage, Choice, DropoutRng,
+                                        OffloadMode, Overlong,
                                         ParamDtype, Placement, Precision, RecvPosting, SaveErrorAction, ShapeMode,
                                         ShardMode,
                                         SplitSearch, TextLevel, TokenDtype)
@@ -112,9 +113,11 @@ class TrainConfig:
     # shared: one run directory every host sees; local: each host its own disk, each writes its
     # ranks' part (python -m pipeflow.checkpoint gather merges them); docs/guides/multinode.md "Storage"
     checkpoint_storage: CheckpointStorage = CheckpointStorage.shared
+    checkpoint_replicas: int = 1  # local storage: hosts that hold each part (K - 1 may be lost)
     checkpoint_mode: CheckpointMode = CheckpointMode.sync  # sync | async (a thread writes) | async_process
     on_save_error: SaveErrorAction = SaveErrorAction.stop  # a failed background save: stop, or warn and go on
     resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
+    dropout_rng: DropoutRng = DropoutRng.sample  # sample: keyed by sample and layer, alike on any layout; rank: by rank
     check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage (fp16 overflow: skipped)
     # signals that save a checkpoint at the next step boundary and end the job (exit code 75): a
     # scheduler's before it kills a job, Ctrl-C (again 5 s later: quit unsaved); [] or null: off
@@ -139,6 +142,10 @@ class TrainConfig:
                               f"{', '.join(STORAGES)}: shared (one run directory every host sees) or local (each "
                               "host its own disk)")
         check_options(self.compile_mode, self.compile_backend)
+        if self.checkpoint_replicas < 1 or (self.checkpoint_replicas > 1 and self.checkpoint_storage != "local"):
+            raise ConfigError(f"train.checkpoint_replicas={self.checkpoint_replicas}: how many hosts hold each host's "
+                              "part of a train.checkpoint_storage=local checkpoint (its own disk and the next hosts'): "
+                              "1 or more, and more than 1 only with train.checkpoint_storage=local")
         if self.checkpoint_mode == "async_process" and self.checkpoint_storage == "local":
             raise ConfigError("train.checkpoint_mode=async_process writes through one writer process per rank on a "
                               "group of the whole job, which cannot write each host's own part: with "

@@ -90,6 +90,14 @@ CheckpointMode = Choice("CheckpointMode", [(word, word) for word in ("sync", "as
 CheckpointMode.__doc__ = "``train.checkpoint_mode``: write checkpoints while training waits, or in the background."
 
 
+class DropoutRng(Choice):
+    """``train.dropout_rng``: dropout masks keyed by sample and layer (any layout, the same
+    masks), or drawn from each rank's own generator."""
+
+    sample = "sample"
+    rank = "rank"
+
+
 class SaveErrorAction(Choice):
     """``train.on_save_error``: what a failed background save does to training."""
 

@@ -46,6 +46,8 @@ class HostPart:
         group: a process group of those ranks (each host's DCP save and load runs on it, its
             first rank the coordinator that writes the host's ``.metadata``).
         hosts: every host's (name, global ranks), in order of their first rank.
+        leaders: a gloo group of every host's first rank (copies of the parts travel on it:
+            :mod:`pipeflow.run.checkpoint_replicas`).
     """
 
     host: str
@@ -53,6 +55,7 @@ class HostPart:
     index: int
     group: Any
     hosts: tuple[tuple[str, tuple[int, ...]], ...]
+    leaders: Any = None
 
     @property
     def first(self) -> int:
@@ -89,8 +92,9 @@ def host_part() -> HostPart:
         rows = _first_ranks() or [("localhost", tuple(range(dist.get_world_size())))]
         rank = dist.get_rank()
         groups = {ranks: dist.new_group(list(ranks)) for _, ranks in rows}  # every rank makes every group, in order
+        leaders = dist.new_group([ranks[0] for _, ranks in rows], backend="gloo")
         name, ranks = next((n, r) for n, r in rows if rank in r)
-        _PART = HostPart(name, ranks, ranks.index(rank), groups[ranks], tuple(rows))
+        _PART = HostPart(name, ranks, ranks.index(rank), groups[ranks], tuple(rows), leaders)
     return _PART
 
 

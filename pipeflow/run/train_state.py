@@ -11,7 +11,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from pipeflow.errors import CheckpointPeerLostError, NonFiniteError
-from pipeflow.run import checkpoint, integrity, lora_base, storage
+from pipeflow.run import checkpoint, checkpoint_replicas, integrity, lora_base
 from pipeflow.run.checkpoint_async import BackgroundSaver
 from pipeflow.runtime import finite as nonfinite
 from pipeflow.runtime.mesh import Mesh
@@ -80,9 +80,10 @@ class TrainState:
             meta[lora_base.LORA_BASE] = lora_base.record(self.cfg.model)
         if saver is not None:
             return saver.save(self.root, step, self._layers(), self.optimizer, meta, job=self.job,
-                              keep_last=self.cfg.train.keep_last)
+                              keep_last=self.cfg.train.keep_last, replicas=self.cfg.train.checkpoint_replicas)
         return checkpoint.save(self.root, step, self._layers(), self.optimizer, meta, job=self.job,
-                               storage=self.storage, keep_last=self.cfg.train.keep_last)
+                               storage=self.storage, keep_last=self.cfg.train.keep_last,
+                               replicas=self.cfg.train.checkpoint_replicas)
 
     def resume(self, announce: bool) -> tuple[int, str] | None:
         """Load the checkpoint ``train.resume`` names, if any; returns (its step, its folder), or None.
@@ -96,11 +97,17 @@ class TrainState:
         Raises:
             CheckpointError: an explicitly named checkpoint is damaged (naming the file).
         """
-        choose = storage.choose_local if self.storage == "local" else checkpoint.choose
-        path = choose(self.cfg.train.resume, self.root)
+        assembled = False
+        if self.storage == "local":  # the hosts' own parts, or one assembled from what they hold
+            path, assembled = checkpoint_replicas.choose(self.cfg.train.resume, self.root)
+        else:
+            path = checkpoint.choose(self.cfg.train.resume, self.root)
         if path is None:
             return None
-        meta = checkpoint.load(path, self._layers(), self.optimizer, self.storage, grid=self.mesh.grid)
+        meta = checkpoint.load(path, self._layers(), self.optimizer, "shared" if assembled else self.storage,
+                               grid=self.mesh.grid)
+        if assembled:
+            checkpoint_replicas.discard(path)
         if lora_base.LORA_BASE in meta:
             lora_base.check(meta[lora_base.LORA_BASE], self.cfg.model, path)
         self.scaler.load_state_dict(meta["scaler"])

@@ -46,6 +46,7 @@ from pipeflow.run.step_update import clip_grad_norm_global, lr_at, unique_parame
 from pipeflow.run.train_state import TrainState
 from pipeflow.runtime import distributed, failures
 from pipeflow.runtime.clip import clip_on_device
+from pipeflow.runtime.keyed_dropout import SampleKeys
 from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import Mesh
 from pipeflow.runtime.pipeline import Pipeline
@@ -241,6 +242,12 @@ class Trainer:
             dtype=getattr(torch, self.cfg.train.param_dtype), loss_count=self.plan.spec.loss_count)
         return split.split(source, step, training=source is self.plan.batches.train)
 
+    def _first_rows(self) -> list[int]:
+        """Each of this replica's micro-batches' first row in the global batch (as
+        :func:`pipeflow.data.shard` and the micro-batch split cut it)."""
+        rows = torch.arange(self.cfg.data.batch_size).tensor_split(self.dp)[self.mesh.dp_rank]
+        return [int(part[0]) if len(part) else 0 for part in rows.tensor_split(self.schedule.num_microbatches)]
+
     @property
     def defers_readback(self) -> bool:
         """True when a step's loss and norm may be read back a step late (:attr:`StepUpdate.defers_readback`)."""
@@ -266,6 +273,10 @@ class Trainer:
         """Forward, backward, reductions and clipping of batch `step`, queued on the device; the
         packet of figures copied towards the host without waiting (see :class:`PendingStep`)."""
         inputs, targets, weights, _ = self._microbatches(self.plan.batches.train, step)
+        if self.cfg.train.dropout_rng == "sample":  # this step's dropout masks, whatever the layout
+            keys = SampleKeys(self.plan.spec.seed, step, self._first_rows())
+            for stage in self.stages.values():
+                stage.sample_keys = keys
         loss = self.pipeline.run(inputs, targets, grad_scale=self.loop.update.scaler.scale, loss_weights=weights,
                                  memory=memory)
         return self.loop.update.reduce(step, lr, loss, preempt=bool(self._signalled), from_agent=self._from_agent)

@@ -6,6 +6,7 @@ returns outputs and input gradients.  Index letters: s = stage, i = micro-batch.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from pipeflow.errors import ScheduleError
 from pipeflow.models.aux_loss import aux_loss_scope, shape_trial
 from pipeflow.models.spec import ModelSpec, run_layers
 from pipeflow.runtime.compiled_backward import deferring_weight_grads
+from pipeflow.runtime.keyed_dropout import SampleKeys, run_keyed
 from pipeflow.runtime.precision import to_compute_dtype
 from pipeflow.runtime.tensor_parallel import like_param
 
@@ -108,6 +110,7 @@ class Stage:
         # outputs = hook(stage, i, outputs) on what it hands to the pipeline (guards, drills).
         self.pre_forward_hooks: list[Callable[[Stage, int], None]] = []
         self.forward_hooks: list[Callable[[Stage, int, Tensors], Tensors]] = []
+        self.sample_keys: SampleKeys | None = None  # this step's keyed dropout (train.dropout_rng=sample)
 
     @property
     def is_first(self) -> bool:
@@ -163,7 +166,9 @@ class Stage:
         # a layer's auxiliary loss (an MoE router's) is weighted as this micro-batch's loss
         scope = aux_loss_scope(loss_scale, grad_scale) if keep_for_backward else contextlib.nullcontext()
         with torch.set_grad_enabled(keep_for_backward), self._autocast(inputs), scope:
-            output, boundaries, handed = self._run(inputs, keep_for_backward, keep_for_backward and self.split_backward)
+            keys = self.sample_keys.of(i) if keep_for_backward and self.sample_keys is not None else None
+            output, boundaries, handed = self._run(inputs, keep_for_backward, keep_for_backward and self.split_backward,
+                                                   keys)
             outputs = self._to_compute_dtype(as_tuple(output))
             if self.is_last and target is not None and self.loss_fn is not None:
                 loss = self.loss_fn(output, target) * loss_scale if loss_scale != 0 else _zero_loss(outputs)
@@ -179,8 +184,9 @@ class Stage:
                 outputs = hook(self, i, outputs)
         return outputs
 
-    def _run(self, inputs: Tensors, grad: bool, keep_boundaries: bool) -> tuple[Any, list[Tensors], set[int]]:
-        """The layers on `inputs` (run_layers' convention).
+    def _run(self, inputs: Tensors, grad: bool, keep_boundaries: bool,
+             keys: tuple[int, int] | None = None) -> tuple[Any, list[Tensors], set[int]]:
+        """The layers on `inputs` (run_layers' convention), their keyed dropout drawn from `keys`.
 
         Returns:
             The last layer's output; each layer's outputs (when `keep_boundaries`, else empty);
@@ -189,7 +195,7 @@ class Stage:
         output, boundaries, handed = unpack(inputs), [], set()
         for k, layer in enumerate(self.module):
             handed.update(id(t) for t in as_tuple(output))
-            output = self._call(k, layer, output, grad)
+            output = self._call(k, layer if keys is None else functools.partial(run_keyed, keys, layer), output, grad)
             if keep_boundaries:
                 boundaries.append(as_tuple(output))
         return output, boundaries, handed
@@ -201,7 +207,7 @@ class Stage:
         device = first.device if first is not None else inputs[0].device if inputs else torch.device("cpu")
         return torch.autocast(device.type, dtype=self.compute_dtype)
 
-    def _call(self, k: int, layer: nn.Module, output: Any, grad: bool) -> Any:
+    def _call(self, k: int, layer: Callable[..., Any], output: Any, grad: bool) -> Any:
         """Layer k on `output`; checkpointed (recomputed in backward) when configured."""
         args = output if isinstance(output, tuple) else (output,)
         if grad and self.checkpoint_every and k % self.checkpoint_every == 0:
