@@ -125,6 +125,7 @@ def replan_overrides(run_dir: str, steps: int, save_every: int, storage: str = "
             "parallel.tp=auto", f"plan.memory_limit_gb={MEMORY_LIMIT_GB}", "pipeline.num_microbatches=2", *local]
 
 
+JOIN_RATE_MBIT = 0.3  # host 1's link while host 2 starts again (tests/test_hosts.py's grow test does the same)
 MEMORY_LIMIT_GB = 0.0009  # the drill's model needs about 1.2 MB on one rank, 0.7 MB on each of two
 
 
@@ -139,6 +140,7 @@ def replan_trial(kill_step: int, steps: int, save_every: int, workdir: str, time
     common = {"nproc": nproc, "nnodes": f"{count - 1}:{count}", "torchrun_args": "--max-restarts 5",
               "timeout_s": timeout_s, "warm_workers": False}
     killed_at = rejoined_at = None
+    slowed = False
     private = (run_dir,) if storage == "local" else ()
     with EmulatedHosts(count, names="missing", private=private) as hosts:
         procs = launch_on_hosts(hosts, job, **common)
@@ -155,6 +157,12 @@ def replan_trial(kill_step: int, steps: int, save_every: int, workdir: str, time
                 if len(after) >= 5:
                     procs += launch_on_hosts(hosts, job, on=[count - 1], **common)
                     rejoined_at = time.monotonic()
+                    if count == 3:  # the job must not end before the host's agent has joined: slow it meanwhile
+                        hosts.limit(1, JOIN_RATE_MBIT)
+                        slowed = True
+            elif slowed and any(t > rejoined_at and f"re-planned for {count} ranks" in line for t, line in seen):
+                hosts.limit(1, None)
+                slowed = False
             time.sleep(0.02)
         pump.join()
         for proc in procs[1:]:
