@@ -78,6 +78,8 @@ class Calibration:
         meta: what the costs belong to (machine, model, schedule, sizes): see the run's costs.json.
         blocked_latency_s: the latency fitted from the waits that blocked on the peer's post alone
             (the transfer as such; `latency_s` also carries the late deliveries of a busy machine).
+        overlap: the run interleaved the schedule's overlapped pairs (``pipeline.overlap_pairs``):
+            its programs, and the prediction's, are lowered so.
     """
 
     forward: list[float]
@@ -97,6 +99,7 @@ class Calibration:
     measured_finish_s: list[float]
     meta: dict[str, Any] = field(default_factory=dict)
     blocked_latency_s: float = math.nan
+    overlap: bool = False
 
     def transfer_s(self, num_bytes: float) -> float:
         """Seconds of one transfer of `num_bytes`."""
@@ -155,7 +158,7 @@ class Prediction(NamedTuple):
 
 def predict(schedule: PipelineSchedule, cal: Calibration, posting: str | None = None) -> Prediction:
     """Simulate `schedule`'s program (lowered as `posting`, default the calibrated run's) with `cal`'s costs."""
-    programs = lower(schedule, posting or cal.posting)
+    programs = lower(schedule, posting or cal.posting, overlap=cal.overlap)
     sim = simulate(schedule, programs, cal.action_cost(schedule), runtime=cal.runtime())
     return Prediction(max(sim.finish) + cal.tail_s, list(sim.finish))
 
@@ -174,14 +177,28 @@ def simulated_log(
 
 
 def expected_events(program: Program) -> list[tuple[str, str, int]]:
-    """(kind, name, program step) of every event a rank running `program` records, in order."""
+    """(kind, name, program step) of every event a rank running `program` records, in order.
+
+    An overlapped pair (a step, then one marked ``paired``) records the first's call and action,
+    then the second's waits (its ops are posted inside the pair, unrecorded), its action and its
+    ``after`` (:meth:`pipeflow.runtime.pipeline.Pipeline._run_pair`)."""
     out = []
     for k, step in enumerate(program):
+        if step.paired:
+            continue
+        second = program[k + 1] if k + 1 < len(program) and program[k + 1].paired else None
         if step.ops or step.waits:
             out.append(("comm", step.ops_text or "; ".join(str(op) for op in step.waits), k))
         if step.action is not None:
             out.append((step.action.kind, str(step.action), k))
-        if step.after:
+        if second is not None:
+            if second.waits:
+                out.append(("comm", "; ".join(str(op) for op in second.waits), k + 1))
+            if second.action is not None:
+                out.append((second.action.kind, str(second.action), k + 1))
+            if second.after:
+                out.append(("comm", _AFTER, k + 1))
+        elif step.after:
             out.append(("comm", _AFTER, k))
     return out
 
@@ -193,11 +210,28 @@ def program_events(events: Sequence[Event]) -> list[Event]:
     return [e for e in events if e[0] == "comm" or e[0] in KINDS]
 
 
+def in_program_order(events: Sequence[Event], program: Program) -> list[Event] | None:
+    """A rank's events of one step in the order `program` records them, or None where they are not
+    its events.  An overlapped pair's two actions run on two threads and record as each ends, so
+    their events may come in either order: each expected event takes the first recorded one of
+    its kind and name."""
+    pool = list(program_events(events))
+    ordered: list[Event | None] = []
+    for kind, name, k in expected_events(program):
+        at = next((j for j, e in enumerate(pool) if e[0] == kind and e[1] == name), None)
+        if at is None and kind == "comm" and name != _AFTER and program[k].paired:
+            ordered.append(None)  # a pair's second that waited at the pair's start records no wait of its own
+            continue
+        if at is None:
+            return None
+        ordered.append(pool.pop(at))
+    return None if pool else ordered  # type: ignore[return-value]
+
+
 def which_posting(step: Sequence[RankStep], programs: dict[str, list[Program]]) -> str | None:
     """The lowering whose programs every rank's events of this step follow, or None."""
     for option, progs in programs.items():
-        if all([(e[0], e[1]) for e in program_events(rank.events)] == [(k, n) for k, n, _ in expected_events(progs[r])]
-               for r, rank in enumerate(step)):
+        if all(in_program_order(rank.events, progs[r]) is not None for r, rank in enumerate(step)):
             return option
     return None
 
@@ -211,15 +245,12 @@ class _Walk(NamedTuple):
 
 
 def _walk(program: Program, events: Sequence[Event]) -> _Walk:
+    """`events` (in program order: :func:`in_program_order`) assigned to the program's steps."""
     walk = _Walk([None] * len(program), [None] * len(program), [None] * len(program))
-    it = iter(events)
-    for k, step in enumerate(program):
-        if step.ops or step.waits:
-            walk.comm[k] = next(it)
-        if step.action is not None:
-            walk.action[k] = next(it)
-        if step.after:
-            walk.after[k] = next(it)
+    for (kind, name, k), event in zip(expected_events(program), events):
+        if event is not None:
+            slot = walk.action if kind != "comm" else walk.after if name == _AFTER else walk.comm
+            slot[k] = event
     return walk
 
 
@@ -238,6 +269,7 @@ def _median(values: Sequence[float], default: float = math.nan) -> float:
 def calibrate(
     schedule: PipelineSchedule, steps: Sequence[Sequence[RankStep]], boundary_bytes: Sequence[float],
     postings: Sequence[str] = ("ahead", "at_step", "group", "rendezvous"), meta: dict[str, Any] | None = None,
+    overlap: bool = False,
 ) -> Calibration:
     """The runtime's costs from recorded steps (see the module docstring).
 
@@ -248,11 +280,12 @@ def calibrate(
         boundary_bytes: per stage, bytes of its outputs.
         postings: the lowerings the run may have interpreted; a step that matches none is left out.
         meta: what the costs belong to, kept in the result.
+        overlap: the run interleaved the schedule's overlapped pairs (``pipeline.overlap_pairs``).
 
     Raises:
         ValueError: no step matches any lowering's programs.
     """
-    programs = {option: lower(schedule, option) for option in postings}
+    programs = {option: lower(schedule, option, overlap=overlap) for option in postings}
     matched = [(which_posting(step, programs), step) for step in steps]
     matched = [(option, step) for option, step in matched if option is not None]
     if not matched:
@@ -261,7 +294,7 @@ def calibrate(
     p, S = schedule.num_ranks, schedule.num_stages
     sums, walks = _Sums(p), []
     for option, step in matched:
-        walked = [_walk(programs[option][r], program_events(step[r].events)) for r in range(p)]
+        walked = [_walk(programs[option][r], in_program_order(step[r].events, programs[option][r])) for r in range(p)]
         walks.append((programs[option], walked))
         sums.add(programs[option], walked, step, schedule.split_backwards())
     compute, gaps, posts, heads = sums.compute, sums.gaps, sums.posts, sums.heads
@@ -279,6 +312,7 @@ def calibrate(
         latency_s=latency, per_byte_s=per_byte, tail_s=mean(tails), posting=max(set(options), key=options.count),
         boundary_bytes=[float(b) for b in boundary_bytes], steps=len(matched),
         measured_step_s=_median(step_times), measured_finish_s=[_median(f) for f in finishes], meta=dict(meta or {}),
+        overlap=overlap,
     )
     cal.blocked_latency_s = latency
     cal.latency_s = _latency_for_waits(schedule, cal, math.fsum(waits) / len(matched))
@@ -299,10 +333,12 @@ class _Sums:
         """One step: every rank's gaps, posting, actions and end; the tail, the step, the time in calls."""
         origin = step[0].start
         for r, walk in enumerate(walked):
+            shares = _pair_shares(progs[r], walk)
             for k, s in enumerate(progs[r]):
                 gap_from = origin if k == 0 else _last_end(walk, k - 1)
-                (self.heads[r] if k == 0 else self.gaps[r]).append(_first_start(walk, k) - gap_from)
-                if s.ops and not s.waits:
+                # an overlapped pair's second starts before its first ends: no gap, not a negative one
+                (self.heads[r] if k == 0 else self.gaps[r]).append(max(0.0, _first_start(walk, k) - gap_from))
+                if s.ops and not s.waits and walk.comm[k] is not None:  # (a pair's second posts unrecorded)
                     self.posts[r].append(walk.comm[k][3] - walk.comm[k][2])
                 act = walk.action[k]
                 if act is not None:  # the recording gaps inside the step count with the action
@@ -311,12 +347,29 @@ class _Sums:
                     a = s.action
                     key = ("F" if a.kind == FORWARD else "W" if a.kind == WEIGHT
                            else "B" if (a.stage, a.microbatch) in split else "BW")
-                    self.compute[key, a.stage].append(end - begin)
+                    self.compute[key, a.stage].append((end - begin) * shares.get(k, 1.0))
             self.finishes[r].append(_last_end(walk, len(progs[r]) - 1) - origin)
         last = max(_last_end(w, len(progs[r]) - 1) for r, w in enumerate(walked))
         self.tails.append(step[0].end - last)
         self.waits.append(math.fsum(e[3] - e[2] for rank in step for e in rank.events if e[0] == "comm"))
         self.step_times.append(step[0].end - origin)
+
+
+def _pair_shares(program: Program, walk: _Walk) -> dict[int, float]:
+    """Per action of an overlapped pair, the share of its span that was its own: the two run
+    interleaved (one computing while the other waits at an exchange), so each span holds some of
+    the other's compute; scaled so that their sum is the pair's wall time, which the simulator
+    (F then B, without exchanges to hide) gives back."""
+    shares = {}
+    for k, step in enumerate(program):
+        first, second = walk.action[k - 1] if k else None, walk.action[k]
+        if not step.paired or first is None or second is None:
+            continue
+        wall = max(first[3], second[3]) - min(first[2], second[2])
+        total = (first[3] - first[2]) + (second[3] - second[2])
+        if total > wall > 0:
+            shares[k - 1] = shares[k] = wall / total
+    return shares
 
 
 def mean(values: Sequence[float], default: float = math.nan) -> float:
@@ -326,7 +379,8 @@ def mean(values: Sequence[float], default: float = math.nan) -> float:
 
 def _comm_time(schedule: PipelineSchedule, cal: Calibration) -> float:
     """Seconds every rank spends in batched calls (posting, waiting) in the simulated step."""
-    sim = simulate(schedule, lower(schedule, cal.posting), cal.action_cost(schedule), runtime=cal.runtime())
+    programs = lower(schedule, cal.posting, overlap=cal.overlap)
+    sim = simulate(schedule, programs, cal.action_cost(schedule), runtime=cal.runtime())
     return math.fsum(e[3] - e[2] for events in sim.events for e in events if e[0] == "comm")
 
 
@@ -366,14 +420,18 @@ def _transfer_samples(
         posted: dict[tuple, float] = {}
         for r, walk in enumerate(walked):
             for k, s in enumerate(progs[r]):
-                posted.update((_op_key(op), walk.comm[k][2]) for op in s.ops)
+                if walk.comm[k] is not None:  # a pair's second posts inside the pair, unrecorded
+                    posted.update((_op_key(op), walk.comm[k][2]) for op in s.ops)
         for r, walk in enumerate(walked):
             for k, s in enumerate(progs[r]):
                 for ops, event, begin in ((s.waits, walk.comm[k], post[r] if s.ops else 0.0), (s.after, walk.after[k], 0.0)):
                     if not ops:
                         continue
                     sizes = {boundary_bytes[op.src_stage if op.payload == ACTIVATION else op.dst_stage] for op in ops}
-                    ready = max(max(posted[_op_key(op)], posted[_op_key(op)[:-1] + (not op.is_send,)]) for op in ops)
+                    both = [(posted.get(_op_key(op)), posted.get(_op_key(op)[:-1] + (not op.is_send,))) for op in ops]
+                    if event is None or any(a is None or b is None for a, b in both):
+                        continue  # a side posted unrecorded (an overlapped pair): no sample
+                    ready = max(max(a, b) for a, b in both)
                     if len(sizes) == 1 and ready >= event[2] + begin:
                         samples.append((float(sizes.pop()), event[3] - ready))
     return samples
@@ -397,11 +455,12 @@ def _fit_transfer(samples: list[tuple[float, float]]) -> tuple[float, float]:
     return max(0.0, my - slope * mx), slope
 
 
-def calibrator(schedule: PipelineSchedule, boundary_bytes: Sequence[float], meta: dict[str, Any]
-               ) -> Callable[[Sequence[Sequence[RankStep]]], Calibration]:
-    """:func:`calibrate` bound to a run's schedule, boundary sizes and description (for its metrics)."""
+def calibrator(schedule: PipelineSchedule, boundary_bytes: Sequence[float], meta: dict[str, Any],
+               overlap: bool = False) -> Callable[[Sequence[Sequence[RankStep]]], Calibration]:
+    """:func:`calibrate` bound to a run's schedule, boundary sizes, description (for its metrics)
+    and ``pipeline.overlap_pairs``."""
     def run(steps: Sequence[Sequence[RankStep]]) -> Calibration:
-        return calibrate(schedule, steps, boundary_bytes, meta=meta)
+        return calibrate(schedule, steps, boundary_bytes, meta=meta, overlap=overlap)
 
     return run
 

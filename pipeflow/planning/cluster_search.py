@@ -49,6 +49,10 @@ class Layout:
             over the inter-host link; with sequence parallelism the tensors are split anyway).
         shard: ``none``, ``optimizer`` (ZeRO-1) or ``full`` (FSDP2) over dp.
         order: the mesh order, outermost first (``parallel.order``).
+        overlap_dp: the dp traffic runs behind compute as it becomes ready (Megatron's
+            ``--overlap-grad-reduce``/``--overlap-param-gather``, bucketed DDP, FSDP's prefetch):
+            only what exceeds the compute it can hide behind is exposed (:func:`dp_exposed_s`).
+            False: after the pipeline, whole (pipeflow reduces a stage once its last gradient is done).
     """
 
     tp: int
@@ -62,6 +66,7 @@ class Layout:
     split_boundary: bool = False
     shard: str = "none"
     order: tuple[str, ...] = ("dp", "pp", "tp")
+    overlap_dp: bool = False
 
     def overrides(self, m: int) -> str:
         """Ready-to-paste train.py overrides."""
@@ -116,6 +121,8 @@ class Workload:
     seq_len: int
     global_batch: int
     dtype: str = "bf16"
+    attention: str = "fused"  # fused (flash kernels, as pipeflow's SDPA) | legacy | unfused (Placement.attention)
+    tp_overlap: bool = False  # the tp collectives behind the matmuls (Placement.tp_overlap)
 
 
 def _grid(layout: Layout) -> MeshGrid:
@@ -217,13 +224,18 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
     """
     b = layout.microbatch_size
     m = work.global_batch // (layout.dp * b)
-    place = Placement(layout.tp, layout.sequence_parallel, layout.recompute, work.dtype, tp_link(cluster, layout))
+    place = Placement(layout.tp, layout.sequence_parallel, layout.recompute, work.dtype, tp_link(cluster, layout),
+                      work.attention, work.tp_overlap)
     profiles = profiles_at(work.shapes, b, place, cluster, eff)
     stages = layout.pp * layout.v
     ranges = list(ranges) if ranges is not None else stage_ranges(profiles, stages)
     span, bubble, memory, extrapolated = pipeline_at(layout, m, profiles, ranges, cluster, eff, extrapolate)
     rank_params = max(math.fsum(profiles[i].params for i in r) for r in ranges) * layout.v
     dp_s = reduction_s(rank_params, layout, cluster, eff)
+    if layout.overlap_dp and layout.dp > 1:
+        forward = math.fsum(p.forward_s for p in profiles) / layout.pp  # a micro-batch's, per rank
+        backward = math.fsum(p.backward_s for p in profiles) / layout.pp
+        dp_s = dp_exposed_s(dp_s, layout, m, forward, backward)
     update_s = optimizer_s(rank_params, layout, cluster, eff)
     step = span + dp_s + update_s
     tokens = work.global_batch * work.seq_len
@@ -231,6 +243,23 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
     flops = model_flops_per_token(work.shapes, work.seq_len) * tokens / step / gpus
     return Prediction(layout, m, step, span, dp_s, update_s, bubble, memory, tokens / step, flops / 1e12,
                       flops / cluster.gpu.peak_flops(work.dtype), extrapolated)
+
+
+def dp_exposed_s(whole_s: float, layout: Layout, m: int, forward_s: float, backward_s: float) -> float:
+    """The dp traffic's exposed seconds where it overlaps compute (``Layout.overlap_dp``):
+    `whole_s` is all of it (:func:`reduction_s`); `forward_s`, `backward_s` one micro-batch's on
+    the busiest rank.  Replicas (``none``): the gradients' all-reduce behind the last
+    micro-batch's backward.  ZeRO-1: the reduce-scatter there, the parameters' all-gather behind
+    the next step's first forward.  FSDP2: the gather behind the forwards, the gather and
+    reduce-scatter of the backward behind the backwards.  A last piece (a layer's
+    worth, 1/16 here) never hides."""
+    if layout.shard == "full":  # once a step, as pipeflow's shard points (and at m = 1, FSDP's)
+        gather = whole_s / 3  # a third of FSDP2's traffic: gather, gather again, reduce-scatter
+        return max(0.0, gather - m * forward_s) + max(0.0, 2 * gather - m * backward_s) + whole_s / 16
+    if layout.shard == "optimizer":
+        half = whole_s / 2
+        return max(0.0, half - backward_s) + max(0.0, half - forward_s) + whole_s / 16
+    return max(0.0, whole_s - backward_s) + whole_s / 16
 
 
 def optimizer_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency) -> float:

@@ -10,9 +10,11 @@ bytes.  All of it is linear in the micro-batch size b, so one trace serves every
 
 A layer's times for one micro-batch of b samples, on one of tp ranks (`layer_profile`):
 
-- F: each linear ``2 M K N / tp`` FLOPs at ``peak x matmul x d / (d + matmul_knee)`` with d the
-  smallest of its dimensions on the rank; attention ``4 H T^2 hd / tp`` FLOPs at ``peak x
-  attention``; the other ops' bytes at ``memory bandwidth x memory`` (those on the residual stream
+- F: each linear ``2 M K N / tp`` FLOPs at ``peak x matmul x d / (d + matmul_knee x ridge)`` with d
+  the smallest of its dimensions on the rank, ridge the GPU's peak FLOPs per byte of memory
+  bandwidth; attention ``4 H T^2 hd / tp`` FLOPs at ``peak x attention`` (unfused attention:
+  its two matmuls as above and its scores through memory; a kernel of the previous generation
+  at that generation's instruction peak, ``gpu.peak_tflops.<dtype>_legacy``); the other ops' bytes at ``memory bandwidth x memory`` (those on the residual stream
   whole on every tp rank, a tp-th with sequence parallelism; the rest a tp-th); the tp plan's
   collectives (a row-wise linear's output summed; with sequence parallelism the same bytes as
   all-gathers and reduce-scatters) as ring collectives on the tp group's link at ``network`` of
@@ -24,7 +26,8 @@ A layer's times for one micro-batch of b samples, on one of tp ranks (`layer_pro
 
 The five efficiency terms (:class:`Efficiency`) are global constants, fitted once on the Table 1
 runs of Narayanan et al. (SC'21), as ``benchmarks/predictions/published_runs.py`` says (network set beforehand,
-the other four fitted).  Attention's is low and memory's 1.0 because that stack's attention was
+the other four fitted); ``--holdout h100 --refit`` fits them on every published A100 run and
+judges them on H100 runs they never saw (``benchmarks/predictions/published/``).  Attention's is low and memory's 1.0 because that stack's attention was
 unfused while its other ops were fused; this trace counts every op unfused.
 """
 from __future__ import annotations
@@ -53,14 +56,18 @@ class Efficiency:
 
     Attributes:
         matmul: the fraction of the dense peak a large matmul reaches.
-        matmul_knee: a matmul whose smallest dimension is d runs at ``matmul x d / (d + knee)``.
-        attention: the fraction of the dense peak attention reaches (its FLOPs counted whole).
+        matmul_knee: a matmul whose smallest dimension is d runs at ``matmul x d / (d + knee x
+            ridge)``, ridge the GPU's FLOPs per byte of memory traffic at its peaks (a narrow
+            matmul is bound by memory sooner on a GPU whose compute outgrew its memory).
+        attention: the fraction of the dense peak a fused attention kernel (flash) reaches, its
+            FLOPs counted whole; unfused attention (``Placement.attention``) is two batched
+            matmuls at the matmul terms and its T x T scores through memory.
         memory: the fraction of the memory bandwidth the other ops reach.
         network: the fraction of a link's bandwidth its collectives and transfers reach.
     """
 
     matmul: float = 0.76
-    matmul_knee: float = 100.0
+    matmul_knee: float = 0.654  # 100 elements on an A100 (ridge 153 FLOPs per byte), as fitted
     attention: float = 0.16
     memory: float = 1.0
     network: float = 0.8
@@ -114,6 +121,8 @@ class LayerShape:
     tp_split_fraction: float = 0.0
     tp_forward_elements: float = 0.0
     measured: tuple[float, float] | None = None
+    attention_scores: float = 0.0  # elements of its attention's H x Tq x Tk scores
+    attention_head_dim: int = 0
 
     def model_flops(self) -> float:
         """Model FLOPs of one sample's forward and backward (6 per parameter-token of its linears, 4
@@ -237,6 +246,8 @@ class _Recorder(TorchFunctionMode):
         elif func is F.scaled_dot_product_attention:
             q, k, v = args[0], args[1], args[2]
             self.shape.attention_flops += 4.0 * q.numel() * k.shape[-2]
+            self.shape.attention_scores += q.numel() // q.shape[-1] * k.shape[-2]
+            self.shape.attention_head_dim = int(q.shape[-1])
             # a fused kernel keeps q, k, v and its output (not the T x T scores the meta math path saves)
             self.shape.saved_split_bytes += _nbytes(q) + _nbytes(k) + _nbytes(v) + _nbytes(out)
         elif func in _MATMULS and torch.is_tensor(out):
@@ -325,6 +336,11 @@ class Placement:
     recompute: bool = False
     dtype: str = "bf16"
     tp_link: Link | None = None
+    # fused: flash kernels of the GPU's own generation; legacy: the previous generation's (FlashAttention
+    # 2 on Hopper: the tensor cores through Ampere's instructions, gpu.peak_tflops.<dtype>_legacy);
+    # unfused: two batched matmuls and the scores through memory (Megatron 2021)
+    attention: str = "fused"
+    tp_overlap: bool = False  # the tp collectives run behind the layer's matmuls (Megatron's --tp-comm-overlap)
 
 
 def weight_bytes(dtype: str) -> int:
@@ -340,19 +356,32 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
     peak = cluster.gpu.peak_flops(place.dtype)
     mem_bps = cluster.gpu.memory_bandwidth_gbps * 1e9 * eff.memory
 
+    knee = eff.matmul_knee * peak / (cluster.gpu.memory_bandwidth_gbps * 1e9)  # x the ridge, FLOPs per byte
+
+    def at_matmul_rate(flops: float, d: float) -> float:
+        return flops / (peak * eff.matmul * d / (d + knee))
+
     def matmul_s(x: Linear) -> float:
         k, n = (x.k // tp, x.n) if x.style in ("rowwise", "embedding") and tp > 1 else (
             (x.k, x.n // tp) if x.style and tp > 1 else (x.k, x.n))
         rows = b * x.rows
-        d = min(rows, k, n)
-        return 2.0 * rows * k * n / (peak * eff.matmul * d / (d + eff.matmul_knee))
+        return at_matmul_rate(2.0 * rows * k * n, min(rows, k, n))
 
     linear_s = sum(matmul_s(x) for x in shape.linears)
-    attention_s = b * (shape.attention_flops + shape.other_matmul_flops) / tp / (peak * eff.attention)
+    if place.attention == "unfused" and shape.attention_scores:  # QK^T and PV, the scores written and read twice
+        attention_s = b * (at_matmul_rate(shape.attention_flops, shape.attention_head_dim)
+                           + 4 * 2 * shape.attention_scores / mem_bps + shape.other_matmul_flops / (peak * eff.attention)) / tp
+    else:
+        kernel_peak = peak
+        if place.attention == "legacy" and f"{place.dtype}_legacy" in cluster.gpu.peak_tflops:
+            kernel_peak = cluster.gpu.peak_flops(f"{place.dtype}_legacy")
+        attention_s = b * (shape.attention_flops + shape.other_matmul_flops) / tp / (kernel_peak * eff.attention)
     residual = shape.residual_bytes / (tp if sp else 1)
     bytes_s = b * (residual + shape.split_bytes / tp) / mem_bps
     link = place.tp_link or cluster.intra
     fwd_comm, bwd_comm = _tp_comm(shape, b, tp, link, eff)
+    if place.tp_overlap:  # split into chunks that run beside the matmuls: what they cannot cover is exposed
+        fwd_comm, bwd_comm = max(0.0, fwd_comm - linear_s), max(0.0, bwd_comm - 2 * linear_s)
     f_scale, b_scale = shape.measured or (1.0, 1.0)  # a measured layer's compute; collectives stay on the links
     forward = f_scale * (linear_s + attention_s + bytes_s) + fwd_comm
     weighted = [x for x in shape.linears if x.style != "embedding"]

@@ -311,7 +311,8 @@ def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelP
     metrics = RunMetrics(cfg, parts.recorder, comm.rank, pp, device, run_dir, layout.prediction,
                          (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
                          calibrator(schedule, stage_boundary_bytes(layout.ranges, layout.profiles),
-                                    run_meta(cfg, schedule, layout, device, dp, mesh.grid)),
+                                    run_meta(cfg, schedule, layout, device, dp, mesh.grid),
+                                    overlap=bool(cfg.pipeline.overlap_pairs)),
                          first_pipeline=mesh.first_pipeline, grid=mesh.grid)
     scaler = LossScaler(cfg.train.precision == "fp16")
     memory = MemoryAccountant(stages, optimizer, device)

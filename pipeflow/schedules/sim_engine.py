@@ -277,7 +277,10 @@ class Simulation:
         if done is None:
             return False
         if phase == _WAIT:  # the gathers started at the rank's clock, after the reductions
-            if step.ops or waits:
+            if step.paired:  # as the runtime records a pair's second: its waits only (its ops went out in the pair)
+                if waits:
+                    self.events[r].append(("comm", "; ".join(str(op) for op in waits), self.posted_at[r], done))
+            elif step.ops or waits:
                 self.events[r].append(("comm", step.ops_text or "; ".join(str(op) for op in waits),
                                        self.posted_at[r], done))
             start = max(done, self.clock[r] + self.shard_cost * len(step.unshard))

@@ -1,0 +1,204 @@
+"""Published training runs kept as data (``benchmarks/predictions/published/*.json``), read into
+rows the cluster planner can predict: model shape, GPUs, layout, what the source's software did,
+and the published throughput as tokens per second per GPU (the one figure no FLOP convention
+touches: where a source gives TFLOP/s only, its own convention converts them back).
+
+Each source file says what it is, where it was published, its FLOP convention and every row's
+model, layout and figure (``published/README.md``).  What a row's software did that the planner
+models (fused or unfused attention, dp traffic behind compute or not, the optimizer's sharding)
+comes from the source's statements, in :data:`STACKS`, never from a fit.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeflow.models.gpt import build_gpt
+from pipeflow.planning.cluster_search import Layout, Prediction, Workload, predict
+from pipeflow.planning.hardware import Cluster, load_hardware
+from pipeflow.planning.roofline import Efficiency, LayerShape, trace_layers
+
+FOLDER = Path(__file__).with_name("published")
+PRESETS = {"a100_sxm_80gb": "a100_sxm_80gb", "a100_sxm_40gb": "a100_sxm_40gb", "h100_sxm_80gb": "h100_sxm"}
+MEGATRON_ORDER = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What a source's software does that the planner models, as the source states it."""
+
+    attention: str  # fused (flash kernels of the GPU's generation) | legacy (the previous one's) | unfused
+    overlap_dp: bool  # the dp traffic behind compute
+    tp_overlap: bool = False  # the tp collectives behind the matmuls
+    shard: str = "none"  # none | optimizer (a distributed optimizer) | full (FSDP)
+    sequence_parallel: bool = False  # with tp > 1
+    dropout: float = 0.0
+
+
+STACKS = {  # (source file, GPU generation) -> its software, from the source's own words
+    # Narayanan et al. SC'21: Megatron-LM 2021, unfused softmax attention, no dp overlap, fp16, dropout 0.1
+    ("megatron_lm_readme", "a100"): Stack("unfused", overlap_dp=False, dropout=0.1),
+    # Megatron-Core r0.8 (2024): Transformer Engine's fused attention (cuDNN, Hopper's own),
+    # --overlap-grad-reduce --overlap-param-gather (a distributed optimizer), --tp-comm-overlap
+    # (with sequence parallelism)
+    ("megatron_lm_readme", "h100"): Stack("fused", overlap_dp=True, tp_overlap=True, shard="optimizer",
+                                          sequence_parallel=True),
+    # llm-foundry (2023, tables before torch 2.0): Composer + PyTorch FSDP FULL_SHARD (prefetching),
+    # FlashAttention written for Ampere: on H100 through Ampere's instructions
+    ("llm_foundry_mpt", "a100"): Stack("fused", overlap_dp=True, shard="full"),
+    ("llm_foundry_mpt", "h100"): Stack("legacy", overlap_dp=True, shard="full"),
+}
+
+
+@dataclass(frozen=True)
+class PublishedRow:
+    """One published run, as the planner predicts it."""
+
+    source: str
+    label: str
+    gpu: str
+    dtype: str
+    moe: bool
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    seq: int
+    gated: bool
+    gpus: int
+    batch: int
+    micro: int
+    tp: int | None
+    pp: int | None
+    cp: int
+    vp: int | None
+    recompute: str | None
+    published: dict[str, Any]
+
+    @property
+    def generation(self) -> str:
+        """``a100`` or ``h100``."""
+        return self.gpu.split("_")[0]
+
+    @property
+    def dense(self) -> bool:
+        return not self.moe
+
+
+def load(folder: Path = FOLDER) -> list[PublishedRow]:
+    """Every row of every source file in `folder`."""
+    rows = []
+    for path in sorted(folder.glob("*.json")):
+        for r in json.loads(path.read_text())["rows"]:
+            m = r["model"]
+            rows.append(PublishedRow(
+                path.stem, r["label"], r["gpu"], r["dtype"], bool(r["moe"]), m["layers"] or 0, m["hidden"] or 0,
+                m.get("ffn_hidden") or 0, m["heads"] or 0, m.get("kv_heads") or m["heads"] or 0, m["vocab"] or 0,
+                m["seq"] or 0, bool(m.get("gated_mlp")), r["gpus"], r["global_batch"], r.get("micro_batch") or 1,
+                r.get("tp"), r.get("pp"), r.get("cp") or 1, r.get("vp"), r.get("recompute"), r["published"]))
+    return rows
+
+
+def unmodelled(row: PublishedRow) -> str | None:
+    """Why the planner cannot predict `row` as published, or None."""
+    if row.moe:
+        return "MoE (no expert parallelism in the cluster planner)"
+    if row.dtype not in ("bf16", "fp16"):
+        return f"{row.dtype} (not the BF16/FP16 peak)"
+    if row.gpu not in PRESETS:
+        return f"GPU {row.gpu} has no vendor preset"
+    if (row.source, row.generation) not in STACKS:
+        return "its software is not described (STACKS)"
+    if row.tp is None or row.pp is None:
+        return "no layout published"
+    if row.cp > 1:
+        return "context parallelism (the cluster planner refuses cp)"
+    if row.gated or row.kv_heads != row.heads or row.ffn != 4 * row.hidden:
+        return "not a GPT block (gated MLP or grouped-query attention: traced through model=hf, not yet here)"
+    if row.gpus % (row.tp * row.pp) or row.batch % (row.gpus // (row.tp * row.pp) * row.micro):
+        return "the batch does not split into the published layout's micro-batches"
+    if published_tokens(row) is None:
+        return "no figure convertible to tokens/s"
+    return None
+
+
+def model_flops_per_token(row: PublishedRow) -> float:
+    """Megatron-Core's model FLOPs per token of a GPT block stack (no recomputation, full attention):
+    ``12 l h^2 (2 + s/h + ffn/h) + 6 h V``."""
+    l, h, s = row.layers, row.hidden, row.seq
+    return 12 * l * h * h * (2 + s / h + row.ffn / h) + 6 * h * row.vocab
+
+
+def paper_flops_per_token(row: PublishedRow) -> float:
+    """Narayanan et al.'s Eq. 3 per token (the recomputed forward counted)."""
+    l, h, s = row.layers, row.hidden, row.seq
+    return 96 * l * h * h * (1 + s / (6 * h) + row.vocab / (16 * l * h))
+
+
+def published_tokens(row: PublishedRow) -> float | None:
+    """Tokens per second per GPU: as published, or TFLOP/s over the source's FLOPs per token."""
+    figures = row.published
+    if figures.get("tokens_per_s_per_gpu"):
+        return float(figures["tokens_per_s_per_gpu"])
+    if figures.get("tflops_per_gpu") and row.source == "megatron_lm_readme":
+        per_token = paper_flops_per_token(row) if row.generation == "a100" else model_flops_per_token(row)
+        return float(figures["tflops_per_gpu"]) * 1e12 / per_token
+    return None
+
+
+@lru_cache(maxsize=None)
+def _shapes(heads: int, hidden: int, layers: int, vocab: int, seq: int, dropout: float, dtype: str
+            ) -> tuple[LayerShape, ...]:
+    """The GPT's layers traced for one sample; blocks are alike, so two blocks stand for all."""
+    spec = build_gpt(vocab_size=vocab, block_size=seq, n_layer=2, n_head=heads, n_embd=hidden, dropout=dropout)
+    embedding, block, _, head = trace_layers(spec, seq, torch.float16 if dtype == "fp16" else torch.bfloat16)
+    return (embedding, *([block] * layers), head)
+
+
+def chunks(layers: int, pp: int) -> int:
+    """v where unpublished: the smallest count above 1 dividing a rank's layers (1 at pp = 1)."""
+    per = layers // pp
+    if pp == 1 or per <= 1:
+        return 1
+    return next(v for v in range(2, per + 1) if per % v == 0)
+
+
+@lru_cache(maxsize=None)
+def cluster_of(gpu: str) -> Cluster:
+    return load_hardware(PRESETS[gpu])
+
+
+def megatron_ranges(layers: int, stages: int) -> list[range]:
+    """Megatron's split: equal blocks per stage, the embedding with the first, the head with the last."""
+    per = layers // stages
+    bounds = [0] + [1 + per * s for s in range(1, stages)] + [layers + 2]
+    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+
+
+def predict_published(row: PublishedRow, eff: Efficiency = Efficiency()) -> Prediction:
+    """The planner's prediction of `row` on its published layout and its source's software."""
+    stack = STACKS[(row.source, row.generation)]
+    tp, pp = row.tp or 1, row.pp or 1
+    v = row.vp or chunks(row.layers, pp)
+    dp = row.gpus // (tp * pp)
+    layout = Layout(tp, pp, dp, "interleaved_1f1b" if v > 1 else "1f1b", v, row.micro,
+                    recompute=row.recompute == "full", sequence_parallel=stack.sequence_parallel and tp > 1,
+                    split_boundary=tp > 1, shard=stack.shard if dp > 1 else "none", order=MEGATRON_ORDER,
+                    overlap_dp=stack.overlap_dp)
+    work = Workload(_shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype),
+                    row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap)
+    ranges = megatron_ranges(row.layers, pp * v) if pp > 1 else None
+    return predict(work, layout, cluster_of(row.gpu), eff, ranges=ranges)
+
+
+def ratio(row: PublishedRow, eff: Efficiency = Efficiency()) -> float:
+    """Predicted over published tokens per second per GPU."""
+    pred = predict_published(row, eff)
+    return pred.tokens_per_s / row.gpus / published_tokens(row)  # type: ignore[operator]
