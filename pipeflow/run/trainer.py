@@ -92,6 +92,7 @@ class Trainer:
     history: list[float] = field(default_factory=list)
     _signalled: str | None = field(default=None, init=False, repr=False)  # the train.save_on_signal signal received
     _from_agent: bool = field(default=False, init=False, repr=False)  # it was torchrun's agent stopping its workers
+    _rows: list[int] | None = field(default=None, init=False, repr=False)  # keyed dropout: micro-batches' first rows
     _watching_signals: bool = field(default=False, init=False, repr=False)  # evaluations check for it
     _saved: tuple[int, str] | None = field(default=None, init=False, repr=False)  # last saved or resumed: (step, folder)
     _saver: BackgroundSaver | None = field(default=None, init=False, repr=False)  # train.checkpoint_mode=async*
@@ -244,9 +245,17 @@ class Trainer:
 
     def _first_rows(self) -> list[int]:
         """Each of this replica's micro-batches' first row in the global batch (as
-        :func:`pipeflow.data.shard` and the micro-batch split cut it)."""
-        rows = torch.arange(self.cfg.data.batch_size).tensor_split(self.dp)[self.mesh.dp_rank]
-        return [int(part[0]) if len(part) else 0 for part in rows.tensor_split(self.schedule.num_microbatches)]
+        :func:`pipeflow.data.shard` and the micro-batch split cut it: ``tensor_split``'s sizes,
+        the first ones a row larger), in plain integers: a steady step reads nothing back."""
+        if self._rows is None:
+            def starts(offset: int, rows: int, parts: int) -> list[tuple[int, int]]:
+                size, extra = divmod(rows, parts)
+                cuts = [offset + i * size + min(i, extra) for i in range(parts + 1)]
+                return [(cuts[i], cuts[i + 1] - cuts[i]) for i in range(parts)]
+
+            first, rows = starts(0, int(self.cfg.data.batch_size), self.dp)[self.mesh.dp_rank]
+            self._rows = [start for start, _ in starts(first, rows, self.schedule.num_microbatches)]
+        return self._rows
 
     @property
     def defers_readback(self) -> bool:
