@@ -228,7 +228,11 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
         procs = launch_on_hosts(hosts, overrides, nproc=1, nnodes="2:3",
                                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, torchrun_args="--max-restarts 3")
         lines, threads = _watch(procs)
-        _when(lines[0], rf"step\s+25/{STEPS}", 120)
+        try:
+            _when(lines[0], rf"step\s+25/{STEPS}", 120)
+        except AssertionError as exc:  # what the other hosts said
+            raise AssertionError(f"{exc}\n" + "\n".join(f"host {i}:\n" + "".join(l for _, l in out)[-2500:]
+                                                        for i, out in enumerate(lines[1:], 1))) from None
         hosts.kill(2)
         procs[0].wait(timeout=120)
         procs[1].wait(timeout=30)
