@@ -91,6 +91,46 @@ def test_a_log_of_overlapped_pairs_is_calibrated_in_either_order_of_the_pairs_ev
         assert cal.overlap and predict(schedule, cal).step_s == pytest.approx(cal.measured_step_s, rel=5e-3)
 
 
+def test_a_log_with_shard_points_is_calibrated_with_the_gathers_in_the_gaps() -> None:
+    """Issue 62: a parallel.shard=full run's steps hold shard points (FSDP2's gathers and
+    reduce-scatters) and matched no lowering: "no calibrated prediction".  Lowered with them, the
+    compute is recovered exactly and the gathers' time stays out of it (in the calls and gaps
+    around the steps), so the calibrated step is the logged one."""
+    schedule, truth = known("1f1b", 2, 4)
+    programs = lower(schedule, "ahead", shard=True)
+    assert any(step.unshard for program in programs for step in program)
+    from pipeflow.schedules import simulate
+
+    sim_steps = []
+    for n in range(3):
+        sim = simulate(schedule, programs, truth.action_cost(schedule), runtime=truth.runtime(), shard_cost=2e-3)
+        end = 7.0 * n + max(sim.finish) + truth.tail_s
+        sim_steps.append([RankStep(7.0 * n if r == 0 else 7.0 * n + min(e[2] for e in sim.events[r]), end,
+                                   _as_the_runtime_logs(programs[r], [(k, name, 7.0 * n + a, 7.0 * n + b)
+                                                                      for k, name, a, b in sim.events[r]]))
+                          for r in range(schedule.num_ranks)])
+    with pytest.raises(ValueError, match="none of 3 recorded steps follows"):
+        calibrate(schedule, sim_steps, truth.boundary_bytes)  # as before: lowered without shard points
+    cal = calibrate(schedule, sim_steps, truth.boundary_bytes, shard=True)
+    assert close(cal.forward, truth.forward) and close(cal.backward, truth.backward)
+    assert predict(schedule, cal).step_s == pytest.approx(cal.measured_step_s, rel=0.1)
+
+
+def _as_the_runtime_logs(program: list, events: list) -> list:
+    """The simulator's events of `program` as the runtime logs them: a step with shard points that
+    posts logs its posting (before the gathers) and its wait (after) apart, under one name."""
+    out, it = [], iter(events)
+    for step in program:
+        if step.ops or step.waits:
+            comm = next(it)
+            if (step.unshard or step.reshard) and step.ops:
+                out.append((comm[0], comm[1], comm[2], comm[2]))
+            out.append(comm)
+        for _ in range((step.action is not None) + bool(step.after)):
+            out.append(next(it))
+    return out
+
+
 def _pairs_swapped(events: list) -> list:
     """Each F immediately followed by a B logged the other way round (the B ended first)."""
     out, i = [], 0

@@ -179,7 +179,9 @@ def simulated_log(
 def expected_events(program: Program) -> list[tuple[str, str, int]]:
     """(kind, name, program step) of every event a rank running `program` records, in order.
 
-    An overlapped pair (a step, then one marked ``paired``) records the first's call and action,
+    A step with shard points (``parallel.shard=full``) that posts records its posting, then (after
+    the gathers) its wait, under one name.  An overlapped pair (a step, then one marked ``paired``)
+    records the first's call and action,
     then the second's waits (its ops are posted inside the pair, unrecorded), its action and its
     ``after`` (:meth:`pipeflow.runtime.pipeline.Pipeline._run_pair`)."""
     out = []
@@ -187,6 +189,8 @@ def expected_events(program: Program) -> list[tuple[str, str, int]]:
         if step.paired:
             continue
         second = program[k + 1] if k + 1 < len(program) and program[k + 1].paired else None
+        if (step.unshard or step.reshard) and step.ops:  # posted before the shard points, waited after them
+            out.append(("comm", step.ops_text, k))
         if step.ops or step.waits:
             out.append(("comm", step.ops_text or "; ".join(str(op) for op in step.waits), k))
         if step.action is not None:
@@ -221,6 +225,10 @@ def in_program_order(events: Sequence[Event], program: Program) -> list[Event] |
         at = next((j for j, e in enumerate(pool) if e[0] == kind and e[1] == name), None)
         if at is None and kind == "comm" and name != _AFTER and program[k].paired:
             ordered.append(None)  # a pair's second that waited at the pair's start records no wait of its own
+            continue
+        if at is None and kind == "comm" and (program[k].unshard or program[k].reshard) and ordered and \
+                ordered[-1] is not None and ordered[-1][1] == name:
+            ordered.append(None)  # its posting and its wait logged as one (the simulator's log)
             continue
         if at is None:
             return None
@@ -269,7 +277,7 @@ def _median(values: Sequence[float], default: float = math.nan) -> float:
 def calibrate(
     schedule: PipelineSchedule, steps: Sequence[Sequence[RankStep]], boundary_bytes: Sequence[float],
     postings: Sequence[str] = ("ahead", "at_step", "group", "rendezvous"), meta: dict[str, Any] | None = None,
-    overlap: bool = False,
+    overlap: bool = False, shard: bool = False,
 ) -> Calibration:
     """The runtime's costs from recorded steps (see the module docstring).
 
@@ -281,11 +289,13 @@ def calibrate(
         postings: the lowerings the run may have interpreted; a step that matches none is left out.
         meta: what the costs belong to, kept in the result.
         overlap: the run interleaved the schedule's overlapped pairs (``pipeline.overlap_pairs``).
+        shard: the run gathered and freed sharded parameters at shard points (``parallel.shard=full``):
+            their time is left in the gaps before the steps that hold them.
 
     Raises:
         ValueError: no step matches any lowering's programs.
     """
-    programs = {option: lower(schedule, option, overlap=overlap) for option in postings}
+    programs = {option: lower(schedule, option, shard=shard, overlap=overlap) for option in postings}
     matched = [(which_posting(step, programs), step) for step in steps]
     matched = [(option, step) for option, step in matched if option is not None]
     if not matched:
@@ -332,12 +342,17 @@ class _Sums:
     def add(self, progs: list[Program], walked: list[_Walk], step: Sequence[RankStep], split: set) -> None:
         """One step: every rank's gaps, posting, actions and end; the tail, the step, the time in calls."""
         origin = step[0].start
+        ends = []
         for r, walk in enumerate(walked):
             shares = _pair_shares(progs[r], walk)
+            gap_from: float | None = None  # the end of the rank's last step that recorded anything
             for k, s in enumerate(progs[r]):
-                gap_from = origin if k == 0 else _last_end(walk, k - 1)
+                if walk.comm[k] is None and walk.action[k] is None and walk.after[k] is None:
+                    continue  # a step of shard points alone: its gathers fall in the next step's gap
                 # an overlapped pair's second starts before its first ends: no gap, not a negative one
-                (self.heads[r] if k == 0 else self.gaps[r]).append(max(0.0, _first_start(walk, k) - gap_from))
+                (self.heads[r] if gap_from is None else self.gaps[r]).append(
+                    max(0.0, _first_start(walk, k) - (origin if gap_from is None else gap_from)))
+                gap_from = _last_end(walk, k)
                 if s.ops and not s.waits and walk.comm[k] is not None:  # (a pair's second posts unrecorded)
                     self.posts[r].append(walk.comm[k][3] - walk.comm[k][2])
                 act = walk.action[k]
@@ -348,9 +363,9 @@ class _Sums:
                     key = ("F" if a.kind == FORWARD else "W" if a.kind == WEIGHT
                            else "B" if (a.stage, a.microbatch) in split else "BW")
                     self.compute[key, a.stage].append((end - begin) * shares.get(k, 1.0))
-            self.finishes[r].append(_last_end(walk, len(progs[r]) - 1) - origin)
-        last = max(_last_end(w, len(progs[r]) - 1) for r, w in enumerate(walked))
-        self.tails.append(step[0].end - last)
+            ends.append(origin if gap_from is None else gap_from)
+            self.finishes[r].append(ends[-1] - origin)
+        self.tails.append(step[0].end - max(ends))
         self.waits.append(math.fsum(e[3] - e[2] for rank in step for e in rank.events if e[0] == "comm"))
         self.step_times.append(step[0].end - origin)
 
@@ -456,11 +471,11 @@ def _fit_transfer(samples: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def calibrator(schedule: PipelineSchedule, boundary_bytes: Sequence[float], meta: dict[str, Any],
-               overlap: bool = False) -> Callable[[Sequence[Sequence[RankStep]]], Calibration]:
-    """:func:`calibrate` bound to a run's schedule, boundary sizes, description (for its metrics)
-    and ``pipeline.overlap_pairs``."""
+               overlap: bool = False, shard: bool = False) -> Callable[[Sequence[Sequence[RankStep]]], Calibration]:
+    """:func:`calibrate` bound to a run's schedule, boundary sizes, description (for its metrics),
+    ``pipeline.overlap_pairs`` and whether it shards its parameters (``parallel.shard=full``)."""
     def run(steps: Sequence[Sequence[RankStep]]) -> Calibration:
-        return calibrate(schedule, steps, boundary_bytes, meta=meta, overlap=overlap)
+        return calibrate(schedule, steps, boundary_bytes, meta=meta, overlap=overlap, shard=shard)
 
     return run
 

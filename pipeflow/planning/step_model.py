@@ -141,12 +141,15 @@ class StepCosts:
     ep_links: Any = None  # EpLinks: ep > 1, the ep groups' all_to_all measured (`pipeflow.planning.ep_links`)
     overlap_pairs: bool = False  # the run overlaps dualpipev's pairs (pipeline.overlap_pairs): simulated so
     cp_link: Any = None  # TensorLink: cp > 1, a pass round the cp ring measured (`pipeflow.planning.context_cost`)
+    # parallel.shard=full: one stage's gather (and its reshard's reduce-scatter), seconds, from the
+    # dp reduction measured at start; the program's shard points are simulated with it
+    shard_s: float | None = None
 
 
 def simulate_shared(
     schedule: PipelineSchedule, programs: list[Program], cost: Callable[[Action], float], runtime: RuntimeCosts,
     share: HostShare, cpu: Callable[[Action], float] = lambda action: 1.0,
-    busy_transfer: Callable[[CommOp], float] | None = None,
+    busy_transfer: Callable[[CommOp], float] | None = None, shard_cost: float = 0.0,
 ) -> SimResult:
     """Simulate with actions slowed down by the cores they share (processor sharing).
 
@@ -165,7 +168,7 @@ def simulate_shared(
             stretched = replace(runtime, transfer=lambda op, f=mean_slow: base(op) * f)
         else:
             stretched = replace(runtime, transfer=lambda op, u=used: base(op) + (busy_transfer(op) - base(op)) * u)
-        sim = simulate(schedule, programs, lambda a: cost(a) * slow.get(a, 1.0), runtime=stretched)
+        sim = simulate(schedule, programs, lambda a: cost(a) * slow.get(a, 1.0), runtime=stretched, shard_cost=shard_cost)
         if abs(sim.makespan - previous) <= 1e-3 * sim.makespan:
             break
         previous = sim.makespan
@@ -277,14 +280,15 @@ def predict_step(
     from pipeflow.schedules import lower
 
     plan, copies = offload if offload is not None else (None, None)
+    shard = costs.shard_s is not None  # FSDP2's gathers and reduce-scatters at the program's shard points
     exchanges = costs.ep_links.exchanges(profiles, ranges) if costs.ep_links is not None else None
     if costs.rehearsed is not None:  # rehearsed F then B: each action's exchanges inside its cost
         cal = costs.rehearsed
         runtime = replace(cal.runtime(), offload=copies, exchanges=exchanges)
         if costs.links is not None:  # the host's late deliveries as rehearsed, each link's rate as measured
             runtime = replace(runtime, transfer=rehearsed_on_links(cal, costs.links), bucket=link_buckets(costs, cal.op_bytes))
-        return simulate(schedule, lower(schedule, cal.posting, offload=plan, overlap=costs.overlap_pairs),
-                        cal.action_cost(schedule), runtime=runtime)
+        return simulate(schedule, lower(schedule, cal.posting, shard=shard, offload=plan, overlap=costs.overlap_pairs),
+                        cal.action_cost(schedule), runtime=runtime, shard_cost=costs.shard_s or 0.0)
 
     if costs.tp_links is not None:  # the layers' tp collectives on their group's measured link
         profiles = costs.tp_links.profiles(profiles, ranges, schedule.stage_to_rank)
@@ -309,9 +313,9 @@ def predict_step(
         else:  # the op's own link, plus what the host's computing adds to a transfer
             busy = lambda op: idle(op) + max(0.0, costs.busy_latency_s - costs.latency_s  # noqa: E731
                                              + (per_byte - costs.per_byte_s) * bytes_of(op))
-    return simulate_shared(schedule, lower(schedule, costs.posting, offload=plan, overlap=costs.overlap_pairs), cost,
-                           runtime, costs.share,
-                           lambda action: fraction[action.stage], busy)
+    return simulate_shared(schedule, lower(schedule, costs.posting, shard=shard, offload=plan, overlap=costs.overlap_pairs),
+                           cost, runtime, costs.share, lambda action: fraction[action.stage], busy,
+                           shard_cost=costs.shard_s or 0.0)
 
 
 def transfer_cost(costs: StepCosts, bytes_of: Callable[[CommOp], float]) -> Callable[[CommOp], float]:

@@ -269,6 +269,11 @@ def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Mo
                                    experts=expert_exchange(expert_layers(spec), ep, layout.profiles) if ep > 1 else None,
                                    cp_comm=parts.cp_comm, ring_payload=largest_pass_bytes(layout.profiles))
         costs = dataclasses.replace(costs, overlap_pairs=bool(cfg.pipeline.overlap_pairs))
+        if parts.sharding is not None:  # FSDP2: a stage's gather moves half an all-reduce's bytes; its
+            # reduce-scatter runs at the program's reshard point, not in the tail
+            stages_here = max(1, len(parts.stages))
+            costs = dataclasses.replace(costs, shard_s=costs.dp_reduce_s / 2 / stages_here,
+                                        tail_s=max(0.0, costs.tail_s - costs.dp_reduce_s))
         if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
             stages, first = parts.stages, plan.first
             inputs = microbatch_inputs(first[0], m, device, plan.dtype) if 0 in stages else None
@@ -312,7 +317,8 @@ def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelP
                          (cfg.data.batch_size, None if per_sample is None else cfg.data.batch_size * per_sample),
                          calibrator(schedule, stage_boundary_bytes(layout.ranges, layout.profiles),
                                     run_meta(cfg, schedule, layout, device, dp, mesh.grid),
-                                    overlap=bool(cfg.pipeline.overlap_pairs)),
+                                    overlap=bool(cfg.pipeline.overlap_pairs),
+                                    shard=parts.sharding is not None),
                          first_pipeline=mesh.first_pipeline, grid=mesh.grid)
     scaler = LossScaler(cfg.train.precision == "fp16")
     memory = MemoryAccountant(stages, optimizer, device)
