@@ -182,9 +182,19 @@ def megatron_ranges(layers: int, stages: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
 
 
-def predict_published(row: PublishedRow, eff: Efficiency = Efficiency()) -> Prediction:
-    """The planner's prediction of `row` on its published layout and its source's software."""
-    stack = STACKS[(row.source, row.generation)]
+# pipeflow's own stack: SDPA, dp after the pipeline; ZeRO-1 as the Megatron runs' distributed optimizer
+PIPEFLOW = Stack("fused", overlap_dp=False, shard="optimizer", sequence_parallel=True)
+
+
+def workload(row: PublishedRow, stack: Stack) -> Workload:
+    """`row`'s model, sequence and batch on `stack`'s attention."""
+    return Workload(_shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype),
+                    row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap)
+
+
+def predict_published(row: PublishedRow, eff: Efficiency = Efficiency(), stack: Stack | None = None) -> Prediction:
+    """The planner's prediction of `row` on its published layout and its source's software (or `stack`)."""
+    stack = stack or STACKS[(row.source, row.generation)]
     tp, pp = row.tp or 1, row.pp or 1
     v = row.vp or chunks(row.layers, pp)
     dp = row.gpus // (tp * pp)
@@ -192,10 +202,8 @@ def predict_published(row: PublishedRow, eff: Efficiency = Efficiency()) -> Pred
                     recompute=row.recompute == "full", sequence_parallel=stack.sequence_parallel and tp > 1,
                     split_boundary=tp > 1, shard=stack.shard if dp > 1 else "none", order=MEGATRON_ORDER,
                     overlap_dp=stack.overlap_dp)
-    work = Workload(_shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype),
-                    row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap)
     ranges = megatron_ranges(row.layers, pp * v) if pp > 1 else None
-    return predict(work, layout, cluster_of(row.gpu), eff, ranges=ranges)
+    return predict(workload(row, stack), layout, cluster_of(row.gpu), eff, ranges=ranges)
 
 
 def ratio(row: PublishedRow, eff: Efficiency = Efficiency()) -> float:

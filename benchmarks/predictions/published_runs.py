@@ -167,6 +167,39 @@ def fit(rows: list, start: Efficiency = Efficiency()) -> Efficiency:
     return Efficiency(matmul, knee, attention, memory, start.network)
 
 
+def best_layouts(source: str = "megatron_lm_readme", generation: str = "h100") -> int:
+    """For each modelled row of `source` on `generation`: the planner's best layout for the row's
+    model, GPUs and batch (layout not pinned; pipeflow's own stack: no dp or tp overlap), beside
+    the published layout predicted on the same stack; the knobs it chose.  Exit 1 when a pick is
+    predicted slower than the published layout."""
+    from pipeflow.planning.cluster_space import ClusterSpace, search_cluster
+    from pipeflow.run.cluster_plan import HEADROOM
+
+    worse = 0
+    for row in published_rows.load():
+        if row.source != source or row.generation != generation or published_rows.unmodelled(row) is not None:
+            continue
+        cluster = published_rows.cluster_of(row.gpu)
+        pinned = published_rows.predict_published(row, stack=published_rows.PIPEFLOW)
+        work = published_rows.workload(row, published_rows.PIPEFLOW)
+        picks, counts = search_cluster(work, cluster, ClusterSpace(gpus=row.gpus),
+                                       HEADROOM * cluster.gpu.memory_gb * 1e9)
+        if not picks:
+            print(f"best {row.label}: nothing fits {HEADROOM * cluster.gpu.memory_gb:.0f} GB")
+            continue
+        best, lay = picks[0], picks[0].layout
+        ratio = best.tokens_per_s / pinned.tokens_per_s
+        worse += ratio < 1 - 1e-9
+        knobs = (f"tp {lay.tp} pp {lay.pp} dp {lay.dp} {lay.schedule} v {lay.v} b {lay.microbatch_size}"
+                 f"{' sp' if lay.sequence_parallel else ''} shard {lay.shard}, "
+                 + ("recomputing (nothing faster fits)" if lay.recompute else "no recomputation (it fits without)"))
+        print(f"best {row.label}: {knobs}, {best.tokens_per_s / row.gpus:.1f} tokens/s per GPU, "
+              f"{best.memory_bytes / 1e9:.1f} GB; published layout (tp {row.tp} pp {row.pp}) "
+              f"{pinned.tokens_per_s / row.gpus:.1f}, {pinned.memory_bytes / 1e9:.1f} GB; best / published {ratio:.3f} "
+              f"({counts.simulated} simulated)")
+    return 1 if worse else 0
+
+
 def holdout(generation: str, refit: bool) -> int:
     """Fit on the other generation's dense rows, predict `generation`'s: one line per held-out row,
     then each held-out set's mean and largest error (dense and MoE apart)."""
@@ -216,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--holdout", choices=["h100", "a100"],
                         help="predict this generation's published rows (published/*.json) on constants fitted on the other's")
     parser.add_argument("--refit", action="store_true", help="with --holdout: fit the constants on the other generation first")
+    parser.add_argument("--best", action="store_true",
+                        help="the planner's best layout for each Megatron-LM H100 row beside its published one")
     args = parser.parse_args(argv)
+    if args.best:
+        return best_layouts()
     if args.holdout:
         return holdout(args.holdout, args.refit)
     print("Narayanan et al. SC'21 Table 1 (A100-SXM4-80GB; TFLOP/s per GPU in the paper's convention: "
