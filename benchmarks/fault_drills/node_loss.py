@@ -210,11 +210,17 @@ def _replan_trials(args: argparse.Namespace, rng: random.Random, workdir: str) -
             print(got["text"][-4000:], flush=True)
     print(f"survived {survived} of {args.trials} ({args.storage} storage, "
           f"{'3 hosts x 1 rank' if args.nproc == 1 else f'2 hosts x {args.nproc} ranks'})")
-    if recoveries:
-        recoveries.sort()
-        print(f"kill -> first resumed step: median {statistics.median(recoveries):.1f} s (min {recoveries[0]:.1f}, "
-              f"max {recoveries[-1]:.1f}, {len(recoveries)} trials)")
+    _print_recoveries(recoveries, counted=True)
     return 0 if survived == args.trials else 1
+
+
+def _print_recoveries(recoveries: list[float], counted: bool) -> None:
+    """The summary line of the kill -> first resumed step times (median, min, max; with `counted`,
+    how many trials timed one); nothing when none did."""
+    if recoveries:
+        ordered = sorted(recoveries)
+        print(f"kill -> first resumed step: median {statistics.median(ordered):.1f} s (min {ordered[0]:.1f}, "
+              f"max {ordered[-1]:.1f}{f', {len(ordered)} trials' if counted else ''})")
 
 
 def rendezvous_host_trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: float) -> dict:
@@ -275,10 +281,7 @@ def _rendezvous_host_trials(args: argparse.Namespace, rng: random.Random, workdi
             print(got["text"][-4000:], flush=True)
     print(f"{args.trials - failures} of {args.trials} restarts after losing the rendezvous host started at the "
           f"first try and finished")
-    if recoveries:
-        recoveries.sort()
-        print(f"kill -> first resumed step: median {statistics.median(recoveries):.1f} s (min {recoveries[0]:.1f}, "
-              f"max {recoveries[-1]:.1f})")
+    _print_recoveries(recoveries, counted=False)
     return 1 if failures else 0
 
 
@@ -337,10 +340,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(got["text"][-4000:], flush=True)
         print(f"{args.trials - failures} of {args.trials} trials finished with the uninterrupted run's losses "
               f"({args.store} store, --rdzv-conf {args.rdzv_conf or 'as the launcher sets it'})")
-        recoveries = sorted(r for r in recovery_times if r is not None)
-        if recoveries:
-            print(f"kill -> first resumed step: median {statistics.median(recoveries):.1f} s "
-                  f"(min {recoveries[0]:.1f}, max {recoveries[-1]:.1f}, {len(recoveries)} trials)")
+        _print_recoveries([r for r in recovery_times if r is not None], counted=True)
         return 1 if failures else 0
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

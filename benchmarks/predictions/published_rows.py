@@ -154,7 +154,7 @@ def published_tokens(row: PublishedRow) -> float | None:
 
 
 @lru_cache(maxsize=None)
-def _shapes(heads: int, hidden: int, layers: int, vocab: int, seq: int, dropout: float, dtype: str
+def shapes(heads: int, hidden: int, layers: int, vocab: int, seq: int, dropout: float, dtype: str
             ) -> tuple[LayerShape, ...]:
     """The GPT's layers traced for one sample; blocks are alike, so two blocks stand for all."""
     spec = build_gpt(vocab_size=vocab, block_size=seq, n_layer=2, n_head=heads, n_embd=hidden, dropout=dropout)
@@ -188,7 +188,7 @@ PIPEFLOW = Stack("fused", overlap_dp=False, shard="optimizer", sequence_parallel
 
 def workload(row: PublishedRow, stack: Stack) -> Workload:
     """`row`'s model, sequence and batch on `stack`'s attention."""
-    return Workload(_shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype),
+    return Workload(shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype),
                     row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap)
 
 

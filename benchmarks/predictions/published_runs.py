@@ -31,18 +31,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
-
-import torch
 
 import published_rows
-from pipeflow.models.gpt import build_gpt
 from pipeflow.planning.cluster_search import Layout, Prediction, Workload, predict
 from pipeflow.planning.hardware import Cluster, load_hardware
-from pipeflow.planning.roofline import Efficiency, LayerShape, trace_layers
+from pipeflow.planning.roofline import Efficiency
 
 SEQ, VOCAB = 2048, 51200
-MEGATRON_ORDER = ("pp", "dp", "tp")
 
 
 @dataclass(frozen=True)
@@ -76,38 +71,16 @@ HELD_OUT = Row("Korthikanti'23 530B", 128, 20480, 105, 8, 35, 2240, 2240, 0.421)
 HELD_OUT_TOLERANCE = 0.10
 
 
-@lru_cache(maxsize=None)
-def _shapes(heads: int, hidden: int, layers: int) -> tuple[LayerShape, ...]:
-    """The GPT's layers traced for one sample; blocks are alike, so two blocks stand for all."""
-    spec = build_gpt(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=heads, n_embd=hidden, dropout=0.1)
-    embedding, block, _, head = trace_layers(spec, SEQ, torch.float16)
-    return (embedding, *([block] * layers), head)
-
-
-def megatron_ranges(layers: int, stages: int) -> list[range]:
-    """Megatron's split of embedding + `layers` blocks + head: equal blocks per stage, the
-    embedding with the first stage's, the head with the last's."""
-    per = layers // stages
-    bounds = [0] + [1 + per * s for s in range(1, stages)] + [layers + 2]
-    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
-
-
-def chunks(row: Row) -> int:
-    """v: the smallest count above 1 dividing a rank's layers (1 at pp = 1)."""
-    if row.pp == 1:
-        return 1
-    per = row.layers // row.pp
-    return next(v for v in range(2, per + 1) if per % v == 0) if per > 1 else 1
-
-
 def predict_row(row: Row, cluster: Cluster, eff: Efficiency = Efficiency()) -> Prediction:
     """The planner's prediction of `row` with the pinned and chosen settings above."""
-    v = chunks(row)
+    v = published_rows.chunks(row.layers, row.pp)
     schedule = "interleaved_1f1b" if v > 1 else "1f1b"
     dp = row.gpus // (row.tp * row.pp)
-    layout = Layout(row.tp, row.pp, dp, schedule, v, 1, recompute=True, split_boundary=True, order=MEGATRON_ORDER)
-    work = Workload(_shapes(row.heads, row.hidden, row.layers), SEQ, row.batch, dtype="fp16")
-    return predict(work, layout, cluster, eff, ranges=megatron_ranges(row.layers, row.pp * v))
+    layout = Layout(row.tp, row.pp, dp, schedule, v, 1, recompute=True, split_boundary=True,
+                    order=published_rows.MEGATRON_ORDER)
+    work = Workload(published_rows.shapes(row.heads, row.hidden, row.layers, VOCAB, SEQ, 0.1, "fp16"), SEQ,
+                    row.batch, dtype="fp16")
+    return predict(work, layout, cluster, eff, ranges=published_rows.megatron_ranges(row.layers, row.pp * v))
 
 
 def paper_flops(row: Row) -> float:
