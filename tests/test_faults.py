@@ -183,6 +183,29 @@ def test_fault_spec_parses_and_rejects_bad_text() -> None:
         FaultSpec.parse("kill:rank=1")
 
 
+def test_a_hold_waits_until_its_file_is_removed(monkeypatch, tmp_path) -> None:
+    """The `hold` fault keeps the forward of its step waiting while its file exists (a test's
+    handle on a job it must act on at a known step) and is refused without the file's name."""
+    import threading
+
+    from pipeflow.run.faults import HOLD_VAR, FaultInjector
+
+    monkeypatch.delenv(HOLD_VAR, raising=False)
+    with pytest.raises(ConfigError, match=f"set {HOLD_VAR}=<path>"):
+        FaultSpec.parse("hold:rank=0:step=3")
+    held = tmp_path / "held"
+    held.touch()
+    monkeypatch.setenv(HOLD_VAR, str(held))
+    injector = FaultInjector(FaultSpec.parse("hold:rank=0:step=3"), 0)
+    injector.step = 3
+    released = threading.Timer(0.3, held.unlink)
+    released.start()
+    start = time.monotonic()
+    injector._pre_forward(type("Stage", (), {"index": 0})(), 0)
+    assert time.monotonic() - start >= 0.25
+    released.join()
+
+
 def test_progress_note_lists_the_last_actions_done() -> None:
     program = lower(one_f_one_b(2, 4))[1]  # rank 1: every step computes, 1F0 1B0 1F1 1B1 ...
     assert failures.progress_note(program, 0) == "this rank had not run any action of this pass yet"

@@ -175,6 +175,22 @@ def test_the_agents_own_stops_are_marked_for_the_workers_and_a_signal_to_the_job
     assert api.PContext.close.__name__ == "close"  # torchrun's own again
 
 
+def test_nodes_waiting_to_join_are_said_once_per_change(monkeypatch, capsys) -> None:
+    """The agent logs the nodes that wait to join (and stops its workers for them) at INFO, below
+    its default level: the launcher says it once, when the count becomes non-zero."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    counts = iter([0, 1, 1, 0, 2])
+    monkeypatch.setattr(DynamicRendezvousHandler, "num_nodes_waiting", lambda self: next(counts))
+    with launch.saying_joins():
+        assert [DynamicRendezvousHandler.num_nodes_waiting(None) for _ in range(5)] == [0, 1, 1, 0, 2]
+    said = capsys.readouterr().err.splitlines()
+    assert said == ["[pipeflow.launch] 1 node waits to join the job: torchrun's agent stops the workers (they save at "
+                    "the next step boundary) and the job re-forms with it",
+                    "[pipeflow.launch] 2 nodes wait to join the job: torchrun's agent stops the workers (they save at "
+                    "the next step boundary) and the job re-forms with them"], said
+
+
 def _infos(*rows: tuple[str, str, str], master: str = "10.9.0.1") -> list[HostInfo]:
     return [HostInfo(name, machine, bind, master) for name, machine, bind in rows]
 

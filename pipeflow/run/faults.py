@@ -14,6 +14,9 @@ dtype      returns outputs in another floating dtype
 nan        returns outputs filled with NaN (floating ones)
 overflow   leaves the outputs finite but makes their gradient inf in backward (an
            fp16 gradient overflow: the loss scaler skips the step, the loss stays finite)
+hold       waits while the file that ``PIPEFLOW_FAULT_HOLD`` names exists (at most an
+           hour): the job held at a known step while a test or drill acts on it (a host
+           joins), released the moment the file is removed
 =========  =====================================================================
 
 With ``attempt=A`` the fault fires only in launch A of a relaunch loop (``PIPEFLOW_ATTEMPT``,
@@ -38,7 +41,8 @@ from pipeflow.errors import ConfigError
 
 ENV_VAR = "PIPEFLOW_FAULT_INJECT"
 ATTEMPT_VAR = "PIPEFLOW_ATTEMPT"
-KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan", "overflow")
+HOLD_VAR = "PIPEFLOW_FAULT_HOLD"
+KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan", "overflow", "hold")
 STALL_S = 3600.0
 
 
@@ -72,6 +76,9 @@ class FaultSpec:
             values[key] = int(value)
         if "rank" not in values or "step" not in values:
             raise ConfigError(f"{ENV_VAR}={text!r}: needs rank=R and step=K, e.g. stall:rank=1:step=2")
+        if kind == "hold" and not os.environ.get(HOLD_VAR):
+            raise ConfigError(f"{ENV_VAR}={text!r}: a hold waits while the file {HOLD_VAR} names exists; set "
+                              f"{HOLD_VAR}=<path> (and remove that file to release the job)")
         return cls(kind, **values)
 
 
@@ -112,6 +119,10 @@ class FaultInjector:
         kind = self.spec.kind
         if kind == "stall":
             time.sleep(STALL_S)
+        elif kind == "hold":
+            deadline = time.monotonic() + STALL_S
+            while os.path.exists(os.environ[HOLD_VAR]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         elif kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif kind == "raise":

@@ -68,7 +68,7 @@ torchrun (python -m torch.distributed.run) with two additions:
 Options and --rdzv-conf keys given explicitly are left as they are.
 
 Every torchrun option is accepted (python -m torch.distributed.run --help lists them).
-Environment: PIPEFLOW_LAUNCH_VERBOSE=1 prints the address decisions.
+Environment: PIPEFLOW_LAUNCH_VERBOSE=1 prints the address decisions and the rendezvous's steps.
 """
 
 # torchrun's c10d rendezvous, where the job spans nodes (each overridable in --rdzv-conf): a
@@ -328,6 +328,33 @@ def marking_agent_stops(path: str) -> Iterator[None]:
         api._terminate_process_handler, api.PContext.close = handler, close  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def saying_joins() -> Iterator[None]:
+    """While torchrun's agent runs, say once per membership change that nodes wait to join (the
+    agent then stops its workers, which save at the next step boundary, and the job re-forms with
+    them): the agent logs it at INFO only, below its default level, so a grown job restarted
+    unexplained."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    count = DynamicRendezvousHandler.num_nodes_waiting
+    said = [0]
+
+    def counted(handler: DynamicRendezvousHandler) -> int:
+        waiting = count(handler)
+        if waiting > 0 and said[0] == 0:
+            _say(f"{waiting} node{'s' if waiting > 1 else ''} wait{'' if waiting > 1 else 's'} to join the job: "
+                 f"torchrun's agent stops the workers (they save at the next step boundary) and the job re-forms "
+                 f"with {'them' if waiting > 1 else 'it'}")
+        said[0] = waiting
+        return waiting
+
+    DynamicRendezvousHandler.num_nodes_waiting = counted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DynamicRendezvousHandler.num_nodes_waiting = count  # type: ignore[method-assign]
+
+
 def _rendezvous_lost(exc: BaseException) -> bool:
     """Whether torchrun failed because its rendezvous (its endpoint's host) went away."""
     seen: set[int] = set()
@@ -376,6 +403,20 @@ def _agent_cpp_log_level(level: str) -> Iterator[None]:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
+def _show_rendezvous_steps() -> None:
+    """torchrun's rendezvous and agent log every step they take (joined, waits, a node found dead,
+    a round complete) to stderr: what decides which nodes form each round of an elastic job."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[pipeflow.launch] %(asctime)s %(name)s: %(message)s"))
+    for name in ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "torch.distributed.elastic.agent.server.api"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
 def _say(text: str) -> None:
     print(f"[pipeflow.launch] {text}", file=sys.stderr, flush=True)
 
@@ -395,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"this node: {node.address} on {node.interface}"
              f"{', hosting the rendezvous' if node.hosts_endpoint else ''}; {added or 'socket interfaces as set'}")
     os.environ.update(added)
+    if os.environ.get("PIPEFLOW_LAUNCH_VERBOSE"):
+        _show_rendezvous_steps()
     with _agent_cpp_log_level("ERROR"):
         from torch.distributed import run as torchrun  # late: --help and address errors need no torch
 
@@ -402,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     waiting = rendezvous_wait(argv)
     if waiting is not None:  # the agent says nothing while it waits for the other nodes
         waiting.watch(stop_watch)
-    with status_file() as path, _set_on_exit(stop_watch), marking_agent_stops(path):
+    with status_file() as path, _set_on_exit(stop_watch), marking_agent_stops(path), saying_joins():
         os.environ[STATUS_FILE_ENV] = path
         try:
             torchrun.main(argv)
