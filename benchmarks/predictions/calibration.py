@@ -10,6 +10,13 @@ post + the delay): the costs the calibration recovers from the recorded steps
 (`pipeflow.planning.calibration.calibrate`) beside the set ones; the transfer latency recovered
 with the delay less the one without it, beside the delay (target: within 5%).
 
+``paths``: one run of the default job (or the tiny MoE) per path a run can take, the measured
+step beside the start-of-run and calibrated predictions (targets: start-of-run within +-15%,
+calibrated within +-10%): pp 4, tp 2, ep 2, cp 2, ``parallel.shard=full``, offload, DualPipeV
+with MoE exchanges, a resumed run, a run re-planned on fewer ranks, and 2 emulated hosts x 2
+ranks with and without a 100 Mbit tbf link between them (root and ``ip netns``; skipped with the
+reason where refused).
+
 ``predict``: ``torchrun --nproc-per-node 4 train.py`` for the default job and for sleep-stages,
 p = 4, m = 8, every built-in schedule: the measured step beside the start-of-run prediction (the
 whole step, `pipeflow.planning.step_model`) and the calibrated one (the run's own costs
@@ -206,9 +213,98 @@ def predict(args: argparse.Namespace) -> None:
     report("Predicted step vs measured: start-of-run and calibrated", "\n".join(rows), args.out)
 
 
+MOE = ["experiment=moe_tiny_pp2_ep2"]
+PATHS: dict[str, tuple[int, list[str]]] = {  # name -> (ranks, overrides)
+    "pp 4 (1f1b)": (4, []),
+    "pp 2 x tp 2": (4, ["parallel.pp=2", "parallel.tp=2"]),
+    "pp 2 x cp 2": (4, ["parallel.pp=2", "parallel.cp=2"]),
+    "pp 2 x dp 2, shard=full": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.shard=full"]),
+    "pp 4, offload=auto (gpipe)": (4, ["schedule=gpipe", "pipeline.offload=auto"]),
+    "MoE pp 2 x ep 2 (1f1b)": (4, MOE),
+    "MoE pp 2 x ep 2, dualpipev": (4, [*MOE, "schedule=dualpipev"]),
+}
+
+
+def _calibration(log: str) -> tuple[float, float, float] | str:
+    found = _CAL.search(log)
+    return (float(found.group(3)), float(found.group(4)), float(found.group(5))) if found else failure_line(log)
+
+
+def _torchrun(ranks: int, words: list[str], run_dir: str, steps: int, timeout: float = 900) -> str:
+    cmd = ["torchrun", "--nproc-per-node", str(ranks), "train.py", *words, f"train.max_steps={steps}",
+           "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false", f"train.run_dir={run_dir}",
+           f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return done.stdout + done.stderr + ("" if done.returncode == 0 else f"\nexit status {done.returncode}")
+
+
+def _restarted(args: argparse.Namespace, replan: bool) -> tuple[float, float, float] | str:
+    """The second run's calibration: the same run resumed (or re-planned on 2 of 4 ranks)."""
+    words = ["train.save_every=10", "train.resume=auto"]
+    if replan:
+        words += ["parallel.replan=true", "parallel.pp=auto", "parallel.dp=auto"]
+    with tempfile.TemporaryDirectory() as run_dir:
+        first = _torchrun(4, words, run_dir, args.steps)
+        if "exit status" in first:
+            return failure_line(first)
+        return _calibration(_torchrun(2 if replan else 4, words, run_dir, 2 * args.steps))
+
+
+def _on_hosts(args: argparse.Namespace, rate_mbit: float | None) -> tuple[float, float, float] | str:
+    """2 emulated hosts x 2 ranks, pp 4 (two boundaries inside a host, one across), the link
+    between them limited to `rate_mbit` (None: the veth's own rate)."""
+    sys.path.insert(0, str(Path(ROOT) / "tests"))
+    from examples.emulated_hosts import EmulatedHosts, unavailable
+    from hosts import launch_on_hosts, outputs
+
+    why = unavailable()
+    if why:
+        return f"skipped: {why}"
+    with tempfile.TemporaryDirectory() as run_dir, EmulatedHosts(2, names="missing") as hosts:
+        if rate_mbit is not None:
+            hosts.limit(1, rate_mbit)
+        words = [f"train.max_steps={args.steps}", "train.eval_every=0", "train.eval_batches=1",
+                 "metrics.tensorboard=false", f"train.run_dir={run_dir}"]
+        texts = outputs(launch_on_hosts(hosts, words, nproc=2, timeout_s=900, warm_workers=False), timeout_s=900)
+    return _calibration(texts[0])
+
+
+def paths(args: argparse.Namespace) -> None:
+    """Measured step vs the start-of-run and calibrated predictions on every path a run can take."""
+    rows = [f"{args.steps} steps per run (the restarted ones {args.steps} more); measured = median step over the "
+            "calibrated steps, from the run's calibration line; targets: start-of-run within +-15%, calibrated "
+            "within +-10%", "",
+            "| path | ranks | measured (ms) | start-of-run (ms) | error | calibrated (ms) | error |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, (ranks, words) in PATHS.items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        with tempfile.TemporaryDirectory() as run_dir:
+            _row(rows, name, ranks, _calibration(_torchrun(ranks, words, run_dir, args.steps)))
+    for name, ranks, run in (("resumed (same layout)", 4, lambda: _restarted(args, False)),
+                             ("re-planned, 4 ranks -> 2", 2, lambda: _restarted(args, True)),
+                             ("2 hosts x 2 ranks", 4, lambda: _on_hosts(args, None)),
+                             ("2 hosts x 2 ranks, 100 Mbit between", 4, lambda: _on_hosts(args, 100))):
+        if args.only and not any(o in name for o in args.only):
+            continue
+        _row(rows, name, ranks, run())
+    report("Predicted step vs measured on every path: start-of-run and calibrated", "\n".join(rows), args.out)
+
+
+def _row(rows: list[str], name: str, ranks: int, got: tuple[float, float, float] | str) -> None:
+    if isinstance(got, str):
+        rows.append(f"| {name} | {ranks} | {got} | | | | |")
+    else:
+        measured, start, calibrated = got
+        rows.append(f"| {name} | {ranks} | {measured:.1f} | {start:.1f} | {_error(start, measured)} | {calibrated:.1f} | "
+                    f"{_error(calibrated, measured)} |")
+    print(rows[-1], flush=True)
+
+
 def main() -> None:
     parser = benchmark_parser(__file__, __doc__)
-    parser.add_argument("part", choices=("recover", "predict"))
+    parser.add_argument("part", choices=("recover", "predict", "paths"))
+    parser.add_argument("--only", nargs="+", default=None, help="paths: those whose name contains one of these")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, help="recorded steps (recover: 12) or run steps (predict: 30)")
@@ -218,7 +314,10 @@ def main() -> None:
     parser.add_argument("--w-ms", type=float, default=10.0)
     parser.add_argument("--delay-ms", type=float, default=5.0)
     args = parser.parse_args()
-    if args.part == "recover":
+    if args.part == "paths":
+        args.steps = args.steps or 30
+        paths(args)
+    elif args.part == "recover":
         args.steps = args.steps or 12
         args.schedules = args.schedules or ["1f1b", "zb_h1"]
         recover(args)

@@ -269,6 +269,16 @@ def measure_step_costs(
                      ep_links=ep_links, cp_link=cp_link)
 
 
+def with_fsdp_shards(costs: StepCosts, dp: int, stages_here: int) -> StepCosts:
+    """`costs` for ``parallel.shard=full``: each of this rank's `stages_here` stages gathers its
+    whole parameters at the program's shard points and reduce-scatters their gradients at its
+    reshard point, so the dp all-reduce leaves the tail.  `costs.dp_reduce_s` timed an all-reduce
+    of this rank's shards (n bytes: 2 (dp-1)/dp n on a ring); a gather of the whole (dp n bytes)
+    moves (dp-1) n, dp / 2 of it, and the reduce-scatter as much."""
+    return replace(costs, shard_s=costs.dp_reduce_s * dp / 2 / max(1, stages_here),
+                   tail_s=max(0.0, costs.tail_s - costs.dp_reduce_s))
+
+
 def predict_step(
     schedule: PipelineSchedule, ranges: Sequence[range], profiles: Sequence[Any], costs: StepCosts,
     offload: tuple[OffloadPlan, OffloadCosts] | None = None,

@@ -40,7 +40,7 @@ from pipeflow.planning.expert_cost import expert_layers
 from pipeflow.planning.measured_cluster import rank_hosts, start_links
 from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.runtime_timing import fused_adamw
-from pipeflow.planning.step_model import measure_step_costs
+from pipeflow.planning.step_model import measure_step_costs, with_fsdp_shards
 from pipeflow.planning.tensor_cost import largest_collective_bytes
 from pipeflow.errors import ConfigError
 from pipeflow.run import guard
@@ -269,11 +269,8 @@ def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Mo
                                    experts=expert_exchange(expert_layers(spec), ep, layout.profiles) if ep > 1 else None,
                                    cp_comm=parts.cp_comm, ring_payload=largest_pass_bytes(layout.profiles))
         costs = dataclasses.replace(costs, overlap_pairs=bool(cfg.pipeline.overlap_pairs))
-        if parts.sharding is not None:  # FSDP2: a stage's gather moves half an all-reduce's bytes; its
-            # reduce-scatter runs at the program's reshard point, not in the tail
-            stages_here = max(1, len(parts.stages))
-            costs = dataclasses.replace(costs, shard_s=costs.dp_reduce_s / 2 / stages_here,
-                                        tail_s=max(0.0, costs.tail_s - costs.dp_reduce_s))
+        if parts.sharding is not None:  # FSDP2's gathers and reduce-scatters at the program's shard points
+            costs = with_fsdp_shards(costs, dp, len(parts.stages))
         if rehearsal != 0:  # shared cores: the program rehearsed on the first batch, not modelled
             stages, first = parts.stages, plan.first
             inputs = microbatch_inputs(first[0], m, device, plan.dtype) if 0 in stages else None
