@@ -36,13 +36,25 @@ def emulated_hosts() -> Iterator[type[EmulatedHosts]]:
     yield EmulatedHosts
 
 
+# The rendezvous's heartbeats under the suite's load: every 2 s for 4 beats, not the launcher's
+# 1 s for 3.  Emulated hosts share 2 cores with the rest of the suite: agents writing the
+# rendezvous state each second lose its compare-and-set to each other until one is taken for dead
+# and dropped from a round it had joined (a "2-node" job formed of one host's ranks; a rank
+# assignment waiting 60 s for the dropped agent).  PIPEFLOW_LAUNCH_VERBOSE=1 shows those steps.
+UNDER_LOAD_RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=4"
+
+
 def launch_on_hosts(hosts: EmulatedHosts, overrides: list[str], nproc: int = 2, torchrun_args: str = "",
                     nnodes: str | None = None, timeout_s: float = 120, env: dict[str, str] | None = None,
-                    on: list[int] | None = None, warm_workers: bool = True) -> list[subprocess.Popen]:
+                    on: list[int] | None = None, warm_workers: bool = True,
+                    rdzv_conf: str | None = UNDER_LOAD_RDZV_CONF) -> list[subprocess.Popen]:
     """``examples/multinode.sh`` with `overrides` on every host (or those in `on`), the endpoint on
     host 0: the launcher (``python -m pipeflow.launch``, torchrun's agent inside it) and its
     workers warm forks joined to the host (``tests/warm_exec.py``: the same code, signals and exit
-    statuses, no interpreter start), or every one a fresh interpreter when `warm_workers` is false."""
+    statuses, no interpreter start), or every one a fresh interpreter when `warm_workers` is false.
+    `rdzv_conf` joins `torchrun_args` unless they set ``--rdzv-conf`` (None: the launcher's own)."""
+    if rdzv_conf and "--rdzv-conf" not in torchrun_args and "--rdzv_conf" not in torchrun_args:
+        torchrun_args = f"{torchrun_args} --rdzv-conf {rdzv_conf}".strip()
     base = {"NNODES": nnodes or str(hosts.count), "NPROC": str(nproc), "ENDPOINT": hosts.endpoint(),
             "RUN_ID": f"t{os.getpid()}", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
             "TORCHRUN_ARGS": torchrun_args, **(interpreters(launchers=True) if warm_workers else {}), **(env or {})}

@@ -87,7 +87,7 @@ def trial(kill_step: int, steps: int, save_every: int, workdir: str, timeout_s: 
         procs = launch_on_hosts(hosts, overrides(run_dir, steps, save_every), nnodes="1:2",
                                 torchrun_args="--max-restarts 3" + (f" --rdzv-conf {rdzv_conf}" if rdzv_conf else ""),
                                 timeout_s=timeout_s, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0" if shared_store else "1"},
-                                warm_workers=False)  # real interpreters: a restart's imports are part of the recovery
+                                warm_workers=False, rdzv_conf=None)  # real interpreters: a restart's imports count
         pump = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in procs[0].stdout))
         pump.start()
         killed_at = None
@@ -138,7 +138,7 @@ def replan_trial(kill_step: int, steps: int, save_every: int, workdir: str, time
     job = replan_overrides(run_dir, steps, save_every, storage)
     count = 3 if nproc == 1 else 2
     common = {"nproc": nproc, "nnodes": f"{count - 1}:{count}", "torchrun_args": "--max-restarts 5",
-              "timeout_s": timeout_s, "warm_workers": False}
+              "timeout_s": timeout_s, "warm_workers": False, "rdzv_conf": None}
     killed_at = rejoined_at = None
     slowed = False
     private = (run_dir,) if storage == "local" else ()
@@ -231,7 +231,7 @@ def rendezvous_host_trial(kill_step: int, steps: int, save_every: int, workdir: 
     job = overrides(run_dir, steps, save_every)
     with EmulatedHosts(2, names="missing") as hosts:
         procs = launch_on_hosts(hosts, job, nnodes="1:2", torchrun_args="--max-restarts 3", timeout_s=timeout_s,
-                                warm_workers=False)
+                                warm_workers=False, rdzv_conf=None)
         pumps = [threading.Thread(target=lambda p=p: lines.extend((time.monotonic(), line) for line in p.stdout))
                  for p in procs]
         for pump in pumps:
@@ -247,7 +247,7 @@ def rendezvous_host_trial(kill_step: int, steps: int, save_every: int, workdir: 
         for pump in pumps:
             pump.join()
         ended_at = time.monotonic()
-        again = launch_on_hosts(hosts, job, nnodes="1:2", timeout_s=timeout_s, on=[1], warm_workers=False,
+        again = launch_on_hosts(hosts, job, nnodes="1:2", timeout_s=timeout_s, on=[1], warm_workers=False, rdzv_conf=None,
                                 env={"ENDPOINT": f"{hosts.addresses[1]}:29500"})[0]
         restart = [(time.monotonic(), line) for line in again.stdout]  # type: ignore[union-attr]
         status = again.wait()

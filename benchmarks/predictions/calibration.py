@@ -265,7 +265,7 @@ def _on_hosts(args: argparse.Namespace, rate_mbit: float | None) -> tuple[float,
             hosts.limit(1, rate_mbit)
         words = [f"train.max_steps={args.steps}", "train.eval_every=0", "train.eval_batches=1",
                  "metrics.tensorboard=false", f"train.run_dir={run_dir}"]
-        texts = outputs(launch_on_hosts(hosts, words, nproc=2, timeout_s=900, warm_workers=False), timeout_s=900)
+        texts = outputs(launch_on_hosts(hosts, words, nproc=2, timeout_s=900, warm_workers=False, rdzv_conf=None), timeout_s=900)
     return _calibration(texts[0])
 
 
