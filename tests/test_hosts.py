@@ -115,6 +115,11 @@ def _watch(procs: list[subprocess.Popen]) -> tuple[list[list[tuple[float, str]]]
     return lines, threads
 
 
+def _tails(outputs: list[list[tuple[float, str]]], first: int = 1) -> str:
+    """The end of each host's output, numbered from `first`: what the other hosts said."""
+    return "".join(f"\nhost {i}:\n" + "".join(line for _, line in out)[-2500:] for i, out in enumerate(outputs, first))
+
+
 def _when(lines: list[tuple[float, str]], pattern: str, timeout_s: float) -> float:
     """The time the first line matching `pattern` arrived, waiting up to `timeout_s`."""
     regex, deadline = re.compile(pattern), time.monotonic() + timeout_s
@@ -231,8 +236,7 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
         try:
             _when(lines[0], rf"step\s+25/{STEPS}", 120)
         except AssertionError as exc:  # what the other hosts said
-            raise AssertionError(f"{exc}\n" + "\n".join(f"host {i}:\n" + "".join(l for _, l in out)[-2500:]
-                                                        for i, out in enumerate(lines[1:], 1))) from None
+            raise AssertionError(f"{exc}{_tails(lines[1:])}") from None
         hosts.kill(2)
         procs[0].wait(timeout=120)
         procs[1].wait(timeout=30)
@@ -241,8 +245,7 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
     for thread in threads:
         thread.join(timeout=10)
     text = "".join(line for _, line in lines[0])
-    everything = text[-4000:] + "".join(f"\nhost {i}:\n" + "".join(l for _, l in out)[-2500:]
-                                        for i, out in enumerate(lines[1:], 1))
+    everything = text[-4000:] + _tails(lines[1:])
     assert procs[0].returncode == 0, everything
     assert "step_00000020" in copies, (copies, everything)  # host 2's part of step 20, kept on host 0's disk
     assert re.search(r"re-planned for 3 ranks \(3 hosts x 1 rank\): dp 1 x pp 3 x tp 1, predicted step", text), \
@@ -296,8 +299,7 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
         try:
             _when(lines[0], r"re-planned for 3 ranks", 120)
         except AssertionError as exc:  # what the other hosts said
-            raise AssertionError(f"{exc}\n" + "\n".join(f"host {i}:\n" + "".join(l for _, l in out)[-2500:]
-                                                        for i, out in enumerate([*lines[1:], *joined], 1))) from None
+            raise AssertionError(f"{exc}{_tails([*lines[1:], *joined])}") from None
         for proc in procs:
             proc.wait(timeout=150)
     for thread in threads + joiner:

@@ -168,19 +168,37 @@ _CAL = re.compile(r"calibration over (\d+) steps \((\w+)\): step measured ([\d.]
 _SUMMARY = re.compile(r"median step (\d+) ms \| predicted step \(calibrated\) (\S+) ms")
 
 
+def train_run(ranks: int, words: list[str], run_dir: str, steps: int) -> tuple[int, str]:
+    """One ``torchrun`` of train.py with `words` for `steps` steps in `run_dir` (no evaluation, no
+    TensorBoard): its exit status and output."""
+    cmd = ["torchrun", "--nproc-per-node", str(ranks), "train.py", *words, f"train.max_steps={steps}",
+           "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false", f"train.run_dir={run_dir}",
+           f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return done.returncode, done.stdout + done.stderr
+
+
+def calibration_of(status: int, log: str) -> tuple[float, float, float, str] | str:
+    """(measured, start-of-run, calibrated, posting) from a finished run's calibration line, or why not."""
+    found = _CAL.search(log)
+    if status != 0 or not found:
+        return failure_line(log)
+    return float(found.group(3)), float(found.group(4)), float(found.group(5)), found.group(2)
+
+
+def figures(measured: float, start: float, calibrated: float) -> str:
+    """A table's measured, start-of-run and calibrated cells, each prediction with its error."""
+    return (f"{measured:.1f} | {start:.1f} | {_error(start, measured)} | {calibrated:.1f} | "
+            f"{_error(calibrated, measured)}")
+
+
 def one_run(job: list[str], schedule: str, args: argparse.Namespace) -> tuple[float, float, float, str] | str:
     """(measured, start-of-run, calibrated, posting) from one torchrun of train.py, or why not."""
     v = ["schedule.stages_per_rank=2"] if schedule in ("interleaved_1f1b", "looped_bfs", "interleaved_zb") else []
     with tempfile.TemporaryDirectory() as run_dir:
-        cmd = ["torchrun", "--nproc-per-node", str(args.ranks), "train.py", *job, f"schedule={schedule}",
-               f"pipeline.num_microbatches={args.microbatches}", f"train.max_steps={args.steps}", *v,
-               "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false", f"train.run_dir={run_dir}"]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    log = done.stdout + done.stderr
-    found = _CAL.search(log)
-    if done.returncode != 0 or not found:
-        return failure_line(log)
-    return float(found.group(3)), float(found.group(4)), float(found.group(5)), found.group(2)
+        return calibration_of(*train_run(args.ranks, [*job, f"schedule={schedule}",
+                                                      f"pipeline.num_microbatches={args.microbatches}", *v],
+                                         run_dir, args.steps))
 
 
 JOBS = {"default job (GPT)": [], "sleep-stages": ["model=sleep", "model.num_layers=8", "data=gaussian",
@@ -204,8 +222,7 @@ def predict(args: argparse.Namespace) -> None:
             measured, start, calibrated, posting = got
             hits["start"].append(abs(start / measured - 1) <= 0.25)
             hits["calibrated"].append(abs(calibrated / measured - 1) <= 0.10)
-            rows.append(f"| {job} | {schedule} | {posting} | {measured:.1f} | {start:.1f} | {_error(start, measured)} | "
-                        f"{calibrated:.1f} | {_error(calibrated, measured)} |")
+            rows.append(f"| {job} | {schedule} | {posting} | {figures(measured, start, calibrated)} |")
             print(rows[-1], flush=True)
     rows.append("")
     rows.append(f"within target: start-of-run {sum(hits['start'])}/{len(hits['start'])}, "
@@ -225,32 +242,19 @@ PATHS: dict[str, tuple[int, list[str]]] = {  # name -> (ranks, overrides)
 }
 
 
-def _calibration(log: str) -> tuple[float, float, float] | str:
-    found = _CAL.search(log)
-    return (float(found.group(3)), float(found.group(4)), float(found.group(5))) if found else failure_line(log)
-
-
-def _torchrun(ranks: int, words: list[str], run_dir: str, steps: int, timeout: float = 900) -> str:
-    cmd = ["torchrun", "--nproc-per-node", str(ranks), "train.py", *words, f"train.max_steps={steps}",
-           "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false", f"train.run_dir={run_dir}",
-           f"hydra.run.dir={run_dir}"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    return done.stdout + done.stderr + ("" if done.returncode == 0 else f"\nexit status {done.returncode}")
-
-
-def _restarted(args: argparse.Namespace, replan: bool) -> tuple[float, float, float] | str:
+def _restarted(args: argparse.Namespace, replan: bool) -> tuple[float, float, float, str] | str:
     """The second run's calibration: the same run resumed (or re-planned on 2 of 4 ranks)."""
     words = ["train.save_every=10", "train.resume=auto"]
     if replan:
         words += ["parallel.replan=true", "parallel.pp=auto", "parallel.dp=auto"]
     with tempfile.TemporaryDirectory() as run_dir:
-        first = _torchrun(4, words, run_dir, args.steps)
-        if "exit status" in first:
+        status, first = train_run(4, words, run_dir, args.steps)
+        if status != 0:
             return failure_line(first)
-        return _calibration(_torchrun(2 if replan else 4, words, run_dir, 2 * args.steps))
+        return calibration_of(*train_run(2 if replan else 4, words, run_dir, 2 * args.steps))
 
 
-def _on_hosts(args: argparse.Namespace, rate_mbit: float | None) -> tuple[float, float, float] | str:
+def _on_hosts(args: argparse.Namespace, rate_mbit: float | None) -> tuple[float, float, float, str] | str:
     """2 emulated hosts x 2 ranks, pp 4 (two boundaries inside a host, one across), the link
     between them limited to `rate_mbit` (None: the veth's own rate)."""
     sys.path.insert(0, str(Path(ROOT) / "tests"))
@@ -265,8 +269,9 @@ def _on_hosts(args: argparse.Namespace, rate_mbit: float | None) -> tuple[float,
             hosts.limit(1, rate_mbit)
         words = [f"train.max_steps={args.steps}", "train.eval_every=0", "train.eval_batches=1",
                  "metrics.tensorboard=false", f"train.run_dir={run_dir}"]
-        texts = outputs(launch_on_hosts(hosts, words, nproc=2, timeout_s=900, warm_workers=False, rdzv_conf=None), timeout_s=900)
-    return _calibration(texts[0])
+        procs = launch_on_hosts(hosts, words, nproc=2, timeout_s=900, warm_workers=False, rdzv_conf=None)
+        texts = outputs(procs, timeout_s=900)
+    return calibration_of(procs[0].returncode, texts[0])
 
 
 def paths(args: argparse.Namespace) -> None:
@@ -280,7 +285,7 @@ def paths(args: argparse.Namespace) -> None:
         if args.only and not any(o in name for o in args.only):
             continue
         with tempfile.TemporaryDirectory() as run_dir:
-            _row(rows, name, ranks, _calibration(_torchrun(ranks, words, run_dir, args.steps)))
+            _row(rows, name, ranks, calibration_of(*train_run(ranks, words, run_dir, args.steps)))
     for name, ranks, run in (("resumed (same layout)", 4, lambda: _restarted(args, False)),
                              ("re-planned, 4 ranks -> 2", 2, lambda: _restarted(args, True)),
                              ("2 hosts x 2 ranks", 4, lambda: _on_hosts(args, None)),
@@ -291,13 +296,9 @@ def paths(args: argparse.Namespace) -> None:
     report("Predicted step vs measured on every path: start-of-run and calibrated", "\n".join(rows), args.out)
 
 
-def _row(rows: list[str], name: str, ranks: int, got: tuple[float, float, float] | str) -> None:
-    if isinstance(got, str):
-        rows.append(f"| {name} | {ranks} | {got} | | | | |")
-    else:
-        measured, start, calibrated = got
-        rows.append(f"| {name} | {ranks} | {measured:.1f} | {start:.1f} | {_error(start, measured)} | {calibrated:.1f} | "
-                    f"{_error(calibrated, measured)} |")
+def _row(rows: list[str], name: str, ranks: int, got: tuple[float, float, float, str] | str) -> None:
+    cells = f"{got} | | | |" if isinstance(got, str) else figures(*got[:3])  # a failure: why, then empty cells
+    rows.append(f"| {name} | {ranks} | {cells} |")
     print(rows[-1], flush=True)
 
 

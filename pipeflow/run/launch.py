@@ -337,15 +337,16 @@ def saying_joins() -> Iterator[None]:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
     count = DynamicRendezvousHandler.num_nodes_waiting
-    said = [0]
+    before = 0
 
     def counted(handler: DynamicRendezvousHandler) -> int:
+        nonlocal before
         waiting = count(handler)
-        if waiting > 0 and said[0] == 0:
+        if waiting > 0 and before == 0:
             _say(f"{waiting} node{'s' if waiting > 1 else ''} wait{'' if waiting > 1 else 's'} to join the job: "
                  f"torchrun's agent stops the workers (they save at the next step boundary) and the job re-forms "
                  f"with {'them' if waiting > 1 else 'it'}")
-        said[0] = waiting
+        before = waiting
         return waiting
 
     DynamicRendezvousHandler.num_nodes_waiting = counted  # type: ignore[method-assign]
