@@ -193,11 +193,12 @@ def trainer_saving_in_the_background() -> dict[str, Any]:
         folders = {}
         for mode in ("sync", "async"):
             cfg = scale_cases.make_config(1, "1f1b", 2, train__run_dir=os.path.join(parent, mode), train__max_steps=4,
-                                          train__save_every=2, train__checkpoint_mode=mode)
+                                          train__save_every=2, train__checkpoint_mode=mode, metrics__trace_steps=[3])
             trainer = build_run(cfg, torch.device("cpu"))
             trainers.append(trainer)
             trainer.fit()
             folders[mode] = os.path.join(parent, mode, "checkpoints")
+            out[f"trace_{mode}"] = _checkpoint_spans(os.path.join(parent, mode, "trace.json"))
         # each host its own part (one host here): the part written in the background on a gloo host group
         cfg = scale_cases.make_config(1, "1f1b", 2, train__run_dir=os.path.join(parent, "local"), train__max_steps=2,
                                       train__save_every=2, train__checkpoint_mode="async",
@@ -244,6 +245,17 @@ def trainer_saving_in_the_background() -> dict[str, Any]:
             trainer.close()
         _on_rank0(lambda: shutil.rmtree(parent, ignore_errors=True))
     return out
+
+
+def _checkpoint_spans(path: str) -> list[tuple] | None:
+    """The checkpoint spans of a run's trace (rank 0 writes it): (pid, thread name, name, step, ts, dur)."""
+    if dist.get_rank() != 0:
+        return None
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    return sorted((e["pid"], threads[e["pid"], e["tid"]], e["name"], e["args"]["step"], e["ts"], e["dur"])
+                  for e in events if e.get("cat") == "checkpoint")
 
 
 def _by_layer(trainer: Any) -> dict[str, torch.Tensor]:
@@ -336,3 +348,16 @@ def test_the_trainer_saves_in_the_background_as_it_saves_in_the_foreground(world
         # the save of step 2 was in flight at step 3's boundary: finished, then step 3 saved
         assert out["preempted_at"] == 3 and out["preempted_steps"] == ["latest", "step_00000002", "step_00000003"], out
         assert out["resumed"] == 4 and out["compared"] > 0 and out["equal"], out
+    # the trace shows each save: training waits for a synchronous save and for a background save's
+    # staging (the pipeline's thread), the background write on a thread of its own after it
+    sync, background = world["async-trainer"][0].value["trace_sync"], world["async-trainer"][0].value["trace_async"]
+    assert {(pid, thread, name, step) for pid, thread, name, step, *_ in sync} == {
+        (pid, "pipeline", "checkpoint save (synchronous)", step) for pid in (0, 1) for step in (2, 4)}, sync
+    assert {(pid, thread, name, step) for pid, thread, name, step, *_ in background} == {
+        (pid, thread, name, step) for pid in (0, 1) for step in (2, 4)
+        for thread, name in (("pipeline", "checkpoint staging"), ("checkpoint writer", "checkpoint write (background)"))
+    }, background
+    for pid in (0, 1):
+        staged = [(ts, dur) for p, _, name, _, ts, dur in background if p == pid and name == "checkpoint staging"]
+        written = [(ts, dur) for p, _, name, _, ts, dur in background if p == pid and name.startswith("checkpoint write")]
+        assert all(w[0] >= s[0] + s[1] - 1 and w[1] > 0 for s, w in zip(staged, written)), (staged, written)

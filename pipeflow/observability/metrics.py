@@ -141,6 +141,7 @@ class RunMetrics:
         self.first_step: int | None = None  # 0, or where a resumed run starts
         self.step_times: list[float] = []
         self.traced: dict[int, tuple[float, float, list[tuple[str, str, float, float]]]] = {}
+        self.saves: list[tuple[int, str, float, float]] = []  # (step, save | stage | write, start, end)
         self._start = 0.0
         tp = cfg.parallel.tp
         world = dist.get_world_size() if dist.is_initialized() else num_pp * tp
@@ -156,10 +157,14 @@ class RunMetrics:
         if self.writer is not None:
             self.writer.flush()
 
-    def checkpoint_saved(self, step: int, staged_s: float, write_s: float | None) -> None:
-        """A checkpoint of `step` complete (rank 0 writes): TensorBoard's ``checkpoint/stage_s``
-        (what training waited: the whole save when synchronous) and, written in the background,
-        ``checkpoint/write_s`` (off the training path)."""
+    def checkpoint_saved(self, step: int, started: float, staged_s: float, write_s: float | None = None) -> None:
+        """A checkpoint of `step` complete, begun at `started` (``time.perf_counter``): rank 0
+        writes TensorBoard's ``checkpoint/stage_s`` (what training waited: the whole save when
+        synchronous) and, written in the background, ``checkpoint/write_s`` (off the training
+        path); every rank keeps both spans for the trace (``metrics.trace_steps``)."""
+        self.saves.append((step, "save" if write_s is None else "stage", started, started + staged_s))
+        if write_s is not None:
+            self.saves.append((step, "write", started + staged_s, started + staged_s + write_s))
         if self.writer is None:
             return
         self.writer.add_scalar("checkpoint/stage_s", staged_s, step)
@@ -305,7 +310,7 @@ class RunMetrics:
         means, peaks = gather_figures(self.steady, self.steady_steps, self.pp_rank, self.num_pp, self.device)
         if self.trace_steps:
             trace.write_traces(self.traced, self.pp_rank, schedule, self.run_dir, self.device, self.predicted, self.writer,
-                               self.grid)
+                               self.grid, self.saves)
         step_s = statistics.median(self.step_times) if self.step_times else float("nan")
         samples, tokens = self.items
         summary = [{

@@ -29,13 +29,24 @@ from pipeflow.schedules.pictures import draw_timeline
 RankStep = tuple[int, float, float, list[tuple[str, str, float, float]]]
 
 
-def chrome_trace(steps: dict[int, list[RankStep]], grid: MeshGrid | None = None) -> dict[str, Any]:
+# One rank's checkpoint spans: (step, save | stage | write, start, end), clocks aligned
+SaveSpan = tuple[int, str, float, float]
+SAVE_NAMES = {"save": "checkpoint save (synchronous)", "stage": "checkpoint staging",
+              "write": "checkpoint write (background)"}
+WRITER_TID = 3  # the background write's own thread: off the training path
+
+
+def chrome_trace(steps: dict[int, list[RankStep]], grid: MeshGrid | None = None,
+                 saves: Sequence[Sequence[SaveSpan]] = ()) -> dict[str, Any]:
     """A Chrome trace (Perfetto, chrome://tracing) of traced steps, clocks already aligned.
 
     Args:
         steps: ``steps[step][global rank]`` as gathered by :func:`write_traces`.
         grid: every rank's mesh coordinates (``parallel.order``): with tp > 1 a process is named
             by its (dp, pp, tp) coordinates; None: one pipeline in the default order.
+        saves: ``saves[global rank]``: that rank's checkpoint spans (category ``checkpoint``): a
+            synchronous save and a background save's staging on the pipeline's thread (training
+            waits for them), its write on a thread of its own (``checkpoint writer``).
 
     Returns:
         ``{"traceEvents": [...]}``: process ``rank r`` per rank (pid = global rank, one thread),
@@ -43,7 +54,8 @@ def chrome_trace(steps: dict[int, list[RankStep]], grid: MeshGrid | None = None)
         (``unshard 0``, ``reduce-scatter + reshard 0``: category ``shard``), with step,
         micro-batch and stage in ``args``.
     """
-    origin = min((start for per_rank in steps.values() for _, start, _, _ in per_rank), default=0.0)
+    origin = min([start for per_rank in steps.values() for _, start, _, _ in per_rank]
+                 + [start for spans in saves for _, _, start, _ in spans], default=0.0)
     events: list[dict[str, Any]] = []
     ranks = {r: pp for per_rank in steps.values() for r, (pp, *_) in enumerate(per_rank)}
     if grid is None:
@@ -74,10 +86,16 @@ def chrome_trace(steps: dict[int, list[RankStep]], grid: MeshGrid | None = None)
                     "pid": r, "tid": tid,
                     "ts": 1e6 * (start - origin), "dur": 1e6 * (end - start), "args": args,
                 })
-    for r, tid in sorted(lanes):  # the pair's second action and the exchanges on threads of their own
+    for r, spans in enumerate(saves):
+        for step, kind, start, end in spans:
+            tid = WRITER_TID if kind == "write" else 0
+            lanes.add((r, tid))
+            events.append({"ph": "X", "name": SAVE_NAMES[kind], "cat": "checkpoint", "pid": r, "tid": tid,
+                           "ts": 1e6 * (start - origin), "dur": 1e6 * (end - start), "args": {"step": step}})
+    threads = {1: "overlapped pair", 2: "all_to_all", WRITER_TID: "checkpoint writer"}
+    for r, tid in sorted(lanes):  # the pair's second action, the exchanges and the writer on threads of their own
         if tid:
-            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
-                           "args": {"name": "overlapped pair" if tid == 1 else "all_to_all"}})
+            events.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": threads[tid]}})
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -111,21 +129,26 @@ def write_traces(
     predicted: float,
     writer: Any = None,
     grid: MeshGrid | None = None,
+    saves: Sequence[SaveSpan] = (),
 ) -> None:
-    """Gather every rank's traced steps to rank 0 (clocks aligned) and write ``trace.json`` and
-    ``timeline_step<N>.png`` into `run_dir` (and the pictures into TensorBoard).  Collective."""
+    """Gather every rank's traced steps and checkpoint spans (`saves`) to rank 0 (clocks aligned)
+    and write ``trace.json`` and ``timeline_step<N>.png`` into `run_dir` (and the pictures into
+    TensorBoard).  Collective."""
     offset = clock_offsets(device)[dist.get_rank()]
     mine = {
         step: (pp_rank, start - offset, end - offset, [(k, n, s - offset, e - offset) for k, n, s, e in timed])
         for step, (start, end, timed) in traced.items()
     }
+    spans = [(step, kind, start - offset, end - offset) for step, kind, start, end in saves]
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    dist.gather_object((mine, spans), gathered, dst=0)
     if gathered is None:
         return
-    steps = {step: [g[step] for g in gathered] for step in sorted(set().union(*gathered)) if all(step in g for g in gathered)}
+    traced_by_rank = [g[0] for g in gathered]
+    steps = {step: [g[step] for g in traced_by_rank] for step in sorted(set().union(*traced_by_rank))
+             if all(step in g for g in traced_by_rank)}
     with open(os.path.join(run_dir, "trace.json"), "w") as f:
-        json.dump(chrome_trace(steps, grid), f)
+        json.dump(chrome_trace(steps, grid, [g[1] for g in gathered]), f)
     for step, per_rank in steps.items():
         figures = [step_figures([TimedEvent(*t) for t in timed], start, end) for _, start, end, timed in per_rank]
         bubble = pipeline_bubble([f.compute_s for f in figures], [f.span_s for f in figures])

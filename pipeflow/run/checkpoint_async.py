@@ -61,13 +61,15 @@ class SaveInFlight:
 
 @dataclass
 class SaveReport:
-    """A background save that ended: its step, folder, staging and write seconds, or its error."""
+    """A background save that ended: its step, folder, staging and write seconds, or its error;
+    `written_from`: when its write began (``time.perf_counter``, the end of its staging)."""
 
     step: int
     path: str | None
     staged_s: float
     write_s: float
     error: BaseException | None = None
+    written_from: float = 0.0
 
 
 class BackgroundSaver:
@@ -214,7 +216,7 @@ class BackgroundSaver:
         assert done is not None
         if done.error is not None and self.mode == "async_process":
             stop_writer_process()  # every rank alike: the next save starts new writer processes together
-        return SaveReport(done.step, done.path, done.staged_s, done.write_s, done.error)
+        return SaveReport(done.step, done.path, done.staged_s, done.write_s, done.error, done.started)
 
     def close(self) -> None:
         """Release the staging buffers (after the last save was waited for)."""
