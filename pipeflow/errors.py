@@ -117,6 +117,11 @@ class LaunchError(PipeflowError, RuntimeError):
     not resolve, no route to it, an address other hosts cannot reach; the message names the fix."""
 
 
+class TrackerError(PipeflowError, RuntimeError):
+    """A tracker of ``metrics.trackers`` (W&B, MLflow) is not installed or cannot start; raised on
+    every rank before the first step, the message says what to install or set."""
+
+
 class OffloadError(PipeflowError, RuntimeError):
     """``pipeline.offload``: a held activation was needed while it was on the host (its reload was
     never issued or not waited for), or a group was offloaded or reloaded twice; the message names

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import resource
 import statistics
 import sys
@@ -26,12 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.errors import ConfigError
+from pipeflow.errors import ConfigError, TrackerError
 from pipeflow.observability import console, trace
 from pipeflow.observability.calibrated import WARMUP_STEPS, CalibrationLog
 from pipeflow.observability.memory import MemoryMetrics, memory_line
 from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures, wait_by_link
 from pipeflow.observability.routing import RoutingLog, all_to_all_line
+from pipeflow.observability.trackers import Trackers, chosen_trackers, open_trackers, resolved_params
 from pipeflow.runtime import hosts
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.schedules import PipelineSchedule
@@ -129,7 +129,7 @@ class RunMetrics:
         self.run_dir, self.predicted, self.items = run_dir, prediction.bubble, items
         self.predicted_step_s = prediction.step_s
         self.calibration = CalibrationLog(calibrate, pp_rank, num_pp, first_pipeline) if calibrate is not None else None
-        self.writer = self._open_writer() if self.is_main and mc.tensorboard else None
+        self.writer = self._open_trackers(cfg, run_dir)
         self.show_bar, self.bar = self.is_main and mc.progress_bar, None  # the bar opens at the first step
         self.timed_every = mc.timed_every
         self.interval, self.interval_steps = RankFigures(), 0  # the interval's timed steps
@@ -157,11 +157,13 @@ class RunMetrics:
         if self.writer is not None:
             self.writer.flush()
 
-    def checkpoint_saved(self, step: int, started: float, staged_s: float, write_s: float | None = None) -> None:
-        """A checkpoint of `step` complete, begun at `started` (``time.perf_counter``): rank 0
-        writes TensorBoard's ``checkpoint/stage_s`` (what training waited: the whole save when
+    def checkpoint_saved(self, step: int, path: str, started: float, staged_s: float,
+                         write_s: float | None = None) -> None:
+        """A checkpoint of `step` complete at `path`, begun at `started` (``time.perf_counter``):
+        rank 0 writes ``checkpoint/stage_s`` (what training waited: the whole save when
         synchronous) and, written in the background, ``checkpoint/write_s`` (off the training
-        path); every rank keeps both spans for the trace (``metrics.trace_steps``)."""
+        path), and tags the trackers' runs with it; every rank keeps both spans for the trace
+        (``metrics.trace_steps``)."""
         self.saves.append((step, "save" if write_s is None else "stage", started, started + staged_s))
         if write_s is not None:
             self.saves.append((step, "write", started + staged_s, started + staged_s + write_s))
@@ -170,7 +172,7 @@ class RunMetrics:
         self.writer.add_scalar("checkpoint/stage_s", staged_s, step)
         if write_s is not None:
             self.writer.add_scalar("checkpoint/write_s", write_s, step)
-        self.writer.flush()
+        self.writer.checkpoint(step, path)
 
     def evaluated(self, step: int, loss: float, line: bool = True) -> None:
         """Report a held-out evaluation after `step` steps (rank 0): the log line ``step N |
@@ -188,10 +190,23 @@ class RunMetrics:
                 self.writer.add_scalar("eval/perplexity", perplexity(loss), step)
             self.writer.flush()
 
-    def _open_writer(self) -> Any:
-        from torch.utils.tensorboard import SummaryWriter
-
-        return SummaryWriter(os.path.join(self.run_dir, "tb"))
+    def _open_trackers(self, cfg: Any, run_dir: str) -> Trackers | None:
+        """Rank 0's trackers (``metrics.trackers``); a tracker that cannot start is a TrackerError on
+        every rank (agreed: the others learn it from rank 0) before the first step."""
+        names = chosen_trackers(cfg.metrics.trackers, cfg.metrics.tensorboard)
+        opened, failure = None, None
+        if self.is_main and names:
+            try:
+                opened = open_trackers(names, run_dir, cfg.metrics.project, resolved_params(cfg), cfg.train.resume)
+            except TrackerError as exc:
+                failure = str(exc)
+        if names != ["tensorboard"] and dist.is_initialized() and dist.get_world_size() > 1:
+            told = [failure]
+            dist.broadcast_object_list(told, src=0)
+            failure = told[0]
+        if failure is not None:
+            raise TrackerError(failure if self.is_main else f"rank 0: {failure}")
+        return opened
 
     def timed(self, step: int) -> bool:
         """Whether step `step` records its actions' events: always on the host clock; on CUDA the

@@ -19,6 +19,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from pipeflow.errors import ConfigError
+from pipeflow.observability.trackers import chosen_trackers
 from pipeflow.run.config_checks import (BACKENDS, DTYPES, RESUME_WORDS, SHARD_MODES, STORAGES, auto_replicas,
                                         check_comm, check_across_sections, check_paths, check_sequence_parallel,
                                         check_targets, resolve_layout, tensor_degree)
@@ -225,7 +226,12 @@ class MetricsConfig:
     """What is measured and written: TensorBoard under ``<run_dir>/tb``, traces of chosen steps
     (``<run_dir>/trace.json``, ``timeline_step<N>.png``), the console progress bar."""
 
-    tensorboard: bool = True  # <run_dir>/tb: loss, lr, grad norm, throughput, per-stage times, bubble, memory
+    # where the run's figures go (rank 0): any of tensorboard (<run_dir>/tb), wandb (WANDB_MODE,
+    # WANDB_PROJECT respected), mlflow (MLFLOW_TRACKING_URI, else <run_dir>/mlflow.db); a resumed
+    # run continues the same tracker runs (<run_dir>/trackers.json)
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    tensorboard: bool = True  # <run_dir>/tb: loss, lr, grad norm, throughput, per-stage times, bubble, memory; false: removed from trackers
+    project: str | None = None  # the W&B project and MLflow experiment; null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else pipeflow
     log_every: int | None = None  # steps per log interval (console line + TensorBoard points); None: train.log_every
     trace_steps: list[int] = field(default_factory=list)  # e.g. [5]: every action of step 5 -> trace.json, timeline_step5.png
     progress_bar: bool = True  # tqdm bar on rank 0 (only when stderr is a terminal)
@@ -244,6 +250,7 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         """Checked when the composed config becomes this object (:func:`typed_config`)."""
         check_section_counts("metrics", self)
+        chosen_trackers(self.trackers, self.tensorboard)
 
 
 @dataclass

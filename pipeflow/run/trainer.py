@@ -178,7 +178,7 @@ class Trainer:
             path = self.state.save(step, self.device)
             if self.is_main:
                 log.info("saved checkpoint of step %d: %s (%.2f s)", step, path, time.perf_counter() - started)
-            self.loop.metrics.checkpoint_saved(step, started, time.perf_counter() - started)
+            self.loop.metrics.checkpoint_saved(step, path, started, time.perf_counter() - started)
         else:
             if self._saver is None:  # collective: every rank reaches its first save at the same step
                 self._saver = BackgroundSaver(str(self.cfg.train.checkpoint_mode), str(self.cfg.train.on_save_error),
@@ -202,8 +202,8 @@ class Trainer:
         if self.is_main:
             log.info("saved checkpoint of step %d: %s (written in the background in %.2f s)", report.step,
                      report.path, report.write_s)
-        self.loop.metrics.checkpoint_saved(report.step, report.written_from - report.staged_s, report.staged_s,
-                                            report.write_s)
+        self.loop.metrics.checkpoint_saved(report.step, str(report.path), report.written_from - report.staged_s,
+                                            report.staged_s, report.write_s)
 
     def _wait_for_save(self, before: str) -> SaveReport | None:
         """Wait for the background save in flight, if any (collective), and report it."""

@@ -1,0 +1,116 @@
+"""The cases of tests/test_long_run.py's 4-process world (issue 63: what a long pre-training run
+expects): the trackers beside TensorBoard on pp 2 x dp 2 across a resume.
+
+Not collected on its own (no ``test_`` prefix): test_long_run.py runs these in its world.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fault_cases import _Logged, _on_rank0, _shared_dir
+
+STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| loss ([\d.]+)")
+
+
+def wandb_records(run_dir: str, run_id: str) -> list[dict[str, Any]]:
+    """Every history row W&B wrote offline for run `run_id` under `run_dir` (each offline run
+    folder of that id, oldest first): read from its ``.wandb`` file (a LevelDB-style log of
+    protobuf records: 7-byte header, then records in 32 KiB blocks, each chunk with a 7-byte head)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb"))):
+        data = open(path, "rb").read()
+        assert data[:4] == b":W&B", path
+        pos, block, pending = 7, 32768, b""
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:  # a block's tail too short for a chunk head is padding
+                pos += block - pos % block
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            pending += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a whole record, or a record's last chunk
+                record = pb.Record()
+                record.ParseFromString(pending)
+                pending = b""
+                if record.WhichOneof("record_type") == "history":
+                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+    return rows
+
+
+def _series(rows: list[dict[str, Any]], tag: str) -> list[tuple[int, float]]:
+    return [(int(row["step"]), float(row[tag])) for row in rows if tag in row]
+
+
+def trackers_across_a_resume() -> dict[str, Any]:
+    """pp 2 x dp 2 with metrics.trackers=[tensorboard,wandb,mlflow] (W&B offline, MLflow in the run
+    directory): 4 steps saving at 2 and 4, then train.resume=auto to step 6. Every rank: its pp rank
+    and the losses it trained; rank 0: the console's step lines, what each tracker holds, the
+    trackers' run ids before and after the resume, and a refused tracker's error."""
+    import scale_cases
+    from pipeflow.errors import TrackerError
+    from pipeflow.run.builder import build_run
+
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    os.environ.pop("MLFLOW_TRACKING_URI", None)
+    parent = _shared_dir()
+    run_dir = os.path.join(parent, "run")
+    console, logger = _Logged(), logging.getLogger("pipeflow")
+    level = logger.level
+    logger.addHandler(console)
+    logger.setLevel(logging.INFO)  # the step lines are INFO
+    out: dict[str, Any] = {"losses": {}, "ids": []}
+    try:
+        for steps in (4, 6):
+            cfg = scale_cases.make_config(2, "1f1b", 2, train__run_dir=run_dir, train__max_steps=steps,
+                                          train__save_every=2, train__log_every=1, train__resume="auto",
+                                          metrics__trackers=["tensorboard", "wandb", "mlflow"])
+            trainer = build_run(cfg, torch.device("cpu"))
+            try:
+                trainer.fit()
+            finally:
+                trainer.close()
+            out["pp_rank"] = trainer.mesh.pp_rank
+            out["losses"].update({step: loss for step, loss in zip(range(steps - len(trainer.history), steps),
+                                                                   trainer.history)})
+            if dist.get_rank() == 0:
+                with open(os.path.join(run_dir, "trackers.json")) as f:
+                    out["ids"].append(json.load(f))
+        os.environ["MLFLOW_TRACKING_URI"] = "nosuchstore://nowhere"
+        try:
+            build_run(scale_cases.make_config(2, "1f1b", 2, train__run_dir=os.path.join(parent, "refused"),
+                                              metrics__trackers=["mlflow"]), torch.device("cpu"))
+        except TrackerError as exc:
+            out["refused"] = str(exc)
+        del os.environ["MLFLOW_TRACKING_URI"]
+        if dist.get_rank() == 0:
+            out["console"] = [(int(m.group(1)), float(m.group(2))) for line in console.lines
+                              if (m := STEP_LINE.search(line))]
+            ids = out["ids"][-1]
+            out["wandb"] = _series(wandb_records(run_dir, ids["wandb"]), "train/loss")
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=f"sqlite:///{os.path.join(run_dir, 'mlflow.db')}")
+            run = client.get_run(ids["mlflow"])
+            out["mlflow"] = sorted((m.step, m.value) for m in client.get_metric_history(ids["mlflow"], "train/loss"))
+            out["mlflow_runs"] = len(client.search_runs([run.info.experiment_id]))
+            out["mlflow_status"] = run.info.status
+            out["mlflow_params"] = {k: run.data.params.get(k) for k in ("parallel.dp", "train.save_every")}
+            out["mlflow_checkpoint"] = run.data.tags.get("pipeflow.checkpoint")
+            out["tensorboard"] = os.path.isdir(os.path.join(run_dir, "tb"))
+    finally:
+        logger.removeHandler(console)
+        logger.setLevel(level)
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+        _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
+    return out
