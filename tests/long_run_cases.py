@@ -1,5 +1,6 @@
 """The cases of tests/test_long_run.py's 4-process world (issue 63: what a long pre-training run
-expects): the trackers beside TensorBoard on pp 2 x dp 2 across a resume.
+expects): the trackers beside TensorBoard on pp 2 x dp 2 across a resume; batch-size ramp-up against the
+unsplit model and resumed mid-ramp.
 
 Not collected on its own (no ``test_`` prefix): test_long_run.py runs these in its world.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from fault_cases import _Logged, _on_rank0, _shared_dir
 
@@ -112,5 +114,71 @@ def trackers_across_a_resume() -> dict[str, Any]:
         logger.removeHandler(console)
         logger.setLevel(level)
         os.environ.pop("MLFLOW_TRACKING_URI", None)
+        _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
+    return out
+
+
+RAMP = {"start": 4, "increment": 4, "samples": 24}  # 4 -> 8 -> 12 -> 16 samples from steps 0, 2, 3, 4
+
+
+def ramp_vs_unsplit() -> dict[str, Any]:
+    """dp 2 x pp 2, 1F1B, a global batch ramped 4 -> 8 -> 12 -> 16 (1 -> 4 micro-batches a
+    replica) against the unsplit model trained on each step's batch with the same learning rate
+    (float64): worst relative differences of loss and parameters per step; each step's micro-batch
+    count and lr; whether each step's batch is the one a source of that size gives; then the same
+    run saved at step 3 (mid-ramp) and resumed to step 7: its losses against the straight run's."""
+    import scale_cases
+    from pipeflow.data import build_batches
+    from pipeflow.data.batch_ramp import RampedBatches
+    from pipeflow.run.builder import build_run
+    from pipeflow.run.config_data import typed_data
+    from pipeflow.run.step_update import lr_at
+
+    steps = 7
+    parent = _shared_dir()
+    trainers = []
+    try:
+        cfg = scale_cases.make_config(2, "1f1b", 4, data__batch_size=16, train__max_steps=steps,
+                                      train__batch_ramp=RAMP, train__run_dir=os.path.join(parent, "straight"))
+        trainer, reference = build_run(cfg, torch.device("cpu")), scale_cases.Reference(cfg)
+        trainers.append(trainer)
+        ramp = trainer.plan.ramp
+        reference.batches.train = RampedBatches(reference.batches.train, ramp)
+        both = [(a, b) for a, b in scale_cases.pairs(trainer, reference) if b.requires_grad]
+        out: dict[str, Any] = {"loss": 0.0, "param": 0.0, "counts": [], "lr": [], "sized": [], "compared": len(both)}
+        losses = []
+        for step in range(steps):
+            loss, _ = trainer.train_step(step)
+            losses.append(loss)
+            lr = trainer.optimizer.param_groups[0]["lr"]
+            out["counts"].append(trainer.pipeline.schedule.num_microbatches)
+            out["lr"].append((lr, lr_at(ramp.consumed_before(step) / 16, cfg.optim, ramp.consumed_before(steps) / 16)))
+            ref_loss = reference.grads(step)
+            for group in reference.opt.param_groups:
+                group["lr"] = lr
+            reference.opt.step()
+            reference.opt.zero_grad()
+            out["loss"] = max(out["loss"], abs(loss - ref_loss) / abs(ref_loss))
+            out["param"] = max([out["param"]] + [scale_cases.rel_diff(a.detach(), b.detach()) for a, b in both])
+            # the batch of a run whose data.batch_size is this step's size
+            size = ramp.size(step)
+            alone = build_batches(typed_data(OmegaConf.merge(cfg.data, {"batch_size": size})), cfg.model).train.get(step)
+            ramped = reference.batches.train.get(step)
+            out["sized"].append(size == len(ramped[1]) and all(torch.equal(a, b) for a, b in zip(alone, ramped)))
+        # saved mid-ramp (step 3: 12 samples a step), resumed by train.resume=auto: the losses go on as above
+        resumed = []
+        for until in (3, steps):
+            cfg = scale_cases.make_config(2, "1f1b", 4, data__batch_size=16, train__max_steps=until,
+                                          train__batch_ramp=RAMP, train__save_every=3, train__resume="auto",
+                                          train__run_dir=os.path.join(parent, "resumed"))
+            again = build_run(cfg, torch.device("cpu"))
+            trainers.append(again)
+            again.fit()
+            resumed += again.history
+        out["resumed"] = max(abs(a - b) / abs(b) for a, b in zip(resumed, losses))
+        out["resumed_steps"] = len(resumed)
+    finally:
+        for trainer in trainers:
+            trainer.close()
         _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
     return out

@@ -25,7 +25,8 @@ def world4(request):
 
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
-    return run_cases(4, selected_cases(request, [("trackers", long_run_cases.trackers_across_a_resume)]))
+    return run_cases(4, selected_cases(request, [("trackers", long_run_cases.trackers_across_a_resume),
+                                                 ("ramp", long_run_cases.ramp_vs_unsplit)]))
 
 
 def test_trackers_hold_the_consoles_losses_from_the_last_stage_across_a_resume(world4):
@@ -52,6 +53,21 @@ def test_trackers_hold_the_consoles_losses_from_the_last_stage_across_a_resume(w
     for rank, result in enumerate(results):
         refused = result.value.get("refused", "")
         assert "metrics.trackers: mlflow could not start" in refused and "MLFLOW_TRACKING_URI" in refused, (rank, refused)
+
+
+def test_a_ramped_batch_trains_as_the_unsplit_model_on_each_steps_batch_and_resumes_mid_ramp(world4):
+    """train.batch_ramp 4 -> 8 -> 12 -> 16 on dp 2 x pp 2: each size runs its micro-batch count (the
+    1F1B schedule re-lowered per count), each step's batch is what a run of that size trains, the
+    lr follows the samples trained; loss and parameters equal the unsplit model's (float64); a
+    checkpoint of step 3 (mid-ramp) resumes with the straight run's losses."""
+    for rank, result in enumerate(world4["ramp"]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert v["counts"] == [1, 1, 2, 3, 4, 4, 4], v["counts"]
+        assert all(sized for sized in v["sized"]), v["sized"]
+        assert all(abs(got - want) <= 1e-15 for got, want in v["lr"]) and v["lr"][1][0] > v["lr"][0][0], v["lr"]
+        assert v["compared"] > 0 and max(v["loss"], v["param"]) <= 1e-9, v
+        assert v["resumed_steps"] == 7 and v["resumed"] <= 1e-12, v
 
 
 def test_tensorboard_false_removes_it_from_the_trackers_and_unknown_names_are_refused():
@@ -99,3 +115,35 @@ def test_a_resume_finds_the_tracker_ids_of_its_run_directory_or_of_the_checkpoin
     assert trackers.saved_ids(str(tmp_path / "b"), str(tmp_path / "a" / "checkpoints" / "step_00000004"))["wandb"] == "w1"
     assert trackers.flat_params({"train": {"lr": 0.1, "steps": [1, 2]}, "x": None}) == {
         "train.lr": "0.1", "train.steps": "[1, 2]", "x": "null"}
+
+
+def test_the_ramp_grows_the_batch_as_megatrons_rampup_batch_size_does():
+    """Megatron's rule: start + floor(consumed / (samples / increments)) x increment, full once more
+    than `samples` were trained; the lr schedule's clock is the full batches trained."""
+    from pipeflow.data.batch_ramp import BatchRamp
+
+    ramp = BatchRamp(start=4, increment=4, samples=24, full=16, dp=2, microbatches=4)
+    assert [ramp.size(k) for k in range(7)] == [4, 4, 8, 12, 16, 16, 16]
+    assert [ramp.consumed_before(k) for k in range(5)] == [0, 4, 8, 16, 28]
+    assert [ramp.microbatches_at(k) for k in range(5)] == [1, 1, 2, 3, 4] and ramp.position(4) == 28 / 16
+    assert ramp.describe() == ("4 -> 8 -> 12 -> 16 samples (micro-batches per replica 1 -> 2 -> 3 -> 4) from steps "
+                               "0, 2, 3, 4; full after 24 samples")
+    with pytest.raises(ConfigError, match="data.batch_size=16 - start=4 is no multiple of increment=5"):
+        BatchRamp(start=4, increment=5, samples=24, full=16, dp=2, microbatches=4)
+    with pytest.raises(ConfigError, match=r"batch sizes \[2, 6, 10, 14\] are no whole number of micro-batches on "
+                                          r"each of dp=2 replicas .* multiples of 4"):
+        BatchRamp(start=2, increment=2, samples=24, full=16, dp=2, microbatches=4)
+
+
+def test_a_ramp_needs_its_three_keys_and_a_named_schedule():
+    from pipeflow.run.builder import batch_ramp
+    from pipeflow.run.config import BatchRampConfig
+    from omegaconf import OmegaConf
+
+    with pytest.raises(ConfigError, match="train.batch_ramp needs start, increment and samples; "
+                                          "train.batch_ramp.samples is not set"):
+        BatchRampConfig(start=4, increment=4)
+    cfg = OmegaConf.create({"train": {"batch_ramp": {"start": 4, "increment": 4, "samples": 8}},
+                            "schedule": {"name": "auto"}, "pipeline": {"offload": "none"}, "data": {"batch_size": 16}})
+    with pytest.raises(ConfigError, match="train.batch_ramp does not run with schedule=auto"):
+        batch_ramp(cfg, 1, 4)

@@ -197,8 +197,13 @@ class ChatBatches:
 
     def get(self, step: int) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor]:
         """Batch `step`: (inputs (B, T) or (tokens, document ids), targets (B, T)), on the host."""
+        return self.take(step, step * self.batch_size, self.batch_size)
+
+    def take(self, step: int, start: int, count: int) -> tuple[Tensor | tuple[Tensor, Tensor], Tensor]:
+        """Rows ``start .. start + count - 1`` of the endless sequence (``train.batch_ramp``: a
+        step's rows follow the samples consumed before it)."""
         n = len(self.rows.inputs)
-        picks = [int(self._order(k // n)[k % n]) for k in range(step * self.batch_size, (step + 1) * self.batch_size)]
+        picks = [int(self._order(k // n)[k % n]) for k in range(start, start + count)]
         index = torch.tensor(picks)
         x, y = self.rows.inputs[index], self.rows.targets[index]
         return ((x, self.rows.documents[index]) if self.pack else x), y

@@ -233,15 +233,24 @@ class TokenBatches:
     def get(self, step: int) -> tuple[Any, Tensor] | tuple[list[Any], list[Tensor]]:
         """Return batch `step`: x (B, T) long and y (B, T) long, the same on every call and rank;
         with variable lengths, lists of `chunks` such pairs' halves, micro-batch k of shape (B_k, T_k)."""
+        if self.lengths is None:
+            return self.take(step, step * self.batch_size, self.batch_size)
         gen = _generator(self.labels[0], self.seed, step)
         num_starts = len(self.tokens) - self.seq_len  # start s needs tokens s .. s + T
         window = self.windows(torch.randint(num_starts, (self.batch_size,), generator=gen))  # (B, T + 1)
-        if self.lengths is None:
-            return self.inputs(window[:, :-1]), window[:, 1:]
         low, high = self.lengths
         sizes = torch.randint(low, high + 1, (self.chunks,), generator=_generator(self.labels[1], self.seed, step))
         parts = [w[:, : int(t) + 1] for w, t in zip(window.tensor_split(self.chunks), sizes)]
         return [self.inputs(w[:, :-1]) for w in parts], [w[:, 1:] for w in parts]
+
+    def take(self, step: int, start: int, count: int) -> tuple[Any, Tensor]:
+        """Batch `step` of `count` rows (``train.batch_ramp``): the batch a source of
+        ``batch_size=count`` gives at `step` (each step draws its own windows; `start`, the
+        samples consumed before it, does not move them)."""
+        gen = _generator(self.labels[0], self.seed, step)
+        num_starts = len(self.tokens) - self.seq_len  # start s needs tokens s .. s + T
+        window = self.windows(torch.randint(num_starts, (count,), generator=gen))  # (count, T + 1)
+        return self.inputs(window[:, :-1]), window[:, 1:]
 
 
 class ClassificationBatches:
@@ -281,7 +290,12 @@ class ClassificationBatches:
 
     def get(self, step: int) -> tuple[Tensor, Tensor]:
         """Return batch `step`: x (B, in_features) float32 and y (B,) long class ids."""
+        return self.take(step, step * self.batch_size, self.batch_size)
+
+    def take(self, step: int, start: int, count: int) -> tuple[Tensor, Tensor]:
+        """Batch `step` of `count` samples (``train.batch_ramp``), as a source of
+        ``batch_size=count`` gives it (each step draws its own; `start` does not move them)."""
         gen = _generator("class-batch", self.split, self.seed, step)
-        y = torch.randint(self.num_classes, (self.batch_size,), generator=gen)
-        noise = torch.randn(self.batch_size, self.centers.size(1), generator=gen)
+        y = torch.randint(self.num_classes, (count,), generator=gen)
+        noise = torch.randn(count, self.centers.size(1), generator=gen)
         return self.centers[y] + self.noise * noise, y

@@ -88,14 +88,17 @@ class ImageBatches:
         """N, the number of images in the data set."""
         return len(self.dataset)
 
-    def indices(self, step: int) -> Tensor:
-        """The data set indices of batch `step`, (B,) long; the same on every call and rank."""
+    def indices(self, step: int, start: int | None = None, count: int | None = None) -> Tensor:
+        """The data set indices of batch `step`, (B,) long; the same on every call and rank; or of
+        stream positions ``start .. start + count - 1`` (``train.batch_ramp``)."""
         if step < 0:
             raise ValueError(f"step={step} must be >= 0")
         n = self.num_samples
-        pos = step * self.batch_size + torch.arange(self.batch_size)  # positions in the stream
+        count = self.batch_size if count is None else count
+        start = step * self.batch_size if start is None else start
+        pos = start + torch.arange(count)  # positions in the stream
         epochs, offsets = pos // n, pos % n
-        out = torch.empty(self.batch_size, dtype=torch.long)
+        out = torch.empty(count, dtype=torch.long)
         for epoch in epochs.unique().tolist():
             chosen = epochs == epoch
             out[chosen] = self._permutation(epoch)[offsets[chosen]]
@@ -103,7 +106,12 @@ class ImageBatches:
 
     def get(self, step: int) -> tuple[Tensor, Tensor]:
         """Return batch `step`: images (B, C, H, W) float32 and labels (B,) long."""
-        idx = self.indices(step).tolist()
+        return self.take(step, step * self.batch_size, self.batch_size)
+
+    def take(self, step: int, start: int, count: int) -> tuple[Tensor, Tensor]:
+        """The `count` images at stream positions `start` onwards (``train.batch_ramp``: a step's
+        images follow the samples consumed before it)."""
+        idx = self.indices(step, start, count).tolist()
         if self.restore_rng:
             devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
             with torch.random.fork_rng(devices=devices):

@@ -20,7 +20,7 @@ import resource
 import statistics
 import sys
 from dataclasses import astuple, dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -127,6 +127,10 @@ class RunMetrics:
             log.warning("metrics.trace_steps=%s: steps outside 0..%d are not traced", sorted(self.trace_steps), self.max_steps - 1)
         self.recorder, self.pp_rank, self.num_pp, self.device = recorder, pp_rank, num_pp, device
         self.run_dir, self.predicted, self.items = run_dir, prediction.bubble, items
+        self.full_items = items  # a full batch's
+        # train.batch_ramp: step -> (its samples, its tokens, samples and tokens trained by it), see ramp_batches
+        self.batch_of: Callable[[int], tuple[int, int | None, int, int | None]] | None = None
+        self.interval_items = [0, 0]  # samples and tokens of the interval's steps
         self.predicted_step_s = prediction.step_s
         self.calibration = CalibrationLog(calibrate, pp_rank, num_pp, first_pipeline) if calibrate is not None else None
         self.writer = self._open_trackers(cfg, run_dir)
@@ -208,6 +212,13 @@ class RunMetrics:
             raise TrackerError(failure if self.is_main else f"rank 0: {failure}")
         return opened
 
+    def ramp_batches(self, batch_of: Callable[[int], tuple[int, int | None, int, int | None]]) -> None:
+        """``train.batch_ramp``: each step its own size, `batch_of(step)` = (samples, tokens, samples
+        and tokens trained by the end of the step; tokens None for non-token data). Throughput is
+        the interval's samples over its time; only full-size steps are calibrated and counted in
+        the steady figures (the prediction's program)."""
+        self.batch_of = batch_of
+
     def timed(self, step: int) -> bool:
         """Whether step `step` records its actions' events: always on the host clock; on CUDA the
         traced and memory steps and every ``timed_every``-th step after the warm-up."""
@@ -249,6 +260,10 @@ class RunMetrics:
         step_s = timing.end - timing.start
         self.step_times.append(step_s)
         self.interval_times.append(step_s)
+        if self.batch_of is not None:
+            self.items = self.batch_of(step)[:2]
+        self.interval_items[0] += self.items[0]
+        self.interval_items[1] += self.items[1] or 0
         if timing.timed:
             self._add_figures(step, timing)
         if self.bar is not None:
@@ -262,12 +277,13 @@ class RunMetrics:
         figures = step_figures(timing.events, timing.start, timing.end)
         self.interval += figures
         self.interval_steps += 1
-        if step > self.first_step or self.max_steps - self.first_step == 1:
+        full = self.items == self.full_items  # a ramp's smaller steps run other programs
+        if full and (step > self.first_step or self.max_steps - self.first_step == 1):
             self.steady += figures
             self.steady_steps += 1
             for link, seconds in wait_by_link(timing.events, self.pp_rank).items():
                 self.steady_links[link] = self.steady_links.get(link, 0.0) + seconds
-        if self.calibration is not None and step >= self.first_step + WARMUP_STEPS:
+        if self.calibration is not None and full and step >= self.first_step + WARMUP_STEPS:
             self.calibration.keep(step, timing.start, timing.end, timing.events)
         if step in self.trace_steps:
             self.traced[step] = (timing.start, timing.end, [(e.kind, e.name, e.start, e.end) for e in timing.events])
@@ -279,9 +295,12 @@ class RunMetrics:
         if timed:
             self.last_bubble = pipeline_bubble([f.compute_s for f in means], [f.span_s for f in means])
         bubble = self.last_bubble
-        step_s = statistics.fmean(self.interval_times) if self.interval_times else math.nan
-        self.interval_times = []
+        steps = len(self.interval_times)
+        step_s = statistics.fmean(self.interval_times) if steps else math.nan
         samples, tokens = self.items
+        if self.batch_of is not None and steps:  # the interval's mean batch (its steps' sizes differ)
+            samples, tokens = self.interval_items[0] / steps, None if tokens is None else self.interval_items[1] / steps
+        self.interval_times, self.interval_items = [], [0, 0]
         if self.is_main:
             aux = self.routing.aux if self.routing.steps else None
             log.info(console.step_line(step, self.max_steps, loss, grad_norm, lr, step_s, samples, tokens, bubble, self.predicted,
@@ -295,6 +314,11 @@ class RunMetrics:
         }
         if tokens is not None:
             scalars["train/tokens_per_s"] = tokens / step_s
+        if self.batch_of is not None:  # the batch's size, and what the run has trained (the lr schedule's clock)
+            size, _, trained, trained_tokens = self.batch_of(step)
+            scalars.update({"train/batch_size": size, "train/samples": trained})
+            if trained_tokens is not None:
+                scalars["train/tokens"] = trained_tokens
         exchanges = any(f.all_to_all_s > 0 for f in means)  # parallel.ep: the MoE layers' all_to_alls
         for r, (f, peak) in enumerate(zip(means, peaks)):
             scalars[f"stage/{r}/peak_memory_mb"] = peak
@@ -327,7 +351,7 @@ class RunMetrics:
             trace.write_traces(self.traced, self.pp_rank, schedule, self.run_dir, self.device, self.predicted, self.writer,
                                self.grid, self.saves)
         step_s = statistics.median(self.step_times) if self.step_times else float("nan")
-        samples, tokens = self.items
+        samples, tokens = self.full_items
         summary = [{
             "samples_per_s": samples / step_s,
             "tokens_per_s": None if tokens is None else tokens / step_s,

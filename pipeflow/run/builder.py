@@ -76,6 +76,7 @@ from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.runtime.zero import build_optimizer
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
+from pipeflow.data.batch_ramp import BatchRamp, RampedBatches
 from pipeflow.schedules.auto import AUTO, write_schedule
 from pipeflow.schedules.offload import HostLink
 
@@ -140,7 +141,28 @@ def plan_run(cfg: DictConfig, device: torch.device) -> RunPlan:
                            evaluates=cfg.train.eval_batches > 0, sample_target=sample_target,
                            autocast_dtype=compute_dtype(cfg.train.precision), compiled=options,
                            tp=tp, sequence_parallel=cfg.parallel.sequence_parallel, ep=ep, cp=cp)
-    return RunPlan(config_hash, dp, pp, tp, ep, dtype, spec, schedule, batches, first, posting, options, layout)
+    ramp = batch_ramp(cfg, dp, m)
+    if ramp is not None:  # the profile above took a full micro-batch; each step now draws its own size
+        batches = dataclasses.replace(batches, train=RampedBatches(batches.train, ramp))
+    return RunPlan(config_hash, dp, pp, tp, ep, dtype, spec, schedule, batches, first, posting, options, layout, ramp)
+
+
+def batch_ramp(cfg: DictConfig, dp: int, m: int) -> BatchRamp | None:
+    """``train.batch_ramp`` for this layout (None: not set).
+
+    Raises:
+        ConfigError: sizes that are no whole number of micro-batches, or what a ramp cannot run
+            with yet (``schedule=auto``, ``pipeline.offload``, ``data.variable_lengths``), by name.
+    """
+    ramp = cfg.train.batch_ramp
+    if ramp is None or ramp.start is None:
+        return None
+    for refused, why in ((cfg.schedule.name == AUTO, "schedule=auto (its synthesis is for one micro-batch count)"),
+                         (cfg.pipeline.offload != "none", "pipeline.offload (its plan is for one micro-batch count)"),
+                         (bool(getattr(cfg.data, "variable_lengths", False)), "data.variable_lengths")):
+        if refused:
+            raise ConfigError(f"train.batch_ramp does not run with {why} yet: name a schedule, or drop the ramp")
+    return BatchRamp(int(ramp.start), int(ramp.increment), int(ramp.samples), int(cfg.data.batch_size), dp, m)
 
 
 def connect(cfg: DictConfig, plan: RunPlan, device: torch.device) -> Topology:

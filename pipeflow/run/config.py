@@ -98,6 +98,28 @@ class OptimConfig:
 
 
 @dataclass
+class BatchRampConfig:
+    """``train.batch_ramp``: the global batch grows from ``start`` by ``increment`` samples over the
+    first ``samples`` samples to ``data.batch_size`` (Megatron's ``rampup_batch_size``); unset: no ramp."""
+
+    start: int | None = None  # the first steps' global batch (samples); null: no ramp
+    increment: int | None = None  # samples added at each growth
+    samples: int | None = None  # samples trained by the time the batch is full
+
+    @property
+    def on(self) -> bool:
+        """Whether the run ramps its batch."""
+        return self.start is not None
+
+    def __post_init__(self) -> None:
+        """All three keys or none."""
+        given = {key: getattr(self, key) for key in ("start", "increment", "samples")}
+        if any(v is not None for v in given.values()) and any(v is None for v in given.values()):
+            missing = ", ".join(f"train.batch_ramp.{k}" for k, v in given.items() if v is None)
+            raise ConfigError(f"train.batch_ramp needs start, increment and samples; {missing} is not set")
+
+
+@dataclass
 class TrainConfig:
     """The loop: how long, how often to log and evaluate, where to write."""
 
@@ -118,6 +140,9 @@ class TrainConfig:
     checkpoint_mode: CheckpointMode = CheckpointMode.sync  # sync | async (a thread writes) | async_process
     on_save_error: SaveErrorAction = SaveErrorAction.stop  # a failed background save: stop, or warn and go on
     resume: str | None = None  # a checkpoint dir, a checkpoints root, or "auto" (<run_dir>/checkpoints)
+    # the global batch ramped up from start samples (each size whole micro-batches; lr and token
+    # counts follow samples): docs/guides/long-run.md
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
     dropout_rng: DropoutRng = DropoutRng.sample  # sample: keyed by sample and layer, alike on any layout; rank: by rank
     check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage (fp16 overflow: skipped)
     # signals that save a checkpoint at the next step boundary and end the job (exit code 75): a

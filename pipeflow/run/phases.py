@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.data import Batches
+from pipeflow.data.batch_ramp import BatchRamp
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.layout import Layout
@@ -48,6 +49,8 @@ class RunPlan:
         posting: which lowering the pipeline runs (its auto choice is logged once).
         compile_options: ``train.compile``'s options (None: eager).
         layout: the partition and its prediction (profiled, then with the runtime's measured costs).
+        ramp: ``train.batch_ramp`` (None: every step the full batch); ``batches.train`` then
+            gives each step its size.
     """
 
     config_hash: str
@@ -63,6 +66,7 @@ class RunPlan:
     posting: Posting
     compile_options: CompileOptions | None
     layout: Layout
+    ramp: BatchRamp | None = None
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,9 @@ from pipeflow.schedules import PipelineSchedule
 log = logging.getLogger("pipeflow")
 
 
-def lr_at(step: int, cfg: Any, max_steps: int) -> float:
-    """Linear warm-up to optim.lr, then cosine decay to optim.min_lr at the last step."""
+def lr_at(step: float, cfg: Any, max_steps: float) -> float:
+    """Linear warm-up to optim.lr, then cosine decay to optim.min_lr at the last step (under
+    ``train.batch_ramp`` both in full batches trained: fractional)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)

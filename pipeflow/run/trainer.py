@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from pipeflow.data.batch_ramp import lr_position_end
 from pipeflow.observability.metrics import perplexity
-from pipeflow.planning.layout import Layout, describe_layout
+from pipeflow.planning.layout import Layout, describe_layout, predict
 from pipeflow.run.checkpoint_async import BackgroundSaver, SaveReport, raise_or_warn
 from pipeflow.run.microbatch_split import MicroBatches, MicroBatchSplit
 from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
@@ -51,7 +52,7 @@ from pipeflow.runtime.memory import MemoryAccountant
 from pipeflow.runtime.mesh import Mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.stage import Stage
-from pipeflow.schedules import PipelineSchedule
+from pipeflow.schedules import PipelineSchedule, build_schedule
 
 __all__ = ["Trainer", "clip_grad_norm_global", "clip_on_device", "lr_at", "unique_parameters"]
 
@@ -92,7 +93,9 @@ class Trainer:
     history: list[float] = field(default_factory=list)
     _signalled: str | None = field(default=None, init=False, repr=False)  # the train.save_on_signal signal received
     _from_agent: bool = field(default=False, init=False, repr=False)  # it was torchrun's agent stopping its workers
-    _rows: list[int] | None = field(default=None, init=False, repr=False)  # keyed dropout: micro-batches' first rows
+    # keyed dropout: micro-batches' first rows, by global batch size
+    _rows: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False)
+    _ramp_schedules: dict[int, PipelineSchedule] = field(default_factory=dict, init=False, repr=False)  # by count
     _watching_signals: bool = field(default=False, init=False, repr=False)  # evaluations check for it
     _saved: tuple[int, str] | None = field(default=None, init=False, repr=False)  # last saved or resumed: (step, folder)
     _saver: BackgroundSaver | None = field(default=None, init=False, repr=False)  # train.checkpoint_mode=async*
@@ -236,27 +239,72 @@ class Trainer:
         Raises:
             AllTargetsMaskedError: a training batch whose every target is masked.
         """
+        training = source is self.plan.batches.train
         split = MicroBatchSplit(
             holds_first=0 in self.stages, holds_last=self.schedule.num_stages - 1 in self.stages,
             weighs=self.schedule.num_stages - 1 in self.stages or self.loop.update.routing is not None,
             dp_rank=self.mesh.dp_rank, cp_rank=self.mesh.cp_rank, cp=self.mesh.cp,
-            dp=self.dp, microbatches=self.schedule.num_microbatches, device=self.device,
+            dp=self.dp, microbatches=self._count(step) if training else self.schedule.num_microbatches,
+            device=self.device,
             dtype=getattr(torch, self.cfg.train.param_dtype), loss_count=self.plan.spec.loss_count)
-        return split.split(source, step, training=source is self.plan.batches.train)
+        return split.split(source, step, training=training)
 
-    def _first_rows(self) -> list[int]:
-        """Each of this replica's micro-batches' first row in the global batch (as
+    def _count(self, step: int) -> int:
+        """Micro-batches each replica runs at training step `step` (``train.batch_ramp``: fewer early on)."""
+        ramp = self.plan.ramp
+        return self.schedule.num_microbatches if ramp is None else ramp.microbatches_at(step)
+
+    def _schedule_at(self, step: int) -> PipelineSchedule:
+        """The schedule of training step `step`: the run's, or under ``train.batch_ramp`` the same
+        schedule built for that step's micro-batch count (one per count)."""
+        count = self._count(step)
+        if count == self.schedule.num_microbatches:
+            return self.schedule
+        if count not in self._ramp_schedules:
+            sc = self.cfg.schedule
+            self._ramp_schedules[count] = build_schedule(sc.name, self.schedule.num_ranks, count, sc.stages_per_rank,
+                                                         sc.placement, sc.path, sc.stage_to_rank)
+        return self._ramp_schedules[count]
+
+    def ramp_line(self) -> str | None:
+        """``train.batch_ramp``'s start-of-run line: its sizes, their micro-batch counts and first
+        steps, and each size's predicted step (the start-of-run prediction scaled by what the
+        simulator gives that count's program on the profiled costs); None without a ramp."""
+        ramp = self.plan.ramp
+        if ramp is None:
+            return None
+        line = f"batch ramp: {ramp.describe()}"
+        layout = self.layout
+        if layout.profiles is None or not math.isfinite(layout.prediction.step_s):
+            return line
+        full = predict(self.schedule, layout.ranges, layout.profiles).step_s
+        steps = [layout.prediction.step_s * predict(self._schedule_at(ramp.steps_to(size)), layout.ranges,
+                                                    layout.profiles).step_s / full for size in ramp.sizes()]
+        return f"{line}; predicted step {' / '.join(f'{1e3 * s:.1f}' for s in steps)} ms"
+
+    def _ramp_batch(self, step: int) -> tuple[int, int | None, int, int | None]:
+        """``train.batch_ramp``: training step `step`'s samples and tokens, and the samples and tokens
+        trained by its end (tokens None for non-token data)."""
+        ramp, (samples, tokens) = self.plan.ramp, self.loop.metrics.full_items
+        per_sample = None if tokens is None else tokens / samples
+        size, trained = ramp.size(step), ramp.consumed_before(step + 1)
+        return (size, None if per_sample is None else round(size * per_sample), trained,
+                None if per_sample is None else round(trained * per_sample))
+
+    def _first_rows(self, step: int) -> list[int]:
+        """Each of this replica's micro-batches' first row in step `step`'s global batch (as
         :func:`pipeflow.data.shard` and the micro-batch split cut it: ``tensor_split``'s sizes,
         the first ones a row larger), in plain integers: a steady step reads nothing back."""
-        if self._rows is None:
+        size = int(self.cfg.data.batch_size) if self.plan.ramp is None else self.plan.ramp.size(step)
+        if size not in self._rows:
             def starts(offset: int, rows: int, parts: int) -> list[tuple[int, int]]:
-                size, extra = divmod(rows, parts)
-                cuts = [offset + i * size + min(i, extra) for i in range(parts + 1)]
+                part, extra = divmod(rows, parts)
+                cuts = [offset + i * part + min(i, extra) for i in range(parts + 1)]
                 return [(cuts[i], cuts[i + 1] - cuts[i]) for i in range(parts)]
 
-            first, rows = starts(0, int(self.cfg.data.batch_size), self.dp)[self.mesh.dp_rank]
-            self._rows = [start for start, _ in starts(first, rows, self.schedule.num_microbatches)]
-        return self._rows
+            first, rows = starts(0, size, self.dp)[self.mesh.dp_rank]
+            self._rows[size] = [start for start, _ in starts(first, rows, self._count(step))]
+        return self._rows[size]
 
     @property
     def defers_readback(self) -> bool:
@@ -284,7 +332,7 @@ class Trainer:
         packet of figures copied towards the host without waiting (see :class:`PendingStep`)."""
         inputs, targets, weights, _ = self._microbatches(self.plan.batches.train, step)
         if self.cfg.train.dropout_rng == "sample":  # this step's dropout masks, whatever the layout
-            keys = SampleKeys(self.plan.spec.seed, step, self._first_rows())
+            keys = SampleKeys(self.plan.spec.seed, step, self._first_rows(step))
             for stage in self.stages.values():
                 stage.sample_keys = keys
         loss = self.pipeline.run(inputs, targets, grad_scale=self.loop.update.scaler.scale, loss_weights=weights,
@@ -307,9 +355,14 @@ class Trainer:
     def _begin(self, step: int) -> tuple[float, MemoryAccountant | None]:
         """Set step `step`'s learning rate and fault drill; returns (lr, the memory accountant
         when this step's tensor memory is measured)."""
-        lr = lr_at(step, self.cfg.optim, self.cfg.train.max_steps)
+        ramp = self.plan.ramp
+        lr = lr_at(step if ramp is None else ramp.position(step), self.cfg.optim,
+                   lr_position_end(ramp, self.cfg.train.max_steps))  # a ramp: lr follows the samples trained
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if ramp is not None:
+            self.pipeline.use_schedule(self._schedule_at(step))
+            self.loop.metrics.ramp_batches(self._ramp_batch)
         if self.loop.faults is not None:
             self.loop.faults.step = step
         memory = self.loop.memory if self.loop.metrics.memory.measures(step) else None
@@ -379,6 +432,7 @@ class Trainer:
             leave the evaluation at the same batch and the job saves within the launcher's grace.
         """
         stop = (lambda: reached_a_rank(bool(self._signalled), self.device)) if self._watching_signals else None
+        self.pipeline.use_schedule(self.schedule)  # held-out batches are full ones (a ramp's training step may not be)
         return held_out_loss(self.pipeline, lambda k: self._microbatches(self.plan.batches.val, k),
                              self.cfg.train.eval_batches, self.device, stop)
 
@@ -528,6 +582,8 @@ class Trainer:
             for line in start_lines(self.cfg, self.mesh, self.describe(), self.loop.workspace.run_dir,
                                     self.parts.compiled, self.pipeline.shapes.mode):
                 log.info(line)
+            if self.plan.ramp is not None:
+                log.info(self.ramp_line())
         start = self.resume()
         if self.is_main:
             clear_preemption(self.loop.workspace.run_dir)

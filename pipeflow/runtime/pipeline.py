@@ -121,14 +121,43 @@ class Pipeline:
         self._coalescing = not comm.independent_ops
         self.programs = {option: self._checked_program(schedule, option, self.offload)
                          for option in self.posting.options(self._coalescing)}
-        for s, stage in stages.items():  # a stage keeps its layers' outputs for backward only where B and W split
-            stage.split_backward = any(st.action is not None and st.action.stage == s and st.action.kind == BACKWARD
-                                       and not st.backward_weights for program in self.programs.values() for st in program)
+        self._programs_by_count = {schedule.num_microbatches: (schedule, self.programs)}
+        self._mark_split_backward()
         self._eval_programs: dict[tuple[int, str], Program] = {}
         self.shapes = ShapePlan(shapes, stages, schedule, comm, self._stage_failure)
         self.buffers = BufferPool(comm.device)
         self._lent: dict[tuple[int, int], list[torch.Tensor]] = {}  # receive buffers by (stage, micro-batch)
         self._weights_left: dict[int, int] = {}
+
+    def _mark_split_backward(self) -> None:
+        """A stage keeps its layers' outputs for backward only where B and W split."""
+        for s, stage in self.stages.items():
+            stage.split_backward = any(st.action is not None and st.action.stage == s and st.action.kind == BACKWARD
+                                       and not st.backward_weights for program in self.programs.values() for st in program)
+
+    def use_schedule(self, schedule: PipelineSchedule) -> None:
+        """Run `schedule` from the next step: the same stages on the same ranks, another micro-batch
+        count (``train.batch_ramp``); each count's programs are lowered and validated once.
+
+        Raises:
+            ScheduleError: another placement of stages, or a pipeline that offloads activations
+                (its plan is for one count).
+        """
+        if schedule.num_microbatches == self.schedule.num_microbatches:
+            return
+        if list(schedule.stage_to_rank) != list(self.schedule.stage_to_rank):
+            raise ScheduleError(f"rank {self.rank}: schedule {schedule.name!r} for {schedule.num_microbatches} "
+                                f"micro-batches places stages on ranks {list(schedule.stage_to_rank)}, not "
+                                f"{list(self.schedule.stage_to_rank)} as the stages were built")
+        if self.offload is not None:
+            raise ScheduleError("pipeline.offload plans its copies for one micro-batch count: a run that changes "
+                                "its count (train.batch_ramp) cannot offload")
+        count = schedule.num_microbatches
+        if count not in self._programs_by_count:
+            self._programs_by_count[count] = (schedule, {option: self._checked_program(schedule, option)
+                                                         for option in self.posting.options(self._coalescing)})
+        self.schedule, self.programs = self._programs_by_count[count]
+        self._mark_split_backward()
 
     def _checked_program(self, schedule: PipelineSchedule, posting: str, offload: OffloadPlan | None = None) -> Program:
         programs = lower(schedule, posting, shard=self.sharding is not None, offload=offload,
