@@ -117,6 +117,11 @@ class LaunchError(PipeflowError, RuntimeError):
     not resolve, no route to it, an address other hosts cannot reach; the message names the fix."""
 
 
+class LossSpikeError(PipeflowError, RuntimeError):
+    """``train.spike.action=rollback`` rolled back ``train.spike.max_rollbacks`` times and the loss
+    spiked again, or found no checkpoint to roll back to; the message names the step and the figure."""
+
+
 class TrackerError(PipeflowError, RuntimeError):
     """A tracker of ``metrics.trackers`` (W&B, MLflow) is not installed or cannot start; raised on
     every rank before the first step, the message says what to install or set."""

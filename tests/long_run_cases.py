@@ -182,3 +182,79 @@ def ramp_vs_unsplit() -> dict[str, Any]:
             trainer.close()
         _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
     return out
+
+
+def _params(trainer: Any) -> dict[str, torch.Tensor]:
+    return {f"{idx}.{name}": p.detach().clone() for s, stage in trainer.stages.items()
+            for layer, idx in zip(stage.module, trainer.ranges[s]) for name, p in layer.named_parameters()}
+
+
+def spikes_skipped_and_rolled_back() -> dict[str, Any]:
+    """An injected loss spike (the last stage's logits x 30 at one micro-batch of global rank 1,
+    pp 2 x dp 2) under train.spike.action=skip: every rank names the step, its update is dropped
+    (the parameters stay as they were), no earlier step is flagged; under rollback (saves every 4
+    steps, the spike at step 10): the run goes back to step 8, skips batches 8..10 and ends where
+    a run resumed from that checkpoint with those batches skipped ends; with max_rollbacks=0 the
+    spike stops every rank with LossSpikeError."""
+    import scale_cases
+    from pipeflow.errors import LossSpikeError
+    from pipeflow.run.builder import build_run
+    from pipeflow.run.checkpoint_find import read_meta
+
+    parent = _shared_dir()
+    console, logger = _Logged(), logging.getLogger("pipeflow")
+    level = logger.level
+    logger.addHandler(console)
+    logger.setLevel(logging.INFO)
+    out: dict[str, Any] = {}
+    trainers = []
+    spike = {"action": "skip", "window": 20}
+
+    def run(name: str, fault: str | None, steps: int, **overrides: Any) -> Any:
+        if fault:
+            os.environ["PIPEFLOW_FAULT_INJECT"] = fault
+        try:
+            cfg = scale_cases.make_config(2, "1f1b", 2, train__max_steps=steps, train__log_every=1,
+                                          train__run_dir=os.path.join(parent, name), **overrides)
+            trainer = build_run(cfg, torch.device("cpu"))
+        finally:
+            os.environ.pop("PIPEFLOW_FAULT_INJECT", None)
+        trainers.append(trainer)
+        return trainer
+
+    try:
+        trainer = run("skip", "spike:rank=1:step=12:stage=1", 13, train__spike=spike)
+        out["injected"] = trainer.loop.faults is not None
+        for step in range(12):
+            trainer.train_step(step)
+        before = _params(trainer)
+        trainer.train_step(12)
+        after = _params(trainer)
+        out["skip_kept"] = all(torch.equal(before[k], after[k]) for k in before)
+        out["skip_lines"] = [line for line in console.lines if "loss spike" in line]
+        console.lines.clear()
+        rolled = run("rollback", "spike:rank=1:step=10:stage=1", 12, train__save_every=4,
+                     train__spike={**spike, "action": "rollback"})
+        rolled.fit()
+        out["rollback_lines"] = [line for line in console.lines if "spike" in line or "rolled back" in line]
+        out["rollback_meta"] = read_meta(os.path.join(parent, "rollback", "checkpoints", "step_00000012"))["batches_skipped"]
+        again = run("again", None, 12, train__save_every=4, train__spike={**spike, "action": "off"},
+                    train__resume=os.path.join(parent, "rollback", "checkpoints", "step_00000008"))
+        start = again.resume()
+        again._batches_skipped = 3  # what the rollback promised: batches 8..10 skipped
+        again._train(start)
+        ours, theirs = _params(rolled), _params(again)
+        out["rollback_equal"] = set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        capped = run("capped", "spike:rank=1:step=9:stage=1", 12, train__save_every=4,
+                     train__spike={**spike, "action": "rollback", "max_rollbacks": 0})
+        try:
+            capped.fit()
+        except LossSpikeError as exc:
+            out["capped"] = str(exc)
+    finally:
+        for trainer in trainers:
+            trainer.close()
+        logger.removeHandler(console)
+        logger.setLevel(level)
+        _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
+    return out

@@ -26,7 +26,8 @@ def world4(request):
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
     return run_cases(4, selected_cases(request, [("trackers", long_run_cases.trackers_across_a_resume),
-                                                 ("ramp", long_run_cases.ramp_vs_unsplit)]))
+                                                 ("ramp", long_run_cases.ramp_vs_unsplit),
+                                                 ("spikes", long_run_cases.spikes_skipped_and_rolled_back)]))
 
 
 def test_trackers_hold_the_consoles_losses_from_the_last_stage_across_a_resume(world4):
@@ -68,6 +69,26 @@ def test_a_ramped_batch_trains_as_the_unsplit_model_on_each_steps_batch_and_resu
         assert all(abs(got - want) <= 1e-15 for got, want in v["lr"]) and v["lr"][1][0] > v["lr"][0][0], v["lr"]
         assert v["compared"] > 0 and max(v["loss"], v["param"]) <= 1e-9, v
         assert v["resumed_steps"] == 7 and v["resumed"] <= 1e-12, v
+
+
+def test_a_spike_is_skipped_or_rolled_back_alike_on_every_rank(world4):
+    """train.spike on an injected spike (global rank 1's logits x 30 at step 12, pp 2 x dp 2): skip
+    drops that step's update on every rank and flags no earlier step; rollback goes back to step
+    8's checkpoint, skips batches 8..10 and ends as a run resumed there with them skipped ends (the
+    count saved in its checkpoints); the cap stops the run with LossSpikeError on every rank."""
+    for rank, result in enumerate(world4["spikes"]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert v["skip_kept"], rank  # the step's update dropped on every rank
+        assert "rolled back" in v.get("capped", "") or "max_rollbacks=0" in v.get("capped", ""), (rank, v.get("capped"))
+        assert v["rollback_meta"] == 3 and v["rollback_equal"], (rank, v)
+    main = world4["spikes"][0].value
+    assert [r.value["injected"] for r in world4["spikes"]] == [False, True, False, False]  # rank 1: the last stage
+    assert len(main["skip_lines"]) == 1 and main["skip_lines"][0].startswith("step 12: loss spike: loss "), main["skip_lines"]
+    assert "its update was dropped (train.spike.action=skip)" in main["skip_lines"][0], main["skip_lines"]
+    assert "gradient norm jumped most" in main["skip_lines"][0] and "training batch 12" in main["skip_lines"][0]
+    assert any("rolled back to" in line and "(step 8) after the spike of step 10; batches 8..10 skipped" in line
+               for line in main["rollback_lines"]), main["rollback_lines"]
 
 
 def test_tensorboard_false_removes_it_from_the_trackers_and_unknown_names_are_refused():
@@ -145,5 +166,22 @@ def test_a_ramp_needs_its_three_keys_and_a_named_schedule():
         BatchRampConfig(start=4, increment=4)
     cfg = OmegaConf.create({"train": {"batch_ramp": {"start": 4, "increment": 4, "samples": 8}},
                             "schedule": {"name": "auto"}, "pipeline": {"offload": "none"}, "data": {"batch_size": 16}})
-    with pytest.raises(ConfigError, match="train.batch_ramp does not run with schedule=auto"):
+    with pytest.raises(ConfigError, match="train.batch_ramp does not run with schedule=auto .* yet: change that"):
         batch_ramp(cfg, 1, 4)
+
+
+def test_a_spike_is_a_rise_far_beyond_the_windows_noise_and_a_falling_or_quiet_loss_is_not():
+    from pipeflow.run.spikes import SpikeDetector
+
+    falling = SpikeDetector(window=10, threshold=6.0, min_rise=0.1)
+    assert all(falling.judge(k, 4.0 - 0.1 * k, 1.0) is None for k in range(30))  # training, not spiking
+    quiet = SpikeDetector(window=10, threshold=6.0, min_rise=0.1)
+    noise = [0.001 * ((-1) ** k) for k in range(10)]
+    assert all(quiet.judge(k, 2.0 + n, 1.0) is None for k, n in enumerate(noise))
+    assert quiet.judge(10, 2.05, 1.0) is None  # 50 deviations of noise, but only 2.5% above the median
+    spike = quiet.judge(11, 9.0, 1.0)
+    assert spike is not None and (spike.step, spike.figure) == (11, "loss") and spike.deviations > 1000
+    assert quiet.judge(12, 2.0, 50.0).figure == "grad norm"  # a spike is not added to the window
+    with pytest.raises(ConfigError, match="train.spike.action='sometimes' is unknown; valid: off, warn, skip, rollback"):
+        from pipeflow.run.config import SpikeConfig
+        SpikeConfig(action="sometimes")

@@ -159,9 +159,11 @@ def batch_ramp(cfg: DictConfig, dp: int, m: int) -> BatchRamp | None:
         return None
     for refused, why in ((cfg.schedule.name == AUTO, "schedule=auto (its synthesis is for one micro-batch count)"),
                          (cfg.pipeline.offload != "none", "pipeline.offload (its plan is for one micro-batch count)"),
-                         (bool(getattr(cfg.data, "variable_lengths", False)), "data.variable_lengths")):
+                         (bool(getattr(cfg.data, "variable_lengths", False)), "data.variable_lengths"),
+                         (OmegaConf.select(cfg, "train.spike.action") == "rollback",
+                          "train.spike.action=rollback (its skipped batches would move the ramp)")):
         if refused:
-            raise ConfigError(f"train.batch_ramp does not run with {why} yet: name a schedule, or drop the ramp")
+            raise ConfigError(f"train.batch_ramp does not run with {why} yet: change that, or drop the ramp")
     return BatchRamp(int(ramp.start), int(ramp.increment), int(ramp.samples), int(cfg.data.batch_size), dp, m)
 
 

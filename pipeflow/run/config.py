@@ -120,6 +120,28 @@ class BatchRampConfig:
 
 
 @dataclass
+class SpikeConfig:
+    """``train.spike``: a step whose loss or gradient norm rises far above the recent steps'
+    (pipeflow/run/spikes.py); the same judgement on every rank, before the optimizer step."""
+
+    action: str = "warn"  # off | warn (log it) | skip (drop its update) | rollback (to the last checkpoint, skipping its batches)
+    window: int = 50  # recent accepted steps the median and deviation are taken over
+    threshold: float = 6.0  # robust deviations (1.4826 x median absolute deviation) above the median
+    min_rise: float = 0.1  # and at least this fraction above the median
+    max_rollbacks: int = 3  # action=rollback: then stop with LossSpikeError
+
+    def __post_init__(self) -> None:
+        """Checked when the composed config becomes this object."""
+        from pipeflow.run.spikes import ACTIONS
+
+        if self.action not in ACTIONS:
+            raise ConfigError(f"train.spike.action={self.action!r} is unknown; valid: {', '.join(ACTIONS)}")
+        if self.window < 2 or self.threshold <= 0 or self.min_rise < 0 or self.max_rollbacks < 0:
+            raise ConfigError(f"train.spike: window={self.window} must be >= 2, threshold={self.threshold} > 0, "
+                              f"min_rise={self.min_rise} >= 0 and max_rollbacks={self.max_rollbacks} >= 0")
+
+
+@dataclass
 class TrainConfig:
     """The loop: how long, how often to log and evaluate, where to write."""
 
@@ -143,6 +165,7 @@ class TrainConfig:
     # the global batch ramped up from start samples (each size whole micro-batches; lr and token
     # counts follow samples): docs/guides/long-run.md
     batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
+    spike: SpikeConfig = field(default_factory=SpikeConfig)  # loss spikes: warn, skip the step, or roll back
     dropout_rng: DropoutRng = DropoutRng.sample  # sample: keyed by sample and layer, alike on any layout; rank: by rank
     check_finite: bool = False  # stop at the first NaN/Inf loss or gradient, naming the stage (fp16 overflow: skipped)
     # signals that save a checkpoint at the next step boundary and end the job (exit code 75): a

@@ -17,6 +17,9 @@ overflow   leaves the outputs finite but makes their gradient inf in backward (a
 hold       waits while the file that ``PIPEFLOW_FAULT_HOLD`` names exists (at most an
            hour): the job held at a known step while a test or drill acts on it (a host
            joins), released the moment the file is removed
+spike      on the last stage (give stage=S): multiplies the micro-batch's loss by 30, the
+           reported one and the one backward starts from; once per process: a loss spike
+           for ``train.spike`` (a rolled-back run passes step K again unharmed)
 =========  =====================================================================
 
 With ``attempt=A`` the fault fires only in launch A of a relaunch loop (``PIPEFLOW_ATTEMPT``,
@@ -42,7 +45,8 @@ from pipeflow.errors import ConfigError
 ENV_VAR = "PIPEFLOW_FAULT_INJECT"
 ATTEMPT_VAR = "PIPEFLOW_ATTEMPT"
 HOLD_VAR = "PIPEFLOW_FAULT_HOLD"
-KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan", "overflow", "hold")
+KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan", "overflow", "hold", "spike")
+SPIKE_FACTOR = 30.0
 STALL_S = 3600.0
 
 
@@ -89,6 +93,7 @@ class FaultInjector:
         self.spec = spec
         self.rank = rank
         self.step: int | None = None  # the training step now running (None: not training)
+        self.fired = False  # a spike fires once
 
     def install(self, stages: dict[int, Any]) -> None:
         """Hook into the target stage's training forward (this rank's first stage unless `spec.stage`)."""
@@ -98,14 +103,26 @@ class FaultInjector:
             stages[target].forward_hooks.append(self._post_forward)
 
     def _hit(self, i: int) -> bool:
-        return self.step == self.spec.step and i == self.spec.microbatch
+        return self.step == self.spec.step and i == self.spec.microbatch and not (self.spec.kind == "spike" and self.fired)
 
     def _pre_forward(self, stage: Any, i: int) -> None:
         if self._hit(i):
             self._before(stage.index, i)
 
     def _post_forward(self, stage: Any, i: int, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if self.spec.kind == "spike" and self._hit(i):
+            return self._spike(stage, i, outputs)
         return self._corrupt(outputs) if self._hit(i) else outputs
+
+    def _spike(self, stage: Any, i: int, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The last stage's micro-batch loss x SPIKE_FACTOR, as reported and as backward starts from it."""
+        if not stage.is_last:
+            raise ConfigError(f"{ENV_VAR}: a spike multiplies a loss: name the last stage (stage={stage.index} is not)")
+        self.fired = True
+        scaled = tuple(t * SPIKE_FACTOR for t in outputs)
+        stage.losses[i] = stage.losses[i] * SPIKE_FACTOR
+        stage._outputs[i] = scaled
+        return scaled
 
     def _announce(self, stage: int, i: int) -> None:
         print(

@@ -49,6 +49,7 @@ class StepValues:
     overflow: bool = False
     routing: RoutingFigures | None = None
     external: bool = True  # with preempt: some rank's signal came from outside (a preemption), not its agent
+    stage_norms: tuple[float, ...] = ()  # each stage's gradient norm (up to a factor alike in every step)
 
 
 def packet_on_host(step: int, lr: float, packet: torch.Tensor) -> PendingStep:

@@ -116,7 +116,7 @@ class StepUpdate:
         with_grad = [p for p in self.params if p.grad is not None]
         norms = grad_norms([local(p.grad) for p in with_grad])
         routing = [self.routing.packet(self.device)] if self.routing is not None else []
-        extra = torch.cat([own_loss, flag, lost, self._stage_flags(with_grad, norms), *checked, *routing])
+        extra = torch.cat([own_loss, flag, lost, self._stage_squares(with_grad, norms), *checked, *routing])
         norm, reduced = clip_on_device(self.params, self.grad_clip, None, extra, self.tied.duplicates(),
                                        replicas=self.pipelines, norms=norms,
                                        split=self.routing.split if self.routing is not None else None)
@@ -124,18 +124,19 @@ class StepUpdate:
             self.routing.balance(reduced[-self.routing.size:])
         return packet_on_host(step, lr, torch.cat([norm.reshape(1), reduced]))
 
-    def _stage_flags(self, with_grad: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:
-        """S flags, 1 where one of this rank's stages has a non-finite gradient norm (`norms`, taken
-        after the dp and tie sums): summed over the world in the step's all-reduce they name the
-        stages, with no collective of their own."""
+    def _stage_squares(self, with_grad: list[torch.nn.Parameter], norms: list[torch.Tensor]) -> torch.Tensor:
+        """S sums of squares, this rank's part of each stage's gradient norm (`norms`, taken after the
+        dp and tie sums): summed over the world in the step's all-reduce, a non-finite one names a
+        stage with NaN/Inf gradients and the others say which stage's norm moved (``train.spike``),
+        with no collective of their own (dp replicas count alike in every step: ratios hold)."""
         S = self.schedule.num_stages
         norm_of = {id(p): n for p, n in zip(with_grad, norms)}
-        flags = [torch.zeros((), device=self.device, dtype=torch.float64)] * S
+        squares = [torch.zeros((), device=self.device, dtype=torch.float64)] * S
         for s, stage in self.stages.items():
             mine = [norm_of[id(p)] for p in stage.parameters() if id(p) in norm_of]
             if mine:
-                flags[s] = (~torch.isfinite(torch.stack(mine).double().sum())).double()
-        return torch.stack(flags)
+                squares[s] = torch.stack(mine).double().pow(2).sum()
+        return torch.stack(squares)
 
     def judge(self, pending: PendingStep, inputs_of: Callable[[], list[Tensors] | None]) -> StepValues:
         """Read step `pending.step`'s packet back (waiting for its copy only) and judge it: a
@@ -163,9 +164,11 @@ class StepUpdate:
             loss_finite = math.isfinite(loss)
             # a non-finite norm with a finite loss under fp16 is the loss scaler's overflow to skip
             if not loss_finite or (not math.isfinite(norm) and not self.scaler.enabled):
-                stages = [s for s, flag in enumerate(grad_stages) if flag > 0]
+                stages = [s for s, square in enumerate(grad_stages) if not math.isfinite(square)]
                 raise nonfinite.non_finite_step_error(pending.step, loss_finite, stages, self.schedule.stage_to_rank)
+        stage_norms = tuple(math.sqrt(v) if math.isfinite(v) and v >= 0 else math.nan for v in grad_stages)
         return StepValues(loss, norm, preempt, overflow=self.scaler.enabled and not math.isfinite(norm), routing=routing,
+                          stage_norms=stage_norms,
                           external=external)
 
     def apply(self, pending: PendingStep, values: StepValues | None, announce: bool) -> None:

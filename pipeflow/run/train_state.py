@@ -45,6 +45,7 @@ class TrainState:
     root: str
     storage: str
     job: str = ""
+    batches_skipped: int = 0  # train.spike.action=rollback: training batches skipped so far (saved, restored)
 
     def _layers(self) -> dict[int, Any]:
         layers = layers_by_index(self.stages, self.ranges)
@@ -75,7 +76,8 @@ class TrainState:
             )
         meta = {"dp": self.mesh.dp, "pp": self.mesh.pp, "tp": self.mesh.tp, "cp": self.mesh.cp,
                 "order": list(self.mesh.grid.order),
-                "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict()}
+                "shard": self.cfg.parallel.shard, "scaler": self.scaler.state_dict(),
+                "batches_skipped": self.batches_skipped}
         if self.lora:  # the adapters only; the frozen base named, not copied
             meta[lora_base.LORA_BASE] = lora_base.record(self.cfg.model)
         if saver is not None:
@@ -85,8 +87,9 @@ class TrainState:
                                storage=self.storage, keep_last=self.cfg.train.keep_last,
                                replicas=self.cfg.train.checkpoint_replicas)
 
-    def resume(self, announce: bool) -> tuple[int, str] | None:
-        """Load the checkpoint ``train.resume`` names, if any; returns (its step, its folder), or None.
+    def resume(self, announce: bool, source: str | None = None) -> tuple[int, str, int] | None:
+        """Load the checkpoint ``train.resume`` (or `source`) names, if any; returns (its step, its
+        folder, the training batches skipped by then), or None.
 
         Every candidate is verified first (digests).  With ``auto`` a damaged checkpoint is
         skipped, with a warning naming the bad file, for the previous good one.
@@ -99,9 +102,9 @@ class TrainState:
         """
         assembled = False
         if self.storage == "local":  # the hosts' own parts, or one assembled from what they hold
-            path, assembled = checkpoint_replicas.choose(self.cfg.train.resume, self.root)
+            path, assembled = checkpoint_replicas.choose(source or self.cfg.train.resume, self.root)
         else:
-            path = checkpoint.choose(self.cfg.train.resume, self.root)
+            path = checkpoint.choose(source or self.cfg.train.resume, self.root)
         if path is None:
             return None
         meta = checkpoint.load(path, self._layers(), self.optimizer, "shared" if assembled else self.storage,
@@ -114,4 +117,4 @@ class TrainState:
         if announce:
             log.info("resumed from checkpoint %s at step %d (saved with %s)", path, meta["step"],
                      checkpoint.saved_layout(meta))
-        return int(meta["step"]), path
+        return int(meta["step"]), path, int(meta.get("batches_skipped", 0))
