@@ -258,3 +258,42 @@ def spikes_skipped_and_rolled_back() -> dict[str, Any]:
         logger.setLevel(level)
         _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
     return out
+
+
+def stragglers_named() -> dict[str, Any]:
+    """pp 2 on 2 ranks (no time-sharing of one core can make one rank slower than the other):
+    an unthrottled run of 10 log intervals, then a run whose rank 1 sleeps 15 ms before every
+    forward from step 10 (several times its compute). Rank 0: the straggler and slow-link lines
+    of each, and each rank's compute per step as measured."""
+    import scale_cases
+    from pipeflow.run.builder import build_run
+
+    parent = _shared_dir()
+    console, logger = _Logged(), logging.getLogger("pipeflow")
+    level = logger.level
+    logger.addHandler(console)
+    logger.setLevel(logging.INFO)
+    out: dict[str, Any] = {}
+    trainers = []
+    try:
+        for name, fault in (("clean", None), ("slowed", "slow:rank=1:step=10:ms=15")):
+            console.lines.clear()
+            if fault:
+                os.environ["PIPEFLOW_FAULT_INJECT"] = fault
+            try:
+                cfg = scale_cases.make_config(1, "1f1b", 2, train__max_steps=50 if name == "clean" else 30,
+                                              train__log_every=5, train__run_dir=os.path.join(parent, name),
+                                              pipeline__profile=True)  # the compute each rank is held against
+                trainer = build_run(cfg, torch.device("cpu"))
+            finally:
+                os.environ.pop("PIPEFLOW_FAULT_INJECT", None)
+            trainers.append(trainer)
+            trainer.fit()
+            out[name] = [line for line in console.lines if "straggler:" in line or "slow link:" in line]
+    finally:
+        for trainer in trainers:
+            trainer.close()
+        logger.removeHandler(console)
+        logger.setLevel(level)
+        _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
+    return out

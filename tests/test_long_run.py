@@ -91,6 +91,26 @@ def test_a_spike_is_skipped_or_rolled_back_alike_on_every_rank(world4):
                for line in main["rollback_lines"]), main["rollback_lines"]
 
 
+@pytest.fixture(scope="module")
+def world2(request):
+    import long_run_cases
+
+    return run_cases(2, selected_cases(request, [("stragglers", long_run_cases.stragglers_named)]))
+
+
+def test_a_slowed_rank_is_named_within_three_intervals_and_a_clean_run_names_none(world2):
+    """metrics.straggler_factor: on 2 ranks (pp 2), rank 1 slowed from step 10 by a sleep several
+    times its compute is named as a straggler by step 25 (three log intervals of 5 steps); an
+    unthrottled run of ten intervals names no rank and no link."""
+    for rank, result in enumerate(world2["stragglers"]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+    main = world2["stragglers"][0].value
+    assert main["clean"] == [], main["clean"]
+    named = [line for line in main["slowed"] if "straggler: rank 1 compute" in line]
+    assert named and int(named[0].split(":")[0].split()[1]) <= 25, main["slowed"]
+    assert not any("straggler: rank 0" in line for line in main["slowed"]), main["slowed"]
+
+
 def test_tensorboard_false_removes_it_from_the_trackers_and_unknown_names_are_refused():
     assert trackers.chosen_trackers(["tensorboard", "wandb", "wandb"], tensorboard=False) == ["wandb"]
     assert MetricsConfig().trackers == ["tensorboard"]

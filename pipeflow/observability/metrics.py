@@ -31,6 +31,7 @@ from pipeflow.observability.calibrated import WARMUP_STEPS, CalibrationLog
 from pipeflow.observability.memory import MemoryMetrics, memory_line
 from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures, wait_by_link
 from pipeflow.observability.routing import RoutingLog, all_to_all_line
+from pipeflow.observability.stragglers import StragglerWatch
 from pipeflow.observability.trackers import Trackers, chosen_trackers, open_trackers, resolved_params
 from pipeflow.runtime import hosts
 from pipeflow.runtime.events import EventRecorder
@@ -114,7 +115,7 @@ class RunMetrics:
     def __init__(
         self, cfg: Any, recorder: EventRecorder, pp_rank: int, num_pp: int, device: torch.device, run_dir: str,
         prediction: Prediction, items: tuple[int, int | None], calibrate: Any = None,
-        first_pipeline: bool | None = None, grid: MeshGrid | None = None,
+        first_pipeline: bool | None = None, grid: MeshGrid | None = None, watch: StragglerWatch | None = None,
     ) -> None:
         mc = cfg.metrics
         self.log_every = mc.log_every if mc.log_every is not None else cfg.train.log_every
@@ -153,6 +154,10 @@ class RunMetrics:
         self.memory = MemoryMetrics(mc.memory_steps, self.max_steps, pp_rank, device, prediction,
                                     self.grid)
         self.routing = RoutingLog()  # an MoE model's router figures (every rank reads the same back)
+        self.watch = watch  # metrics.straggler_factor: ranks and links held against their own predictions
+        self._transfers: list = []  # the last timed step's transfers (the watch reads them)
+        me = dist.get_rank() if dist.is_initialized() else 0
+        self.replica = next((k for k, ranks in enumerate(self.grid.pipelines()) if me in ranks), 0)
 
     def memory_measured(self, step: int, measured: RankMemory, offloaded: float = math.nan) -> None:
         """Gather this measured step's tensor memory from every rank (collective) and write it;
@@ -242,6 +247,8 @@ class RunMetrics:
         event read back); its figures are added up by :meth:`end_step` once its loss is known."""
         timed = self.recorder.timed
         events = self.recorder.stop()
+        if timed:
+            self._transfers = self.recorder.transfers
         return StepTiming(self._start, self.recorder.stopped_at, events, timed)
 
     def end_step(self, step: int, loss: float, grad_norm: float, lr: float, timing: StepTiming | None = None,
@@ -291,6 +298,8 @@ class RunMetrics:
     def _report(self, step: int, loss: float, grad_norm: float, lr: float) -> None:
         timed = self.interval_steps > 0  # the same on every rank: every rank times the same steps
         means, peaks = gather_figures(self.interval, self.interval_steps, self.pp_rank, self.num_pp, self.device)
+        if self.watch is not None and timed:
+            self._watch(step, self.interval.compute_s / self.interval_steps)
         self.interval, self.interval_steps = RankFigures(), 0
         if timed:
             self.last_bubble = pipeline_bubble([f.compute_s for f in means], [f.span_s for f in means])
@@ -334,6 +343,21 @@ class RunMetrics:
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
         self.writer.flush()
+
+    def _watch(self, step: int, compute_s: float) -> None:
+        """Hold this interval's ranks and links against their predictions (collective); rank 0
+        names the stragglers (:mod:`pipeflow.observability.stragglers`)."""
+        samples = self.watch.sample(dist.get_rank(), self.pp_rank, self.replica, compute_s, self._transfers,
+                                    self.device)
+        if samples is None:
+            return
+        lines, scalars = self.watch.judge(step, samples)
+        for line in lines:
+            log.warning(line)
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                if math.isfinite(value):
+                    self.writer.add_scalar(tag, value, step)
 
     def close(self, schedule: PipelineSchedule) -> dict[str, Any]:
         """Write the traces, close the writer and the bar; returns the run's figures on every rank:

@@ -18,6 +18,7 @@ import functools
 import logging
 import os
 import platform
+import math
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
 from pipeflow.run.step_update import StepUpdate
 from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
-from pipeflow.runtime import ring_attention
+from pipeflow.runtime import hosts, ring_attention
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.fsdp import FullShard
@@ -77,6 +78,8 @@ from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
 from pipeflow.runtime.zero import build_optimizer
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
 from pipeflow.data.batch_ramp import BatchRamp, RampedBatches
+from pipeflow.observability.stragglers import StragglerWatch
+from pipeflow.planning.profile import action_costs
 from pipeflow.schedules.auto import AUTO, write_schedule
 from pipeflow.schedules.offload import HostLink
 
@@ -340,7 +343,8 @@ def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelP
                                     run_meta(cfg, schedule, layout, device, dp, mesh.grid),
                                     overlap=bool(cfg.pipeline.overlap_pairs),
                                     shard=parts.sharding is not None),
-                         first_pipeline=mesh.first_pipeline, grid=mesh.grid)
+                         first_pipeline=mesh.first_pipeline, grid=mesh.grid,
+                         watch=straggler_watch(cfg, schedule, layout, mesh.grid))
     scaler = LossScaler(cfg.train.precision == "fp16")
     memory = MemoryAccountant(stages, optimizer, device)
     routing = routing_sync(layers_by_index(stages, layout.ranges), len(spec.layers),
@@ -349,6 +353,47 @@ def build_loop(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: ModelP
                         parts.reducer, scaler, finite, routing, workspace, mesh.dp * mesh.cp * mesh.tp)
     loop = Loop(pipeline, update, faults, metrics, workspace, memory)
     return Trainer(cfg, device, dataclasses.replace(plan, layout=layout), topology, parts, loop)
+
+
+def straggler_watch(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout, grid: Any) -> StragglerWatch | None:
+    """``metrics.straggler_factor``'s watch: each pipeline rank's predicted compute (its program's
+    profiled actions) and each link's predicted transfer (the links measured at start on several
+    hosts, else the start's transfer model); None where the factor is null."""
+    factor = cfg.metrics.straggler_factor
+    if factor is None:
+        return None
+    model = layout.step_costs
+    compute = None
+    if layout.profiles is not None:
+        cost = action_costs(layout.ranges, layout.profiles, schedule, model.action_overhead_s if model else 0.0)
+        compute = [math.fsum(cost(a) for a in actions) for actions in schedule.actions]
+    links = model.links if model is not None else None
+    link_s = None
+    if links is not None:
+        by_pair = {link.ranks: link for link in links.links}
+        link_s = lambda a, b, n: by_pair[(a, b)].seconds(n) if (a, b) in by_pair else math.inf  # noqa: E731
+    elif model is not None and (model.latency_s > 0 or model.per_byte_s > 0):
+        latency = model.busy_latency_s if model.busy_latency_s is not None else model.latency_s
+        per_byte = model.busy_per_byte_s if model.busy_per_byte_s is not None else model.per_byte_s
+        link_s = lambda a, b, n: latency + per_byte * n  # noqa: E731
+    pipelines = grid.pipelines()
+
+    def link_name(a: int, b: int, replica: int) -> str:
+        ga, gb = pipelines[replica][a], pipelines[replica][b]
+        ha, hb = host_name(ga), host_name(gb)
+        where = f" crosses hosts {ha} -> {hb}" if ha != hb else (f" within host {ha}" if ha else "")
+        return f"pipeline ranks {a}-{b} (global ranks {ga} and {gb}){where}"
+
+    return StragglerWatch(float(factor), compute, link_s, link_name, host_name)
+
+
+def host_name(rank: int) -> str:
+    """The host of global `rank` where the job spans several hosts, else ""."""
+    table = hosts.table()
+    if len(table.hosts) < 2:
+        return ""
+    found = table.host_of(rank)
+    return found[0] if found is not None else "?"
 
 
 def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSchedule, layout: Layout,

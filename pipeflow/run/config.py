@@ -280,6 +280,9 @@ class MetricsConfig:
     trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     tensorboard: bool = True  # <run_dir>/tb: loss, lr, grad norm, throughput, per-stage times, bubble, memory; false: removed from trackers
     project: str | None = None  # the W&B project and MLflow experiment; null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else pipeflow
+    # a rank whose compute, or a link whose transfers, run this many times their own prediction
+    # for 2 log intervals is named while it happens (pipeflow/observability/stragglers.py); null: off
+    straggler_factor: float | None = 1.5
     log_every: int | None = None  # steps per log interval (console line + TensorBoard points); None: train.log_every
     trace_steps: list[int] = field(default_factory=list)  # e.g. [5]: every action of step 5 -> trace.json, timeline_step5.png
     progress_bar: bool = True  # tqdm bar on rank 0 (only when stderr is a terminal)
@@ -299,6 +302,9 @@ class MetricsConfig:
         """Checked when the composed config becomes this object (:func:`typed_config`)."""
         check_section_counts("metrics", self)
         chosen_trackers(self.trackers, self.tensorboard)
+        if self.straggler_factor is not None and self.straggler_factor <= 1.0:
+            raise ConfigError(f"metrics.straggler_factor={self.straggler_factor} must be above 1 (times a rank's or "
+                              f"link's own prediction), or null to watch for no stragglers")
 
 
 @dataclass

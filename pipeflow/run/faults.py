@@ -17,6 +17,8 @@ overflow   leaves the outputs finite but makes their gradient inf in backward (a
 hold       waits while the file that ``PIPEFLOW_FAULT_HOLD`` names exists (at most an
            hour): the job held at a known step while a test or drill acts on it (a host
            joins), released the moment the file is removed
+slow       from step K on, every forward of the stage first sleeps ms=M milliseconds (a rank
+           whose compute slowed: a straggler for ``metrics.straggler_factor``)
 spike      on the last stage (give stage=S): multiplies the micro-batch's loss by 30, the
            reported one and the one backward starts from; once per process: a loss spike
            for ``train.spike`` (a rolled-back run passes step K again unharmed)
@@ -45,7 +47,7 @@ from pipeflow.errors import ConfigError
 ENV_VAR = "PIPEFLOW_FAULT_INJECT"
 ATTEMPT_VAR = "PIPEFLOW_ATTEMPT"
 HOLD_VAR = "PIPEFLOW_FAULT_HOLD"
-KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan", "overflow", "hold", "spike")
+KINDS = ("stall", "raise", "kill", "oom", "shape", "dtype", "nan", "overflow", "hold", "spike", "slow")
 SPIKE_FACTOR = 30.0
 STALL_S = 3600.0
 
@@ -60,10 +62,11 @@ class FaultSpec:
     microbatch: int = 0
     stage: int | None = None
     attempt: int | None = None
+    ms: int = 0  # slow: the sleep before every forward
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
-        """Parse ``kind:rank=R:step=K[:microbatch=I][:stage=S][:attempt=A]``.
+        """Parse ``kind:rank=R:step=K[:microbatch=I][:stage=S][:attempt=A][:ms=M]``.
 
         Raises:
             ConfigError: an unknown kind or field, or a missing rank or step.
@@ -74,9 +77,9 @@ class FaultSpec:
         values: dict[str, int] = {}
         for field in fields:
             key, _, value = field.partition("=")
-            if key not in ("rank", "step", "microbatch", "stage", "attempt") or not value.lstrip("-").isdigit():
+            if key not in ("rank", "step", "microbatch", "stage", "attempt", "ms") or not value.lstrip("-").isdigit():
                 raise ConfigError(f"{ENV_VAR}={text!r}: cannot read {field!r}; expected rank=R, step=K, microbatch=I, "
-                                  f"stage=S or attempt=A")
+                                  f"stage=S, attempt=A or ms=M")
             values[key] = int(value)
         if "rank" not in values or "step" not in values:
             raise ConfigError(f"{ENV_VAR}={text!r}: needs rank=R and step=K, e.g. stall:rank=1:step=2")
@@ -106,6 +109,13 @@ class FaultInjector:
         return self.step == self.spec.step and i == self.spec.microbatch and not (self.spec.kind == "spike" and self.fired)
 
     def _pre_forward(self, stage: Any, i: int) -> None:
+        if self.spec.kind == "slow":
+            if self.step is not None and self.step >= self.spec.step:
+                if not self.fired:
+                    self.fired = True
+                    self._announce(stage.index, i)
+                time.sleep(self.spec.ms / 1e3)
+            return
         if self._hit(i):
             self._before(stage.index, i)
 

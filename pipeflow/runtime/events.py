@@ -130,6 +130,18 @@ def clock_for(device: torch.device | str | None) -> Clock:
     return HostClock()
 
 
+class Transfer(NamedTuple):
+    """One point-to-point transfer of a recorded pass, as this rank saw it: its op's text
+    (``send:act0[0>1]->r1``, ``recv:act0[0>1]<-r0``), bytes, when it was posted, when this rank
+    began waiting for it and when that wait ended (perf_counter seconds once resolved)."""
+
+    name: str
+    nbytes: int
+    posted: Any
+    waited: Any
+    done: Any
+
+
 class EventRecorder:
     """Collects the events of a pass while it is on; off, recording costs one attribute test.
 
@@ -143,6 +155,8 @@ class EventRecorder:
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock = clock if clock is not None else HostClock()
         self.events: list[TimedEvent] | None = None
+        self.transfers: list[Transfer] = []  # the last pass's, resolved (timed passes only)
+        self._transfers: list[Transfer] = []
         self.started_at = 0.0
         self.stopped_at = 0.0
         self.timed = False  # whether the pass since start() records events (else only its host time)
@@ -171,7 +185,7 @@ class EventRecorder:
             self.started_at = time.perf_counter()
             return self.started_at
         self.started_at = self.clock.begin()
-        self.events = []
+        self.events, self._transfers = [], []
         return self.started_at
 
     def mark(self) -> Any:
@@ -182,12 +196,22 @@ class EventRecorder:
         """Stop collecting; returns what was collected since :meth:`start`, in perf_counter
         seconds (:attr:`stopped_at` is the end)."""
         events, self.events = self.events or [], None
+        transfers, self._transfers = self._transfers, []
         if not self.timed:
             self.stopped_at = time.perf_counter()
+            self.transfers = []
             return []
         self.stopped_at = self.clock.end()
-        seconds = self.clock.seconds([m for e in events for m in (e.start, e.end)])
+        seconds = self.clock.seconds([m for e in events for m in (e.start, e.end)]
+                                     + [m for t in transfers for m in (t.posted, t.waited, t.done)])
+        n = 2 * len(events)
+        self.transfers = [Transfer(t.name, t.nbytes, *seconds[n + 3 * k:n + 3 * k + 3]) for k, t in enumerate(transfers)]
         return [TimedEvent(e.kind, e.name, seconds[2 * k], seconds[2 * k + 1]) for k, e in enumerate(events)]
+
+    def record_transfer(self, name: str, nbytes: int, posted: Any, waited: Any, done: Any) -> None:
+        """Add one transfer (marks of its posting, its wait's start and end), when on."""
+        if self.events is not None:
+            self._transfers.append(Transfer(name, nbytes, posted, waited, done))
 
     def record(self, kind: str, name: str, start: Any, end: Any) -> None:
         """Add one event between two marks, when on."""

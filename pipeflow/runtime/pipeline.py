@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,10 +46,12 @@ Key = tuple[str, int, int]
 
 
 class _Posted(NamedTuple):
-    """A posted op not waited for yet: the tensors it sends or fills, and its works."""
+    """A posted op not waited for yet: the tensors it sends or fills, its works, and the recorder's
+    mark of its posting (None when not recording)."""
 
     tensors: Tensors
     works: list[dist.Work]
+    mark: Any = None
 
 
 class Pipeline:
@@ -395,9 +397,10 @@ class Pipeline:
         except CommError as exc:
             raise failures.with_progress(exc, program, k)
         sent_works, recv_works = works[: len(sends)], works[len(sends):]
+        mark = self.recorder.mark() if self.recorder.on else None  # the transfers' start (stragglers)
         for op, ts in zip(ops, tensors):
             pool = sent_works if op.is_send else recv_works
-            posted[op] = _Posted(ts, pool[: len(ts)])
+            posted[op] = _Posted(ts, pool[: len(ts)], mark)
             del pool[: len(ts)]
 
     def _wait(
@@ -408,10 +411,17 @@ class Pipeline:
         if not ops:
             return
         entries = [posted.pop(op) for op in ops]
+        waited = self.recorder.mark() if self.recorder.on else None
         try:
             self.comm.wait([w for entry in entries for w in entry.works], lambda: self._describe(k, program[k], ops, after))
         except CommError as exc:
             raise failures.with_progress(exc, program, k)
+        if waited is not None:
+            done = self.recorder.mark()
+            for op, entry in zip(ops, entries):
+                if entry.mark is not None:
+                    self.recorder.record_transfer(str(op), sum(t.numel() * t.element_size() for t in entry.tensors),
+                                                  entry.mark, waited, done)
         for op, entry in zip(ops, entries):
             if op.is_send:
                 continue
