@@ -205,3 +205,32 @@ def test_a_spike_is_a_rise_far_beyond_the_windows_noise_and_a_falling_or_quiet_l
     with pytest.raises(ConfigError, match="train.spike.action='sometimes' is unknown; valid: off, warn, skip, rollback"):
         from pipeflow.run.config import SpikeConfig
         SpikeConfig(action="sometimes")
+
+
+def test_the_planner_prices_its_pick_at_each_size_of_the_ramp():
+    """python -m pipeflow.plan with train.batch_ramp: the pick (its schedule, split, v, tp) searched
+    again at each size's micro-batch count, the same rows a micro-batch; a ramp the pick cannot
+    realise is said so."""
+    from omegaconf import OmegaConf
+
+    from pipeflow.planning.search import Candidate, PlanResult, SearchSpace
+    from pipeflow.run.plan import ramp_steps
+
+    pick = Candidate("1f1b", 4, 1, (3,), 0.040, 0.2, (1.0, 1.0), tp=2)
+    asked = []
+
+    def price(sub, space, batch):
+        asked.append((tuple(sub.plan.tp_sizes), space.schedules, space.microbatches, space.chunks, batch))
+        m = space.microbatches[0]
+        return PlanResult([Candidate("1f1b", m, 1, (2,), 0.001, 0.0, ()), Candidate("1f1b", m, 1, (3,), 0.01 * m, 0.0, ())])
+
+    cfg = OmegaConf.create({"train": {"batch_ramp": {"start": 8, "increment": 8, "samples": 100}},
+                            "data": {"batch_size": 32}, "plan": {"tp_sizes": None}})
+    phrase = ramp_steps(cfg, PlanResult([pick]), SearchSpace(("1f1b", "gpipe"), (2, 4)), 16, 2, price)
+    assert phrase == ("; the pick's step as the batch ramps (train.batch_ramp): 8 samples (m 1) 10.00 ms, 16 samples "
+                      "(m 2) 20.00 ms, 24 samples (m 3) 30.00 ms, 32 samples (m 4) 40.00 ms")
+    assert asked[0] == ((2,), ("1f1b",), (1,), (1,), 4) and [a[4] for a in asked] == [4, 8, 12, 16]
+    cfg.train.batch_ramp.start, cfg.train.batch_ramp.increment = 6, 2
+    assert "the pick cannot ramp its batch" in ramp_steps(cfg, PlanResult([pick]), SearchSpace(("1f1b",), (4,)), 16,
+                                                           2, price)
+    assert ramp_steps(OmegaConf.create({"train": {}}), PlanResult([pick]), SearchSpace(("1f1b",), (4,)), 16, 2, price) == ""

@@ -19,13 +19,14 @@ import shlex
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from pipeflow.data.batch_ramp import BatchRamp
 from pipeflow.run.config import register_configs, resolve_layout, tensor_degree
 from pipeflow.run.plan_profile import interpolate, profile_costs, profile_sizes  # noqa: F401 - the API
 from pipeflow.run.plan_cp import context_degree, ring_pricing, search_cp
@@ -165,13 +166,41 @@ def _profiled_search(cfg: DictConfig, cp: int, costs: CostModel | None, pp: int,
     space, link_note = host_link_for(cfg, dataclasses.replace(space, dp=space.dp * cp), device)
     ring, cp_note = ring_pricing(cfg, cp)  # parallel.cp: the ring's exposed passes, on each tp rank's share
     result = search_tp(cfg, costs, pp, batch, space, limit, latency, overhead_s, model, ring)
+    ramped = ramp_steps(cfg, result, space, batch, dp,
+                        lambda sub, sp, b: search_tp(sub, costs, pp, b, sp, limit, latency, overhead_s, model, ring))
     amp = "" if cfg.train.precision == "fp32" else f", {cfg.train.precision} autocast"
     degrees = tp_degrees(cfg)
     tp_note = "" if degrees == [1] else (
         "; tp {} costed over {:g} GB/s + {:g} us per collective (plan.tp_bandwidth_gbps, plan.tp_latency_us)"
         .format(", ".join(map(str, degrees)), *tp_link_figures(cfg)))
     return result, (f"profiled on {device} ({cfg.train.param_dtype}{amp}) at micro-batch sizes {min(sizes)} and "
-                    f"{max(sizes)}{cp_note}; {comm}; {runtime}{tp_note}{ep_note}{link_note}")
+                    f"{max(sizes)}{cp_note}; {comm}; {runtime}{tp_note}{ep_note}{link_note}{ramped}")
+
+
+def ramp_steps(cfg: DictConfig, result: PlanResult, space: SearchSpace, batch: int, dp: int,
+               price: Callable[[DictConfig, SearchSpace, int], PlanResult]) -> str:
+    """``train.batch_ramp``: the pick's step at each size of the ramp (its schedule, split, v, tp
+    and offload, fewer micro-batches of the same rows), as a phrase for the report; "" without a
+    ramp or a pick. `price(cfg, space, batch)` searches on the costs already profiled."""
+    ramp_cfg = OmegaConf.select(cfg, "train.batch_ramp")
+    if ramp_cfg is None or ramp_cfg.start is None or not result.candidates:
+        return ""
+    pick = result.candidates[0]
+    try:
+        ramp = BatchRamp(int(ramp_cfg.start), int(ramp_cfg.increment), int(ramp_cfg.samples),
+                         int(cfg.data.batch_size), dp, pick.num_microbatches)
+    except ConfigError as exc:
+        return f"; the pick cannot ramp its batch: {exc}"
+    sub = OmegaConf.merge(cfg, {"plan": {"tp_sizes": [pick.tp]}})
+    rows, steps = batch // pick.num_microbatches, []
+    for size in ramp.sizes():
+        m = size // (dp * rows)
+        got = price(sub, dataclasses.replace(space, schedules=(pick.schedule,), microbatches=(m,),
+                                             chunks=(pick.stages_per_rank,), offload=(pick.offload,)), m * rows)
+        same = [c for c in got.candidates + got.over_memory if c.split_points == pick.split_points]
+        ranked = same or got.candidates or got.over_memory
+        steps.append(f"{size} samples (m {m}) {1e3 * ranked[0].step_s:.2f} ms" if ranked else f"{size} samples: -")
+    return f"; the pick's step as the batch ramps (train.batch_ramp): {', '.join(steps)}"
 
 
 def rehearse_shortlist(result: PlanResult, cfg: DictConfig, overrides: Sequence[str], world: int
