@@ -241,7 +241,7 @@ def spikes_skipped_and_rolled_back() -> dict[str, Any]:
         again = run("again", None, 12, train__save_every=4, train__spike={**spike, "action": "off"},
                     train__resume=os.path.join(parent, "rollback", "checkpoints", "step_00000008"))
         start = again.resume()
-        again._batches_skipped = 3  # what the rollback promised: batches 8..10 skipped
+        again.spikes.batches_skipped = 3  # what the rollback promised: batches 8..10 skipped
         again._train(start)
         ours, theirs = _params(rolled), _params(again)
         out["rollback_equal"] = set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)

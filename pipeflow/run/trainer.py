@@ -45,7 +45,7 @@ from pipeflow.run.signals import (
 )
 from pipeflow.run.step_update import clip_grad_norm_global, lr_at, unique_parameters
 from pipeflow.errors import LossSpikeError
-from pipeflow.run.spikes import Spike, SpikeDetector, SpikeRollback
+from pipeflow.run.spikes import Spike, SpikeGuard, SpikeRollback
 from pipeflow.run.train_state import TrainState
 from pipeflow.runtime import distributed, failures
 from pipeflow.runtime.clip import clip_on_device
@@ -63,19 +63,6 @@ log = logging.getLogger("pipeflow")
 # a preemption waits this long for an older step's background save, then gives it up and saves its own
 # step at once: torchrun's agent and Slurm allow 30 s between SIGTERM and SIGKILL by default
 PREEMPT_WAIT_S = 20.0
-
-
-def jumped_stage(now: tuple[float, ...], before: tuple[float, ...]) -> str:
-    """``stage 3's gradient norm jumped most (x41.2)``: the stage whose norm grew most since the
-    last accepted step (`before`; without one, the largest norm now)."""
-    if not now:
-        return "stage gradient norms not read back"
-    if len(before) == len(now) and all(b > 0 for b in before):
-        ratios = [n / b for n, b in zip(now, before)]
-        s = max(range(len(now)), key=lambda k: ratios[k] if math.isfinite(ratios[k]) else math.inf)
-        return f"stage {s}'s gradient norm jumped most (x{ratios[s]:.3g})"
-    s = max(range(len(now)), key=lambda k: now[k] if math.isfinite(now[k]) else math.inf)
-    return f"stage {s}'s gradient norm is the largest ({now[s]:.3g})"
 
 
 @dataclass
@@ -111,10 +98,7 @@ class Trainer:
     # keyed dropout: micro-batches' first rows, by global batch size
     _rows: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False)
     _ramp_schedules: dict[int, PipelineSchedule] = field(default_factory=dict, init=False, repr=False)  # by count
-    _spikes: SpikeDetector | None = field(default=None, init=False, repr=False)  # train.spike (made at the first step)
-    _batches_skipped: int = field(default=0, init=False, repr=False)  # train.spike.action=rollback's skipped batches
-    _rollbacks: int = field(default=0, init=False, repr=False)
-    _stage_norms: tuple[float, ...] = field(default=(), init=False, repr=False)  # the last accepted step's, per stage
+    _spikes: SpikeGuard | None = field(default=None, init=False, repr=False)  # train.spike (made at the first use)
     _watching_signals: bool = field(default=False, init=False, repr=False)  # evaluations check for it
     _saved: tuple[int, str] | None = field(default=None, init=False, repr=False)  # last saved or resumed: (step, folder)
     _saver: BackgroundSaver | None = field(default=None, init=False, repr=False)  # train.checkpoint_mode=async*
@@ -185,7 +169,7 @@ class Trainer:
         return TrainState(self.cfg, self.mesh, self.stages, self.ranges, self.schedule.num_stages, self.optimizer,
                           self.loop.update.scaler, lora=self.plan.spec.lora is not None, root=self.checkpoint_root,
                           storage=self.checkpoint_storage, job=self.loop.workspace.token,
-                          batches_skipped=self._batches_skipped)
+                          batches_skipped=self.spikes.batches_skipped)
 
     def save_checkpoint(self, step: int, sync: bool = False) -> str:
         """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.run.checkpoint), or
@@ -246,9 +230,16 @@ class Trainer:
         resumed = self.state.resume(announce=self.is_main)
         if resumed is None:
             return 0
-        step, path, self._batches_skipped = resumed
+        step, path, self.spikes.batches_skipped = resumed
         self._saved = (step, path)
         return step
+
+    @property
+    def spikes(self) -> SpikeGuard:
+        """``train.spike``'s guard: its detector, rollbacks and the training batches skipped."""
+        if self._spikes is None:
+            self._spikes = SpikeGuard.of(self.cfg.train.spike)
+        return self._spikes
 
     def describe(self) -> str:
         """The schedule, its predicted bubble and the partition table (see pipeflow.planning.layout)."""
@@ -268,7 +259,7 @@ class Trainer:
             dp=self.dp, microbatches=self._count(step) if training else self.schedule.num_microbatches,
             device=self.device,
             dtype=getattr(torch, self.cfg.train.param_dtype), loss_count=self.plan.spec.loss_count)
-        return split.split(source, step + self._batches_skipped if training else step, training=training)
+        return split.split(source, step + self.spikes.batches_skipped if training else step, training=training)
 
     def _count(self, step: int) -> int:
         """Micro-batches each replica runs at training step `step` (``train.batch_ramp``: fewer early on)."""
@@ -306,23 +297,15 @@ class Trainer:
     def _spiked(self, step: int, values: StepValues) -> Spike | None:
         """Judge step `step`'s loss and norm (``train.spike``, alike on every rank); rank 0 logs a
         spike with what is done about it. None: no spike (or the check is off, or an fp16 overflow)."""
-        sc = self.cfg.train.spike
-        if sc.action == "off" or values.overflow:
+        if values.overflow:
             return None
-        if self._spikes is None:
-            self._spikes = SpikeDetector(sc.window, sc.threshold, sc.min_rise)
-        spike = self._spikes.judge(step, values.loss, values.norm)
-        before, self._stage_norms = self._stage_norms, (values.stage_norms if spike is None else self._stage_norms)
+        spike, jumped = self.spikes.judge(step, values.loss, values.norm, values.stage_norms)
         if spike is not None and self.is_main:
-            done = {"warn": "its update was made (train.spike.action=warn)",
-                    "skip": "its update was dropped (train.spike.action=skip)",
-                    "rollback": "its update was dropped; rolling back to the last checkpoint"}[sc.action]
-            batch = step + self._batches_skipped
-            rows = (f"samples {self.plan.ramp.consumed_before(step)}.." if self.plan.ramp is not None
-                    else f"samples {batch * int(self.cfg.data.batch_size)}..")
-            log.warning("step %d: loss spike: %s; %s; %s; data: training batch %d (%s%s)", step, spike.describe(),
-                        done, jumped_stage(values.stage_norms, before), batch, rows,
-                        f", {self._count(step)} micro-batches per replica")
+            batch = step + self.spikes.batches_skipped
+            first = (self.plan.ramp.consumed_before(step) if self.plan.ramp is not None
+                     else batch * int(self.cfg.data.batch_size))
+            log.warning(self.spikes.line(spike, jumped, f"training batch {batch} (samples {first}.., "
+                                                        f"{self._count(step)} micro-batches per replica)"))
         return spike
 
     def _roll_back(self, rollback: SpikeRollback) -> int:
@@ -332,25 +315,20 @@ class Trainer:
         Raises:
             LossSpikeError: no checkpoint to roll back to, or ``train.spike.max_rollbacks`` reached.
         """
-        spike, cap = rollback.spike, self.cfg.train.spike.max_rollbacks
-        if self._rollbacks >= cap:
-            raise LossSpikeError(f"step {spike.step}: {spike.describe()}, after {self._rollbacks} rollback(s) "
-                                 f"(train.spike.max_rollbacks={cap}): the run keeps spiking; lower optim.lr or "
-                                 f"raise optim.warmup_steps, then resume from the last checkpoint")
+        spike = rollback.spike
+        self.spikes.check_cap(spike)
         self._wait_for_save("a rollback")
         resumed = self.state.resume(announce=False, source="auto")
         if resumed is None:
             raise LossSpikeError(f"step {spike.step}: {spike.describe()}; train.spike.action=rollback has no complete "
                                  f"checkpoint to go back to (set train.save_every)")
         step, path, skipped = resumed
-        self._rollbacks += 1
-        self._batches_skipped = skipped + spike.step + 1 - step
+        first, last = self.spikes.rolled_back(spike, step, skipped)
         self._saved = (step, path)
-        self._spikes = None  # the window starts again from the reloaded state
         if self.is_main:
             log.warning("rolled back to %s (step %d) after the spike of step %d; batches %d..%d skipped (rollback %d "
-                        "of at most %d)", path, step, spike.step, skipped + step, skipped + spike.step, self._rollbacks,
-                        cap)
+                        "of at most %d)", path, step, spike.step, first, last, self.spikes.rollbacks,
+                        self.spikes.max_rollbacks)
         return step
 
     def _ramp_batch(self, step: int) -> tuple[int, int | None, int, int | None]:
@@ -487,7 +465,7 @@ class Trainer:
         done = [] if previous is None else [(previous, self.finish(previous))]
         for read, read_values in done:  # a step read back late was updated already: only warned about
             self._spiked(read.step, read_values)
-        acting = self.cfg.train.spike.action in ("skip", "rollback")
+        acting = self.spikes.acts
         if late is None:  # a spike's update is dropped before it is made: no step read back late
             late = self.defers_readback and memory is None and not acting
         values = None if late else self.finish(pending)
@@ -495,7 +473,7 @@ class Trainer:
         if spike is not None and acting:
             self.optimizer.zero_grad(set_to_none=True)
             self._end(step, memory)
-            if self.cfg.train.spike.action == "rollback":
+            if self.spikes.action == "rollback":
                 raise SpikeRollback(spike)
             return None, done + [(pending, values)]
         self.apply(pending, values)
