@@ -126,7 +126,8 @@ def ramp_vs_unsplit() -> dict[str, Any]:
     replica) against the unsplit model trained on each step's batch with the same learning rate
     (float64): worst relative differences of loss and parameters per step; each step's micro-batch
     count and lr; whether each step's batch is the one a source of that size gives; then the same
-    run saved at step 3 (mid-ramp) and resumed to step 7: its losses against the straight run's."""
+    run saved at step 3 (mid-ramp) and resumed to step 7, and schedule=auto ramped over 5 steps:
+    their losses against the straight run's."""
     import scale_cases
     from pipeflow.data import build_batches
     from pipeflow.data.batch_ramp import RampedBatches
@@ -177,6 +178,14 @@ def ramp_vs_unsplit() -> dict[str, Any]:
             resumed += again.history
         out["resumed"] = max(abs(a - b) / abs(b) for a, b in zip(resumed, losses))
         out["resumed_steps"] = len(resumed)
+        # schedule=auto: synthesised again for each count on the same stages; the same losses
+        cfg = scale_cases.make_config(2, "auto", 4, data__batch_size=16, train__max_steps=5, train__batch_ramp=RAMP,
+                                      train__run_dir=os.path.join(parent, "auto"))
+        synthesized = build_run(cfg, torch.device("cpu"))
+        trainers.append(synthesized)
+        synthesized.fit()
+        out["auto"] = max(abs(a - b) / abs(b) for a, b in zip(synthesized.history, losses))
+        out["auto_counts"] = sorted(synthesized._ramp_schedules) + [synthesized.schedule.num_microbatches]
     finally:
         for trainer in trainers:
             trainer.close()

@@ -60,7 +60,8 @@ def test_a_ramped_batch_trains_as_the_unsplit_model_on_each_steps_batch_and_resu
     """train.batch_ramp 4 -> 8 -> 12 -> 16 on dp 2 x pp 2: each size runs its micro-batch count (the
     1F1B schedule re-lowered per count), each step's batch is what a run of that size trains, the
     lr follows the samples trained; loss and parameters equal the unsplit model's (float64); a
-    checkpoint of step 3 (mid-ramp) resumes with the straight run's losses."""
+    checkpoint of step 3 (mid-ramp) resumes with the straight run's losses, and schedule=auto,
+    synthesised again per count, trains them too."""
     for rank, result in enumerate(world4["ramp"]):
         assert result.error is None, f"rank {rank}: {result.error}"
         v = result.value
@@ -69,6 +70,7 @@ def test_a_ramped_batch_trains_as_the_unsplit_model_on_each_steps_batch_and_resu
         assert all(abs(got - want) <= 1e-15 for got, want in v["lr"]) and v["lr"][1][0] > v["lr"][0][0], v["lr"]
         assert v["compared"] > 0 and max(v["loss"], v["param"]) <= 1e-9, v
         assert v["resumed_steps"] == 7 and v["resumed"] <= 1e-12, v
+        assert v["auto_counts"] == [1, 2, 3, 4] and v["auto"] <= 1e-10, v  # auto synthesised per count
 
 
 def test_a_spike_is_skipped_or_rolled_back_alike_on_every_rank(world4):
@@ -176,7 +178,7 @@ def test_the_ramp_grows_the_batch_as_megatrons_rampup_batch_size_does():
         BatchRamp(start=2, increment=2, samples=24, full=16, dp=2, microbatches=4)
 
 
-def test_a_ramp_needs_its_three_keys_and_a_named_schedule():
+def test_a_ramp_needs_its_three_keys_and_no_offload():
     from pipeflow.run.builder import batch_ramp
     from pipeflow.run.config import BatchRampConfig
     from omegaconf import OmegaConf
@@ -185,8 +187,8 @@ def test_a_ramp_needs_its_three_keys_and_a_named_schedule():
                                           "train.batch_ramp.samples is not set"):
         BatchRampConfig(start=4, increment=4)
     cfg = OmegaConf.create({"train": {"batch_ramp": {"start": 4, "increment": 4, "samples": 8}},
-                            "schedule": {"name": "auto"}, "pipeline": {"offload": "none"}, "data": {"batch_size": 16}})
-    with pytest.raises(ConfigError, match="train.batch_ramp does not run with schedule=auto .* yet: change that"):
+                            "schedule": {"name": "auto"}, "pipeline": {"offload": "auto"}, "data": {"batch_size": 16}})
+    with pytest.raises(ConfigError, match="train.batch_ramp does not run with pipeline.offload .* yet: change that"):
         batch_ramp(cfg, 1, 4)
 
 

@@ -52,3 +52,17 @@ def auto_for_layout(
     prediction = predict(chosen, layout.ranges, layout.profiles, layout.memory_setting)
     new_layout = replace(layout, inflight=stage_inflight(chosen), prediction=prediction, note=note)
     return chosen, new_layout, synthesis
+
+
+def auto_for_count(chosen: PipelineSchedule, layout: Layout, count: int, max_activations: float | None,
+                   comm_s: float = 0.0) -> PipelineSchedule:
+    """``schedule=auto`` synthesised again for `count` micro-batches (``train.batch_ramp``) on the
+    stages `chosen` (the run's synthesis) placed: the same placement, so the same stages stay on
+    each rank."""
+    from pipeflow.schedules.generators import v_placement
+
+    p = chosen.num_ranks
+    v = chosen.num_stages // p
+    placement = "v" if v > 1 and tuple(chosen.stage_to_rank) == v_placement(p, v) else "loop"
+    costs = None if layout.profiles is None else stage_costs(layout.ranges, layout.profiles)
+    return synthesize(p, count, v, costs, comm_s, max_activations, placement).chosen.schedule

@@ -31,7 +31,7 @@ from pipeflow.models.hf_experts import reading_experts_of
 from pipeflow.models.lora import check_fused_targets
 from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
-from pipeflow.planning.auto import auto_for_layout
+from pipeflow.planning.auto import auto_for_count, auto_for_layout
 from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
 from pipeflow.planning.comm_cost import measure_transfer_s
 from pipeflow.planning.context_cost import largest_pass_bytes
@@ -160,8 +160,7 @@ def batch_ramp(cfg: DictConfig, dp: int, m: int) -> BatchRamp | None:
     ramp = cfg.train.batch_ramp
     if ramp is None or ramp.start is None:
         return None
-    for refused, why in ((cfg.schedule.name == AUTO, "schedule=auto (its synthesis is for one micro-batch count)"),
-                         (cfg.pipeline.offload != "none", "pipeline.offload (its plan is for one micro-batch count)"),
+    for refused, why in ((cfg.pipeline.offload != "none", "pipeline.offload (its plan is for one micro-batch count)"),
                          (bool(getattr(cfg.data, "variable_lengths", False)), "data.variable_lengths"),
                          (OmegaConf.select(cfg, "train.spike.action") == "rollback",
                           "train.spike.action=rollback (its skipped batches would move the ramp)")):
@@ -197,15 +196,20 @@ def settle_schedule(cfg: DictConfig, plan: RunPlan, topology: Topology, device: 
     link = host_link(device) if offload != "none" else None  # collective
     synthesis = None
     schedule, layout = plan.schedule, plan.layout
+    reschedule = None
     if schedule.name == AUTO:
         transfer_s = measure_transfer_s(topology.comm, _boundary_bytes(layout))
         schedule, layout, synthesis = auto_for_layout(schedule, layout, cfg.schedule.max_inflight_microbatches,
                                                       cfg.schedule.placement, transfer_s,
                                                       None if link is None else (offload, link))
+        if plan.ramp is not None:  # each count of the ramp synthesised alike on every rank, on the same stages
+            chosen, relabel, limit = schedule, cfg.schedule.stage_to_rank, cfg.schedule.max_inflight_microbatches
+            synthesized = lambda count: auto_for_count(chosen, layout, count, limit, transfer_s)  # noqa: E731
+            reschedule = synthesized if relabel is None else (lambda count: relabel_ranks(synthesized(count), relabel))
         if cfg.schedule.stage_to_rank is not None:
             schedule = relabel_ranks(schedule, cfg.schedule.stage_to_rank)
     guard.check_same_program(schedule, layout.ranges)
-    return dataclasses.replace(plan, schedule=schedule, layout=layout), synthesis, link
+    return dataclasses.replace(plan, schedule=schedule, layout=layout, reschedule=reschedule), synthesis, link
 
 
 def _key_dropout(stages: dict, ranges: list[range], sequence_parallel: bool, rank: int) -> None:

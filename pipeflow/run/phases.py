@@ -7,6 +7,7 @@ stages and what holds their parameters) and :class:`Loop` (what one training ste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,7 @@ class RunPlan:
     compile_options: CompileOptions | None
     layout: Layout
     ramp: BatchRamp | None = None
+    reschedule: Callable[[int], PipelineSchedule] | None = None  # schedule=auto under a ramp: synthesised per count
 
 
 @dataclass(frozen=True)

@@ -268,14 +268,15 @@ class Trainer:
 
     def _schedule_at(self, step: int) -> PipelineSchedule:
         """The schedule of training step `step`: the run's, or under ``train.batch_ramp`` the same
-        schedule built for that step's micro-batch count (one per count)."""
+        schedule built (``auto``: synthesised) for that step's micro-batch count (one per count)."""
         count = self._count(step)
         if count == self.schedule.num_microbatches:
             return self.schedule
         if count not in self._ramp_schedules:
             sc = self.cfg.schedule
-            self._ramp_schedules[count] = build_schedule(sc.name, self.schedule.num_ranks, count, sc.stages_per_rank,
-                                                         sc.placement, sc.path, sc.stage_to_rank)
+            self._ramp_schedules[count] = (self.plan.reschedule(count) if self.plan.reschedule is not None else
+                                           build_schedule(sc.name, self.schedule.num_ranks, count, sc.stages_per_rank,
+                                                          sc.placement, sc.path, sc.stage_to_rank))
         return self._ramp_schedules[count]
 
     def ramp_line(self) -> str | None:
