@@ -51,7 +51,9 @@ def test_every_tag_is_written_once_per_log_interval_by_one_writer(run, scalars) 
     at_end |= {f"stage/{r}/program_end_{name}_ms" for r in range(P) for name in ("measured", "calibrated")}
     at_end |= {f"link/{r}-{r + 1}/comm_wait_ms" for r in range(P - 1)}  # each link's transfer waits
     evaluations = {"eval/loss"}  # the first and the final evaluation (train.eval_every=0); no perplexity: no tokens
-    assert set(scalars) == expected | memory | at_end | evaluations  # no tokens/s: gaussian data has no tokens
+    expected |= {f"straggler/rank{r}/compute_ratio" for r in range(P)}  # metrics.straggler_factor's watch
+    waited = {tag for tag in scalars if re.fullmatch(r"link/\d+-\d+/measured_mbps", tag)}  # links waited on
+    assert set(scalars) == expected | memory | at_end | evaluations | waited  # no tokens/s: gaussian data has no tokens
     assert [step for step, _ in scalars["eval/loss"]] == [0, STEPS]  # the steps trained when each was taken
     assert all([step for step, _ in points] == LOGGED for tag, points in scalars.items() if tag in expected)
     assert all([step for step, _ in scalars[tag]] == [1] for tag in memory)

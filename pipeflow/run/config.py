@@ -274,15 +274,7 @@ class MetricsConfig:
     """What is measured and written: TensorBoard under ``<run_dir>/tb``, traces of chosen steps
     (``<run_dir>/trace.json``, ``timeline_step<N>.png``), the console progress bar."""
 
-    # where the run's figures go (rank 0): any of tensorboard (<run_dir>/tb), wandb (WANDB_MODE,
-    # WANDB_PROJECT respected), mlflow (MLFLOW_TRACKING_URI, else <run_dir>/mlflow.db); a resumed
-    # run continues the same tracker runs (<run_dir>/trackers.json)
-    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
     tensorboard: bool = True  # <run_dir>/tb: loss, lr, grad norm, throughput, per-stage times, bubble, memory; false: removed from trackers
-    project: str | None = None  # the W&B project and MLflow experiment; null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else pipeflow
-    # a rank whose compute, or a link whose transfers, run this many times their own prediction
-    # for 2 log intervals is named while it happens (pipeflow/observability/stragglers.py); null: off
-    straggler_factor: float | None = 1.5
     log_every: int | None = None  # steps per log interval (console line + TensorBoard points); None: train.log_every
     trace_steps: list[int] = field(default_factory=list)  # e.g. [5]: every action of step 5 -> trace.json, timeline_step5.png
     progress_bar: bool = True  # tqdm bar on rank 0 (only when stderr is a terminal)
@@ -297,6 +289,14 @@ class MetricsConfig:
     # that cost what the profile says (pipeflow.planning.rehearsal); null: about 1.5 s worth per
     # lowering when train.max_steps >= 25, else none; 0: none (the modelled prediction)
     rehearse_steps: int | None = None
+    # where the run's figures go (rank 0): any of tensorboard (<run_dir>/tb), wandb (WANDB_MODE,
+    # WANDB_PROJECT respected), mlflow (MLFLOW_TRACKING_URI, else <run_dir>/mlflow.db); a resumed
+    # run continues the same tracker runs (<run_dir>/trackers.json)
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str | None = None  # the W&B project and MLflow experiment; null: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else pipeflow
+    # a rank whose compute, or a link whose transfers, run this many times their own prediction
+    # for 2 log intervals is named while it happens (pipeflow/observability/stragglers.py); null: off
+    straggler_factor: float | None = 1.5
 
     def __post_init__(self) -> None:
         """Checked when the composed config becomes this object (:func:`typed_config`)."""
