@@ -72,6 +72,22 @@ def test_a_layers_costs_scale_as_its_shapes_do():
     assert again.activation_bytes < one.activation_bytes / 10
 
 
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_a_blocks_activation_memory_is_korthikantis_for_a_fused_kernel(tp, sp):
+    """Korthikanti et al. (2022), section 4: a layer keeps sbh(34 + 5as/h) bytes (16-bit) unsplit,
+    sbh(10 + 24/t + 5as/(ht)) under tp t, sbh(34 + 5as/h)/t with sequence parallelism. The planner's
+    block runs a fused attention kernel at dropout 0: no a s^2 scores (-5as^2 b), no 1-byte dropout
+    masks (-2sbh, of Korthikanti's unsplit 10), the kernel's output kept beside the projection's
+    input (+2sbh, split): sbh(8 + 26/t), or 34 sbh / t with sequence parallelism. (A rowwise
+    linear's input is split over tp: the planner counted the projection's input unsplit.)"""
+    s, h, a, b = 256, 512, 8, 2
+    shape = _block(h, heads=a, seq=s)
+    kept = layer_profile(shape, b, Placement(tp=tp, sequence_parallel=sp), load_hardware("h100_sxm")).activation_bytes
+    korthikanti = s * b * h * ((34 + 5 * a * s / h) / tp if sp else 10 + 24 / tp + 5 * a * s / (h * tp))
+    fused = korthikanti - 5 * a * s * s * b / tp - 2 * s * b * h / (tp if sp else 1) + 2 * s * b * h / tp
+    assert kept == pytest.approx(fused, rel=0.005)  # and LayerNorm's float32 mean and rstd: 16 sb
+
+
 @pytest.mark.parametrize("schedule,v,m", [("1f1b", 1, 23), ("interleaved_1f1b", 2, 28), ("zb_h1", 1, 21),
                                           ("zbv", 2, 30), ("gpipe", 1, 22)])
 def test_the_extrapolated_steady_state_equals_the_full_simulation(schedule, v, m):

@@ -232,11 +232,15 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.shape, self.styles, self.hidden = shape, styles, hidden
         self.in_attention = False
+        self.in_rowwise = False  # inside a rowwise linear: what it saves is its input, split over tp
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         self.in_attention = func is F.scaled_dot_product_attention
+        self.in_rowwise = func is F.linear and self.styles.get(
+            id(args[1] if len(args) > 1 else kwargs["weight"])) == "rowwise"
         out = func(*args, **kwargs)
+        self.in_rowwise = False
         self.in_attention = False
         if func is F.linear:
             x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
@@ -297,7 +301,9 @@ def _trace(layer: nn.Module, name: str, inputs: Any, styles: dict[int, str],
             return t
         if id(t) not in params and id(base) not in params and id(t) not in packed:
             packed.add(id(t))
-            if recorder._residual(t):
+            # the residual stream's width, unless a rowwise linear takes it: its input is split
+            # over tp (the attention's context before its output projection; Korthikanti et al.)
+            if recorder._residual(t) and not recorder.in_rowwise:
                 shape.saved_residual_bytes += _nbytes(t)
             else:
                 shape.saved_split_bytes += _nbytes(t)
