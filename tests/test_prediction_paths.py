@@ -1,0 +1,84 @@
+"""Every path a run can take has its own prediction (issue 62): the start-of-run and the calibrated
+step exist, and what the calibration was fitted for is the run's own layout (its ``costs.json``).
+
+The paths are those ``benchmarks/predictions/calibration.py paths`` times against the measured
+step (the quiet-run accuracy lives there, in RESULTS.md, not in a timed test): each built here
+from the same overrides, on a smaller model and a few steps, in one 4-process world.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "predictions"))
+from calibration import PATHS  # noqa: E402  (benchmarks/predictions/calibration.py)
+from mp_harness import run_cases, selected_cases  # noqa: E402
+
+SMALL = ["model.n_layer=4", "model.n_embd=32", "data.batch_size=16", "data.seq_len=32", "train.max_steps=5",
+         "train.eval_every=0", "train.eval_batches=1", "metrics.tensorboard=false", "metrics.progress_bar=false",
+         "metrics.rehearse_steps=0", "metrics.memory_steps=[]", "comm.post_recvs=ahead"]
+MOE_SMALL = ["model.n_embd=32", "model.moe.expert_hidden=32"]
+
+
+def _path_prediction(words: list[str]) -> dict:
+    """Build and train the run `words` describe; the run's predictions and whether its costs.json
+    belongs to its layout."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from fault_cases import _on_rank0
+    from pipeflow.run.builder import build_run
+    from pipeflow.run.plan import compose_config
+
+    box = [tempfile.mkdtemp(prefix="pf-path-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    moe = any(w.startswith("experiment=moe") for w in words)
+    small = [w for w in SMALL if not (moe and w.startswith(("model.n_layer", "model.n_embd")))]
+    cfg = compose_config([*words, *small, *(MOE_SMALL if moe else []), f"train.run_dir={box[0]}"])
+    trainer = build_run(cfg, torch.device("cpu"))
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.close()
+    out = {"predicted": result["step_predicted_s"], "calibrated": result["step_calibrated_s"],
+           "measured": result["step_time_s"], "basis": trainer.layout.prediction.basis}
+    if dist.get_rank() == 0:
+        with open(os.path.join(box[0], "costs.json")) as f:
+            meta = json.load(f)["meta"]
+        out["theirs"] = {key: meta[key] for key in ("schedule", "num_microbatches", "dp", "tp", "ranges")}
+        out["ours"] = {"schedule": trainer.schedule.name, "num_microbatches": trainer.schedule.num_microbatches,
+                       "dp": trainer.dp, "tp": trainer.mesh.tp, "ranges": [[r.start, r.stop] for r in trainer.ranges]}
+        out["profiled"] = meta["profiles"] is not None and len(meta["profiles"]) == trainer.ranges[-1].stop
+    _on_rank0(lambda: __import__("shutil").rmtree(box[0], ignore_errors=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def world4(request):
+    cases = [(name, functools.partial(_path_prediction, words)) for name, (ranks, words) in PATHS.items() if ranks == 4]
+    return run_cases(4, selected_cases(request, cases))
+
+
+@pytest.mark.parametrize("name", [name for name, (ranks, _) in PATHS.items() if ranks == 4])
+def test_every_path_predicts_its_step_at_start_and_calibrated_from_its_own_layout(world4, name):
+    """The path's run says a start-of-run step (with the runtime measured at start) and a
+    calibrated one, and its costs.json records the layout it ran (schedule, micro-batches, dp, tp,
+    partition, a profile per layer)."""
+    for rank, result in enumerate(world4[name]):
+        assert result.error is None, f"rank {rank}: {result.error}"
+        v = result.value
+        assert math.isfinite(v["predicted"]) and v["predicted"] > 0, (rank, v)
+        assert math.isfinite(v["calibrated"]) and v["calibrated"] > 0, (rank, v)
+        assert "measured runtime" in v["basis"], (rank, v["basis"])
+    main = world4[name][0].value
+    assert main["theirs"] == main["ours"] and main["profiled"], main
