@@ -53,8 +53,8 @@ REPORTED = {
                  r"transfer waits per link, ms per step .*: 0-1 [\d.]+; 1-2 [\d.]+ \(crosses hosts host0 -> host1\); 2-3 "],
     # auto measured the links within and across the hosts, and either order trains as one process
     "resolve": [r"mesh order \[\w+,\w+,\w+\]: pipeline ranks .* \(parallel.order=auto chose \[\w+,\w+,\w+\]: predicted "
-                r"step \[dp,pp,tp\] [\d.]+ ms \(pipeline [\d.]+, dp all-reduce 0.0, tp [\d.]+\); .*links within a host "
-                r"[\d.]+ ms \+ .*, across hosts [\d.]+ ms \+ .*, measured in [\d.]+ s\)",
+                r"step \[dp,pp,tp\] [\d.]+ ms .*; the orders weighed on links timed before the mesh, within a host "
+                r"[\d.]+ ms \+ .*, across hosts [\d.]+ ms \+ .*, in [\d.]+ s\)",
                 # each tp group's all-reduce measured beside the pipeline's links
                 r"tp all-reduce per group, measured in [\d.]+ s: ranks \[\d, \d\] (within host host\d|across hosts "
                 r"host0 host1): [\d.]+ ms \+ ([\d.]+ MB/s|no per-byte cost); ranks \[\d, \d\] "],
@@ -77,6 +77,9 @@ def test_a_layout_across_two_hosts_trains_as_one_process(emulated_hosts, one_pro
     assert codes == [0, 0], "\n=====\n".join(t[-3000:] for t in texts)
     for pattern in REPORTED[names]:
         assert re.search(pattern, texts[0]), (pattern, texts[0][:6000])
+    chosen = re.search(r"predicted step .*?([\d.]+) ms \(the pipeline's prediction\)", texts[0])
+    if names == "resolve":  # issue 62: one step for one layout in the order line and the pipeline line
+        assert chosen and f"predicted step {chosen.group(1)} ms (" in texts[0], texts[0][:6000]
     assert step_losses(texts[0]) == losses  # printed to 4 places; the weights below to 1e-9
     got = _weights(run_dir, tmp_path / "w.pt")
     assert sorted(got) == sorted(weights)

@@ -197,20 +197,46 @@ def predict_order(order: tuple[str, ...], dp: int, pp: int, tp: int, schedule: P
     return OrderCost(order, pipeline_s + dp_s + tp_s, pipeline_s, dp_s, tp_s)
 
 
+@dataclass(frozen=True)
+class OrderChoice:
+    """What ``parallel.order=auto`` weighed: every order's cost on the links timed before the mesh
+    existed, and those links, to restate once the run's own prediction is made (:func:`restated`)."""
+
+    chosen: tuple[str, ...]
+    costs: tuple[OrderCost, ...]
+    links: HostLinks
+    measured_s: float
+
+    def restated(self, step_s: float) -> str:
+        """The start-of-run line's reason, its steps on the pipeline line's scale: the chosen
+        order's step is the run's own prediction `step_s` (profiled layers and the runtime
+        measured at start), every other order's that times its ratio on the links timed before
+        the mesh (so the two lines never say two steps for one layout)."""
+        chosen = next(c for c in self.costs if c.order == self.chosen)
+        scale = step_s / chosen.step_s if chosen.step_s > 0 else math.nan
+        said = "; ".join(f"{order_text(c.order)} {1e3 * c.step_s * scale:.1f} ms"
+                         + (" (the pipeline's prediction)" if c.order == self.chosen else
+                            f" (x{c.step_s / chosen.step_s:.2f})") for c in self.costs)
+        return (f" (parallel.order=auto chose {order_text(self.chosen)}: predicted step {said}; the orders weighed "
+                f"on links timed before the mesh, {self.links.describe()}, in {self.measured_s:.2f} s)")
+
+
 def choose_order(dp: int, pp: int, tp: int, schedule: PipelineSchedule, ranges: Sequence[range],
-                 profiles: Sequence[Any] | None, device: torch.device, element_bytes: int) -> tuple[tuple[str, ...], str]:
-    """``parallel.order=auto`` (collective over the world): the order and the start-of-run line
-    saying why.  One host, one dimension above 1, or no profiled layers: ``[dp,pp,tp]``."""
+                 profiles: Sequence[Any] | None, device: torch.device, element_bytes: int
+                 ) -> tuple[tuple[str, ...], str, OrderChoice | None]:
+    """``parallel.order=auto`` (collective over the world): the order, the start-of-run line
+    saying why, and what was weighed (None where nothing was: one host, one dimension above 1,
+    or no profiled layers: ``[dp,pp,tp]``)."""
     world = dp * pp * tp
     host_index = host_of_rank(world)
     orders = candidate_orders(dp, pp, tp)
     if len(set(host_index)) < 2:
-        return DEFAULT_ORDER, " (parallel.order=auto: one host, every link alike)"
+        return DEFAULT_ORDER, " (parallel.order=auto: one host, every link alike)", None
     if len(orders) < 2:
-        return DEFAULT_ORDER, " (parallel.order=auto: one dimension above 1, one placement)"
+        return DEFAULT_ORDER, " (parallel.order=auto: one dimension above 1, one placement)", None
     if profiles is None:
         return DEFAULT_ORDER, (" (parallel.order=auto kept the default: no profiled layers to weigh boundaries "
-                               "against gradients; pipeline.profile=true lets it choose)")
+                               "against gradients; pipeline.profile=true lets it choose)"), None
     started = time.perf_counter()
     links = measure_host_links(device, host_index)
     measured_s = time.perf_counter() - started
@@ -228,5 +254,6 @@ def choose_order(dp: int, pp: int, tp: int, schedule: PipelineSchedule, ranges: 
     said = "; ".join(f"{order_text(c.order)} {1e3 * c.step_s:.1f} ms (pipeline {1e3 * c.pipeline_s:.1f}, dp all-reduce "
                      f"{1e3 * c.dp_s:.1f}" + (f", tp {1e3 * c.tp_s:.1f}" if tp > 1 else "") + ")" for c in costs)
     return chosen.order, (f" (parallel.order=auto chose {order_text(chosen.order)}: predicted step {said}; links "
-                          f"{links.describe()}, measured in {measured_s:.2f} s)")
+                          f"{links.describe()}, measured in {measured_s:.2f} s)"), \
+        OrderChoice(chosen.order, tuple(costs), links, measured_s)
 

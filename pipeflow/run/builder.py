@@ -110,6 +110,9 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     plan, synthesis, link = settle_schedule(cfg, plan, topology, device)
     parts = build_parts(cfg, plan, topology, device)
     layout = measure_layout(cfg, plan, topology, parts, link, device)
+    choice = topology.mesh.order_choice
+    if choice is not None and layout.step_costs is not None:  # the order line on the pipeline line's step
+        topology.mesh.order_reason = choice.restated(layout.prediction.step_s)
     return build_loop(cfg, plan, topology, parts, layout, synthesis, device)
 
 
@@ -174,9 +177,9 @@ def connect(cfg: DictConfig, plan: RunPlan, device: torch.device) -> Topology:
     measured here), and the pipeline's transport, warmed up under the first-step deadline."""
     # every group the run uses times out a margin after pipeflow's own deadline (runtime/timeouts.py)
     deadlines = Deadlines(cfg.comm.first_step_timeout_s, cfg.comm.timeout_s, collectives=True)
-    order, why = mesh_order(cfg, plan.dp, plan.pp, plan.tp, plan.schedule, plan.layout, device, plan.dtype)
+    order, why, choice = mesh_order(cfg, plan.dp, plan.pp, plan.tp, plan.schedule, plan.layout, device, plan.dtype)
     mesh = build_mesh(plan.dp, plan.pp, device, plan.tp, order, cp=int(cfg.parallel.cp))
-    mesh.order_reason = why
+    mesh.order_reason, mesh.order_choice = why, choice
     deadlines.own(mesh.pp_group)
     deadlines.own(mesh.dp_group)
     if mesh.cp > 1:
@@ -401,14 +404,15 @@ def host_name(rank: int) -> str:
 
 
 def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSchedule, layout: Layout,
-               device: torch.device, dtype: torch.dtype) -> tuple[tuple[str, ...], str]:
+               device: torch.device, dtype: torch.dtype) -> tuple[tuple[str, ...], str, Any]:
     """``parallel.order``: the order given, or for ``auto`` the one predicted fastest on the
-    links measured here (collective; :mod:`pipeflow.planning.mesh_choice`), with the reason."""
+    links measured here (collective; :mod:`pipeflow.planning.mesh_choice`), with the reason and
+    what was weighed (None where nothing was)."""
     given = parse_order(cfg.parallel.order)
     if given is not None:
-        return given, ""
+        return given, "", None
     if int(cfg.parallel.cp) > 1:  # the order search does not weigh the cp ring yet
-        return DEFAULT_ORDER, " (parallel.order=auto with parallel.cp: the default order, cp just outside tp)"
+        return DEFAULT_ORDER, " (parallel.order=auto with parallel.cp: the default order, cp just outside tp)", None
     return choose_order(dp, pp, tp, schedule, layout.ranges, layout.profiles, device,
                         torch.empty((), dtype=dtype).element_size())
 

@@ -70,6 +70,7 @@ class Mesh:
     tp_group: Any = None
     grid: MeshGrid | None = None  # the coordinates of every rank (parallel.order); None: the default order
     order_reason: str = ""  # why parallel.order=auto chose the order (for the start-of-run line)
+    order_choice: Any = None  # what parallel.order=auto weighed (planning.mesh_choice.OrderChoice), or None
     cp: int = 1
     cp_rank: int = 0
     cp_group: Any = None
