@@ -111,17 +111,18 @@ class StragglerWatch:
                 self.named.discard(key)
         return lines, scalars
 
-    def _calibrated(self, key: str, ratio: float) -> tuple[float, str]:
+    def _calibrated(self, key: str, ratio: float) -> tuple[float, str, str]:
         """`ratio` over its own median in the calibration intervals (the run's first after warm-up),
-        and how it reads; before those are in, over :data:`UNCALIBRATED_SLACK`."""
+        how it reads, and what it was calibrated on; before those are in, over
+        :data:`UNCALIBRATED_SLACK`."""
         first, last = CALIBRATION
         if first <= self.intervals - 1 < last and math.isfinite(ratio):
             self.early.setdefault(key, []).append(ratio)
         early = self.early.get(key)
         if self.intervals - 1 < last or not early:
-            return ratio / UNCALIBRATED_SLACK, f"{ratio:.1f}x"
+            return ratio / UNCALIBRATED_SLACK, f"{ratio:.1f}x", "not calibrated yet; "
         base = statistics.median(early)
-        return ratio / base, f"{ratio / base:.1f}x (calibrated on the run's first intervals: {base:.2f})"
+        return ratio / base, f"{ratio / base:.1f}x", f"{base:.2f}x in the run's first intervals; "
 
     def _slow_ranks(self, samples: Sequence[RankSample]) -> list[tuple[str, str | None, float]]:
         if self.compute_s is None or len(samples) < 2:
@@ -134,12 +135,12 @@ class StragglerWatch:
                 continue
             others = statistics.median(r for g, r in ratios.items() if g != s.rank) if len(ratios) > 1 else None
             key = f"straggler/rank{s.rank}/compute_ratio"
-            ratio, reads = self._calibrated(key, ratios[s.rank] / others if others else math.nan)
+            ratio, reads, base = self._calibrated(key, ratios[s.rank] / others if others else math.nan)
             host = self.host_of(s.rank)
             text = None
             if ratio > self.factor and s.compute_s * (1 - 1 / ratio) > MIN_EXCESS_S:  # it loses time, not noise
                 text = (f"straggler: rank {s.rank}{f' ({host})' if host else ''} compute {reads} its prediction "
-                        f"against the other ranks' (its compute {1e3 * s.compute_s:.1f} ms a step, predicted "
+                        f"against the other ranks' ({base}its compute {1e3 * s.compute_s:.1f} ms a step, predicted "
                         f"{1e3 * self.compute_s[s.pp_rank]:.1f} ms)")
             out.append((key, text, ratio))
         return out
@@ -173,11 +174,12 @@ class StragglerWatch:
             nbytes = statistics.median(x[2] for x in got)
             rate, start_rate = nbytes / seconds / 1e6, nbytes / predicted / 1e6 if predicted > 0 else math.inf
             key = f"link/{a}-{b}/measured_mbps" + (f"/replica{replica}" if replica else "")
-            ratio, reads = self._calibrated(key, seconds / predicted if predicted > 0 else math.nan)
+            ratio, reads, base = self._calibrated(key, seconds / predicted if predicted > 0 else math.nan)
             text = None
             if ratio > self.factor and seconds - predicted > MIN_EXCESS_S:
                 text = (f"slow link: {self.link_name(a, b, replica)}: {rate:.1f} MB/s, {start_rate:.1f} MB/s at start "
-                        f"({1e3 * seconds:.2f} ms a transfer of {nbytes / 1e6:.3f} MB, {reads} its prediction)")
+                        f"({1e3 * seconds:.2f} ms a transfer of {nbytes / 1e6:.3f} MB, {reads} its prediction; "
+                        f"{base.rstrip('; ')})")
             out.append((key, text, rate))
         return out
 
