@@ -53,8 +53,8 @@ REPORTED = {
                  r"transfer waits per link, ms per step .*: 0-1 [\d.]+; 1-2 [\d.]+ \(crosses hosts host0 -> host1\); 2-3 "],
     # auto measured the links within and across the hosts, and either order trains as one process
     "resolve": [r"mesh order \[\w+,\w+,\w+\]: pipeline ranks .* \(parallel.order=auto chose \[\w+,\w+,\w+\]: predicted "
-                r"step \[dp,pp,tp\] [\d.]+ ms .*; the orders weighed on links timed before the mesh, within a host "
-                r"[\d.]+ ms \+ .*, across hosts [\d.]+ ms \+ .*, in [\d.]+ s\)",
+                r"step \[dp,pp,tp\] [\d.]+ ms .*; the orders weighed on (links timed before the mesh, in [\d.]+ s|the "
+                r"pipeline's links as measured pair by pair): within a host [\d.]+ ms \+ .*, across hosts [\d.]+ ms \+ .*\)",
                 # each tp group's all-reduce measured beside the pipeline's links
                 r"tp all-reduce per group, measured in [\d.]+ s: ranks \[\d, \d\] (within host host\d|across hosts "
                 r"host0 host1): [\d.]+ ms \+ ([\d.]+ MB/s|no per-byte cost); ranks \[\d, \d\] "],

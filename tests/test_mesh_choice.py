@@ -59,6 +59,23 @@ def test_the_order_line_says_the_pipeline_lines_step_for_the_chosen_order() -> N
     costs = (OrderCost(("dp", "pp", "tp"), 0.020, 0.018, 0.002, 0.0), OrderCost(("pp", "dp", "tp"), 0.015, 0.014, 0.001, 0.0))
     choice = OrderChoice(("pp", "dp", "tp"), costs, HostLinks((1e-5, 1e-9), (4e-4, 1e-7)), 0.12)
     line = choice.restated(0.1234)
-    assert line.startswith(" (parallel.order=auto chose [pp,dp,tp]: predicted step [dp,pp,tp] 164.5 ms (x1.33); "
-                           "[pp,dp,tp] 123.4 ms (the pipeline's prediction); the orders weighed on links timed before "
-                           "the mesh, within a host 0.010 ms + 1000.0 MB/s, across hosts 0.400 ms + 10.0 MB/s"), line
+    assert line == (" (parallel.order=auto chose [pp,dp,tp]: predicted step [dp,pp,tp] 164.5 ms (x1.33); [pp,dp,tp] "
+                    "123.4 ms (the pipeline's prediction); the orders weighed on links timed before the mesh, in "
+                    "0.12 s: within a host 0.010 ms + 1000.0 MB/s, across hosts 0.400 ms + 10.0 MB/s)"), line
+    # one figure per link: the ratios again on the pipeline's own pair-by-pair figures
+    from pipeflow.planning.links import Link, PipelineLinks
+
+    seen = []
+
+    def reprice(figures):
+        seen.append(figures)
+        return [OrderCost(("dp", "pp", "tp"), 0.030, 0.0, 0.0, 0.0), OrderCost(("pp", "dp", "tp"), 0.020, 0.0, 0.0, 0.0)]
+
+    measured = PipelineLinks((Link((0, 1), 2e-4, 5e-8, (0, 2), ("h0", "h1")), Link((1, 2), 2e-5, 2e-9, (2, 3), ("h1", "h1"))),
+                             (0, 1, 2))
+    choice = OrderChoice(("pp", "dp", "tp"), costs, HostLinks((1e-5, 1e-9), (4e-4, 1e-7)), 0.12, reprice)
+    line = choice.restated(0.1234, measured)
+    assert seen[0].intra == (2e-5, 2e-9) and seen[0].inter == (2e-4, 5e-8), seen
+    assert line == (" (parallel.order=auto chose [pp,dp,tp]: predicted step [dp,pp,tp] 185.1 ms (x1.50); [pp,dp,tp] "
+                    "123.4 ms (the pipeline's prediction); the orders weighed on the pipeline's links as measured "
+                    "pair by pair: within a host 0.020 ms + 500.0 MB/s, across hosts 0.200 ms + 20.0 MB/s)"), line

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -206,19 +207,39 @@ class OrderChoice:
     costs: tuple[OrderCost, ...]
     links: HostLinks
     measured_s: float
+    reprice: Callable[[HostLinks], list[OrderCost]] | None = None  # every order's cost on other link figures
 
-    def restated(self, step_s: float) -> str:
+    def restated(self, step_s: float, measured: PipelineLinks | None = None) -> str:
         """The start-of-run line's reason, its steps on the pipeline line's scale: the chosen
         order's step is the run's own prediction `step_s` (profiled layers and the runtime
-        measured at start), every other order's that times its ratio on the links timed before
-        the mesh (so the two lines never say two steps for one layout)."""
-        chosen = next(c for c in self.costs if c.order == self.chosen)
+        measured at start), every other order's that times its ratio, the ratios taken on the
+        pipeline's own link figures (`measured`, the links timed pair by pair: one figure per
+        link in both lines) where they cover a link within a host or across hosts, else on the
+        links timed before the mesh."""
+        costs, links, where = self.costs, self.links, f"links timed before the mesh, in {self.measured_s:.2f} s"
+        if measured is not None and self.reprice is not None:
+            within = [link for link in measured.links if not link.crosses_hosts]
+            across = [link for link in measured.links if link.crosses_hosts]
+            if within or across:
+                links = HostLinks(_median_figures(within) or self.links.intra, _median_figures(across) or self.links.inter,
+                                  statistics.median(l.burst_bytes for l in within) if within else self.links.intra_burst,
+                                  statistics.median(l.burst_bytes for l in across) if across else self.links.inter_burst)
+                costs = tuple(self.reprice(links))
+                where = "the pipeline's links as measured pair by pair"
+        chosen = next(c for c in costs if c.order == self.chosen)
         scale = step_s / chosen.step_s if chosen.step_s > 0 else math.nan
         said = "; ".join(f"{order_text(c.order)} {1e3 * c.step_s * scale:.1f} ms"
                          + (" (the pipeline's prediction)" if c.order == self.chosen else
-                            f" (x{c.step_s / chosen.step_s:.2f})") for c in self.costs)
+                            f" (x{c.step_s / chosen.step_s:.2f})") for c in costs)
         return (f" (parallel.order=auto chose {order_text(self.chosen)}: predicted step {said}; the orders weighed "
-                f"on links timed before the mesh, {self.links.describe()}, in {self.measured_s:.2f} s)")
+                f"on {where}: {links.describe()})")
+
+
+def _median_figures(links: Sequence[Link]) -> tuple[float, float] | None:
+    """The median latency and per-byte cost of `links` (None: no link)."""
+    if not links:
+        return None
+    return statistics.median(l.latency_s for l in links), statistics.median(l.per_byte_s for l in links)
 
 
 def choose_order(dp: int, pp: int, tp: int, schedule: PipelineSchedule, ranges: Sequence[range],
@@ -246,7 +267,10 @@ def choose_order(dp: int, pp: int, tp: int, schedule: PipelineSchedule, ranges: 
         held = [s for s, owner in enumerate(schedule.stage_to_rank) if owner == pp_rank]
         return float(element_bytes * sum(stage_params[s] for s in held)) / tp
 
-    costs = [predict_order(o, dp, pp, tp, schedule, ranges, profiles, links, host_index, grad_bytes) for o in orders]
+    def reprice(figures: HostLinks) -> list[OrderCost]:
+        return [predict_order(o, dp, pp, tp, schedule, ranges, profiles, figures, host_index, grad_bytes) for o in orders]
+
+    costs = reprice(links)
     box = [costs]
     dist.broadcast_object_list(box, src=0)  # rank 0's figures decide: every rank builds the same mesh
     costs = box[0]
@@ -255,5 +279,5 @@ def choose_order(dp: int, pp: int, tp: int, schedule: PipelineSchedule, ranges: 
                      f"{1e3 * c.dp_s:.1f}" + (f", tp {1e3 * c.tp_s:.1f}" if tp > 1 else "") + ")" for c in costs)
     return chosen.order, (f" (parallel.order=auto chose {order_text(chosen.order)}: predicted step {said}; links "
                           f"{links.describe()}, measured in {measured_s:.2f} s)"), \
-        OrderChoice(chosen.order, tuple(costs), links, measured_s)
+        OrderChoice(chosen.order, tuple(costs), links, measured_s, reprice)
 

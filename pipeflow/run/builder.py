@@ -112,7 +112,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     layout = measure_layout(cfg, plan, topology, parts, link, device)
     choice = topology.mesh.order_choice
     if choice is not None and layout.step_costs is not None:  # the order line on the pipeline line's step
-        topology.mesh.order_reason = choice.restated(layout.prediction.step_s)
+        topology.mesh.order_reason = choice.restated(layout.prediction.step_s, layout.step_costs.links)
     return build_loop(cfg, plan, topology, parts, layout, synthesis, device)
 
 
