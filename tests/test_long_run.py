@@ -236,3 +236,13 @@ def test_the_planner_prices_its_pick_at_each_size_of_the_ramp():
     assert "the pick cannot ramp its batch" in ramp_steps(cfg, PlanResult([pick]), SearchSpace(("1f1b",), (4,)), 16,
                                                            2, price)
     assert ramp_steps(OmegaConf.create({"train": {}}), PlanResult([pick]), SearchSpace(("1f1b",), (4,)), 16, 2, price) == ""
+
+
+def test_a_tracker_not_installed_is_named_with_what_to_install(monkeypatch, tmp_path):
+    from pipeflow.errors import TrackerError
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(TrackerError, match=r"metrics.trackers names wandb, which is not installed .*pip install "
+                                           r"'pipeflow\[wandb\]', or drop it from metrics.trackers"):
+        trackers.open_trackers(["tensorboard", "wandb"], str(tmp_path), None, {}, None)
+    assert not (tmp_path / "trackers.json").exists()
