@@ -101,15 +101,16 @@ def world2(request):
 
 
 def test_a_slowed_rank_is_named_within_three_intervals_and_a_clean_run_names_none(world2):
-    """metrics.straggler_factor: on 2 ranks (pp 2), rank 1 slowed from step 10 by a sleep several
-    times its compute is named as a straggler by step 25 (three log intervals of 5 steps); an
-    unthrottled run of ten intervals names no rank and no link."""
+    """metrics.straggler_factor: on 2 ranks (pp 2), rank 1 slowed from step 15 (after the intervals
+    its ratio is calibrated on) by a sleep several times its compute is named as a straggler by
+    step 30 (three log intervals of 5 steps); an unthrottled run of ten intervals names no rank
+    and no link."""
     for rank, result in enumerate(world2["stragglers"]):
         assert result.error is None, f"rank {rank}: {result.error}"
     main = world2["stragglers"][0].value
     assert main["clean"] == [], main["clean"]
     named = [line for line in main["slowed"] if "straggler: rank 1 compute" in line]
-    assert named and int(named[0].split(":")[0].split()[1]) <= 25, main["slowed"]
+    assert named and 15 < int(named[0].split(":")[0].split()[1]) <= 30, main["slowed"]
     assert not any("straggler: rank 0" in line for line in main["slowed"]), main["slowed"]
 
 
