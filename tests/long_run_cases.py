@@ -23,6 +23,22 @@ from fault_cases import _Logged, _on_rank0, _shared_dir
 STEP_LINE = re.compile(r"step\s+(\d+)/\d+ \| loss ([\d.]+)")
 
 
+def _listen() -> _Logged:
+    """The pipeflow logger's lines from now until :func:`_unlisten` (INFO: the step lines are)."""
+    console, logger = _Logged(), logging.getLogger("pipeflow")
+    console.level_before = logger.level
+    logger.addHandler(console)
+    logger.setLevel(logging.INFO)
+    return console
+
+
+def _unlisten(console: _Logged) -> None:
+    """Stop collecting into `console` and give the logger back its level."""
+    logger = logging.getLogger("pipeflow")
+    logger.removeHandler(console)
+    logger.setLevel(console.level_before)
+
+
 def wandb_records(run_dir: str, run_id: str) -> list[dict[str, Any]]:
     """Every history row W&B wrote offline for run `run_id` under `run_dir` (each offline run
     folder of that id, oldest first): read from its ``.wandb`` file (a LevelDB-style log of
@@ -67,10 +83,7 @@ def trackers_across_a_resume() -> dict[str, Any]:
     os.environ.pop("MLFLOW_TRACKING_URI", None)
     parent = _shared_dir()
     run_dir = os.path.join(parent, "run")
-    console, logger = _Logged(), logging.getLogger("pipeflow")
-    level = logger.level
-    logger.addHandler(console)
-    logger.setLevel(logging.INFO)  # the step lines are INFO
+    console = _listen()
     out: dict[str, Any] = {"losses": {}, "ids": []}
     try:
         for steps in (4, 6):
@@ -111,8 +124,7 @@ def trackers_across_a_resume() -> dict[str, Any]:
             out["mlflow_checkpoint"] = run.data.tags.get("pipeflow.checkpoint")
             out["tensorboard"] = os.path.isdir(os.path.join(run_dir, "tb"))
     finally:
-        logger.removeHandler(console)
-        logger.setLevel(level)
+        _unlisten(console)
         os.environ.pop("MLFLOW_TRACKING_URI", None)
         _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
     return out
@@ -211,10 +223,7 @@ def spikes_skipped_and_rolled_back() -> dict[str, Any]:
     from pipeflow.run.checkpoint_find import read_meta
 
     parent = _shared_dir()
-    console, logger = _Logged(), logging.getLogger("pipeflow")
-    level = logger.level
-    logger.addHandler(console)
-    logger.setLevel(logging.INFO)
+    console = _listen()
     out: dict[str, Any] = {}
     trainers = []
     spike = {"action": "skip", "window": 20}
@@ -263,8 +272,7 @@ def spikes_skipped_and_rolled_back() -> dict[str, Any]:
     finally:
         for trainer in trainers:
             trainer.close()
-        logger.removeHandler(console)
-        logger.setLevel(level)
+        _unlisten(console)
         _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
     return out
 
@@ -278,10 +286,7 @@ def stragglers_named() -> dict[str, Any]:
     from pipeflow.run.builder import build_run
 
     parent = _shared_dir()
-    console, logger = _Logged(), logging.getLogger("pipeflow")
-    level = logger.level
-    logger.addHandler(console)
-    logger.setLevel(logging.INFO)
+    console = _listen()
     out: dict[str, Any] = {}
     trainers = []
     try:
@@ -304,7 +309,6 @@ def stragglers_named() -> dict[str, Any]:
     finally:
         for trainer in trainers:
             trainer.close()
-        logger.removeHandler(console)
-        logger.setLevel(level)
+        _unlisten(console)
         _on_rank0(lambda: __import__("shutil").rmtree(parent, ignore_errors=True))
     return out

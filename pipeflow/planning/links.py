@@ -166,7 +166,7 @@ def describe_dp_groups(groups: Sequence[tuple[Sequence[int], float]], factor: fl
 
 def group_where(ranks: Sequence[int]) -> str:
     """`` across hosts a b`` or `` within host a`` for a group of global `ranks` (empty on one host)."""
-    names = list(dict.fromkeys(_host(r) for r in ranks))
+    names = list(dict.fromkeys(host_name(r) for r in ranks))
     return f" across hosts {' '.join(names)}" if len(names) > 1 else (f" within host {names[0]}" if names[0] else "")
 
 
@@ -295,11 +295,11 @@ def measure_links(comm: Any, schedule: PipelineSchedule, sizes: Sequence[int], r
         per_byte = 1.0 / mean_rate if math.isfinite(mean_rate) else 0.0
         burst = statistics.fmean(bursts)
         ends = (replicas[pipe][a], replicas[pipe][b])
-        links.append(Link((a, b), latency, per_byte, ends, (_host(ends[0]), _host(ends[1])), burst))
+        links.append(Link((a, b), latency, per_byte, ends, (host_name(ends[0]), host_name(ends[1])), burst))
     return PipelineLinks(tuple(links), tuple(schedule.stage_to_rank), time.perf_counter() - started)
 
 
-def _host(rank: int) -> str:
+def host_name(rank: int) -> str:
     """The host name of global `rank` where the job spans several hosts, else empty."""
     table = hosts.table()
     if len(table.hosts) < 2:

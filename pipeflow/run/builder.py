@@ -38,6 +38,7 @@ from pipeflow.planning.context_cost import largest_pass_bytes
 from pipeflow.planning.layout import Layout, choose_layout, with_offload, with_step_costs
 from pipeflow.planning.ep_links import expert_exchange
 from pipeflow.planning.expert_cost import expert_layers
+from pipeflow.planning.links import host_name
 from pipeflow.planning.measured_cluster import rank_hosts, start_links
 from pipeflow.planning.rehearsal import with_rehearsal
 from pipeflow.planning.runtime_timing import fused_adamw
@@ -55,7 +56,7 @@ from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
 from pipeflow.run.step_update import StepUpdate
 from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
-from pipeflow.runtime import hosts, ring_attention
+from pipeflow.runtime import ring_attention
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.runtime.fsdp import FullShard
@@ -392,15 +393,6 @@ def straggler_watch(cfg: DictConfig, schedule: PipelineSchedule, layout: Layout,
         return f"pipeline ranks {a}-{b} (global ranks {ga} and {gb}){where}"
 
     return StragglerWatch(float(factor), compute, link_s, link_name, host_name)
-
-
-def host_name(rank: int) -> str:
-    """The host of global `rank` where the job spans several hosts, else ""."""
-    table = hosts.table()
-    if len(table.hosts) < 2:
-        return ""
-    found = table.host_of(rank)
-    return found[0] if found is not None else "?"
 
 
 def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSchedule, layout: Layout,
