@@ -7,7 +7,7 @@ Overrides (Hydra):
 Several machines (run on each node, same endpoint):
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host:29500 train.py
 Without torchrun, `python train.py` runs a pipeline of one stage.
-A sweep, every combination in one launch, compared in <sweep dir>/sweep.md (pipeflow/run/sweep.py):
+A sweep, every combination in one launch, compared in <sweep dir>/sweep.md (pipeflow/commands/sweep.py):
     torchrun --nproc-per-node 4 train.py -m schedule=1f1b,zbv pipeline.num_microbatches=8,16 train.max_steps=20
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from pipeflow.run import guard
-from pipeflow.run.config import check_values, register_configs
+from pipeflow.config.schema import check_values, register_configs
 from pipeflow.observability.console import setup_logging
 from pipeflow.runtime.distributed import choose_device, end_process_group, init_distributed
-from pipeflow.run.sweep import is_multirun, run_sweep_job
+from pipeflow.commands.sweep import is_multirun, run_sweep_job
 from pipeflow.run.builder import build_run
 from pipeflow.run.signals import PREEMPTED_EXIT_CODE, leave_at_once_on, signal_numbers
 
@@ -45,7 +45,7 @@ def main(cfg: DictConfig) -> None:
         init_distributed(backend, device, cfg.comm.first_step_timeout_s, cfg.comm.join_timeout_s)
     except BaseException as exc:  # noqa: BLE001 - every failure is named and ends the process
         guard.fail(exc, int(os.environ.get("RANK", "0")))
-    if is_multirun():  # train.py -m: the jobs of a sweep share one process group (pipeflow/run/sweep.py)
+    if is_multirun():  # train.py -m: the jobs of a sweep share one process group (pipeflow/commands/sweep.py)
         run_sweep_job(cfg, device)
         return
     rank, training = dist.get_rank(), threading.Event()

@@ -102,7 +102,7 @@ fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 step 120 imports "train.py's imports with this torch" $PY -c "
 import hydra, omegaconf, torch
-import pipeflow.run.builder, pipeflow.run.sweep
+import pipeflow.run.builder, pipeflow.commands.sweep
 print('hydra', hydra.__version__, 'from', hydra.__file__)
 print('omegaconf', omegaconf.__version__, '| torch', torch.__version__)" || finish 1
 

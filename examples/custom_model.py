@@ -7,7 +7,7 @@ The one way a config names a model is ``model._target_``, the import path of a b
 no name table to register into. The builder receives the keys of the `model` config group as
 keyword arguments (here those of `model=mlp`) and returns a ModelSpec: lazily built layers plus
 the loss. Its signature's defaults are the only defaults: for a typed config group of your own,
-store ``pipeflow.run.config.model_schema(build_residual_mlp)`` in Hydra's ConfigStore, or keep a
+store ``pipeflow.config.schema.model_schema(build_residual_mlp)`` in Hydra's ConfigStore, or keep a
 YAML that sets `_target_` (examples/configs/model/residual_mlp.yaml).
 """
 from __future__ import annotations

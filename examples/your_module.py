@@ -116,7 +116,7 @@ def main() -> None:
 
     from pipeflow.observability.console import setup_logging
     from pipeflow.run.builder import build_run
-    from pipeflow.run.plan import compose_config
+    from pipeflow.commands.plan.command import compose_config
     from pipeflow.runtime.distributed import choose_device, init_distributed
 
     cfg = compose_config(["model=gpt", "model._target_=examples.your_module.split_gpt", "model.n_layer=4",

@@ -136,7 +136,7 @@ def small(argv: list[str]) -> list[str]:
     entry = "train.py" if "train.py" in argv else next((a for a in argv if a in SMALL), None)
     if entry is None or any(a.startswith("--") for a in argv):
         return list(argv)
-    from pipeflow.run.config_data import data_keys
+    from pipeflow.config.data import data_keys
 
     source = next((a.partition("=")[2] for a in argv if a.startswith("data=")), "markov")
     settings = {key: value for key, value in SMALL[entry].items()  # the data keys its source takes

@@ -44,8 +44,8 @@ def saves_in_the_background(mode: str) -> dict[str, Any]:
     """The same state saved synchronously and in the background (`mode`), the live tensors
     changed as soon as the background save returns: the same files; the report, polled at
     boundaries, arrives at the same poll on every rank."""
-    from pipeflow.run import checkpoint as ck
-    from pipeflow.run.checkpoint_async import BackgroundSaver
+    from pipeflow.checkpoint import saving as ck
+    from pipeflow.checkpoint.background import BackgroundSaver
 
     layers, opt = _model()
     parent = _shared_dir()
@@ -74,7 +74,7 @@ def saves_in_the_background(mode: str) -> dict[str, Any]:
 
 def _after_a_failed_save(saver: Any, root: str, layers: dict, opt: torch.optim.Optimizer, out: dict) -> None:
     """What the failed save of step 2 left in `root`, and the folder of step 3's save after it."""
-    from pipeflow.run import checkpoint as ck
+    from pipeflow.checkpoint import saving as ck
 
     out["left"] = sorted(os.listdir(root))
     out["latest"] = os.path.basename(ck.find_latest(root))
@@ -86,7 +86,7 @@ def background_save_on_a_full_disk() -> dict[str, Any]:
     """Step 1 written in the background; step 2's background write meets a full disk on rank 1:
     every rank learns it at the same boundary, by name; the partial folder is removed and latest
     still names step 1; ``warn`` logs it, ``stop`` raises it; the next save works."""
-    from pipeflow.run.checkpoint_async import BackgroundSaver, raise_or_warn
+    from pipeflow.checkpoint.background import BackgroundSaver, raise_or_warn
 
     layers, opt = _model()
     root = _shared_dir()
@@ -116,7 +116,7 @@ def killed_writer_process() -> dict[str, Any]:
     and step 3's save starts new writer processes."""
     from torch.distributed.checkpoint import _async_process_executor as executor
 
-    from pipeflow.run.checkpoint_async import BackgroundSaver
+    from pipeflow.checkpoint.background import BackgroundSaver
 
     layers, opt = _model()
     root = _shared_dir()
@@ -146,9 +146,9 @@ def background_save_given_up() -> dict[str, Any]:
     thread, when it gets there, refuses to commit on every rank and removes its partial folder."""
     import time
 
-    from pipeflow.run import checkpoint as ck
-    from pipeflow.run import integrity
-    from pipeflow.run.checkpoint_async import BackgroundSaver
+    from pipeflow.checkpoint import saving as ck
+    from pipeflow.checkpoint import integrity
+    from pipeflow.checkpoint.background import BackgroundSaver
 
     layers, opt = _model()
     root = _shared_dir()

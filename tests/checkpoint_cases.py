@@ -41,7 +41,7 @@ def _model() -> tuple[dict[int, torch.nn.Module], torch.optim.Optimizer]:
 def _disk_full(where: str, on_rank: int) -> Iterator[None]:
     """On rank `on_rank`, writes fail with ENOSPC: DCP's data files (``data``), this rank's RNG
     file (``rng``) or rank 0's ``meta.json`` (``meta``)."""
-    from pipeflow.run import checkpoint as ck
+    from pipeflow.checkpoint import saving as ck
 
     real_stream, real_save, real_atomic = dcp_fs.FileSystem.create_stream, torch.save, ck.write_atomic
 
@@ -78,7 +78,7 @@ def _disk_full(where: str, on_rank: int) -> Iterator[None]:
 def save_on_a_full_disk() -> dict[str, Any]:
     """Step 1 saved; step 2's save meets a full disk on one rank, in each of its writes; then a
     save works again.  Returns every error text and what the checkpoints folder held after."""
-    from pipeflow.run import checkpoint as ck
+    from pipeflow.checkpoint import saving as ck
 
     layers, opt = _model()
     root = _shared_dir()
@@ -103,8 +103,8 @@ def save_with_a_lost_lock() -> dict[str, Any]:
     rank and writes nothing."""
     import json
 
-    from pipeflow.run import checkpoint as ck
-    from pipeflow.run.lock import LOCK_FILE, RunLock
+    from pipeflow.checkpoint import saving as ck
+    from pipeflow.checkpoint.lock import LOCK_FILE, RunLock
 
     layers, opt = _model()
     run_dir = _shared_dir()
@@ -134,8 +134,8 @@ def save_with_a_lost_lock() -> dict[str, Any]:
 def save_losing_a_peer() -> dict[str, Any]:
     """The all-gather that ends the save's writes fails on both ranks as gloo fails when a peer
     died (faked on both, so the group stays usable): a named error, the partial folder removed."""
-    from pipeflow.run import checkpoint as ck
-    from pipeflow.run.integrity import Outcome
+    from pipeflow.checkpoint import saving as ck
+    from pipeflow.checkpoint.integrity import Outcome
 
     layers, opt = _model()
     root = _shared_dir()
@@ -169,7 +169,7 @@ def save_losing_a_peer() -> dict[str, Any]:
 def save_deadline_after_the_first_step() -> list[float | None]:
     """The process-group timeout in force at each of the save's collectives, once the run's
     Deadlines (first step 120 s, then 2 s) switched after the first step."""
-    from pipeflow.run import checkpoint as ck
+    from pipeflow.checkpoint import saving as ck
     from pipeflow.runtime import timeouts
     from pipeflow.runtime.transport import Deadlines
 
@@ -205,7 +205,7 @@ def training_with_the_run_dir_removed() -> dict[str, Any]:
     import time
 
     import scale_cases
-    from pipeflow.run import lock
+    from pipeflow.checkpoint import lock
     from pipeflow.run.builder import build_run
     from pipeflow.runtime import timeouts
 

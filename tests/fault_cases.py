@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from pipeflow.run import guard
 from pipeflow.runtime.transport import P2PComm
-from pipeflow.run.config import Config, MLPModelConfig
+from pipeflow.config.schema import Config, MLPModelConfig
 from pipeflow.run.faults import FaultInjector, FaultSpec
 from pipeflow.runtime.finite import FiniteCheck
 from pipeflow.planning.partition import partition_layers
@@ -143,7 +143,7 @@ def checkpoint_integrity() -> dict[str, Any]:
     """Digests at save and load: a flipped bit, a garbled meta.json, a missing file, ``latest``
     pointing outside its folder, an older checkpoint without digests, another job's leftover.
     Rank r holds layer r (a Linear) with AdamW state.  Returns what every rank saw."""
-    from pipeflow.run import checkpoint as ck, integrity
+    from pipeflow.checkpoint import saving as ck, integrity
 
     rank, root = dist.get_rank(), _shared_dir()
     torch.manual_seed(rank)
@@ -295,7 +295,7 @@ def dp_peer_stops_answering() -> str:
     ranks and a peer that stopped answering (not gloo's raw 'Timed out waiting')."""
     import datetime
 
-    from pipeflow.runtime.mesh import GradReducer
+    from pipeflow.runtime.parallel.mesh import GradReducer
 
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
     if dist.get_rank() != 0:
@@ -325,7 +325,7 @@ def tp_peer_lost() -> str:
     from torch.distributed.device_mesh import DeviceMesh
 
     from pipeflow.models.spec import LayerSpec, ModelSpec
-    from pipeflow.runtime.tensor_parallel import parallelize_stages
+    from pipeflow.runtime.parallel.tensor_parallel import parallelize_stages
 
     tp = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
     spec = ModelSpec("split", [LayerSpec("block", _SplitBlock, ()), LayerSpec("head", torch.nn.Linear, (8, 4))],
@@ -360,7 +360,7 @@ def ep_peer_lost() -> str:
     import datetime
 
     from pipeflow.models.spec import LayerSpec, ModelSpec
-    from pipeflow.runtime.expert_parallel import split_experts
+    from pipeflow.runtime.parallel.expert_parallel import split_experts
 
     ep = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=30))
     spec = ModelSpec("experts", [LayerSpec("block", _ExpertBlock, ()), LayerSpec("head", torch.nn.Linear, (8, 4))],
@@ -424,7 +424,7 @@ def weights_error_in_one_ranks_build() -> str:
 def sweep_build_fails_on_rank_1() -> tuple:
     """A sweep job whose build raises a ConfigError on rank 1 but succeeds on rank 0."""
     from pipeflow.errors import ConfigError
-    from pipeflow.run.sweep import _build_agreed
+    from pipeflow.commands.sweep import _build_agreed
 
     def build() -> str:
         if dist.get_rank() == 1:
@@ -436,6 +436,6 @@ def sweep_build_fails_on_rank_1() -> tuple:
 
 def sweep_build_everywhere() -> tuple:
     """A sweep job that builds on every rank."""
-    from pipeflow.run.sweep import _build_agreed
+    from pipeflow.commands.sweep import _build_agreed
 
     return _build_agreed(lambda: f"built on {dist.get_rank()}")

@@ -18,7 +18,7 @@ def _stage(folder: str) -> Any:
     from pipeflow.models.hf import build_hf
     from pipeflow.models.hf_decode import HFStageDecoder
     from pipeflow.models.hf_folder import load_config
-    from pipeflow.run.generate import split
+    from pipeflow.commands.generate import split
 
     spec = build_hf(folder)
     mine = split(len(spec.layers), dist.get_world_size())[dist.get_rank()]
@@ -68,9 +68,9 @@ def generate_command_from_checkpoint(folder: str, run_dir: str) -> dict[str, Any
     from omegaconf import OmegaConf
 
     import chat_fixtures as fx
-    from pipeflow.run import checkpoint
-    from pipeflow.run.generate import main
-    from pipeflow.run.plan import compose_config
+    from pipeflow.checkpoint import saving as checkpoint
+    from pipeflow.commands.generate import main
+    from pipeflow.commands.plan.command import compose_config
 
     decoder = _stage(folder)
     with torch.no_grad():
@@ -129,10 +129,10 @@ def generate_from_a_lora_checkpoint(folder: str, run_dir: str) -> dict[str, Any]
 
     import chat_fixtures as fx
     import lora_cases
-    from pipeflow.run import checkpoint, lora_base
+    from pipeflow.checkpoint import saving as checkpoint, lora_base
     from pipeflow.run.builder import build_spec
-    from pipeflow.run.generate import main, split
-    from pipeflow.run.plan import compose_config
+    from pipeflow.commands.generate import main, split
+    from pipeflow.commands.plan.command import compose_config
 
     tokenizer_dir = os.path.join(run_dir, "tokenizer")
     cfg = compose_config(["model=hf", f"model.path={folder}", "train.dtype=float64", "data=chat",  # a chat run's

@@ -144,7 +144,7 @@ def ramp_vs_unsplit() -> dict[str, Any]:
     from pipeflow.data import build_batches
     from pipeflow.data.batch_ramp import RampedBatches
     from pipeflow.run.builder import build_run
-    from pipeflow.run.config_data import typed_data
+    from pipeflow.config.data import typed_data
     from pipeflow.run.step_update import lr_at
 
     steps = 7
@@ -220,7 +220,7 @@ def spikes_skipped_and_rolled_back() -> dict[str, Any]:
     import scale_cases
     from pipeflow.errors import LossSpikeError
     from pipeflow.run.builder import build_run
-    from pipeflow.run.checkpoint_find import read_meta
+    from pipeflow.checkpoint.find import read_meta
 
     parent = _shared_dir()
     console = _listen()

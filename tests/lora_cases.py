@@ -47,8 +47,8 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
     from pipeflow.models.module_spec import cross_entropy
     from pipeflow.run.builder import build_run, build_spec
     from pipeflow.run.trainer import lr_at
-    from pipeflow.runtime.fsdp import local
-    from pipeflow.runtime.zero import owned_parameters
+    from pipeflow.runtime.parallel.fsdp import local
+    from pipeflow.runtime.parallel.zero import owned_parameters
 
     import test_hf
 

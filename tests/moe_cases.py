@@ -21,9 +21,9 @@ from pipeflow.models.aux_loss import aux_loss_scope
 from pipeflow.models.spec import run_layers
 from pipeflow.planning.partition import partition_layers
 from pipeflow.runtime.events import EventRecorder
-from pipeflow.runtime.expert_parallel import is_expert_parameter, split_experts
+from pipeflow.runtime.parallel.expert_parallel import is_expert_parameter, split_experts
 from pipeflow.runtime.pipeline import Pipeline
-from pipeflow.runtime.routing import RoutingSync
+from pipeflow.runtime.parallel.routing import RoutingSync
 from pipeflow.runtime.stage import as_tuple, build_stages, layers_by_index
 from pipeflow.runtime.transport import P2PComm
 from pipeflow.schedules import build_schedule

@@ -363,7 +363,7 @@ def dynamic_shapes(model: str = "masked_mlp", m: int = 2) -> float:
 
 def transfer_time() -> float:
     """schedule=auto's transfer cost, measured on the live pipeline group: every rank the same."""
-    from pipeflow.planning.comm_cost import measure_transfer_s
+    from pipeflow.planning.costs.comm import measure_transfer_s
 
     comm = P2PComm(None, torch.device("cpu"), timeout_s=60.0)
     return measure_transfer_s(comm, 64 * 1024, repeats=5)

@@ -83,7 +83,7 @@ def folders_passed() -> dict[str, Any]:
     receiving the other's (the copies of ``train.checkpoint_replicas``), then rank 1 broadcasts
     its own (a restart's assembly); what arrived, read back."""
     import torch.distributed as dist
-    from pipeflow.run import checkpoint_replicas as replicas
+    from pipeflow.checkpoint import replicas
 
     rank = dist.get_rank()
     parent = _shared_dir()

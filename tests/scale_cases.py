@@ -22,10 +22,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
-from pipeflow.run.config import DATA_SCHEMAS, Config, GPTModelConfig, MarkovDataConfig
+from pipeflow.config.schema import DATA_SCHEMAS, Config, GPTModelConfig, MarkovDataConfig
 from pipeflow.models.spec import run_layers
 from pipeflow.runtime.tied import tie_in_place
-from pipeflow.runtime.zero import local_optimizer, owned_parameters
+from pipeflow.runtime.parallel.zero import local_optimizer, owned_parameters
 from pipeflow.data import build_batches
 from pipeflow.run.builder import RECVS_AHEAD, build_run
 from pipeflow.run.trainer import Trainer, lr_at, unique_parameters
@@ -38,7 +38,7 @@ def rel_diff(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected| (a sharded `actual` gathered whole first: collective
     over its dp group, called by every replica alike)."""
     if isinstance(actual, DTensor):  # a fused [q; k; v] tp split gathered in its own order
-        from pipeflow.runtime.tensor_parallel import gathered
+        from pipeflow.runtime.parallel.tensor_parallel import gathered
 
         actual = gathered(actual)
     scale = expected.abs().max().item()
@@ -268,7 +268,7 @@ def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1, 
 def diverging_run_saves_nothing_non_finite(lr: float) -> dict[str, Any]:
     """``optim.lr`` huge, a checkpoint every step, ``train.check_finite=false``: the run stops with a
     NonFiniteError and ``latest`` names a checkpoint whose every tensor is finite (or none)."""
-    from pipeflow.run.checkpoint import find_latest
+    from pipeflow.checkpoint.saving import find_latest
 
     cfg = make_config(1, "1f1b", 2, train__param_dtype="float32", train__max_steps=6, train__save_every=1, optim__lr=lr)
     trainer = build_run(cfg, torch.device("cpu"))
@@ -286,7 +286,7 @@ def diverging_run_saves_nothing_non_finite(lr: float) -> dict[str, Any]:
 def non_finite_weights_are_not_saved() -> dict[str, Any]:
     """An inf weight on pipeline rank 1 (what a huge learning rate can make of finite
     gradients): the save is refused on every rank and nothing is written."""
-    from pipeflow.run.checkpoint import find_latest
+    from pipeflow.checkpoint.saving import find_latest
 
     trainer = build_run(make_config(1, "1f1b", 2, train__param_dtype="float32"), torch.device("cpu"))
     if trainer.mesh.pp_rank == 1:
@@ -333,7 +333,7 @@ def _fit(dp: int, run_dir: str, resume: str | None = None, m: int = 2, dtype: st
 
 
 def _exported(path: str) -> dict[str, torch.Tensor]:
-    from pipeflow.run.checkpoint import export
+    from pipeflow.checkpoint.saving import export
 
     out = path.rstrip("/") + ".export.pt"
     export(path, out)
@@ -360,7 +360,7 @@ def resume_across_layouts() -> dict[str, Any] | None:
     ``parallel.shard=optimizer`` (ZeRO-1) in float64, model and AdamW state of the step-6
     checkpoints against the straight run: dp2 x pp2 ZeRO-1 straight; its step 3 resumed with
     dp1 x pp4 unsharded; the straight step 3 resumed with dp2 x pp2 and dp4 x pp1 ZeRO-1."""
-    from pipeflow.run.checkpoint import find_latest
+    from pipeflow.checkpoint.saving import find_latest
 
     straight = {dtype: _fit(1, _shared_dir("pf-straight-"), dtype=dtype) for dtype in ("float32", "float64")}
     step3 = {dtype: f"{trainer.checkpoint_root}/step_00000003" for dtype, trainer in straight.items()}
@@ -412,7 +412,7 @@ def resume_across_tp(dp: int = 1, shard: str = "none") -> dict[str, Any] | None:
     (pp = world / (dp x tp)); the tp 2 run's step 3 resumed with tp 1, and the tp 1 run's step 3
     resumed with tp 2 (sequence parallel); every step-6 checkpoint's export (whole tensors)
     against the tp 1 straight run's.  Rank 0 returns the figures."""
-    from pipeflow.run.checkpoint import find_latest
+    from pipeflow.checkpoint.saving import find_latest
 
     tp1 = _fit(dp, _shared_dir("pf-tp1-"), dtype="float64", shard=shard)
     tp2 = _fit(dp, _shared_dir("pf-tp2-"), dtype="float64", shard=shard, parallel__tp=2)
@@ -542,7 +542,7 @@ def resume_across_shard_modes() -> dict[str, Any] | None:
     (float64): 6 steps straight with none, then full resumed from its step 3; 6 steps straight
     with full, then none resumed from its step 3.  Rank 0 returns the loss histories and the
     step-6 exports' worst relative differences from the straight none run."""
-    from pipeflow.run.checkpoint import find_latest
+    from pipeflow.checkpoint.saving import find_latest
 
     straight_none = _fit(1, _shared_dir("pf-none-"), dtype="float64")
     to_full = _fit(2, _shared_dir("pf-to-full-"), resume=f"{straight_none.checkpoint_root}/step_00000003",

@@ -148,8 +148,8 @@ def _spec():
 
 
 def test_max_activations_below_one_is_a_config_error() -> None:
-    from pipeflow.run.config import check_config
-    from pipeflow.run.plan import compose_config
+    from pipeflow.config.schema import check_config
+    from pipeflow.commands.plan.command import compose_config
 
     cfg = compose_config(["pipeline.max_activations=0.5"])
     with pytest.raises(ConfigError, match="schedule.max_inflight_microbatches=0.5 must be at least 1"):

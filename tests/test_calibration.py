@@ -223,7 +223,7 @@ def costs_file(tmp_path, slow_stage0: float) -> str:
 def test_plan_calibration_ranks_layouts_with_the_measured_costs(tmp_path) -> None:
     from pipeflow.planning.measured_costs import calibrated_layers, read_costs
     from pipeflow.planning.profile import LayerProfile
-    from pipeflow.run.plan import compose_config, run_plan
+    from pipeflow.commands.plan.command import compose_config, run_plan
 
     words = ["model=gpt", "model.n_layer=2", "data.batch_size=8", "parallel.pp=2", "plan.schedules=[1f1b]",
              "plan.microbatches=[4]", "plan.comm_latency_ms=0"]
@@ -256,7 +256,7 @@ def predict_1f1b_step(layers, point: int) -> float:
 
 def test_plan_calibration_refuses_a_run_of_another_pipeline(tmp_path) -> None:
     from pipeflow.errors import ConfigError
-    from pipeflow.run.plan import compose_config, run_plan
+    from pipeflow.commands.plan.command import compose_config, run_plan
 
     path = costs_file(tmp_path, 1.0)
     cfg = compose_config(["model=gpt", "model.n_layer=2", "data.batch_size=8", "parallel.pp=4",

@@ -22,7 +22,7 @@ from pipeflow.data.chat import load_chat_tokenizer, tokenize_conversation  # noq
 from pipeflow.data.chat_rows import ChatBatches, pack_rows, tokenize_conversations  # noqa: E402
 from pipeflow.data.prepare import main as prepare_main  # noqa: E402
 from pipeflow.errors import ChatDataError, ConfigError  # noqa: E402
-from pipeflow.run.config import ChatDataConfig  # noqa: E402
+from pipeflow.config.schema import ChatDataConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch
 import scale_cases
 import warm
 from pipeflow.run.builder import build_run
-from pipeflow.run.checkpoint import find_latest, resolve
+from pipeflow.checkpoint.saving import find_latest, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ CHILD = textwrap.dedent("""
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=0, world_size=1)
     import scale_cases
-    import pipeflow.run.checkpoint as ck
+    import pipeflow.checkpoint.saving as ck
     from pipeflow.run.builder import build_run
     cfg = scale_cases.make_config(1, "1f1b", 2, train__param_dtype="float32", train__max_steps={steps},
                                   train__save_every=2, train__run_dir={run_dir!r}, train__resume="auto")
@@ -92,7 +92,7 @@ RANK_CHILD = textwrap.dedent("""
     rank = int(sys.argv[1])
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     import scale_cases
-    from pipeflow.run import integrity
+    from pipeflow.checkpoint import integrity
     from pipeflow.run.builder import build_run
     cfg = scale_cases.make_config(1, "1f1b", 2, train__param_dtype="float32", train__max_steps=40,
                                   train__save_every=2, train__run_dir={run_dir!r}, train__checkpoint_mode="async",

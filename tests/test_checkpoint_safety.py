@@ -24,8 +24,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from pipeflow.errors import CheckpointError, RunDirLostError, UnsafeCheckpointError
-from pipeflow.run import checkpoint as ck
-from pipeflow.run import checkpoint_find, guard, integrity, lock
+from pipeflow.checkpoint import saving as ck
+from pipeflow.checkpoint import find as checkpoint_find, integrity, lock
+from pipeflow.run import guard
 from pipeflow.run.workspace import Workspace
 from pipeflow.models import dcp_metadata
 from pipeflow.models.dcp_metadata import METADATA_CLASSES, SafeReader, read_dcp_metadata
@@ -361,8 +362,8 @@ def test_keep_last_keeps_the_newest_complete_checkpoints_and_pinned_ones(one_ran
     """Issue 60: train.keep_last=K removes older complete checkpoints after each complete save; a
     pinned one (python -m pipeflow.checkpoint pin) stays, and so does a run's leftover partial save."""
     from pipeflow.errors import ConfigError
-    from pipeflow.run import retention
-    from pipeflow.run.export import main as checkpoint_main
+    from pipeflow.checkpoint import retention
+    from pipeflow.checkpoint.exporting import main as checkpoint_main
 
     root = tmp_path / "checkpoints"
     layers, opt = _layer()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from pipeflow.run.config import check_config, register_configs
+from pipeflow.config.schema import check_config, register_configs
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.partition import partition_layers
 from pipeflow.schedules import build_schedule

@@ -11,7 +11,9 @@ import pytest
 import warm
 
 from pipeflow.data import prepare
-from pipeflow.run import checkpoint, generate, launch, plan, plan_help
+from pipeflow.checkpoint import saving as checkpoint
+from pipeflow.commands import generate, launch
+from pipeflow.commands.plan import command as plan, help as plan_help
 from pipeflow.schedules import compare, show
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +57,7 @@ def test_plan_help_writes_every_keys_default_as_an_override_takes_it(capsys: pyt
     lines above a key in the schema's source come with it."""
     import dataclasses
 
-    from pipeflow.run.config import PlanConfig
+    from pipeflow.config.schema import PlanConfig
 
     assert plan.main(["--help"]) == 0
     out = capsys.readouterr().out

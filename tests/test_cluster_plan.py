@@ -12,7 +12,7 @@ from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.planning.cluster_search import Layout, Workload, predict
 from pipeflow.planning.hardware import load_hardware, override, preset_ids
-from pipeflow.planning.roofline import Efficiency, Placement, layer_profile, trace_layers
+from pipeflow.planning.costs.roofline import Efficiency, Placement, layer_profile, trace_layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "predictions"))
 import published_runs  # noqa: E402  (benchmarks/predictions/published_runs.py)
@@ -132,7 +132,7 @@ def test_the_published_runs_are_read_and_each_source_predicted_in_tokens_per_gpu
 
 
 def test_the_planner_lays_a_model_on_a_described_cluster():
-    from pipeflow.run.plan import compose_config, run_plan
+    from pipeflow.commands.plan.command import compose_config, run_plan
 
     words = ["plan.hardware=h100_sxm", "plan.gpus=16", "model.n_layer=8", "model.n_embd=1024", "model.n_head=8",
              "data.vocab_size=1024", "data.seq_len=512", "data.batch_size=64", "parallel.pp=2", "plan.train_tokens=1e9",
@@ -199,7 +199,7 @@ def test_a_runs_measured_links_and_profile_replace_the_presets(tmp_path):
     from pipeflow.planning.cluster_search import dp_link
     from pipeflow.planning.measured_cluster import measured_layers, with_measured_links
     from pipeflow.planning.measured_costs import read_costs
-    from pipeflow.run.plan import compose_config, run_plan
+    from pipeflow.commands.plan.command import compose_config, run_plan
 
     path = measured_run(tmp_path, 1024, SLOW_NETWORK)
     preset = load_hardware("h100_sxm")
@@ -227,7 +227,7 @@ def test_a_runs_measured_links_and_profile_replace_the_presets(tmp_path):
 def test_a_profile_of_another_model_is_ignored_with_a_line_and_nothing_measured_refused(tmp_path):
     from pipeflow.planning.measured_cluster import measured_layers
     from pipeflow.planning.measured_costs import read_costs
-    from pipeflow.run.plan import compose_config, run_plan
+    from pipeflow.commands.plan.command import compose_config, run_plan
 
     other = measured_run(tmp_path / "other", 512, SLOW_NETWORK)  # another width: no layer of it matches
     result, report = run_plan(compose_config([*PLAN, "plan.gpus=16", f"plan.calibration={other}"]), overrides=PLAN)
@@ -249,7 +249,7 @@ def test_a_run_records_the_links_it_timed_at_start():
     from types import SimpleNamespace
 
     from pipeflow.planning.step_model import StepCosts
-    from pipeflow.planning.tensor_cost import TensorLink
+    from pipeflow.planning.costs.tensor import TensorLink
 
     ring = start_links(StepCosts(latency_s=1e-4, per_byte_s=1e-9), [[0, 1, 2, 3]], ["a"] * 4)
     assert ring == [{"what": "the pipeline ring", "ranks": [0, 1, 2, 3], "hosts": ["a"] * 4, "latency_s": 1e-4,
@@ -269,7 +269,7 @@ def test_a_run_records_the_links_it_timed_at_start():
 def test_a_model_no_layout_of_the_gpus_can_hold_is_refused_before_any_split():
     """100,000 layers of width 65,536 on 8 GPUs: named at once (it used to search for minutes:
     its layer names were checked pairwise, then split over every stage count)."""
-    from pipeflow.run.plan import compose_config, run_plan
+    from pipeflow.commands.plan.command import compose_config, run_plan
 
     words = ["plan.hardware=h100_sxm", "plan.gpus=8", "model.n_layer=100000", "model.n_embd=65536", "model.n_head=512"]
     with pytest.raises(ConfigError, match=r"parameters: their weights, gradients and optimizer state are [\d,.]+ TB, "

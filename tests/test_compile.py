@@ -320,7 +320,7 @@ def test_compile_options_mark_the_dimensions_micro_batches_differ_in() -> None:
     from omegaconf import OmegaConf
 
     from pipeflow.run.compile_phase import compile_options
-    from pipeflow.run.config import Config, MarkovDataConfig
+    from pipeflow.config.schema import Config, MarkovDataConfig
 
     cfg = OmegaConf.structured(Config(data=MarkovDataConfig()))
     assert compile_options(cfg, 4) is None  # train.compile=false: eager

@@ -10,11 +10,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeflow.errors import ConfigError
-from pipeflow.run.config import (DATA_SCHEMAS, ChatDataConfig, Overlong, TextLevel, check_values, typed_config,
+from pipeflow.config.schema import (DATA_SCHEMAS, ChatDataConfig, Overlong, TextLevel, check_values, typed_config,
                                  typed_data)
-from pipeflow.run.config_data import data_keys
-from pipeflow.run.plan import compose_config
-from pipeflow.run.saved_config import upgrade_saved
+from pipeflow.config.data import data_keys
+from pipeflow.commands.plan.command import compose_config
+from pipeflow.config.saved import upgrade_saved
 
 OLD_RUN_CONFIG = Path(__file__).parent / "fixtures" / "config_before_renames.yaml"
 

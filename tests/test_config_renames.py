@@ -1,4 +1,4 @@
-"""Renamed config keys (pipeflow.run.config_renames): an old name that was published works and
+"""Renamed config keys (pipeflow.config.renames): an old name that was published works and
 warns naming the new key; a removed name is an error naming what to write; a run directory
 written under the old names resumes; the typed config checks each section once."""
 from __future__ import annotations
@@ -12,12 +12,13 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeflow.errors import ConfigError, DeprecatedKeyWarning
-from pipeflow.run import config_renames, discover
-from pipeflow.run.config import Config, RecvPosting, ShapeMode, TrainConfig, check_values, typed_config
-from pipeflow.run.config_renames import RENAMES, KeyRename
-from pipeflow.run.saved_config import upgrade_saved
+from pipeflow.config import renames as config_renames
+from pipeflow.run import discover
+from pipeflow.config.schema import Config, RecvPosting, ShapeMode, TrainConfig, check_values, typed_config
+from pipeflow.config.renames import RENAMES, KeyRename
+from pipeflow.config.saved import upgrade_saved
 from pipeflow.run.guard import flatten_config
-from pipeflow.run.plan import compose_config
+from pipeflow.commands.plan.command import compose_config
 
 OLD_RUN_CONFIG = Path(__file__).parent / "fixtures" / "config_before_renames.yaml"
 
@@ -110,7 +111,7 @@ def test_a_run_dir_written_under_old_keys_resumes(tmp_path: Path, caplog) -> Non
 
 
 def test_generate_reads_an_old_run_config_and_old_overrides(tmp_path: Path) -> None:
-    from pipeflow.run.generate import run_config
+    from pipeflow.commands.generate import run_config
 
     run = tmp_path / "old_run"
     (run / "checkpoints" / "step_3").mkdir(parents=True)

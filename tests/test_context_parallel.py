@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mp_harness import run_cases, selected_cases
-from pipeflow.runtime.ring_attention import (Masking, chunk_order, gather_sequence, local_positions,
+from pipeflow.runtime.parallel.ring_attention import (Masking, chunk_order, gather_sequence, local_positions,
                                              split_sequence)
 
 TOLERANCE = 1e-12  # float64: per-tensor |a - b| / |b|
@@ -39,7 +39,7 @@ def test_every_rank_attends_to_the_same_number_of_causal_pairs():
 
 
 def test_cp_is_a_mesh_dimension_just_outside_tp_unless_the_order_names_it():
-    from pipeflow.runtime.mesh_order import MeshGrid, parse_order
+    from pipeflow.runtime.parallel.mesh_order import MeshGrid, parse_order
 
     grid = MeshGrid(2, 2, 1, cp=2)  # [dp,pp,cp,tp]: a stage's cp ranks consecutive
     assert grid.cp_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
@@ -55,7 +55,7 @@ def test_cp_layout_and_its_named_errors(tmp_path):
     import scale_cases
 
     from pipeflow.errors import ConfigError
-    from pipeflow.run.config import check_config
+    from pipeflow.config.schema import check_config
 
     def config(dp: int = 1, **overrides):
         return scale_cases.make_config(dp, train__run_dir=str(tmp_path), **overrides)  # seq_len 8
@@ -74,7 +74,7 @@ def test_cp_layout_and_its_named_errors(tmp_path):
         check_config(moe, 4)
     with pytest.raises(ConfigError, match=r"parallel.cp=2 does not run with data.variable_lengths"):
         check_config(config(parallel__cp=2, data__variable_lengths=True), 4)
-    from pipeflow.run.plan import compose_config, run_plan
+    from pipeflow.commands.plan.command import compose_config, run_plan
 
     with pytest.raises(ConfigError, match=r"2 x cp = 6 chunks .* data.seq_len=64 is not a multiple of 6"):
         run_plan(compose_config(["parallel.pp=2", "data.seq_len=64", "plan.cp_sizes=[1,3]"]))
@@ -86,8 +86,8 @@ def test_the_planner_answers_with_the_cp_a_long_sequence_needs():
     """Issue 59: ``python -m pipeflow.plan data.seq_len=...`` profiles a cp rank's share and plans
     cp > 1 where memory demands it: with nothing fitting at cp 1 it doubles cp, and the pick it
     prints composes into a run of dp x pp x cp processes."""
-    from pipeflow.run.config import check_config
-    from pipeflow.run.plan import compose_config, run_plan
+    from pipeflow.config.schema import check_config
+    from pipeflow.commands.plan.command import compose_config, run_plan
 
     words = ["model=gpt", "model.n_layer=2", "model.n_embd=16", "model.n_head=2", "data.vocab_size=32",
              "data.seq_len=1024", "data.batch_size=2", "parallel.pp=2", "plan.schedules=[1f1b]",
@@ -112,7 +112,7 @@ def test_the_profile_of_a_cp_run_attends_round_a_loopback_ring(monkeypatch):
     exchanges cost nothing here), so attention's compute and saved tensors are a rank's."""
     from pipeflow.models.gpt import build_gpt
     from pipeflow.planning.profile import profile_layers
-    from pipeflow.runtime import ring_attention
+    from pipeflow.runtime.parallel import ring_attention
 
     rings = []
     real = ring_attention.ring_attention
@@ -142,9 +142,9 @@ def test_the_profile_of_a_cp_run_attends_round_a_loopback_ring(monkeypatch):
 def test_the_planner_prices_what_the_compute_leaves_of_the_ring_exposed():
     """Issue 59: a pass round the cp ring costs latency + bytes / bandwidth; the compute between
     posting and waiting hides it, and only the excess is added, forward to F, backward to B."""
-    from pipeflow.planning.context_cost import largest_pass_bytes, ring_profile, ring_seconds
+    from pipeflow.planning.costs.context import largest_pass_bytes, ring_profile, ring_seconds
     from pipeflow.planning.profile import LayerProfile
-    from pipeflow.planning.tensor_cost import TensorLink
+    from pipeflow.planning.costs.tensor import TensorLink
 
     layer = LayerProfile("block", 10, 40, forward_s=1.0, backward_s=2.0, activation_bytes=8, input_grad_s=1.5,
                          weight_grad_s=0.5, ring_forward_bytes=3000, ring_forward_passes=3, ring_forward_hidden_s=0.5,
@@ -184,7 +184,7 @@ def _ring_vs_whole(cp: int, window: int | None = None, documents: bool = False, 
 
     import torch.distributed as dist
 
-    from pipeflow.runtime.ring_attention import RingComm, ring_attention
+    from pipeflow.runtime.parallel.ring_attention import RingComm, ring_attention
     from pipeflow.runtime.transport import P2PComm
 
     world, me = dist.get_world_size(), dist.get_rank()

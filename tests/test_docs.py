@@ -90,7 +90,7 @@ def _expand(overrides: list[str]) -> list[list[str]]:
 def test_start_path_multi_process_commands_compose() -> None:
     from hydra import compose, initialize_config_dir
 
-    from pipeflow.run.config import register_configs
+    from pipeflow.config.schema import register_configs
 
     register_configs()
     start_path = _script("start_path")

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeflow.run.config import MetricsConfig, ParallelConfig
+from pipeflow.config.schema import MetricsConfig, ParallelConfig
 from pipeflow.runtime.events import CudaEventClock, EventRecorder, HostClock, TimedEvent, clock_for
 
 

@@ -13,9 +13,9 @@ import pytest
 from hydra.utils import instantiate
 from warm_exec import interpreters
 
-from pipeflow.run.config import check_config
+from pipeflow.config.schema import check_config
 from pipeflow.planning.partition import plan_partition
-from pipeflow.run.plan import compose_config
+from pipeflow.commands.plan.command import compose_config
 from pipeflow.schedules import build_schedule, simulate
 
 ROOT = Path(__file__).resolve().parents[1]

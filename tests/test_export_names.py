@@ -36,9 +36,9 @@ from pipeflow.errors import CheckpointError, ConfigError
 from pipeflow.models import LayerSpec, ModelSpec
 from pipeflow.models.module_spec import cross_entropy
 from pipeflow.models.spec import run_layers
-from pipeflow.run import checkpoint as ck
+from pipeflow.checkpoint import saving as ck
 from pipeflow.run.builder import build_run
-from pipeflow.run.plan import compose_config
+from pipeflow.commands.plan.command import compose_config
 from pipeflow.runtime.stage import layers_by_index
 
 GPT_ARGS = {"vocab_size": 32, "block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 16}

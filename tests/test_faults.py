@@ -45,7 +45,7 @@ from warm_exec import interpreters
 from mp_harness import CaseResult, run_cases
 from pipeflow.run import guard
 from pipeflow.runtime import failures
-from pipeflow.run.config import check_config
+from pipeflow.config.schema import check_config
 from pipeflow.errors import ConfigError, ScheduleError, StageError, StageOutOfMemoryError
 from pipeflow.run.faults import FaultSpec
 from pipeflow.schedules import build_schedule, lower, one_f_one_b

@@ -129,7 +129,7 @@ def test_the_fsdp2_internals_pipeflow_relies_on_exist_in_this_torch(monkeypatch:
     torch.distributed.pipelining does); this fails when a torch version drops or renames them."""
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
-    from pipeflow.runtime.fsdp import check_internals
+    from pipeflow.runtime.parallel.fsdp import check_internals
 
     check_internals()
     monkeypatch.delattr(FSDPState, "_root_post_backward_final_callback")

@@ -11,7 +11,7 @@ from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.models.gpt_decode import GPTStageDecoder
 from pipeflow.models.spec import run_layers
-from pipeflow.run.generate import parse_options, run_config, split
+from pipeflow.commands.generate import parse_options, run_config, split
 from pipeflow.runtime.decode import Sampler, generate, left_padded
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 1], [30]]
@@ -85,7 +85,7 @@ def test_prompts_that_cannot_be_generated_from_are_named(tmp_path):
     raw IndexError."""
     from omegaconf import OmegaConf
 
-    from pipeflow.run.generate import Prompts, read_prompts
+    from pipeflow.commands.generate import Prompts, read_prompts
 
     (tmp_path / "empty.txt").write_text("\n  \n")
     with pytest.raises(ConfigError, match=r"generate.prompts='.*empty.txt' holds no prompt"):
@@ -107,8 +107,8 @@ def test_the_runs_saved_config_is_read_and_overrides_apply_on_top(tmp_path):
 
     from omegaconf import OmegaConf
 
-    from pipeflow.run.generate import run_config
-    from pipeflow.run.plan import compose_config
+    from pipeflow.commands.generate import run_config
+    from pipeflow.commands.plan.command import compose_config
 
     step = tmp_path / "run" / "checkpoints" / "step_00000004"
     step.mkdir(parents=True)

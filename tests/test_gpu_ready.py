@@ -67,7 +67,7 @@ def test_the_trial_forward_of_a_stage_without_parameters_runs_on_the_comm_device
 
 
 def test_the_planners_nccl_worker_makes_its_gpu_current_before_the_group(monkeypatch) -> None:
-    from pipeflow.planning import comm_cost
+    from pipeflow.planning.costs import comm as comm_cost
 
     calls: list[tuple] = []
 

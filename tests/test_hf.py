@@ -214,7 +214,7 @@ def _every_family(folders: dict) -> dict:
 def _trainer_config(folder: str, run_dir: str, dp: int, schedule: str, m: int, **overrides):
     """scale_cases.make_config with model=hf (the saved tiny model in `folder`) instead of the GPT."""
     from omegaconf import OmegaConf
-    from pipeflow.run.config import HFModelConfig
+    from pipeflow.config.schema import HFModelConfig
 
     import scale_cases
 
@@ -819,7 +819,7 @@ def test_deepseek_v3s_correction_bias_moves_towards_the_mean_load_after_each_ste
     as over micro-batches and ranks) move each MoE layer's e_score_correction_bias by
     model.moe.bias_update_rate x sign(mean - load), outside the optimizer; 0 leaves it."""
     from pipeflow.models.aux_loss import aux_loss_scope
-    from pipeflow.runtime.routing import RoutingSync
+    from pipeflow.runtime.parallel.routing import RoutingSync
 
     write_model(str(tmp_path), "deepseek_v3")
     for rate in (0.01, 0.0):
@@ -1091,7 +1091,7 @@ def test_tp_plan_named_errors(tmp_path):
 
 
 def test_importing_pipeflow_never_imports_transformers():
-    code = ("import sys, pipeflow, pipeflow.models, pipeflow.run.config, pipeflow.run.builder; "
+    code = ("import sys, pipeflow, pipeflow.models, pipeflow.config.schema, pipeflow.run.builder; "
             "bad = [m for m in ('transformers', 'safetensors', 'tokenizers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -1176,7 +1176,7 @@ def test_a_split_hugging_face_experts_layer_names_its_ep_group(one_rank_group, t
     pipeflow's own MoE (before: only MoE modules were looked at)."""
     import torch.distributed as dist
 
-    from pipeflow.runtime.expert_parallel import expert_parallel_ranks, split_experts
+    from pipeflow.runtime.parallel.expert_parallel import expert_parallel_ranks, split_experts
 
     write_model(str(tmp_path), "qwen3_moe")
     layer = build_hf(str(tmp_path)).layers[1].build()

@@ -19,7 +19,7 @@ import warm
 
 from hosts import SMALL64, emulated_hosts, launch_on_hosts, outputs, step_losses  # noqa: F401 - a fixture
 from warm_exec import interpreters
-from pipeflow.run.checkpoint import export, find_latest
+from pipeflow.checkpoint.saving import export, find_latest
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40

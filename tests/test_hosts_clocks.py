@@ -22,7 +22,7 @@ import pytest
 from hosts import SMALL64, emulated_hosts, launch_on_hosts, outputs  # noqa: F401 - a fixture
 from test_runs import renewing
 from pipeflow.errors import ConfigError, LaunchError, RunDirLockedError
-from pipeflow.run import lock
+from pipeflow.checkpoint import lock
 from pipeflow.runtime import clocks
 from pipeflow.runtime.hosts import HostInfo, HostTable, check_addresses, host_labels, machine_id
 

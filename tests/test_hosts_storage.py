@@ -17,7 +17,7 @@ import torch
 import warm
 from hosts import SMALL64, emulated_hosts, launch_on_hosts, outputs  # noqa: F401 - a fixture
 
-from pipeflow.run.checkpoint import main
+from pipeflow.checkpoint.saving import main
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from pipeflow.errors import LaunchError
-from pipeflow.run import launch
+from pipeflow.commands import launch
 from pipeflow.run.signals import (
     AGENT_STOP,
     PREEMPTED_EXIT_CODE,
@@ -285,7 +285,7 @@ def test_a_rendezvous_port_another_program_holds_is_named_before_torchrun_waits_
 def test_while_the_agent_waits_for_its_rendezvous_the_launcher_says_so_every_few_seconds() -> None:
     """Issue 57, items 4 and 6: nothing was printed for the ~42 s of a recovery, nor while a node
     waited for others that never came."""
-    from pipeflow.run.launch_wait import WaitReporter
+    from pipeflow.commands.launch_wait import WaitReporter
 
     argv = [*ELASTIC[:-2], "--rdzv-id", "job7", "--rdzv-conf", "join_timeout=60", *ELASTIC[-2:]]
     assert launch.rendezvous_wait(["--standalone", "--nproc-per-node", "2", "train.py"]) is None
@@ -312,7 +312,7 @@ def test_while_the_agent_waits_for_its_rendezvous_the_launcher_says_so_every_few
 
 
 def test_an_endpoint_that_does_not_answer_is_named_with_the_reason() -> None:
-    from pipeflow.run.launch_wait import endpoint_silence
+    from pipeflow.commands.launch_wait import endpoint_silence
 
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
@@ -327,7 +327,7 @@ def test_the_launcher_counts_its_running_workers_from_proc() -> None:
     import subprocess
     import sys
 
-    from pipeflow.run.launch_wait import live_children
+    from pipeflow.commands.launch_wait import live_children
 
     before = live_children()
     if before is None:

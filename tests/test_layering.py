@@ -21,12 +21,14 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"models"},
     "planning": {"schedules", "models", "runtime"},
     "observability": {"schedules", "runtime", "planning"},
-    "run": {"schedules", "models", "runtime", "data", "planning", "observability"},
-    # the command-line shims at the top (python -m pipeflow.plan / .checkpoint / .launch)
-    "plan": {"run"},
-    "checkpoint": {"run"},
-    "launch": {"run"},
-    "generate": {"run"},
+    "config": {"schedules", "models", "runtime", "data", "planning", "observability"},
+    "checkpoint": {"schedules", "models", "runtime", "data", "planning", "observability", "config"},
+    "run": {"schedules", "models", "runtime", "data", "planning", "observability", "config", "checkpoint"},
+    "commands": {"schedules", "models", "runtime", "data", "planning", "observability", "config", "checkpoint", "run"},
+    # the command-line shims at the top (python -m pipeflow.plan / .launch / .generate)
+    "plan": {"commands"},
+    "launch": {"commands"},
+    "generate": {"commands"},
 }
 
 
@@ -149,5 +151,39 @@ def test_models_import_only_torch_torchvision_and_their_spec():
 
 
 def test_top_of_the_package_shows_about_a_dozen_parts():
+    """Ten parts, errors.py, and the three ``python -m pipeflow.<command>`` shims."""
     entries = [p.name for p in ROOT.iterdir() if p.name not in ("__init__.py", "__pycache__", "py.typed")]
-    assert len(entries) <= 12, sorted(entries)
+    assert len(entries) <= 14, sorted(entries)
+
+
+
+def test_a_moved_module_imports_from_its_old_path_with_a_warning():
+    import importlib
+    import warnings
+
+    import pipeflow
+    import pipeflow.config.schema as schema
+
+    for old in ("pipeflow.run.config", "pipeflow.run.checkpoint", "pipeflow.runtime.fsdp"):
+        sys_modules = __import__("sys").modules
+        sys_modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(old)
+        assert module is importlib.import_module(pipeflow.MOVED[old]), old
+        assert any(issubclass(w.category, DeprecationWarning) and pipeflow.MOVED[old] in str(w.message)
+                   for w in caught), old
+    assert schema.__spec__.name == "pipeflow.config.schema"  # the alias did not take the module's own spec
+
+
+def test_no_code_of_the_repository_uses_a_moved_path():
+    import re
+
+    import pipeflow
+
+    pattern = re.compile("|".join(re.escape(old) + r"(?![A-Za-z0-9_])" for old in pipeflow.MOVED))
+    repo = ROOT.parent
+    users = [p for folder in ("pipeflow", "tests", "benchmarks", "scripts", "examples") for p in (repo / folder).rglob("*.py")]
+    found = [f"{p.relative_to(repo)}: {m.group(0)}" for p in users + [repo / "train.py"]
+             if p != ROOT / "__init__.py" and p.name != "test_layering.py" for m in pattern.finditer(p.read_text())]
+    assert not found, found

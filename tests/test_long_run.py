@@ -16,7 +16,7 @@ from mp_harness import run_cases, selected_cases  # noqa: E402
 
 from pipeflow.errors import ConfigError  # noqa: E402
 from pipeflow.observability import trackers  # noqa: E402
-from pipeflow.run.config import MetricsConfig  # noqa: E402
+from pipeflow.config.schema import MetricsConfig  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +181,7 @@ def test_the_ramp_grows_the_batch_as_megatrons_rampup_batch_size_does():
 
 def test_a_ramp_needs_its_three_keys_and_no_offload():
     from pipeflow.run.builder import batch_ramp
-    from pipeflow.run.config import BatchRampConfig
+    from pipeflow.config.schema import BatchRampConfig
     from omegaconf import OmegaConf
 
     with pytest.raises(ConfigError, match="train.batch_ramp needs start, increment and samples; "
@@ -206,7 +206,7 @@ def test_a_spike_is_a_rise_far_beyond_the_windows_noise_and_a_falling_or_quiet_l
     assert spike is not None and (spike.step, spike.figure) == (11, "loss") and spike.deviations > 1000
     assert quiet.judge(12, 2.0, 50.0).figure == "grad norm"  # a spike is not added to the window
     with pytest.raises(ConfigError, match="train.spike.action='sometimes' is unknown; valid: off, warn, skip, rollback"):
-        from pipeflow.run.config import SpikeConfig
+        from pipeflow.config.schema import SpikeConfig
         SpikeConfig(action="sometimes")
 
 
@@ -217,7 +217,7 @@ def test_the_planner_prices_its_pick_at_each_size_of_the_ramp():
     from omegaconf import OmegaConf
 
     from pipeflow.planning.search import Candidate, PlanResult, SearchSpace
-    from pipeflow.run.plan import ramp_steps
+    from pipeflow.commands.plan.command import ramp_steps
 
     pick = Candidate("1f1b", 4, 1, (3,), 0.040, 0.2, (1.0, 1.0), tp=2)
     asked = []

@@ -22,12 +22,12 @@ peft = pytest.importorskip("peft")
 from pipeflow.errors import CheckpointError, ConfigError, LoraError  # noqa: E402
 from pipeflow.models.hf import build_hf  # noqa: E402
 from pipeflow.models.lora import describe, lora_settings  # noqa: E402
-from pipeflow.runtime.tensor_parallel_lora import is_lora_linear, lora_split  # noqa: E402
+from pipeflow.runtime.parallel.tensor_parallel_lora import is_lora_linear, lora_split  # noqa: E402
 from pipeflow.models.spec import run_layers  # noqa: E402
-from pipeflow.run import checkpoint as ck  # noqa: E402
+from pipeflow.checkpoint import saving as ck  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
-from pipeflow.run.export import export  # noqa: E402
-from pipeflow.run.plan import compose_config  # noqa: E402
+from pipeflow.checkpoint.exporting import export  # noqa: E402
+from pipeflow.commands.plan.command import compose_config  # noqa: E402
 from pipeflow.runtime.stage import layers_by_index  # noqa: E402
 
 TINY = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,

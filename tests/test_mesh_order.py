@@ -6,8 +6,8 @@ import itertools
 import pytest
 
 from pipeflow.errors import ConfigError
-from pipeflow.run.checkpoint import saved_rank
-from pipeflow.runtime.mesh_order import DEFAULT_ORDER, DIMS, MeshGrid, parse_order
+from pipeflow.checkpoint.saving import saved_rank
+from pipeflow.runtime.parallel.mesh_order import DEFAULT_ORDER, DIMS, MeshGrid, parse_order
 
 
 def test_the_default_order_is_the_layout_of_old_tp_innermost_then_pp() -> None:

@@ -13,7 +13,7 @@ from pipeflow.observability.console import setup_logging, step_line, summary_lin
 from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bubble, step_figures
 from pipeflow.observability.trace import RankStep, chrome_trace, draw_step
 from pipeflow.planning.layout import predict
-from pipeflow.run.config import MetricsConfig, ParallelConfig
+from pipeflow.config.schema import MetricsConfig, ParallelConfig
 from pipeflow.runtime.events import EventRecorder, TimedEvent
 from pipeflow.schedules import build_schedule, simulate
 
@@ -211,7 +211,7 @@ def test_run_metrics_measure_what_the_recorder_collected_during_the_step(monkeyp
 def test_transfer_waits_are_split_over_the_links_they_waited_on_and_a_far_slower_link_named() -> None:
     from pipeflow.observability.figures import wait_by_link
     from pipeflow.observability.metrics import link_wait_line
-    from pipeflow.runtime.mesh_order import MeshGrid
+    from pipeflow.runtime.parallel.mesh_order import MeshGrid
 
     events = [ev("comm", "recv:act3[0>1]<-r0; send:grad2[1>0]->r0", 0.0, 1.0),
               ev("comm", "recv:act3[1>2]<-r1; recv:grad1[3>2]<-r3", 1.0, 3.0), ev("F", "1F0", 3.0, 4.0)]

@@ -13,8 +13,8 @@ from hydra.utils import get_method
 
 from pipeflow.errors import ConfigError
 from pipeflow.models import ModelSpec
-from pipeflow.run import config
-from pipeflow.run.config import model_schema, register_configs
+from pipeflow.config import schema as config
+from pipeflow.config.schema import model_schema, register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = [config.GPTModelConfig, config.MLPModelConfig, config.ResNetModelConfig, config.SleepModelConfig,
@@ -198,7 +198,7 @@ def test_a_users_builder_on_a_built_in_schema_is_not_passed_its_null_keys() -> N
 def test_rows_longer_than_the_models_positions_are_refused_naming_both_keys() -> None:
     """Issue 57: model.block_size=8 data.seq_len=16 stopped in the first step with a StageError
     (an index error in the position embedding), no key named."""
-    from pipeflow.run.config import check_config
+    from pipeflow.config.schema import check_config
 
     with pytest.raises(ConfigError, match=r"^data.seq_len=16 is longer than model.block_size=8, the positions the "
                                           r"model has: set model.block_size=16 \(or more\), or data.seq_len=8$"):

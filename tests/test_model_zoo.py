@@ -19,7 +19,7 @@ from torchvision.models.vision_transformer import VisionTransformer
 from pipeflow.errors import ConfigError
 from pipeflow.models import from_module, run_layers
 from pipeflow.models import zoo
-from pipeflow.run.plan import compose_config
+from pipeflow.commands.plan.command import compose_config
 from pipeflow.runtime.tied import tie_in_place
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """The mixture-of-experts block (pipeflow/models/moe.py), its aux loss attached in backward
-(pipeflow/models/aux_loss.py), router statistics (pipeflow/runtime/routing.py) and what a run
+(pipeflow/models/aux_loss.py), router statistics (pipeflow/runtime/parallel/routing.py) and what a run
 reports of them; single process.  The pipelined exactness cases are in moe_cases.py."""
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from pipeflow.models.moe import MoE, MoEConfig
 from pipeflow.models.spec import run_layers
 from pipeflow.observability.console import step_line
 from pipeflow.observability.routing import RoutingLog
-from pipeflow.planning.roofline import trace_layers
-from pipeflow.run.plan import compose_config
-from pipeflow.runtime.routing import RoutingSync
+from pipeflow.planning.costs.roofline import trace_layers
+from pipeflow.commands.plan.command import compose_config
+from pipeflow.runtime.parallel.routing import RoutingSync
 
 DTYPE = torch.float64
 
@@ -196,7 +196,7 @@ def test_the_moe_recipe_alternates_experts_and_dense_blocks() -> None:
     (2, 2, 1, "full", 4, "parallel.shard=full with parallel.ep=2"),
 ])
 def test_expert_parallel_settings_it_cannot_run_are_named(ep, dp, tp, shard, experts, key) -> None:
-    from pipeflow.runtime.expert_parallel import check_expert_parallel
+    from pipeflow.runtime.parallel.expert_parallel import check_expert_parallel
 
     check_expert_parallel(1, dp, tp, shard, experts)  # ep 1: anything goes
     check_expert_parallel(2, 2, 1, "none", 4)
@@ -216,7 +216,7 @@ def test_experts_are_named_by_global_index_and_split_by_it() -> None:
 
 
 def test_the_memory_prediction_counts_one_ep_ranks_experts() -> None:
-    from pipeflow.planning.expert_cost import expert_parameter_counts, split_expert_profiles
+    from pipeflow.planning.costs.expert import expert_parameter_counts, split_expert_profiles
     from pipeflow.planning.profile import LayerProfile, count_layer_params
 
     spec = _spec(every=2)
@@ -249,7 +249,7 @@ def test_the_all_to_all_cost_model_adds_each_moe_layers_exchanges_to_its_actions
     """Per MoE layer and micro-batch: a rank's N x top_k rows of width C (top_k x output bytes),
     (ep - 1) / ep of them sent each way, twice in F (and the counts' latency), twice in B, once
     more in a split backward's W; on a measured link the same model over the new figures."""
-    from pipeflow.planning.expert_cost import (ExpertLayers, ExpertLink, exchanged_bytes_per_step, expert_layers,
+    from pipeflow.planning.costs.expert import (ExpertLayers, ExpertLink, exchanged_bytes_per_step, expert_layers,
                                                expert_profiles, relink_exchanges, with_exchanges)
     from pipeflow.planning.profile import LayerProfile
 
@@ -281,7 +281,7 @@ def test_the_ep_link_is_measured_by_an_all_to_all_and_costs_the_prediction(one_r
     import torch.distributed as dist
 
     from pipeflow.planning.ep_links import ExpertExchange, measure_ep_links
-    from pipeflow.planning.expert_cost import ExpertLink, exchange_seconds
+    from pipeflow.planning.costs.expert import ExpertLink, exchange_seconds
     from pipeflow.planning.profile import LayerProfile
     from pipeflow.schedules import build_schedule
 
@@ -312,7 +312,7 @@ def test_the_exchanges_time_is_a_per_stage_figure_apart_from_compute_and_comm() 
 
 def test_the_planner_costs_the_experts_exchanges_on_the_link_it_measured() -> None:
     from pipeflow.planning.profile import LayerProfile, count_layer_params
-    from pipeflow.run.plan_ep import expert_costs, planner_link
+    from pipeflow.commands.plan.ep import expert_costs, planner_link
 
     cfg = compose_config(["model.n_layer=2", "model.moe.experts=4", "parallel.ep=2", "parallel.dp=2"])
     params = count_layer_params(instantiate(cfg.model))

@@ -141,8 +141,8 @@ def test_all_without_known_bytes_still_takes_every_group_reloaded_at_its_backwar
 
 
 def test_an_unknown_offload_mode_is_a_config_error_at_start() -> None:
-    from pipeflow.run.config import check_config
-    from pipeflow.run.plan import compose_config
+    from pipeflow.config.schema import check_config
+    from pipeflow.commands.plan.command import compose_config
 
     with pytest.raises(Exception, match="pipeline.offload=sometimes") as info:  # a choice: refused composing
         compose_config(["pipeline.offload=sometimes"])

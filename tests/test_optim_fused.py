@@ -9,9 +9,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from pipeflow.planning.runtime_timing import fused_adamw, measure_optimizer_s
-from pipeflow.run.config import register_configs
-from pipeflow.runtime.zero import build_optimizer
+from pipeflow.planning.costs.runtime_timing import fused_adamw, measure_optimizer_s
+from pipeflow.config.schema import register_configs
+from pipeflow.runtime.parallel.zero import build_optimizer
 
 ROOT = Path(__file__).resolve().parents[1]
 ADAMW = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}

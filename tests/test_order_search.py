@@ -15,8 +15,8 @@ from pipeflow.planning.order_search import pick as pick_order
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import LayerProfile, action_costs
 from pipeflow.planning.search import SearchSpace, search
-from pipeflow.run.config import check_config
-from pipeflow.run.plan import compose_config
+from pipeflow.config.schema import check_config
+from pipeflow.commands.plan.command import compose_config
 from pipeflow.schedules import RuntimeCosts, build_schedule, simulate
 
 MS = 1e-3

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import warm
-from pipeflow.run.config import check_config
+from pipeflow.config.schema import check_config
 from pipeflow.errors import ScheduleError
 from pipeflow.planning.partition import partition_layers
-from pipeflow.run.plan import compose_config, interpolate
+from pipeflow.commands.plan.command import compose_config, interpolate
 from pipeflow.planning.search import SearchSpace, rank_memory, search
 from pipeflow.planning.profile import LayerProfile
 from pipeflow.schedules import GENERATORS, LAYOUTS, build_schedule, simulate
@@ -253,7 +253,7 @@ def test_action_costs_one_model_for_planner_and_run_report() -> None:
 
 def test_plan_rehearse_builds_the_shortlist_and_ranks_it_by_the_rehearsed_step(tmp_path: Path) -> None:
     from pipeflow.planning.profile import LayerProfile
-    from pipeflow.run.plan import run_plan
+    from pipeflow.commands.plan.command import run_plan
 
     words = ["model=gpt", "model.n_layer=2", "model.n_embd=16", "data.batch_size=8", "data.num_tokens=3000",
              "parallel.pp=2", "plan.schedules=[1f1b,gpipe]", "plan.microbatches=[2,4]", "plan.comm_latency_ms=0",
@@ -274,7 +274,7 @@ def test_the_planner_takes_parallel_tp_as_the_degree_it_plans_for() -> None:
     """``python -m pipeflow.plan parallel.pp=2 parallel.tp=2`` stopped with 'the world size is 2'
     (issue 38): the planner has no world; it plans dp x pp x tp processes."""
     from pipeflow.planning.profile import LayerProfile
-    from pipeflow.run.plan import run_plan
+    from pipeflow.commands.plan.command import run_plan
 
     words = ["model=gpt", "model.n_layer=2", "model.n_embd=16", "data.batch_size=8", "parallel.pp=2", "parallel.tp=2",
              "plan.schedules=[1f1b]", "plan.microbatches=[4]", "plan.comm_latency_ms=0", "plan.action_overhead_ms=0"]
@@ -286,7 +286,7 @@ def test_the_planner_takes_parallel_tp_as_the_degree_it_plans_for() -> None:
 
 def test_the_shortlist_takes_the_best_split_of_each_kind() -> None:
     from pipeflow.planning.search import Candidate
-    from pipeflow.run.plan_rehearsal import shortlist
+    from pipeflow.commands.plan.rehearsal import shortlist
 
     cands = [Candidate("1f1b", 4, 1, (1,), 1.0, 0.1, (1.0,)), Candidate("1f1b", 4, 1, (2,), 1.1, 0.1, (1.0,)),
              Candidate("zb_h1", 4, 1, (1,), 1.2, 0.1, (1.0,)), Candidate("1f1b", 8, 1, (1,), 1.3, 0.1, (1.0,))]
@@ -296,7 +296,7 @@ def test_the_shortlist_takes_the_best_split_of_each_kind() -> None:
 def test_the_planner_rehearses_each_layout_longer_than_a_run_does() -> None:
     """About 2.5 s a lowering, at most 24 steps (a run: 1.5 s, at most 8): 8 steps put the
     planner's ranking off by up to 15% on the default GPT."""
-    from pipeflow.run.plan_rehearsal import run_words
+    from pipeflow.commands.plan.rehearsal import run_words
 
     def steps(predicted_s: float) -> str:
         return next(w for w in run_words(["parallel.pp=2"], "schedule=1f1b", "/tmp/r", predicted_s)
@@ -307,7 +307,7 @@ def test_the_planner_rehearses_each_layout_longer_than_a_run_does() -> None:
 
 
 def test_plan_offload_keys_reach_the_search_space() -> None:
-    from pipeflow.run.plan import search_space
+    from pipeflow.commands.plan.command import search_space
 
     cfg = compose_config(["model.n_layer=2", "data.batch_size=8", "parallel.pp=2", "plan.offload=[none,auto]",
                           "plan.host_link_gbps=25"])

@@ -7,10 +7,10 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException
 
-from pipeflow.run.config import check_config
+from pipeflow.config.schema import check_config
 from pipeflow.errors import ConfigError, NonFiniteError
 from pipeflow.runtime.finite import FiniteCheck
-from pipeflow.runtime.mesh import _buckets
+from pipeflow.runtime.parallel.mesh import _buckets
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
 from test_cli import compose_config
 

@@ -38,7 +38,7 @@ def _path_prediction(words: list[str]) -> dict:
 
     from fault_cases import _on_rank0
     from pipeflow.run.builder import build_run
-    from pipeflow.run.plan import compose_config
+    from pipeflow.commands.plan.command import compose_config
 
     box = [tempfile.mkdtemp(prefix="pf-path-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeflow.models import build_gpt
 from pipeflow.planning.profile import profile_layers
-from pipeflow.planning.runtime_timing import measure_action_overhead_s, measure_optimizer_s
+from pipeflow.planning.costs.runtime_timing import measure_action_overhead_s, measure_optimizer_s
 
 
 class Made(TorchDispatchMode):

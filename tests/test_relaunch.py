@@ -14,7 +14,7 @@ import pytest
 import torch
 from warm_exec import interpreters
 
-from pipeflow.run.checkpoint import export, find_latest
+from pipeflow.checkpoint.saving import export, find_latest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["model=mlp", "data=gaussian", "train.max_steps=6", "train.save_every=2", "train.log_every=1", "train.eval_every=0",

@@ -8,7 +8,7 @@ import pytest
 
 from pipeflow.errors import ConfigError
 from pipeflow.planning.profile import LayerProfile
-from pipeflow.run.plan import compose_config
+from pipeflow.commands.plan.command import compose_config
 from pipeflow.run.replan import best_degrees, replanned
 
 
@@ -50,7 +50,7 @@ def test_auto_degrees_need_replan_and_a_fixed_dp_must_fit() -> None:
                                           r"parallel.replan=true"):
         replanned(compose_config(["parallel.pp=auto"]), None)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"^parallel.tp=auto is chosen when a run starts"):
-        from pipeflow.run.config import tensor_degree
+        from pipeflow.config.schema import tensor_degree
 
         tensor_degree(compose_config(["parallel.tp=auto"]).parallel)
     fixed = _config("parallel.dp=2")

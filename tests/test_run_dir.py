@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from pipeflow.run import run_dir
-from pipeflow.run.config import register_configs
+from pipeflow.config.schema import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 

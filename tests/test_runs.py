@@ -21,9 +21,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from pipeflow.errors import ConfigError, JoinTimeoutError, RunDirLockedError
-from pipeflow.run import discover, lock
+from pipeflow.run import discover
+from pipeflow.checkpoint import lock
 from pipeflow.run.builder import build_spec
-from pipeflow.run.config import check_config
+from pipeflow.config.schema import check_config
 from pipeflow.run.faults import ATTEMPT_VAR, ENV_VAR, FaultSpec, install_from_env
 from pipeflow.run.workspace import check_usable
 from pipeflow.runtime.distributed import join_store
@@ -312,7 +313,7 @@ def test_a_busy_rank_leaves_once_another_rank_has_failed() -> None:
 
 
 def test_explicit_resume_paths_name_a_step_a_checkpoints_folder_or_a_run_dir(tmp_path: Path) -> None:
-    from pipeflow.run.checkpoint import checkpoints_of, resolve
+    from pipeflow.checkpoint.saving import checkpoints_of, resolve
 
     run = _run(tmp_path, "run", compose_config())
     step = str(run / "checkpoints" / "step_00000004")

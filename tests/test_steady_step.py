@@ -226,7 +226,7 @@ def test_without_fused_adamw_the_step_reads_back_before_its_update(one_rank_grou
 def test_a_nan_in_the_input_batch_read_back_a_step_late_names_the_batch(one_rank_group, tmp_path) -> None:
     from omegaconf import OmegaConf
 
-    from pipeflow.run.config import Config, GaussianDataConfig, MLPModelConfig
+    from pipeflow.config.schema import Config, GaussianDataConfig, MLPModelConfig
 
     cfg = OmegaConf.structured(Config(model=MLPModelConfig(in_features=8, num_classes=4, num_layers=2),
                                       data=GaussianDataConfig(batch_size=8, in_features=8, num_classes=4)))

@@ -10,7 +10,7 @@ import torch
 from pipeflow.planning.layout import WHOLE_STEP, Layout, describe_layout, predict, with_step_costs
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import LayerProfile, action_costs
-from pipeflow.planning.runtime_timing import measure_action_overhead_s, measure_optimizer_s
+from pipeflow.planning.costs.runtime_timing import measure_action_overhead_s, measure_optimizer_s
 from pipeflow.planning.step_model import HostShare, StepCosts, predict_step, simulate_shared
 from pipeflow.schedules import RuntimeCosts, build_schedule, lower, simulate
 
@@ -88,7 +88,7 @@ def test_the_runtime_costs_are_measured_not_assumed() -> None:
 
 
 def test_the_planner_measures_the_action_overhead_unless_it_is_set() -> None:
-    from pipeflow.run.plan import compose_config, run_plan
+    from pipeflow.commands.plan.command import compose_config, run_plan
 
     words = ["model=gpt", "model.n_layer=2", "data.batch_size=8", "parallel.pp=2", "plan.schedules=[1f1b]",
              "plan.microbatches=[4]", "plan.comm_latency_ms=0"]
@@ -157,8 +157,8 @@ def test_the_rehearsal_lasts_about_its_budget_within_its_bounds() -> None:
 def test_metrics_rehearse_steps_is_checked_and_read_as_documented() -> None:
     from pipeflow.errors import ConfigError
     from pipeflow.run.builder import rehearsal_steps_for
-    from pipeflow.run.config import check_config
-    from pipeflow.run.plan import compose_config
+    from pipeflow.config.schema import check_config
+    from pipeflow.commands.plan.command import compose_config
 
     with pytest.raises(ConfigError, match=r"metrics.rehearse_steps=-1 must be >= 0"):
         check_config(compose_config(["metrics.rehearse_steps=-1"]), world_size=4)

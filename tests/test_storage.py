@@ -3,7 +3,7 @@ hosts, each host's ranks saving under a folder of their own: the disks of tests/
 without namespaces): each host holds its own ranks' shards, ``.metadata``, digests and ``latest``;
 a resume works in either order of hosts; a step some host lacks is skipped; gather merges the
 parts into one checkpoint any layout loads, and refuses an incomplete set.  Also the start-up
-check's verdicts (:func:`pipeflow.run.storage.sharing_problem`) and the config key."""
+check's verdicts (:func:`pipeflow.checkpoint.storage.sharing_problem`) and the config key."""
 from __future__ import annotations
 
 import os
@@ -21,10 +21,10 @@ from fault_cases import _error, _on_rank0, _shared_dir  # noqa: E402
 from mp_harness import run_cases  # noqa: E402
 
 from pipeflow.errors import ConfigError, RunDirNotSharedError  # noqa: E402
-from pipeflow.run import checkpoint, storage  # noqa: E402
-from pipeflow.run.checkpoint_gather import gather  # noqa: E402
-from pipeflow.run.config import check_values  # noqa: E402
-from pipeflow.run.export import check_complete, read_layers  # noqa: E402
+from pipeflow.checkpoint import saving as checkpoint, storage  # noqa: E402
+from pipeflow.checkpoint.gather import gather  # noqa: E402
+from pipeflow.config.schema import check_values  # noqa: E402
+from pipeflow.checkpoint.exporting import check_complete, read_layers  # noqa: E402
 from pipeflow.runtime import hosts  # noqa: E402
 
 TWO_HOSTS = hosts.HostTable((("h0", "10.0.0.1", (0, 1)), ("h1", "10.0.0.2", (2, 3))))
@@ -62,7 +62,7 @@ def _save_failing_on_host1(root: str, stage: int) -> None:
 
 
 class TwoLinears:
-    """The run's model as export sees it (:func:`pipeflow.run.export.check_complete`): two layers
+    """The run's model as export sees it (:func:`pipeflow.checkpoint.exporting.check_complete`): two layers
     with weights."""
 
     def __len__(self) -> int:
@@ -187,7 +187,7 @@ def test_the_sharing_verdicts() -> None:
 def test_checkpoint_storage_takes_shared_or_local() -> None:
     from omegaconf.errors import ValidationError
 
-    from pipeflow.run.config import Config, MLPModelConfig, TrainConfig
+    from pipeflow.config.schema import Config, MLPModelConfig, TrainConfig
     cfg = OmegaConf.structured(Config(model=MLPModelConfig()))
     check_values(cfg)
     with pytest.raises(ValidationError, match=r"Invalid value 'nfs', expected one of \[shared, local\]"):

@@ -8,7 +8,7 @@ import math
 import re
 from pathlib import Path
 
-from pipeflow.run.sweep import JobRecord, SweepState, format_table, job_label, swept_keys
+from pipeflow.commands.sweep import JobRecord, SweepState, format_table, job_label, swept_keys
 from test_cli import SMALL, torchrun
 
 FIGURES = ("samples_per_s", "tokens_per_s", "step_time_ms", "predicted_step_ms", "calibrated_step_ms", "bubble_measured",

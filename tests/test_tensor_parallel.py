@@ -20,7 +20,7 @@ from pipeflow.errors import ConfigError
 from pipeflow.models import from_module
 from pipeflow.models.gpt import GPT_BLOCK_PLAN, build_gpt
 from pipeflow.models.spec import TP_STYLES, LayerSpec, ModelSpec
-from pipeflow.run.config import ParallelConfig, resolve_layout
+from pipeflow.config.schema import ParallelConfig, resolve_layout
 
 
 def _parallel(**keys) -> ParallelConfig:
@@ -44,7 +44,7 @@ def test_the_world_is_dp_x_pp_x_tp_with_pp_inferred() -> None:
 
 def test_the_resume_line_names_every_saved_layout_dimension() -> None:
     """A tp 2 checkpoint was announced as 'saved with dp=1, pp=2' (issue 38)."""
-    from pipeflow.run.checkpoint import saved_layout
+    from pipeflow.checkpoint.saving import saved_layout
 
     meta = {"step": 4, "dp": 1, "pp": 2, "shard": "none", "world_size": 4}  # as saves write it: tp from the world
     assert saved_layout(meta) == "dp=1, pp=2, tp=2, shard=none (4 processes)"
@@ -105,7 +105,7 @@ def test_a_from_module_glob_plan_matches_every_layers_own_paths() -> None:
 
 
 def test_sizes_tp_does_not_divide_are_refused_by_module(one_rank_group) -> None:
-    from pipeflow.runtime.tensor_parallel import _check_divisible
+    from pipeflow.runtime.parallel.tensor_parallel import _check_divisible
 
     with pytest.raises(ConfigError, match=r"layer 'block.0', module 'mlp.c_fc' \(colwise\): its 5 weight rows are not "
                                           r"divisible by parallel.tp=2"):
@@ -119,7 +119,7 @@ def test_sizes_tp_does_not_divide_are_refused_by_module(one_rank_group) -> None:
 def test_a_layer_split_over_one_rank_is_itself_and_sequence_parallel_needs_norms(one_rank_group) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from pipeflow.runtime.tensor_parallel import parallelize_layer
+    from pipeflow.runtime.parallel.tensor_parallel import parallelize_layer
 
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
     spec = build_gpt(vocab_size=32, n_head=2, n_embd=16, n_layer=1, block_size=8)
@@ -136,7 +136,7 @@ def test_a_layer_split_over_one_rank_is_itself_and_sequence_parallel_needs_norms
 
 def test_ranks_are_named_by_their_dp_pp_tp_coordinates() -> None:
     from pipeflow.observability.trace import chrome_trace
-    from pipeflow.runtime.mesh_order import MeshGrid
+    from pipeflow.runtime.parallel.mesh_order import MeshGrid
 
     grid = MeshGrid(2, 2, 2)
     assert [grid.coordinates(g) for g in range(8)] == [
@@ -152,7 +152,7 @@ def test_ranks_are_named_by_their_dp_pp_tp_coordinates() -> None:
 
 
 def test_sequence_parallel_needs_tp_and_a_sequence_it_splits_evenly(one_rank_group) -> None:
-    from pipeflow.run.config import check_sequence_parallel
+    from pipeflow.config.schema import check_sequence_parallel
     from scale_cases import make_config
 
     check_sequence_parallel(make_config(1, parallel__tp=2, parallel__sequence_parallel=True))  # seq_len 8
@@ -169,7 +169,7 @@ def test_a_layer_split_over_tp_ranks_costs_its_share_plus_its_collectives() -> N
     from dataclasses import replace
 
     from pipeflow.planning.profile import LayerProfile
-    from pipeflow.planning.tensor_cost import TensorLink, split_profile
+    from pipeflow.planning.costs.tensor import TensorLink, split_profile
 
     p = LayerProfile("block", params=1000, param_bytes=4000, forward_s=1.0, backward_s=2.0, activation_bytes=800,
                      input_grad_s=1.2, weight_grad_s=0.8, output_bytes=100, tp_split=0.8, tp_forward_bytes=200,
@@ -203,7 +203,7 @@ def test_the_profile_counts_what_the_gpt_plan_would_split_and_send() -> None:
 def test_the_planner_searches_tp_beside_the_schedules(one_rank_group) -> None:
     from pipeflow.planning.profile import LayerProfile
     from pipeflow.planning.search import SearchSpace
-    from pipeflow.run.plan import search_tp
+    from pipeflow.commands.plan.command import search_tp
     from scale_cases import make_config
 
     layers = [LayerProfile(f"l{k}", 10**6, 4 * 10**6, 1e-3, 2e-3, 10**6, 1.2e-3, 0.8e-3, 10**5, tp_split=0.9,
@@ -283,7 +283,7 @@ def test_fsdp2_checkpoints_resume_across_tensor_parallel_degrees(world8) -> None
 
 
 def test_zero1_over_tp_shards_equals_the_unsplit_model_and_resumes_across_tp(world8) -> None:
-    """parallel.shard=optimizer with tp: ZeRO-1 over each DTensor's local shard (runtime/zero.py's
+    """parallel.shard=optimizer with tp: ZeRO-1 over each DTensor's local shard (runtime/parallel/zero.py's
     LocalShards), each dp rank owning part of them; ZB-V, clipped, against the unsplit model; and
     its checkpoints (AdamW state saved as DTensors of the parameters' placements) across tp."""
     for rank, result in enumerate(world8["zero-zbv-clipped"]):
@@ -305,7 +305,7 @@ def _vision_case(family: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from pipeflow.models import run_layers, zoo
-    from pipeflow.runtime.tensor_parallel import gathered, parallelize_layer
+    from pipeflow.runtime.parallel.tensor_parallel import gathered, parallelize_layer
     from test_model_zoo import _images, _small_convnext, _small_vit
 
     mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("pairs", "tp"))["tp"]

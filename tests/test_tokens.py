@@ -22,8 +22,8 @@ from pipeflow.data.prepare import prepare, train_tokenizer  # noqa: E402
 from pipeflow.data.tokens import TokenStream, document_ids, open_tokens, token_paths  # noqa: E402
 from pipeflow.errors import ConfigError  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
-from pipeflow.run.config import TokensDataConfig  # noqa: E402
-from pipeflow.run.plan import compose_config  # noqa: E402
+from pipeflow.config.schema import TokensDataConfig  # noqa: E402
+from pipeflow.commands.plan.command import compose_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,10 +10,10 @@ import pytest
 from pipeflow.planning.partition import partition_layers
 from pipeflow.planning.profile import LayerProfile
 from pipeflow.planning.step_model import HostShare, StepCosts, describe_costs, predict_step, ranks_sharing_cores
-from pipeflow.planning.tensor_cost import (TensorLink, largest_collective_bytes, relink_profile, split_profile,
+from pipeflow.planning.costs.tensor import (TensorLink, largest_collective_bytes, relink_profile, split_profile,
                                            split_profiles)
 from pipeflow.planning.tp_links import TpLinks, fold_groups, link_of
-from pipeflow.runtime.mesh_order import MeshGrid
+from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.schedules import build_schedule
 
 BLOCK = LayerProfile("block", params=1000, param_bytes=4000, forward_s=1e-3, backward_s=2e-3, activation_bytes=800,

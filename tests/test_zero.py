@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from pipeflow.runtime.zero import build_optimizer, local_optimizer, owned_parameters
+from pipeflow.runtime.parallel.zero import build_optimizer, local_optimizer, owned_parameters
 
 
 @pytest.mark.parametrize("shard", ["none", "optimizer"])

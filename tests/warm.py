@@ -46,7 +46,7 @@ PRELOAD = (
     "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "torch.multiprocessing",
     "numpy", "hydra", "omegaconf", "pytest", "tensorboard.backend.event_processing.event_accumulator",
     "torch.utils.tensorboard", "transformers", "safetensors.torch", "pipeflow", "pipeflow.run.builder",
-    "pipeflow.run.config", "pipeflow.run.trainer", "pipeflow.run.sweep", "pipeflow.run.plan",
+    "pipeflow.config.schema", "pipeflow.run.trainer", "pipeflow.commands.sweep", "pipeflow.commands.plan.command",
     "pipeflow.models", "pipeflow.runtime.pipeline", "pipeflow.schedules",
     # imported later by most forks, 1.2 s each: torch.optim's first optimizer imports dynamo
     # (and with it inductor and triton); the Hugging Face, LoRA and torchvision runs their models

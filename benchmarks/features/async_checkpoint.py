@@ -6,9 +6,9 @@ One process (a gloo group of one, torch on one thread: the other core is free, a
 host is) trains a stack of ``--layers`` Linear layers of ``--width`` (float32, AdamW: parameters
 and the optimizer's two moments are the state saved, a few hundred MB) on a batch of ``--batch``
 rows.  Each round times, in turn, a window of ``--save-every`` + 1 steps four ways: no save (the
-baseline), a synchronous save after the first step (``pipeflow.run.checkpoint.save``), and a save
+baseline), a synchronous save after the first step (``pipeflow.checkpoint.saving.save``), and a save
 staged after the first step and written in the background by each mode
-(:class:`~pipeflow.run.checkpoint_async.BackgroundSaver`, its report polled at every step
+(:class:`~pipeflow.checkpoint.background.BackgroundSaver`, its report polled at every step
 boundary as the Trainer polls it; a write still running at the window's end is waited for,
 inside the window).  With W = sync's window - the baseline (what a synchronous write costs),
 each mode hides ``1 - (its window - the baseline) / W`` of it; medians over the rounds.  The
@@ -31,8 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from benchmarks.runner import benchmark_parser, report  # noqa: E402
-from pipeflow.run import checkpoint  # noqa: E402
-from pipeflow.run.checkpoint_async import BackgroundSaver  # noqa: E402
+from pipeflow.checkpoint import saving as checkpoint  # noqa: E402
+from pipeflow.checkpoint.background import BackgroundSaver  # noqa: E402
 
 MODES = ("async", "async_process")
 

@@ -12,7 +12,7 @@ GPT on one long sequence per micro-batch, ``train.py``'s own
   at ``seq / cp``), and their ratio to cp = 1's;
 - the step time (median of the slowest rank, barrier to barrier).
 
-Then, on the same ranks, one attention layer's ring (:mod:`pipeflow.runtime.ring_attention`)
+Then, on the same ranks, one attention layer's ring (:mod:`pipeflow.runtime.parallel.ring_attention`)
 forward + backward on the model's shapes, three ways in alternating rounds: as it runs (each
 exchange posted before the block it overlaps is computed), with every exchange waited for as soon
 as it is posted (``OVERLAP = False``), and the exchanges alone (no compute).  The hidden share is
@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.features.sharding import compose  # noqa: E402
 from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_per_degree, timed_train_steps  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
-from pipeflow.runtime import ring_attention  # noqa: E402
+from pipeflow.runtime.parallel import ring_attention  # noqa: E402
 from pipeflow.runtime.transport import P2PComm  # noqa: E402
 
 

@@ -4,7 +4,7 @@ on stages whose communication is a real wait, beside the simulator's prediction 
 Four gloo processes: pp 2 x dp 2, the dp pair of each stage its ep group.  Every stage is three
 layers: a sleep layer (F ``--forward-ms``/2, B ``--backward-ms``/2, W ``--weight-ms``), an
 exchange layer that sends ``--exchange-mb`` MB through the ep group's ``all_to_all``
-(pipeflow's MoE exchange, :class:`~pipeflow.runtime.expert_parallel.AllToAll`: once in forward,
+(pipeflow's MoE exchange, :class:`~pipeflow.runtime.parallel.expert_parallel.AllToAll`: once in forward,
 once in backward) and another sleep layer (F/2, B/2).  The sleep leaves the cores free, so the
 all_to_all is the only real work: in an overlapped pair it proceeds while the other micro-batch's
 action sleeps.  Both settings run in alternating rounds in one process group; the table gives
@@ -46,7 +46,7 @@ class Exchange(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Exchange a payload that depends on x, so its gradient comes back the same way."""
-        from pipeflow.runtime.expert_parallel import AllToAll
+        from pipeflow.runtime.parallel.expert_parallel import AllToAll
 
         payload = x.sum().reshape(1).expand(self.numel).contiguous()
         out = AllToAll.apply(payload, None, None, self.group, self.recorder, "payload")

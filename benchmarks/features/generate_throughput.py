@@ -30,7 +30,7 @@ def worker(rank: int, ranks: int, port: int, args: argparse.Namespace, queue) ->
     """One stage: generate in both modes, rank 0 puts {mode: (seconds, tokens)} on the queue."""
     from pipeflow.models.gpt import build_gpt
     from pipeflow.models.gpt_decode import GPTStageDecoder
-    from pipeflow.run.generate import split
+    from pipeflow.commands.generate import split
     from pipeflow.runtime.decode import Sampler, generate, left_padded
     from pipeflow.runtime.transport import P2PComm
 

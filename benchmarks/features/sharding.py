@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_per_degree  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
-from pipeflow.run.config import register_configs  # noqa: E402
+from pipeflow.config.schema import register_configs  # noqa: E402
 
 MODES = ("none", "optimizer", "full")
 

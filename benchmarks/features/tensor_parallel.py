@@ -7,7 +7,7 @@ GPT wider than the default one, ``train.py``'s own :func:`~pipeflow.run.builder.
 built and trained for ``--steps`` timed steps after two untimed ones.  Reported per rank:
 
 - parameter, gradient and AdamW-state bytes, summed here over this rank's local shards (a
-  DTensor's ``to_local()``, :func:`pipeflow.runtime.fsdp.local`; each storage once), at the end
+  DTensor's ``to_local()``, :func:`pipeflow.runtime.parallel.fsdp.local`; each storage once), at the end
   of step 1 after the optimizer step, before the gradients are released; and pipeflow's own
   accountant's figure for the same moment (:mod:`pipeflow.runtime.memory`) as a cross-check;
 - the ratio of params + grads + optimizer to the same pipeline rank's at tp = 1 (its stage
@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.runner import benchmark_parser, gloo_worker, report, spawn_per_degree, timed_train_steps  # noqa: E402
 from benchmarks.features.sharding import compose  # noqa: E402
 from pipeflow.run.builder import build_run  # noqa: E402
-from pipeflow.runtime.fsdp import local  # noqa: E402
+from pipeflow.runtime.parallel.fsdp import local  # noqa: E402
 from pipeflow.runtime.memory import optimizer_state  # noqa: E402
 
 

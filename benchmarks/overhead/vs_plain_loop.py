@@ -88,7 +88,7 @@ from pipeflow.models.spec import run_layers  # noqa: E402
 from pipeflow.run.trainer import Trainer, lr_at, unique_parameters  # noqa: E402
 from pipeflow.runtime.compile import graphs_compiled  # noqa: E402
 from pipeflow.runtime.precision import compute_dtype  # noqa: E402
-from pipeflow.runtime.zero import local_optimizer  # noqa: E402
+from pipeflow.runtime.parallel.zero import local_optimizer  # noqa: E402
 
 CASE_KEYS = ("n_layer", "n_embd", "n_head", "seq", "batch", "m")
 DEFAULT_CASES = {  # the issue's cases: m is a list, one case per value
@@ -142,7 +142,7 @@ def parse_cases(device: str, specs: list[list[str]] | None) -> list[Case]:
 def compose(overrides: list[str]) -> Any:
     """The resolved config from ``configs/`` with `overrides`, as ``train.py`` would see it."""
     from hydra import compose as hydra_compose, initialize_config_dir
-    from pipeflow.run.config import register_configs
+    from pipeflow.config.schema import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):

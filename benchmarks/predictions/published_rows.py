@@ -21,7 +21,7 @@ import torch
 from pipeflow.models.gpt import build_gpt
 from pipeflow.planning.cluster_search import Layout, Prediction, Workload, predict
 from pipeflow.planning.hardware import Cluster, load_hardware
-from pipeflow.planning.roofline import Efficiency, LayerShape, trace_layers
+from pipeflow.planning.costs.roofline import Efficiency, LayerShape, trace_layers
 
 FOLDER = Path(__file__).with_name("published")
 PRESETS = {"a100_sxm_80gb": "a100_sxm_80gb", "a100_sxm_40gb": "a100_sxm_40gb", "h100_sxm_80gb": "h100_sxm"}

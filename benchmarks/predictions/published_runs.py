@@ -15,7 +15,7 @@ Both figures are in the paper's convention: its FLOPs (Eq. 3, ``96 B s l h^2 (1 
 count the recomputed forward, 4/3 of the model FLOPs of the transformer layers under full
 recomputation.  The planner itself reports model FLOPs (no recomputation).
 
-The efficiency terms (`pipeflow.planning.roofline.Efficiency`) were fitted once on these ten rows:
+The efficiency terms (`pipeflow.planning.costs.roofline.Efficiency`) were fitted once on these ten rows:
 network set beforehand at 0.8 (a typical NCCL bus bandwidth over NVSwitch), the other four by
 Nelder-Mead minimising the mean absolute error plus half the largest (each row's pipeline overhead
 over its busiest rank's compute held at its simulated value while fitting), then rounded.  They
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import published_rows
 from pipeflow.planning.cluster_search import Layout, Prediction, Workload, predict
 from pipeflow.planning.hardware import Cluster, load_hardware
-from pipeflow.planning.roofline import Efficiency
+from pipeflow.planning.costs.roofline import Efficiency
 
 SEQ, VOCAB = 2048, 51200
 
@@ -146,7 +146,7 @@ def best_layouts(source: str = "megatron_lm_readme", generation: str = "h100") -
     the published layout predicted on the same stack; the knobs it chose.  Exit 1 when a pick is
     predicted slower than the published layout."""
     from pipeflow.planning.cluster_space import ClusterSpace, search_cluster
-    from pipeflow.run.cluster_plan import HEADROOM
+    from pipeflow.commands.plan.cluster import HEADROOM
 
     worse = 0
     for row in published_rows.load():

@@ -1,6 +1,6 @@
 """``parallel.cp`` for ``model=hf``: a family's own attention module runs round the cp ring.
 
-The builder attaches the cp ring (:class:`~pipeflow.runtime.ring_attention.ContextParallel`) to
+The builder attaches the cp ring (:class:`~pipeflow.runtime.parallel.ring_attention.ContextParallel`) to
 every module with a :data:`CONTEXT_PARALLEL` attribute (the decoder pieces' attention modules and
 the embedding piece carry one, None without cp).  A layer whose attention holds it names
 :data:`RING_ATTENTION` in its config: a function registered with transformers'

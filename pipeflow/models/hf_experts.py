@@ -123,7 +123,7 @@ def _check_fused(path: str, name: str, param: Tensor, experts: int) -> None:
 def split_hf_experts(path: str, module: nn.Module, rank: int, ranks: int, group: Any,
                      exchange: Callable[[Tensor, list[int], list[Callable[[Tensor], Tensor]]], Tensor]) -> None:
     """Keep experts ``rank * E / ranks ..`` of the Hugging Face experts `module` (at `path`) and
-    route every token's experts through `exchange` (:class:`~pipeflow.runtime.expert_parallel.
+    route every token's experts through `exchange` (:class:`~pipeflow.runtime.parallel.expert_parallel.
     AllToAllExchange`: tokens sorted by global expert, the count per expert, this rank's experts).
 
     Raises:

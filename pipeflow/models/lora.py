@@ -15,7 +15,7 @@ The exported ``adapter_config.json`` holds the same targets (plain names as peft
 matches against module names; globs as one regular expression, :attr:`LoraSettings.pattern`), so
 ``peft.PeftModel.from_pretrained`` adapts the same modules of the whole model. Out of scope, named errors (:class:`~pipeflow.errors.LoraError`): LoRA on
 embeddings or the output head, QLoRA (quantised base weights). With ``parallel.tp`` each adapter
-splits with the Linear it wraps (pipeflow/runtime/tensor_parallel_lora.py). ``peft`` is imported
+splits with the Linear it wraps (pipeflow/runtime/parallel/tensor_parallel_lora.py). ``peft`` is imported
 only when a layer is adapted.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ load-balancing loss ``coef * E * sum_e f_e * P_e`` per layer and micro-batch (f_
 the micro-batch's k x N assignments expert e got, P_e: its mean router probability); ``bias`` is
 DeepSeek-V3's loss-free balancing: sigmoid scores, experts chosen by score + a per-expert bias
 that the step's token counts (summed over micro-batches and data-parallel ranks, see
-``pipeflow.runtime.routing``) move by ``bias_update_rate`` towards the mean.  The auxiliary loss
+``pipeflow.runtime.parallel.routing``) move by ``bias_update_rate`` towards the mean.  The auxiliary loss
 (and the optional router z-loss) is attached to the layer's output for backward
 (:mod:`pipeflow.models.aux_loss`), weighted by the micro-batch's loss weight.
 
@@ -262,7 +262,7 @@ class MoE(nn.Module):
     def split_experts(self, rank: int, ranks: int, exchange: ExpertExchange) -> None:
         """Keep experts ``rank * E / ranks ..`` (by global index) of the `ranks` sharing this layer;
         `exchange` runs every token's experts where they are (expert parallelism, applied by
-        ``pipeflow.runtime.expert_parallel``).
+        ``pipeflow.runtime.parallel.expert_parallel``).
 
         Raises:
             ConfigError: `ranks` does not divide the experts.

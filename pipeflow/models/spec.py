@@ -40,7 +40,7 @@ def counted_targets(targets: Any, ignore_index: int | None = IGNORE_INDEX) -> in
     return int((targets != ignore_index).sum())
 
 # How a tensor-parallel plan (ModelSpec.tp_plan) splits a submodule over the tp ranks of a stage
-# (pipeflow/runtime/tensor_parallel.py turns them into torch's DTensor parallel styles):
+# (pipeflow/runtime/parallel/tensor_parallel.py turns them into torch's DTensor parallel styles):
 TP_STYLES = {
     "colwise": "a Linear's output features split (its weight's rows); the input whole",
     "colwise_qkv": "a Linear whose output is [q; k; v] stacked: each third's rows split alike, so a rank "

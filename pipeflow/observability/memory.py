@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.runtime.mesh_order import MeshGrid
+from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.schedules.memory import CATEGORIES, RankMemory, TensorBytes
 
 if TYPE_CHECKING:

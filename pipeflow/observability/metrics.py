@@ -36,11 +36,11 @@ from pipeflow.observability.trackers import Trackers, chosen_trackers, open_trac
 from pipeflow.runtime import hosts
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.schedules import PipelineSchedule
-from pipeflow.runtime.mesh_order import MeshGrid
+from pipeflow.runtime.parallel.mesh_order import MeshGrid
 
 if TYPE_CHECKING:
     from pipeflow.planning.layout import Prediction
-    from pipeflow.runtime.routing import RoutingFigures
+    from pipeflow.runtime.parallel.routing import RoutingFigures
     from pipeflow.schedules.memory import RankMemory
 
 log = logging.getLogger("pipeflow")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pipeflow.runtime.routing import RoutingFigures
+from pipeflow.runtime.parallel.routing import RoutingFigures
 
 
 class RoutingLog:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.runtime.mesh_order import MeshGrid
+from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.observability.figures import pipeline_bubble, step_figures
 from pipeflow.runtime.clocks import clock_offsets, host_offsets  # noqa: F401 - host_offsets: also read from here
 from pipeflow.runtime.events import A2A, COPY_KINDS, SHARD, TimedEvent

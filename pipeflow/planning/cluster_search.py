@@ -1,5 +1,5 @@
 """A layout on a described cluster, predicted without the cluster: roofline layer costs
-(`pipeflow.planning.roofline`) in, the real lowered program simulated, step time and memory out.
+(`pipeflow.planning.costs.roofline`) in, the real lowered program simulated, step time and memory out.
 
 Index letters as in `pipeflow.planning.search`: p = pp ranks, m = micro-batches per replica,
 v = stages per rank, b = micro-batch size (samples); t = tp ranks, d = dp replicas.
@@ -23,9 +23,9 @@ from typing import Sequence
 
 from pipeflow.planning.balance import balance_contiguous
 from pipeflow.planning.hardware import Cluster, Link
-from pipeflow.runtime.mesh_order import MeshGrid
+from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.planning.profile import LayerProfile, action_costs
-from pipeflow.planning.roofline import Efficiency, LayerShape, Placement, model_flops_per_token, profiles_at
+from pipeflow.planning.costs.roofline import Efficiency, LayerShape, Placement, model_flops_per_token, profiles_at
 from pipeflow.planning.search import rank_memory
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate
 from pipeflow.schedules.ir import ACTIVATION, CommOp

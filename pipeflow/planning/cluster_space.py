@@ -19,7 +19,7 @@ from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.cluster_search import HOLD_ALL, ORDERS, OPTIMIZER_FACTOR, Layout, Prediction, Workload, predict
 from pipeflow.planning.cluster_search import optimizer_s, reduction_s, stage_ranges, tp_link
 from pipeflow.planning.hardware import Cluster
-from pipeflow.planning.roofline import Efficiency, Placement, profiles_at, weight_bytes
+from pipeflow.planning.costs.roofline import Efficiency, Placement, profiles_at, weight_bytes
 from pipeflow.schedules import LAYOUTS, SCHEDULES
 
 CLUSTER_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")

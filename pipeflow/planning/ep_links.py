@@ -1,5 +1,5 @@
 """The ep groups' ``all_to_all`` measured at start, so the step prediction costs every MoE layer's
-token exchanges (:mod:`pipeflow.planning.expert_cost`) on the link its ep group uses.
+token exchanges (:mod:`pipeflow.planning.costs.expert`) on the link its ep group uses.
 
 Every ep group exchanges at once, as the layers do in training, at a small size and at the
 layers' largest exchange (capped at :data:`MAX_PROBE_BYTES`; larger ones are extrapolated on the
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.planning.comm_cost import fit_line
-from pipeflow.planning.expert_cost import (BACKWARD_EXCHANGES, FORWARD_LATENCIES, WEIGHT_GRAD_EXCHANGES,
+from pipeflow.planning.costs.comm import fit_line
+from pipeflow.planning.costs.expert import (BACKWARD_EXCHANGES, FORWARD_LATENCIES, WEIGHT_GRAD_EXCHANGES,
                                            ExpertLayers, ExpertLink, exchange_payload, exchange_seconds,
                                            exchanged_bytes_per_step, relink_exchanges)
 from pipeflow.planning.profile import LayerProfile

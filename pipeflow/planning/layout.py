@@ -20,8 +20,8 @@ import torch.distributed as dist
 from pipeflow.errors import PartitionError, PipeflowError
 from pipeflow.models.spec import ModelSpec
 from pipeflow.planning.partition import BALANCE_METHODS, format_partition, plan_partition
-from pipeflow.planning.expert_cost import expert_layers, expert_profiles
-from pipeflow.planning.tensor_cost import split_profiles
+from pipeflow.planning.costs.expert import expert_layers, expert_profiles
+from pipeflow.planning.costs.tensor import split_profiles
 from pipeflow.planning.profile import LayerProfile, action_costs, count_layer_params, profile_layers
 from pipeflow.schedules import PipelineSchedule, forward_only, lower, simulate
 from pipeflow.planning.links import describe_dp_groups
@@ -288,10 +288,10 @@ def choose_layout(
     targets; the loss is profiled on them).  `autocast_dtype` is the run's compute dtype
     (``train.precision``), which the profile runs the layers in; `compiled` (``train.compile``'s
     :class:`~pipeflow.runtime.compile.CompileOptions`, or None) how it compiles them.  With `tp`
-    > 1 the unsplit profiles become one tp rank's (`pipeflow.planning.tensor_cost`: compute and
+    > 1 the unsplit profiles become one tp rank's (`pipeflow.planning.costs.tensor`: compute and
     memory of the split share, the plan's collectives over an assumed NVLink-class link); with
     `ep` > 1 one ep rank's (1/ep of the experts' parameters, and the MoE layers' all_to_alls
-    over an assumed link: `pipeflow.planning.expert_cost`).
+    over an assumed link: `pipeflow.planning.costs.expert`).
 
     Raises:
         PartitionError: unknown balance method, bad split points, more stages than layers.

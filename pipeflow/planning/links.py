@@ -1,7 +1,7 @@
 """Each pipeline link on its own: what a transfer between two pipeline ranks costs, measured at
 start pair by pair, so a boundary that crosses hosts is costed on the slow link it uses.
 
-The ring measurement of :mod:`pipeflow.planning.comm_cost` gives one figure for every
+The ring measurement of :mod:`pipeflow.planning.costs.comm` gives one figure for every
 boundary (the slowest rank's).  Across hosts the boundaries differ by orders of magnitude: a
 pair of ranks on one host talks through memory, a pair on two hosts through the network.  Here
 every pair of pipeline ranks the program exchanges between (``stage_to_rank`` of each stage and
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.planning.comm_cost import exchange_s
+from pipeflow.planning.costs.comm import exchange_s
 from pipeflow.runtime import hosts
 from pipeflow.schedules import Bucket, PipelineSchedule
 from pipeflow.schedules.ir import CommOp

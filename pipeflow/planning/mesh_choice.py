@@ -29,7 +29,7 @@ import torch.distributed as dist
 from pipeflow.planning.links import Link, PipelineLinks, link_pairs, probe_pair, world_max
 from pipeflow.planning.step_model import StepCosts, predict_step
 from pipeflow.runtime import hosts
-from pipeflow.runtime.mesh_order import DEFAULT_ORDER, MeshGrid, order_text
+from pipeflow.runtime.parallel.mesh_order import DEFAULT_ORDER, MeshGrid, order_text
 from pipeflow.schedules import PipelineSchedule
 
 MARGIN = 0.02  # another order must be predicted this much faster than [dp,pp,tp]

@@ -20,7 +20,7 @@ from typing import Any
 from pipeflow.planning.mesh_choice import (HostLinks, candidate_orders, crosses_hosts, dp_allreduce_s, pick_order,
                                            tp_allreduce_s)
 from pipeflow.planning.step_model import op_bytes
-from pipeflow.runtime.mesh_order import MeshGrid
+from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.schedules import PipelineSchedule
 from pipeflow.schedules.ir import CommOp
 from pipeflow.schedules.simulator import SimResult

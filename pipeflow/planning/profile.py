@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from pipeflow.models.spec import ModelSpec
-from pipeflow.planning import layer_timing as timing
-from pipeflow.planning.tp_traffic import TensorTraffic
-from pipeflow.runtime import ring_attention
+from pipeflow.planning.costs import layer_timing as timing
+from pipeflow.planning.costs.tp_traffic import TensorTraffic
+from pipeflow.runtime.parallel import ring_attention
 from pipeflow.runtime.compile import CompileOptions, compile_layer, holds_all_parameters
 from pipeflow.runtime.precision import to_compute_dtype
 from pipeflow.schedules.auto import StageCosts
@@ -56,7 +56,7 @@ class LayerProfile:
             that waits, about 1 for one thread computing, more for several); how much cores shared
             with other ranks slow it down (`pipeflow.planning.step_model`).
         tp_split: the fraction of the layer's parameters its tensor-parallel plan splits (0 for a
-            model without a plan); `pipeflow.planning.tensor_cost` scales compute and memory by it.
+            model without a plan); `pipeflow.planning.costs.tensor` scales compute and memory by it.
         tp_forward_bytes, tp_backward_bytes: what the plan's collectives would carry in the
             forward (row-wise outputs summed, a head's output gathered: counted as half) and in the
             backward (column-wise inputs' gradients summed), as all-reduce payloads in bytes.
@@ -70,7 +70,7 @@ class LayerProfile:
             (key/value blocks and their gradients); ring_forward_passes, ring_backward_passes: in
             how many passes; ring_forward_hidden_s, ring_backward_hidden_s: the compute between
             posting each pass and waiting for it, summed (what the transfers can hide behind;
-            `pipeflow.planning.context_cost` prices them on a link).
+            `pipeflow.planning.costs.context` prices them on a link).
     """
 
     name: str
@@ -231,7 +231,7 @@ def profile_layers(
             warm-up run compiles it), so the profile times the compiled layer; None: eager.
         context_parallel: ``parallel.cp``: the sample is a cp rank's share of the rows, and a
             layer that takes context parallelism attends round a loopback ring of that size
-            (:class:`~pipeflow.runtime.ring_attention.LoopbackRing`): a cp rank's compute and
+            (:class:`~pipeflow.runtime.parallel.ring_attention.LoopbackRing`): a cp rank's compute and
             saved tensors, its exchanges not counted.
 
     Returns:

@@ -33,7 +33,7 @@ from pipeflow.schedules.ir import CommOp, Step
 from pipeflow.schedules.memory import StageBytes, stage_inflight, tensor_memory
 from pipeflow.schedules.offload import HostLink, OffloadCosts, OffloadPlan, group_bytes_of, plan_offload
 from pipeflow.schedules.simulator import SimResult
-from pipeflow.runtime.mesh_order import DEFAULT_ORDER, order_text
+from pipeflow.runtime.parallel.mesh_order import DEFAULT_ORDER, order_text
 
 if TYPE_CHECKING:
     from pipeflow.planning.profile import LayerProfile

@@ -9,7 +9,7 @@ lowering: when recvs are posted and waited) with
                      directions, at the sizes this model sends; posting a step's ops, measured
     tp collectives   each tp group's all-reduce measured at start, in place of the NVLink-class
                      link the profiles were split over
-    ep exchanges     the MoE layers' all_to_alls (`pipeflow.planning.expert_cost`) on the ep
+    ep exchanges     the MoE layers' all_to_alls (`pipeflow.planning.costs.expert`) on the ep
                      groups' link measured at start, in place of the assumed one
     cores shared     where the ranks of a machine need more threads than it has cores (4 ranks on 2
                      cores; emulated hosts, network namespaces of one kernel, share its cores), an
@@ -21,7 +21,7 @@ lowering: when recvs are posted and waited) with
                      data-parallel reduction (measured per byte) and the optimizer step (timed on
                      a scratch copy of the rank's parameters)
 
-The runtime's own costs are timed by :mod:`pipeflow.planning.runtime_timing`.
+The runtime's own costs are timed by :mod:`pipeflow.planning.costs.runtime_timing`.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.planning.profile import release_cached_memory
-from pipeflow.planning.runtime_timing import measure_action_overhead_s, measure_tail_parts
+from pipeflow.planning.costs.runtime_timing import measure_action_overhead_s, measure_tail_parts
 from pipeflow.runtime import hosts
 from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, SimResult, simulate
 from pipeflow.schedules.ir import Action, CommOp
@@ -112,7 +112,7 @@ class StepCosts:
         ep_links: with ep > 1, the ep groups' all_to_all measured at start
             (`pipeflow.planning.ep_links`): the MoE layers' exchanges are costed on it.
         cp_link: with cp > 1, a pass round the cp ring measured at start: the attention's passes
-            are costed on it, less the compute they hide behind (`pipeflow.planning.context_cost`).
+            are costed on it, less the compute they hide behind (`pipeflow.planning.costs.context`).
         overlap_pairs: ``pipeline.overlap_pairs``: the schedule's overlapped pairs are simulated
             interleaved, the MoE layers' exchanges of each action behind the other's compute.
         share: the host's cores and the ranks sharing them.
@@ -140,7 +140,7 @@ class StepCosts:
     tp_links: Any = None  # TpLinks: tp > 1, each tp group's all-reduce measured (`pipeflow.planning.tp_links`)
     ep_links: Any = None  # EpLinks: ep > 1, the ep groups' all_to_all measured (`pipeflow.planning.ep_links`)
     overlap_pairs: bool = False  # the run overlaps dualpipev's pairs (pipeline.overlap_pairs): simulated so
-    cp_link: Any = None  # TensorLink: cp > 1, a pass round the cp ring measured (`pipeflow.planning.context_cost`)
+    cp_link: Any = None  # TensorLink: cp > 1, a pass round the cp ring measured (`pipeflow.planning.costs.context`)
     # parallel.shard=full: one stage's gather (and its reshard's reduce-scatter), seconds, from the
     # dp reduction measured at start; the program's shard points are simulated with it
     shard_s: float | None = None
@@ -216,13 +216,13 @@ def measure_step_costs(
     term), also while the host computes (unless not `busy`: a rehearsal will see that), posting,
     the per-action overhead (unless given), the tail (AdamW fused as `fused`, ``optim.fused``);
     the slowest rank's figures.  Where the job spans several hosts and `schedule` and `grid`
-    (the mesh's :class:`~pipeflow.runtime.mesh_order.MeshGrid`) are given, every link of the
+    (the mesh's :class:`~pipeflow.runtime.parallel.mesh_order.MeshGrid`) are given, every link of the
     program too, and each dp group's all-reduce apart.  With tp > 1 (`tp_group`, `grid`) each tp
     group's all-reduce at `tp_payload` bytes (the layers' largest collective), in the same pass;
     with ep > 1 (`ep_group`, `experts`: an :class:`~pipeflow.planning.ep_links.ExpertExchange`)
     the ep groups' all_to_all too; with cp > 1 (`cp_comm`, the cp group's transport) a pass round
     the cp ring at `ring_payload` bytes (the layers' largest) and a quarter of it."""
-    from pipeflow.planning.comm_cost import measure_transfers
+    from pipeflow.planning.costs.comm import measure_transfers
     from pipeflow.planning.links import measure_links
 
     device = comm.device
@@ -305,7 +305,7 @@ def predict_step(
     if costs.ep_links is not None:  # the MoE layers' exchanges on the ep groups' measured link
         profiles = costs.ep_links.profiles(profiles)
     if costs.cp_link is not None:  # the attention's passes round the cp ring, what compute leaves exposed
-        from pipeflow.planning.context_cost import ring_profiles
+        from pipeflow.planning.costs.context import ring_profiles
 
         profiles = ring_profiles(profiles, costs.cp_link)
     boundary = [float(profiles[r.stop - 1].output_bytes) for r in ranges]

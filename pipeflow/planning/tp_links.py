@@ -1,7 +1,7 @@
 """Each tensor-parallel group's all-reduce measured at start, so the step prediction costs every
 stage's tp collectives on the link its group uses (and the start-of-run report names a slow group).
 
-The profiles split over tp ranks (:mod:`pipeflow.planning.tensor_cost`) assume an NVLink-class
+The profiles split over tp ranks (:mod:`pipeflow.planning.costs.tensor`) assume an NVLink-class
 link.  At start every tp group all-reduces at once, as the layers' collectives run in training,
 at a small size, at the model's largest collective payload (a representative size, capped at
 :data:`MAX_PROBE_BYTES`) and a quarter of it; a ring's ``latency + 2 (tp - 1) / tp x bytes /
@@ -20,10 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.planning.comm_cost import fit_line
+from pipeflow.planning.costs.comm import fit_line
 from pipeflow.planning.links import SLOW_FACTOR, group_where
 from pipeflow.planning.profile import LayerProfile
-from pipeflow.planning.tensor_cost import TensorLink, relink_profile
+from pipeflow.planning.costs.tensor import TensorLink, relink_profile
 from pipeflow.runtime import hosts
 
 SMALL_PROBE_BYTES = 1 << 12
@@ -123,7 +123,7 @@ def measure_tp_links(device: torch.device, tp_group: Any, grid: Any, payload_byt
     Args:
         device: this rank's device (NCCL's collectives run on it).
         tp_group: this rank's tp process group.
-        grid: the mesh's :class:`~pipeflow.runtime.mesh_order.MeshGrid` (its tp groups).
+        grid: the mesh's :class:`~pipeflow.runtime.parallel.mesh_order.MeshGrid` (its tp groups).
         payload_bytes: the layers' largest collective payload (the representative size).
         sequence_parallel: whether the layers run sequence-parallel.
         repeats: timed all-reduces per size.

@@ -33,50 +33,50 @@ from pipeflow.models.spec import ModelSpec
 from pipeflow.observability.metrics import RunMetrics
 from pipeflow.planning.auto import auto_for_count, auto_for_layout
 from pipeflow.planning.calibration import calibrator, stage_boundary_bytes
-from pipeflow.planning.comm_cost import measure_transfer_s
-from pipeflow.planning.context_cost import largest_pass_bytes
+from pipeflow.planning.costs.comm import measure_transfer_s
+from pipeflow.planning.costs.context import largest_pass_bytes
 from pipeflow.planning.layout import Layout, choose_layout, with_offload, with_step_costs
 from pipeflow.planning.ep_links import expert_exchange
-from pipeflow.planning.expert_cost import expert_layers
+from pipeflow.planning.costs.expert import expert_layers
 from pipeflow.planning.links import host_name
 from pipeflow.planning.measured_cluster import rank_hosts, start_links
 from pipeflow.planning.rehearsal import with_rehearsal
-from pipeflow.planning.runtime_timing import fused_adamw
+from pipeflow.planning.costs.runtime_timing import fused_adamw
 from pipeflow.planning.step_model import measure_step_costs, with_fsdp_shards
-from pipeflow.planning.tensor_cost import largest_collective_bytes
+from pipeflow.planning.costs.tensor import largest_collective_bytes
 from pipeflow.errors import ConfigError
 from pipeflow.run import guard
 from pipeflow.run.replan import replanned
 from pipeflow.run.compile_phase import compile_and_warm_up, compile_options
 from pipeflow.run.model_build import build_spec, built_on_every_rank
-from pipeflow.run.config import RecvPosting, check_config, tensor_degree
-from pipeflow.run.config_data import typed_data
+from pipeflow.config.schema import RecvPosting, check_config, tensor_degree
+from pipeflow.config.data import typed_data
 from pipeflow.run.faults import install_from_env
 from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
 from pipeflow.run.step_update import StepUpdate
 from pipeflow.run.trainer import Trainer, unique_parameters
 from pipeflow.run.workspace import prepare as prepare_workspace
-from pipeflow.runtime import ring_attention
+from pipeflow.runtime.parallel import ring_attention
 from pipeflow.runtime.events import EventRecorder, clock_for
 from pipeflow.runtime.finite import FiniteCheck
-from pipeflow.runtime.fsdp import FullShard
+from pipeflow.runtime.parallel.fsdp import FullShard
 from pipeflow.runtime.memory import MemoryAccountant, device_memory_limit
-from pipeflow.runtime.mesh import GradReducer, Mesh, build_mesh
-from pipeflow.runtime.mesh_order import DEFAULT_ORDER, parse_order
+from pipeflow.runtime.parallel.mesh import GradReducer, Mesh, build_mesh
+from pipeflow.runtime.parallel.mesh_order import DEFAULT_ORDER, parse_order
 from pipeflow.planning.mesh_choice import choose_order
 from pipeflow.runtime.host_link import HostLinkMeasure, measured_once
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import AheadTuner, Posting
 from pipeflow.runtime.precision import LossScaler, checkpoint_every, compute_dtype
-from pipeflow.runtime.expert_parallel import expert_groups, expert_parameters, expert_rank, split_experts
-from pipeflow.runtime.routing import routing_sync
+from pipeflow.runtime.parallel.expert_parallel import expert_groups, expert_parameters, expert_rank, split_experts
+from pipeflow.runtime.parallel.routing import routing_sync
 from pipeflow.runtime.keyed_dropout import key_dropout
 from pipeflow.runtime.stage import build_stages, layers_by_index
-from pipeflow.runtime.tensor_parallel import parallelize_stages
+from pipeflow.runtime.parallel.tensor_parallel import parallelize_stages
 from pipeflow.runtime.compile import forget_compiled
 from pipeflow.runtime.tied import TiedWeights, tie_in_place
 from pipeflow.runtime.transport import DeadlineWatchdog, Deadlines, P2PComm
-from pipeflow.runtime.zero import build_optimizer
+from pipeflow.runtime.parallel.zero import build_optimizer
 from pipeflow.schedules import PipelineSchedule, Synthesis, build_schedule, relabel_ranks
 from pipeflow.data.batch_ramp import BatchRamp, RampedBatches
 from pipeflow.observability.stragglers import StragglerWatch
@@ -95,7 +95,7 @@ def build_run(cfg: DictConfig, device: torch.device) -> Trainer:
     offload) and :func:`build_loop` (pipeline, optimizer, metrics: the Trainer).
 
     Args:
-        cfg: the resolved Hydra config (see ``configs/`` and :mod:`pipeflow.run.config`).
+        cfg: the resolved Hydra config (see ``configs/`` and :mod:`pipeflow.config.schema`).
         device: this rank's device.
 
     Returns:
@@ -410,7 +410,7 @@ def mesh_order(cfg: DictConfig, dp: int, pp: int, tp: int, schedule: PipelineSch
 
 
 def attach_context_parallel(stages: dict, mesh: Mesh, device: torch.device, deadlines: Deadlines) -> P2PComm:
-    """Give every layer that takes it (``context_parallel``, :mod:`pipeflow.runtime.ring_attention`)
+    """Give every layer that takes it (``context_parallel``, :mod:`pipeflow.runtime.parallel.ring_attention`)
     the cp ring of this rank, warmed up (collective over the cp group); returns the ring's transport.
 
     Raises:

@@ -23,8 +23,8 @@ from torch import nn
 
 from pipeflow.data import microbatch_inputs, microbatch_targets, sequence_lengths
 from pipeflow.planning.rehearsal import untouched
-from pipeflow.run.config import tensor_degree
-from pipeflow.run.config_data import typed_data
+from pipeflow.config.schema import tensor_degree
+from pipeflow.config.data import typed_data
 from pipeflow.run.model_build import built_on_every_rank
 from pipeflow.runtime.compile import CompiledForward, CompileOptions, compile_stage_layers, fallbacks, graphs_compiled
 from pipeflow.runtime.events import EventRecorder

@@ -3,7 +3,7 @@
 Each run writes its resolved config to ``<run_dir>/config.yaml``.  A later launch with
 ``train.resume=auto`` and no run directory of its own looks at every ``outputs/<dir>`` that has
 one, newest first (by its last checkpoint), and continues the first whose config matches this
-one and that holds a complete checkpoint and no live job (:mod:`pipeflow.run.lock`).
+one and that holds a complete checkpoint and no live job (:mod:`pipeflow.checkpoint.lock`).
 
 Matching ignores what says how long, how loudly and in which layout to run (:data:`IGNORED_KEYS`,
 :data:`IGNORED_PREFIXES`): the trajectory of training is decided by the model, the data, the
@@ -20,9 +20,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from pipeflow.run import lock
-from pipeflow.run.checkpoint_find import candidates
-from pipeflow.run.saved_config import upgrade_saved
+from pipeflow.checkpoint import lock
+from pipeflow.checkpoint.find import candidates
+from pipeflow.config.saved import upgrade_saved
 from pipeflow.run.guard import flatten_config
 
 log = logging.getLogger("pipeflow")

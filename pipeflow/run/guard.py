@@ -165,7 +165,7 @@ def check_same_program(schedule: Any, ranges: Sequence[range], group: dist.Proce
 MESSAGE_SAYS_ALL = (ConfigError, ScheduleError, CheckpointError, RunDirLockedError, JoinTimeoutError, LaunchError,
                     NonFiniteError, AllTargetsMaskedError)
 # words of a failure that only saw a peer go away (its connection closed or reset; a save's own
-# wording, pipeflow.run.checkpoint)
+# wording, pipeflow.checkpoint.saving)
 LOST_PEER_SIGNS = (*failures.CONNECTION_LOST_SIGNS, "a peer stopped taking part")
 UNKNOWN_FIRST = "not known: "  # a failure watch that lost the store: no record to read
 

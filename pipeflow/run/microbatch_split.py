@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from pipeflow.data import loss_counts, microbatch_counts, microbatch_inputs, microbatch_targets, shard
 from pipeflow.errors import AllTargetsMaskedError
-from pipeflow.runtime.ring_attention import split_batch
+from pipeflow.runtime.parallel.ring_attention import split_batch
 from pipeflow.runtime.stage import Tensors
 
 

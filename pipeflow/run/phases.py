@@ -23,9 +23,9 @@ from pipeflow.run.step_update import StepUpdate
 from pipeflow.run.workspace import Workspace
 from pipeflow.runtime.compile import CompileOptions
 from pipeflow.runtime.events import EventRecorder
-from pipeflow.runtime.fsdp import FullShard
+from pipeflow.runtime.parallel.fsdp import FullShard
 from pipeflow.runtime.memory import MemoryAccountant
-from pipeflow.runtime.mesh import GradReducer, Mesh
+from pipeflow.runtime.parallel.mesh import GradReducer, Mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.stage import Stage

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from pipeflow.observability.metrics import StepTiming
-from pipeflow.runtime.routing import RoutingFigures
+from pipeflow.runtime.parallel.routing import RoutingFigures
 
 
 @dataclass

@@ -30,8 +30,8 @@ from omegaconf import DictConfig, OmegaConf
 from pipeflow.errors import ConfigError, PipeflowError
 from pipeflow.planning.profile import LayerProfile
 from pipeflow.planning.search import Candidate, SearchSpace, search
-from pipeflow.planning.tensor_cost import split_profiles
-from pipeflow.run.checkpoint import write_atomic
+from pipeflow.planning.costs.tensor import split_profiles
+from pipeflow.checkpoint.saving import write_atomic
 from pipeflow.runtime import hosts
 from pipeflow.schedules import LAYOUTS
 
@@ -205,7 +205,7 @@ def _profiles(cfg: DictConfig, device: torch.device, folder: str | None
     if kept is not None and kept.get("key") == key:
         return ([LayerProfile(**p) for p in kept["low"]], kept["b_low"], [LayerProfile(**p) for p in kept["high"]],
                 kept["b_high"], key)
-    from pipeflow.run.plan_profile import profile_sizes
+    from pipeflow.run.layer_profiles import profile_sizes
 
     sizes = sorted({1, max(1, int(cfg.data.batch_size) // int(cfg.pipeline.num_microbatches))})
     low, b_low, high, b_high = profile_sizes(cfg, sizes, device)
@@ -216,7 +216,7 @@ def _profiles(cfg: DictConfig, device: torch.device, folder: str | None
 
 
 def _interpolated(low: Sequence[LayerProfile], b_low: int, high: Sequence[LayerProfile], b_high: int) -> Any:
-    from pipeflow.run.plan_profile import interpolate
+    from pipeflow.run.layer_profiles import interpolate
 
     return interpolate(low, b_low, high, b_high)
 

@@ -8,8 +8,8 @@ from omegaconf import DictConfig
 from pipeflow.data import sequence_lengths
 from pipeflow.observability.metrics import perplexity
 from pipeflow.run.compile_phase import CompilePhase
-from pipeflow.run.config_data import typed_data
-from pipeflow.runtime.mesh import Mesh
+from pipeflow.config.data import typed_data
+from pipeflow.runtime.parallel.mesh import Mesh
 
 
 def start_lines(cfg: DictConfig, mesh: Mesh, described: str, run_dir: str, compiled: CompilePhase | None,

@@ -18,9 +18,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeflow.config.choices import SPIKE_ACTIONS
 from pipeflow.errors import LossSpikeError, PipeflowError
 
-ACTIONS = ("off", "warn", "skip", "rollback")
+ACTIONS = SPIKE_ACTIONS
 MAD_TO_SIGMA = 1.4826
 MIN_HISTORY = 8  # accepted steps before anything is judged
 

@@ -22,10 +22,10 @@ from pipeflow.run.workspace import Workspace
 from pipeflow.runtime import finite as nonfinite
 from pipeflow.runtime.clip import clip_on_device, grad_norms
 from pipeflow.runtime.finite import FiniteCheck
-from pipeflow.runtime.fsdp import local
-from pipeflow.runtime.mesh import GradReducer
+from pipeflow.runtime.parallel.fsdp import local
+from pipeflow.runtime.parallel.mesh import GradReducer
 from pipeflow.runtime.precision import LossScaler
-from pipeflow.runtime.routing import RoutingSync
+from pipeflow.runtime.parallel.routing import RoutingSync
 from pipeflow.runtime.stage import Stage, Tensors
 from pipeflow.runtime.tied import TiedWeights
 from pipeflow.schedules import PipelineSchedule
@@ -146,7 +146,7 @@ class StepUpdate:
         Raises:
             NonFiniteError: NaN/Inf that the loss scaler does not explain.
             RunDirLostError: rank 0's lock watch found the run directory or its lock gone or taken
-                (:mod:`pipeflow.run.lock`); every rank raises it at this step.
+                (:mod:`pipeflow.checkpoint.lock`); every rank raises it at this step.
         """
         values, routing = pending.values(), None
         if self.routing is not None:  # the packet's tail: the routers' statistics (the loss gains their aux loss)

@@ -4,7 +4,7 @@ How a step is scheduled is the Pipeline's business and how the run is put togeth
 builder's (:func:`pipeflow.run.builder.build_run`); the Trainer splits batches into
 micro-batches (:mod:`pipeflow.run.microbatch_split`), hands them over, then finishes the step
 (:mod:`pipeflow.run.step_update`: reductions, clip, optimizer) on every rank, and saves and
-resumes through :mod:`pipeflow.run.train_state`.
+resumes through :mod:`pipeflow.checkpoint.train_state`.
 
 A steady step never makes the host wait for the device: with fused AdamW a non-finite step is
 skipped *on the device*, and step t's loss and norm are read back one step late, while step
@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from pipeflow.data.batch_ramp import lr_position_end
 from pipeflow.observability.metrics import perplexity
 from pipeflow.planning.layout import Layout, describe_layout, predict
-from pipeflow.run.checkpoint_async import BackgroundSaver, SaveReport, raise_or_warn
+from pipeflow.checkpoint.background import BackgroundSaver, SaveReport, raise_or_warn
 from pipeflow.run.microbatch_split import MicroBatches, MicroBatchSplit
 from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
 from pipeflow.run.evaluation import held_out_loss, reached_a_rank
@@ -46,12 +46,12 @@ from pipeflow.run.signals import (
 from pipeflow.run.step_update import clip_grad_norm_global, lr_at, unique_parameters
 from pipeflow.errors import LossSpikeError
 from pipeflow.run.spikes import Spike, SpikeGuard, SpikeRollback
-from pipeflow.run.train_state import TrainState
+from pipeflow.checkpoint.train_state import TrainState
 from pipeflow.runtime import distributed, failures
 from pipeflow.runtime.clip import clip_on_device
 from pipeflow.runtime.keyed_dropout import SampleKeys
 from pipeflow.runtime.memory import MemoryAccountant
-from pipeflow.runtime.mesh import Mesh
+from pipeflow.runtime.parallel.mesh import Mesh
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.stage import Stage
 from pipeflow.schedules import PipelineSchedule, build_schedule
@@ -165,16 +165,16 @@ class Trainer:
 
     @property
     def state(self) -> TrainState:
-        """What this rank saves and resumes (:class:`~pipeflow.run.train_state.TrainState`)."""
+        """What this rank saves and resumes (:class:`~pipeflow.checkpoint.train_state.TrainState`)."""
         return TrainState(self.cfg, self.mesh, self.stages, self.ranges, self.schedule.num_stages, self.optimizer,
                           self.loop.update.scaler, lora=self.plan.spec.lora is not None, root=self.checkpoint_root,
                           storage=self.checkpoint_storage, job=self.loop.workspace.token,
                           batches_skipped=self.spikes.batches_skipped)
 
     def save_checkpoint(self, step: int, sync: bool = False) -> str:
-        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.run.checkpoint), or
+        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.checkpoint.saving), or
         with ``train.checkpoint_mode=async|async_process`` (unless `sync`) stage it and write it in
-        the background (:mod:`pipeflow.run.checkpoint_async`): the folder it will have is returned
+        the background (:mod:`pipeflow.checkpoint.background`): the folder it will have is returned
         at once, complete when reported.
 
         Raises:

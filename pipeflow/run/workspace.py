@@ -2,7 +2,7 @@
 
 Rank 0 chooses it (:mod:`pipeflow.run.run_dir`; with ``train.resume=auto`` and no directory
 named, the newest matching earlier run, :mod:`pipeflow.run.discover`), checks it is usable,
-takes its lock (:mod:`pipeflow.run.lock`), removes what dead jobs' interrupted saves left and
+takes its lock (:mod:`pipeflow.checkpoint.lock`), removes what dead jobs' interrupted saves left and
 writes ``config.yaml``.  Every rank gets the directory and the job token, or the same error.
 """
 from __future__ import annotations
@@ -15,9 +15,10 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from pipeflow.errors import ConfigError, PipeflowError, RunDirLostError
-from pipeflow.run import checkpoint, discover, storage
+from pipeflow.checkpoint import saving as checkpoint, storage
+from pipeflow.run import discover
 from pipeflow.run import run_dir as run_dirs
-from pipeflow.run.lock import Loss, RunLock, find_loss, lost_error
+from pipeflow.checkpoint.lock import Loss, RunLock, find_loss, lost_error
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.runtime.fsdp import is_sharded, local, splits
+from pipeflow.runtime.parallel.fsdp import is_sharded, local, splits
 
 
 def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from pipeflow.errors import CommError, PipeflowError, StageError, StageOutOfMemoryError
 from pipeflow.runtime import hosts
-from pipeflow.runtime.expert_parallel import expert_parallel_ranks
-from pipeflow.runtime.tensor_parallel import tensor_parallel_ranks
+from pipeflow.runtime.parallel.expert_parallel import expert_parallel_ranks
+from pipeflow.runtime.parallel.tensor_parallel import tensor_parallel_ranks
 
 OOM_HINTS = (
     "To fit: use smaller micro-batches (more pipeline.num_microbatches for the same data.batch_size), "

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import NonFiniteError
-from pipeflow.runtime.fsdp import local
+from pipeflow.runtime.parallel.fsdp import local
 from pipeflow.runtime.precision import LossScaler
 
 

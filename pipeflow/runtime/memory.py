@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from pipeflow.runtime.fsdp import local
+from pipeflow.runtime.parallel.fsdp import local
 from pipeflow.runtime.stage import Stage
 from pipeflow.schedules.memory import RankMemory, TensorBytes
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from pipeflow.errors import OffloadError
-from pipeflow.runtime.fsdp import local
+from pipeflow.runtime.parallel.fsdp import local
 
 Group = tuple[int, int]  # (stage, micro-batch)
 _SAVING, _HELD, _OFFLOADED, _RELOADING, _READY = "saving", "held", "offloaded", "reloading", "ready"

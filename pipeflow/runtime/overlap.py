@@ -7,7 +7,7 @@ one of them compute at a time: the pair stays the serial math of one process (on
 two independent computations changes), every tensor of each is touched by one thread at a time,
 and the collectives are issued in the same order on every rank.  A *communication point* is where
 an action would wait for a collective it started (an MoE layer's ``all_to_all``,
-:mod:`pipeflow.runtime.expert_parallel`): inside a pair, :func:`wait` hands the baton to the other
+:mod:`pipeflow.runtime.parallel.expert_parallel`): inside a pair, :func:`wait` hands the baton to the other
 action, which computes until its own next point (or its end), and takes it back before waiting for
 the collective, by then done or nearer done (the side computing holds the baton, whichever thread
 it runs on: on a GPU autograd runs a backward on its own device thread).  The handovers are fixed by the program (the forward

@@ -26,7 +26,7 @@ from pipeflow.errors import CommError, PipeflowError, ScheduleError
 from pipeflow.runtime import failures, overlap
 from pipeflow.runtime.buffers import BufferPool
 from pipeflow.runtime.events import D2H, H2D, SHARD, EventRecorder, span
-from pipeflow.runtime.fsdp import FullShard
+from pipeflow.runtime.parallel.fsdp import FullShard
 from pipeflow.runtime.offload import ActivationOffloader, OffloadStats
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.shapes import ShapePlan

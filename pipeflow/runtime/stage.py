@@ -20,7 +20,7 @@ from pipeflow.models.spec import ModelSpec, run_layers
 from pipeflow.runtime.compiled_backward import deferring_weight_grads
 from pipeflow.runtime.keyed_dropout import SampleKeys, run_keyed
 from pipeflow.runtime.precision import to_compute_dtype
-from pipeflow.runtime.tensor_parallel import like_param
+from pipeflow.runtime.parallel.tensor_parallel import like_param
 
 Tensors = tuple[torch.Tensor, ...]
 _ENGINE = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from torch import nn
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
-from pipeflow.runtime.fsdp import local
+from pipeflow.runtime.parallel.fsdp import local
 
 
 def _get_param(module: nn.Module, path: str) -> nn.Parameter:
