@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from pipeflow.run import guard
 from pipeflow.config.schema import check_values, register_configs
 from pipeflow.observability.console import setup_logging
-from pipeflow.runtime.distributed import choose_device, end_process_group, init_distributed
+from pipeflow.runtime.world.distributed import choose_device, end_process_group, init_distributed
 from pipeflow.commands.sweep import is_multirun, run_sweep_job
 from pipeflow.run.builder import build_run
 from pipeflow.run.signals import PREEMPTED_EXIT_CODE, leave_at_once_on, signal_numbers

@@ -117,7 +117,7 @@ def main() -> None:
     from pipeflow.observability.console import setup_logging
     from pipeflow.run.builder import build_run
     from pipeflow.commands.plan.command import compose_config
-    from pipeflow.runtime.distributed import choose_device, init_distributed
+    from pipeflow.runtime.world.distributed import choose_device, init_distributed
 
     cfg = compose_config(["model=gpt", "model._target_=examples.your_module.split_gpt", "model.n_layer=4",
                           "model.n_embd=64", "data.seq_len=32", "data.batch_size=16", "pipeline.num_microbatches=4",

@@ -260,7 +260,7 @@ def _checkpoint_spans(path: str) -> list[tuple] | None:
 
 def _by_layer(trainer: Any) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model, by ``<layer index>.<name>``, from every rank."""
-    mine = {f"{idx}.{name}": p.detach().clone() for s, stage in trainer.stages.items()
+    mine = {f"{idx}.{name}": p.detach().clone() for s, stage in trainer.parts.stages.items()
             for layer, idx in zip(stage.module, trainer.ranges[s]) for name, p in layer.named_parameters()}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

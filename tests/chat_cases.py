@@ -46,11 +46,11 @@ def trainer_on_chat_vs_hf(folder: str, kind: str, run_dir: str, dp: int = 1, sch
     o = cfg.optim
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
     batches = build_batches(cfg.data, cfg.model)
-    both = [(mine, ref.get_parameter(name)) for stage in trainer.stages.values()
+    both = [(mine, ref.get_parameter(name)) for stage in trainer.parts.stages.values()
             for layer in stage.module for name, mine in layer.named_parameters()]
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "compared": len(both), "trained": 1.0}
     for step in range(steps):
-        for group in trainer.optimizer.param_groups + opt_ref.param_groups:
+        for group in trainer.loop.update.optimizer.param_groups + opt_ref.param_groups:
             group["lr"] = lr_at(step, o, cfg.train.max_steps)
         loss, _ = trainer.forward_backward(step)
         (x, doc), y = batches.train.get(step)
@@ -59,8 +59,8 @@ def trainer_on_chat_vs_hf(folder: str, kind: str, run_dir: str, dp: int = 1, sch
         loss_ref.backward()
         worst["loss"] = max(worst["loss"], abs(loss - loss_ref.item()) / abs(loss_ref.item()))
         worst["grad"] = max([worst["grad"]] + [test_hf.rel(a.grad, b.grad) for a, b in both])
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.loop.update.optimizer.step()
+        trainer.loop.update.optimizer.zero_grad(set_to_none=True)
         opt_ref.step()
         opt_ref.zero_grad()
         worst["param"] = max([worst["param"]] + [test_hf.rel(a.detach(), b.detach()) for a, b in both])

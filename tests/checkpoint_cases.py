@@ -170,7 +170,7 @@ def save_deadline_after_the_first_step() -> list[float | None]:
     """The process-group timeout in force at each of the save's collectives, once the run's
     Deadlines (first step 120 s, then 2 s) switched after the first step."""
     from pipeflow.checkpoint import saving as ck
-    from pipeflow.runtime import timeouts
+    from pipeflow.runtime.world import timeouts
     from pipeflow.runtime.transport import Deadlines
 
     layers, opt = _model()
@@ -207,7 +207,7 @@ def training_with_the_run_dir_removed() -> dict[str, Any]:
     import scale_cases
     from pipeflow.checkpoint import lock
     from pipeflow.run.builder import build_run
-    from pipeflow.runtime import timeouts
+    from pipeflow.runtime.world import timeouts
 
     watch_s, lock.WATCH_S = lock.WATCH_S, 0.02
     parent = _shared_dir()

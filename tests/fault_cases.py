@@ -377,7 +377,7 @@ def ep_peer_lost() -> str:
 def _step_then_rank_1_stops(pipe: Pipeline, group: Any, x: torch.Tensor, y: torch.Tensor) -> str:
     """A step both ranks of `group` take part in; then rank 1 stops and rank 0 steps again with
     the group's deadline lowered to 1 s: rank 0's error text."""
-    from pipeflow.runtime.timeouts import set_group_timeout
+    from pipeflow.runtime.world.timeouts import set_group_timeout
 
     pipe.run([(mb,) for mb in x.chunk(2)], list(y.chunk(2)))
     dist.barrier()

@@ -95,7 +95,7 @@ def trackers_across_a_resume() -> dict[str, Any]:
                 trainer.fit()
             finally:
                 trainer.close()
-            out["pp_rank"] = trainer.mesh.pp_rank
+            out["pp_rank"] = trainer.topology.mesh.pp_rank
             out["losses"].update({step: loss for step, loss in zip(range(steps - len(trainer.history), steps),
                                                                    trainer.history)})
             if dist.get_rank() == 0:
@@ -163,8 +163,8 @@ def ramp_vs_unsplit() -> dict[str, Any]:
         for step in range(steps):
             loss, _ = trainer.train_step(step)
             losses.append(loss)
-            lr = trainer.optimizer.param_groups[0]["lr"]
-            out["counts"].append(trainer.pipeline.schedule.num_microbatches)
+            lr = trainer.loop.update.optimizer.param_groups[0]["lr"]
+            out["counts"].append(trainer.loop.pipeline.schedule.num_microbatches)
             out["lr"].append((lr, lr_at(ramp.consumed_before(step) / 16, cfg.optim, ramp.consumed_before(steps) / 16)))
             ref_loss = reference.grads(step)
             for group in reference.opt.param_groups:
@@ -197,7 +197,7 @@ def ramp_vs_unsplit() -> dict[str, Any]:
         trainers.append(synthesized)
         synthesized.fit()
         out["auto"] = max(abs(a - b) / abs(b) for a, b in zip(synthesized.history, losses))
-        out["auto_counts"] = sorted(synthesized._ramp_schedules) + [synthesized.schedule.num_microbatches]
+        out["auto_counts"] = sorted(synthesized.batches.ramp_schedules) + [synthesized.plan.schedule.num_microbatches]
     finally:
         for trainer in trainers:
             trainer.close()
@@ -206,7 +206,7 @@ def ramp_vs_unsplit() -> dict[str, Any]:
 
 
 def _params(trainer: Any) -> dict[str, torch.Tensor]:
-    return {f"{idx}.{name}": p.detach().clone() for s, stage in trainer.stages.items()
+    return {f"{idx}.{name}": p.detach().clone() for s, stage in trainer.parts.stages.items()
             for layer, idx in zip(stage.module, trainer.ranges[s]) for name, p in layer.named_parameters()}
 
 

@@ -66,7 +66,7 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
                 if p.requires_grad:
                     ref.get_parameter(name).copy_(p)
     _set_lora_b(ref.named_parameters())
-    mine = [(name, p) for stage in trainer.stages.values() for layer in stage.module for name, p in
+    mine = [(name, p) for stage in trainer.parts.stages.values() for layer in stage.module for name, p in
             layer.named_parameters()]
     _set_lora_b([(n, p) for n, p in mine if isinstance(p, torch.Tensor)])
     trainable = [(p, ref.get_parameter(n)) for n, p in mine if p.requires_grad]
@@ -79,11 +79,11 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
              "frozen_grads": 0, "frozen_in_optimizer": 0,
              "adapters": sum(p.requires_grad for p in ref.parameters()),  # the whole model's adapter tensors
              "expert_adapters": sum(".experts." in n for n, p in mine if p.requires_grad)}
-    optimized = {id(p) for p in trainer.params}
+    optimized = {id(p) for p in trainer.parts.params}
     worst["frozen_in_optimizer"] = sum(id(p) in optimized for p in frozen)
     worst["sharded"] = sum(isinstance(p, DTensor) for p, _ in trainable)
     for step in range(steps):
-        for group in trainer.optimizer.param_groups + opt_ref.param_groups:
+        for group in trainer.loop.update.optimizer.param_groups + opt_ref.param_groups:
             group["lr"] = lr_at(step, o, cfg.train.max_steps)
         loss, _ = trainer.forward_backward(step)
         x, y = batches.train.get(step)
@@ -92,13 +92,13 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
         worst["loss"] = max(worst["loss"], abs(loss - loss_ref.item()) / abs(loss_ref.item()))
         worst["grad"] = max([worst["grad"]] + [test_hf.rel(test_hf._full(a.grad), b.grad) for a, b in trainable])
         worst["frozen_grads"] += sum(p.grad is not None for p in frozen)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.loop.update.optimizer.step()
+        trainer.loop.update.optimizer.zero_grad(set_to_none=True)
         opt_ref.step()
         opt_ref.zero_grad()
         worst["param"] = max([worst["param"]] + [test_hf.rel(test_hf._full(a.detach()), b.detach())
                                                  for a, b in trainable])
-    state = {id(p) for p in owned_parameters(trainer.optimizer)}
+    state = {id(p) for p in owned_parameters(trainer.loop.update.optimizer)}
     worst["frozen_in_optimizer"] += sum(id(p) in state or id(local(p)) in state for p in frozen)
     worst["compile"] = None if trainer.parts.compiled is None else trainer.parts.compiled.summary()  # train.compile
     worst["report"] = [line for line in trainer.describe().splitlines() if line.startswith("model.lora")]
@@ -109,7 +109,7 @@ def trainer_vs_peft(folder: str, kind: str, run_dir: str, dp: int, schedule: str
         cfg.train.run_dir = f"{cfg.train.run_dir}-resumed"
         again = build_run(cfg, torch.device("cpu"))
         worst["resumed_step"] = again.resume()
-        back = [(p, ref.get_parameter(n)) for stage in again.stages.values() for layer in stage.module
+        back = [(p, ref.get_parameter(n)) for stage in again.parts.stages.values() for layer in stage.module
                 for n, p in layer.named_parameters() if p.requires_grad]
         worst["resumed"] = max(test_hf.rel(test_hf._full(a.detach()), b.detach()) for a, b in back)
         worst["resumed_compared"] = len(back)

@@ -79,15 +79,15 @@ def masked_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int =
     both = pairs(trainer, reference)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both)}
     for step in range(steps):
-        for group in trainer.optimizer.param_groups:
+        for group in trainer.loop.update.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optim, cfg.train.max_steps)
         loss, _ = trainer.forward_backward(step)
         ref_loss = masked_mean(reference, *train.get(step))
         ref_loss.backward()
         worst["loss"] = max(worst["loss"], abs(loss - ref_loss.item()) / abs(ref_loss.item()))
         worst["grad"] = max([worst["grad"]] + [rel_diff(a.grad, b.grad) for a, b in both])
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.loop.update.optimizer.step()
+        trainer.loop.update.optimizer.zero_grad(set_to_none=True)
         reference.step(step)
         worst["param"] = max([worst["param"]] + [rel_diff(a.detach(), b.detach()) for a, b in both])
     with torch.no_grad():

@@ -221,7 +221,7 @@ def moe_trainer_fit(steps: int = 3, ep: int = 1, variable: bool = True, pp: int 
 
     def worst(run: Any) -> float:  # weights and biases against the reference's, by name (experts: global index)
         return max(rel_diff(t, reference.layers[i].state_dict()[k])
-                   for i, layer in layers_by_index(run.stages, run.ranges).items() for k, t in layer.state_dict().items())
+                   for i, layer in layers_by_index(run.parts.stages, run.ranges).items() for k, t in layer.state_dict().items())
 
     out = {"loss": max(abs(a - b) / abs(b) for a, b in zip(trainer.history, ref_losses)),
            "param": worst(trainer), "moe": result["moe"], "steps": len(trainer.history),

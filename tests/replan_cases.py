@@ -40,7 +40,7 @@ def replanning_runs() -> dict[str, Any]:
             trainer = build_run(cfg, torch.device("cpu"))
             trainers.append(trainer)
             trainer.fit()
-            out[f"mesh{steps}"] = (trainer.mesh.dp, trainer.mesh.pp)
+            out[f"mesh{steps}"] = (trainer.topology.mesh.dp, trainer.topology.mesh.pp)
             out[f"trained{steps}"] = len(trainer.history)
         out["lines"] = [line for line in logged.lines if line.startswith("re-planned")]
         out["kept"] = sorted(os.listdir(os.path.join(run_dir, "replan")))

@@ -116,7 +116,7 @@ def pairs(trainer: Trainer, reference: Reference) -> list[tuple[torch.nn.Paramet
     """(pipelined parameter, the same parameter of the unsplit model) for this rank's layers."""
     return [
         (mine, ref)
-        for s, stage in trainer.stages.items()
+        for s, stage in trainer.parts.stages.items()
         for layer, idx in zip(stage.module, trainer.ranges[s])
         for mine, ref in zip(layer.parameters(), reference.layers[idx].parameters())
     ]
@@ -127,30 +127,30 @@ def dp_equivalence(dp: int, schedule: str = "1f1b", m: int = 2, steps: int = 3, 
     every gradient (after dp reduction and clipping) and every parameter."""
     cfg = make_config(dp, schedule, m, **overrides)
     trainer, reference = build_run(cfg, torch.device("cpu")), Reference(cfg)
-    assert trainer.pipeline.posting.recvs_ahead == RECVS_AHEAD[cfg.comm.post_recvs]
+    assert trainer.loop.pipeline.posting.recvs_ahead == RECVS_AHEAD[cfg.comm.post_recvs]
     both = [(a, b) for a, b in pairs(trainer, reference) if b.requires_grad]  # model.lora: the adapters
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "params_compared": len(both), "norm": 0.0,
-             "shapes": trainer.pipeline.shapes.mode, "params": len(trainer.params),
-             "owned": len(owned_parameters(trainer.optimizer)),
-             "fused": bool(local_optimizer(trainer.optimizer).defaults.get("fused")),
-             "rehearsed": getattr(trainer.layout.step_costs, "rehearsed", None) is not None, "lengths": set()}
+             "shapes": trainer.loop.pipeline.shapes.mode, "params": len(trainer.parts.params),
+             "owned": len(owned_parameters(trainer.loop.update.optimizer)),
+             "fused": bool(local_optimizer(trainer.loop.update.optimizer).defaults.get("fused")),
+             "rehearsed": getattr(trainer.plan.layout.step_costs, "rehearsed", None) is not None, "lengths": set()}
     for step in range(steps):
-        for group in trainer.optimizer.param_groups:
+        for group in trainer.loop.update.optimizer.param_groups:
             group["lr"] = lr_at(step, cfg.optim, cfg.train.max_steps)
         loss, norm = trainer.forward_backward(step)
         ref_loss = reference.grads(step)
         worst["norm"] = max(worst["norm"], norm)
         worst["loss"] = max(worst["loss"], abs(loss - ref_loss) / abs(ref_loss))
         worst["grad"] = max([worst["grad"]] + [rel_diff(a.grad, b.grad) for a, b in both])
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.loop.update.optimizer.step()
+        trainer.loop.update.optimizer.zero_grad(set_to_none=True)
         reference.step(step)
         worst["param"] = max([worst["param"]] + [rel_diff(a.detach(), b.detach()) for a, b in both])
         x, _ = reference.batches.train.get(step)
         worst["lengths"].update(a.shape[1] for a in x) if isinstance(x, list) else worst["lengths"].add(x.shape[1])
     worst["compile"] = None if trainer.parts.compiled is None else trainer.parts.compiled.summary()  # train.compile
-    moved = trainer.pipeline.offloaded  # pipeline.offload: the last step's copies, and the groups planned here
-    program = next(iter(trainer.pipeline.programs.values()))
+    moved = trainer.loop.pipeline.offloaded  # pipeline.offload: the last step's copies, and the groups planned here
+    program = next(iter(trainer.loop.pipeline.programs.values()))
     worst["offloaded"] = None if moved is None else {"bytes": moved.bytes, "groups": moved.groups,
                                                     "planned": sum(len(step.offload) for step in program)}
     return worst
@@ -189,8 +189,8 @@ def zero_state_bound(schedule: str = "1f1b") -> dict[str, Any]:
     for shard in ("none", "optimizer"):
         trainer = build_run(make_config(2, schedule, 2, parallel__shard=shard), torch.device("cpu"))
         trainer.train_step(0)
-        state = local_optimizer(trainer.optimizer).state
-        held[shard] = [_state_bytes(state.get(p, {})) for p in trainer.params]  # 0: owned by another dp rank
+        state = local_optimizer(trainer.loop.update.optimizer).state
+        held[shard] = [_state_bytes(state.get(p, {})) for p in trainer.parts.params]  # 0: owned by another dp rank
     return {"sharded": sum(held["optimizer"]), "unsharded": sum(held["none"]), "largest": max(held["none"]),
             "owned": sum(1 for b in held["optimizer"] if b), "params": len(held["none"])}
 
@@ -204,8 +204,8 @@ def precision_vs_fp32(precision: str, dp: int = 1, schedule: str = "1f1b") -> di
         cfg = make_config(dp, schedule, 2, train__param_dtype="float32", train__precision=prec)
         trainer = build_run(cfg, torch.device("cpu"))
         trainer.forward_backward(0)
-        grads[prec] = [p.grad.clone() for p in trainer.params]
-        out[f"edge_dtypes_{prec}"] = sorted({str(m.dtype) for plan in trainer.pipeline.shapes.edges.values() for metas in plan for m in metas})
+        grads[prec] = [p.grad.clone() for p in trainer.parts.params]
+        out[f"edge_dtypes_{prec}"] = sorted({str(m.dtype) for plan in trainer.loop.pipeline.shapes.edges.values() for metas in plan for m in metas})
     out["grad"] = max(rel_diff(a, b) for a, b in zip(grads[precision], grads["fp32"]))
     return out
 
@@ -217,7 +217,7 @@ def precision_trains(precision: str, steps: int = 30) -> dict[str, float]:
     trainer = build_run(cfg, torch.device("cpu"))
     losses = [trainer.train_step(step)[0] for step in range(steps)]
     return {"first": sum(losses[:3]) / 3, "last": sum(losses[-3:]) / 3,
-            "dtypes": sorted({str(p.dtype) for p in trainer.params})}
+            "dtypes": sorted({str(p.dtype) for p in trainer.parts.params})}
 
 
 def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: bool = False, **overrides: Any) -> dict[str, Any]:
@@ -227,16 +227,16 @@ def fp16_overflow_skips_everywhere(inject_on_pp_rank: int = 1, check_finite: boo
                       train__param_dtype="float32", train__precision="fp16", train__check_finite=check_finite, **overrides)
     trainer = build_run(cfg, torch.device("cpu"))
     armed = [True]
-    if trainer.mesh.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:  # overflow inside backward
-        trainer.params[0].register_hook(lambda g: torch.full_like(g, float("inf")) if armed[0] else g)
-    before = [p.detach().clone() for p in trainer.params]
+    if trainer.topology.mesh.pp_rank == inject_on_pp_rank and trainer.topology.mesh.dp_rank == 0:  # overflow inside backward
+        trainer.parts.params[0].register_hook(lambda g: torch.full_like(g, float("inf")) if armed[0] else g)
+    before = [p.detach().clone() for p in trainer.parts.params]
     scale0 = trainer.loop.update.scaler.scale
     _, norm0 = trainer.train_step(0)
-    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
+    unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.parts.params))
     scale1 = trainer.loop.update.scaler.scale
     armed[0] = False
     _, norm1 = trainer.train_step(1)
-    changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
+    changed = any(not torch.equal(a, p.detach()) for a, p in zip(before, trainer.parts.params))
     return {"skipped": unchanged, "finite0": math.isfinite(norm0), "scale_ratio": scale1 / scale0,
             "stepped_after": changed, "finite1": math.isfinite(norm1)}
 
@@ -252,12 +252,12 @@ def check_finite_raises(precision: str, fault: str, inject_on_pp_rank: int = 1, 
     trainer = build_run(cfg, torch.device("cpu"))
     if precision == "fp16" and fault == "inf-grad":
         trainer.loop.update.scaler.scale = trainer.loop.update.scaler.min_scale
-    if trainer.mesh.pp_rank == inject_on_pp_rank and trainer.mesh.dp_rank == 0:
+    if trainer.topology.mesh.pp_rank == inject_on_pp_rank and trainer.topology.mesh.dp_rank == 0:
         if fault == "inf-grad":
-            trainer.params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
+            trainer.parts.params[0].register_hook(lambda g: torch.full_like(g, float("inf")))
         else:
             with torch.no_grad():
-                trainer.params[0].fill_(float("nan"))
+                trainer.parts.params[0].fill_(float("nan"))
     try:
         trainer.train_step(0)
     except Exception as exc:  # noqa: BLE001 - the test compares the type and text on every rank
@@ -289,9 +289,9 @@ def non_finite_weights_are_not_saved() -> dict[str, Any]:
     from pipeflow.checkpoint.saving import find_latest
 
     trainer = build_run(make_config(1, "1f1b", 2, train__param_dtype="float32"), torch.device("cpu"))
-    if trainer.mesh.pp_rank == 1:
+    if trainer.topology.mesh.pp_rank == 1:
         with torch.no_grad():
-            trainer.params[0].fill_(float("inf"))
+            trainer.parts.params[0].fill_(float("inf"))
     try:
         trainer.save_checkpoint(1)
         error = "no error"
@@ -311,7 +311,7 @@ def offload_run_summary(mode: str = "all", schedule: str = "gpipe", m: int = 4) 
         trainer = build_run(cfg, torch.device("cpu"))
         out[offload] = {k: v for k, v in trainer.fit().items()
                         if k in ("tensor_mb", "tensor_predicted_mb", "offloaded_mb", "offloaded_predicted_mb")}
-        out[offload]["groups"] = len(trainer.layout.offload.reloads)
+        out[offload]["groups"] = len(trainer.plan.layout.offload.reloads)
     return out
 
 
@@ -450,19 +450,19 @@ def reduction_overlaps_cooldown(schedule: str = "interleaved_1f1b", m: int = 2) 
     """With two stages per rank, the dp all-reduce of the stage that finishes first is posted
     before the rank's last compute action (while the cooldown still runs)."""
     trainer = build_run(make_config(2, schedule, m), torch.device("cpu"))
-    recorder = trainer.pipeline.recorder
+    recorder = trainer.loop.pipeline.recorder
     recorder.start()
     posted: list[tuple[int, int]] = []
-    ready = trainer.pipeline.on_stage_grads_ready
+    ready = trainer.loop.pipeline.on_stage_grads_ready
 
     def record(s: int) -> None:
         posted.append((s, sum(1 for e in recorder.events if e.kind != "comm")))
         ready(s)
 
-    trainer.pipeline.on_stage_grads_ready = record  # the test listens in on the builder's hook
+    trainer.loop.pipeline.on_stage_grads_ready = record  # the test listens in on the builder's hook
     trainer.forward_backward(0)
     actions = sum(1 for e in recorder.stop() if e.kind != "comm")
-    return {"posted": posted, "actions": actions, "stages": sorted(trainer.stages)}
+    return {"posted": posted, "actions": actions, "stages": sorted(trainer.parts.stages)}
 
 
 def owned_timeouts_and_watchdog_lifecycle() -> dict[str, Any]:
@@ -472,7 +472,7 @@ def owned_timeouts_and_watchdog_lifecycle() -> dict[str, Any]:
     from unittest import mock
 
     from pipeflow.run import builder, guard
-    from pipeflow.runtime.timeouts import group_timeout_s
+    from pipeflow.runtime.world.timeouts import group_timeout_s
     from pipeflow.runtime.transport import DeadlineWatchdog
 
     cfg = make_config(2, "1f1b", 2, comm__timeout_s=40.0, comm__first_step_timeout_s=100.0, train__max_steps=2)
@@ -484,10 +484,10 @@ def owned_timeouts_and_watchdog_lifecycle() -> dict[str, Any]:
 
     with mock.patch.object(builder, "_watchdog", watchdog):
         trainer = build_run(cfg, torch.device("cpu"))
-    groups = {"world": None, "pp": trainer.mesh.pp_group, "dp": trainer.mesh.dp_group}
+    groups = {"world": None, "pp": trainer.topology.mesh.pp_group, "dp": trainer.topology.mesh.dp_group}
     groups.update({f"tie {t.name}": t.group for t in trainer.parts.tied.ties if t.group is not None})
     first = {name: group_timeout_s(g) for name, g in groups.items()}
-    alive = made[0].alive and trainer.pipeline.comm.watchdog is made[0]
+    alive = made[0].alive and trainer.loop.pipeline.comm.watchdog is made[0]
     trainer.fit()
     steady = {name: group_timeout_s(g) for name, g in groups.items()}
     ref = weakref.ref(trainer)
@@ -517,22 +517,22 @@ def full_shard_gathers_and_reduces_once_per_step(schedule: str = "1f1b", m: int 
     fsdp_group.foreach_reduce = counted("reduce_scatter", reduce)
     try:
         trainer.train_step(0)  # shapes are learned here: the first pass gathers before it
-        trainer.pipeline.recorder.start()
+        trainer.loop.pipeline.recorder.start()
         trainer.train_step(1)
-        timed = trainer.pipeline.recorder.stop()
+        timed = trainer.loop.pipeline.recorder.stop()
         events = [(e.kind, e.name) for e in timed if e.kind == "shard"]
         # a gather or reduction is its own event, inside no batched call's (counted once as communication)
         nested = [(c.name, s.name) for s in timed if s.kind == "shard" for c in timed
                   if c.kind == "comm" and c.start < s.start and s.end < c.end]
     finally:
         fsdp_group.foreach_all_gather, fsdp_group.foreach_reduce = gather, reduce
-    params = trainer.params
+    params = trainer.parts.params
     return {
-        "counts": counts, "events": events, "nested": nested, "units": trainer.pipeline.sharding.unit_stages(),
-        "stages": sorted(trainer.stages), "reducer": trainer.parts.reducer is not None,
+        "counts": counts, "events": events, "nested": nested, "units": trainer.loop.pipeline.sharding.unit_stages(),
+        "stages": sorted(trainer.parts.stages), "reducer": trainer.parts.reducer is not None,
         "params_sharded": all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() or p.shape[0] < 2
                               for p in params),
-        "state_sharded": all(isinstance(trainer.optimizer.state[p]["exp_avg"], DTensor) for p in params),
+        "state_sharded": all(isinstance(trainer.loop.update.optimizer.state[p]["exp_avg"], DTensor) for p in params),
         "local_numel": sum(p.to_local().numel() for p in params), "numel": sum(p.numel() for p in params),
     }
 
@@ -574,16 +574,16 @@ def fp16_overflow_skips_sharded() -> dict[str, Any]:
         if armed[0] and out.requires_grad:
             out.register_hook(lambda g: torch.full_like(g, float("inf")))
 
-    if trainer.mesh.pp_rank == 1 and trainer.mesh.dp_rank == 0:
-        trainer.stages[1].module[0].register_forward_hook(poison)
-    before = [p.detach().to_local().clone() for p in trainer.params]
+    if trainer.topology.mesh.pp_rank == 1 and trainer.topology.mesh.dp_rank == 0:
+        trainer.parts.stages[1].module[0].register_forward_hook(poison)
+    before = [p.detach().to_local().clone() for p in trainer.parts.params]
     scale0 = trainer.loop.update.scaler.scale
     _, norm0 = trainer.train_step(0)
-    unchanged = all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.params))
+    unchanged = all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.parts.params))
     armed[0] = False
     scale1 = trainer.loop.update.scaler.scale
     _, norm1 = trainer.train_step(1)
-    changed = any(not torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.params))
+    changed = any(not torch.equal(a, p.detach().to_local()) for a, p in zip(before, trainer.parts.params))
     return {"skipped": unchanged, "finite0": math.isfinite(norm0), "scale_ratio": scale1 / scale0,
             "stepped_after": changed, "finite1": math.isfinite(norm1)}
 
@@ -596,6 +596,6 @@ def full_shard_vs_replicas_under(precision: str) -> dict[str, float]:
         cfg = make_config(2, "1f1b", 2, train__param_dtype="float32", train__precision=precision, parallel__shard=shard)
         trainer = build_run(cfg, torch.device("cpu"))
         losses[shard], _ = trainer.forward_backward(0)
-        grads[shard] = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for p in trainer.params]
+        grads[shard] = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for p in trainer.parts.params]
     return {"grad": max(rel_diff(a, b) for a, b in zip(grads["full"], grads["none"])),
             "loss": abs(losses["full"] - losses["none"]) / abs(losses["none"])}

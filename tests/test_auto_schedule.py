@@ -125,7 +125,7 @@ def test_the_run_synthesises_from_the_layouts_profiles(tmp_path: Path) -> None:
     the partition table, schedule_auto.txt in the run directory."""
     from pipeflow.planning.auto import auto_for_layout
     from pipeflow.planning.profile import LayerProfile
-    from pipeflow.run.builder import write_auto_schedule
+    from pipeflow.run.assembly import write_auto_schedule
 
     layers = json.loads(FIXTURE.read_text())["layers"]
     profiles = [LayerProfile(row["name"], 10, 40, row["forward_s"], row["backward_s"], 1000,

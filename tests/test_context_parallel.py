@@ -266,7 +266,7 @@ def _resumed_under_another_cp() -> dict:
     for step in range(2):
         trainer.train_step(step)
     path = trainer.save_checkpoint(2)
-    mine = {f"{idx}.{name}": p.detach().clone() for s, stage in trainer.stages.items()
+    mine = {f"{idx}.{name}": p.detach().clone() for s, stage in trainer.parts.stages.items()
             for layer, idx in zip(stage.module, trainer.ranges[s]) for name, p in layer.named_parameters()}
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -274,11 +274,11 @@ def _resumed_under_another_cp() -> dict:
     again_cfg = scale_cases.make_config(2, "1f1b", 2, train__run_dir=f"{cfg.train.run_dir}-cp1", train__resume=path)
     again = build_run(again_cfg, torch.device("cpu"))
     step = again.resume()
-    diffs = [_rel(p.detach(), trained[f"{idx}.{name}"]) for s, stage in again.stages.items()
+    diffs = [_rel(p.detach(), trained[f"{idx}.{name}"]) for s, stage in again.parts.stages.items()
              for layer, idx in zip(stage.module, again.ranges[s]) for name, p in layer.named_parameters()]
-    return {"step": step, "compared": len(diffs), "worst": max(diffs), "saved_cp": trainer.mesh.cp,
-            "resumed_cp": again.mesh.cp, "ring": ring and float(ring.group(1)),
-            "passes": sum(p.ring_forward_passes for p in trainer.layout.profiles)}
+    return {"step": step, "compared": len(diffs), "worst": max(diffs), "saved_cp": trainer.topology.mesh.cp,
+            "resumed_cp": again.topology.mesh.cp, "ring": ring and float(ring.group(1)),
+            "passes": sum(p.ring_forward_passes for p in trainer.plan.layout.profiles)}
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +339,7 @@ def test_a_cp_run_whose_layers_take_no_hook_is_a_config_error(one_rank_group):
     import types
 
     from pipeflow.errors import ConfigError
-    from pipeflow.run.builder import attach_context_parallel
+    from pipeflow.run.assembly import attach_context_parallel
     from pipeflow.runtime.transport import Deadlines
 
     mesh = types.SimpleNamespace(cp_group=None, cp=2)

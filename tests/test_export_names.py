@@ -62,7 +62,7 @@ def _trained(run_dir: Path, overrides: list[str], steps: int = 2,
     for step in range(steps):
         trainer.train_step(step)
     path = trainer.save_checkpoint(steps)
-    return path, layers_by_index(trainer.stages, trainer.ranges)
+    return path, layers_by_index(trainer.parts.stages, trainer.ranges)
 
 
 def _gpt_overrides() -> list[str]:

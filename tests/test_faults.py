@@ -97,7 +97,7 @@ def test_train_py_refuses_bad_deadlines_and_counts_before_joining(monkeypatch: p
     import importlib.util
     import types
 
-    from pipeflow.runtime.distributed import join_store
+    from pipeflow.runtime.world.distributed import join_store
 
     spec = importlib.util.spec_from_file_location("pipeflow_train_entry", ROOT / "train.py")
     train = importlib.util.module_from_spec(spec)

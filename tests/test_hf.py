@@ -277,7 +277,7 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
     o = cfg.optim
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
     batches = build_batches(cfg.data, cfg.model, chunks=dp * m)
-    named = [(name, mine, _ref_slice(mine, ref.get_parameter(name))) for stage in trainer.stages.values()
+    named = [(name, mine, _ref_slice(mine, ref.get_parameter(name))) for stage in trainer.parts.stages.values()
              for layer in stage.module for name, mine in layer.named_parameters()]
     both = [(mine, theirs) for name, mine, theirs in named if not name.endswith(FLOAT32_KEPT)]
     float32 = [(mine, theirs) for name, mine, theirs in named if name.endswith(FLOAT32_KEPT)]
@@ -287,7 +287,7 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
              "sharded": sum(isinstance(mine, DTensor) for _, mine, _ in named),
              "ep_split": sum(expert_shard(mine) is not None for mine, _ in both)}
     for step in range(steps):
-        for group in trainer.optimizer.param_groups + opt_ref.param_groups:
+        for group in trainer.loop.update.optimizer.param_groups + opt_ref.param_groups:
             group["lr"] = lr_at(step, o, cfg.train.max_steps)
         loss, _ = trainer.forward_backward(step)
         x, y = batches.train.get(step)
@@ -302,8 +302,8 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
         worst["grad"] = max([worst["grad"]] + [rel(_full(_grad(a)), _grad(b)) for a, b in both])  # b: maybe a view's
         worst["grad_float32"] = max([worst.get("grad_float32", 0.0)]
                                     + [rel(_full(_grad(a)), _grad(b)) for a, b in float32])  # routers in float32
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.loop.update.optimizer.step()
+        trainer.loop.update.optimizer.zero_grad(set_to_none=True)
         opt_ref.step()
         opt_ref.zero_grad()
         worst["param"] = max([worst["param"]] + [rel(_full(a.detach()), b.detach()) for a, b in both])
@@ -316,14 +316,14 @@ def _trainer_vs_hf(folder: str, kind: str, run_dir: str, dp: int, schedule: str,
         cfg.train.run_dir = f"{cfg.train.run_dir}-resumed"
         again = build_run(cfg, torch.device("cpu"))
         worst["resumed_step"] = again.resume()
-        for group in again.optimizer.param_groups + opt_ref.param_groups:
+        for group in again.loop.update.optimizer.param_groups + opt_ref.param_groups:
             group["lr"] = lr_at(steps, o, cfg.train.max_steps)
         again.forward_backward(steps)
         x, y = batches.train.get(steps)
         cross_entropy(ref(x).logits, y).backward()
-        again.optimizer.step()
+        again.loop.update.optimizer.step()
         opt_ref.step()
-        back = [(p, ref.get_parameter(n)) for stage in again.stages.values() for layer in stage.module
+        back = [(p, ref.get_parameter(n)) for stage in again.parts.stages.values() for layer in stage.module
                 for n, p in layer.named_parameters()]
         worst["resumed"] = max(rel(a.detach(), b.detach()) for a, b in back)
         worst["resumed_compared"] = len(back)
@@ -343,8 +343,8 @@ def _bf16_vs_fp32(folder: str, run_dir: str, dp: int, schedule: str, m: int = 2)
                               train__param_dtype="float32", train__precision=prec)
         trainer = build_run(cfg, torch.device("cpu"))
         trainer.forward_backward(0)
-        grads[prec] = [_full(p.grad).clone() for p in trainer.params]
-        out[f"edges_{prec}"] = sorted({str(meta.dtype) for plan in trainer.pipeline.shapes.edges.values()
+        grads[prec] = [_full(p.grad).clone() for p in trainer.parts.params]
+        out[f"edges_{prec}"] = sorted({str(meta.dtype) for plan in trainer.loop.pipeline.shapes.edges.values()
                                        for metas in plan for meta in metas})
     out["grad"] = max(rel(a, b) for a, b in zip(grads["bf16"], grads["fp32"]))
     return out

@@ -23,8 +23,8 @@ from hosts import SMALL64, emulated_hosts, launch_on_hosts, outputs  # noqa: F40
 from test_runs import renewing
 from pipeflow.errors import ConfigError, LaunchError, RunDirLockedError
 from pipeflow.checkpoint import lock
-from pipeflow.runtime import clocks
-from pipeflow.runtime.hosts import HostInfo, HostTable, check_addresses, host_labels, machine_id
+from pipeflow.runtime.world import clocks
+from pipeflow.runtime.world.hosts import HostInfo, HostTable, check_addresses, host_labels, machine_id
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ def test_the_drill_variable_moves_the_wall_clock_and_a_bad_value_is_named(monkey
 def test_a_process_with_its_own_monotonic_clock_has_another_clock_identity() -> None:
     if shutil.which("unshare") is None or subprocess.run(["unshare", "--time", "true"]).returncode != 0:
         pytest.skip("time namespaces (unshare --time) are not available here")
-    code = "from pipeflow.runtime.clocks import clock_identity; print(clock_identity())"
+    code = "from pipeflow.runtime.world.clocks import clock_identity; print(clock_identity())"
     other = subprocess.run(["unshare", "--time", "--monotonic", "1000", sys.executable, "-c", code], cwd=ROOT,
                            capture_output=True, text=True, check=True).stdout.strip()
     here = clocks.clock_identity()

@@ -17,8 +17,8 @@ from pipeflow.run.signals import (
     leave_at_once_on,
     record_preemption,
 )
-from pipeflow.runtime import hosts
-from pipeflow.runtime.hosts import HostInfo, HostTable
+from pipeflow.runtime.world import hosts
+from pipeflow.runtime.world.hosts import HostInfo, HostTable
 
 ELASTIC = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.9.0.1:29500",
            "train.py", "parallel.pp=2"]

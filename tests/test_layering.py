@@ -187,3 +187,11 @@ def test_no_code_of_the_repository_uses_a_moved_path():
     found = [f"{p.relative_to(repo)}: {m.group(0)}" for p in users + [repo / "train.py"]
              if p != ROOT / "__init__.py" and p.name != "test_layering.py" for m in pattern.finditer(p.read_text())]
     assert not found, found
+
+
+def test_no_folder_holds_more_than_25_modules_and_no_module_500_lines():
+    crowded = {str(d.relative_to(ROOT)): n for d in [ROOT, *ROOT.rglob("*/")] if "__pycache__" not in d.parts
+               if (n := len(list(d.glob("*.py")))) > 25}
+    assert not crowded, f"folders over 25 modules: {crowded}; group what belongs together"
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, f"modules over 500 lines: {long}; split them by concern"

@@ -68,7 +68,7 @@ def trained(tmp_path_factory):
         path = trainer.save_checkpoint(2)
     finally:
         dist.destroy_process_group()
-    return source, path, layers_by_index(trainer.stages, trainer.ranges), trainer
+    return source, path, layers_by_index(trainer.parts.stages, trainer.ranges), trainer
 
 
 def _logits(layers: dict, x: torch.Tensor) -> torch.Tensor:
@@ -85,10 +85,10 @@ def test_the_checkpoint_holds_adapters_and_their_state_and_names_the_base(traine
     assert all(".lora_" in k for k in entries if k.startswith("optim."))
     base = json.load(open(os.path.join(path, "meta.json")))["lora_base"]
     assert base["path"] == str(source) and len(base["digest"]) == 64
-    frozen = [p for stage in trainer.stages.values() for p in stage.parameters() if not p.requires_grad]
+    frozen = [p for stage in trainer.parts.stages.values() for p in stage.parameters() if not p.requires_grad]
     assert frozen and all(p.grad is None for p in frozen)
-    held = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
-    assert not any(id(p) in held for p in frozen) and all(p.requires_grad for p in trainer.params)
+    held = {id(p) for group in trainer.loop.update.optimizer.param_groups for p in group["params"]}
+    assert not any(id(p) in held for p in frozen) and all(p.requires_grad for p in trainer.parts.params)
     assert "model.lora: rank 4, alpha 8" in trainer.describe() and "trainable" in trainer.describe()
 
 
@@ -124,10 +124,10 @@ def test_resume_loads_the_adapters_and_refuses_another_base(trained, one_rank_gr
     source, path, layers, _ = trained
     again = build_run(_config(source, tmp_path / "run2", f"train.resume={path}"), torch.device("cpu"))
     assert again.resume() == 2
-    for i, layer in layers_by_index(again.stages, again.ranges).items():
+    for i, layer in layers_by_index(again.parts.stages, again.ranges).items():
         for name, p in layer.named_parameters():
             torch.testing.assert_close(p, layers[i].get_parameter(name), rtol=0, atol=0)
-    assert len(again.optimizer.state) > 0  # the adapters' AdamW state came back
+    assert len(again.loop.update.optimizer.state) > 0  # the adapters' AdamW state came back
     other = _base(tmp_path / "other")  # same config, other weights
     with torch.no_grad():
         model = transformers.AutoModelForCausalLM.from_pretrained(other)
@@ -193,10 +193,10 @@ def test_the_memory_prediction_counts_gradients_and_adamw_state_of_what_trains_o
 def test_a_profiled_lora_run_predicts_the_adapters_state(one_rank_group, tmp_path: Path) -> None:
     source = _base(tmp_path / "base")
     trainer = build_run(_config(source, tmp_path / "run", "pipeline.profile=true"), torch.device("cpu"))
-    profiles = trainer.layout.profiles
+    profiles = trainer.plan.layout.profiles
     assert all(p.trainable_bytes is not None and p.trainable_bytes < p.param_bytes for p in profiles)
     assert profiles[0].trainable_bytes == 0  # the embedding: frozen
-    resident = trainer.layout.prediction.memory[0].resident
+    resident = trainer.plan.layout.prediction.memory[0].resident
     assert 0 < resident.grads < resident.params / 5 and resident.optimizer == 2 * resident.grads
 
 
@@ -214,7 +214,7 @@ def test_the_built_in_gpt_takes_lora_by_module_names_and_merges_back(one_rank_gr
     for step in range(2):
         trainer.train_step(step)
     path = trainer.save_checkpoint(2)
-    layers = layers_by_index(trainer.stages, trainer.ranges)
+    layers = layers_by_index(trainer.parts.stages, trainer.ranges)
     assert ck.export(path, str(tmp_path / "merged.pt"), merge_lora=True) > 0
     plain = build_gpt(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16).build_all(dtype=torch.float64)
     merged = torch.load(tmp_path / "merged.pt", weights_only=True)
@@ -248,7 +248,7 @@ def test_fused_experts_adapted_export_to_peft_and_merge_back_with_the_pipelined_
         path = trainer.save_checkpoint(2)
     finally:
         dist.destroy_process_group()
-    layers = layers_by_index(trainer.stages, trainer.ranges)
+    layers = layers_by_index(trainer.parts.stages, trainer.ranges)
     x = torch.randint(32, (3, 8))
     expected = _logits(layers, x)
     assert ck.main(["export", "--format", "peft", path, str(tmp_path / "adapter")]) == 0

@@ -51,13 +51,13 @@ def _path_prediction(words: list[str]) -> dict:
     finally:
         trainer.close()
     out = {"predicted": result["step_predicted_s"], "calibrated": result["step_calibrated_s"],
-           "measured": result["step_time_s"], "basis": trainer.layout.prediction.basis}
+           "measured": result["step_time_s"], "basis": trainer.plan.layout.prediction.basis}
     if dist.get_rank() == 0:
         with open(os.path.join(box[0], "costs.json")) as f:
             meta = json.load(f)["meta"]
         out["theirs"] = {key: meta[key] for key in ("schedule", "num_microbatches", "dp", "tp", "ranges")}
-        out["ours"] = {"schedule": trainer.schedule.name, "num_microbatches": trainer.schedule.num_microbatches,
-                       "dp": trainer.dp, "tp": trainer.mesh.tp, "ranges": [[r.start, r.stop] for r in trainer.ranges]}
+        out["ours"] = {"schedule": trainer.plan.schedule.name, "num_microbatches": trainer.plan.schedule.num_microbatches,
+                       "dp": trainer.dp, "tp": trainer.topology.mesh.tp, "ranges": [[r.start, r.stop] for r in trainer.ranges]}
         out["profiled"] = meta["profiles"] is not None and len(meta["profiles"]) == trainer.ranges[-1].stop
     _on_rank0(lambda: __import__("shutil").rmtree(box[0], ignore_errors=True))
     return out

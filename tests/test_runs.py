@@ -27,7 +27,7 @@ from pipeflow.run.builder import build_spec
 from pipeflow.config.schema import check_config
 from pipeflow.run.faults import ATTEMPT_VAR, ENV_VAR, FaultSpec, install_from_env
 from pipeflow.run.workspace import check_usable
-from pipeflow.runtime.distributed import join_store
+from pipeflow.runtime.world.distributed import join_store
 from test_cli import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,7 +266,7 @@ def test_a_rank_that_never_joins_is_named_within_the_join_deadline(monkeypatch: 
 ORPHAN = textwrap.dedent("""
     import subprocess, sys, time
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, {root!r}); "
-                              "from pipeflow.runtime.distributed import watch_parent; "
+                              "from pipeflow.runtime.world.distributed import watch_parent; "
                               "watch_parent(0.2); print('watching', flush=True); time.sleep(120)"])
     print(child.pid, flush=True)
     time.sleep(120)

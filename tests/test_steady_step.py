@@ -45,8 +45,8 @@ def test_a_steady_step_reads_back_only_the_previous_steps_figures(one_rank_group
     trainer = _trainer(tmp_path)
     assert trainer.defers_readback
     order: list[str] = []
-    run, finish = trainer.pipeline.run, trainer.finish
-    monkeypatch.setattr(trainer.pipeline, "run", lambda *a, **k: (order.append("run"), run(*a, **k))[1])
+    run, finish = trainer.loop.pipeline.run, trainer.finish
+    monkeypatch.setattr(trainer.loop.pipeline, "run", lambda *a, **k: (order.append("run"), run(*a, **k))[1])
     monkeypatch.setattr(trainer, "finish", lambda p: (order.append(f"finish {p.step}"), finish(p))[1])
     previous = None
     for step in range(2):  # the first steps learn shapes and choose the posting
@@ -73,21 +73,21 @@ def test_deferred_read_back_trains_exactly_as_reading_in_the_step(one_rank_group
     late.append(tuple(vars(deferred.finish(previous))[k] for k in ("loss", "norm")))
     now = [direct.train_step(step) for step in range(4)]
     assert late == now  # same process, same kernels: only the moment of the read differs
-    assert all(torch.equal(a, b) for a, b in zip(deferred.params, direct.params))
+    assert all(torch.equal(a, b) for a, b in zip(deferred.parts.params, direct.parts.params))
 
 
 def test_a_non_finite_step_is_skipped_on_the_device_and_raised_a_step_late(one_rank_group, tmp_path) -> None:
     trainer = _trainer(tmp_path)
     trainer.advance(0, late=False)
     armed = [True]
-    trainer.params[0].register_hook(lambda g: torch.full_like(g, float("nan")) if armed[0] else g)
-    before = [p.detach().clone() for p in trainer.params]
+    trainer.parts.params[0].register_hook(lambda g: torch.full_like(g, float("nan")) if armed[0] else g)
+    before = [p.detach().clone() for p in trainer.parts.params]
     previous, _ = trainer.advance(1)  # NaN gradients: fused AdamW's found_inf skips the update
-    assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.parts.params))
     armed[0] = False
     with pytest.raises(NonFiniteError, match=r"training step 1: the parameter gradients of stage 0"):
         trainer.advance(2, previous)  # step 2 is queued, step 1 read back: raised before step 2's update
-    assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.params))
+    assert all(torch.equal(a, p.detach()) for a, p in zip(before, trainer.parts.params))
 
 
 def test_the_clip_stays_on_the_device_and_equals_torchs(one_rank_group) -> None:
@@ -125,20 +125,20 @@ def test_a_signal_saves_at_the_next_step_boundary_and_the_run_resumes(one_rank_g
     assert saved == ["step_00000003"]
     again = _trainer(tmp_path, train__max_steps=8, train__resume="auto")
     assert again.resume() == 3
-    assert all(torch.equal(a, b) for a, b in zip(trainer.params, again.params))
+    assert all(torch.equal(a, b) for a, b in zip(trainer.parts.params, again.parts.params))
     assert PREEMPTED_EXIT_CODE == 75
 
 
 def _signal_in_evaluation_call(trainer: Trainer, monkeypatch, call: int) -> None:
     """Raise SIGUSR1 (as a scheduler would) while the trainer's `call`-th evaluation batch runs."""
-    evaluate, calls = trainer.pipeline.eval, [0]
+    evaluate, calls = trainer.loop.pipeline.eval, [0]
 
     def eval_and_signal(*args, **kwargs):
         calls[0] += 1
         if calls[0] == call:
             signal.raise_signal(signal.SIGUSR1)
         return evaluate(*args, **kwargs)
-    monkeypatch.setattr(trainer.pipeline, "eval", eval_and_signal)
+    monkeypatch.setattr(trainer.loop.pipeline, "eval", eval_and_signal)
 
 
 def _saved_steps(run_dir: Path) -> list[str]:
@@ -165,7 +165,7 @@ def test_a_signal_during_an_evaluation_saves_at_its_next_batch_and_records_it(
     if saved:
         again = _trainer(tmp_path, train__max_steps=4, train__resume="auto")
         assert again.resume() == stopped
-        assert all(torch.equal(a, b) for a, b in zip(trainer.params, again.params))
+        assert all(torch.equal(a, b) for a, b in zip(trainer.parts.params, again.parts.params))
 
 
 def test_a_run_that_trains_again_clears_the_preemption_record(one_rank_group, tmp_path) -> None:
@@ -253,7 +253,7 @@ def test_a_nan_in_the_input_batch_read_back_a_step_late_names_the_batch(one_rank
 def test_a_gone_launcher_waits_for_a_save_on_a_signal(monkeypatch) -> None:
     import time
 
-    from pipeflow.runtime import distributed
+    from pipeflow.runtime.world import distributed
 
     parent = [4242]
     exits: list[int] = []

@@ -156,7 +156,7 @@ def test_the_rehearsal_lasts_about_its_budget_within_its_bounds() -> None:
 
 def test_metrics_rehearse_steps_is_checked_and_read_as_documented() -> None:
     from pipeflow.errors import ConfigError
-    from pipeflow.run.builder import rehearsal_steps_for
+    from pipeflow.run.assembly import rehearsal_steps_for
     from pipeflow.config.schema import check_config
     from pipeflow.commands.plan.command import compose_config
 

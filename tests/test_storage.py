@@ -25,7 +25,7 @@ from pipeflow.checkpoint import saving as checkpoint, storage  # noqa: E402
 from pipeflow.checkpoint.gather import gather  # noqa: E402
 from pipeflow.config.schema import check_values  # noqa: E402
 from pipeflow.checkpoint.exporting import check_complete, read_layers  # noqa: E402
-from pipeflow.runtime import hosts  # noqa: E402
+from pipeflow.runtime.world import hosts  # noqa: E402
 
 TWO_HOSTS = hosts.HostTable((("h0", "10.0.0.1", (0, 1)), ("h1", "10.0.0.2", (2, 3))))
 SWAPPED = hosts.HostTable((("h1", "10.0.0.2", (0, 1)), ("h0", "10.0.0.1", (2, 3))))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeflow.runtime import timeouts
+from pipeflow.runtime.world import timeouts
 from pipeflow.runtime.transport import Deadlines
 
 
@@ -128,7 +128,7 @@ def test_a_rank_whose_peer_never_starts_waits_the_join_timeout_once(lone_rank_en
     is bounded by one deadline on every rank (the store's client used to retry with the whole
     timeout per attempt: 2 x the timeout and more), and the message gives the seconds waited."""
     from pipeflow.errors import JoinTimeoutError
-    from pipeflow.runtime.distributed import join_store
+    from pipeflow.runtime.world.distributed import join_store
 
     timeout_s = 2.0
     started = time.monotonic()
@@ -147,7 +147,7 @@ def test_under_torchrun_rank_0_blames_the_agent_that_hosts_the_store(lone_rank_e
     """With torchrun's agent hosting the store, rank 0 is a client too: when nothing listens it
     names the agent, not 'rank 0, which hosts it, never arrived' (itself; issue 38)."""
     from pipeflow.errors import JoinTimeoutError
-    from pipeflow.runtime import join
+    from pipeflow.runtime.world import join
 
     monkeypatch.setattr(join, "_agent_serves", lambda addr, port: True)
     with pytest.raises(JoinTimeoutError) as caught:
@@ -159,7 +159,7 @@ def test_under_torchrun_rank_0_blames_the_agent_that_hosts_the_store(lone_rank_e
 
 def test_a_rank_that_starts_late_still_joins(lone_rank_env: int) -> None:
     """The client polls for its host (rank 0 here starts 0.5 s after rank 1) and joins well within the deadline."""
-    from pipeflow.runtime.distributed import join_store
+    from pipeflow.runtime.world.distributed import join_store
 
     stores: dict[int, object] = {}
 
@@ -181,7 +181,7 @@ def test_the_teardown_joins_the_watchers_then_waits_then_destroys(monkeypatch: p
     (a daemon thread still in a store call at interpreter exit aborts the process, exit -6), and
     says when one would not end."""
     from mp_harness import _free_port
-    from pipeflow.runtime import distributed
+    from pipeflow.runtime.world import distributed
 
     order: list[str] = []
     real_destroy = dist.destroy_process_group

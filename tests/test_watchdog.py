@@ -94,11 +94,11 @@ def test_stop_ends_and_joins_the_thread_and_lets_go_of_its_works() -> None:
 
 
 def test_the_runs_watchdog_holds_only_the_rank_and_runs_on_its_device(monkeypatch) -> None:
-    from pipeflow.run import builder, guard
+    from pipeflow.run import assembly, guard
 
     devices = _fake_set_device(monkeypatch)
-    assert builder._watchdog(torch.device("cpu"), 0) is None  # gloo waits block the host themselves
-    watchdog = builder._watchdog(torch.device("cuda", 1), 5)
+    assert assembly.watchdog(torch.device("cpu"), 0) is None  # gloo waits block the host themselves
+    watchdog = assembly.watchdog(torch.device("cuda", 1), 5)
     try:
         assert watchdog.device == torch.device("cuda", 1)
         assert watchdog.on_timeout.func is guard.fail and watchdog.on_timeout.args == ()

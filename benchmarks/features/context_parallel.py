@@ -97,7 +97,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
     trainer = build_run(compose(overrides(args, cp, os.path.join(args.tmp, f"cp{cp}"))), torch.device("cpu"))
     times = timed_train_steps(trainer, args.steps)
     measured = trainer.loop.memory.peak
-    predicted = trainer.layout.prediction.memory[0].peak
+    predicted = trainer.plan.layout.prediction.memory[0].peak
     ring = ring_times(args, cp) if cp > 1 else {}
     everyone: list = [None] * world
     dist.all_gather_object(everyone, (rank, measured.activations, predicted.activations, times, ring))

@@ -128,12 +128,12 @@ def tensor_step(trainer: Any, step: int) -> tuple[float, float]:
     memory = trainer.loop.memory
     memory.begin()
     trainer.forward_backward(step, memory)
-    if hasattr(trainer.optimizer, "found_inf"):  # a deferred step's flag (as Trainer.apply drops it)
-        del trainer.optimizer.found_inf
-    trainer.optimizer.step()
-    measured = memory.end(trainer.pipeline.comm_tensors())  # after the update, before the grads go
-    trainer.optimizer.zero_grad(set_to_none=True)
-    moved = trainer.pipeline.offloaded
+    if hasattr(trainer.loop.update.optimizer, "found_inf"):  # a deferred step's flag (as Trainer.apply drops it)
+        del trainer.loop.update.optimizer.found_inf
+    trainer.loop.update.optimizer.step()
+    measured = memory.end(trainer.loop.pipeline.comm_tensors())  # after the update, before the grads go
+    trainer.loop.update.optimizer.zero_grad(set_to_none=True)
+    moved = trainer.loop.pipeline.offloaded
     return measured.peak.total, float(moved.bytes) if moved is not None else 0.0
 
 
@@ -173,9 +173,9 @@ def run_batch(batch: list[str], base: list[str], args: argparse.Namespace, devic
                   f"(rel diff {diff:.1e}, rtol {rtol:g}): {'ok' if ok else 'DISAGREE'}", flush=True)
             if not ok:
                 return False
-            layout, prediction = trainer.layout, trainer.layout.prediction
+            layout, prediction = trainer.plan.layout, trainer.plan.layout.prediction
             results[mode] = Measured(
-                mode, len(layout.offload.reloads), trainer.schedule.num_stages * trainer.schedule.num_microbatches,
+                mode, len(layout.offload.reloads), trainer.plan.schedule.num_stages * trainer.plan.schedule.num_microbatches,
                 predicted_step=prediction.step_s,
                 predicted_peak=prediction.memory[0].peak.total if prediction.memory else math.nan,
                 predicted_offloaded=prediction.offloaded_bytes[0] if prediction.offloaded_bytes else 0.0)

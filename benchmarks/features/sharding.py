@@ -85,7 +85,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) ->
 
 def _largest_parameter(trainer) -> int:
     """Bytes of the largest of this rank's parameters (`trainer` unsharded)."""
-    return max(p.numel() * p.element_size() for stage in trainer.stages.values() for p in stage.module.parameters())
+    return max(p.numel() * p.element_size() for stage in trainer.parts.stages.values() for p in stage.module.parameters())
 
 
 def _mb(nbytes: float) -> str:

@@ -73,8 +73,8 @@ def expected_bytes(trainer, tp: int) -> tuple[float, float]:
     style splits counts numel / tp, every other (norms, position embeddings, a row-wise layer's
     bias) numel.  Independent of the placements the split actually produced."""
     whole = expected = 0.0
-    for sid, stage in trainer.stages.items():
-        for index, layer in zip(trainer.layout.ranges[sid], stage.module):
+    for sid, stage in trainer.parts.stages.items():
+        for index, layer in zip(trainer.plan.layout.ranges[sid], stage.module):
             plan = trainer.plan.spec.tensor_plan(index, layer, tp) or {}
             split = {f"{path}.{name}".lstrip(".") for path, style in plan.items() for name in SPLIT_STYLES.get(style, ())}
             for name, p in layer.named_parameters():
@@ -87,10 +87,10 @@ def expected_bytes(trainer, tp: int) -> tuple[float, float]:
 def measure(trainer, tp: int) -> dict[str, float]:
     """This rank's parameter, gradient and optimizer-state bytes (local shards), and its stages'
     unsplit and expected parameter bytes (:func:`expected_bytes`)."""
-    params = list({id(p): p for stage in trainer.stages.values() for p in stage.module.parameters()}.values())
+    params = list({id(p): p for stage in trainer.parts.stages.values() for p in stage.module.parameters()}.values())
     whole, expected = expected_bytes(trainer, tp)
     return {"params": _bytes(params), "grads": _bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": _bytes(optimizer_state(trainer.optimizer)), "whole": whole, "expected": expected}
+            "optimizer": _bytes(optimizer_state(trainer.loop.update.optimizer)), "whole": whole, "expected": expected}
 
 
 @gloo_worker()

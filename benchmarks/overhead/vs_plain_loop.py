@@ -39,7 +39,7 @@ holds the rest of what is allocated between steps), so each peak is what it woul
 Printed per case: ``<case> | plain <ms> ms | pipeflow <ms> ms | step ratio <x>`` (medians over
 rounds; ratio pipeflow / plain), on CUDA ``| peak plain <MiB> / pipeflow <MiB> MiB | peak ratio
 <y>`` (the largest over rounds), and ``| predicted <ms> ms (<pct>% of measured)``: pipeflow's
-start-of-run predicted step (``trainer.layout.prediction.step_s``, what ``train.py`` logs as
+start-of-run predicted step (``trainer.plan.layout.prediction.step_s``, what ``train.py`` logs as
 "predicted step") against its measured median.
 
 With ``--compile`` (issue 31) each case runs four steps side by side in alternating rounds, each
@@ -167,7 +167,7 @@ class Plain:
         self.params = unique_parameters(layer.parameters() for layer in self.layers)
         self.autocast = compute_dtype(cfg.train.precision)
         self.m = cfg.pipeline.num_microbatches
-        d = local_optimizer(trainer.optimizer).defaults  # pipeflow's own AdamW settings
+        d = local_optimizer(trainer.loop.update.optimizer).defaults  # pipeflow's own AdamW settings
         self.optimizer = torch.optim.AdamW(self.params, lr=d["lr"], betas=d["betas"], eps=d["eps"],
                                            weight_decay=d["weight_decay"], amsgrad=d.get("amsgrad", False),
                                            foreach=d.get("foreach"), fused=d.get("fused"))
@@ -267,8 +267,8 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_roo
     plain = Plain(cfg, device, trainer)
     label = case.label(precision, device.type)
     try:
-        same = all(torch.equal(a.detach(), b.detach()) for a, b in zip(trainer.params, plain.params))
-        if not same or len(trainer.params) != len(plain.params):
+        same = all(torch.equal(a.detach(), b.detach()) for a, b in zip(trainer.parts.params, plain.params))
+        if not same or len(trainer.parts.params) != len(plain.params):
             line = f"{label} | check FAILED: the two models do not start from identical weights"
             print(line, flush=True)
             return False, line
@@ -314,11 +314,11 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_roo
         if device.type == "cuda":
             pl_peak, pf_peak = max(peaks["plain"]), max(peaks["pipeflow"])
             line += f" | peak plain {pl_peak:.0f} / pipeflow {pf_peak:.0f} MiB | peak ratio {pf_peak / pl_peak:.3f}"
-        predicted = trainer.layout.prediction.step_s
+        predicted = trainer.plan.layout.prediction.step_s
         if math.isfinite(predicted):
             line += f" | predicted {1e3 * predicted:.1f} ms ({100 * predicted / pf_s:.0f}% of measured)"
         else:
-            line += f" | predicted n/a ({trainer.layout.prediction.basis}: no profiles)"
+            line += f" | predicted n/a ({trainer.plan.layout.prediction.basis}: no profiles)"
         if device.type == "cuda" and steps_of.mode == "steady":
             line += " | " + sync_check(trainer, next_step["pipeflow"], steps)
         print(line, flush=True)
@@ -327,7 +327,7 @@ def run_case(case: Case, args: argparse.Namespace, device: torch.device, run_roo
             print(f"  rounds (ms per step): pipeflow {[round(1e3 * t, 1) for t in times['pipeflow']]}, "
                   f"plain {[round(1e3 * t, 1) for t in times['plain']]}; pipeflow step: {steps_of.mode} "
                   f"(read back {'a step late' if late else 'within the step'}); prediction: "
-                  f"{trainer.layout.prediction.basis}", flush=True)
+                  f"{trainer.plan.layout.prediction.basis}", flush=True)
         return True, line
     finally:
         trainer.close()
@@ -418,7 +418,8 @@ def run_compile_case(case: Case, args: argparse.Namespace, device: torch.device,
         drivers = {name: PipeflowSteps(trainer, args.pipeflow_step) for name, trainer in trainers.items()}
         runners = {name: (d.step, d.drain) for name, d in drivers.items()}
         runners["plain compiled"] = (plain.step, lambda: None)
-        holds = {name: resident_bytes(t.params, local_optimizer(t.optimizer), device) for name, t in trainers.items()}
+        holds = {name: resident_bytes(t.parts.params, local_optimizer(t.loop.update.optimizer), device)
+                 for name, t in trainers.items()}
         times: dict[str, list[float]] = {name: [] for name in names}
         peaks: dict[str, list[float]] = {name: [] for name in names}
         next_step = dict.fromkeys(names, 1)
@@ -443,7 +444,7 @@ def run_compile_case(case: Case, args: argparse.Namespace, device: torch.device,
             top = {name: max(values) for name, values in peaks.items()}
             line += (" | peak MiB " + ", ".join(f"{name} {top[name]:.0f}" for name in names)
                      + f" | peak vs compiled plain {top['pipeflow compiled'] / top['plain compiled']:.3f}")
-        predicted = trainers["pipeflow compiled"].layout.prediction.step_s
+        predicted = trainers["pipeflow compiled"].plan.layout.prediction.step_s
         if math.isfinite(predicted):
             line += f" | compiled predicted {1e3 * predicted:.1f} ms ({100 * predicted / med['pipeflow compiled']:.0f}%)"
         line += f" | graphs compiled during the timed rounds {graphs_compiled() - graphs}"  # recompiles: 0 expected

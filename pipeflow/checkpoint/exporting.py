@@ -49,7 +49,7 @@ from pipeflow.models.dcp_metadata import SafeReader
 from pipeflow.models.spec import ModelSpec
 from pipeflow.checkpoint import gather as checkpoint_gather, export_lora, integrity, retention
 from pipeflow.checkpoint.find import read_meta, resolve, verify
-from pipeflow.runtime.hosts import rank_ranges
+from pipeflow.runtime.world.hosts import rank_ranges
 
 log = logging.getLogger("pipeflow")
 

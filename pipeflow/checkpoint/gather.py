@@ -25,7 +25,7 @@ from pipeflow.errors import CheckpointError
 from pipeflow.models.dcp_metadata import DCP_METADATA, SafeReader
 from pipeflow.checkpoint import integrity
 from pipeflow.checkpoint.find import META, checkpoints_of, read_meta, verify
-from pipeflow.runtime.hosts import rank_ranges
+from pipeflow.runtime.world.hosts import rank_ranges
 
 LOCAL_KEYS = ("storage", "host", "host_ranks")  # what only a host's part records
 

@@ -19,7 +19,7 @@ from pipeflow.checkpoint.find import read_meta
 from pipeflow.checkpoint.names import model_state, optimizer_state, whole_strided
 from pipeflow.checkpoint.lora_base import LORA_BASE
 from pipeflow.checkpoint.storage import host_part
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 from pipeflow.runtime.parallel.fsdp import local
 from pipeflow.runtime.parallel.mesh_order import DEFAULT_ORDER, MeshGrid
 from pipeflow.runtime.parallel.tensor_parallel import rows_of

@@ -1,7 +1,7 @@
 """One job per run directory: ``<run_dir>/pipeflow.lock``, taken by rank 0 at start.
 
 The lock file holds the holder's host name, machine (boot id and network namespace:
-:func:`~pipeflow.runtime.hosts.machine_id`), pid namespace, pid and job token; its modification
+:func:`~pipeflow.runtime.world.hosts.machine_id`), pid namespace, pid and job token; its modification
 time is a lease that a thread renews every ``lease_s / 4`` seconds while the job lives.  A second
 job is refused with a :class:`~pipeflow.errors.RunDirLockedError` naming the holder while the
 holder is live: on this machine (and pid namespace), while its pid exists; anywhere else, while its
@@ -40,7 +40,7 @@ import uuid
 from dataclasses import dataclass
 
 from pipeflow.errors import RunDirLockedError, RunDirLostError
-from pipeflow.runtime.hosts import connect_failure, machine_id
+from pipeflow.runtime.world.hosts import connect_failure, machine_id
 
 log = logging.getLogger("pipeflow")
 

@@ -1,7 +1,7 @@
 """Whether the job's hosts share one run directory, and each host's part of a checkpoint when not.
 
 At start (:func:`check_shared`, after the run directory is locked) the first rank of each host
-(:func:`pipeflow.runtime.hosts.table`) writes a probe file into the run directory; after a
+(:func:`pipeflow.runtime.world.hosts.table`) writes a probe file into the run directory; after a
 barrier each looks which probes it sees and one all-gather brings the views together.  Hosts
 that do not all see every probe have their own disks: with ``train.checkpoint_storage=shared``
 (the default) every rank stops with :class:`~pipeflow.errors.RunDirNotSharedError` listing what
@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import _StoragePrefix
 
 from pipeflow.errors import CheckpointError, ConfigError, RunDirNotSharedError
 from pipeflow.checkpoint.find import candidates, resolve, verify
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 
 log = logging.getLogger("pipeflow")
 

@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(cfg: DictConfig, path: str | None, options: GenerateOptions) -> int:
     """Join (or start) the process group, generate on this rank's stage from checkpoint `path` (if
     any), rank 0 reporting; returns the exit status."""
-    from pipeflow.runtime.distributed import choose_device, end_process_group, init_distributed
+    from pipeflow.runtime.world.distributed import choose_device, end_process_group, init_distributed
 
     backend, device = choose_device(cfg.dist.backend, cfg.dist.device)
     owned = not dist.is_initialized()  # a caller's group (tests) is left to the caller

@@ -41,7 +41,7 @@ from pipeflow.errors import LaunchError
 from pipeflow.commands.launch_wait import WaitReporter, endpoint_silence
 from pipeflow.checkpoint.lock import RDZV_ENDPOINT_ENV
 from pipeflow.run.signals import AGENT_STOP, PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
-from pipeflow.runtime.hosts import interface_addresses
+from pipeflow.runtime.world.hosts import interface_addresses
 
 USAGE = """usage: python -m pipeflow.launch [torchrun options] train.py [overrides ...]
 

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pipeflow.runtime.hosts import connect_failure
+from pipeflow.runtime.world.hosts import connect_failure
 
 WAIT_REPORT_S = 5.0  # seconds between two lines while the agent waits
 

@@ -198,7 +198,7 @@ def _record(trainer: Any, result: dict, index: int, text: str, run_dir: str) -> 
     """The job's figures, from the fit() result (`pipeflow.observability.metrics.RunMetrics.close`: every key is
     always there; ``tokens_per_s`` is None for non-token data) and the layout's prediction
     (`pipeflow.planning.layout.Prediction`: step NaN and no memory without profiles)."""
-    prediction = trainer.layout.prediction
+    prediction = trainer.plan.layout.prediction
     tokens = result["tokens_per_s"]
     return JobRecord(
         job=index, overrides=text, run_dir=run_dir,

@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pipeflow.planning.calibration import COSTS_FILE, Calibration, RankStep, on_rank0_clock, predict
-from pipeflow.runtime.clocks import clock_offsets
+from pipeflow.runtime.world.clocks import clock_offsets
 from pipeflow.schedules import PipelineSchedule
 
 log = logging.getLogger("pipeflow")

@@ -33,7 +33,7 @@ from pipeflow.observability.figures import RankFigures, pipeline_bubble, rank_bu
 from pipeflow.observability.routing import RoutingLog, all_to_all_line
 from pipeflow.observability.stragglers import StragglerWatch
 from pipeflow.observability.trackers import Trackers, chosen_trackers, open_trackers, resolved_params
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.schedules import PipelineSchedule
 from pipeflow.runtime.parallel.mesh_order import MeshGrid

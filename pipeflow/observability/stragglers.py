@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.runtime.clocks import clock_offsets
+from pipeflow.runtime.world.clocks import clock_offsets
 from pipeflow.runtime.events import Transfer
 
 log = logging.getLogger("pipeflow")

@@ -2,7 +2,7 @@
 JSON (opens in Perfetto, one track per rank) and one timeline picture per step.
 
 Every rank times its events with its own ``time.perf_counter``;
-:func:`~pipeflow.runtime.clocks.clock_offsets` measures each clock against rank 0's so that all
+:func:`~pipeflow.runtime.world.clocks.clock_offsets` measures each clock against rank 0's so that all
 events land on rank 0's time axis.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.observability.figures import pipeline_bubble, step_figures
-from pipeflow.runtime.clocks import clock_offsets, host_offsets  # noqa: F401 - host_offsets: also read from here
+from pipeflow.runtime.world.clocks import clock_offsets, host_offsets  # noqa: F401 - host_offsets: also read from here
 from pipeflow.runtime.events import A2A, COPY_KINDS, SHARD, TimedEvent
 from pipeflow.schedules import PipelineSchedule
 from pipeflow.schedules.ir import KINDS, Action

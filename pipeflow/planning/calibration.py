@@ -24,7 +24,7 @@ much).  :func:`predict` simulates the program with them
 is the model: a log the simulator wrote (:func:`simulated_log`) is recovered exactly.
 Times of different ranks are compared on one axis, rank 0's ``time.perf_counter``: each rank
 moves its records there (:func:`on_rank0_clock`) by its clock's offset, measured as the trace
-does (:func:`pipeflow.runtime.clocks.clock_offsets`; 0 on rank 0's host, but on other machines
+does (:func:`pipeflow.runtime.world.clocks.clock_offsets`; 0 on rank 0's host, but on other machines
 ``perf_counter`` counts from another boot), before they are gathered.
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ class RankStep(NamedTuple):
 
 def on_rank0_clock(record: RankStep, offset: float) -> RankStep:
     """`record` on rank 0's time axis: every time less `offset`, the recording rank's clock minus
-    rank 0's (its entry of :func:`pipeflow.runtime.clocks.clock_offsets`)."""
+    rank 0's (its entry of :func:`pipeflow.runtime.world.clocks.clock_offsets`)."""
     return RankStep(record.start - offset, record.end - offset,
                     [(kind, name, start - offset, end - offset) for kind, name, start, end in record.events])
 

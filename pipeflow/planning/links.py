@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.planning.costs.comm import exchange_s
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 from pipeflow.schedules import Bucket, PipelineSchedule
 from pipeflow.schedules.ir import CommOp
 

@@ -64,7 +64,7 @@ def start_links(costs: Any, pipelines: Sequence[Sequence[int]], host_names: Sequ
 
 def rank_hosts(world: int) -> list[str]:
     """Each global rank's host name (the job's host table; on one host, this host's name)."""
-    from pipeflow.runtime import hosts
+    from pipeflow.runtime.world import hosts
 
     table = hosts.table()
     names = [platform.node()] * world

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from pipeflow.planning.links import Link, PipelineLinks, link_pairs, probe_pair, world_max
 from pipeflow.planning.step_model import StepCosts, predict_step
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 from pipeflow.runtime.parallel.mesh_order import DEFAULT_ORDER, MeshGrid, order_text
 from pipeflow.schedules import PipelineSchedule
 

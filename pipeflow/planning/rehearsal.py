@@ -35,7 +35,7 @@ import torch.distributed as dist
 from pipeflow.planning.calibration import Calibration, RankStep, calibrate, on_rank0_clock, predict
 from pipeflow.planning.profile import release_cached_memory
 from pipeflow.planning.step_model import StepCosts, predict_step
-from pipeflow.runtime.clocks import clock_offsets
+from pipeflow.runtime.world.clocks import clock_offsets
 from pipeflow.runtime.events import EventRecorder
 from pipeflow.runtime.pipeline import Pipeline
 from pipeflow.runtime.posting import Posting

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from pipeflow.planning.profile import release_cached_memory
 from pipeflow.planning.costs.runtime_timing import measure_action_overhead_s, measure_tail_parts
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, SimResult, simulate
 from pipeflow.schedules.ir import Action, CommOp
 from pipeflow.schedules.offload import OffloadCosts, OffloadPlan

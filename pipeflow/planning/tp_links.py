@@ -24,7 +24,7 @@ from pipeflow.planning.costs.comm import fit_line
 from pipeflow.planning.links import SLOW_FACTOR, group_where
 from pipeflow.planning.profile import LayerProfile
 from pipeflow.planning.costs.tensor import TensorLink, relink_profile
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 
 SMALL_PROBE_BYTES = 1 << 12
 MAX_PROBE_BYTES = 1 << 23  # larger collectives are extrapolated on the fitted line

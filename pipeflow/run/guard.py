@@ -30,8 +30,9 @@ from pipeflow.errors import (
     AllTargetsMaskedError, CheckpointError, ConfigError, ConfigMismatchError, JoinTimeoutError, LaunchError,
     NonFiniteError, RunDirLockedError, ScheduleError,
 )
-from pipeflow.runtime import failures, hosts
+from pipeflow.runtime import failures
 
+from pipeflow.runtime.world import hosts
 log = logging.getLogger("pipeflow")
 
 FAILURE_COUNT_KEY = "pipeflow/failures"

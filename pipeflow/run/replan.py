@@ -32,7 +32,7 @@ from pipeflow.planning.profile import LayerProfile
 from pipeflow.planning.search import Candidate, SearchSpace, search
 from pipeflow.planning.costs.tensor import split_profiles
 from pipeflow.checkpoint.saving import write_atomic
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 from pipeflow.schedules import LAYOUTS
 
 log = logging.getLogger("pipeflow")

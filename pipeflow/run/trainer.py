@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,52 +25,40 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from pipeflow.checkpoint.train_state import TrainState
 from pipeflow.data.batch_ramp import lr_position_end
 from pipeflow.observability.metrics import perplexity
-from pipeflow.planning.layout import Layout, describe_layout, predict
-from pipeflow.checkpoint.background import BackgroundSaver, SaveReport, raise_or_warn
-from pipeflow.run.microbatch_split import MicroBatches, MicroBatchSplit
-from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
+from pipeflow.planning.layout import describe_layout
 from pipeflow.run.evaluation import held_out_loss, reached_a_rank
+from pipeflow.run.microbatch_split import MicroBatches
+from pipeflow.run.phases import Loop, ModelParts, RunPlan, Topology
 from pipeflow.run.readback import PendingStep, StepValues
 from pipeflow.run.run_log import compile_line, end_line, start_lines
-from pipeflow.run.signals import (
-    agent_stopping,
-    catch_signals,
-    clear_preemption,
-    record_preemption,
-    signal_names,
-    signal_numbers,
-)
-from pipeflow.run.step_update import clip_grad_norm_global, lr_at, unique_parameters
-from pipeflow.errors import LossSpikeError
+from pipeflow.run.saves import RunSaves
+from pipeflow.run.signals import (agent_stopping, catch_signals, clear_preemption, record_preemption, signal_names,
+                                  signal_numbers)
 from pipeflow.run.spikes import Spike, SpikeGuard, SpikeRollback
-from pipeflow.checkpoint.train_state import TrainState
-from pipeflow.runtime import distributed, failures
+from pipeflow.run.step_batches import StepBatches
+from pipeflow.run.step_update import clip_grad_norm_global, lr_at, unique_parameters
+from pipeflow.runtime.world import distributed
+from pipeflow.runtime import failures
 from pipeflow.runtime.clip import clip_on_device
 from pipeflow.runtime.keyed_dropout import SampleKeys
 from pipeflow.runtime.memory import MemoryAccountant
-from pipeflow.runtime.parallel.mesh import Mesh
-from pipeflow.runtime.pipeline import Pipeline
-from pipeflow.runtime.stage import Stage
-from pipeflow.schedules import PipelineSchedule, build_schedule
 
 __all__ = ["Trainer", "clip_grad_norm_global", "clip_on_device", "lr_at", "unique_parameters"]
 
 log = logging.getLogger("pipeflow")
 
-# a preemption waits this long for an older step's background save, then gives it up and saves its own
-# step at once: torchrun's agent and Slurm allow 30 s between SIGTERM and SIGKILL by default
-PREEMPT_WAIT_S = 20.0
 
 
 @dataclass
 class Trainer:
     """Trains this rank's part of the pipeline: the loop over what :func:`~pipeflow.run.builder.build_run` built.
 
-    It holds the values the builder's phases returned (:mod:`pipeflow.run.phases`); the objects
-    most code reaches for (stages, params, optimizer, pipeline, schedule, layout, mesh) are
-    properties over them.
+    It holds the values the builder's phases returned (:mod:`pipeflow.run.phases`): reach the
+    objects through them (``trainer.parts.stages``, ``trainer.loop.pipeline``,
+    ``trainer.loop.update.optimizer``, ``trainer.plan.layout``, ``trainer.topology.mesh``).
 
     Attributes:
         cfg: the resolved config (``train``, ``optim`` and ``data`` settings are read).
@@ -95,48 +82,14 @@ class Trainer:
     history: list[float] = field(default_factory=list)
     _signalled: str | None = field(default=None, init=False, repr=False)  # the train.save_on_signal signal received
     _from_agent: bool = field(default=False, init=False, repr=False)  # it was torchrun's agent stopping its workers
-    # keyed dropout: micro-batches' first rows, by global batch size
-    _rows: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False)
-    _ramp_schedules: dict[int, PipelineSchedule] = field(default_factory=dict, init=False, repr=False)  # by count
     _spikes: SpikeGuard | None = field(default=None, init=False, repr=False)  # train.spike (made at the first use)
     _watching_signals: bool = field(default=False, init=False, repr=False)  # evaluations check for it
-    _saved: tuple[int, str] | None = field(default=None, init=False, repr=False)  # last saved or resumed: (step, folder)
-    _saver: BackgroundSaver | None = field(default=None, init=False, repr=False)  # train.checkpoint_mode=async*
+    batches: StepBatches = field(init=False, repr=False)  # each step's micro-batches and schedule
+    saves: RunSaves = field(init=False, repr=False)  # the run's checkpoints as the loop saves them
 
-    @property
-    def stages(self) -> dict[int, Stage]:
-        """This rank's stages, by stage index."""
-        return self.parts.stages
-
-    @property
-    def params(self) -> list[torch.nn.Parameter]:
-        """The parameters that train."""
-        return self.parts.params
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer over :attr:`params`."""
-        return self.loop.update.optimizer
-
-    @property
-    def pipeline(self) -> Pipeline:
-        """The interpreter of this rank's program."""
-        return self.loop.pipeline
-
-    @property
-    def schedule(self) -> PipelineSchedule:
-        """The schedule every pipeline rank runs."""
-        return self.plan.schedule
-
-    @property
-    def layout(self) -> Layout:
-        """The partition and its prediction."""
-        return self.plan.layout
-
-    @property
-    def mesh(self) -> Mesh:
-        """The dp x pp (x tp) process mesh."""
-        return self.topology.mesh
+    def __post_init__(self) -> None:
+        self.batches = StepBatches(self.cfg, self.device, self.plan, self.topology, self.parts, self.loop)
+        self.saves = RunSaves(self.cfg, self.device, self.loop.metrics, self.is_main)
 
     @property
     def is_main(self) -> bool:
@@ -146,12 +99,12 @@ class Trainer:
     @property
     def dp(self) -> int:
         """Data-parallel replicas."""
-        return self.mesh.dp
+        return self.topology.mesh.dp
 
     @property
     def ranges(self) -> list[range]:
         """The layers of every stage."""
-        return self.layout.ranges
+        return self.plan.layout.ranges
 
     @property
     def checkpoint_root(self) -> str:
@@ -166,59 +119,19 @@ class Trainer:
     @property
     def state(self) -> TrainState:
         """What this rank saves and resumes (:class:`~pipeflow.checkpoint.train_state.TrainState`)."""
-        return TrainState(self.cfg, self.mesh, self.stages, self.ranges, self.schedule.num_stages, self.optimizer,
+        return TrainState(self.cfg, self.topology.mesh, self.parts.stages, self.ranges, self.plan.schedule.num_stages, self.loop.update.optimizer,
                           self.loop.update.scaler, lora=self.plan.spec.lora is not None, root=self.checkpoint_root,
                           storage=self.checkpoint_storage, job=self.loop.workspace.token,
                           batches_skipped=self.spikes.batches_skipped)
 
     def save_checkpoint(self, step: int, sync: bool = False) -> str:
-        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; see pipeflow.checkpoint.saving), or
-        with ``train.checkpoint_mode=async|async_process`` (unless `sync`) stage it and write it in
-        the background (:mod:`pipeflow.checkpoint.background`): the folder it will have is returned
-        at once, complete when reported.
+        """Write ``<run_dir>/checkpoints/step_<step>`` (collective; :meth:`RunSaves.save`): at once,
+        or staged and written in the background (``train.checkpoint_mode``) unless `sync`.
 
         Raises:
             NonFiniteError: a weight holds NaN or Inf (nothing is written; ``latest`` stays).
         """
-        started = time.perf_counter()
-        if sync or self.cfg.train.checkpoint_mode == "sync":
-            path = self.state.save(step, self.device)
-            if self.is_main:
-                log.info("saved checkpoint of step %d: %s (%.2f s)", step, path, time.perf_counter() - started)
-            self.loop.metrics.checkpoint_saved(step, path, started, time.perf_counter() - started)
-        else:
-            if self._saver is None:  # collective: every rank reaches its first save at the same step
-                self._saver = BackgroundSaver(str(self.cfg.train.checkpoint_mode), str(self.cfg.train.on_save_error),
-                                              self.device, self.checkpoint_storage)
-            path, waited = self.state.save(step, self.device, self._saver)
-            self._settled(waited)
-            if self.is_main and self._saver.inflight is not None:
-                log.info("staged checkpoint of step %d in %.2f s (train.checkpoint_mode=%s): writing it in the "
-                         "background", step, self._saver.inflight.staged_s, self.cfg.train.checkpoint_mode)
-        self._saved = (step, path)
-        return path
-
-    def _settled(self, report: SaveReport | None) -> None:
-        """Report a background save that ended: its line and figures, or its failure
-        (``train.on_save_error``: raised or warned on every rank alike)."""
-        if report is None:
-            return
-        if report.error is not None:
-            raise_or_warn(report, str(self.cfg.train.on_save_error))
-            return
-        if self.is_main:
-            log.info("saved checkpoint of step %d: %s (written in the background in %.2f s)", report.step,
-                     report.path, report.write_s)
-        self.loop.metrics.checkpoint_saved(report.step, str(report.path), report.written_from - report.staged_s,
-                                            report.staged_s, report.write_s)
-
-    def _wait_for_save(self, before: str) -> SaveReport | None:
-        """Wait for the background save in flight, if any (collective), and report it."""
-        if self._saver is None:
-            return None
-        report = self._saver.wait(before)
-        self._settled(report)
-        return report
+        return self.saves.save(self.state, step, sync)
 
     def resume(self) -> int:
         """Load the checkpoint ``train.resume`` names, if any (:meth:`TrainState.resume`); returns
@@ -231,7 +144,7 @@ class Trainer:
         if resumed is None:
             return 0
         step, path, self.spikes.batches_skipped = resumed
-        self._saved = (step, path)
+        self.saves.saved = (step, path)
         return step
 
     @property
@@ -243,57 +156,11 @@ class Trainer:
 
     def describe(self) -> str:
         """The schedule, its predicted bubble and the partition table (see pipeflow.planning.layout)."""
-        return describe_layout(self.layout, self.plan.spec, self.schedule)
+        return describe_layout(self.plan.layout, self.plan.spec, self.plan.schedule)
 
-    def _microbatches(self, source: Any, step: int) -> MicroBatches:
-        """This dp rank's micro-batches of batch `step` of `source` (:class:`MicroBatchSplit`).
-
-        Raises:
-            AllTargetsMaskedError: a training batch whose every target is masked.
-        """
-        training = source is self.plan.batches.train
-        split = MicroBatchSplit(
-            holds_first=0 in self.stages, holds_last=self.schedule.num_stages - 1 in self.stages,
-            weighs=self.schedule.num_stages - 1 in self.stages or self.loop.update.routing is not None,
-            dp_rank=self.mesh.dp_rank, cp_rank=self.mesh.cp_rank, cp=self.mesh.cp,
-            dp=self.dp, microbatches=self._count(step) if training else self.schedule.num_microbatches,
-            device=self.device,
-            dtype=getattr(torch, self.cfg.train.param_dtype), loss_count=self.plan.spec.loss_count)
-        return split.split(source, step + self.spikes.batches_skipped if training else step, training=training)
-
-    def _count(self, step: int) -> int:
-        """Micro-batches each replica runs at training step `step` (``train.batch_ramp``: fewer early on)."""
-        ramp = self.plan.ramp
-        return self.schedule.num_microbatches if ramp is None else ramp.microbatches_at(step)
-
-    def _schedule_at(self, step: int) -> PipelineSchedule:
-        """The schedule of training step `step`: the run's, or under ``train.batch_ramp`` the same
-        schedule built (``auto``: synthesised) for that step's micro-batch count (one per count)."""
-        count = self._count(step)
-        if count == self.schedule.num_microbatches:
-            return self.schedule
-        if count not in self._ramp_schedules:
-            sc = self.cfg.schedule
-            self._ramp_schedules[count] = (self.plan.reschedule(count) if self.plan.reschedule is not None else
-                                           build_schedule(sc.name, self.schedule.num_ranks, count, sc.stages_per_rank,
-                                                          sc.placement, sc.path, sc.stage_to_rank))
-        return self._ramp_schedules[count]
-
-    def ramp_line(self) -> str | None:
-        """``train.batch_ramp``'s start-of-run line: its sizes, their micro-batch counts and first
-        steps, and each size's predicted step (the start-of-run prediction scaled by what the
-        simulator gives that count's program on the profiled costs); None without a ramp."""
-        ramp = self.plan.ramp
-        if ramp is None:
-            return None
-        line = f"batch ramp: {ramp.describe()}"
-        layout = self.layout
-        if layout.profiles is None or not math.isfinite(layout.prediction.step_s):
-            return line
-        full = predict(self.schedule, layout.ranges, layout.profiles).step_s
-        steps = [layout.prediction.step_s * predict(self._schedule_at(ramp.steps_to(size)), layout.ranges,
-                                                    layout.profiles).step_s / full for size in ramp.sizes()]
-        return f"{line}; predicted step {' / '.join(f'{1e3 * s:.1f}' for s in steps)} ms"
+    def _train_microbatches(self, step: int) -> MicroBatches:
+        """This dp rank's micro-batches of training step `step` (past the batches a rollback skipped)."""
+        return self.batches.microbatches(self.plan.batches.train, step, self.spikes.batches_skipped)
 
     def _spiked(self, step: int, values: StepValues) -> Spike | None:
         """Judge step `step`'s loss and norm (``train.spike``, alike on every rank); rank 0 logs a
@@ -306,55 +173,8 @@ class Trainer:
             first = (self.plan.ramp.consumed_before(step) if self.plan.ramp is not None
                      else batch * int(self.cfg.data.batch_size))
             log.warning(self.spikes.line(spike, jumped, f"training batch {batch} (samples {first}.., "
-                                                        f"{self._count(step)} micro-batches per replica)"))
+                                                        f"{self.batches.count(step)} micro-batches per replica)"))
         return spike
-
-    def _roll_back(self, rollback: SpikeRollback) -> int:
-        """Reload the last complete checkpoint after a spike (``train.spike.action=rollback``) and
-        skip the batches from its step to the spike's; returns the step to go on from.
-
-        Raises:
-            LossSpikeError: no checkpoint to roll back to, or ``train.spike.max_rollbacks`` reached.
-        """
-        spike = rollback.spike
-        self.spikes.check_cap(spike)
-        self._wait_for_save("a rollback")
-        resumed = self.state.resume(announce=False, source="auto")
-        if resumed is None:
-            raise LossSpikeError(f"step {spike.step}: {spike.describe()}; train.spike.action=rollback has no complete "
-                                 f"checkpoint to go back to (set train.save_every)")
-        step, path, skipped = resumed
-        first, last = self.spikes.rolled_back(spike, step, skipped)
-        self._saved = (step, path)
-        if self.is_main:
-            log.warning("rolled back to %s (step %d) after the spike of step %d; batches %d..%d skipped (rollback %d "
-                        "of at most %d)", path, step, spike.step, first, last, self.spikes.rollbacks,
-                        self.spikes.max_rollbacks)
-        return step
-
-    def _ramp_batch(self, step: int) -> tuple[int, int | None, int, int | None]:
-        """``train.batch_ramp``: training step `step`'s samples and tokens, and the samples and tokens
-        trained by its end (tokens None for non-token data)."""
-        ramp, (samples, tokens) = self.plan.ramp, self.loop.metrics.full_items
-        per_sample = None if tokens is None else tokens / samples
-        size, trained = ramp.size(step), ramp.consumed_before(step + 1)
-        return (size, None if per_sample is None else round(size * per_sample), trained,
-                None if per_sample is None else round(trained * per_sample))
-
-    def _first_rows(self, step: int) -> list[int]:
-        """Each of this replica's micro-batches' first row in step `step`'s global batch (as
-        :func:`pipeflow.data.shard` and the micro-batch split cut it: ``tensor_split``'s sizes,
-        the first ones a row larger), in plain integers: a steady step reads nothing back."""
-        size = int(self.cfg.data.batch_size) if self.plan.ramp is None else self.plan.ramp.size(step)
-        if size not in self._rows:
-            def starts(offset: int, rows: int, parts: int) -> list[tuple[int, int]]:
-                part, extra = divmod(rows, parts)
-                cuts = [offset + i * part + min(i, extra) for i in range(parts + 1)]
-                return [(cuts[i], cuts[i + 1] - cuts[i]) for i in range(parts)]
-
-            first, rows = starts(0, size, self.dp)[self.mesh.dp_rank]
-            self._rows[size] = [start for start, _ in starts(first, rows, self._count(step))]
-        return self._rows[size]
 
     @property
     def defers_readback(self) -> bool:
@@ -374,18 +194,18 @@ class Trainer:
         Raises:
             NonFiniteError: NaN/Inf that the loss scaler does not explain.
         """
-        values = self.finish(self.queue(step, self.optimizer.param_groups[0]["lr"], memory))
+        values = self.finish(self.queue(step, self.loop.update.optimizer.param_groups[0]["lr"], memory))
         return values.loss, values.norm
 
     def queue(self, step: int, lr: float, memory: MemoryAccountant | None = None) -> PendingStep:
         """Forward, backward, reductions and clipping of batch `step`, queued on the device; the
         packet of figures copied towards the host without waiting (see :class:`PendingStep`)."""
-        inputs, targets, weights, _ = self._microbatches(self.plan.batches.train, step)
+        inputs, targets, weights, _ = self._train_microbatches(step)
         if self.cfg.train.dropout_rng == "sample":  # this step's dropout masks, whatever the layout
-            keys = SampleKeys(self.plan.spec.seed, step, self._first_rows(step))
-            for stage in self.stages.values():
+            keys = SampleKeys(self.plan.spec.seed, step, self.batches.first_rows(step))
+            for stage in self.parts.stages.values():
                 stage.sample_keys = keys
-        loss = self.pipeline.run(inputs, targets, grad_scale=self.loop.update.scaler.scale, loss_weights=weights,
+        loss = self.loop.pipeline.run(inputs, targets, grad_scale=self.loop.update.scaler.scale, loss_weights=weights,
                                  memory=memory)
         return self.loop.update.reduce(step, lr, loss, preempt=bool(self._signalled), from_agent=self._from_agent)
 
@@ -396,7 +216,7 @@ class Trainer:
             NonFiniteError: NaN/Inf that the loss scaler does not explain.
             RunDirLostError: rank 0's lock watch found the run directory or its lock gone or taken.
         """
-        return self.loop.update.judge(pending, lambda: self._microbatches(self.plan.batches.train, pending.step).inputs)
+        return self.loop.update.judge(pending, lambda: self._train_microbatches(pending.step).inputs)
 
     def apply(self, pending: PendingStep, values: StepValues | None) -> None:
         """The optimizer step of `pending` (:meth:`StepUpdate.apply`); :meth:`_end` releases the gradients."""
@@ -408,11 +228,11 @@ class Trainer:
         ramp = self.plan.ramp
         lr = lr_at(step if ramp is None else ramp.position(step), self.cfg.optim,
                    lr_position_end(ramp, self.cfg.train.max_steps))  # a ramp: lr follows the samples trained
-        for group in self.optimizer.param_groups:
+        for group in self.loop.update.optimizer.param_groups:
             group["lr"] = lr
         if ramp is not None:
-            self.pipeline.use_schedule(self._schedule_at(step))
-            self.loop.metrics.ramp_batches(self._ramp_batch)
+            self.loop.pipeline.use_schedule(self.batches.schedule_at(step))
+            self.loop.metrics.ramp_batches(self.batches.ramp_batch)
         if self.loop.faults is not None:
             self.loop.faults.step = step
         memory = self.loop.memory if self.loop.metrics.memory.measures(step) else None
@@ -424,9 +244,9 @@ class Trainer:
         """After step `step`'s update: its memory measurement, the gradients released, the posting
         note, the steady deadline."""
         if memory is not None:  # what stays: after the optimizer step, before the grads are released
-            moved = self.pipeline.offloaded.bytes if self.pipeline.offloaded is not None else math.nan
-            self.loop.metrics.memory_measured(step, memory.end(self.pipeline.comm_tensors()), moved)
-        self.optimizer.zero_grad(set_to_none=True)
+            moved = self.loop.pipeline.offloaded.bytes if self.loop.pipeline.offloaded is not None else math.nan
+            self.loop.metrics.memory_measured(step, memory.end(self.loop.pipeline.comm_tensors()), moved)
+        self.loop.update.optimizer.zero_grad(set_to_none=True)
         note = self.plan.posting.choice_note()
         if note is not None and self.is_main:
             log.info(note)
@@ -472,7 +292,7 @@ class Trainer:
         values = None if late else self.finish(pending)
         spike = None if values is None else self._spiked(step, values)
         if spike is not None and acting:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.loop.update.optimizer.zero_grad(set_to_none=True)
             self._end(step, memory)
             if self.spikes.action == "rollback":
                 raise SpikeRollback(spike)
@@ -492,17 +312,16 @@ class Trainer:
             leave the evaluation at the same batch and the job saves within the launcher's grace.
         """
         stop = (lambda: reached_a_rank(bool(self._signalled), self.device)) if self._watching_signals else None
-        self.pipeline.use_schedule(self.schedule)  # held-out batches are full ones (a ramp's training step may not be)
-        return held_out_loss(self.pipeline, lambda k: self._microbatches(self.plan.batches.val, k),
+        self.loop.pipeline.use_schedule(self.plan.schedule)  # held-out batches are full ones (a ramp's training step may not be)
+        return held_out_loss(self.loop.pipeline, lambda k: self.batches.microbatches(self.plan.batches.val, k),
                              self.cfg.train.eval_batches, self.device, stop)
 
     def close(self) -> None:
         """Stop what runs beside the loop (the P2P watchdog's thread, joined) and release the run
         directory's lock; called at the end of :meth:`fit`, so every run and every sweep job ends
         with it (idempotent)."""
-        self.pipeline.comm.close()
-        if self._saver is not None:
-            self._saver.close()
+        self.loop.pipeline.comm.close()
+        self.saves.close()
         self.loop.workspace.release()
 
     def _train(self, start: int) -> int | None:
@@ -519,14 +338,13 @@ class Trainer:
         step = start - 1
         while step + 1 < cfg.max_steps:
             step += 1
-            if self._saver is not None:  # a background save ended on every rank: reported at this boundary
-                self._settled(self._saver.poll())
+            self.saves.poll()  # a background save that ended on every rank: reported at this boundary
             self.loop.metrics.begin_step(step)
             try:
                 waiting, done = self.advance(step, previous)
             except SpikeRollback as rollback:  # every rank alike: the loss and norm it judged are agreed
                 self.loop.metrics.stop_step()
-                step = self._roll_back(rollback) - 1
+                step = self.saves.roll_back(self.state, self.spikes, rollback.spike) - 1
                 continue
             timing = self.loop.metrics.stop_step()
             (waiting if waiting is not None else done[-1][0]).timing = timing
@@ -559,18 +377,8 @@ class Trainer:
             during: the phase the signal stopped (``an evaluation``), for the message.
         """
         distributed.saving_on_signal(True)  # a launcher that dies first must not end the save
-        if self._saver is not None and self._saver.inflight is not None:
-            # the save in flight finishes first, an older step's within PREEMPT_WAIT_S (else it is given up
-            # and this step saved now); one that failed is saved again now
-            same = self._saver.inflight.step == step
-            report = self._saver.wait("leaving", timeout_s=None if same else PREEMPT_WAIT_S)
-            if report is not None and report.error is not None:
-                if self.is_main:
-                    log.warning("the background checkpoint of step %d failed (%s): saving step %d now", report.step,
-                                report.error, step)
-                saved = None
-            else:
-                self._settled(report)
+        if not self.saves.before_leaving(step):  # the save in flight failed: this step is saved now
+            saved = None
         path = saved if saved is not None else self.save_checkpoint(step, sync=True)
         names = list(map(str, signal_names(self.cfg.train.save_on_signal)))
         if self.is_main:
@@ -617,7 +425,8 @@ class Trainer:
         final_val = self.evaluate()
         if final_val is None:
             steps = self.cfg.train.max_steps
-            saved = self._saved[1] if self._saved is not None and self._saved[0] == steps else None
+            last = self.saves.saved
+            saved = last[1] if last is not None and last[0] == steps else None
             return self._leave_on_signal(steps, saved=saved, during="the final evaluation"), first_val, nan
         self.loop.metrics.evaluated(self.cfg.train.max_steps, final_val, line=False)
         return None, first_val, final_val
@@ -646,11 +455,11 @@ class Trainer:
         stopped the run early (train.py then exits with :data:`pipeflow.run.signals.PREEMPTED_EXIT_CODE`)."""
         cfg = self.cfg.train
         if self.is_main:
-            for line in start_lines(self.cfg, self.mesh, self.describe(), self.loop.workspace.run_dir,
-                                    self.parts.compiled, self.pipeline.shapes.mode):
+            for line in start_lines(self.cfg, self.topology.mesh, self.describe(), self.loop.workspace.run_dir,
+                                    self.parts.compiled, self.loop.pipeline.shapes.mode):
                 log.info(line)
             if self.plan.ramp is not None:
-                log.info(self.ramp_line())
+                log.info(self.batches.ramp_line())
         start = self.resume()
         if self.is_main:
             clear_preemption(self.loop.workspace.run_dir)
@@ -664,12 +473,12 @@ class Trainer:
             self._watching_signals = False
             restore()
         if preempted_at is None:  # the last checkpoint is complete before the run says it ended
-            self._wait_for_save("the end of the run")
+            self.saves.wait("the end of the run")
         losses = self.history[trained:]
         first_loss, last_loss = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
         result = {"first_loss": first_loss, "last_loss": last_loss, "first_val_loss": first_val, "val_loss": final_val,
                   "val_perplexity": perplexity(final_val), "preempted_at": preempted_at}
-        result.update(self.loop.metrics.close(self.schedule))
+        result.update(self.loop.metrics.close(self.plan.schedule))
         if self.parts.compiled is not None:
             result["compile"] = self.parts.compiled.summary()
             if self.is_main:

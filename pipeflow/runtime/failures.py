@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import CommError, PipeflowError, StageError, StageOutOfMemoryError
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 from pipeflow.runtime.parallel.expert_parallel import expert_parallel_ranks
 from pipeflow.runtime.parallel.tensor_parallel import tensor_parallel_ranks
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from pipeflow.errors import CommError, PipeflowError, ScheduleError
 from pipeflow.runtime import failures, overlap
@@ -28,6 +27,7 @@ from pipeflow.runtime.buffers import BufferPool
 from pipeflow.runtime.events import D2H, H2D, SHARD, EventRecorder, span
 from pipeflow.runtime.parallel.fsdp import FullShard
 from pipeflow.runtime.offload import ActivationOffloader, OffloadStats
+from pipeflow.runtime.pass_state import Boxes, Key, PassWork, Posted, describe_ops
 from pipeflow.runtime.posting import Posting
 from pipeflow.runtime.shapes import ShapePlan
 from pipeflow.runtime.stage import Stage, Tensors
@@ -40,19 +40,6 @@ from pipeflow.schedules.simulator import validate
 
 if TYPE_CHECKING:
     from pipeflow.runtime.memory import MemoryAccountant
-
-# inbox/outbox keys: (payload, micro-batch, stage) with stage = receiver (inbox) or sender (outbox)
-Key = tuple[str, int, int]
-
-
-class _Posted(NamedTuple):
-    """A posted op not waited for yet: the tensors it sends or fills, its works, and the recorder's
-    mark of its posting (None when not recording)."""
-
-    tensors: Tensors
-    works: list[dist.Work]
-    mark: Any = None
-
 
 class Pipeline:
     """Runs a schedule's program for this rank's stages.
@@ -232,13 +219,11 @@ class Pipeline:
                 mod.training = mode
         return self._take_loss()
 
-    def comm_tensors(self, outbox: dict[Key, Tensors] | None = None,
-                     posted: dict[CommOp, _Posted] | None = None) -> list[torch.Tensor]:
+    def comm_tensors(self, boxes: Boxes | None = None) -> list[torch.Tensor]:
         """The transport's buffers now: the receive pool's free buffers, those lent to
         micro-batches and, during a pass, the tensors queued for sending or posted."""
         tensors = self.buffers.free_buffers() + [t for ts in self._lent.values() for t in ts]
-        tensors += [t for ts in (outbox or {}).values() for t in ts]
-        return tensors + [t for entry in (posted or {}).values() for t in entry.tensors]
+        return tensors + (boxes.tensors() if boxes is not None else [])
 
     def _prepare_shapes(self, inputs: Sequence[Tensors] | None, count: int) -> None:
         """Learn the pass's shapes; sharded stages are gathered first whenever the shape plan may
@@ -268,13 +253,9 @@ class Pipeline:
         Micro-batch i's loss is weighted by ``loss_weights[i]``, so the summed loss and gradients
         are those of the full batch.
         """
-        inbox: dict[Key, Tensors] = {}
-        outbox: dict[Key, Tensors] = {}
-        posted: dict[CommOp, _Posted] = {}
         self._weights_left = {s: self.schedule.num_microbatches for s in self.stages} if train else {}
         recorder = self.recorder if self.recorder.on else None  # marks: perf_counter, or CUDA events
-        boxes = (inbox, outbox, posted)
-        work = (inputs, targets, loss_weights, train, grad_scale)
+        boxes, work = Boxes(), PassWork(inputs, targets, loss_weights, train, grad_scale)
         for k, step in enumerate(program):
             if step.paired:  # ran with the step before it
                 continue
@@ -285,7 +266,7 @@ class Pipeline:
             else:
                 self._act(step, boxes, work, recorder)
             if memory is not None and step.action is not None:  # after the recorder: the action's time does not include it
-                memory.sample(self.comm_tensors(outbox, posted), (inputs, targets),
+                memory.sample(self.comm_tensors(boxes), (inputs, targets),
                               self.offloader.device_tensors() if self.offloader is not None else ())
             if not paired:  # after the sample: the F's activations are on the device until copied
                 self._offload(step, recorder)
@@ -295,35 +276,33 @@ class Pipeline:
         self.buffers.end_pass()
         if train and self.offloader is not None:
             self.offloaded = self.offloader.end_pass()
-        if inbox or outbox or posted:
-            left = sorted(inbox) + sorted(outbox) + [str(op) for op in posted]
-            raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
+        if boxes.left():
+            raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {boxes.left()}")
 
-    def _open(self, k: int, step: Step, program: Program, boxes: tuple, train: bool,
+    def _open(self, k: int, step: Step, program: Program, boxes: Boxes, train: bool,
               recorder: EventRecorder | None) -> None:
         """Step k up to its action: its reloads, its ops posted, shard points, its waits."""
-        inbox, outbox, posted = boxes
         self._reload(step.reload, recorder)  # first: each B waits for its own copy, which runs beside what follows
         t0 = recorder.mark() if recorder is not None else None
-        self._post(step.ops, step, outbox, posted, program, k)
+        self._post(step.ops, step, boxes, program, k)
         gathers = ()
         if step.unshard or step.reshard:  # the shard points' own events: the comm event restarts after them
             if recorder is not None and step.ops:
                 recorder.record("comm", step.ops_text, t0, recorder.mark())
             gathers = self._shard_points(step, train, recorder)
             t0 = recorder.mark() if recorder is not None else None
-        self._wait(step.waits, posted, inbox, program, k)
+        self._wait(step.waits, boxes, program, k)
         if recorder is not None and (step.ops or step.waits):  # a step that posts nothing names what it waited for
             recorder.record("comm", step.ops_text or "; ".join(str(op) for op in step.waits), t0, recorder.mark())
         if gathers:
             with span(recorder, SHARD, f"unshard {','.join(map(str, step.unshard))}"):
                 self.sharding.wait(gathers)
 
-    def _act(self, step: Step, boxes: tuple, work: tuple, recorder: EventRecorder | None) -> None:
+    def _act(self, step: Step, boxes: Boxes, work: PassWork, recorder: EventRecorder | None) -> None:
         """The step's action, recorded."""
         if step.action is not None:
             with span(recorder, step.action.kind, step.action_text):
-                self._compute(step, boxes[0], boxes[1], *work)
+                self._compute(step, boxes, work)
 
     def _offload(self, step: Step, recorder: EventRecorder | None) -> None:
         """Start copying to the host the activations of the groups the step offloads (its F's)."""
@@ -331,36 +310,35 @@ class Pipeline:
             with span(recorder, D2H, f"offload {s}:{i}"):
                 self.offloader.offload((s, i), self.stages[s].kept_tensors(i))
 
-    def _run_pair(self, k: int, program: Program, boxes: tuple, work: tuple, recorder: EventRecorder | None) -> None:
+    def _run_pair(self, k: int, program: Program, boxes: Boxes, work: PassWork, recorder: EventRecorder | None) -> None:
         """Steps k and k + 1, an overlapped pair (``Step.paired``): the B's reloads and the recvs
         it consumes posted now, then the F here and the B on the pair's worker thread, one
         computing at a time and handing over at their communication points; the F's sends are
         posted as soon as it ends, the B waits for its recvs when it first computes."""
-        inbox, outbox, posted = boxes
         step, second = program[k], program[k + 1]
         self._reload(second.reload, recorder)
         early, late = pair_posts(second)
-        self._post(early, second, outbox, posted, program, k + 1)
+        self._post(early, second, boxes, program, k + 1)
 
         def forward() -> None:
             self._act(step, boxes, work, recorder)
             self._offload(step, recorder)
-            self._post(late, second, outbox, posted, program, k + 1)
+            self._post(late, second, boxes, program, k + 1)
 
         def backward() -> None:
             with span(recorder if second.waits else None, "comm", "; ".join(map(str, second.waits))):
-                self._wait(second.waits, posted, inbox, program, k + 1)
+                self._wait(second.waits, boxes, program, k + 1)
             self._act(second, boxes, work, recorder)
 
         if self._interleave is None:  # at the first pair: after the experts were split (run start)
             self._interleave = overlap.communicates(stage.module for stage in self.stages.values())
         self.pairs.run(forward, backward, self._interleave)
 
-    def _close(self, k: int, program: Program, boxes: tuple, recorder: EventRecorder | None) -> None:
+    def _close(self, k: int, program: Program, boxes: Boxes, recorder: EventRecorder | None) -> None:
         """Step k's ``after``: by now the peer has long posted its recvs; the sent tensors are freed."""
         if program[k].after:
             with span(recorder, "comm", "sends of the step done"):
-                self._wait(program[k].after, boxes[2], boxes[0], program, k, after=True)
+                self._wait(program[k].after, boxes, program, k, after=True)
 
     def _reload(self, groups: tuple[tuple[int, int], ...], recorder: EventRecorder | None) -> None:
         """Start copying back the offloaded `groups` (each an ``h2d`` event)."""
@@ -378,16 +356,13 @@ class Pipeline:
                 self.sharding.reshard(step.reshard, train)
         return self.sharding.unshard(step.unshard) if step.unshard else []
 
-    def _post(
-        self, ops: tuple[CommOp, ...], step: Step, outbox: dict[Key, Tensors], posted: dict[CommOp, _Posted],
-        program: Program, k: int,
-    ) -> None:
+    def _post(self, ops: tuple[CommOp, ...], step: Step, boxes: Boxes, program: Program, k: int) -> None:
         """Post `ops` (step k's) in one batched call: sends from the outbox, recvs into fresh buffers
         (a peer found dead while posting is a CommError naming the ops and this rank's progress)."""
         if not ops:
             return
         tensors = [
-            outbox.pop((op.payload, op.microbatch, op.src_stage)) if op.is_send else self._recv_buffers(op)
+            boxes.outbox.pop((op.payload, op.microbatch, op.src_stage)) if op.is_send else self._recv_buffers(op)
             for op in ops
         ]
         sends = [(op.peer, t) for op, ts in zip(ops, tensors) if op.is_send for t in ts]
@@ -400,17 +375,14 @@ class Pipeline:
         mark = self.recorder.mark() if self.recorder.on else None  # the transfers' start (stragglers)
         for op, ts in zip(ops, tensors):
             pool = sent_works if op.is_send else recv_works
-            posted[op] = _Posted(ts, pool[: len(ts)], mark)
+            boxes.posted[op] = Posted(ts, pool[: len(ts)], mark)
             del pool[: len(ts)]
 
-    def _wait(
-        self, ops: tuple[CommOp, ...], posted: dict[CommOp, _Posted], inbox: dict[Key, Tensors], program: Program,
-        k: int, after: bool = False,
-    ) -> None:
+    def _wait(self, ops: tuple[CommOp, ...], boxes: Boxes, program: Program, k: int, after: bool = False) -> None:
         """Wait for posted `ops` under the deadline; received tensors go to the inbox."""
         if not ops:
             return
-        entries = [posted.pop(op) for op in ops]
+        entries = [boxes.posted.pop(op) for op in ops]
         waited = self.recorder.mark() if self.recorder.on else None
         try:
             self.comm.wait([w for entry in entries for w in entry.works], lambda: self._describe(k, program[k], ops, after))
@@ -428,17 +400,10 @@ class Pipeline:
             tensors = entry.tensors
             if op.payload == ACTIVATION:
                 tensors = self._as_inputs(op.src_stage, op.microbatch, tensors)
-            inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
+            boxes.inbox[(op.payload, op.microbatch, op.dst_stage)] = tensors
 
     def _describe(self, k: int, step: Step, ops: tuple[CommOp, ...], after: bool) -> str:
-        if step.action is None:
-            when = "after the last action"
-        else:
-            when = f"{'after' if after else 'before'} {step.action}"
-        # with dp > 1 a peer's pipeline rank is not its global rank: say both
-        peers = sorted({op.peer for op in ops if self.comm.global_rank(op.peer) != op.peer})
-        named = "".join(f"; pipeline rank {p} is global rank {self.comm.global_rank(p)}" for p in peers)
-        return "; ".join(op.describe() for op in ops) + f" (program step {k}, {when}{named})"
+        return describe_ops(k, step, ops, after, self.comm.global_rank)
 
     def _recv_buffers(self, op: CommOp) -> Tensors:
         """Pooled buffers for what `op` receives, lent to its stage and micro-batch until released."""
@@ -453,27 +418,21 @@ class Pipeline:
     def _stage_failure(self, exc: BaseException, where: str) -> Exception:
         return failures.stage_failure(exc, where, self.stages, self.comm.device)
 
-    def _compute(
-        self,
-        step: Step,
-        inbox: dict[Key, Tensors],
-        outbox: dict[Key, Tensors],
-        inputs: Sequence[Tensors] | None,
-        targets: Sequence[torch.Tensor] | None,
-        loss_weights: Sequence[float],
-        train: bool,
-        grad_scale: float,
-    ) -> None:
+    def _compute(self, step: Step, boxes: Boxes, work: PassWork) -> None:
+        """The step's action on its local stage: what it consumes taken from the inbox, what it
+        makes handed to the next stage or queued in the outbox."""
         action = step.action
+        inbox, outbox, train = boxes.inbox, boxes.outbox, work.train
         assert action is not None
         s, i = action.stage, action.microbatch
         stage = self.stages[s]
         try:
             if action.kind == FORWARD:
-                x = inputs[i] if s == 0 and inputs is not None else inbox.pop((ACTIVATION, i, s))
-                target = targets[i] if stage.is_last and targets is not None else None
+                x = work.inputs[i] if s == 0 and work.inputs is not None else inbox.pop((ACTIVATION, i, s))
+                target = work.targets[i] if stage.is_last and work.targets is not None else None
                 with self._saving(step, stage, x):
-                    out = stage.forward(i, x, target, loss_weights[i], keep_for_backward=train, grad_scale=grad_scale)
+                    out = stage.forward(i, x, target, work.loss_weights[i], keep_for_backward=train,
+                                        grad_scale=work.grad_scale)
                 if not stage.is_last:
                     self.shapes.check(s, i, out, train)
                     self._deliver(ACTIVATION, i, s, s + 1, tuple(t.detach() for t in out), inbox, outbox)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import CommError, PipelineTimeoutError, UnsendableDtypeError
-from pipeflow.runtime import hosts, timeouts
+from pipeflow.runtime.world import hosts, timeouts
 
 _DTYPES: tuple[torch.dtype, ...] = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -160,7 +160,7 @@ class Deadlines:
     the P2P waits and the timeouts of the process groups the run owns.
 
     A group handed to :meth:`own` gets the collective timeout that goes with the current
-    deadline (the deadline plus a margin, :mod:`pipeflow.runtime.timeouts`), now and again at
+    deadline (the deadline plus a margin, :mod:`pipeflow.runtime.world.timeouts`), now and again at
     the switch, so a P2P wait always reaches pipeflow's deadline (and its named error) before
     the backend gives up on the group (NCCL aborts without naming a transfer).
 

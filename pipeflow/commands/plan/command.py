@@ -33,8 +33,8 @@ from pipeflow.commands.plan.cp import context_degree, ring_pricing, search_cp
 from pipeflow.commands.plan.ep import expert_costs
 from pipeflow.commands.plan.help import CONFIG_DIR, USAGE, help_text
 from pipeflow.commands.plan.tp import search_tp, tp_degrees, tp_link_figures  # noqa: F401 - search_tp: part of the API
-from pipeflow.runtime import hosts
-from pipeflow.runtime.distributed import choose_device
+from pipeflow.runtime.world import hosts
+from pipeflow.runtime.world.distributed import choose_device
 from pipeflow.runtime.host_link import measured_once
 from pipeflow.errors import ConfigError
 from pipeflow.planning.order_search import order_note

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from pipeflow.planning.rehearsal import rehearsal_steps
 from pipeflow.planning.search import Candidate
-from pipeflow.runtime.distributed import end_process_group, run_local_ranks
+from pipeflow.runtime.world.distributed import end_process_group, run_local_ranks
 
 REHEARSED_STEPS = 1000  # a run this long rehearses; nothing is trained
 # A run rehearses about 1.5 s a lowering before its own step 0 (up to 8 steps); the planner,
@@ -83,7 +83,7 @@ def _worker(rank: int, port: int, results: Any, world: int, configs: list[Any]) 
     try:
         for cfg in configs:
             trainer = build_run(cfg, torch.device("cpu"))
-            steps.append(trainer.layout.prediction.step_s)
+            steps.append(trainer.plan.layout.prediction.step_s)
             trainer.close()
             del trainer
         if rank == 0:

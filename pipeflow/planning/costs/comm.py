@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.runtime.transport import send_recv
-from pipeflow.runtime.distributed import run_local_ranks
+from pipeflow.runtime.world.distributed import run_local_ranks
 
 _WARMUP = 5
 

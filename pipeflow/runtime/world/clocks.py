@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import ConfigError
-from pipeflow.runtime import hosts
+from pipeflow.runtime.world import hosts
 
 log = logging.getLogger("pipeflow")
 
@@ -112,7 +112,7 @@ def wall_now() -> float:
 class WallSkew:
     """One host's wall clock against rank 0's host's."""
 
-    host: str  # what messages call it (:func:`pipeflow.runtime.hosts.host_labels`)
+    host: str  # what messages call it (:func:`pipeflow.runtime.world.hosts.host_labels`)
     ranks: tuple[int, ...]  # its global ranks
     offset_s: float  # its clock minus rank 0's host's (> 0: ahead)
     bound_s: float  # the measurement is good to ± this (the slowest rank's measured round trip)

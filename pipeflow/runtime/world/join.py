@@ -1,7 +1,7 @@
 """Joining the rendezvous store under one deadline: every rank announces itself (where it runs)
 and waits at most ``comm.join_timeout_s`` for the others (:func:`join_store`), so a rank that
 died before joining is a :class:`~pipeflow.errors.JoinTimeoutError` naming it, not a hang for
-the process-group deadline.  :func:`pipeflow.runtime.distributed.init_distributed` calls it.
+the process-group deadline.  :func:`pipeflow.runtime.world.distributed.init_distributed` calls it.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import uuid
 import torch.distributed as dist
 
 from pipeflow.errors import ConfigError, JoinTimeoutError, LaunchError, PipeflowError
-from pipeflow.runtime import hosts as hosts_of_job
+from pipeflow.runtime.world import hosts as hosts_of_job
 from pipeflow.runtime.failures import first_line
 
 log = logging.getLogger("pipeflow")
@@ -48,7 +48,7 @@ def join_store(rank: int, world: int, timeout_s: float | None, backend: str = "g
     store (a client waits for its host to listen, polling, rather than letting the store's
     client retry with the whole timeout per attempt, which waited about twice as long) and
     then waiting for the other ranks' announcements (each says where it runs:
-    :class:`~pipeflow.runtime.hosts.HostInfo`), and for rank 0's check of their addresses
+    :class:`~pipeflow.runtime.world.hosts.HostInfo`), and for rank 0's check of their addresses
     across hosts, whose table of hosts every rank keeps for its messages.
 
     Raises:
@@ -108,7 +108,7 @@ class _Meeting:
 
     Rank 0 opens an *epoch* (a fresh random id) under ``pipeflow/join/<run id>/epoch``; every other
     rank acknowledges the epoch it reads there with a token of its own process and its
-    :class:`~pipeflow.runtime.hosts.HostInfo`, again whenever the epoch changes; once every rank
+    :class:`~pipeflow.runtime.world.hosts.HostInfo`, again whenever the epoch changes; once every rank
     has acknowledged its epoch, rank 0 checks their addresses across hosts and confirms each
     rank's token.  A rank joined when rank 0 confirmed *its* token, so keys left by an earlier
     attempt of a restarted job (a store torchrun's agent keeps across restarts, whose agents count

@@ -1,6 +1,6 @@
 """Which host each rank runs on, and whether the job's addresses can work across hosts.
 
-When the ranks join (:func:`pipeflow.runtime.join.join_store`) each announces a
+When the ranks join (:func:`pipeflow.runtime.world.join.join_store`) each announces a
 :class:`HostInfo`: its host name, the machine and network stack it runs in (boot id and network
 namespace: two containers can share a name, two emulated hosts share a kernel), the address its
 gloo sockets bind and the ``MASTER_ADDR`` it was given.  Rank 0 reads them all and checks them

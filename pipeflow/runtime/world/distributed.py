@@ -1,7 +1,7 @@
 """Process-group setup: backend and device from the environment torchrun sets (or a single process).
 
 Joining is bounded and named: every rank announces itself in the rendezvous store and waits at
-most ``comm.join_timeout_s`` for the others (:func:`~pipeflow.runtime.join.join_store`), so a
+most ``comm.join_timeout_s`` for the others (:func:`~pipeflow.runtime.world.join.join_store`), so a
 rank that died before joining is a :class:`~pipeflow.errors.JoinTimeoutError` naming it, not a
 hang for the process-group deadline.  A rank started by a launcher leaves when the launcher dies
 (:func:`watch_parent`), so ``kill -9`` of torchrun leaves no workers behind.  At the end,
@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from pipeflow.errors import CommError
-from pipeflow.runtime import hosts as hosts_of_job
-from pipeflow.runtime.clocks import check_wall_clocks
+from pipeflow.runtime.world import hosts as hosts_of_job
+from pipeflow.runtime.world.clocks import check_wall_clocks
 from pipeflow.runtime.failures import first_line
-from pipeflow.runtime.join import join_store  # noqa: F401 - also part of this module's API
+from pipeflow.runtime.world.join import join_store  # noqa: F401 - also part of this module's API
 
 log = logging.getLogger("pipeflow")
 
@@ -103,7 +103,7 @@ def run_local_ranks(target: Callable[..., None], world: int, args: tuple, timeou
 def init_distributed(backend: str, device: torch.device, timeout_s: float | None = None,
                      join_timeout_s: float | None = None) -> None:
     """Initialise the default process group (from torchrun's env, or as a 1-process group); on
-    several hosts, compare their wall clocks once (:func:`~pipeflow.runtime.clocks.check_wall_clocks`).
+    several hosts, compare their wall clocks once (:func:`~pipeflow.runtime.world.clocks.check_wall_clocks`).
 
     Args:
         backend, device: from :func:`choose_device`.
