@@ -34,6 +34,7 @@ ALIASES = [
     ("pipeline.stage_to_rank=[1,0]", "schedule.stage_to_rank", [1, 0]),
     ("plan.tp=[1,2]", "plan.tp_sizes", [1, 2]),
     ("plan.offload=[none,auto]", "plan.offload_modes", ["none", "auto"]),
+    ("metrics.log_every=5", "train.log_every", 5),
 ]
 
 
@@ -56,6 +57,16 @@ def test_two_old_booleans_make_one_shapes_mode_and_false_never_lowers_it() -> No
         assert both.comm.shapes == "per_microbatch"
         assert compose_config(["comm.dynamic_shapes=true", "comm.variable_shapes=false"]).comm.shapes == "per_step"
     assert compose_config([]).comm.shapes is ShapeMode.static
+
+
+def test_one_logging_interval_key_and_saved_runs_keep_theirs() -> None:
+    with pytest.warns(DeprecatedKeyWarning):
+        assert compose_config(["metrics.log_every=null", "train.log_every=7"]).train.log_every == 7  # null: unset
+        assert compose_config(["train.log_every=7", "metrics.log_every=3"]).train.log_every == 3
+    for saved, kept in (({"log_every": None}, 25), ({"log_every": 4}, 4)):  # it won where set, as before
+        cfg = OmegaConf.create({"train": {"log_every": 25}, "metrics": saved})
+        config_renames.rename_keys(cfg, warn=False)
+        assert cfg.train.log_every == kept and "log_every" not in cfg.metrics
 
 
 def test_an_old_key_keeps_its_old_value_check() -> None:

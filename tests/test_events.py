@@ -100,7 +100,7 @@ def test_run_metrics_time_the_step_by_the_recorders_clock(monkeypatch) -> None:
     from pipeflow.schedules import build_schedule
 
     monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
-    cfg = SimpleNamespace(metrics=MetricsConfig(log_every=100, trace_steps=[], tensorboard=False, progress_bar=False),
+    cfg = SimpleNamespace(metrics=MetricsConfig(trace_steps=[], tensorboard=False, progress_bar=False),
                           train=SimpleNamespace(log_every=100, max_steps=10), parallel=ParallelConfig())
     recorder = EventRecorder(ScriptedClock())
     schedule = build_schedule("1f1b", 2, 2)
@@ -142,7 +142,7 @@ def test_on_cuda_only_the_traced_memory_and_every_nth_step_are_timed(monkeypatch
     from pipeflow.schedules import build_schedule
 
     monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
-    cfg = SimpleNamespace(metrics=MetricsConfig(log_every=100, trace_steps=[5], tensorboard=False, progress_bar=False,
+    cfg = SimpleNamespace(metrics=MetricsConfig(trace_steps=[5], tensorboard=False, progress_bar=False,
                                                 memory_steps=[1], timed_every=10),
                           train=SimpleNamespace(log_every=100, max_steps=40), parallel=ParallelConfig())
     schedule = build_schedule("1f1b", 2, 2)

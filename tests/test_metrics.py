@@ -190,7 +190,7 @@ def test_run_metrics_measure_what_the_recorder_collected_during_the_step(monkeyp
 
     monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
     cfg = SimpleNamespace(
-        metrics=MetricsConfig(log_every=100, trace_steps=[2], tensorboard=False, progress_bar=False),
+        metrics=MetricsConfig(trace_steps=[2], tensorboard=False, progress_bar=False),
         train=SimpleNamespace(log_every=100, max_steps=10), parallel=ParallelConfig(),
     )
     recorder = EventRecorder()

@@ -31,6 +31,11 @@ def _stronger_shapes(current: Any, mapped: Any) -> Any:
     return max(current, mapped, key=lambda mode: SHAPE_MODES.index(str(mode)))
 
 
+def _set_one_wins(current: Any, old: Any) -> Any:
+    """``metrics.log_every`` beside ``train.log_every``: it won where it was set (null: it was not)."""
+    return current if old is None else old
+
+
 class KeyRename(NamedTuple):
     """One renamed key: `old` -> `new`, its values translated by `values` where the meaning moved
     (``comm.dynamic_shapes=true`` -> ``comm.shapes=per_step``), `combine` merging the value with
@@ -54,6 +59,7 @@ RENAMES: tuple[KeyRename, ...] = (
     KeyRename("pipeline.stage_to_rank", "schedule.stage_to_rank"),
     KeyRename("plan.tp", "plan.tp_sizes"),
     KeyRename("plan.offload", "plan.offload_modes"),
+    KeyRename("metrics.log_every", "train.log_every", combine=_set_one_wins),  # one key per logging interval
 )
 BY_OLD = {rename.old: rename for rename in RENAMES}
 # groups of one option, now plain sections of the schema: `pipeline=default` names nothing
@@ -68,7 +74,7 @@ def new_value(rename: KeyRename, value: Any, current: Any = None) -> Any:
         ConfigError: a value the old key did not take either, naming both keys.
     """
     if rename.values is None:
-        return value
+        return rename.combine(current, value) if rename.combine is not None else value
     # exact types: 1 is not true, as the old key's check said
     found = [new for old, new in rename.values.items() if old == value and type(old) is type(value)]
     if not found:

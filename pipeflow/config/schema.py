@@ -143,7 +143,7 @@ class TrainConfig:
     """The loop: how long, how often to log and evaluate, where to write."""
 
     max_steps: int = 300
-    log_every: int = 25
+    log_every: int = 25  # steps per log interval: the console's step line, TensorBoard's and the trackers' points
     eval_every: int = 100
     eval_batches: int = 4
     param_dtype: ParamDtype = ParamDtype.float32  # parameters, gradients and optimizer state (the master weights)
@@ -272,7 +272,6 @@ class MetricsConfig:
     (``<run_dir>/trace.json``, ``timeline_step<N>.png``), the console progress bar."""
 
     tensorboard: bool = True  # <run_dir>/tb: loss, lr, grad norm, throughput, per-stage times, bubble, memory; false: removed from trackers
-    log_every: int | None = None  # steps per log interval (console line + TensorBoard points); None: train.log_every
     trace_steps: list[int] = field(default_factory=list)  # e.g. [5]: every action of step 5 -> trace.json, timeline_step5.png
     progress_bar: bool = True  # tqdm bar on rank 0 (only when stderr is a terminal)
     # steps whose tensor memory (params, grads, optimizer state, activations, comm buffers) is

@@ -24,11 +24,10 @@ COUNT_KEYS: tuple[tuple[str, int, bool, str], ...] = (
     ("pipeline.num_microbatches", 1, False, "micro-batches per step"),
     ("schedule.stages_per_rank", 1, True, "model chunks per rank; null: the schedule's own"),
     ("train.max_steps", 1, False, "the steps to train"),
-    ("train.log_every", 1, False, "steps per log line"),
+    ("train.log_every", 1, False, "steps per log interval"),
     ("train.eval_every", 0, False, "0: never evaluate"),
     ("train.eval_batches", 0, False, "held-out batches per evaluation; 0: none"),
     ("train.save_every", 0, False, "0: never save"),
-    ("metrics.log_every", 1, True, "steps per log interval; null: train.log_every"),
     ("metrics.timed_every", 1, False, "1: every step timed by CUDA events"),
     ("metrics.rehearse_steps", 0, True, "0: no rehearsal; null: automatic"),
 )

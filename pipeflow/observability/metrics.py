@@ -118,9 +118,9 @@ class RunMetrics:
         first_pipeline: bool | None = None, grid: MeshGrid | None = None, watch: StragglerWatch | None = None,
     ) -> None:
         mc = cfg.metrics
-        self.log_every = mc.log_every if mc.log_every is not None else cfg.train.log_every
+        self.log_every = int(cfg.train.log_every)
         if self.log_every < 1:
-            raise ConfigError(f"metrics.log_every={self.log_every} must be at least 1 (or null for train.log_every)")
+            raise ConfigError(f"train.log_every={self.log_every} must be at least 1")
         self.max_steps = cfg.train.max_steps
         self.trace_steps = {int(s) for s in mc.trace_steps}
         self.is_main = dist.get_rank() == 0
