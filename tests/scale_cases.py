@@ -482,7 +482,7 @@ def owned_timeouts_and_watchdog_lifecycle() -> dict[str, Any]:
         made.append(DeadlineWatchdog(functools.partial(guard.fail, rank=rank), device=device))
         return made[-1]
 
-    with mock.patch.object(builder, "_watchdog", watchdog):
+    with mock.patch.object(builder, "watchdog", watchdog):
         trainer = build_run(cfg, torch.device("cpu"))
     groups = {"world": None, "pp": trainer.topology.mesh.pp_group, "dp": trainer.topology.mesh.dp_group}
     groups.update({f"tie {t.name}": t.group for t in trainer.parts.tied.ties if t.group is not None})
