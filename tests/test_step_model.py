@@ -167,7 +167,8 @@ def test_metrics_rehearse_steps_is_checked_and_read_as_documented() -> None:
     assert rehearsal_steps_for(compose_config(["train.max_steps=10"]), cpu) == 0  # short runs: none
     assert rehearsal_steps_for(compose_config(["train.max_steps=10", "metrics.rehearse_steps=3"]), cpu) == 3
     assert rehearsal_steps_for(compose_config(["metrics.rehearse_steps=3"]), gpu) == 0
-    assert rehearsal_steps_for(compose_config(["metrics.rehearse_steps=3", "parallel.shard=full"]), cpu) == 0
+    # shard=full rehearses too: its gathers and reduce-scatters run at the program's shard points
+    assert rehearsal_steps_for(compose_config(["metrics.rehearse_steps=3", "parallel.shard=full"]), cpu) == 3
 
 
 def test_an_fsdp_gather_costs_dp_halves_of_the_shards_all_reduce() -> None:
@@ -184,3 +185,23 @@ def test_an_fsdp_gather_costs_dp_halves_of_the_shards_all_reduce() -> None:
         costs = with_fsdp_shards(StepCosts(tail_s=0.05, dp_reduce_s=reduce_s), dp, stages_here=2)
         assert costs.shard_s == pytest.approx(gather_s / 2)  # one gather per stage, two stages here
         assert costs.tail_s == pytest.approx(0.04)  # the all-reduce left the tail
+
+
+def test_the_tail_times_adamw_on_dtensors_as_the_sharded_run_steps_them(one_rank_group) -> None:
+    """A DTensor parameter (``parallel.shard=full``, ``parallel.tp``) is stepped by AdamW through
+    DTensor's dispatch (about twice its local shard's time on a CPU): the start's scratch copy
+    stays a DTensor of the same mesh and placements, over a copy of the local shard; the dp
+    all-reduce is timed on the shard's bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from pipeflow.planning.costs.runtime_timing import _scratch_copy, measure_tail_parts
+
+    mesh = init_device_mesh("cpu", (1,))
+    param = torch.nn.Parameter(distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)]))
+    copy = _scratch_copy(param)
+    assert isinstance(copy, DTensor) and copy.placements == param.placements and copy.device_mesh is param.device_mesh
+    assert torch.equal(copy.to_local(), param.to_local()) and copy.to_local().data_ptr() != param.to_local().data_ptr()
+    reduce_s, tail_s = measure_tail_parts([param], torch.device("cpu"), repeats=2)
+    assert reduce_s == 0.0 and tail_s > 0 and param.grad is None  # the run's parameter untouched
+    assert torch.equal(param.to_local(), torch.arange(12.0).reshape(4, 3))

@@ -71,7 +71,7 @@ def untouched(stages: dict[int, Stage]) -> Iterator[None]:
 def rehearse(
     comm: Any, schedule: PipelineSchedule, stages: dict[int, Stage], inputs: Sequence[Tensors] | None,
     targets: Sequence[torch.Tensor] | None, posting: str, boundary_bytes: Sequence[float], steps: int,
-    shapes: str = "static", warmup: int = 1,
+    shapes: str = "static", warmup: int = 1, sharding: Any = None,
 ) -> Calibration:
     """Interpret this rank's program of `schedule` lowered as `posting` with its `stages` on
     `inputs`/`targets` (the m micro-batches of stage 0's and the last stage's rank) for `warmup`
@@ -83,7 +83,8 @@ def rehearse(
     recorder = EventRecorder()
     # overlapped pairs run F then B: each action's cost is measured whole, its exchanges inside it;
     # the prediction interleaves them (`predict_step`)
-    pipeline = Pipeline(stages, schedule, comm, shapes, Posting(lowering=posting), recorder, overlap_pairs=False)
+    pipeline = Pipeline(stages, schedule, comm, shapes, Posting(lowering=posting), recorder, overlap_pairs=False,
+                        sharding=sharding)
     one = torch.zeros(1, device=comm.device)
     record: list[RankStep] = []
     with untouched(stages):
@@ -100,7 +101,8 @@ def rehearse(
     dist.all_gather_object(gathered, (comm.rank, [on_rank0_clock(r, offset) for r in record]) if first_replica else None)
     by_rank = dict(g for g in gathered if g is not None)
     recorded = [[by_rank[r][n] for r in range(schedule.num_ranks)] for n in range(steps)]
-    return calibrate(schedule, recorded, boundary_bytes, postings=(posting,), meta={"rehearsal": True})
+    return calibrate(schedule, recorded, boundary_bytes, postings=(posting,), meta={"rehearsal": True},
+                     shard=sharding is not None)
 
 
 def rehearsal_steps(estimate_s: float, budget_s: float = BUDGET_S, most: int = MAX_STEPS) -> int:
@@ -115,10 +117,13 @@ def with_rehearsal(
     costs: StepCosts, comm: Any, schedule: PipelineSchedule, ranges: Sequence[range], profiles: Sequence[Any],
     stages: dict[int, Stage], inputs: Sequence[Tensors] | None, targets: Sequence[torch.Tensor] | None,
     boundary_bytes: Sequence[float], postings: Sequence[str], steps: int | None = None, shapes: str = "static",
+    sharding: Any = None,
 ) -> StepCosts:
     """`costs` with the program rehearsed (:func:`rehearse`): each lowering the run may choose
     (``comm.post_recvs=auto``: both) for `steps` steps (None: :func:`rehearsal_steps` of the
     modelled step), the one that simulates faster kept, as auto keeps the one that runs faster.
+    `sharding` (``parallel.shard=full``'s FSDP2 units): rehearsed with their gathers and
+    reduce-scatters, whose time the calibration keeps, so the model's own shard cost goes.
     Collective over the world."""
     if steps is None:
         estimate = torch.tensor([predict_step(schedule, ranges, profiles, costs).makespan], dtype=torch.float64)
@@ -126,7 +131,8 @@ def with_rehearsal(
         steps = rehearsal_steps(float(estimate))
     best: tuple[float, Calibration] | None = None
     for posting in postings:
-        cal = rehearse(comm, schedule, stages, inputs, targets, posting, boundary_bytes, steps, shapes)
+        cal = rehearse(comm, schedule, stages, inputs, targets, posting, boundary_bytes, steps, shapes,
+                       sharding=sharding)
         step_s = predict(schedule, cal).step_s - cal.tail_s
         if best is None or step_s < best[0]:
             best = (step_s, cal)
@@ -134,4 +140,5 @@ def with_rehearsal(
     assert best is not None
     # the tail: the reductions and the optimizer as measured at start, then the end-of-step wait
     # the rehearsal saw (for the slowest replica and the synchronizing all-reduce)
-    return replace(costs, posting=best[1].posting, rehearsed=best[1], tail_s=costs.tail_s + best[1].tail_s)
+    return replace(costs, posting=best[1].posting, rehearsed=best[1], tail_s=costs.tail_s + best[1].tail_s,
+                   shard_s=None if sharding is not None else costs.shard_s)

@@ -161,11 +161,12 @@ REHEARSE_FROM_STEPS = 25  # metrics.rehearse_steps=null: runs this long rehearse
 
 
 def rehearsal_steps_for(cfg: DictConfig, device: torch.device) -> int | None:
-    """``metrics.rehearse_steps`` as the builder uses it: 0 (no rehearsal: on a GPU, with
-    ``parallel.shard=full``, a run shorter than :data:`REHEARSE_FROM_STEPS` steps left at null,
-    or 0 set), None (as many as about 1.5 s allows) or the steps set."""
+    """``metrics.rehearse_steps`` as the builder uses it: 0 (no rehearsal: on a GPU, a run
+    shorter than :data:`REHEARSE_FROM_STEPS` steps left at null, or 0 set), None (as many as
+    about 1.5 s allows) or the steps set.  With ``parallel.shard=full`` the rehearsal gathers and
+    reduces at the program's shard points, as the run does."""
     steps = cfg.metrics.rehearse_steps
-    if device.type != "cpu" or cfg.parallel.shard == "full":
+    if device.type != "cpu":
         return 0
     if steps is None:
         return None if cfg.train.max_steps >= REHEARSE_FROM_STEPS else 0

@@ -301,7 +301,7 @@ def measure_layout(cfg: DictConfig, plan: RunPlan, topology: Topology, parts: Mo
             inputs = microbatch_inputs(first[0], m, device, plan.dtype) if 0 in stages else None
             targets = microbatch_targets(first[1], m, device) if schedule.num_stages - 1 in stages else None
             costs = with_rehearsal(costs, comm, schedule, layout.ranges, layout.profiles, stages, inputs, targets,
-                                   boundary, options, rehearsal, shape_mode(cfg, dp * m))
+                                   boundary, options, rehearsal, shape_mode(cfg, dp * m), parts.sharding)
         layout = with_step_costs(layout, schedule, costs)
     if link is not None:  # planned on the prediction's own simulation, for the host link measured at start
         layout = with_offload(layout, schedule, cfg.pipeline.offload, link,

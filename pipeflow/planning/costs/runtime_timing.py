@@ -13,9 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipeflow.planning.profile import release_cached_memory
 from pipeflow.runtime.clip import grad_norms, scale_grads
+from pipeflow.runtime.parallel.fsdp import local
 
 _REPEATS = 20
 
@@ -64,9 +66,10 @@ def measure_tail_parts(params: Sequence[torch.Tensor], device: torch.device, dp_
     :func:`fused_adamw`) and zeroing the grads on a scratch copy of its parameters (the run's are
     untouched; freed, and on CUDA handed back to the device, before it returns).  Collective over
     the world.  Returns (the data-parallel all-reduce's seconds, the rest's)."""
-    # a sharded parameter (DTensor) is timed by its local shard, which is what this rank steps
-    scratch = [nn.Parameter((p.to_local() if hasattr(p, "to_local") else p).detach().clone()) for p in params]
-    sizes = [p.numel() for p in scratch]
+    # a sharded parameter (DTensor) stays one: AdamW steps it through DTensor's dispatch, as the
+    # run's optimizer does (about twice its local shard's time on a CPU); its bytes are the shard's
+    scratch = [_scratch_copy(p) for p in params]
+    sizes = [local(p).numel() for p in scratch]
     tail = measure_optimizer_s(scratch, device, repeats, fused)
     del scratch  # its copy, grads and AdamW state: a run's worth of memory, not to stay reserved
     one = torch.zeros(1, dtype=torch.float64, device=device)
@@ -78,6 +81,16 @@ def measure_tail_parts(params: Sequence[torch.Tensor], device: torch.device, dp_
         del flat
     release_cached_memory(device)
     return reduce_s, tail
+
+
+def _scratch_copy(param: torch.Tensor) -> nn.Parameter:
+    """A parameter like `param` to step in its place: a DTensor of the same mesh and placements
+    over a copy of its local shard, or a plain copy."""
+    if isinstance(param, DTensor):
+        shard = param.to_local().detach().clone()
+        return nn.Parameter(DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
+                                               shape=param.shape, stride=param.stride()))
+    return nn.Parameter(param.detach().clone())
 
 
 def measure_optimizer_s(params: Sequence[nn.Parameter], device: torch.device, repeats: int = 5,
@@ -97,8 +110,8 @@ def measure_optimizer_s(params: Sequence[nn.Parameter], device: torch.device, re
 
     def step() -> None:  # what the Trainer runs (pipeflow.runtime.clip), the all-reduce timed apart
         if params:
-            torch.stack(grad_norms([p.grad for p in params])).double().pow(2).sum()
-            scale_grads([p.grad for p in params], coef)
+            torch.stack(grad_norms([local(p.grad) for p in params])).double().pow(2).sum()
+            scale_grads([local(p.grad) for p in params], coef)
         optimizer.step()
         for p in params:
             p.grad = torch.zeros_like(p)
