@@ -71,7 +71,7 @@ def untouched(stages: dict[int, Stage]) -> Iterator[None]:
 def rehearse(
     comm: Any, schedule: PipelineSchedule, stages: dict[int, Stage], inputs: Sequence[Tensors] | None,
     targets: Sequence[torch.Tensor] | None, posting: str, boundary_bytes: Sequence[float], steps: int,
-    shapes: str = "static", warmup: int = 1, sharding: Any = None,
+    shapes: str = "static", warmup: int = 1, sharding: Any = None, overlap: bool = False,
 ) -> Calibration:
     """Interpret this rank's program of `schedule` lowered as `posting` with its `stages` on
     `inputs`/`targets` (the m micro-batches of stage 0's and the last stage's rank) for `warmup`
@@ -81,9 +81,8 @@ def rehearse(
     will train; the first replica's record is calibrated, so every rank returns the same costs.
     """
     recorder = EventRecorder()
-    # overlapped pairs run F then B: each action's cost is measured whole, its exchanges inside it;
-    # the prediction interleaves them (`predict_step`)
-    pipeline = Pipeline(stages, schedule, comm, shapes, Posting(lowering=posting), recorder, overlap_pairs=False,
+    # overlapped pairs (`overlap`) run interleaved, as the run runs them: calibrated as the run's own
+    pipeline = Pipeline(stages, schedule, comm, shapes, Posting(lowering=posting), recorder, overlap_pairs=overlap,
                         sharding=sharding)
     one = torch.zeros(1, device=comm.device)
     record: list[RankStep] = []
@@ -102,7 +101,7 @@ def rehearse(
     by_rank = dict(g for g in gathered if g is not None)
     recorded = [[by_rank[r][n] for r in range(schedule.num_ranks)] for n in range(steps)]
     return calibrate(schedule, recorded, boundary_bytes, postings=(posting,), meta={"rehearsal": True},
-                     shard=sharding is not None)
+                     shard=sharding is not None, overlap=overlap and bool(schedule.pairs))
 
 
 def rehearsal_steps(estimate_s: float, budget_s: float = BUDGET_S, most: int = MAX_STEPS) -> int:
@@ -132,7 +131,7 @@ def with_rehearsal(
     best: tuple[float, Calibration] | None = None
     for posting in postings:
         cal = rehearse(comm, schedule, stages, inputs, targets, posting, boundary_bytes, steps, shapes,
-                       sharding=sharding)
+                       sharding=sharding, overlap=costs.overlap_pairs)
         step_s = predict(schedule, cal).step_s - cal.tail_s
         if best is None or step_s < best[0]:
             best = (step_s, cal)

@@ -294,7 +294,8 @@ def predict_step(
     exchanges = costs.ep_links.exchanges(profiles, ranges) if costs.ep_links is not None else None
     if costs.rehearsed is not None:  # rehearsed F then B: each action's exchanges inside its cost
         cal = costs.rehearsed
-        runtime = replace(cal.runtime(), offload=copies, exchanges=exchanges)
+        # pairs rehearsed interleaved: their exchanges' overlap is in the calibrated costs already
+        runtime = replace(cal.runtime(), offload=copies, exchanges=None if cal.overlap else exchanges)
         if costs.links is not None:  # the host's late deliveries as rehearsed, each link's rate as measured
             runtime = replace(runtime, transfer=rehearsed_on_links(cal, costs.links), bucket=link_buckets(costs, cal.op_bytes))
         return simulate(schedule, lower(schedule, cal.posting, shard=shard, offload=plan, overlap=costs.overlap_pairs),
