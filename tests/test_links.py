@@ -91,6 +91,7 @@ def test_the_probe_finds_a_token_buckets_latency_sustained_rate_and_burst(monkey
         return sorted(times[warmup:])[len(times[warmup:]) // 2]
 
     monkeypatch.setattr(links, "exchange_s", exchange)
+    monkeypatch.setattr(links, "stream_s", exchange)
     monkeypatch.setattr(links.time, "sleep", lambda s: tokens.__setitem__(0, burst))  # a pause refills it
     got = links.probe_pair(None, 1, lambda x: x)
     assert abs(got[0] - latency) < 1e-12 and abs(got[1] - sustained) < 1e-15
@@ -103,3 +104,25 @@ def test_the_probe_finds_a_token_buckets_latency_sustained_rate_and_burst(monkey
     sustained = 1e-9  # a fast link: no pause spent looking for a burst that would save microseconds
     got = links.probe_pair(None, 1, lambda x: x)
     assert got[2] == 0.0 and sleeps == [] and abs(got[1] - sustained) < 0.01 * sustained
+
+
+def test_the_probe_takes_a_links_rate_as_a_stream_each_way_gets_it(monkeypatch) -> None:
+    """On a shaped full-duplex link two directions timed at once get half the rate each (each
+    direction's acknowledgements queue behind the other's data: 6.0 MB/s each on 100 Mbit, a
+    stream alone 11.9, RESULTS.md); the pipeline's transfers, spaced and queued per direction by
+    the simulator, get a stream's: the rate is timed one direction at a time."""
+    from pipeflow.planning import links
+
+    one_way = 1 / 11.9e6
+
+    def both_ways(comm, peer, num_bytes, repeats, warmup=2, what=""):
+        return 2e-4 + num_bytes * 2 * one_way
+
+    def stream(comm, peer, num_bytes, repeats, warmup=2, what=""):
+        return 2e-4 + num_bytes * one_way
+
+    monkeypatch.setattr(links, "exchange_s", both_ways)
+    monkeypatch.setattr(links, "stream_s", stream)
+    monkeypatch.setattr(links.time, "sleep", lambda s: None)
+    latency, per_byte, burst = links.probe_pair(None, 1, lambda x: x)
+    assert abs(per_byte - one_way) < 0.02 * one_way and burst == 0.0

@@ -5,8 +5,9 @@ The ring measurement of :mod:`pipeflow.planning.costs.comm` gives one figure for
 boundary (the slowest rank's).  Across hosts the boundaries differ by orders of magnitude: a
 pair of ranks on one host talks through memory, a pair on two hosts through the network.  Here
 every pair of pipeline ranks the program exchanges between (``stage_to_rank`` of each stage and
-the next: the wrap-around of interleaved schedules too) is timed alone, both directions in one
-batched call as the steady state has them.  Pairs that share no rank are timed at the same time
+the next: the wrap-around of interleaved schedules too) is timed alone: its latency by small
+exchanges both ways in one batched call, its rate and burst by large messages one direction at a
+time (a stream's rate; the simulator queues each direction on its own).  Pairs that share no rank are timed at the same time
 (rounds of a matching), every pipeline (data-parallel and tensor-parallel replica) at once: as in
 training, replicas share the links between hosts.  The slowest replica of each pair sets its
 figure's latency; its rate and burst are the replicas' mean shares.
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipeflow.planning.costs.comm import exchange_s
+from pipeflow.planning.costs.comm import exchange_s, stream_s
 from pipeflow.runtime.world import hosts
 from pipeflow.schedules import Bucket, PipelineSchedule
 from pipeflow.schedules.ir import CommOp
@@ -138,7 +139,7 @@ class PipelineLinks:
 
     def describe(self, num_bytes: float) -> str:
         """The start-of-run lines: every link, and those far slower than their peers named."""
-        lines = [f"links measured in {self.measured_s:.2f} s (both directions at once, every replica): "
+        lines = [f"links measured in {self.measured_s:.2f} s (a stream each way, every replica): "
                  + "; ".join(link.describe() for link in self.links)]
         for link, ratio in self.slow(num_bytes):
             lines.append(f"slow link: {link.describe()} costs {ratio:.1f}x the median of the pipeline's links for "
@@ -194,8 +195,10 @@ def matching_rounds(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, in
 def probe_pair(comm: Any, peer: int | None, agree: Callable[[float], float],
                what: str = "time a link for the step model") -> tuple[float, float, float]:
     """(latency s, sustained s per byte, burst bytes) of the link to pipeline rank `peer`, who runs
-    the same probe (every exchange both directions at once); with `peer` None only the `agree`
-    calls.  `agree(x)` is the largest `x` of the world's ranks, every rank calling it at the same
+    the same probe (small exchanges both directions at once; the large messages of the rate and
+    burst one direction at a time, :func:`~pipeflow.planning.costs.comm.stream_s`: each direction
+    of a full-duplex link has its own rate, and the simulator queues each on its own); with
+    `peer` None only the `agree` calls.  `agree(x)` is the largest `x` of the world's ranks, every rank calling it at the same
     points: the pairs timed at once, and the replicas sharing a link, run each phase together.
 
     Where every pair sends one :data:`PROBE_BYTES` message in under :data:`FAST_S`, a burst would
@@ -214,7 +217,7 @@ def probe_pair(comm: Any, peer: int | None, agree: Callable[[float], float],
         return time_it() if peer is not None else 0.0
 
     def back_to_back() -> float:
-        return exchange_s(comm, peer, PROBE_BYTES, _SUSTAINED_REPEATS, 1, what)
+        return stream_s(comm, peer, PROBE_BYTES, _SUSTAINED_REPEATS, 1, what)
 
     small = lambda: exchange_s(comm, peer, LATENCY_BYTES, _SMALL_REPEATS, 1, what)  # noqa: E731
     if agree(timed(lambda: exchange_s(comm, peer, PROBE_BYTES, 1, 0, what), pause=False)) < FAST_S:
@@ -224,7 +227,7 @@ def probe_pair(comm: Any, peer: int | None, agree: Callable[[float], float],
         latency = timed(lambda: min(exchange_s(comm, peer, LATENCY_BYTES, 1, 0, what) for _ in range(5)), pause=False)
         return min(latency, sustained), _per_byte(sustained, latency), 0.0
     latency = timed(small)
-    first = statistics.median(timed(lambda: exchange_s(comm, peer, PROBE_BYTES, 1, 0, what)) for _ in range(_FIRSTS))
+    first = statistics.median(timed(lambda: stream_s(comm, peer, PROBE_BYTES, 1, 0, what)) for _ in range(_FIRSTS))
     sustained = timed(back_to_back)
     per_byte, latency = _per_byte(sustained, latency), min(latency, sustained)
     gained = (sustained - first) / per_byte if per_byte > 0 else 0.0

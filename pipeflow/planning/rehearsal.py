@@ -12,15 +12,16 @@ training step, and :func:`pipeflow.planning.calibration.calibrate` turns the rec
 (per-stage F, B, W, transfers, posting, start offsets).  The start-of-run prediction is that
 calibration simulated, plus the measured tail (optimizer, all-reduces) and the end-of-step wait
 the rehearsal saw (data-parallel replicas that share cores or links do not end together): the
-calibrated model of this program on this host, known before step 0.  Where the links between
-hosts were measured, each boundary keeps its own link's rate and burst
-(:func:`~pipeflow.planning.step_model.rehearsed_on_links`).
+calibrated model of this program on this host, known before step 0.  The rehearsal ran on the
+run's own links (across hosts too), so their cost is in its transfers: the links measured at start
+are not added on top (they were, and a 100 Mbit link between two emulated hosts was counted twice:
++30% with a stream's rate, +70% with the rate of both directions at once).
 
-Nothing of the run changes: no optimizer step, the gradients are dropped, buffers (BatchNorm
-statistics) restored and the random state forked.  CPU only (on a GPU ranks do not share cores
-and the modelled prediction of :mod:`pipeflow.planning.step_model` applies), and not with
-``parallel.shard=full`` (sharded stages are gathered by the program's shard points, which only
-the run's pipeline has).
+The program is rehearsed as the run runs it: ``parallel.shard=full``'s gathers and
+reduce-scatters at its shard points, DualPipeV's pairs interleaved.  Nothing of the run changes:
+no optimizer step, the gradients are dropped, buffers (BatchNorm statistics) restored and the
+random state forked.  CPU only (on a GPU ranks do not share cores and the modelled prediction of
+:mod:`pipeflow.planning.step_model` applies).
 """
 from __future__ import annotations
 

@@ -292,12 +292,10 @@ def predict_step(
     plan, copies = offload if offload is not None else (None, None)
     shard = costs.shard_s is not None  # FSDP2's gathers and reduce-scatters at the program's shard points
     exchanges = costs.ep_links.exchanges(profiles, ranges) if costs.ep_links is not None else None
-    if costs.rehearsed is not None:  # rehearsed F then B: each action's exchanges inside its cost
+    if costs.rehearsed is not None:  # rehearsed on the run's own links: their cost is in its transfers
         cal = costs.rehearsed
         # pairs rehearsed interleaved: their exchanges' overlap is in the calibrated costs already
         runtime = replace(cal.runtime(), offload=copies, exchanges=None if cal.overlap else exchanges)
-        if costs.links is not None:  # the host's late deliveries as rehearsed, each link's rate as measured
-            runtime = replace(runtime, transfer=rehearsed_on_links(cal, costs.links), bucket=link_buckets(costs, cal.op_bytes))
         return simulate(schedule, lower(schedule, cal.posting, shard=shard, offload=plan, overlap=costs.overlap_pairs),
                         cal.action_cost(schedule), runtime=runtime, shard_cost=costs.shard_s or 0.0)
 
@@ -342,21 +340,6 @@ def transfer_cost(costs: StepCosts, bytes_of: Callable[[CommOp], float]) -> Call
         return link.burst_seconds(bytes_of(op))
 
     return on_link
-
-
-def rehearsed_on_links(cal: Any, links: Any) -> Callable[[CommOp], float]:
-    """An op's transfer seconds within a burst where a rehearsal ran on measured links: the
-    rehearsal's latency (on shared cores it carries the deliveries that wait for a core) plus the
-    bytes at the op's own link's line rate; the rest of a long message :func:`link_buckets`
-    queues at the link's sustained rate.  A pair not measured: the rehearsal's line."""
-
-    def transfer(op: CommOp) -> float:
-        link = links.of(op)
-        if link is None:
-            return cal.transfer_s(cal.op_bytes(op))
-        return cal.latency_s + link.line_per_byte_s * cal.op_bytes(op)
-
-    return transfer
 
 
 def link_buckets(costs: StepCosts, bytes_of: Callable[[CommOp], float]) -> Callable[[CommOp], Any] | None:

@@ -91,6 +91,28 @@ def exchange_s(comm: Any, peer: int, num_bytes: int, repeats: int, warmup: int =
     return statistics.median(times)
 
 
+def stream_s(comm: Any, peer: int, num_bytes: int, repeats: int, warmup: int = 2,
+             what: str = "time a link for the step model") -> float:
+    """Median seconds of one direction's message of `num_bytes` to or from pipeline rank `peer`:
+    the lower rank sends, then the higher one (a ping-pong, each direction alone on the link),
+    the round halved.  A stream's rate: a full-duplex link gives each direction its own, which two
+    directions timed at once on a shaped link (their acknowledgements queued behind the other's
+    data) understate by half."""
+    out = torch.zeros(max(1, num_bytes // 4), dtype=torch.float32, device=comm.device)
+    buf = torch.empty_like(out)
+    first = comm.rank < peer
+    times = []
+    for k in range(warmup + repeats):
+        start = time.perf_counter()
+        for sending in (first, not first):
+            comm.wait(comm.post([(peer, out)], [], what) if sending else comm.post([], [(peer, buf)], what), what)
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
+        if k >= warmup:
+            times.append((time.perf_counter() - start) / 2)
+    return statistics.median(times)
+
+
 class _Busy:
     """A thread computing (matrix products, the GIL released) while the block runs."""
 
