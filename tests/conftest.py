@@ -41,7 +41,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 # multi-process world, and these (node-id prefixes under tests/) ...
 WORLD_FIXTURES = {"world", "world2", "world4", "world8"}
 SLOW = (
-    "test_hosts.py", "test_hosts_storage.py", "test_hosts_clocks.py::test_two_hosts", "test_multinode.py",
+    "test_hosts.py", "test_hosts_links.py", "test_hosts_storage.py", "test_hosts_clocks.py::test_two_hosts", "test_multinode.py",
     "test_relaunch.py", "test_runs.py", "test_timeouts.py", "test_watchdog.py",  # real launches, signals, deadlines
     "test_cli.py::test_torchrun", "test_cli.py::test_custom", "test_cli.py::test_a_torchvision",
     "test_cli.py::test_your_module", "test_sweep.py::test_a_2x2", "test_observability_cli.py::test_",
@@ -78,6 +78,7 @@ QUICK = (
 BOTH_CORES = (
     "test_scale.py", "test_pipeline_equivalence.py", "test_tensor_parallel.py", "test_compile.py", "test_hf.py",
     "test_schedules_more.py", "test_cli.py",
+    "test_hosts_links.py",  # not two cores busy, but timed against a quiet host: never beside a world that fills them
 )
 FEW_CORES = (os.cpu_count() or 2) <= 3  # with more, a world leaves cores to a second one
 

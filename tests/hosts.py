@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,3 +79,29 @@ def outputs(procs: list[subprocess.Popen], timeout_s: float = 150) -> list[str]:
 def step_losses(text: str) -> dict[int, float]:
     """``step N/M | loss L`` lines as {N: L}."""
     return {int(s): float(v) for s, v in re.findall(r"step\s+(\d+)/\d+ \| loss ([\d.]+)", text)}
+
+
+def watch_lines(procs: list[subprocess.Popen]) -> tuple[list[list[tuple[float, str]]], list[threading.Thread]]:
+    """Each process's output lines with the time each arrived, collected by a thread per process."""
+    lines: list[list[tuple[float, str]]] = [[] for _ in procs]
+    threads = [threading.Thread(target=lambda p=p, out=out: out.extend((time.monotonic(), line) for line in p.stdout))
+               for p, out in zip(procs, lines)]
+    for thread in threads:
+        thread.start()
+    return lines, threads
+
+
+def tails(outputs: list[list[tuple[float, str]]], first: int = 1) -> str:
+    """The end of each host's output, numbered from `first`: what the other hosts said."""
+    return "".join(f"\nhost {i}:\n" + "".join(line for _, line in out)[-2500:] for i, out in enumerate(outputs, first))
+
+
+def first_line_at(lines: list[tuple[float, str]], pattern: str, timeout_s: float) -> float:
+    """The time the first line matching `pattern` arrived, waiting up to `timeout_s`."""
+    regex, deadline = re.compile(pattern), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for at, line in list(lines):
+            if regex.search(line):
+                return at
+        time.sleep(0.02)
+    raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s:\n" + "".join(l for _, l in lines)[-3000:])

@@ -17,7 +17,8 @@ import pytest
 import torch
 import warm
 
-from hosts import SMALL64, emulated_hosts, launch_on_hosts, outputs, step_losses  # noqa: F401 - a fixture
+from hosts import (SMALL64, emulated_hosts, first_line_at, launch_on_hosts, outputs, step_losses,  # noqa: F401
+                   tails, watch_lines)
 from warm_exec import interpreters
 from pipeflow.checkpoint.saving import export, find_latest
 
@@ -108,32 +109,6 @@ def test_plain_torchrun_whose_gloo_would_bind_loopback_across_hosts_stops_every_
     assert [p.returncode for p in procs] == [1, 1]
 
 
-def _watch(procs: list[subprocess.Popen]) -> tuple[list[list[tuple[float, str]]], list[threading.Thread]]:
-    """Each process's output lines with the time each arrived, collected by a thread per process."""
-    lines: list[list[tuple[float, str]]] = [[] for _ in procs]
-    threads = [threading.Thread(target=lambda p=p, out=out: out.extend((time.monotonic(), line) for line in p.stdout))
-               for p, out in zip(procs, lines)]
-    for thread in threads:
-        thread.start()
-    return lines, threads
-
-
-def _tails(outputs: list[list[tuple[float, str]]], first: int = 1) -> str:
-    """The end of each host's output, numbered from `first`: what the other hosts said."""
-    return "".join(f"\nhost {i}:\n" + "".join(line for _, line in out)[-2500:] for i, out in enumerate(outputs, first))
-
-
-def _when(lines: list[tuple[float, str]], pattern: str, timeout_s: float) -> float:
-    """The time the first line matching `pattern` arrived, waiting up to `timeout_s`."""
-    regex, deadline = re.compile(pattern), time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for at, line in list(lines):
-            if regex.search(line):
-                return at
-        time.sleep(0.02)
-    raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s:\n" + "".join(l for _, l in lines)[-3000:])
-
-
 def test_a_host_cut_off_is_named_by_the_survivors_within_the_collective_deadline(emulated_hosts, tmp_path) -> None:
     """No reset reaches the survivors: they wait out the deadline (comm.timeout_s, plus the
     collectives' margin for a step-end collective), then name the host that stopped answering."""
@@ -141,11 +116,11 @@ def test_a_host_cut_off_is_named_by_the_survivors_within_the_collective_deadline
                  "train.log_every=10", "comm.timeout_s=3", f"train.run_dir={tmp_path}"]
     with emulated_hosts(2) as hosts:
         procs = launch_on_hosts(hosts, overrides)
-        lines, threads = _watch(procs)
-        _when(lines[0], r"step\s+20/", 90)
+        lines, threads = watch_lines(procs)
+        first_line_at(lines[0], r"step\s+20/", 90)
         cut = time.monotonic()
         hosts.partition(1)
-        named = _when(lines[0], r"lost host host1 \(10\.213\.\d+\.2, global ranks 2-3\): no heartbeat", 60) - cut
+        named = first_line_at(lines[0], r"lost host host1 \(10\.213\.\d+\.2, global ranks 2-3\): no heartbeat", 60) - cut
         procs[0].wait(timeout=30)
         ended = time.monotonic() - cut
     for thread in threads:
@@ -170,8 +145,8 @@ def test_a_lost_host_is_survived_by_an_elastic_job_that_resumes_on_the_smaller_w
         # the documented command: the launcher's own --rdzv-conf defaults recover in seconds
         procs = launch_on_hosts(hosts, overrides, nnodes="1:2", env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"},
                                 torchrun_args="--max-restarts 3")
-        lines, threads = _watch(procs)
-        _when(lines[0], rf"step\s+25/{STEPS}", 90)
+        lines, threads = watch_lines(procs)
+        first_line_at(lines[0], rf"step\s+25/{STEPS}", 90)
         hosts.kill(1)
         procs[0].wait(timeout=120)
     for thread in threads:
@@ -203,8 +178,8 @@ def test_a_slurm_job_saves_on_the_time_limits_signal_and_requeues_itself(emulate
                                 "parallel.pp=2", "parallel.dp=auto", "pipeline.num_microbatches=2",
                                 "train.max_steps=100000", "train.save_every=0", f"train.run_dir={run_dir}"],
                                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        lines, threads = _watch([job])
-        _when(lines[0], r"step\s+10/100000", 90)
+        lines, threads = watch_lines([job])
+        first_line_at(lines[0], r"step\s+10/100000", 90)
         for host in range(2):  # Slurm signals every process of the step, on every node
             for pid in hosts.pids(host):
                 os.kill(pid, signal.SIGTERM)
@@ -235,11 +210,11 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
     with emulated_hosts(3, names="missing", private=(str(run_dir),)) as hosts:
         procs = launch_on_hosts(hosts, overrides, nproc=1, nnodes="2:3",
                                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, torchrun_args="--max-restarts 3")
-        lines, threads = _watch(procs)
+        lines, threads = watch_lines(procs)
         try:
-            _when(lines[0], rf"step\s+25/{STEPS}", 120)
+            first_line_at(lines[0], rf"step\s+25/{STEPS}", 120)
         except AssertionError as exc:  # what the other hosts said
-            raise AssertionError(f"{exc}{_tails(lines[1:])}") from None
+            raise AssertionError(f"{exc}{tails(lines[1:])}") from None
         hosts.kill(2)
         procs[0].wait(timeout=120)
         procs[1].wait(timeout=30)
@@ -248,7 +223,7 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
     for thread in threads:
         thread.join(timeout=10)
     text = "".join(line for _, line in lines[0])
-    everything = text[-4000:] + _tails(lines[1:])
+    everything = text[-4000:] + tails(lines[1:])
     assert procs[0].returncode == 0, everything
     assert "step_00000020" in copies, (copies, everything)  # host 2's part of step 20, kept on host 0's disk
     assert re.search(r"re-planned for 3 ranks \(3 hosts x 1 rank\): dp 1 x pp 3 x tp 1, predicted step", text), \
@@ -291,18 +266,18 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
     hold = {"PIPEFLOW_FAULT_INJECT": f"hold:rank=0:step={HOLD_STEP}", "PIPEFLOW_FAULT_HOLD": str(held)}
     with emulated_hosts(3, names="missing") as hosts:
         procs = launch_on_hosts(hosts, overrides, on=[0, 1], **{**common, "env": {**common["env"], **hold}})
-        lines, threads = _watch(procs)
-        _when(lines[0], rf"hold at training step {HOLD_STEP}", 120)
+        lines, threads = watch_lines(procs)
+        first_line_at(lines[0], rf"hold at training step {HOLD_STEP}", 120)
         procs += launch_on_hosts(hosts, overrides, on=[2], **common)
-        joined, joiner = _watch(procs[2:])
+        joined, joiner = watch_lines(procs[2:])
         try:
-            _when(lines[0], r"1 node waits to join the job", 180)
+            first_line_at(lines[0], r"1 node waits to join the job", 180)
         finally:
             held.unlink()
         try:
-            _when(lines[0], r"re-planned for 3 ranks", 120)
+            first_line_at(lines[0], r"re-planned for 3 ranks", 120)
         except AssertionError as exc:  # what the other hosts said
-            raise AssertionError(f"{exc}{_tails([*lines[1:], *joined])}") from None
+            raise AssertionError(f"{exc}{tails([*lines[1:], *joined])}") from None
         for proc in procs:
             proc.wait(timeout=150)
     for thread in threads + joiner:
@@ -322,39 +297,3 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
     assert resumed == step == HOLD_STEP + 1, (step, resumed, text[-4000:])  # the save at the stop: no step retrained
     after = step_losses(text.split("resumed from checkpoint", 1)[1])
     assert sorted(after) == list(range(step, STEPS)) and all(after[s] == losses[s] for s in after), (after, losses)
-
-
-SLOW_FROM = 50  # the job is held in this step while host 1's link is throttled
-
-
-def test_a_link_throttled_mid_run_is_named_within_three_intervals_and_no_earlier(emulated_hosts, tmp_path) -> None:
-    """Issue 63: 2 hosts x 1 rank (pp 2), a log interval every 5 steps: ten unthrottled intervals
-    name no link and no rank; then, with the job held in step 50, host 1's link is throttled to
-    20 Mbit/s (tbf): the link is named as slow, beside its start-of-run rate, within three
-    intervals, and the rank waiting on it is not named a straggler."""
-    overrides = [*SMALL64, "model.n_embd=64", "model.n_head=4", "data.seq_len=64", "model.block_size=64",
-                 "parallel.pp=2", "pipeline.num_microbatches=2", "pipeline.profile=true", "train.log_every=5",
-                 f"train.max_steps={SLOW_FROM + 20}", f"train.run_dir={tmp_path / 'run'}"]
-    held = tmp_path / "held"
-    held.touch()
-    hold = {"PIPEFLOW_FAULT_INJECT": f"hold:rank=0:step={SLOW_FROM}", "PIPEFLOW_FAULT_HOLD": str(held)}
-    with emulated_hosts(2, names="missing") as hosts:
-        procs = launch_on_hosts(hosts, overrides, nproc=1, env=hold)
-        lines, threads = _watch(procs)
-        try:
-            _when(lines[0], rf"hold at training step {SLOW_FROM}", 150)
-            hosts.limit(1, 20)
-        finally:
-            held.unlink()
-        for proc in procs:
-            proc.wait(timeout=150)
-    for thread in threads:
-        thread.join(timeout=10)
-    text = "".join(line for _, line in lines[0])
-    assert [p.returncode for p in procs] == [0, 0], text[-4000:] + _tails(lines[1:])
-    named = re.findall(r"step (\d+): slow link: pipeline ranks 0-1 \(global ranks 0 and 1\) crosses hosts host0 -> "
-                       r"host1: ([\d.]+) MB/s, ([\d.]+) MB/s at start", text)
-    assert named, text[-4000:]
-    step, rate, start = int(named[0][0]), float(named[0][1]), float(named[0][2])
-    assert SLOW_FROM < step <= SLOW_FROM + 15 and rate < start / 1.5, (named, text[-3000:])
-    assert "straggler:" not in text, text[-4000:]

@@ -85,7 +85,7 @@ def test_a_host_lost_during_background_saves_leaves_each_hosts_latest_complete(e
     """Issue 60: local storage, saves in the background every 5 steps; host 1 is killed after a
     save: host 0's ranks stop with a named error, and each host's latest names a step whose part
     every host holds complete (gather merges them), however far the save in flight had got."""
-    from test_hosts import _watch, _when
+    from hosts import first_line_at, watch_lines
 
     run_dir, parts = tmp_path / "run", tmp_path / "parts"
     run_dir.mkdir()
@@ -94,8 +94,8 @@ def test_a_host_lost_during_background_saves_leaves_each_hosts_latest_complete(e
                                         "train.save_every=5", "train.checkpoint_storage=local",
                                         "train.checkpoint_mode=async", "pipeline.num_microbatches=2",
                                         "train.log_every=5", "comm.timeout_s=5", f"train.run_dir={run_dir}"])
-        lines, threads = _watch(procs)
-        _when(lines[0], r"saved checkpoint of step 10:", 120)
+        lines, threads = watch_lines(procs)
+        first_line_at(lines[0], r"saved checkpoint of step 10:", 120)
         hosts.kill(1)
         procs[0].wait(timeout=60)
         for i in range(2):

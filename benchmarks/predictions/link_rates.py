@@ -6,8 +6,9 @@ Two emulated hosts (root and ``ip netns``; skipped with the reason where refused
 each, the link between them limited by a token bucket (``tbf``) to ``--rate-mbit``. Printed, per
 ``--rounds``: the probe every run uses (:func:`pipeflow.planning.links.probe_pair`: latency,
 sustained rate, burst), then streams of each size sent one way, and both ways at once as a
-pipeline's steady state sends them (activations forward, gradients back). The probe times both
-directions at once, so it should get what a two-way stream gets per direction.
+pipeline's steady state sends them (activations forward, gradients back). The probe times its
+rate one direction at a time (the simulator queues each direction on its own), so it should get
+what a one-way stream gets.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def worker(rank: int, master: str, rounds: int) -> None:
     peer = 1 - rank
     probes = [probe_pair(comm, peer, world_max(torch.device("cpu"))) for _ in range(rounds)]
     if rank == 0:
-        print("probe (both ways at once): " + ", ".join(f"{1e-6 / per_byte if per_byte > 0 else float('inf'):.2f}"
+        print("probe (a stream each way): " + ", ".join(f"{1e-6 / per_byte if per_byte > 0 else float('inf'):.2f}"
                                     for _, per_byte, _ in probes) + " MB/s", flush=True)
 
     def stream(nbytes: int, both: bool) -> float:

@@ -1,0 +1,44 @@
+"""A slow link named while it happens (issue 63), on 2 emulated hosts: a module of its own so that it
+runs with the worlds that fill both cores (tests/conftest.py, BOTH_CORES), never beside one: a
+job whose receiving rank waits for a core sees its link slow too, and the test's "no earlier"
+would then name the load, not the link."""
+from __future__ import annotations
+
+import re
+
+from hosts import SMALL64, emulated_hosts, first_line_at, launch_on_hosts, tails, watch_lines  # noqa: F401 - a fixture
+
+SLOW_FROM = 50  # the job is held in this step while host 1's link is throttled
+
+
+def test_a_link_throttled_mid_run_is_named_within_three_intervals_and_no_earlier(emulated_hosts, tmp_path) -> None:
+    """Issue 63: 2 hosts x 1 rank (pp 2), a log interval every 5 steps: ten unthrottled intervals
+    name no link and no rank; then, with the job held in step 50, host 1's link is throttled to
+    20 Mbit/s (tbf): the link is named as slow, beside its start-of-run rate, within three
+    intervals, and the rank waiting on it is not named a straggler."""
+    overrides = [*SMALL64, "model.n_embd=64", "model.n_head=4", "data.seq_len=64", "model.block_size=64",
+                 "parallel.pp=2", "pipeline.num_microbatches=2", "pipeline.profile=true", "train.log_every=5",
+                 f"train.max_steps={SLOW_FROM + 20}", f"train.run_dir={tmp_path / 'run'}"]
+    held = tmp_path / "held"
+    held.touch()
+    hold = {"PIPEFLOW_FAULT_INJECT": f"hold:rank=0:step={SLOW_FROM}", "PIPEFLOW_FAULT_HOLD": str(held)}
+    with emulated_hosts(2, names="missing") as hosts:
+        procs = launch_on_hosts(hosts, overrides, nproc=1, env=hold)
+        lines, threads = watch_lines(procs)
+        try:
+            first_line_at(lines[0], rf"hold at training step {SLOW_FROM}", 150)
+            hosts.limit(1, 20)
+        finally:
+            held.unlink()
+        for proc in procs:
+            proc.wait(timeout=150)
+    for thread in threads:
+        thread.join(timeout=10)
+    text = "".join(line for _, line in lines[0])
+    assert [p.returncode for p in procs] == [0, 0], text[-4000:] + tails(lines[1:])
+    named = re.findall(r"step (\d+): slow link: pipeline ranks 0-1 \(global ranks 0 and 1\) crosses hosts host0 -> "
+                       r"host1: ([\d.]+) MB/s, ([\d.]+) MB/s at start", text)
+    assert named, text[-4000:]
+    step, rate, start = int(named[0][0]), float(named[0][1]), float(named[0][2])
+    assert SLOW_FROM < step <= SLOW_FROM + 15 and rate < start / 1.5, (named, text[-3000:])
+    assert "straggler:" not in text, text[-4000:]
