@@ -247,3 +247,16 @@ def test_a_tracker_not_installed_is_named_with_what_to_install(monkeypatch, tmp_
                                            r"'pipeflow\[wandb\]', or drop it from metrics.trackers"):
         trackers.open_trackers(["tensorboard", "wandb"], str(tmp_path), None, {}, None)
     assert not (tmp_path / "trackers.json").exists()
+
+
+def test_a_named_link_is_named_again_when_it_falls_behind_by_the_factor_again(monkeypatch):
+    """A link named slow (a busy host's core waits) and then throttled says so again; one that stays
+    as slow as when named is not repeated; recovered, it is named afresh."""
+    from pipeflow.observability.stragglers import StragglerWatch
+
+    watch = StragglerWatch(1.5, None, None, lambda a, b, r: "0-1", lambda g: "")
+    script = iter([3.0, 3.0, 3.2, 3.1, 10.0, 10.0, 10.5, 1.0, 2.0, 2.0])  # the link's ratio, interval by interval
+    monkeypatch.setattr(watch, "_slow_links", lambda samples: [
+        ("link/0-1/measured_mbps", "slow link" if (r := next(script)) > 1.5 else None, 1.0 / r, r)])
+    named = [step for step in range(0, 50, 5) if watch.judge(step, [])[0]]
+    assert named == [5, 25, 45], named  # the second interval off; the factor again twice; after recovering

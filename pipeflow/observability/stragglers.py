@@ -16,7 +16,7 @@ A rank or link off by more than the factor in :data:`INTERVALS` consecutive inte
 a warning (``straggler: rank 5 (host3) compute 1.9x its prediction (the others 1.0x)``, ``slow
 link: pipeline ranks 1-2 crosses hosts host0 -> host1: 6.2 MB/s, 110 MB/s at start``) and in the
 trackers (``straggler/rank<g>/compute_ratio``, ``link/<a>-<b>/measured_mbps``), once until it
-recovers.
+recovers, or falls behind by the factor again.
 """
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ class StragglerWatch:
     host_of: Callable[[int], str]
     runs: dict[Any, int] = field(default_factory=dict)
     early: dict[str, list[float]] = field(default_factory=dict)  # each key's ratios in the calibration intervals
-    named: set = field(default_factory=set)
+    named: dict[Any, float] = field(default_factory=dict)  # key -> its ratio when last named
+    worse: dict[Any, int] = field(default_factory=dict)  # key -> intervals off by the factor again since named
     intervals: int = 0
     _offset: float | None = None
 
@@ -97,18 +98,23 @@ class StragglerWatch:
         lines: list[str] = []
         scalars: dict[str, float] = {}
         off: set = set()
-        for key, text, value in self._slow_ranks(samples) + self._slow_links(samples):
+        for key, text, value, ratio in self._slow_ranks(samples) + self._slow_links(samples):
             scalars[key] = value
             if text is not None:
                 off.add(key)
                 self.runs[key] = self.runs.get(key, 0) + 1
-                if self.runs[key] >= INTERVALS and key not in self.named:
-                    self.named.add(key)
+                # named once, and again if it falls behind by the factor again (a link slowed by a busy
+                # host, then throttled, says so twice)
+                again = key in self.named and ratio >= self.named[key] * self.factor
+                self.worse[key] = self.worse.get(key, 0) + 1 if again else 0
+                if (self.runs[key] >= INTERVALS and key not in self.named) or self.worse[key] >= INTERVALS:
+                    self.named[key], self.worse[key] = ratio, 0
                     lines.append(f"step {step}: {text}")
         for key in list(self.runs):
             if key not in off:  # recovered: named again if it falls behind again
                 del self.runs[key]
-                self.named.discard(key)
+                self.named.pop(key, None)
+                self.worse.pop(key, None)
         return lines, scalars
 
     def _calibrated(self, key: str, ratio: float) -> tuple[float, str, str]:
@@ -124,7 +130,7 @@ class StragglerWatch:
         base = statistics.median(early)
         return ratio / base, f"{ratio / base:.1f}x", f"{base:.2f}x in the run's first intervals; "
 
-    def _slow_ranks(self, samples: Sequence[RankSample]) -> list[tuple[str, str | None, float]]:
+    def _slow_ranks(self, samples: Sequence[RankSample]) -> list[tuple[str, str | None, float, float]]:
         if self.compute_s is None or len(samples) < 2:
             return []
         ratios = {s.rank: s.compute_s / self.compute_s[s.pp_rank] for s in samples
@@ -142,10 +148,10 @@ class StragglerWatch:
                 text = (f"straggler: rank {s.rank}{f' ({host})' if host else ''} compute {reads} its prediction "
                         f"against the other ranks' ({base}its compute {1e3 * s.compute_s:.1f} ms a step, predicted "
                         f"{1e3 * self.compute_s[s.pp_rank]:.1f} ms)")
-            out.append((key, text, ratio))
+            out.append((key, text, ratio, ratio))
         return out
 
-    def _slow_links(self, samples: Sequence[RankSample]) -> list[tuple[str, str | None, float]]:
+    def _slow_links(self, samples: Sequence[RankSample]) -> list[tuple[str, str | None, float, float]]:
         if self.link_s is None:
             return []
         posted: dict[tuple[int, str], float] = {}  # (replica, transfer id) -> when the sender posted it
@@ -180,7 +186,7 @@ class StragglerWatch:
                 text = (f"slow link: {self.link_name(a, b, replica)}: {rate:.1f} MB/s, {start_rate:.1f} MB/s at start "
                         f"({1e3 * seconds:.2f} ms a transfer of {nbytes / 1e6:.3f} MB, {reads} its prediction; "
                         f"{base.rstrip('; ')})")
-            out.append((key, text, rate))
+            out.append((key, text, rate, ratio))
         return out
 
 
