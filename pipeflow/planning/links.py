@@ -7,10 +7,11 @@ pair of ranks on one host talks through memory, a pair on two hosts through the 
 every pair of pipeline ranks the program exchanges between (``stage_to_rank`` of each stage and
 the next: the wrap-around of interleaved schedules too) is timed alone: its latency by small
 exchanges both ways in one batched call, its rate and burst by large messages one direction at a
-time (a stream's rate; the simulator queues each direction on its own).  Pairs that share no rank are timed at the same time
-(rounds of a matching), every pipeline (data-parallel and tensor-parallel replica) at once: as in
-training, replicas share the links between hosts.  The slowest replica of each pair sets its
-figure's latency; its rate and burst are the replicas' mean shares.
+time (a stream's rate; the simulator queues each direction on its own).  Pairs that share no
+rank are timed at the same time (rounds of a matching), every pipeline (data-parallel and
+tensor-parallel replica) at once: as in training, replicas share the links between hosts.  The
+slowest replica of each pair sets its figure's latency; its rate and burst are the replicas'
+mean shares.
 
 A link is three figures, so that it holds for every size the program sends and however far apart
 it sends them (:func:`probe_pair`): the latency of a small message, the sustained rate of a large
@@ -198,8 +199,9 @@ def probe_pair(comm: Any, peer: int | None, agree: Callable[[float], float],
     the same probe (small exchanges both directions at once; the large messages of the rate and
     burst one direction at a time, :func:`~pipeflow.planning.costs.comm.stream_s`: each direction
     of a full-duplex link has its own rate, and the simulator queues each on its own); with
-    `peer` None only the `agree` calls.  `agree(x)` is the largest `x` of the world's ranks, every rank calling it at the same
-    points: the pairs timed at once, and the replicas sharing a link, run each phase together.
+    `peer` None only the `agree` calls.  `agree(x)` is the largest `x` of the world's ranks,
+    every rank calling it at the same points: the pairs timed at once, and the replicas sharing a
+    link, run each phase together.
 
     Where every pair sends one :data:`PROBE_BYTES` message in under :data:`FAST_S`, a burst would
     save less than that: such messages back to back give the rate, a small exchange the latency,

@@ -119,8 +119,8 @@ class Trainer:
     @property
     def state(self) -> TrainState:
         """What this rank saves and resumes (:class:`~pipeflow.checkpoint.train_state.TrainState`)."""
-        return TrainState(self.cfg, self.topology.mesh, self.parts.stages, self.ranges, self.plan.schedule.num_stages, self.loop.update.optimizer,
-                          self.loop.update.scaler, lora=self.plan.spec.lora is not None, root=self.checkpoint_root,
+        return TrainState(self.cfg, self.topology.mesh, self.parts.stages, self.ranges, self.plan.schedule.num_stages,
+                          self.loop.update.optimizer, self.loop.update.scaler, lora=self.plan.spec.lora is not None, root=self.checkpoint_root,
                           storage=self.checkpoint_storage, job=self.loop.workspace.token,
                           batches_skipped=self.spikes.batches_skipped)
 
@@ -312,7 +312,8 @@ class Trainer:
             leave the evaluation at the same batch and the job saves within the launcher's grace.
         """
         stop = (lambda: reached_a_rank(bool(self._signalled), self.device)) if self._watching_signals else None
-        self.loop.pipeline.use_schedule(self.plan.schedule)  # held-out batches are full ones (a ramp's training step may not be)
+        # held-out batches are full ones (a ramp's training step may not be)
+        self.loop.pipeline.use_schedule(self.plan.schedule)
         return held_out_loss(self.loop.pipeline, lambda k: self.batches.microbatches(self.plan.batches.val, k),
                              self.cfg.train.eval_batches, self.device, stop)
 

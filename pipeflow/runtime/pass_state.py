@@ -40,7 +40,8 @@ class Boxes:
 
     def left(self) -> list[str]:
         """What is still in a box (at the end of a pass: a program that left transfers unused)."""
-        return [str(k) for k in sorted(self.inbox)] + [str(k) for k in sorted(self.outbox)] + [str(op) for op in self.posted]
+        return ([str(k) for k in sorted(self.inbox)] + [str(k) for k in sorted(self.outbox)]
+                + [str(op) for op in self.posted])
 
 
 @dataclass(frozen=True, slots=True)

@@ -276,8 +276,9 @@ class Pipeline:
         self.buffers.end_pass()
         if train and self.offloader is not None:
             self.offloaded = self.offloader.end_pass()
-        if boxes.left():
-            raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {boxes.left()}")
+        left = boxes.left()
+        if left:
+            raise ScheduleError(f"rank {self.rank}: program ended with unused transfers {left}")
 
     def _open(self, k: int, step: Step, program: Program, boxes: Boxes, train: bool,
               recorder: EventRecorder | None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,17 +79,10 @@ def exchange_s(comm: Any, peer: int, num_bytes: int, repeats: int, warmup: int =
                what: str = "time a link for the step model") -> float:
     """Median seconds of a send to and a receive from pipeline rank `peer` of `num_bytes` each, in
     one batched call (both directions at once, as a pipeline's steady state has them)."""
-    out = torch.zeros(max(1, num_bytes // 4), dtype=torch.float32, device=comm.device)
-    buf = torch.empty_like(out)
-    times = []
-    for k in range(warmup + repeats):
-        start = time.perf_counter()
+    def exchange(out: torch.Tensor, buf: torch.Tensor) -> None:
         comm.wait(comm.post([(peer, out)], [(peer, buf)], what), what)
-        if comm.device.type == "cuda":
-            torch.cuda.synchronize(comm.device)
-        if k >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return _median_s(comm, num_bytes, repeats, warmup, exchange)
 
 
 def stream_s(comm: Any, peer: int, num_bytes: int, repeats: int, warmup: int = 2,
@@ -98,18 +92,29 @@ def stream_s(comm: Any, peer: int, num_bytes: int, repeats: int, warmup: int = 2
     the round halved.  A stream's rate: a full-duplex link gives each direction its own, which two
     directions timed at once on a shaped link (their acknowledgements queued behind the other's
     data) understate by half."""
+    first = comm.rank < peer
+
+    def ping_pong(out: torch.Tensor, buf: torch.Tensor) -> None:
+        for sending in (first, not first):
+            comm.wait(comm.post([(peer, out)], [], what) if sending else comm.post([], [(peer, buf)], what), what)
+
+    return _median_s(comm, num_bytes, repeats, warmup, ping_pong) / 2
+
+
+def _median_s(comm: Any, num_bytes: int, repeats: int, warmup: int,
+              once: Callable[[torch.Tensor, torch.Tensor], None]) -> float:
+    """Median seconds of `once(out, buf)` (a message of `num_bytes` out, a buffer as large to
+    receive into) after `warmup` untimed calls, the device synchronized within each."""
     out = torch.zeros(max(1, num_bytes // 4), dtype=torch.float32, device=comm.device)
     buf = torch.empty_like(out)
-    first = comm.rank < peer
     times = []
     for k in range(warmup + repeats):
         start = time.perf_counter()
-        for sending in (first, not first):
-            comm.wait(comm.post([(peer, out)], [], what) if sending else comm.post([], [(peer, buf)], what), what)
+        once(out, buf)
         if comm.device.type == "cuda":
             torch.cuda.synchronize(comm.device)
         if k >= warmup:
-            times.append((time.perf_counter() - start) / 2)
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
