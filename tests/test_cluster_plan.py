@@ -113,6 +113,28 @@ def test_table1_of_narayanan_et_al_is_reproduced():
     # the held-out run (Korthikanti et al.) is checked by `python benchmarks/predictions/published_runs.py` (exit 1 if missed)
 
 
+def test_a_collective_hidden_behind_compute_still_costs_the_compute_beside_it():
+    """Issue 62: NCCL's kernels take SMs and HBM bandwidth from the compute they overlap, so a
+    hidden collective costs ``Efficiency.overlap`` of its time; one longer than its compute
+    exposes the rest (it was free while hidden: the H100 FSDP rows, whose gathers take a third of
+    their compute, were predicted 30% fast)."""
+    from pipeflow.planning.cluster_search import dp_exposed_s
+    from pipeflow.planning.costs.roofline import beside
+
+    eff = Efficiency()
+    assert beside(1.0, 10.0, eff) == pytest.approx(eff.overlap)  # hidden: the compute's loss
+    assert beside(10.0, 1.0, eff) == pytest.approx(9.0)  # longer than its compute: the rest exposed
+    assert beside(1.0, 10.0, Efficiency(overlap=0.0)) == 0.0
+    replicas = Layout(1, 1, 8, "1f1b", 1, 1, overlap_dp=True)
+    assert dp_exposed_s(1.0, replicas, 4, 2.0, 4.0, eff) == pytest.approx(eff.overlap + 1 / 16)
+    fsdp = Layout(1, 1, 8, "1f1b", 1, 1, shard="full", overlap_dp=True)
+    assert dp_exposed_s(3.0, fsdp, 1, 2.0, 4.0, eff) == pytest.approx(eff.overlap * 3.0 + 3.0 / 16)
+    shape = _block(1024, heads=8)  # wide enough that its tp collectives hide behind its matmuls
+    at = {ov: layer_profile(shape, 64, Placement(tp=2, tp_overlap=True), load_hardware("h100_sxm"),
+                            Efficiency(overlap=ov)) for ov in (0.0, 0.5)}
+    assert at[0.5].forward_s > at[0.0].forward_s  # the tp collectives behind the matmuls cost too
+
+
 def test_the_published_runs_are_read_and_each_source_predicted_in_tokens_per_gpu():
     """Issue 62: the validation set kept as data (benchmarks/predictions/published/): every row
     read; at least 15 dense H100 BF16 rows of two sources the planner can predict; one row of each

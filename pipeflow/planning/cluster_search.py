@@ -25,7 +25,8 @@ from pipeflow.planning.balance import balance_contiguous
 from pipeflow.planning.hardware import Cluster, Link
 from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.planning.profile import LayerProfile, action_costs
-from pipeflow.planning.costs.roofline import Efficiency, LayerShape, Placement, model_flops_per_token, profiles_at
+from pipeflow.planning.costs.roofline import (Efficiency, LayerShape, Placement, beside, model_flops_per_token,
+                                              profiles_at)
 from pipeflow.planning.search import rank_memory
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate
 from pipeflow.schedules.ir import ACTIVATION, CommOp
@@ -235,7 +236,7 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
     if layout.overlap_dp and layout.dp > 1:
         forward = math.fsum(p.forward_s for p in profiles) / layout.pp  # a micro-batch's, per rank
         backward = math.fsum(p.backward_s for p in profiles) / layout.pp
-        dp_s = dp_exposed_s(dp_s, layout, m, forward, backward)
+        dp_s = dp_exposed_s(dp_s, layout, m, forward, backward, eff)
     update_s = optimizer_s(rank_params, layout, cluster, eff)
     step = span + dp_s + update_s
     tokens = work.global_batch * work.seq_len
@@ -245,28 +246,30 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
                       flops / cluster.gpu.peak_flops(work.dtype), extrapolated)
 
 
-def dp_exposed_s(whole_s: float, layout: Layout, m: int, forward_s: float, backward_s: float) -> float:
+def dp_exposed_s(whole_s: float, layout: Layout, m: int, forward_s: float, backward_s: float,
+                 eff: Efficiency = Efficiency()) -> float:
     """The dp traffic's exposed seconds where it overlaps compute (``Layout.overlap_dp``):
     `whole_s` is all of it (:func:`reduction_s`); `forward_s`, `backward_s` one micro-batch's on
     the busiest rank.  Replicas (``none``): the gradients' all-reduce behind the last
     micro-batch's backward.  ZeRO-1: the reduce-scatter there, the parameters' all-gather behind
     the next step's first forward.  FSDP2: the gather behind the forwards, the gather and
-    reduce-scatter of the backward behind the backwards.  A last piece (a layer's
-    worth, 1/16 here) never hides."""
+    reduce-scatter of the backward behind the backwards.  What hides still costs the compute
+    beside it ``eff.overlap`` of its time (:func:`~pipeflow.planning.costs.roofline.beside`);
+    a last piece (a layer's worth, 1/16 here) never hides."""
     if layout.shard == "full":  # once a step, as pipeflow's shard points (and at m = 1, FSDP's)
         gather = whole_s / 3  # a third of FSDP2's traffic: gather, gather again, reduce-scatter
-        return max(0.0, gather - m * forward_s) + max(0.0, 2 * gather - m * backward_s) + whole_s / 16
+        return beside(gather, m * forward_s, eff) + beside(2 * gather, m * backward_s, eff) + whole_s / 16
     if layout.shard == "optimizer":
         half = whole_s / 2
-        return max(0.0, half - backward_s) + max(0.0, half - forward_s) + whole_s / 16
-    return max(0.0, whole_s - backward_s) + whole_s / 16
+        return beside(half, backward_s, eff) + beside(half, forward_s, eff) + whole_s / 16
+    return beside(whole_s, backward_s, eff) + whole_s / 16
 
 
 def optimizer_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency) -> float:
     """Seconds of AdamW's update: about 32 bytes read and written per parameter (fp32 master
     weight, m, v, the gradient) at the memory bandwidth, on a dp-th of them when sharded."""
     shards = layout.dp if layout.shard != "none" else 1
-    return 32.0 * rank_params / shards / (cluster.gpu.memory_bandwidth_gbps * 1e9 * eff.memory)
+    return 32.0 * rank_params / shards / (cluster.gpu.memory_bandwidth_gbps * 1e9)
 
 
 def reduction_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency) -> float:

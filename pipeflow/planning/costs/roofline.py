@@ -14,7 +14,8 @@ A layer's times for one micro-batch of b samples, on one of tp ranks (`layer_pro
   the smallest of its dimensions on the rank, ridge the GPU's peak FLOPs per byte of memory
   bandwidth; attention ``4 H T^2 hd / tp`` FLOPs at ``peak x attention`` (unfused attention:
   its two matmuls as above and its scores through memory; a kernel of the previous generation
-  at that generation's instruction peak, ``gpu.peak_tflops.<dtype>_legacy``); the other ops' bytes at ``memory bandwidth x memory`` (those on the residual stream
+  at that generation's instruction peak, ``gpu.peak_tflops.<dtype>_legacy``); the other ops'
+  bytes at the memory bandwidth (those on the residual stream
   whole on every tp rank, a tp-th with sequence parallelism; the rest a tp-th); the tp plan's
   collectives (a row-wise linear's output summed; with sequence parallelism the same bytes as
   all-gathers and reduce-scatters) as ring collectives on the tp group's link at ``network`` of
@@ -24,10 +25,12 @@ A layer's times for one micro-batch of b samples, on one of tp ranks (`layer_pro
   more (the recomputed forward, its collectives included).
 - W (weight gradients): each linear once more.
 
-The five efficiency terms (:class:`Efficiency`) are global constants, fitted once on the Table 1
-runs of Narayanan et al. (SC'21), as ``benchmarks/predictions/published_runs.py`` says (network set beforehand,
-the other four fitted); ``--holdout h100 --refit`` fits them on every published A100 run and
-judges them on H100 runs they never saw (``benchmarks/predictions/published/``).  Attention's is low and memory's 1.0 because that stack's attention was
+The five efficiency terms (:class:`Efficiency`) are global constants: matmul, knee and attention
+fitted once on the Table 1 runs of Narayanan et al. (SC'21), as
+``benchmarks/predictions/published_runs.py`` says; network and overlap (what a collective run
+beside compute still costs it) set beforehand from published measurements.  ``--holdout h100
+--refit`` fits the three on every published A100 run and judges them on H100 runs they never saw
+(``benchmarks/predictions/published/``).  Attention's is low because that stack's attention was
 unfused while its other ops were fused; this trace counts every op unfused.
 """
 from __future__ import annotations
@@ -52,25 +55,34 @@ _MATMULS = {torch.matmul, torch.bmm, torch.baddbmm, torch.Tensor.matmul, torch.T
 
 @dataclass(frozen=True)
 class Efficiency:
-    """The roofline's efficiency terms, global (no per-model or per-row terms).
+    """The roofline's efficiency terms, five global constants (no per-model or per-row terms).
 
     Attributes:
-        matmul: the fraction of the dense peak a large matmul reaches.
+        matmul: the fraction of the dense peak a large matmul reaches (fitted).
         matmul_knee: a matmul whose smallest dimension is d runs at ``matmul x d / (d + knee x
             ridge)``, ridge the GPU's FLOPs per byte of memory traffic at its peaks (a narrow
-            matmul is bound by memory sooner on a GPU whose compute outgrew its memory).
+            matmul is bound by memory sooner on a GPU whose compute outgrew its memory; fitted).
         attention: the fraction of the dense peak a fused attention kernel (flash) reaches, its
             FLOPs counted whole; unfused attention (``Placement.attention``) is two batched
-            matmuls at the matmul terms and its T x T scores through memory.
-        memory: the fraction of the memory bandwidth the other ops reach.
-        network: the fraction of a link's bandwidth its collectives and transfers reach.
+            matmuls at the matmul terms and its T x T scores through memory (fitted).
+        network: the fraction of a link's bandwidth its collectives and transfers reach (set
+            beforehand: a typical NCCL bus bandwidth over NVSwitch).
+        overlap: the fraction of a collective's time that the compute running beside it loses
+            (NCCL's kernels hold SMs and move their bytes through the same HBM), so hiding a
+            collective of T seconds behind compute still costs ``overlap x T``.  Set beforehand
+            from published profiles: 1 - 1/1.76, a GEMM beside an all-gather on A100-SXM4-80GB
+            (1.18 -> 2.08 ms, NVIDIA/nccl issue 1428); an H100 GEMM beside FSDP's all-gather
+            showed the same scale (80% -> 47% of peak, NVIDIA developer forum thread 337991).
+
+    The other ops (those moving bytes, not FLOPs) run at the GPU's memory bandwidth: a fifth
+    fitted term for them settled at 1.0, its bound, in every fit, so it was removed.
     """
 
     matmul: float = 0.76
     matmul_knee: float = 0.654  # 100 elements on an A100 (ridge 153 FLOPs per byte), as fitted
     attention: float = 0.16
-    memory: float = 1.0
     network: float = 0.8
+    overlap: float = 0.43
 
 
 @dataclass(frozen=True)
@@ -360,7 +372,7 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
     simulator and the memory model take them (the module docstring's roofline)."""
     tp, sp = place.tp, place.sequence_parallel
     peak = cluster.gpu.peak_flops(place.dtype)
-    mem_bps = cluster.gpu.memory_bandwidth_gbps * 1e9 * eff.memory
+    mem_bps = cluster.gpu.memory_bandwidth_gbps * 1e9
 
     knee = eff.matmul_knee * peak / (cluster.gpu.memory_bandwidth_gbps * 1e9)  # x the ridge, FLOPs per byte
 
@@ -387,7 +399,7 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
     link = place.tp_link or cluster.intra
     fwd_comm, bwd_comm = _tp_comm(shape, b, tp, link, eff)
     if place.tp_overlap:  # split into chunks that run beside the matmuls: what they cannot cover is exposed
-        fwd_comm, bwd_comm = max(0.0, fwd_comm - linear_s), max(0.0, bwd_comm - 2 * linear_s)
+        fwd_comm, bwd_comm = beside(fwd_comm, linear_s, eff), beside(bwd_comm, 2 * linear_s, eff)
     f_scale, b_scale = shape.measured or (1.0, 1.0)  # a measured layer's compute; collectives stay on the links
     forward = f_scale * (linear_s + attention_s + bytes_s) + fwd_comm
     weighted = [x for x in shape.linears if x.style != "embedding"]
@@ -408,6 +420,12 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
         input_grad_s=input_grad, weight_grad_s=weight_grad,
         output_bytes=round(b * shape.output_bytes / (tp if sp else 1)),
     )
+
+
+def beside(comm_s: float, compute_s: float, eff: Efficiency) -> float:
+    """Seconds a collective of `comm_s` adds to the `compute_s` it runs beside: what the compute
+    cannot cover, or at least the compute's loss while both run (``Efficiency.overlap``)."""
+    return max(comm_s - compute_s, eff.overlap * comm_s)
 
 
 def _tp_comm(shape: LayerShape, b: int, tp: int, link: Link, eff: Efficiency) -> tuple[float, float]:
