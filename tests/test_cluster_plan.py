@@ -145,12 +145,45 @@ def test_the_published_runs_are_read_and_each_source_predicted_in_tokens_per_gpu
     modelled = [r for r in rows if published_rows.unmodelled(r) is None]
     h100 = [r for r in modelled if r.generation == "h100" and r.dense and r.dtype == "bf16"]
     assert len(h100) >= 15 and len({r.source for r in h100}) >= 2, len(h100)
-    assert any(r.moe for r in rows) and all(published_rows.unmodelled(r) for r in rows if r.moe)  # named, not hidden
+    moe = [r for r in rows if r.moe and r.dtype == "bf16"]
+    assert any(published_rows.unmodelled(r) for r in moe)  # a family not traced: named, not hidden
+    qwen = next(r for r in moe if r.label == "am-h100-qwen3-30b-a3b-8gpu")  # experts over ep 8 within FSDP 8
+    assert published_rows.unmodelled(qwen) is None and 0.5 < published_rows.ratio(qwen) < 2.0
     for source in sorted({r.source for r in modelled}):
         row = min((r for r in modelled if r.source == source), key=lambda r: (r.pp or 1, r.gpus))
         assert 0.5 < published_rows.ratio(row) < 2.0, (source, row.label)
     mlm = next(r for r in modelled if r.label == "mlm-h100-gpt7.1b-96gpu")  # 465.9 TFLOP/s over Megatron's FLOPs per token
     assert published_rows.published_tokens(mlm) == pytest.approx(465.9e12 / published_rows.model_flops_per_token(mlm))
+
+
+def test_an_hf_moe_layer_is_traced_with_its_routed_experts_and_split_by_ep(tmp_path):
+    """Issue 62: a Hugging Face MoE layer (fused experts, which on the meta device route no token)
+    is traced as balanced routing computes it: each expert's matmuls on top_k / experts of the
+    tokens; ``Layout.ep`` holds 1/ep of the experts per rank and adds the layers' all_to_alls."""
+    import json
+
+    pytest.importorskip("transformers")
+    from pipeflow.models.hf import build_hf
+
+    h, f, experts, top_k, seq = 64, 32, 4, 2, 16
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": h, "intermediate_size": f,
+        "moe_intermediate_size": f, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_experts": experts, "num_experts_per_tok": top_k, "vocab_size": 128,
+        "max_position_embeddings": 64, "tie_word_embeddings": False}))
+    shapes = trace_layers(build_hf(str(tmp_path)), seq)
+    layer = shapes[1]
+    routed = [x for x in layer.linears if x.rows == seq * top_k / experts]
+    assert len(routed) == 2 * experts  # gate_up and down of every expert
+    assert sum(2 * x.rows * x.k * x.n for x in routed) == seq * top_k * 2 * 3 * h * f  # top_k experts per token
+    assert (layer.expert_params, layer.top_k) == (experts * 3 * h * f, top_k)
+    work = Workload(shapes, seq, 8)
+    cluster = load_hardware("h100_sxm")
+    one, two = (predict(work, Layout(1, 1, 2, "1f1b", 1, 1, ep=ep), cluster) for ep in (1, 2))
+    assert two.memory_bytes < one.memory_bytes and two.pipeline_s > one.pipeline_s  # half the experts, their exchanges
+    assert "parallel.ep=2" in two.layout.overrides(two.num_microbatches)
+    with pytest.raises(ConfigError, match="does not divide"):
+        predict(work, Layout(1, 1, 2, "1f1b", 1, 1, ep=4), cluster)
 
 
 def test_the_planner_lays_a_model_on_a_described_cluster():

@@ -11,6 +11,7 @@ comes from the source's statements, in :data:`STACKS`, never from a fit.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -52,6 +53,9 @@ STACKS = {  # (source file, GPU generation) -> its software, from the source's o
     # FlashAttention written for Ampere: on H100 through Ampere's instructions
     ("llm_foundry_mpt", "a100"): Stack("fused", overlap_dp=True, shard="full"),
     ("llm_foundry_mpt", "h100"): Stack("legacy", overlap_dp=True, shard="full"),
+    # NeMo AutoModel (2025): FSDP2 over dp (prefetching), experts over ep within it (DeepEP's
+    # all-to-all), Transformer Engine's fused attention
+    ("nemo_automodel_h100", "h100"): Stack("fused", overlap_dp=True, shard="full"),
 }
 
 
@@ -81,6 +85,8 @@ class PublishedRow:
     vp: int | None
     recompute: str | None
     published: dict[str, Any]
+    ep: int = 1
+    model: str = "{}"  # the source's model description (JSON): an MoE row's shape beyond the GPT fields
 
     @property
     def generation(self) -> str:
@@ -102,16 +108,17 @@ def load(folder: Path = FOLDER) -> list[PublishedRow]:
                 path.stem, r["label"], r["gpu"], r["dtype"], bool(r["moe"]), m["layers"] or 0, m["hidden"] or 0,
                 m.get("ffn_hidden") or 0, m["heads"] or 0, m.get("kv_heads") or m["heads"] or 0, m["vocab"] or 0,
                 m["seq"] or 0, bool(m.get("gated_mlp")), r["gpus"], r["global_batch"], r.get("micro_batch") or 1,
-                r.get("tp"), r.get("pp"), r.get("cp") or 1, r.get("vp"), r.get("recompute"), r["published"]))
+                r.get("tp"), r.get("pp"), r.get("cp") or 1, r.get("vp"), r.get("recompute"), r["published"],
+                r.get("ep") or 1, json.dumps(m, sort_keys=True)))
     return rows
 
 
 def unmodelled(row: PublishedRow) -> str | None:
     """Why the planner cannot predict `row` as published, or None."""
-    if row.moe:
-        return "MoE (no expert parallelism in the cluster planner)"
     if row.dtype not in ("bf16", "fp16"):
         return f"{row.dtype} (not the BF16/FP16 peak)"
+    if row.moe and hf_family(row) is None:
+        return "MoE of a family not traced here (gpt-oss: its attention with sinks runs unfused)"
     if row.gpu not in PRESETS:
         return f"GPU {row.gpu} has no vendor preset"
     if (row.source, row.generation) not in STACKS:
@@ -120,7 +127,7 @@ def unmodelled(row: PublishedRow) -> str | None:
         return "no layout published"
     if row.cp > 1:
         return "context parallelism (the cluster planner refuses cp)"
-    if row.gated or row.kv_heads != row.heads or row.ffn != 4 * row.hidden:
+    if not row.moe and (row.gated or row.kv_heads != row.heads or row.ffn != 4 * row.hidden):
         return "not a GPT block (gated MLP or grouped-query attention: traced through model=hf, not yet here)"
     if row.gpus % (row.tp * row.pp) or row.batch % (row.gpus // (row.tp * row.pp) * row.micro):
         return "the batch does not split into the published layout's micro-batches"
@@ -162,6 +169,60 @@ def shapes(heads: int, hidden: int, layers: int, vocab: int, seq: int, dropout: 
     return (embedding, *([block] * layers), head)
 
 
+def hf_family(row: PublishedRow) -> str | None:
+    """The Hugging Face model type an MoE row's model is of (its config built from the row), or None."""
+    name = json.loads(row.model).get("name", "")
+    if name.startswith("Qwen3 MoE"):
+        return "qwen3_moe"
+    if name.startswith(("DeepSeek-V3", "Kimi K2")):
+        return "deepseek_v3"
+    return None
+
+
+def hf_config(row: PublishedRow, layers: int) -> dict[str, Any]:
+    """An MoE row's model as a Hugging Face ``config.json`` of `layers` decoder layers."""
+    m = json.loads(row.model)
+    common = {"hidden_size": row.hidden, "num_hidden_layers": layers, "num_attention_heads": row.heads,
+              "num_key_value_heads": row.kv_heads, "vocab_size": row.vocab, "num_experts_per_tok": m["experts_per_token"],
+              "moe_intermediate_size": m["moe_ffn_hidden"], "max_position_embeddings": max(row.seq, 4096),
+              "tie_word_embeddings": False}
+    if hf_family(row) == "qwen3_moe":
+        return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                "num_experts": m["experts"], "head_dim": m["head_dim"], "intermediate_size": m["moe_ffn_hidden"],
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+    mla = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)", m["attention"])}
+    return {**common, "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "n_routed_experts": m["experts"], "n_shared_experts": m.get("shared_experts", 0),
+            "first_k_dense_replace": m.get("first_dense_layers", 0), "intermediate_size": row.ffn,
+            "n_group": 1, "topk_group": 1, "q_lora_rank": mla["q_lora_rank"], "kv_lora_rank": mla["kv_lora_rank"],
+            "qk_nope_head_dim": mla["qk_nope"], "qk_rope_head_dim": mla["qk_rope"], "v_head_dim": mla["v_head"],
+            "num_nextn_predict_layers": 0}
+
+
+_MOE_SHAPES: dict[tuple[str, str], tuple[LayerShape, ...]] = {}
+
+
+def moe_shapes(row: PublishedRow, dtype: str) -> tuple[LayerShape, ...]:
+    """An MoE row's layers traced through ``model=hf`` on the meta device: its first dense layers
+    and one MoE layer traced, the MoE layer standing for the rest (routing balanced; cached)."""
+    if (row.model, dtype) not in _MOE_SHAPES:
+        _MOE_SHAPES[(row.model, dtype)] = _traced_moe(row, dtype)
+    return _MOE_SHAPES[(row.model, dtype)]
+
+
+def _traced_moe(row: PublishedRow, dtype: str) -> tuple[LayerShape, ...]:
+    import tempfile
+
+    from pipeflow.models.hf import build_hf
+
+    dense = json.loads(row.model).get("first_dense_layers", 0)
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps(hf_config(row, dense + 1)))
+        traced = trace_layers(build_hf(folder), row.seq, torch.float16 if dtype == "fp16" else torch.bfloat16)
+    embedding, *first, moe, head = traced
+    return (embedding, *first, *([moe] * (row.layers - dense)), head)
+
+
 def chunks(layers: int, pp: int) -> int:
     """v where unpublished: the smallest count above 1 dividing a rank's layers (1 at pp = 1)."""
     per = layers // pp
@@ -188,8 +249,9 @@ PIPEFLOW = Stack("fused", overlap_dp=False, shard="optimizer", sequence_parallel
 
 def workload(row: PublishedRow, stack: Stack) -> Workload:
     """`row`'s model, sequence and batch on `stack`'s attention."""
-    return Workload(shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype),
-                    row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap)
+    traced = (moe_shapes(row, row.dtype) if row.moe
+              else shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype))
+    return Workload(traced, row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap)
 
 
 def predict_published(row: PublishedRow, eff: Efficiency = Efficiency(), stack: Stack | None = None) -> Prediction:
@@ -201,8 +263,9 @@ def predict_published(row: PublishedRow, eff: Efficiency = Efficiency(), stack: 
     layout = Layout(tp, pp, dp, "interleaved_1f1b" if v > 1 else "1f1b", v, row.micro,
                     recompute=row.recompute == "full", sequence_parallel=stack.sequence_parallel and tp > 1,
                     split_boundary=tp > 1, shard=stack.shard if dp > 1 else "none", order=MEGATRON_ORDER,
-                    overlap_dp=stack.overlap_dp)
-    ranges = megatron_ranges(row.layers, pp * v) if pp > 1 else None
+                    overlap_dp=stack.overlap_dp, ep=row.ep)
+    # Megatron's split where the layers divide evenly; else balanced (AutoModel's uneven stages)
+    ranges = megatron_ranges(row.layers, pp * v) if pp > 1 and row.layers % (pp * v) == 0 else None
     return predict(workload(row, stack), layout, cluster_of(row.gpu), eff, ranges=ranges)
 
 

@@ -184,12 +184,13 @@ def best_layouts(source: str = "megatron_lm_readme", generation: str = "h100") -
 
 def holdout(generation: str, refit: bool) -> int:
     """Fit on the other generation's dense rows, predict `generation`'s: one line per held-out row,
-    then each held-out set's mean and largest error (dense and MoE apart)."""
+    then each held-out set's mean and largest error (dense and MoE apart).  Exit 0 when the dense
+    rows' mean is within 10% and none beyond 20%, and every MoE row within 25% (issue 62)."""
     rows = published_rows.load()
     modelled = [r for r in rows if published_rows.unmodelled(r) is None]
     # fitted on the other generation's rows whose pipelines simulate in milliseconds (pp <= 4: a
     # fit evaluates every row hundreds of times); the deepest are predicted with the result too
-    fitted_on = [r for r in modelled if r.generation != generation and (r.pp or 1) <= FIT_MAX_PP]
+    fitted_on = [r for r in modelled if r.generation != generation and (r.pp or 1) <= FIT_MAX_PP and r.dense]
     held = [r for r in modelled if r.generation == generation]
     eff = fit(fitted_on) if refit else Efficiency()
     for source in sorted({r.source for r in fitted_on}):
@@ -201,26 +202,28 @@ def holdout(generation: str, refit: bool) -> int:
           f"attention {eff.attention}, network {eff.network}, overlap {eff.overlap}"
           + ("" if refit else " (the planner's constants, as shipped: --refit fits them here)"))
     errors: dict[str, list[float]] = {}
+    moe: list[float] = []
     for row in held:
         predicted = published_rows.predict_published(row, eff).tokens_per_s / row.gpus
         published = published_rows.published_tokens(row)
         r = predicted / published
-        errors.setdefault(row.source, []).append(r - 1)
+        (moe if row.moe else errors.setdefault(row.source, [])).append(r - 1)
         print(f"held-out {row.source} {row.label}: predicted {predicted:.1f}, published {published:.1f}, ratio {r:.3f}"
               f"{' moe' if row.moe else ''}")
     every = [e for group in errors.values() for e in group]
-    for name, group in [*sorted(errors.items()), ("all dense", every)]:
-        print(f"{name}: {len(group)} rows, mean |error| {sum(abs(e) for e in group) / len(group):.1%}, "
-              f"largest {max(group, key=abs):+.1%}")
+    for name, group in [*sorted(errors.items()), ("all dense", every), ("MoE", moe)]:
+        if group:
+            print(f"{name}: {len(group)} rows, mean |error| {sum(abs(e) for e in group) / len(group):.1%}, "
+                  f"largest {max(group, key=abs):+.1%}")
     skipped: dict[str, int] = {}
     for row in rows:
         why = published_rows.unmodelled(row)
         if why is not None and row.generation == generation:
             skipped[why] = skipped.get(why, 0) + 1
-    print("MoE rows: " + ("none modelled" if not any(r.moe for r in held) else "above, marked moe")
-          + "; not predicted: " + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items())))
+    print("not predicted: " + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items())))
     mean_err = sum(abs(e) for e in every) / len(every)
-    return 0 if mean_err <= 0.10 and all(abs(e) <= 0.20 for e in every) else 1
+    dense_ok = mean_err <= 0.10 and all(abs(e) <= 0.20 for e in every)
+    return 0 if dense_ok and all(abs(e) <= 0.25 for e in moe) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,9 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from pipeflow.errors import ConfigError
 from pipeflow.planning.balance import balance_contiguous
+from pipeflow.planning.costs.expert import ExpertLayers, ExpertLink, expert_profiles
 from pipeflow.planning.hardware import Cluster, Link
 from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.planning.profile import LayerProfile, action_costs
@@ -54,6 +56,9 @@ class Layout:
             ``--overlap-grad-reduce``/``--overlap-param-gather``, bucketed DDP, FSDP's prefetch):
             only what exceeds the compute it can hide behind is exposed (:func:`dp_exposed_s`).
             False: after the pipeline, whole (pipeflow reduces a stage once its last gradient is done).
+        ep: expert parallelism within dp (``parallel.ep``): each of ep consecutive dp ranks holds
+            1/ep of every MoE layer's routed experts and exchanges its tokens with the others by
+            ``all_to_all`` (:mod:`pipeflow.planning.costs.expert`); it must divide dp.
     """
 
     tp: int
@@ -68,6 +73,7 @@ class Layout:
     shard: str = "none"
     order: tuple[str, ...] = ("dp", "pp", "tp")
     overlap_dp: bool = False
+    ep: int = 1
 
     def overrides(self, m: int) -> str:
         """Ready-to-paste train.py overrides."""
@@ -81,6 +87,8 @@ class Layout:
             parts.append("parallel.sequence_parallel=true")
         if self.shard != "none":
             parts.append(f"parallel.shard={self.shard}")
+        if self.ep > 1:
+            parts.append(f"parallel.ep={self.ep}")
         parts.append(f"'parallel.order=[{','.join(self.order)}]'")  # quoted: brackets are a shell glob
         return " ".join(parts)
 
@@ -139,6 +147,13 @@ def _pipeline_link(cluster: Cluster, layout: Layout, a: int, b: int) -> Link:
 def dp_link(cluster: Cluster, layout: Layout) -> Link:
     """The link the dp group of pipeline rank 0, tp rank 0 reduces over."""
     return cluster.group_link(_grid(layout).dp_groups()[0])
+
+
+def ep_link(cluster: Cluster, layout: Layout, eff: Efficiency) -> ExpertLink:
+    """The link the first ep group (ep consecutive ranks of the first dp group) exchanges over,
+    at ``network`` of its bandwidth."""
+    link = cluster.group_link(_grid(layout).dp_groups()[0][:layout.ep])
+    return ExpertLink(link.bandwidth_gbps * 1e9 * eff.network, link.latency_us * 1e-6)
 
 
 def tp_link(cluster: Cluster, layout: Layout) -> Link:
@@ -228,6 +243,12 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
     place = Placement(layout.tp, layout.sequence_parallel, layout.recompute, work.dtype, tp_link(cluster, layout),
                       work.attention, work.tp_overlap)
     profiles = profiles_at(work.shapes, b, place, cluster, eff)
+    if layout.ep > 1:
+        if layout.dp % layout.ep:
+            raise ConfigError(f"parallel.ep={layout.ep} does not divide parallel.dp={layout.dp}: expert "
+                              "parallelism splits each dp group's experts; choose an ep dividing dp")
+        experts = ExpertLayers(tuple(s.expert_params for s in work.shapes), tuple(s.top_k for s in work.shapes))
+        profiles = expert_profiles(profiles, experts, layout.ep, ep_link(cluster, layout, eff))
     stages = layout.pp * layout.v
     ranges = list(ranges) if ranges is not None else stage_ranges(profiles, stages)
     span, bubble, memory, extrapolated = pipeline_at(layout, m, profiles, ranges, cluster, eff, extrapolate)

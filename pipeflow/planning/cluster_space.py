@@ -18,8 +18,9 @@ from typing import Iterator
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
 from pipeflow.planning.cluster_search import HOLD_ALL, ORDERS, OPTIMIZER_FACTOR, Layout, Prediction, Workload, predict
 from pipeflow.planning.cluster_search import optimizer_s, reduction_s, stage_ranges, tp_link
-from pipeflow.planning.hardware import Cluster
+from pipeflow.planning.costs.expert import split_expert_profiles
 from pipeflow.planning.costs.roofline import Efficiency, Placement, profiles_at, weight_bytes
+from pipeflow.planning.hardware import Cluster
 from pipeflow.schedules import LAYOUTS, SCHEDULES
 
 CLUSTER_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
@@ -39,6 +40,7 @@ class ClusterSpace:
     recompute: tuple[bool, ...] = (False, True)
     shards: tuple[str, ...] = ("none", "optimizer", "full")
     orders: tuple[tuple[str, ...], ...] = ORDERS
+    ep: tuple[int, ...] | None = None  # an MoE model's expert degrees (None: each dividing dp, up to its experts)
     shortlist: int = 12  # layouts kept (the fastest simulated that fit)
     max_simulated: int = 40  # simulations at most (an estimate no lower than the shortlist's slowest stops sooner)
 
@@ -122,7 +124,18 @@ def _layouts(work: Workload, cluster: Cluster, space: ClusterSpace) -> Iterator[
                     for recompute in space.recompute:
                         for shard in space.shards if dp > 1 else ("none",):
                             for order in space.orders if dp > 1 and pp > 1 else space.orders[:1]:
-                                yield Layout(tp, pp, dp, name, v, b, recompute, tp > 1, False, shard, order)
+                                for ep in _expert_degrees(work, space, dp):
+                                    yield Layout(tp, pp, dp, name, v, b, recompute, tp > 1, False, shard, order,
+                                                 ep=ep)
+
+
+def _expert_degrees(work: Workload, space: ClusterSpace, dp: int) -> tuple[int, ...]:
+    """The ep degrees to try at `dp`: 1 for a dense model; else each of ``space.ep`` (or every
+    divisor of dp up to the experts of a layer) dividing dp."""
+    experts = max((s.experts for s in work.shapes), default=0)
+    if not experts:
+        return (1,)
+    return tuple(e for e in (space.ep or _divisors(dp)) if dp % e == 0 and (space.ep or e <= experts)) or (1,)
 
 
 def check_fits_somewhere(work: Workload, gpus: int, capacity_bytes: float) -> None:
@@ -163,6 +176,9 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
     if key not in cache:
         cache[key] = profiles_at(work.shapes, b, Placement(key[0], key[3], key[2], work.dtype, key[4]), cluster, eff)
     profiles = cache[key]
+    if layout.ep > 1:  # a rank's share of the experts (its exchanges left out: the estimate stays a lower bound)
+        profiles = cache.get((key, "ep", layout.ep)) or cache.setdefault(
+            (key, "ep", layout.ep), split_expert_profiles(profiles, [s.expert_params for s in work.shapes], layout.ep))
     m = work.global_batch // (layout.dp * b)
     try:
         ranges = cache.get((key, p * v)) or cache.setdefault((key, p * v), stage_ranges(profiles, p * v))
@@ -185,6 +201,7 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
         + optimizer_s(rank_params, layout, cluster, eff)
 
 
-def pinned(space: ClusterSpace, tp: int | None, pp: int | None) -> ClusterSpace:
-    """`space` with tp and pp pinned where given (``parallel.tp`` > 1, ``parallel.pp``)."""
-    return replace(space, tp=(tp,) if tp else space.tp, pp=(pp,) if pp else space.pp)
+def pinned(space: ClusterSpace, tp: int | None, pp: int | None, ep: int | None = None) -> ClusterSpace:
+    """`space` with tp, pp and ep pinned where given (``parallel.tp`` > 1, ``parallel.pp``,
+    ``parallel.ep`` > 1)."""
+    return replace(space, tp=(tp,) if tp else space.tp, pp=(pp,) if pp else space.pp, ep=(ep,) if ep else space.ep)

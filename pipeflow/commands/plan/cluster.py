@@ -139,7 +139,8 @@ def cluster_space(cfg: DictConfig) -> ClusterSpace:
                          schedules=schedules, max_chunks=int(plan.max_chunks),
                          microbatches=tuple(int(m) for m in plan.microbatches) if plan.microbatches else None)
     tp = tensor_degree(cfg.parallel)
-    return pinned(space, tp if tp > 1 else None, cfg.parallel.pp)
+    ep = int(cfg.parallel.get("ep") or 1)
+    return pinned(space, tp if tp > 1 else None, cfg.parallel.pp, ep if ep > 1 else None)
 
 
 def format_cluster_plan(picks: Sequence[Prediction], cfg: DictConfig, cluster: Cluster, limit: float,

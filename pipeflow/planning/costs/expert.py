@@ -23,11 +23,13 @@ gathered locally or received (the exchanges' buffers are transient).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from pipeflow.models.hf_experts import hf_experts_modules, unsplittable_experts
 from pipeflow.models.moe import MoE
@@ -64,6 +66,72 @@ class ExpertLayers:
     unsplit: tuple[str, ...] = ()
 
 
+def layer_experts(layer: nn.Module) -> tuple[int, int]:
+    """`layer`'s routed-expert parameters (names with ``.experts.``) and the top_k of its MoE
+    modules (pipeflow's and a Hugging Face family's experts; 0, 0 for a dense layer)."""
+    params = sum(p.numel() for name, p in layer.named_parameters() if ".experts." in f".{name}")
+    top_k = (sum(m.cfg.top_k for m in layer.modules() if isinstance(m, MoE))
+             + sum(int(getattr(m.config, "num_experts_per_tok", 0)) for _, m in hf_experts_modules(layer)))
+    return params, top_k
+
+
+def expert_count(layer: nn.Module) -> int:
+    """The most routed experts of one MoE module of `layer` (0 for a dense layer): the most ways
+    expert parallelism can split them."""
+    counts = [m.cfg.experts for m in layer.modules() if isinstance(m, MoE)]
+    counts += [p.shape[0] for _, m in hf_experts_modules(layer) for p in m.parameters(recurse=False) if p.dim() == 3]
+    return max(counts, default=0)
+
+
+@dataclass(frozen=True)
+class RoutedGemm:
+    """One expert weight's matmuls for the tokens routed to its experts, routing balanced (as the
+    published MoE benchmarks force it): `experts` matmuls of ``rows`` tokens each, K `k`, N `n`."""
+
+    experts: int
+    rows: float
+    k: int
+    n: int
+
+
+@contextlib.contextmanager
+def balanced_hf_experts(layer: nn.Module, record: Callable[[RoutedGemm], None],
+                        elementwise: Callable[[float, float, float], None]) -> Iterator[None]:
+    """While a layer runs on the meta device: each Hugging Face experts module (fused weights
+    ``(experts, out, in)``, dispatched in a loop over the experts the routing hit, which on meta
+    hits none) is replaced by what balanced routing computes, handed to `record` (one
+    :class:`RoutedGemm` per 3-d weight), and `elementwise` gets, per call, the routed rows, the
+    bytes per row its other ops move (the gated activation, the routing weights, the combine)
+    and the bytes per row autograd keeps; the module returns zeros of its input's shape."""
+    patched = []
+    for _, module in hf_experts_modules(layer):
+        top_k = int(getattr(module.config, "num_experts_per_tok", 0) or 0)
+        weights = [p for name, p in module.named_parameters(recurse=False) if p.dim() == 3]
+        if not top_k or not weights:
+            continue
+
+        def forward(hidden: torch.Tensor, *_: object, top_k: int = top_k, weights: list = weights) -> torch.Tensor:
+            tokens = hidden.numel() // hidden.shape[-1]
+            experts = weights[0].shape[0]
+            for w in weights:
+                record(RoutedGemm(experts, tokens * top_k / experts, int(w.shape[2]), int(w.shape[1])))
+            width = hidden.shape[-1]
+            inner = min(w.shape[1] * w.shape[2] // width for w in weights)  # f: gate_up 2f x h, down h x f
+            size = hidden.element_size()
+            # per routed row: act(gate) * up reads 2f and writes f, the routing weight and the
+            # combine read and write h twice; kept: its input, gate_up's output, act's output
+            elementwise(tokens * top_k, size * (3 * inner + 4 * width), size * (width + 3 * inner))
+            return torch.zeros_like(hidden)
+
+        patched.append((module, module.forward))
+        module.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.forward = original  # type: ignore[method-assign]
+
+
 def expert_layers(spec: ModelSpec) -> ExpertLayers:
     """Each layer's routed-expert parameters (names with ``.experts.``), the top_k of its MoE
     module (0 where it has none) and its experts parameters in no module expert parallelism splits
@@ -73,9 +141,9 @@ def expert_layers(spec: ModelSpec) -> ExpertLayers:
     for index in range(len(spec)):
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             layer = spec.layers[index].build()
-        params.append(sum(p.numel() for name, p in layer.named_parameters() if ".experts." in f".{name}"))
-        top_k.append(sum(m.cfg.top_k for m in layer.modules() if isinstance(m, MoE))
-                     + sum(int(getattr(m.config, "num_experts_per_tok", 0)) for _, m in hf_experts_modules(layer)))
+        layer_params, layer_top_k = layer_experts(layer)
+        params.append(layer_params)
+        top_k.append(layer_top_k)
         unsplit += [f"{index}.{name}" for name in unsplittable_experts(layer, lambda m: isinstance(m, MoE))]
     return ExpertLayers(tuple(params), tuple(top_k), tuple(unsplit))
 

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
+from pipeflow.planning.costs.expert import RoutedGemm, balanced_hf_experts, expert_count, layer_experts
 from pipeflow.planning.hardware import Cluster, Link
 from pipeflow.planning.profile import LayerProfile
 
@@ -90,7 +91,7 @@ class Linear:
     """One ``F.linear`` of a layer for one sample: rows M (tokens), K in, N out; `style` its tp
     plan's (``colwise``, ``rowwise``, ... or "" unsplit); `input_id` tells linears sharing an input."""
 
-    rows: int
+    rows: float  # a routed expert's: its share of the tokens (balanced routing), not always whole
     k: int
     n: int
     style: str = ""
@@ -117,6 +118,8 @@ class LayerShape:
         tp_forward_elements: elements the tp plan sums in the forward beyond its linears' (a
             vocabulary-split embedding's output).
         measured: (forward, backward) factors over its compute from a run's profile (`measured_cluster`).
+        expert_params, top_k, experts: its routed experts' parameters, experts per token and
+            experts (0: dense).
     """
 
     name: str
@@ -135,6 +138,9 @@ class LayerShape:
     measured: tuple[float, float] | None = None
     attention_scores: float = 0.0  # elements of its attention's H x Tq x Tk scores
     attention_head_dim: int = 0
+    expert_params: int = 0  # its routed experts' parameters (expert parallelism splits them)
+    top_k: int = 0  # experts per token of its MoE modules (0: dense)
+    experts: int = 0  # routed experts of its MoE module (the most ways ep splits them)
 
     def model_flops(self) -> float:
         """Model FLOPs of one sample's forward and backward (6 per parameter-token of its linears, 4
@@ -322,7 +328,18 @@ def _trace(layer: nn.Module, name: str, inputs: Any, styles: dict[int, str],
         return t
 
     packed: set[int] = set()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+    shape.expert_params, shape.top_k = layer_experts(layer)
+    shape.experts = expert_count(layer)
+
+    def routed(gemm: RoutedGemm) -> None:
+        shape.linears.extend(Linear(gemm.rows, gemm.k, gemm.n) for _ in range(gemm.experts))
+
+    def routed_bytes(rows: float, moved: float, kept: float) -> None:
+        shape.split_bytes += rows * moved
+        shape.saved_split_bytes += rows * kept
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder, \
+            balanced_hf_experts(layer, routed, routed_bytes):
         out = layer(*items)
         if loss_fn is not None and torch.is_tensor(out):
             target = torch.zeros(out.shape[:-1], dtype=torch.long, device="meta")
