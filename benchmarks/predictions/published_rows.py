@@ -10,14 +10,17 @@ comes from the source's statements, in :data:`STACKS`, never from a fit.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from pipeflow.models.gpt import build_gpt
 from pipeflow.planning.cluster_search import Layout, Prediction, Workload, predict
@@ -53,6 +56,9 @@ STACKS = {  # (source file, GPU generation) -> its software, from the source's o
     # FlashAttention written for Ampere: on H100 through Ampere's instructions
     ("llm_foundry_mpt", "a100"): Stack("fused", overlap_dp=True, shard="full"),
     ("llm_foundry_mpt", "h100"): Stack("legacy", overlap_dp=True, shard="full"),
+    # Megatron-Bridge (2025-26, Megatron-Core): a distributed optimizer with --overlap-grad-reduce
+    # --overlap-param-gather, experts over ep within dp, Transformer Engine's fused attention
+    ("megatron_bridge_h100", "h100"): Stack("fused", overlap_dp=True, shard="optimizer"),
     # NeMo AutoModel (2025): FSDP2 over dp (prefetching), experts over ep within it (DeepEP's
     # all-to-all), Transformer Engine's fused attention
     ("nemo_automodel_h100", "h100"): Stack("fused", overlap_dp=True, shard="full"),
@@ -118,7 +124,7 @@ def unmodelled(row: PublishedRow) -> str | None:
     if row.dtype not in ("bf16", "fp16"):
         return f"{row.dtype} (not the BF16/FP16 peak)"
     if row.moe and hf_family(row) is None:
-        return "MoE of a family not traced here (gpt-oss: its attention with sinks runs unfused)"
+        return "MoE of a family not traced here"
     if row.gpu not in PRESETS:
         return f"GPU {row.gpu} has no vendor preset"
     if (row.source, row.generation) not in STACKS:
@@ -176,6 +182,8 @@ def hf_family(row: PublishedRow) -> str | None:
         return "qwen3_moe"
     if name.startswith(("DeepSeek-V3", "Kimi K2")):
         return "deepseek_v3"
+    if name.startswith("GPT-OSS"):
+        return "gpt_oss"
     return None
 
 
@@ -186,6 +194,10 @@ def hf_config(row: PublishedRow, layers: int) -> dict[str, Any]:
               "num_key_value_heads": row.kv_heads, "vocab_size": row.vocab, "num_experts_per_tok": m["experts_per_token"],
               "moe_intermediate_size": m["moe_ffn_hidden"], "max_position_embeddings": max(row.seq, 4096),
               "tie_word_embeddings": False}
+    if hf_family(row) == "gpt_oss":  # its layers alternate: a 128-token sliding window, then full attention
+        return {**common, "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                "num_local_experts": m["experts"], "head_dim": m["head_dim"], "intermediate_size": m["moe_ffn_hidden"],
+                "sliding_window": SLIDING_WINDOW, "layer_types": ["sliding_attention", "full_attention"] * (layers // 2)}
     if hf_family(row) == "qwen3_moe":
         return {**common, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
                 "num_experts": m["experts"], "head_dim": m["head_dim"], "intermediate_size": m["moe_ffn_hidden"],
@@ -199,6 +211,7 @@ def hf_config(row: PublishedRow, layers: int) -> dict[str, Any]:
             "num_nextn_predict_layers": 0}
 
 
+SLIDING_WINDOW = 128  # gpt-oss's sliding-window layers (its config.json)
 _MOE_SHAPES: dict[tuple[str, str], tuple[LayerShape, ...]] = {}
 
 
@@ -216,11 +229,45 @@ def _traced_moe(row: PublishedRow, dtype: str) -> tuple[LayerShape, ...]:
     from pipeflow.models.hf import build_hf
 
     dense = json.loads(row.model).get("first_dense_layers", 0)
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(hf_config(row, dense + 1)))
-        traced = trace_layers(build_hf(folder), row.seq, torch.float16 if dtype == "fp16" else torch.bfloat16)
-    embedding, *first, moe, head = traced
-    return (embedding, *first, *([moe] * (row.layers - dense)), head)
+    traced_layers = 2 if hf_family(row) == "gpt_oss" else dense + 1  # gpt-oss: a sliding and a full layer
+    with tempfile.TemporaryDirectory() as folder, _fused_sink_attention():
+        (Path(folder) / "config.json").write_text(json.dumps(hf_config(row, traced_layers)))
+        embedding, *layers, head = trace_layers(build_hf(folder), row.seq,
+                                                torch.float16 if dtype == "fp16" else torch.bfloat16)
+    if hf_family(row) == "gpt_oss":
+        return (embedding, *([windowed(layers[0], SLIDING_WINDOW, row.seq), layers[1]] * (row.layers // 2)), head)
+    return (embedding, *layers[:-1], *([layers[-1]] * (row.layers - dense)), head)
+
+
+@contextlib.contextmanager
+def _fused_sink_attention() -> Iterator[None]:
+    """gpt-oss's attention traced as the published stacks run it, one fused kernel (Transformer
+    Engine's, FlexAttention), not as transformers' eager code (which materialises every T x T
+    score and transformers will not run through SDPA): SDPA here, its sinks (one more score
+    column per head) left out."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    def fused(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+              scaling: float, dropout: float = 0.0, **_: Any) -> tuple[torch.Tensor, None]:
+        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+
+    eager = modeling_gpt_oss.eager_attention_forward
+    modeling_gpt_oss.eager_attention_forward = fused
+    try:
+        yield
+    finally:
+        modeling_gpt_oss.eager_attention_forward = eager
+
+
+def windowed(shape: LayerShape, window: int, seq: int) -> LayerShape:
+    """`shape` with its attention over a `window`-token band instead of the whole sequence: what
+    the published stacks' windowed kernels compute (Transformer Engine's, FlexAttention); traced,
+    the layer's eager attention multiplies whole T x T scores."""
+    scale = min(1.0, window / seq)
+    return dataclasses.replace(shape, attention_flops=shape.attention_flops * scale,
+                               other_matmul_flops=shape.other_matmul_flops * scale,
+                               attention_scores=shape.attention_scores * scale)
 
 
 def chunks(layers: int, pp: int) -> int:
