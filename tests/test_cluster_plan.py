@@ -129,6 +129,8 @@ def test_a_collective_hidden_behind_compute_still_costs_the_compute_beside_it():
     assert dp_exposed_s(1.0, replicas, 4, 2.0, 4.0, eff) == pytest.approx(eff.overlap + 1 / 16)
     fsdp = Layout(1, 1, 8, "1f1b", 1, 1, shard="full", overlap_dp=True)
     assert dp_exposed_s(3.0, fsdp, 1, 2.0, 4.0, eff) == pytest.approx(eff.overlap * 3.0 + 3.0 / 16)
+    composer = Layout(1, 1, 8, "1f1b", 1, 1, shard="full", overlap_dp=True, dp_every_microbatch=True)
+    assert dp_exposed_s(3.0, composer, 4, 2.0, 4.0, eff) == pytest.approx(4 * (eff.overlap * 3.0 + 3.0 / 16))
     shape = _block(1024, heads=8)  # wide enough that its tp collectives hide behind its matmuls
     at = {ov: layer_profile(shape, 64, Placement(tp=2, tp_overlap=True), load_hardware("h100_sxm"),
                             Efficiency(overlap=ov)) for ov in (0.0, 0.5)}

@@ -42,6 +42,7 @@ class Stack:
     shard: str = "none"  # none | optimizer (a distributed optimizer) | full (FSDP)
     sequence_parallel: bool = False  # with tp > 1
     dropout: float = 0.0
+    dp_every_microbatch: bool = False  # FSDP's traffic per micro-batch (no no_sync under accumulation)
 
 
 STACKS = {  # (source file, GPU generation) -> its software, from the source's own words
@@ -53,9 +54,11 @@ STACKS = {  # (source file, GPU generation) -> its software, from the source's o
     ("megatron_lm_readme", "h100"): Stack("fused", overlap_dp=True, tp_overlap=True, shard="optimizer",
                                           sequence_parallel=True),
     # llm-foundry (2023, tables before torch 2.0): Composer + PyTorch FSDP FULL_SHARD (prefetching),
-    # FlashAttention written for Ampere: on H100 through Ampere's instructions
-    ("llm_foundry_mpt", "a100"): Stack("fused", overlap_dp=True, shard="full"),
-    ("llm_foundry_mpt", "h100"): Stack("legacy", overlap_dp=True, shard="full"),
+    # every micro-batch gathering and reduce-scattering (Composer's sync context applies no_sync to
+    # DDP only: composer/trainer/dist_strategy.py), FlashAttention written for Ampere: on H100
+    # through Ampere's instructions
+    ("llm_foundry_mpt", "a100"): Stack("fused", overlap_dp=True, shard="full", dp_every_microbatch=True),
+    ("llm_foundry_mpt", "h100"): Stack("legacy", overlap_dp=True, shard="full", dp_every_microbatch=True),
     # Megatron-Bridge (2025-26, Megatron-Core): a distributed optimizer with --overlap-grad-reduce
     # --overlap-param-gather, experts over ep within dp, Transformer Engine's fused attention
     ("megatron_bridge_h100", "h100"): Stack("fused", overlap_dp=True, shard="optimizer"),
@@ -310,7 +313,7 @@ def predict_published(row: PublishedRow, eff: Efficiency = Efficiency(), stack: 
     layout = Layout(tp, pp, dp, "interleaved_1f1b" if v > 1 else "1f1b", v, row.micro,
                     recompute=row.recompute == "full", sequence_parallel=stack.sequence_parallel and tp > 1,
                     split_boundary=tp > 1, shard=stack.shard if dp > 1 else "none", order=MEGATRON_ORDER,
-                    overlap_dp=stack.overlap_dp, ep=row.ep)
+                    overlap_dp=stack.overlap_dp, ep=row.ep, dp_every_microbatch=stack.dp_every_microbatch)
     # Megatron's split where the layers divide evenly; else balanced (AutoModel's uneven stages)
     ranges = megatron_ranges(row.layers, pp * v) if pp > 1 and row.layers % (pp * v) == 0 else None
     return predict(workload(row, stack), layout, cluster_of(row.gpu), eff, ranges=ranges)

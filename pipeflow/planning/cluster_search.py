@@ -56,6 +56,9 @@ class Layout:
             ``--overlap-grad-reduce``/``--overlap-param-gather``, bucketed DDP, FSDP's prefetch):
             only what exceeds the compute it can hide behind is exposed (:func:`dp_exposed_s`).
             False: after the pipeline, whole (pipeflow reduces a stage once its last gradient is done).
+        dp_every_microbatch: with ``shard=full``, the dp traffic runs for every micro-batch, not
+            once a step: FSDP without gradient accumulation's no_sync (each micro-batch gathers
+            the parameters again and reduce-scatters its gradients), as Composer's FSDP does.
         ep: expert parallelism within dp (``parallel.ep``): each of ep consecutive dp ranks holds
             1/ep of every MoE layer's routed experts and exchanges its tokens with the others by
             ``all_to_all`` (:mod:`pipeflow.planning.costs.expert`); it must divide dp.
@@ -74,6 +77,7 @@ class Layout:
     order: tuple[str, ...] = ("dp", "pp", "tp")
     overlap_dp: bool = False
     ep: int = 1
+    dp_every_microbatch: bool = False
 
     def overrides(self, m: int) -> str:
         """Ready-to-paste train.py overrides."""
@@ -258,6 +262,8 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
         forward = math.fsum(p.forward_s for p in profiles) / layout.pp  # a micro-batch's, per rank
         backward = math.fsum(p.backward_s for p in profiles) / layout.pp
         dp_s = dp_exposed_s(dp_s, layout, m, forward, backward, eff)
+    elif layout.dp_every_microbatch:
+        dp_s *= m
     update_s = optimizer_s(rank_params, layout, cluster, eff)
     step = span + dp_s + update_s
     tokens = work.global_batch * work.seq_len
@@ -277,6 +283,9 @@ def dp_exposed_s(whole_s: float, layout: Layout, m: int, forward_s: float, backw
     reduce-scatter of the backward behind the backwards.  What hides still costs the compute
     beside it ``eff.overlap`` of its time (:func:`~pipeflow.planning.costs.roofline.beside`);
     a last piece (a layer's worth, 1/16 here) never hides."""
+    if layout.shard == "full" and layout.dp_every_microbatch:  # each micro-batch's behind its own compute
+        gather = whole_s / 3
+        return m * (beside(gather, forward_s, eff) + beside(2 * gather, backward_s, eff) + whole_s / 16)
     if layout.shard == "full":  # once a step, as pipeflow's shard points (and at m = 1, FSDP's)
         gather = whole_s / 3  # a third of FSDP2's traffic: gather, gather again, reduce-scatter
         return beside(gather, m * forward_s, eff) + beside(2 * gather, m * backward_s, eff) + whole_s / 16
