@@ -173,7 +173,7 @@ def best_layouts(source: str = "megatron_lm_readme", generation: str = "h100") -
         ratio = best.tokens_per_s / pinned.tokens_per_s
         worse += ratio < 1 - 1e-9
         knobs = (f"tp {lay.tp} pp {lay.pp} dp {lay.dp} {lay.schedule} v {lay.v} b {lay.microbatch_size}"
-                 f"{' sp' if lay.sequence_parallel else ''} shard {lay.shard}, "
+                 f"{' sp' if lay.sequence_parallel else ''}{f' ep {lay.ep}' if lay.ep > 1 else ''} shard {lay.shard}, "
                  + ("recomputing (nothing faster fits)" if lay.recompute else "no recomputation (it fits without)"))
         print(f"best {row.label}: {knobs}, {best.tokens_per_s / row.gpus:.1f} tokens/s per GPU, "
               f"{best.memory_bytes / 1e9:.1f} GB; published layout (tp {row.tp} pp {row.pp}) "
