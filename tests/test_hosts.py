@@ -272,6 +272,9 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
         joined, joiner = watch_lines(procs[2:])
         try:
             first_line_at(lines[0], r"1 node waits to join the job", 180)
+            # released once the agent has signalled the workers, so they stop at the next step
+            # boundary: released sooner, a loaded machine could let them finish the run first
+            first_line_at(lines[0], r"closing signal SIGTERM", 120)
         finally:
             held.unlink()
         try:
