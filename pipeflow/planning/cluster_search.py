@@ -283,11 +283,11 @@ def dp_exposed_s(whole_s: float, layout: Layout, m: int, forward_s: float, backw
     reduce-scatter of the backward behind the backwards.  What hides still costs the compute
     beside it ``eff.overlap`` of its time (:func:`~pipeflow.planning.costs.roofline.beside`);
     a last piece (a layer's worth, 1/16 here) never hides."""
-    if layout.shard == "full" and layout.dp_every_microbatch:  # each micro-batch's behind its own compute
-        gather = whole_s / 3
-        return m * (beside(gather, forward_s, eff) + beside(2 * gather, backward_s, eff) + whole_s / 16)
-    if layout.shard == "full":  # once a step, as pipeflow's shard points (and at m = 1, FSDP's)
+    if layout.shard == "full":
         gather = whole_s / 3  # a third of FSDP2's traffic: gather, gather again, reduce-scatter
+        if layout.dp_every_microbatch:  # each micro-batch's behind its own compute
+            return m * (beside(gather, forward_s, eff) + beside(2 * gather, backward_s, eff) + whole_s / 16)
+        # once a step, as pipeflow's shard points (and at m = 1, FSDP's)
         return beside(gather, m * forward_s, eff) + beside(2 * gather, m * backward_s, eff) + whole_s / 16
     if layout.shard == "optimizer":
         half = whole_s / 2

@@ -66,21 +66,17 @@ class ExpertLayers:
     unsplit: tuple[str, ...] = ()
 
 
-def layer_experts(layer: nn.Module) -> tuple[int, int]:
-    """`layer`'s routed-expert parameters (names with ``.experts.``) and the top_k of its MoE
-    modules (pipeflow's and a Hugging Face family's experts; 0, 0 for a dense layer)."""
+def layer_experts(layer: nn.Module) -> tuple[int, int, int]:
+    """`layer`'s routed-expert parameters (names with ``.experts.``), the top_k of its MoE modules
+    and the most routed experts of one of them (the most ways expert parallelism splits them):
+    pipeflow's MoE and a Hugging Face family's experts; 0, 0, 0 for a dense layer."""
     params = sum(p.numel() for name, p in layer.named_parameters() if ".experts." in f".{name}")
-    top_k = (sum(m.cfg.top_k for m in layer.modules() if isinstance(m, MoE))
-             + sum(int(getattr(m.config, "num_experts_per_tok", 0)) for _, m in hf_experts_modules(layer)))
-    return params, top_k
-
-
-def expert_count(layer: nn.Module) -> int:
-    """The most routed experts of one MoE module of `layer` (0 for a dense layer): the most ways
-    expert parallelism can split them."""
-    counts = [m.cfg.experts for m in layer.modules() if isinstance(m, MoE)]
-    counts += [p.shape[0] for _, m in hf_experts_modules(layer) for p in m.parameters(recurse=False) if p.dim() == 3]
-    return max(counts, default=0)
+    ours = [m.cfg for m in layer.modules() if isinstance(m, MoE)]
+    theirs = [m for _, m in hf_experts_modules(layer)]
+    top_k = sum(cfg.top_k for cfg in ours) + sum(int(getattr(m.config, "num_experts_per_tok", 0)) for m in theirs)
+    counts = [cfg.experts for cfg in ours]
+    counts += [p.shape[0] for m in theirs for p in m.parameters(recurse=False) if p.dim() == 3]
+    return params, top_k, max(counts, default=0)
 
 
 @dataclass(frozen=True)
@@ -141,7 +137,7 @@ def expert_layers(spec: ModelSpec) -> ExpertLayers:
     for index in range(len(spec)):
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
             layer = spec.layers[index].build()
-        layer_params, layer_top_k = layer_experts(layer)
+        layer_params, layer_top_k, _ = layer_experts(layer)
         params.append(layer_params)
         top_k.append(layer_top_k)
         unsplit += [f"{index}.{name}" for name in unsplittable_experts(layer, lambda m: isinstance(m, MoE))]

@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 from pipeflow.errors import ConfigError
 from pipeflow.models.spec import ModelSpec
-from pipeflow.planning.costs.expert import RoutedGemm, balanced_hf_experts, expert_count, layer_experts
+from pipeflow.planning.costs.expert import RoutedGemm, balanced_hf_experts, layer_experts
 from pipeflow.planning.hardware import Cluster, Link
 from pipeflow.planning.profile import LayerProfile
 
@@ -328,8 +328,7 @@ def _trace(layer: nn.Module, name: str, inputs: Any, styles: dict[int, str],
         return t
 
     packed: set[int] = set()
-    shape.expert_params, shape.top_k = layer_experts(layer)
-    shape.experts = expert_count(layer)
+    shape.expert_params, shape.top_k, shape.experts = layer_experts(layer)
 
     def routed(gemm: RoutedGemm) -> None:
         shape.linears.extend(Linear(gemm.rows, gemm.k, gemm.n) for _ in range(gemm.experts))
@@ -391,7 +390,7 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
     peak = cluster.gpu.peak_flops(place.dtype)
     mem_bps = cluster.gpu.memory_bandwidth_gbps * 1e9
 
-    knee = eff.matmul_knee * peak / (cluster.gpu.memory_bandwidth_gbps * 1e9)  # x the ridge, FLOPs per byte
+    knee = eff.matmul_knee * peak / mem_bps  # x the ridge, FLOPs per byte
 
     def at_matmul_rate(flops: float, d: float) -> float:
         return flops / (peak * eff.matmul * d / (d + knee))
