@@ -137,6 +137,26 @@ def test_a_collective_hidden_behind_compute_still_costs_the_compute_beside_it():
     assert at[0.5].forward_s > at[0.0].forward_s  # the tp collectives behind the matmuls cost too
 
 
+def test_each_fsdp_unit_pays_the_rings_latency_across_every_rank():
+    """Issue 62: a ring collective over n ranks takes n - 1 steps, each at NCCL's latency (its
+    tuning table), so FSDP's three collectives per unit over 512 ranks cost milliseconds apiece
+    that one latency per step hid (the 512-GPU H100 FSDP rows were predicted 20-26% fast)."""
+    from pipeflow.planning.cluster_search import reduction_s
+    from pipeflow.planning.hardware import RING_BASE_US, RING_STEP_US
+
+    cluster = load_hardware("h100_sxm")
+    host = list(range(8))
+    assert cluster.ring_latency_s(host) == pytest.approx((RING_BASE_US + 7 * RING_STEP_US["intra"]) * 1e-6)
+    wide = list(range(512))  # 64 hosts: 63 of the 511 steps cross the network
+    assert cluster.ring_latency_s(wide) == pytest.approx(
+        (RING_BASE_US + 448 * RING_STEP_US["intra"] + 63 * RING_STEP_US["inter"]) * 1e-6)
+    assert cluster.ring_latency_s([0]) == 0.0
+    fsdp = Layout(1, 1, 512, "1f1b", 1, 1, shard="full")
+    one, many = (reduction_s(1e6, fsdp, cluster, Efficiency(), units) for units in (1, 24))
+    assert many - one == pytest.approx(3 * 23 * cluster.ring_latency_s(wide))  # gather, gather, reduce-scatter
+    assert reduction_s(1e6, Layout(1, 1, 512, "1f1b", 1, 1, shard="none"), cluster, Efficiency(), 24) < one
+
+
 def test_the_published_runs_are_read_and_each_source_predicted_in_tokens_per_gpu():
     """Issue 62: the validation set kept as data (benchmarks/predictions/published/): every row
     read; at least 15 dense H100 BF16 rows of two sources the planner can predict; one row of each

@@ -197,7 +197,8 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
     unit = form.makespan(p, m, v) if form is not None else None
     ratio = unit / (3 * v * m) if unit else (m + p - 1) / m
     rank_params = max(math.fsum(profiles[i].params for s in st for i in ranges[s]) for st in rank_stages)
-    return ratio * m * max(compute) + reduction_s(rank_params, layout, cluster, eff) \
+    units = max(sum(len(ranges[s]) for s in st) for st in rank_stages)
+    return ratio * m * max(compute) + reduction_s(rank_params, layout, cluster, eff, units) \
         + optimizer_s(rank_params, layout, cluster, eff)
 
 

@@ -26,6 +26,11 @@ import yaml
 from pipeflow.errors import ConfigError
 
 PRESET_DIR = Path(__file__).resolve().parent / "hardware"
+# NCCL's own latency model of a ring collective (src/graph/tuning.cc, the Simple protocol it runs
+# for MB-sized buckets and FSDP units), microseconds: a base, and each step's latency within a
+# host (NVLink) and across hosts (the network)
+RING_BASE_US = 8.4
+RING_STEP_US = {"intra": 3.4, "inter": 14.0}
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,16 @@ class Cluster:
             return self.intra
         per_host = min(hosts.values())
         return Link(min(self.intra.bandwidth_gbps, per_host * self.inter.bandwidth_gbps), self.inter.latency_us)
+
+    def ring_latency_s(self, ranks: Sequence[int]) -> float:
+        """Seconds of latency of one ring all-gather or reduce-scatter among `ranks`, as NCCL
+        models it: a base plus each of its n - 1 steps' latency, hosts - 1 of them across hosts
+        (:data:`RING_STEP_US`).  Apart from the bytes' time: over 512 ranks it is milliseconds,
+        paid by each FSDP unit's collectives."""
+        n, hosts = len(ranks), len({self.host_of(r) for r in ranks})
+        if n <= 1:
+            return 0.0
+        return (RING_BASE_US + (n - hosts) * RING_STEP_US["intra"] + (hosts - 1) * RING_STEP_US["inter"]) * 1e-6
 
 
 def preset_ids() -> list[str]:
