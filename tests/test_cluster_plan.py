@@ -199,8 +199,12 @@ def test_an_hf_moe_layer_is_traced_with_its_routed_experts_and_split_by_ep(tmp_p
     shapes = trace_layers(build_hf(str(tmp_path)), seq)
     layer = shapes[1]
     routed = [x for x in layer.linears if x.rows == seq * top_k / experts]
-    assert len(routed) == 2 * experts  # gate_up and down of every expert
-    assert sum(2 * x.rows * x.k * x.n for x in routed) == seq * top_k * 2 * 3 * h * f  # top_k experts per token
+    assert [x.experts for x in routed] == [experts, experts]  # gate_up and down, each standing for every expert
+    assert sum(2 * x.rows * x.k * x.n * x.experts for x in routed) == seq * top_k * 2 * 3 * h * f  # top_k per token
+    # with ep 2 a rank runs half the experts on twice the rows each: the same FLOPs, wider matmuls
+    cluster = load_hardware("h100_sxm")
+    alone, split = (layer_profile(layer, 1, Placement(ep=ep), cluster).forward_s for ep in (1, 2))
+    assert split < alone
     assert (layer.expert_params, layer.top_k) == (experts * 3 * h * f, top_k)
     work = Workload(shapes, seq, 8)
     cluster = load_hardware("h100_sxm")

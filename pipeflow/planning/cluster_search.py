@@ -245,7 +245,7 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
     b = layout.microbatch_size
     m = work.global_batch // (layout.dp * b)
     place = Placement(layout.tp, layout.sequence_parallel, layout.recompute, work.dtype, tp_link(cluster, layout),
-                      work.attention, work.tp_overlap)
+                      work.attention, work.tp_overlap, layout.ep)
     profiles = profiles_at(work.shapes, b, place, cluster, eff)
     if layout.ep > 1:
         if layout.dp % layout.ep:

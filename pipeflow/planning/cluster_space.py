@@ -172,9 +172,10 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
     """The closed-form step estimate of `layout`, or None when it cannot fit `capacity` (`cache`
     keeps the layers' costs per (tp, b, recompute) and the balanced splits per stage count)."""
     p, v, b = layout.pp, layout.v, layout.microbatch_size
-    key = (layout.tp, b, layout.recompute, layout.sequence_parallel, tp_link(cluster, layout))
+    key = (layout.tp, b, layout.recompute, layout.sequence_parallel, tp_link(cluster, layout), layout.ep)
     if key not in cache:
-        cache[key] = profiles_at(work.shapes, b, Placement(key[0], key[3], key[2], work.dtype, key[4]), cluster, eff)
+        cache[key] = profiles_at(work.shapes, b, Placement(key[0], key[3], key[2], work.dtype, key[4], ep=key[5]),
+                                 cluster, eff)
     profiles = cache[key]
     if layout.ep > 1:  # a rank's share of the experts (its exchanges left out: the estimate stays a lower bound)
         profiles = cache.get((key, "ep", layout.ep)) or cache.setdefault(

@@ -97,6 +97,7 @@ class Linear:
     style: str = ""
     input_id: int = 0
     trainable: bool = True  # a frozen weight (LoRA's base) has no weight-gradient matmul
+    experts: int = 0  # a routed weight: this many experts' matmuls of `rows` each (0: one dense weight)
 
 
 @dataclass
@@ -145,7 +146,7 @@ class LayerShape:
     def model_flops(self) -> float:
         """Model FLOPs of one sample's forward and backward (6 per parameter-token of its linears, 4
         of a frozen one's, 3 x attention's forward, no recomputation)."""
-        linears = sum((6.0 if x.trainable else 4.0) * x.rows * x.k * x.n for x in self.linears)
+        linears = sum((6.0 if x.trainable else 4.0) * x.rows * x.k * x.n * max(1, x.experts) for x in self.linears)
         return linears + 3 * (self.attention_flops + self.other_matmul_flops)
 
 
@@ -331,7 +332,7 @@ def _trace(layer: nn.Module, name: str, inputs: Any, styles: dict[int, str],
     shape.expert_params, shape.top_k, shape.experts = layer_experts(layer)
 
     def routed(gemm: RoutedGemm) -> None:
-        shape.linears.extend(Linear(gemm.rows, gemm.k, gemm.n) for _ in range(gemm.experts))
+        shape.linears.append(Linear(gemm.rows, gemm.k, gemm.n, experts=gemm.experts))
 
     def routed_bytes(rows: float, moved: float, kept: float) -> None:
         shape.split_bytes += rows * moved
@@ -375,6 +376,7 @@ class Placement:
     # unfused: two batched matmuls and the scores through memory (Megatron 2021)
     attention: str = "fused"
     tp_overlap: bool = False  # the tp collectives run behind the layer's matmuls (Megatron's --tp-comm-overlap)
+    ep: int = 1  # expert parallelism: a rank runs 1/ep of the routed experts, each on ep x the rows
 
 
 def weight_bytes(dtype: str) -> int:
@@ -399,6 +401,8 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
         k, n = (x.k // tp, x.n) if x.style in ("rowwise", "embedding") and tp > 1 else (
             (x.k, x.n // tp) if x.style and tp > 1 else (x.k, x.n))
         rows = b * x.rows
+        if x.experts:  # the rank's experts/ep experts, each on the rows ep ranks route to it: d grows
+            return x.experts * at_matmul_rate(2.0 * rows * k * n, min(rows * min(place.ep, x.experts), k, n))
         return at_matmul_rate(2.0 * rows * k * n, min(rows, k, n))
 
     linear_s = sum(matmul_s(x) for x in shape.linears)
