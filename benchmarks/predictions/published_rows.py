@@ -43,6 +43,7 @@ class Stack:
     sequence_parallel: bool = False  # with tp > 1
     dropout: float = 0.0
     dp_every_microbatch: bool = False  # FSDP's traffic per micro-batch (no no_sync under accumulation)
+    flush_per_local_batch: bool = False  # with pp, each local batch its own pipeline (filled and drained)
 
 
 STACKS = {  # (source file, GPU generation) -> its software, from the source's own words
@@ -63,8 +64,9 @@ STACKS = {  # (source file, GPU generation) -> its software, from the source's o
     # --overlap-param-gather, experts over ep within dp, Transformer Engine's fused attention
     ("megatron_bridge_h100", "h100"): Stack("fused", overlap_dp=True, shard="optimizer"),
     # NeMo AutoModel (2025): FSDP2 over dp (prefetching), experts over ep within it (DeepEP's
-    # all-to-all), Transformer Engine's fused attention
-    ("nemo_automodel_h100", "h100"): Stack("fused", overlap_dp=True, shard="full"),
+    # all-to-all), Transformer Engine's fused attention; with pp, torch.distributed.pipelining's
+    # schedule step()s each local batch (LBS) apart, GA times a step
+    ("nemo_automodel_h100", "h100"): Stack("fused", overlap_dp=True, shard="full", flush_per_local_batch=True),
 }
 
 
@@ -96,6 +98,7 @@ class PublishedRow:
     published: dict[str, Any]
     ep: int = 1
     model: str = "{}"  # the source's model description (JSON): an MoE row's shape beyond the GPT fields
+    local_batch: int | None = None  # samples per dp replica per accumulation step, where published (LBS)
 
     @property
     def generation(self) -> str:
@@ -118,7 +121,7 @@ def load(folder: Path = FOLDER) -> list[PublishedRow]:
                 m.get("ffn_hidden") or 0, m["heads"] or 0, m.get("kv_heads") or m["heads"] or 0, m["vocab"] or 0,
                 m["seq"] or 0, bool(m.get("gated_mlp")), r["gpus"], r["global_batch"], r.get("micro_batch") or 1,
                 r.get("tp"), r.get("pp"), r.get("cp") or 1, r.get("vp"), r.get("recompute"), r["published"],
-                r.get("ep") or 1, json.dumps(m, sort_keys=True)))
+                r.get("ep") or 1, json.dumps(m, sort_keys=True), r.get("local_batch")))
     return rows
 
 
@@ -316,7 +319,17 @@ def predict_published(row: PublishedRow, eff: Efficiency = Efficiency(), stack: 
                     overlap_dp=stack.overlap_dp, ep=row.ep, dp_every_microbatch=stack.dp_every_microbatch)
     # Megatron's split where the layers divide evenly; else balanced (AutoModel's uneven stages)
     ranges = megatron_ranges(row.layers, pp * v) if pp > 1 and row.layers % (pp * v) == 0 else None
-    return predict(workload(row, stack), layout, cluster_of(row.gpu), eff, ranges=ranges)
+    work = workload(row, stack)
+    flushes = row.batch // (dp * row.local_batch) if stack.flush_per_local_batch and pp > 1 and row.local_batch else 1
+    if flushes == 1:
+        return predict(work, layout, cluster_of(row.gpu), eff, ranges=ranges)
+    one = predict(dataclasses.replace(work, global_batch=row.batch // flushes), layout, cluster_of(row.gpu), eff,
+                  ranges=ranges)  # one local batch's pipeline, then the step's reduction and update once
+    step = flushes * one.pipeline_s + one.dp_s + one.optimizer_s
+    return dataclasses.replace(one, num_microbatches=flushes * one.num_microbatches, step_s=step,
+                               pipeline_s=flushes * one.pipeline_s, tokens_per_s=row.batch * row.seq / step,
+                               model_tflops_per_gpu=one.model_tflops_per_gpu * one.step_s / step,
+                               mfu=one.mfu * one.step_s / step)
 
 
 def ratio(row: PublishedRow, eff: Efficiency = Efficiency()) -> float:
