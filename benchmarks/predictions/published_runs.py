@@ -9,18 +9,21 @@ rows (the paper does not state them): micro-batch size 1; chunks per rank v = th
 above 1 that divides a rank's layers (Megatron needs it to divide them), v = 1 at pp = 1; stages
 split as Megatron does (the embedding with the first blocks, the head with the last); mesh order
 Megatron's (pp outermost, then dp, tp innermost); dp's gradient all-reduce after the pipeline;
-each boundary's tensor sent a tp-th per tp rank (Megatron's scatter/gather, section 4.1 of the paper).
+each boundary's tensor sent a tp-th per tp rank (Megatron's scatter/gather, section 4.1 of the paper);
+attention unfused as Megatron-LM ran it in 2021 (two batched matmuls at the matmul terms, the
+scores through memory), as ``published_rows.STACKS`` says of the same rows.
 
 Both figures are in the paper's convention: its FLOPs (Eq. 3, ``96 B s l h^2 (1 + s/6h + V/16lh)``)
 count the recomputed forward, 4/3 of the model FLOPs of the transformer layers under full
 recomputation.  The planner itself reports model FLOPs (no recomputation).
 
-The efficiency terms (`pipeflow.planning.costs.roofline.Efficiency`) were fitted once on these ten rows:
-network set beforehand at 0.8 (a typical NCCL bus bandwidth over NVSwitch), overlap at 0.43 (a
-GEMM's loss beside NCCL, as profiled; these runs hide no collective), the other three by
-Nelder-Mead minimising the mean absolute error plus half the largest (each row's pipeline overhead
-over its busiest rank's compute held at its simulated value while fitting), then rounded.  They
-are used as they are by everything else: the held-out run below is predicted without refitting.
+The efficiency terms (`pipeflow.planning.costs.roofline.Efficiency`): network set beforehand at
+0.8 (a typical NCCL bus bandwidth over NVSwitch), overlap at 0.43 (a GEMM's loss beside NCCL, as
+profiled; these runs hide no collective); matmul and knee fitted once on these ten rows by
+Nelder-Mead minimising the mean absolute error plus half the largest, then rounded; attention
+(a fused kernel's, which these rows do not run) fitted on the A100 llm-foundry runs
+(FlashAttention) with the two held (``--fit-attention``).  They are used as they are by everything
+else: the held-out run below is predicted without refitting.
 
 Held out: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models"
 (MLSys'23): the 530B model (105 layers, width 20480, 128 heads) on 2240 A100s with full
@@ -80,7 +83,7 @@ def predict_row(row: Row, cluster: Cluster, eff: Efficiency = Efficiency()) -> P
     layout = Layout(row.tp, row.pp, dp, schedule, v, 1, recompute=True, split_boundary=True,
                     order=published_rows.MEGATRON_ORDER)
     work = Workload(published_rows.shapes(row.heads, row.hidden, row.layers, VOCAB, SEQ, 0.1, "fp16"), SEQ,
-                    row.batch, dtype="fp16")
+                    row.batch, dtype="fp16", attention="unfused")
     return predict(work, layout, cluster, eff, ranges=published_rows.megatron_ranges(row.layers, row.pp * v))
 
 
@@ -147,6 +150,24 @@ def fit(rows: list, start: Efficiency = Efficiency()) -> Efficiency:
     best = min(runs, key=lambda run: run.fun)
     matmul, knee, attention = (round(float(v), 2) for v in best.x)
     return replace(start, matmul=matmul, matmul_knee=knee, attention=attention)
+
+
+def fit_attention(start: Efficiency = Efficiency()) -> Efficiency:
+    """`start` with the attention term that minimises, over the A100 llm-foundry rows (fused
+    FlashAttention; matmul and knee held), the mean absolute error plus half the largest."""
+    from dataclasses import replace
+
+    from scipy.optimize import minimize_scalar
+
+    rows = [r for r in published_rows.load() if published_rows.unmodelled(r) is None and r.generation == "a100"
+            and r.source == "llm_foundry_mpt"]
+
+    def loss(attention: float) -> float:
+        errors = [abs(published_rows.ratio(r, replace(start, attention=attention)) - 1) for r in rows]
+        return sum(errors) / len(errors) + 0.5 * max(errors)
+
+    best = minimize_scalar(loss, bounds=(0.05, 1.0), method="bounded", options={"xatol": 1e-3})
+    return replace(start, attention=round(float(best.x), 2))
 
 
 def best_layouts(source: str = "megatron_lm_readme", generation: str = "h100") -> int:
@@ -234,11 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--holdout", choices=["h100", "a100"],
                         help="predict this generation's published rows (published/*.json) on constants fitted on the other's")
     parser.add_argument("--refit", action="store_true", help="with --holdout: fit the constants on the other generation first")
+    parser.add_argument("--fit-attention", action="store_true",
+                        help="fit the shipped attention term on the A100 llm-foundry rows (matmul and knee held)")
     parser.add_argument("--best", action="store_true",
                         help="the planner's best layout for each Megatron-LM H100 row beside its published one")
     args = parser.parse_args(argv)
     if args.best:
         return best_layouts()
+    if args.fit_attention:
+        eff = fit_attention()
+        errors = [published_rows.ratio(r, eff) - 1 for r in published_rows.load()
+                  if published_rows.unmodelled(r) is None and r.generation == "a100" and r.source == "llm_foundry_mpt"]
+        print(f"attention {eff.attention} (matmul {eff.matmul}, knee {eff.matmul_knee} held): {len(errors)} A100 "
+              f"llm-foundry rows, mean |error| {sum(map(abs, errors)) / len(errors):.1%}, "
+              f"largest {max(errors, key=abs):+.1%}")
+        return 0
     if args.holdout:
         return holdout(args.holdout, args.refit)
     print("Narayanan et al. SC'21 Table 1 (A100-SXM4-80GB; TFLOP/s per GPU in the paper's convention: "
