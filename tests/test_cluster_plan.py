@@ -214,6 +214,20 @@ def test_an_hf_moe_layer_is_traced_with_its_routed_experts_and_split_by_ep(tmp_p
     assert "parallel.ep=2" in two.layout.overrides(two.num_microbatches)
     with pytest.raises(ConfigError, match="does not divide"):
         predict(work, Layout(1, 1, 2, "1f1b", 1, 1, ep=4), cluster)
+    # at ep = dp each expert lives on one rank: its gradients are reduced with no one
+    from pipeflow.planning.cluster_search import reduction_s
+
+    alone_ep = Layout(1, 1, 2, "1f1b", 1, 1, ep=2)
+    assert reduction_s(1e9, alone_ep, cluster, Efficiency(), 1, 1e9) == reduction_s(0.0, alone_ep, cluster, Efficiency())
+    assert reduction_s(1e9, alone_ep, cluster, Efficiency()) > reduction_s(1e9, alone_ep, cluster, Efficiency(), 1, 5e8)
+    from dataclasses import replace
+
+    from pipeflow.planning.cluster_space import ClusterSpace, _layouts
+
+    space = ClusterSpace(gpus=4, tp=(1, 2))
+    split = [lay for lay in _layouts(work, cluster, space) if lay.ep > 1]
+    assert split and all(lay.tp == 1 and lay.shard == "none" for lay in split)  # what train.py runs with ep
+    assert not list(_layouts(work, cluster, replace(space, ep=(2,), shards=("full",))))  # a pinned ep: none
 
 
 def test_the_planner_lays_a_model_on_a_described_cluster():

@@ -257,7 +257,8 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
     ranges = list(ranges) if ranges is not None else stage_ranges(profiles, stages)
     span, bubble, memory, extrapolated = pipeline_at(layout, m, profiles, ranges, cluster, eff, extrapolate)
     rank_params = max(math.fsum(profiles[i].params for i in r) for r in ranges) * layout.v
-    dp_s = reduction_s(rank_params, layout, cluster, eff, max(len(r) for r in ranges) * layout.v)
+    experts = max(math.fsum(work.shapes[i].expert_params for i in r) for r in ranges) * layout.v / layout.ep
+    dp_s = reduction_s(rank_params, layout, cluster, eff, max(len(r) for r in ranges) * layout.v, experts)
     if layout.overlap_dp and layout.dp > 1:
         forward = math.fsum(p.forward_s for p in profiles) / layout.pp  # a micro-batch's, per rank
         backward = math.fsum(p.backward_s for p in profiles) / layout.pp
@@ -302,9 +303,11 @@ def optimizer_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Effic
     return 32.0 * rank_params / shards / (cluster.gpu.memory_bandwidth_gbps * 1e9)
 
 
-def reduction_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency, units: int = 1) -> float:
+def reduction_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency, units: int = 1,
+                expert_params: float = 0.0) -> float:
     """Seconds of a step's dp gradient reduction: a ring all-reduce of 2-byte gradients on the dp
-    group's link (ZeRO-1: reduce-scatter + all-gather, the same bytes; FSDP2: one more gather).
+    group's link (ZeRO-1: reduce-scatter + all-gather, the same bytes; FSDP2: one more gather);
+    of them, the rank's `expert_params` among the dp / ep ranks holding the same experts only.
     FSDP2 pays the ring's latency (:meth:`~pipeflow.planning.hardware.Cluster.ring_latency_s`) in
     each of its three collectives per unit (the rank's `units` layers); the others one link
     latency: their buckets' count is the stack's choice, and a dp group of one GPU per host runs
@@ -318,4 +321,6 @@ def reduction_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Effic
     else:
         latency = link.latency_us * 1e-6
     factor = 1.5 if layout.shard == "full" else 1.0
-    return factor * 2 * (d - 1) / d * 2.0 * rank_params / (link.bandwidth_gbps * 1e9 * eff.network) + latency
+    same = d // max(1, layout.ep)  # replicas of one expert
+    moved = (d - 1) / d * (rank_params - expert_params) + (same - 1) / same * expert_params
+    return factor * 2 * 2.0 * moved / (link.bandwidth_gbps * 1e9 * eff.network) + latency

@@ -21,6 +21,7 @@ from pipeflow.planning.cluster_search import optimizer_s, reduction_s, stage_ran
 from pipeflow.planning.costs.expert import split_expert_profiles
 from pipeflow.planning.costs.roofline import Efficiency, Placement, profiles_at, weight_bytes
 from pipeflow.planning.hardware import Cluster
+from pipeflow.runtime.parallel.expert_parallel import check_expert_parallel
 from pipeflow.schedules import LAYOUTS, SCHEDULES
 
 CLUSTER_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_h1", "zbv")
@@ -124,18 +125,30 @@ def _layouts(work: Workload, cluster: Cluster, space: ClusterSpace) -> Iterator[
                     for recompute in space.recompute:
                         for shard in space.shards if dp > 1 else ("none",):
                             for order in space.orders if dp > 1 and pp > 1 else space.orders[:1]:
-                                for ep in _expert_degrees(work, space, dp):
+                                for ep in _expert_degrees(work, space, dp, tp, shard):
                                     yield Layout(tp, pp, dp, name, v, b, recompute, tp > 1, False, shard, order,
                                                  ep=ep)
 
 
-def _expert_degrees(work: Workload, space: ClusterSpace, dp: int) -> tuple[int, ...]:
+def _expert_degrees(work: Workload, space: ClusterSpace, dp: int, tp: int = 1, shard: str = "none") -> tuple[int, ...]:
     """The ep degrees to try at `dp`: 1 for a dense model; else each of ``space.ep`` (or every
-    divisor of dp up to the experts of a layer) dividing dp."""
+    divisor of dp up to the experts of a layer) dividing dp that the runtime runs beside `tp` and
+    `shard` (:func:`~pipeflow.runtime.parallel.expert_parallel.check_expert_parallel`: ep > 1
+    without tp and without ``parallel.shard``); none where a pinned ep cannot run there."""
     experts = max((s.experts for s in work.shapes), default=0)
     if not experts:
         return (1,)
-    return tuple(e for e in (space.ep or _divisors(dp)) if dp % e == 0 and (space.ep or e <= experts)) or (1,)
+    degrees = tuple(e for e in (space.ep or _divisors(dp))
+                    if dp % e == 0 and (space.ep or e <= experts) and _runs_experts(e, dp, tp, shard))
+    return degrees if space.ep else (degrees or (1,))
+
+
+def _runs_experts(ep: int, dp: int, tp: int, shard: str) -> bool:
+    try:
+        check_expert_parallel(ep, dp, tp, shard, None)
+    except ConfigError:
+        return False
+    return True
 
 
 def check_fits_somewhere(work: Workload, gpus: int, capacity_bytes: float) -> None:
@@ -199,7 +212,8 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
     ratio = unit / (3 * v * m) if unit else (m + p - 1) / m
     rank_params = max(math.fsum(profiles[i].params for s in st for i in ranges[s]) for st in rank_stages)
     units = max(sum(len(ranges[s]) for s in st) for st in rank_stages)
-    return ratio * m * max(compute) + reduction_s(rank_params, layout, cluster, eff, units) \
+    experts = max(math.fsum(work.shapes[i].expert_params for s in st for i in ranges[s]) for st in rank_stages) / layout.ep
+    return ratio * m * max(compute) + reduction_s(rank_params, layout, cluster, eff, units, experts) \
         + optimizer_s(rank_params, layout, cluster, eff)
 
 
