@@ -45,8 +45,9 @@ def emulated_hosts() -> Iterator[type[EmulatedHosts]]:
 # assignment waiting 60 s for the dropped agent).  PIPEFLOW_LAUNCH_VERBOSE=1 shows those steps.
 # A round of an elastic range (--nnodes 2:3) closes 10 s, not 2 s, after its minimum is there: a
 # third agent polling the state once a second under that load missed the 2 s and the job went on
-# with 2 hosts (the joining host never joined; at start, the third host came a round late).
-UNDER_LOAD_RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=10"
+# with 2 hosts (the joining host never joined; at start, the third host came a round late).  The
+# rendezvous store's reads wait 120 s, not torch's 60 s (a re-formed round's read timed out).
+UNDER_LOAD_RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=10,read_timeout=120"
 
 
 def launch_on_hosts(hosts: EmulatedHosts, overrides: list[str], nproc: int = 2, torchrun_args: str = "",
