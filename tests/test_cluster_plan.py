@@ -244,6 +244,10 @@ def test_the_planner_lays_a_model_on_a_described_cluster():
     assert "run the pick: torchrun --nnodes 2 --nproc-per-node 8 train.py model.n_layer=8" in report
     with pytest.raises(ConfigError, match="plan.gpus"):
         run_plan(compose_config(["plan.hardware=h100_sxm"]))
+    from pipeflow.commands.plan.cluster import cluster_space
+
+    with pytest.raises(ConfigError, match="not split by tensor parallelism"):  # as train.py says, before any search
+        cluster_space(compose_config([*words, "parallel.ep=2", "parallel.tp=2"]))
     assert torch.get_default_device().type == "cpu"  # nothing left on the meta device
 
 

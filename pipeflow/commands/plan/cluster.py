@@ -29,6 +29,7 @@ from pipeflow.planning.measured_cluster import measured_layers, with_measured_li
 from pipeflow.planning.costs.roofline import trace_layers
 from pipeflow.config.schema import tensor_degree
 from pipeflow.config.data import TokenDataConfig, typed_data
+from pipeflow.runtime.parallel.expert_parallel import check_expert_parallel
 
 HEADROOM = 0.9  # of a GPU's memory for tensors; the rest: allocator, NCCL buffers, kernels' workspace
 
@@ -140,6 +141,8 @@ def cluster_space(cfg: DictConfig) -> ClusterSpace:
                          microbatches=tuple(int(m) for m in plan.microbatches) if plan.microbatches else None)
     tp = tensor_degree(cfg.parallel)
     ep = int(cfg.parallel.get("ep") or 1)
+    if ep > 1 and tp > 1:  # refused now, as train.py would, not as "no layout" after the search
+        check_expert_parallel(ep, ep, tp, "none", None)
     return pinned(space, tp if tp > 1 else None, cfg.parallel.pp, ep if ep > 1 else None)
 
 
