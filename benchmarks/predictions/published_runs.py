@@ -152,15 +152,20 @@ def fit(rows: list, start: Efficiency = Efficiency()) -> Efficiency:
     return replace(start, matmul=matmul, matmul_knee=knee, attention=attention)
 
 
+def flash_attention_rows() -> list:
+    """The A100 llm-foundry rows the planner predicts: FlashAttention runs, what the attention term is fitted on."""
+    return [r for r in published_rows.load() if published_rows.unmodelled(r) is None and r.generation == "a100"
+            and r.source == "llm_foundry_mpt"]
+
+
 def fit_attention(start: Efficiency = Efficiency()) -> Efficiency:
-    """`start` with the attention term that minimises, over the A100 llm-foundry rows (fused
-    FlashAttention; matmul and knee held), the mean absolute error plus half the largest."""
+    """`start` with the attention term that minimises, over :func:`flash_attention_rows` (matmul
+    and knee held), the mean absolute error plus half the largest."""
     from dataclasses import replace
 
     from scipy.optimize import minimize_scalar
 
-    rows = [r for r in published_rows.load() if published_rows.unmodelled(r) is None and r.generation == "a100"
-            and r.source == "llm_foundry_mpt"]
+    rows = flash_attention_rows()
 
     def loss(attention: float) -> float:
         errors = [abs(published_rows.ratio(r, replace(start, attention=attention)) - 1) for r in rows]
@@ -264,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         return best_layouts()
     if args.fit_attention:
         eff = fit_attention()
-        errors = [published_rows.ratio(r, eff) - 1 for r in published_rows.load()
-                  if published_rows.unmodelled(r) is None and r.generation == "a100" and r.source == "llm_foundry_mpt"]
+        errors = [published_rows.ratio(r, eff) - 1 for r in flash_attention_rows()]
         print(f"attention {eff.attention} (matmul {eff.matmul}, knee {eff.matmul_knee} held): {len(errors)} A100 "
               f"llm-foundry rows, mean |error| {sum(map(abs, errors)) / len(errors):.1%}, "
               f"largest {max(errors, key=abs):+.1%}")
