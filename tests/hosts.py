@@ -43,11 +43,12 @@ def emulated_hosts() -> Iterator[type[EmulatedHosts]]:
 # rendezvous state each second lose its compare-and-set to each other until one is taken for dead
 # and dropped from a round it had joined (a "2-node" job formed of one host's ranks; a rank
 # assignment waiting 60 s for the dropped agent).  PIPEFLOW_LAUNCH_VERBOSE=1 shows those steps.
-# A round of an elastic range (--nnodes 2:3) closes 10 s, not 2 s, after its minimum is there: a
-# third agent polling the state once a second under that load missed the 2 s and the job went on
-# with 2 hosts (the joining host never joined; at start, the third host came a round late).  The
-# rendezvous store's reads wait 120 s, not torch's 60 s (a re-formed round's read timed out).
-UNDER_LOAD_RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=10,read_timeout=120"
+# A round of an elastic range (--nnodes 2:3) closes 30 s (torch's own default), not the launcher's
+# 2 s, after its minimum is there: a third agent polling the state once a second under that load
+# missed 2 s, and once 10 s, so the job went on with 2 hosts and grew a restart later (at start,
+# the third host came a round late).  The rendezvous store's reads wait 120 s, not torch's 60 s
+# (a re-formed round's read timed out).
+UNDER_LOAD_RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=4,last_call_timeout=30,read_timeout=120"
 
 
 def launch_on_hosts(hosts: EmulatedHosts, overrides: list[str], nproc: int = 2, torchrun_args: str = "",
