@@ -12,7 +12,7 @@ from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.planning.cluster_search import Layout, Workload, predict
 from pipeflow.planning.hardware import load_hardware, override, preset_ids
-from pipeflow.planning.costs.roofline import Efficiency, Placement, layer_profile, trace_layers
+from pipeflow.planning.costs.roofline import Efficiency, LayerShape, Placement, layer_profile, trace_layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "predictions"))
 import published_runs  # noqa: E402  (benchmarks/predictions/published_runs.py)
@@ -70,6 +70,26 @@ def test_a_layers_costs_scale_as_its_shapes_do():
     again = layer_profile(wide, 1, Placement(recompute=True), cluster, flat)
     assert again.input_grad_s == pytest.approx(one.input_grad_s + one.forward_s)
     assert again.activation_bytes < one.activation_bytes / 10
+
+
+def test_a_fused_attention_kernel_runs_short_sequences_below_its_long_sequence_rate():
+    """A query block's fixed loads and stores spread over its T keys: the attention term's rate is
+    ``attention x T / (T + knee x ridge)``, the matmul's knee (the legacy kernel's ridge its own peak's)."""
+    cluster, eff = load_hardware("h100_sxm"), Efficiency()
+    ridge = cluster.gpu.peak_flops("bf16") / (cluster.gpu.memory_bandwidth_gbps * 1e9)
+    assert _block(256).attention_keys == 256
+
+    def seconds_per_flop(keys: int, attention: str = "fused") -> float:
+        shape = LayerShape("attention", attention_flops=1e12, attention_keys=keys)
+        return layer_profile(shape, 1, Placement(attention=attention), cluster, eff).forward_s / 1e12
+
+    long_rate = 1 / (cluster.gpu.peak_flops("bf16") * eff.attention)
+    for keys in (512, 4096):
+        assert seconds_per_flop(keys) == pytest.approx(long_rate * (1 + eff.matmul_knee * ridge / keys))
+    assert seconds_per_flop(512) > 1.3 * seconds_per_flop(65536)
+    legacy = cluster.gpu.peak_flops("bf16_legacy")
+    assert seconds_per_flop(1024, "legacy") == pytest.approx(
+        (1 + eff.matmul_knee * legacy / (cluster.gpu.memory_bandwidth_gbps * 1e9) / 1024) / (legacy * eff.attention))
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])
@@ -175,6 +195,7 @@ def test_the_published_runs_are_read_and_each_source_predicted_in_tokens_per_gpu
     layer = published_rows.moe_shapes(qwen, "bf16")[1]  # a stack's windowed kernel: a band of the scores
     band = published_rows.windowed(layer, 128, 4096)
     assert band.attention_flops == pytest.approx(layer.attention_flops / 32) and band.linears == layer.linears
+    assert band.attention_keys == 128 and layer.attention_keys == 4096
     for source in sorted({r.source for r in modelled if r.dense}):  # (an MoE row: the gpt-oss one above)
         row = min((r for r in modelled if r.source == source and r.dense), key=lambda r: (r.pp or 1, r.gpus))
         assert 0.5 < published_rows.ratio(row) < 2.0, (source, row.label)

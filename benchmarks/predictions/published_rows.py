@@ -273,7 +273,8 @@ def windowed(shape: LayerShape, window: int, seq: int) -> LayerShape:
     scale = min(1.0, window / seq)
     return dataclasses.replace(shape, attention_flops=shape.attention_flops * scale,
                                other_matmul_flops=shape.other_matmul_flops * scale,
-                               attention_scores=shape.attention_scores * scale)
+                               attention_scores=shape.attention_scores * scale,
+                               attention_keys=min(shape.attention_keys, window))
 
 
 def chunks(layers: int, pp: int) -> int:

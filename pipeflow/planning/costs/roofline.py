@@ -63,9 +63,12 @@ class Efficiency:
         matmul_knee: a matmul whose smallest dimension is d runs at ``matmul x d / (d + knee x
             ridge)``, ridge the GPU's FLOPs per byte of memory traffic at its peaks (a narrow
             matmul is bound by memory sooner on a GPU whose compute outgrew its memory; fitted).
-        attention: the fraction of the dense peak a fused attention kernel (flash) reaches, its
-            FLOPs counted whole; unfused attention (``Placement.attention``) is two batched
-            matmuls at the matmul terms and its T x T scores through memory (fitted).
+        attention: the fraction of the dense peak a fused attention kernel (flash) reaches over
+            long sequences, its FLOPs counted whole; a query block streams its T keys, so what it
+            loads and stores once (queries, output, the causal diagonal's masked half) is spread
+            over T as a matmul's over its smallest dimension: ``attention x T / (T + knee x
+            ridge)``, the matmul's knee.  Unfused attention (``Placement.attention``) is two
+            batched matmuls at the matmul terms and its T x T scores through memory (fitted).
         network: the fraction of a link's bandwidth its collectives and transfers reach (set
             beforehand: a typical NCCL bus bandwidth over NVSwitch).
         overlap: the fraction of a collective's time that the compute running beside it loses
@@ -139,6 +142,7 @@ class LayerShape:
     measured: tuple[float, float] | None = None
     attention_scores: float = 0.0  # elements of its attention's H x Tq x Tk scores
     attention_head_dim: int = 0
+    attention_keys: int = 0  # keys a query of its attention attends (T; the band where windowed)
     expert_params: int = 0  # its routed experts' parameters (expert parallelism splits them)
     top_k: int = 0  # experts per token of its MoE modules (0: dense)
     experts: int = 0  # routed experts of its MoE module (the most ways ep splits them)
@@ -271,6 +275,7 @@ class _Recorder(TorchFunctionMode):
             self.shape.attention_flops += 4.0 * q.numel() * k.shape[-2]
             self.shape.attention_scores += q.numel() // q.shape[-1] * k.shape[-2]
             self.shape.attention_head_dim = int(q.shape[-1])
+            self.shape.attention_keys = max(self.shape.attention_keys, int(k.shape[-2]))
             # a fused kernel keeps q, k, v and its output (not the T x T scores the meta math path saves)
             self.shape.saved_split_bytes += _nbytes(q) + _nbytes(k) + _nbytes(v) + _nbytes(out)
         elif func in _MATMULS and torch.is_tensor(out):
@@ -413,7 +418,9 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
         kernel_peak = peak
         if place.attention == "legacy" and f"{place.dtype}_legacy" in cluster.gpu.peak_tflops:
             kernel_peak = cluster.gpu.peak_flops(f"{place.dtype}_legacy")
-        attention_s = b * (shape.attention_flops + shape.other_matmul_flops) / tp / (kernel_peak * eff.attention)
+        keys = shape.attention_keys  # a query block's T keys spread its fixed loads and stores
+        rate = kernel_peak * eff.attention * (keys / (keys + eff.matmul_knee * kernel_peak / mem_bps) if keys else 1.0)
+        attention_s = b * (shape.attention_flops + shape.other_matmul_flops) / tp / rate
     residual = shape.residual_bytes / (tp if sp else 1)
     bytes_s = b * (residual + shape.split_bytes / tp) / mem_bps
     link = place.tp_link or cluster.intra
