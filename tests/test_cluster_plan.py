@@ -177,6 +177,29 @@ def test_each_fsdp_unit_pays_the_rings_latency_across_every_rank():
     assert reduction_s(1e6, Layout(1, 1, 512, "1f1b", 1, 1, shard="none"), cluster, Efficiency(), 24) < one
 
 
+def test_dp_moves_and_ranks_hold_the_parameters_in_their_own_dtype():
+    """pipeflow keeps parameters, gradients and AdamW's state in train.param_dtype: float32 master
+    weights under bf16 autocast double dp's bytes and a rank's state over bf16 weights (the planner
+    costed 2-byte weights with a Megatron-style fp32 copy: a ZeRO-1 pick held twice its prediction)."""
+    from pipeflow.planning.cluster_search import dp_exposed_s, gather_share, reduction_s
+
+    cluster = load_hardware("h100_sxm")
+    zero1 = Layout(1, 1, 64, "1f1b", 1, 1, shard="optimizer")
+    assert reduction_s(1e9, zero1, cluster, Efficiency(), 1, 0.0, 4, 4) == pytest.approx(
+        2 * reduction_s(1e9, zero1, cluster, Efficiency()) - cluster.group_link(range(64)).latency_us * 1e-6)
+    mixed = Workload([], 1, 1, param_bytes=2, grad_bytes=4)  # FSDP's MixedPrecision(reduce_dtype=float32)
+    fsdp = Layout(1, 1, 8, "1f1b", 1, 1, shard="full", overlap_dp=True)
+    assert gather_share(fsdp, mixed) == pytest.approx(2 / 8) and gather_share(zero1, mixed) == pytest.approx(2 / 6)
+    assert dp_exposed_s(8.0, fsdp, 1, 100.0, 0.0, Efficiency(), 0.25) == pytest.approx(
+        Efficiency().overlap * 2.0 + 6.0 + 0.5)  # the forward hides its gather; the backward has none to hide behind
+    shapes = trace_layers(build_gpt(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=128), 64)
+    layout = Layout(1, 2, 4, "1f1b", 1, 1, shard="optimizer")
+    held = {kept: predict(Workload(shapes, 64, 32, param_bytes=kept, grad_bytes=kept, optimizer_factor=2.0), layout,
+                          cluster).memory_bytes for kept in (2, 4)}
+    weights = max(sum(s.params for s in shapes[:3]), sum(s.params for s in shapes[3:]))
+    assert held[4] - held[2] == pytest.approx(weights * (2 + 2 + 4 / 4), rel=0.05)  # params, grads, m and v / dp
+
+
 def test_the_published_runs_are_read_and_each_source_predicted_in_tokens_per_gpu():
     """Issue 62: the validation set kept as data (benchmarks/predictions/published/): every row
     read; at least 15 dense H100 BF16 rows of two sources the planner can predict; one row of each
@@ -263,6 +286,9 @@ def test_the_planner_lays_a_model_on_a_described_cluster():
     first = next(line for line in report.splitlines() if line.startswith("  #1:"))
     assert "parallel.pp=2" in first and "'parallel.order=[" in first
     assert "run the pick: torchrun --nnodes 2 --nproc-per-node 8 train.py model.n_layer=8" in report
+    pick = next(line for line in report.splitlines() if line.startswith("run the pick"))
+    assert "train.precision=bf16" in pick  # the roofline costed bf16: an fp32 config's pick runs bf16
+    assert "train.param_dtype=float32 (4 bytes each)" in report
     with pytest.raises(ConfigError, match="plan.gpus"):
         run_plan(compose_config(["plan.hardware=h100_sxm"]))
     from pipeflow.commands.plan.cluster import cluster_space

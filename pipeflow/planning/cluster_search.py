@@ -28,7 +28,7 @@ from pipeflow.planning.hardware import Cluster, Link
 from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.planning.profile import LayerProfile, action_costs
 from pipeflow.planning.costs.roofline import (Efficiency, LayerShape, Placement, beside, model_flops_per_token,
-                                              profiles_at)
+                                              profiles_at, weight_bytes)
 from pipeflow.planning.search import rank_memory
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate
 from pipeflow.schedules.ir import ACTIVATION, CommOp
@@ -136,6 +136,15 @@ class Workload:
     dtype: str = "bf16"
     attention: str = "fused"  # fused (flash kernels, as pipeflow's SDPA) | legacy | unfused (Placement.attention)
     tp_overlap: bool = False  # the tp collectives behind the matmuls (Placement.tp_overlap)
+    # bytes a parameter is kept and gathered in, and a gradient reduced in (0: the compute dtype's):
+    # pipeflow's are train.param_dtype's (float32 master weights under autocast: 4 each)
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_factor: float = OPTIMIZER_FACTOR  # optimizer state per parameter byte (pipeflow's AdamW: 2)
+
+    def dp_bytes(self) -> tuple[int, int]:
+        """Bytes of a parameter as dp gathers it and of a gradient as dp reduces it."""
+        return self.param_bytes or weight_bytes(self.dtype), self.grad_bytes or weight_bytes(self.dtype)
 
 
 def _grid(layout: Layout) -> MeshGrid:
@@ -179,7 +188,8 @@ def lowered(name: str, p: int, m: int, v: int) -> tuple[PipelineSchedule, list, 
 
 
 def simulated_pipeline(layout: Layout, m: int, profiles: Sequence[LayerProfile], ranges: Sequence[range],
-                       cluster: Cluster, eff: Efficiency) -> tuple[float, float, list[float]]:
+                       cluster: Cluster, eff: Efficiency,
+                       optimizer_factor: float = OPTIMIZER_FACTOR) -> tuple[float, float, list[float]]:
     """The simulated pipeline of `m` micro-batches: makespan, bubble, each rank's peak tensor bytes."""
     schedule, programs, split = lowered(layout.schedule, layout.pp, m, layout.v)
     cost = action_costs(ranges, profiles, schedule, 0.0, split)
@@ -198,7 +208,7 @@ def simulated_pipeline(layout: Layout, m: int, profiles: Sequence[LayerProfile],
     sim = simulate(schedule, programs, cost, runtime=RuntimeCosts(transfer=transfer))
     params = [math.fsum(profiles[i].param_bytes for i in r) for r in ranges]
     acts = [math.fsum(profiles[i].activation_bytes for i in r) for r in ranges]
-    memory = rank_memory(schedule, params, acts, OPTIMIZER_FACTOR, dp=layout.dp, shard=layout.shard)
+    memory = rank_memory(schedule, params, acts, optimizer_factor, dp=layout.dp, shard=layout.shard)
     return sim.makespan, sim.bubble, memory
 
 
@@ -218,14 +228,16 @@ def extrapolation_points(layout: Layout, m: int) -> tuple[int, int] | None:
 
 
 def pipeline_at(layout: Layout, m: int, profiles: Sequence[LayerProfile], ranges: Sequence[range],
-                cluster: Cluster, eff: Efficiency, extrapolate: bool = True) -> tuple[float, float, float, bool]:
+                cluster: Cluster, eff: Efficiency, extrapolate: bool = True,
+                optimizer_factor: float = OPTIMIZER_FACTOR) -> tuple[float, float, float, bool]:
     """Makespan, bubble and peak bytes of `m` micro-batches: simulated, or extrapolated linearly
     from two reduced counts (:func:`extrapolation_points`); and whether it was extrapolated."""
     points = extrapolation_points(layout, m) if extrapolate else None
     if points is None:
-        span, bubble, memory = simulated_pipeline(layout, m, profiles, ranges, cluster, eff)
+        span, bubble, memory = simulated_pipeline(layout, m, profiles, ranges, cluster, eff, optimizer_factor)
         return span, bubble, max(memory), False
-    (m1, m2), runs = points, [simulated_pipeline(layout, k, profiles, ranges, cluster, eff) for k in points]
+    (m1, m2), runs = points, [simulated_pipeline(layout, k, profiles, ranges, cluster, eff, optimizer_factor)
+                              for k in points]
     slope = (runs[1][0] - runs[0][0]) / (m2 - m1)
     span = runs[0][0] + slope * (m - m1)
     memory = max(runs[1][2])  # a schedule holds at most about p micro-batches, whatever m
@@ -245,7 +257,7 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
     b = layout.microbatch_size
     m = work.global_batch // (layout.dp * b)
     place = Placement(layout.tp, layout.sequence_parallel, layout.recompute, work.dtype, tp_link(cluster, layout),
-                      work.attention, work.tp_overlap, layout.ep)
+                      work.attention, work.tp_overlap, layout.ep, work.param_bytes)
     profiles = profiles_at(work.shapes, b, place, cluster, eff)
     if layout.ep > 1:
         if layout.dp % layout.ep:
@@ -255,14 +267,16 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
         profiles = expert_profiles(profiles, experts, layout.ep, ep_link(cluster, layout, eff))
     stages = layout.pp * layout.v
     ranges = list(ranges) if ranges is not None else stage_ranges(profiles, stages)
-    span, bubble, memory, extrapolated = pipeline_at(layout, m, profiles, ranges, cluster, eff, extrapolate)
+    span, bubble, memory, extrapolated = pipeline_at(layout, m, profiles, ranges, cluster, eff, extrapolate,
+                                                     work.optimizer_factor)
     rank_params = max(math.fsum(profiles[i].params for i in r) for r in ranges) * layout.v
     experts = max(math.fsum(work.shapes[i].expert_params for i in r) for r in ranges) * layout.v / layout.ep
-    dp_s = reduction_s(rank_params, layout, cluster, eff, max(len(r) for r in ranges) * layout.v, experts)
+    dp_s = reduction_s(rank_params, layout, cluster, eff, max(len(r) for r in ranges) * layout.v, experts,
+                       *work.dp_bytes())
     if layout.overlap_dp and layout.dp > 1:
         forward = math.fsum(p.forward_s for p in profiles) / layout.pp  # a micro-batch's, per rank
         backward = math.fsum(p.backward_s for p in profiles) / layout.pp
-        dp_s = dp_exposed_s(dp_s, layout, m, forward, backward, eff)
+        dp_s = dp_exposed_s(dp_s, layout, m, forward, backward, eff, gather_share(layout, work))
     elif layout.dp_every_microbatch:
         dp_s *= m
     update_s = optimizer_s(rank_params, layout, cluster, eff)
@@ -274,8 +288,15 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
                       flops / cluster.gpu.peak_flops(work.dtype), extrapolated)
 
 
+def gather_share(layout: Layout, work: Workload) -> float:
+    """The share of the dp traffic's bytes that gathers parameters (each of FSDP2's two gathers;
+    ZeRO-1's one), the rest reducing gradients: by the bytes each moves per element."""
+    p, g = work.dp_bytes()
+    return p / (2 * p + g) if layout.shard == "full" else p / (p + g)
+
+
 def dp_exposed_s(whole_s: float, layout: Layout, m: int, forward_s: float, backward_s: float,
-                 eff: Efficiency = Efficiency()) -> float:
+                 eff: Efficiency = Efficiency(), gather: float | None = None) -> float:
     """The dp traffic's exposed seconds where it overlaps compute (``Layout.overlap_dp``):
     `whole_s` is all of it (:func:`reduction_s`); `forward_s`, `backward_s` one micro-batch's on
     the busiest rank.  Replicas (``none``): the gradients' all-reduce behind the last
@@ -283,16 +304,17 @@ def dp_exposed_s(whole_s: float, layout: Layout, m: int, forward_s: float, backw
     the next step's first forward.  FSDP2: the gather behind the forwards, the gather and
     reduce-scatter of the backward behind the backwards.  What hides still costs the compute
     beside it ``eff.overlap`` of its time (:func:`~pipeflow.planning.costs.roofline.beside`);
-    a last piece (a layer's worth, 1/16 here) never hides."""
+    a last piece (a layer's worth, 1/16 here) never hides.  `gather`: the share of `whole_s` each
+    parameter gather takes (:func:`gather_share`; None: equal bytes, a third for FSDP2, half for ZeRO-1)."""
     if layout.shard == "full":
-        gather = whole_s / 3  # a third of FSDP2's traffic: gather, gather again, reduce-scatter
+        ahead = whole_s * (1 / 3 if gather is None else gather)  # the forward's gather; the backward has the rest
         if layout.dp_every_microbatch:  # each micro-batch's behind its own compute
-            return m * (beside(gather, forward_s, eff) + beside(2 * gather, backward_s, eff) + whole_s / 16)
+            return m * (beside(ahead, forward_s, eff) + beside(whole_s - ahead, backward_s, eff) + whole_s / 16)
         # once a step, as pipeflow's shard points (and at m = 1, FSDP's)
-        return beside(gather, m * forward_s, eff) + beside(2 * gather, m * backward_s, eff) + whole_s / 16
+        return beside(ahead, m * forward_s, eff) + beside(whole_s - ahead, m * backward_s, eff) + whole_s / 16
     if layout.shard == "optimizer":
-        half = whole_s / 2
-        return beside(half, backward_s, eff) + beside(half, forward_s, eff) + whole_s / 16
+        ahead = whole_s * (1 / 2 if gather is None else gather)
+        return beside(whole_s - ahead, backward_s, eff) + beside(ahead, forward_s, eff) + whole_s / 16
     return beside(whole_s, backward_s, eff) + whole_s / 16
 
 
@@ -304,10 +326,11 @@ def optimizer_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Effic
 
 
 def reduction_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency, units: int = 1,
-                expert_params: float = 0.0) -> float:
-    """Seconds of a step's dp gradient reduction: a ring all-reduce of 2-byte gradients on the dp
-    group's link (ZeRO-1: reduce-scatter + all-gather, the same bytes; FSDP2: one more gather);
-    of them, the rank's `expert_params` among the dp / ep ranks holding the same experts only.
+                expert_params: float = 0.0, param_bytes: int = 2, grad_bytes: int = 2) -> float:
+    """Seconds of a step's dp traffic on the dp group's link: a ring all-reduce of `grad_bytes`
+    gradients (ZeRO-1: their reduce-scatter and an all-gather of `param_bytes` parameters; FSDP2:
+    two gathers and the reduce-scatter); of them, the rank's `expert_params` among the dp / ep
+    ranks holding the same experts only.
     FSDP2 pays the ring's latency (:meth:`~pipeflow.planning.hardware.Cluster.ring_latency_s`) in
     each of its three collectives per unit (the rank's `units` layers); the others one link
     latency: their buckets' count is the stack's choice, and a dp group of one GPU per host runs
@@ -320,7 +343,8 @@ def reduction_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Effic
         latency = 3 * units * cluster.ring_latency_s(group)
     else:
         latency = link.latency_us * 1e-6
-    factor = 1.5 if layout.shard == "full" else 1.0
+    per_element = {"full": 2 * param_bytes + grad_bytes, "optimizer": param_bytes + grad_bytes}.get(
+        layout.shard, 2 * grad_bytes)
     same = d // max(1, layout.ep)  # replicas of one expert
     moved = (d - 1) / d * (rank_params - expert_params) + (same - 1) / same * expert_params
-    return factor * 2 * 2.0 * moved / (link.bandwidth_gbps * 1e9 * eff.network) + latency
+    return per_element * moved / (link.bandwidth_gbps * 1e9 * eff.network) + latency

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
-from pipeflow.planning.cluster_search import HOLD_ALL, ORDERS, OPTIMIZER_FACTOR, Layout, Prediction, Workload, predict
+from pipeflow.planning.cluster_search import HOLD_ALL, ORDERS, Layout, Prediction, Workload, predict
 from pipeflow.planning.cluster_search import optimizer_s, reduction_s, stage_ranges, tp_link
 from pipeflow.planning.costs.expert import split_expert_profiles
-from pipeflow.planning.costs.roofline import Efficiency, Placement, profiles_at, weight_bytes
+from pipeflow.planning.costs.roofline import Efficiency, Placement, profiles_at
 from pipeflow.planning.hardware import Cluster
 from pipeflow.runtime.parallel.expert_parallel import check_expert_parallel
 from pipeflow.schedules import LAYOUTS, SCHEDULES
@@ -161,7 +161,7 @@ def check_fits_somewhere(work: Workload, gpus: int, capacity_bytes: float) -> No
         ConfigError: naming the parameters, the bytes per GPU and the GPUs it would need.
     """
     params = math.fsum(shape.params for shape in work.shapes)
-    total = params * weight_bytes(work.dtype) * (2 + OPTIMIZER_FACTOR)
+    total = params * work.dp_bytes()[0] * (2 + work.optimizer_factor)
     if total / gpus > capacity_bytes:
         need = math.ceil(total / capacity_bytes)
         raise ConfigError(f"the model has {params / 1e9:,.1f} B parameters: their weights, gradients and optimizer "
@@ -187,7 +187,8 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
     p, v, b = layout.pp, layout.v, layout.microbatch_size
     key = (layout.tp, b, layout.recompute, layout.sequence_parallel, tp_link(cluster, layout), layout.ep)
     if key not in cache:
-        cache[key] = profiles_at(work.shapes, b, Placement(key[0], key[3], key[2], work.dtype, key[4], ep=key[5]),
+        cache[key] = profiles_at(work.shapes, b, Placement(key[0], key[3], key[2], work.dtype, key[4], ep=key[5],
+                                                           param_bytes=work.param_bytes),
                                  cluster, eff)
     profiles = cache[key]
     if layout.ep > 1:  # a rank's share of the experts (its exchanges left out: the estimate stays a lower bound)
@@ -202,7 +203,7 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
     compute = [math.fsum(profiles[i].forward_s + profiles[i].backward_s for s in st for i in ranges[s])
                for st in rank_stages]
     params = max(math.fsum(profiles[i].param_bytes for s in st for i in ranges[s]) for st in rank_stages)
-    state = params * (2 + OPTIMIZER_FACTOR / (layout.dp if layout.shard != "none" else 1))
+    state = params * (2 + work.optimizer_factor / (layout.dp if layout.shard != "none" else 1))
     held = m if layout.schedule in HOLD_ALL else min(m, p)  # micro-batches of all its stages rank 0 holds at least
     first = math.fsum(profiles[i].activation_bytes for s in rank_stages[0] for i in ranges[s])
     if state + held * first > capacity:
@@ -213,7 +214,8 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
     rank_params = max(math.fsum(profiles[i].params for s in st for i in ranges[s]) for st in rank_stages)
     units = max(sum(len(ranges[s]) for s in st) for st in rank_stages)
     experts = max(math.fsum(work.shapes[i].expert_params for s in st for i in ranges[s]) for st in rank_stages) / layout.ep
-    return ratio * m * max(compute) + reduction_s(rank_params, layout, cluster, eff, units, experts) \
+    return ratio * m * max(compute) + reduction_s(rank_params, layout, cluster, eff, units, experts,
+                                                  *work.dp_bytes()) \
         + optimizer_s(rank_params, layout, cluster, eff)
 
 

@@ -32,6 +32,7 @@ from pipeflow.config.data import TokenDataConfig, typed_data
 from pipeflow.runtime.parallel.expert_parallel import check_expert_parallel
 
 HEADROOM = 0.9  # of a GPU's memory for tensors; the rest: allocator, NCCL buffers, kernels' workspace
+PARAM_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # train.param_dtype's
 
 
 @dataclass
@@ -89,7 +90,11 @@ def run_cluster_plan(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[Cl
             raise ConfigError(f"plan.calibration={plan.calibration} gives the cluster planner nothing it measured: "
                               f"{'; '.join(lines)}; no link timed at start either (runs record them with a profile, "
                               "pipeline.profile=true, over two ranks or more)")
-    work = Workload(shapes, seq, data.batch_size, dtype)
+    kept = PARAM_BYTES[str(cfg.train.param_dtype)]  # what dp gathers and reduces: the parameters' dtype
+    figures.append(f"parameters, gradients and AdamW's state in train.param_dtype={cfg.train.param_dtype} "
+                   f"({kept} bytes each): what a rank holds and dp moves")
+    work = Workload(shapes, seq, data.batch_size, dtype, param_bytes=kept, grad_bytes=kept,
+                    optimizer_factor=2.0)  # AdamW's m and v in the parameters' dtype
     space = cluster_space(cfg)
     limit = plan.memory_limit_gb * 1e9 if plan.memory_limit_gb is not None else HEADROOM * cluster.gpu.memory_gb * 1e9
     picks, counts = search_cluster(work, cluster, space, limit)
@@ -174,6 +179,8 @@ def format_cluster_plan(picks: Sequence[Prediction], cfg: DictConfig, cluster: C
         pick = picks[0].layout.overrides(picks[0].num_microbatches)
         keys = {o.split("=", 1)[0] for o in pick.split()}
         keep = [shlex.quote(o) for o in overrides if not o.startswith("plan.") and o.split("=", 1)[0] not in keys]
+        if cfg.train.precision == "fp32":  # the roofline costed bf16: the pick runs what was costed
+            keep.append(f"train.precision={dtype}")
         gpus = picks[0].layout.tp * picks[0].layout.pp * picks[0].layout.dp
         hosts = -(-gpus // cluster.gpus_per_host)
         lines.append(f"run the pick: torchrun --nnodes {hosts} --nproc-per-node {min(gpus, cluster.gpus_per_host)} "

@@ -382,6 +382,7 @@ class Placement:
     attention: str = "fused"
     tp_overlap: bool = False  # the tp collectives run behind the layer's matmuls (Megatron's --tp-comm-overlap)
     ep: int = 1  # expert parallelism: a rank runs 1/ep of the routed experts, each on ep x the rows
+    param_bytes: int = 0  # bytes a parameter is kept in (0: weight_bytes(dtype), weights as computed)
 
 
 def weight_bytes(dtype: str) -> int:
@@ -442,7 +443,7 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
         activations = b * (shape.saved_residual_bytes / (tp if sp else 1) + shape.saved_split_bytes / tp)
     params = round(shape.params * split_scale)
     return LayerProfile(
-        name=shape.name, params=params, param_bytes=params * weight_bytes(place.dtype),
+        name=shape.name, params=params, param_bytes=params * (place.param_bytes or weight_bytes(place.dtype)),
         forward_s=forward, backward_s=input_grad + weight_grad, activation_bytes=round(activations),
         input_grad_s=input_grad, weight_grad_s=weight_grad,
         output_bytes=round(b * shape.output_bytes / (tp if sp else 1)),
