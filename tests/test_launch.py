@@ -339,3 +339,22 @@ def test_the_launcher_counts_its_running_workers_from_proc() -> None:
         child.kill()
         child.wait()
     assert live_children() == before
+
+
+def test_a_signal_under_another_error_of_the_agent_is_a_preemption():
+    """SIGTERM landing as torch's metrics wrapper enters its ``try`` leaves its ``finally`` an
+    UnboundLocalError over the SignalException (seen once in CI: that node's launcher exited 1,
+    a failure, and Slurm's requeue read the job as crashed); the launcher finds the signal."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def agent() -> None:
+        try:
+            raise SignalException("Process 1038 got signal: 15", sigval=signal.SIGTERM)
+            start = 0.0  # noqa: F841 - never reached, as in torch's wrapper
+        finally:
+            start + 1  # noqa: F821 - unbound: the wrapper's elapsed time
+
+    with pytest.raises(UnboundLocalError) as raised:
+        agent()
+    assert launch.death_signal(raised.value) == signal.SIGTERM
+    assert launch.death_signal(RuntimeError("a worker failed")) is None

@@ -356,15 +356,25 @@ def saying_joins() -> Iterator[None]:
         DynamicRendezvousHandler.num_nodes_waiting = count  # type: ignore[method-assign]
 
 
-def _rendezvous_lost(exc: BaseException) -> bool:
-    """Whether torchrun failed because its rendezvous (its endpoint's host) went away."""
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc`, then the exceptions it was raised from or while handling."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if type(exc).__name__ in ("RendezvousConnectionError", "RendezvousClosedError"):
-            return True
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return False
+
+
+def _rendezvous_lost(exc: BaseException) -> bool:
+    """Whether torchrun failed because its rendezvous (its endpoint's host) went away."""
+    return any(type(e).__name__ in ("RendezvousConnectionError", "RendezvousClosedError") for e in _chain(exc))
+
+
+def death_signal(exc: BaseException) -> int | None:
+    """The signal torchrun's agent stopped on (its ``SignalException``), found on `exc` or on an
+    exception `exc` was raised while handling: a SIGTERM landing as torch's metrics wrapper enters
+    its ``try`` leaves its ``finally`` an ``UnboundLocalError`` over the SignalException."""
+    return next((int(e.sigval) for e in _chain(exc) if getattr(e, "sigval", None) is not None), None)
 
 
 def rendezvous_wait(argv: list[str]) -> WaitReporter | None:
@@ -454,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as stop:
             status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         except BaseException as exc:  # noqa: BLE001 - torchrun's ChildFailedError, its SignalException
-            sigval = getattr(exc, "sigval", None)
+            sigval = death_signal(exc)
             signalled = sigval is not None
             failed_codes = [failure.exitcode for failure in getattr(exc, "failures", {}).values()]
             status = 128 + int(sigval) if sigval is not None else 1
