@@ -16,7 +16,7 @@ def test_a_link_throttled_mid_run_is_named_within_three_intervals_and_no_earlier
     """Issue 63: 2 hosts x 1 rank (pp 2), a log interval every 5 steps: with the job held in step 50,
     host 1's link is throttled to 20 Mbit/s (2.5 MB/s, tbf): the link is named at that rate,
     beside its start-of-run rate, within three intervals, and the rank waiting on it is not named
-    a straggler.  Before the throttle nothing is named at such a rate (on a quiet host nothing at
+    a straggler from then on.  Before the throttle nothing is named at such a rate (on a quiet host nothing at
     all; on a loaded CI machine a receiver waiting for a core can make the link read 8-20 MB/s,
     and a link named then is named again when throttled: it falls behind by the factor again)."""
     overrides = [*SMALL64, "model.n_embd=64", "model.n_head=4", "data.seq_len=64", "model.block_size=64",
@@ -45,4 +45,7 @@ def test_a_link_throttled_mid_run_is_named_within_three_intervals_and_no_earlier
     assert throttled, (named, text[-4000:])
     step, rate, start = throttled[0]
     assert SLOW_FROM <= step <= SLOW_FROM + 15 and rate < start / 1.5, (named, text[-3000:])
-    assert "straggler:" not in text, text[-4000:]
+    # the rank waiting on the throttled link is not blamed (before it, a rank a loaded CI machine starves
+    # for two intervals is a straggler: once rank 0 at 2x its compute, step 25)
+    blamed = [int(s) for s in re.findall(r"step (\d+): straggler:", text)]
+    assert not [s for s in blamed if s >= SLOW_FROM], text[-4000:]
