@@ -222,6 +222,11 @@ def test_the_published_runs_are_read_and_each_source_predicted_in_tokens_per_gpu
     for source in sorted({r.source for r in modelled if r.dense}):  # (an MoE row: the gpt-oss one above)
         row = min((r for r in modelled if r.source == source and r.dense), key=lambda r: (r.pp or 1, r.gpus))
         assert 0.5 < published_rows.ratio(row) < 2.0, (source, row.label)
+    by_label = {r.label: r for r in rows}  # FSDP's gathers and reductions as Composer's version of each table ran them
+    fp32_reduce, fp32_gathers = by_label["mpt-1b-s2048-512gpu-h100-ls"], by_label["mpt-7b-s2048-8gpu-a100-80g"]
+    assert published_rows.workload(fp32_reduce, published_rows.STACKS[("llm_foundry_mpt", "h100")]).dp_bytes() == (2, 4)
+    assert published_rows.workload(fp32_gathers, published_rows.STACKS[("llm_foundry_mpt", "a100")]).dp_bytes() == (4, 2)
+    assert published_rows.workload(fp32_reduce, published_rows.PIPEFLOW).dp_bytes() == (2, 2)  # pipeflow's own stack: its own
     mlm = next(r for r in modelled if r.label == "mlm-h100-gpt7.1b-96gpu")  # 465.9 TFLOP/s over Megatron's FLOPs per token
     assert published_rows.published_tokens(mlm) == pytest.approx(465.9e12 / published_rows.model_flops_per_token(mlm))
 

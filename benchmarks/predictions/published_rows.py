@@ -30,6 +30,7 @@ from pipeflow.planning.costs.roofline import Efficiency, LayerShape, trace_layer
 FOLDER = Path(__file__).with_name("published")
 PRESETS = {"a100_sxm_80gb": "a100_sxm_80gb", "a100_sxm_40gb": "a100_sxm_40gb", "h100_sxm_80gb": "h100_sxm"}
 MEGATRON_ORDER = ("pp", "dp", "tp")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class PublishedRow:
     ep: int = 1
     model: str = "{}"  # the source's model description (JSON): an MoE row's shape beyond the GPT fields
     local_batch: int | None = None  # samples per dp replica per accumulation step, where published (LBS)
+    gather_dtype: str | None = None  # FSDP's parameter gathers, where the source's version says (else the dtype)
+    reduce_dtype: str | None = None  # its gradient reductions, likewise
 
     @property
     def generation(self) -> str:
@@ -121,7 +124,8 @@ def load(folder: Path = FOLDER) -> list[PublishedRow]:
                 m.get("ffn_hidden") or 0, m["heads"] or 0, m.get("kv_heads") or m["heads"] or 0, m["vocab"] or 0,
                 m["seq"] or 0, bool(m.get("gated_mlp")), r["gpus"], r["global_batch"], r.get("micro_batch") or 1,
                 r.get("tp"), r.get("pp"), r.get("cp") or 1, r.get("vp"), r.get("recompute"), r["published"],
-                r.get("ep") or 1, json.dumps(m, sort_keys=True), r.get("local_batch")))
+                r.get("ep") or 1, json.dumps(m, sort_keys=True), r.get("local_batch"), r.get("gather_dtype"),
+                r.get("reduce_dtype")))
     return rows
 
 
@@ -305,7 +309,10 @@ def workload(row: PublishedRow, stack: Stack) -> Workload:
     """`row`'s model, sequence and batch on `stack`'s attention."""
     traced = (moe_shapes(row, row.dtype) if row.moe
               else shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype))
-    return Workload(traced, row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap)
+    own = stack == STACKS.get((row.source, row.generation))  # the row's gathers and reductions: its own stack's
+    return Workload(traced, row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap,
+                    param_bytes=DTYPE_BYTES.get(row.gather_dtype, 0) if own else 0,
+                    grad_bytes=DTYPE_BYTES.get(row.reduce_dtype, 0) if own else 0)
 
 
 def predict_published(row: PublishedRow, eff: Efficiency = Efficiency(), stack: Stack | None = None) -> Prediction:
