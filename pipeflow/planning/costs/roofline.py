@@ -420,7 +420,8 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
         if place.attention == "legacy" and f"{place.dtype}_legacy" in cluster.gpu.peak_tflops:
             kernel_peak = cluster.gpu.peak_flops(f"{place.dtype}_legacy")
         keys = shape.attention_keys  # a query block's T keys spread its fixed loads and stores
-        rate = kernel_peak * eff.attention * (keys / (keys + eff.matmul_knee * kernel_peak / mem_bps) if keys else 1.0)
+        spread = keys / (keys + eff.matmul_knee * kernel_peak / mem_bps) if keys else 1.0
+        rate = kernel_peak * eff.attention * spread
         attention_s = b * (shape.attention_flops + shape.other_matmul_flops) / tp / rate
     residual = shape.residual_bytes / (tp if sp else 1)
     bytes_s = b * (residual + shape.split_bytes / tp) / mem_bps
