@@ -256,6 +256,14 @@ def test_an_hf_moe_layer_is_traced_with_its_routed_experts_and_split_by_ep(tmp_p
     alone, split = (layer_profile(layer, 1, Placement(ep=ep), cluster).forward_s for ep in (1, 2))
     assert split < alone
     assert (layer.expert_params, layer.top_k) == (experts * 3 * h * f, top_k)
+    import published_rows
+
+    with published_rows._fused_rms_norms():  # the published stacks' one-kernel RMSNorm: input and output only
+        fused = trace_layers(build_hf(str(tmp_path)), seq)[1]
+    # its four norms (input, post-attention, q and k) read and write bf16 once, not eight fp32 passes each
+    assert fused.residual_bytes + fused.split_bytes < 0.6 * (layer.residual_bytes + layer.split_bytes)
+    assert [(x.rows, x.k, x.n, x.experts) for x in fused.linears] == [(x.rows, x.k, x.n, x.experts) for x in layer.linears]
+    assert fused.attention_flops == layer.attention_flops
     work = Workload(shapes, seq, 8)
     cluster = load_hardware("h100_sxm")
     one, two = (predict(work, Layout(1, 1, 2, "1f1b", 1, 1, ep=ep), cluster) for ep in (1, 2))

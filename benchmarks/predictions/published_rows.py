@@ -240,13 +240,37 @@ def _traced_moe(row: PublishedRow, dtype: str) -> tuple[LayerShape, ...]:
 
     dense = json.loads(row.model).get("first_dense_layers", 0)
     traced_layers = 2 if hf_family(row) == "gpt_oss" else dense + 1  # gpt-oss: a sliding and a full layer
-    with tempfile.TemporaryDirectory() as folder, _fused_sink_attention():
+    with tempfile.TemporaryDirectory() as folder, _fused_sink_attention(), _fused_rms_norms():
         (Path(folder) / "config.json").write_text(json.dumps(hf_config(row, traced_layers)))
         embedding, *layers, head = trace_layers(build_hf(folder), row.seq,
                                                 torch.float16 if dtype == "fp16" else torch.bfloat16)
     if hf_family(row) == "gpt_oss":
         return (embedding, *([windowed(layers[0], SLIDING_WINDOW, row.seq), layers[1]] * (row.layers // 2)), head)
     return (embedding, *layers[:-1], *([layers[-1]] * (row.layers - dense)), head)
+
+
+@contextlib.contextmanager
+def _fused_rms_norms() -> Iterator[None]:
+    """transformers' RMSNorms traced as one kernel each (``F.rms_norm``: its input read, its output
+    written), as the published MoE stacks run them (Transformer Engine's RMSNorm: AutoModel's
+    ``BackendConfig(rms_norm="te")``, Megatron-Core's), not as the eager fp32 upcast, square,
+    mean, rsqrt and two products, each through memory."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    def fused(self: Any, hidden: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(hidden, (hidden.shape[-1],), self.weight.to(hidden.dtype), self.variance_epsilon)
+
+    classes = [modeling_deepseek_v3.DeepseekV3RMSNorm, modeling_gpt_oss.GptOssRMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm]
+    eager = [c.forward for c in classes]
+    for c in classes:
+        c.forward = fused
+    try:
+        yield
+    finally:
+        for c, forward in zip(classes, eager):
+            c.forward = forward
 
 
 @contextlib.contextmanager
