@@ -292,7 +292,11 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
         text[-4000:]
     assert "[pipeflow.launch] 1 node waits to join the job: torchrun's agent stops the workers" in text, text[-4000:]
     stopped = re.search(r"stopped at step (\d+) by torchrun's agent", text)
-    assert stopped, text[-4000:]
+    events = re.compile(r"stopped at|preempted|resumed from|re-planned|waits to join|closing signal|restart|"
+                        r"rendezvous|[Ee]rror|hold at")  # what each host said of the stop, where it went wrong
+    said = "".join(f"[host {h}] {line}" for h, host in enumerate([lines[0], *lines[1:], *joined])
+                   for _, line in host if events.search(line))
+    assert stopped, said[-6000:]
     assert re.search(r"re-planned for 3 ranks \(3 hosts x 1 rank\): dp 1 x pp 3 x tp 1 \(was dp \d x pp \d x tp 1 on 2 "
                      r"ranks: the job gained 1 rank\)", text), text[-4000:]
     step = int(stopped.group(1))
