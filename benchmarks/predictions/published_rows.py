@@ -25,12 +25,11 @@ import torch.nn.functional as F
 from pipeflow.models.gpt import build_gpt
 from pipeflow.planning.cluster_search import Layout, Prediction, Workload, predict
 from pipeflow.planning.hardware import Cluster, load_hardware
-from pipeflow.planning.costs.roofline import Efficiency, LayerShape, trace_layers
+from pipeflow.planning.costs.roofline import Efficiency, LayerShape, trace_layers, weight_bytes
 
 FOLDER = Path(__file__).with_name("published")
 PRESETS = {"a100_sxm_80gb": "a100_sxm_80gb", "a100_sxm_40gb": "a100_sxm_40gb", "h100_sxm_80gb": "h100_sxm"}
 MEGATRON_ORDER = ("pp", "dp", "tp")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -335,8 +334,8 @@ def workload(row: PublishedRow, stack: Stack) -> Workload:
               else shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype))
     own = stack == STACKS.get((row.source, row.generation))  # the row's gathers and reductions: its own stack's
     return Workload(traced, row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap,
-                    param_bytes=DTYPE_BYTES.get(row.gather_dtype, 0) if own else 0,
-                    grad_bytes=DTYPE_BYTES.get(row.reduce_dtype, 0) if own else 0)
+                    param_bytes=weight_bytes(row.gather_dtype) if own and row.gather_dtype else 0,
+                    grad_bytes=weight_bytes(row.reduce_dtype) if own and row.reduce_dtype else 0)
 
 
 def predict_published(row: PublishedRow, eff: Efficiency = Efficiency(), stack: Stack | None = None) -> Prediction:

@@ -32,7 +32,6 @@ from pipeflow.config.data import TokenDataConfig, typed_data
 from pipeflow.runtime.parallel.expert_parallel import check_expert_parallel
 
 HEADROOM = 0.9  # of a GPU's memory for tensors; the rest: allocator, NCCL buffers, kernels' workspace
-PARAM_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}  # train.param_dtype's
 
 
 @dataclass
@@ -90,7 +89,7 @@ def run_cluster_plan(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[Cl
             raise ConfigError(f"plan.calibration={plan.calibration} gives the cluster planner nothing it measured: "
                               f"{'; '.join(lines)}; no link timed at start either (runs record them with a profile, "
                               "pipeline.profile=true, over two ranks or more)")
-    kept = PARAM_BYTES[str(cfg.train.param_dtype)]  # what dp gathers and reduces: the parameters' dtype
+    kept = getattr(torch, str(cfg.train.param_dtype)).itemsize  # what dp gathers and reduces: the parameters' dtype
     figures.append(f"parameters, gradients and AdamW's state in train.param_dtype={cfg.train.param_dtype} "
                    f"({kept} bytes each): what a rank holds and dp moves")
     work = Workload(shapes, seq, data.batch_size, dtype, param_bytes=kept, grad_bytes=kept,
