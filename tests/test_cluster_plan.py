@@ -200,6 +200,27 @@ def test_dp_moves_and_ranks_hold_the_parameters_in_their_own_dtype():
     assert held[4] - held[2] == pytest.approx(weights * (2 + 2 + 4 / 4), rel=0.05)  # params, grads, m and v / dp
 
 
+
+def test_dp_moves_what_a_rank_holds_under_its_schedules_placement():
+    """A rank's dp traffic is that of the stages its schedule places on it: rank 0 of a V holds
+    the first and the last stage (the embedding and the head), a looped rank one of them.  The
+    prediction took the largest stage times v (both placements alike, a head counted v times) and
+    the search's estimate placed every schedule's stages as the looped one does."""
+    from pipeflow.planning.cluster_search import placement_of, rank_layers, reduction_s
+
+    shapes = trace_layers(build_gpt(vocab_size=8192, block_size=64, n_layer=6, n_head=4, n_embd=64), 64)
+    ranges = [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]  # the embedding first, the head last
+    cluster = load_hardware("h100_sxm")
+    moved = {}
+    for schedule, held in (("interleaved_1f1b", [[0, 1, 4, 5], [2, 3, 6, 7]]), ("zbv", [[0, 1, 6, 7], [2, 3, 4, 5]])):
+        layout = Layout(1, 2, 2, schedule, 2, 1)
+        assert rank_layers(ranges, placement_of(layout)) == held
+        moved[schedule] = predict(Workload(shapes, 64, 8), layout, cluster, ranges=ranges, extrapolate=False).dp_s
+        busiest = max(held, key=lambda layers: sum(shapes[i].params for i in layers))
+        assert moved[schedule] == pytest.approx(
+            reduction_s(sum(shapes[i].params for i in busiest), layout, cluster, Efficiency(), len(busiest)))
+    assert moved["zbv"] > 1.15 * moved["interleaved_1f1b"]
+
 def test_the_published_runs_are_read_and_each_source_predicted_in_tokens_per_gpu():
     """Issue 62: the validation set kept as data (benchmarks/predictions/published/): every row
     read; at least 15 dense H100 BF16 rows of two sources the planner can predict; one row of each

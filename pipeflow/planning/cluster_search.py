@@ -31,6 +31,7 @@ from pipeflow.planning.costs.roofline import (Efficiency, LayerShape, Placement,
                                               profiles_at, weight_bytes)
 from pipeflow.planning.search import rank_memory
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate
+from pipeflow.schedules.generators import loop_placement, v_placement
 from pipeflow.schedules.ir import ACTIVATION, CommOp
 
 ORDERS = (("dp", "pp", "tp"), ("pp", "dp", "tp"))  # outermost first; tp innermost (a host's GPUs); today's first
@@ -145,6 +146,39 @@ class Workload:
     def dp_bytes(self) -> tuple[int, int]:
         """Bytes of a parameter as dp gathers it and of a gradient as dp reduces it."""
         return self.param_bytes or weight_bytes(self.dtype), self.grad_bytes or weight_bytes(self.dtype)
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What the busiest pipeline rank holds of the model, as dp moves it: parameters (elements),
+    layers (FSDP2's units) and routed-expert parameters (its ep share)."""
+
+    params: float
+    units: int
+    experts: float
+
+
+def rank_layers(ranges: Sequence[range], stage_to_rank: Sequence[int]) -> list[list[int]]:
+    """The layers each pipeline rank holds: those of its stages under a placement
+    (``schedule.stage_to_rank``)."""
+    held: list[list[int]] = [[] for _ in range(max(stage_to_rank) + 1)]
+    for stage, rank in enumerate(stage_to_rank):
+        held[rank].extend(ranges[stage])
+    return held
+
+
+def placement_of(layout: Layout) -> tuple[int, ...]:
+    """Stage to rank of `layout`'s schedule by its registered placement (V-shaped or looped),
+    without building it (``auto`` may choose either: the looped one is taken)."""
+    v_shaped = LAYOUTS[layout.schedule][1] == ("v",)
+    return (v_placement if v_shaped else loop_placement)(layout.pp, layout.v)
+
+
+def rank_share(work: Workload, profiles: Sequence[LayerProfile], held: Sequence[Sequence[int]], ep: int = 1) -> RankShare:
+    """The largest share any pipeline rank holds of `held` (:func:`rank_layers`)."""
+    return RankShare(max(math.fsum(profiles[i].params for i in layers) for layers in held),
+                     max(len(layers) for layers in held),
+                     max(math.fsum(work.shapes[i].expert_params for i in layers) for layers in held) / ep)
 
 
 def _grid(layout: Layout) -> MeshGrid:
@@ -269,10 +303,11 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
     ranges = list(ranges) if ranges is not None else stage_ranges(profiles, stages)
     span, bubble, memory, extrapolated = pipeline_at(layout, m, profiles, ranges, cluster, eff, extrapolate,
                                                      work.optimizer_factor)
-    rank_params = max(math.fsum(profiles[i].params for i in r) for r in ranges) * layout.v
-    experts = max(math.fsum(work.shapes[i].expert_params for i in r) for r in ranges) * layout.v / layout.ep
-    dp_s = reduction_s(rank_params, layout, cluster, eff, max(len(r) for r in ranges) * layout.v, experts,
-                       *work.dp_bytes())
+    simulated = (extrapolation_points(layout, m) or (m,))[-1] if extrapolate else m
+    owners = lowered(layout.schedule, layout.pp, simulated, layout.v)[0].stage_to_rank
+    share = rank_share(work, profiles, rank_layers(ranges, owners), layout.ep)
+    rank_params = share.params
+    dp_s = reduction_s(rank_params, layout, cluster, eff, share.units, share.experts, *work.dp_bytes())
     if layout.overlap_dp and layout.dp > 1:
         forward = math.fsum(p.forward_s for p in profiles) / layout.pp  # a micro-batch's, per rank
         backward = math.fsum(p.backward_s for p in profiles) / layout.pp

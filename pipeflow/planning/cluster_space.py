@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from pipeflow.errors import ConfigError, PartitionError, ScheduleError
-from pipeflow.planning.cluster_search import HOLD_ALL, ORDERS, Layout, Prediction, Workload, predict
-from pipeflow.planning.cluster_search import optimizer_s, reduction_s, stage_ranges, tp_link
+from pipeflow.planning.cluster_search import (HOLD_ALL, ORDERS, Layout, Prediction, Workload, optimizer_s, placement_of,
+                                              predict, rank_layers, rank_share, reduction_s, stage_ranges, tp_link)
 from pipeflow.planning.costs.expert import split_expert_profiles
 from pipeflow.planning.costs.roofline import Efficiency, Placement, profiles_at
 from pipeflow.planning.hardware import Cluster
@@ -199,24 +199,21 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
         ranges = cache.get((key, p * v)) or cache.setdefault((key, p * v), stage_ranges(profiles, p * v))
     except PartitionError:
         return None
-    rank_stages = [[s for s in range(p * v) if s % p == r] for r in range(p)]
-    compute = [math.fsum(profiles[i].forward_s + profiles[i].backward_s for s in st for i in ranges[s])
-               for st in rank_stages]
-    params = max(math.fsum(profiles[i].param_bytes for s in st for i in ranges[s]) for st in rank_stages)
+    layers_of = rank_layers(ranges, placement_of(layout))
+    compute = [math.fsum(profiles[i].forward_s + profiles[i].backward_s for i in layers) for layers in layers_of]
+    params = max(math.fsum(profiles[i].param_bytes for i in layers) for layers in layers_of)
     state = params * (2 + work.optimizer_factor / (layout.dp if layout.shard != "none" else 1))
     held = m if layout.schedule in HOLD_ALL else min(m, p)  # micro-batches of all its stages rank 0 holds at least
-    first = math.fsum(profiles[i].activation_bytes for s in rank_stages[0] for i in ranges[s])
+    first = math.fsum(profiles[i].activation_bytes for i in layers_of[0])
     if state + held * first > capacity:
         return None
     form = SCHEDULES[layout.schedule].closed_form or SCHEDULES["1f1b"].closed_form
     unit = form.makespan(p, m, v) if form is not None else None
     ratio = unit / (3 * v * m) if unit else (m + p - 1) / m
-    rank_params = max(math.fsum(profiles[i].params for s in st for i in ranges[s]) for st in rank_stages)
-    units = max(sum(len(ranges[s]) for s in st) for st in rank_stages)
-    experts = max(math.fsum(work.shapes[i].expert_params for s in st for i in ranges[s]) for st in rank_stages) / layout.ep
-    return ratio * m * max(compute) + reduction_s(rank_params, layout, cluster, eff, units, experts,
+    share = rank_share(work, profiles, layers_of, layout.ep)
+    return ratio * m * max(compute) + reduction_s(share.params, layout, cluster, eff, share.units, share.experts,
                                                   *work.dp_bytes()) \
-        + optimizer_s(rank_params, layout, cluster, eff)
+        + optimizer_s(share.params, layout, cluster, eff)
 
 
 def pinned(space: ClusterSpace, tp: int | None, pp: int | None, ep: int | None = None) -> ClusterSpace:
