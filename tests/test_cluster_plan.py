@@ -92,6 +92,17 @@ def test_a_fused_attention_kernel_runs_short_sequences_below_its_long_sequence_r
         (1 + eff.matmul_knee * legacy / (cluster.gpu.memory_bandwidth_gbps * 1e9) / 1024) / (legacy * eff.attention))
 
 
+def test_a_fused_kernels_backward_recomputes_its_scores():
+    """A flash backward recomputes QK^T and runs dV, dP, dQ, dK: five matmuls to the forward's two
+    (it was costed as two forwards, like the unfused backward of its two matmuls)."""
+    cluster = load_hardware("h100_sxm")
+    shape = LayerShape("attention", attention_flops=1e12, attention_keys=4096, attention_scores=1e6,
+                       attention_head_dim=128)
+    for attention, times in (("fused", 2.5), ("legacy", 2.5), ("unfused", 2.0)):
+        cost = layer_profile(shape, 1, Placement(attention=attention), cluster)
+        assert cost.input_grad_s == pytest.approx(times * cost.forward_s), attention
+
+
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])
 def test_a_blocks_activation_memory_is_korthikantis_for_a_fused_kernel(tp, sp):
     """Korthikanti et al. (2022), section 4: a layer keeps sbh(34 + 5as/h) bytes (16-bit) unsplit,

@@ -20,7 +20,8 @@ A layer's times for one micro-batch of b samples, on one of tp ranks (`layer_pro
   collectives (a row-wise linear's output summed; with sequence parallelism the same bytes as
   all-gathers and reduce-scatters) as ring collectives on the tp group's link at ``network`` of
   its bandwidth.
-- B (input gradients): each linear again, attention twice, twice the other ops' bytes, the
+- B (input gradients): each linear again, attention twice (a fused kernel 2.5 times: it
+  recomputes its scores, five matmuls to the forward's two), twice the other ops' bytes, the
   column-wise linears' input gradients summed over tp; with activation checkpointing, F once
   more (the recomputed forward, its collectives included).
 - W (weight gradients): each linear once more.
@@ -64,7 +65,8 @@ class Efficiency:
             ridge)``, ridge the GPU's FLOPs per byte of memory traffic at its peaks (a narrow
             matmul is bound by memory sooner on a GPU whose compute outgrew its memory; fitted).
         attention: the fraction of the dense peak a fused attention kernel (flash) reaches over
-            long sequences, its FLOPs counted whole; a query block streams its T keys, so what it
+            long sequences, its FLOPs counted whole (the backward's 2.5 times the forward's:
+            ``FUSED_ATTENTION_BACKWARD``); a query block streams its T keys, so what it
             loads and stores once (queries, output, the causal diagonal's masked half) is spread
             over T as a matmul's over its smallest dimension: ``attention x T / (T + knee x
             ridge)``, the matmul's knee.  Unfused attention (``Placement.attention``) is two
@@ -84,7 +86,7 @@ class Efficiency:
 
     matmul: float = 0.76
     matmul_knee: float = 0.654  # 100 elements on an A100 (ridge 153 FLOPs per byte), as fitted
-    attention: float = 0.46  # A100 FlashAttention runs (llm-foundry), matmul and knee held
+    attention: float = 0.54  # A100 FlashAttention runs (llm-foundry), matmul and knee held
     network: float = 0.8
     overlap: float = 0.43
 
@@ -385,6 +387,11 @@ class Placement:
     param_bytes: int = 0  # bytes a parameter is kept in (0: weight_bytes(dtype), weights as computed)
 
 
+# A fused (flash) kernel's backward over its forward, in FLOPs: it recomputes the scores from Q
+# and K (QK^T once more), then dV, dP, dQ, dK: five matmuls to the forward's two (Dao, 2023)
+FUSED_ATTENTION_BACKWARD = 2.5
+
+
 def weight_bytes(dtype: str) -> int:
     """Bytes of one parameter in the training dtype `dtype` (fp32 4; bf16, fp16 2; fp8: bf16 weights)."""
     return 4 if dtype == "fp32" else 2
@@ -433,7 +440,8 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
     forward = f_scale * (linear_s + attention_s + bytes_s) + fwd_comm
     weighted = [x for x in shape.linears if x.style != "embedding"]
     weight_grad = b_scale * sum(matmul_s(x) for x in weighted if x.trainable)
-    input_grad = b_scale * (sum(matmul_s(x) for x in weighted) + 2 * attention_s + 2 * bytes_s) + bwd_comm
+    recomputed = 2.0 if place.attention == "unfused" else FUSED_ATTENTION_BACKWARD
+    input_grad = b_scale * (sum(matmul_s(x) for x in weighted) + recomputed * attention_s + 2 * bytes_s) + bwd_comm
     if shape.linears and all(x.style == "embedding" for x in shape.linears):
         input_grad = b_scale * 2 * bytes_s
     split_scale = 1.0 - shape.tp_split_fraction + shape.tp_split_fraction / tp
