@@ -13,7 +13,9 @@
 # benchmarks need none of them.
 #
 # One GPU: single_gpu.py (stage compute, bf16, freed outputs, peak memory, stream waits, a batched
-# send to self on a one-rank NCCL group while the compute stream is busy, CUDA-event timing), then
+# send to self on a one-rank NCCL group while the compute stream is busy, CUDA-event timing), the
+# cluster planner's roofline terms against this GPU (roofline_probe.py: bf16 matmuls at widths
+# 768-8192, an elementwise pass, SDPA forward and backward; under a minute), then
 # a one-rank `python train.py` on CUDA with bf16 and a traced step (CUDA-event figures checked by
 # run_figures.py), and one with fp16, a forced gradient overflow and train.check_finite=true
 # (the step is skipped, the run goes on), then pipeflow on one rank against the plain PyTorch loop
@@ -116,6 +118,8 @@ fi
 SMALL=(model.n_layer=4 model.n_embd=256 model.n_head=4 data.batch_size=32 data.num_tokens=200000
        train.eval_batches=2 train.log_every=5 metrics.tensorboard=false metrics.progress_bar=false dist.device=cuda)
 step 300 gpu_single "single-GPU CUDA paths (gpu_checks/single_gpu.py)" $PY benchmarks/gpu_checks/single_gpu.py
+step 120 roofline "the planner's roofline terms measured: matmul widths, a memory pass, SDPA (gpu_checks/roofline_probe.py)" \
+  $PY benchmarks/gpu_checks/roofline_probe.py --out "$OUT/RESULTS.md"
 step 240 train_bf16 "train.py on one GPU: bf16, a traced step" $PY train.py "${SMALL[@]}" train.precision=bf16 \
   train.max_steps=30 "metrics.trace_steps=[10]" train.run_dir="$LOGS/run_bf16"
 step 60 check_bf16 "bf16 run: CUDA-event figures (compute > 0, bubble in [0, 1))" $PY benchmarks/gpu_checks/run_figures.py \
