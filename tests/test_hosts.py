@@ -209,7 +209,8 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
                  "train.checkpoint_storage=local", "train.checkpoint_replicas=2"]
     with emulated_hosts(3, names="missing", private=(str(run_dir),)) as hosts:
         procs = launch_on_hosts(hosts, overrides, nproc=1, nnodes="2:3",
-                                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, torchrun_args="--max-restarts 3")
+                                env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "PIPEFLOW_LAUNCH_VERBOSE": "1"},
+                                torchrun_args="--max-restarts 3")  # verbose: a round that never forms says why
         lines, threads = watch_lines(procs)
         try:
             first_line_at(lines[0], rf"step\s+25/{STEPS}", 120)
