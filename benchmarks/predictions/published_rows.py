@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -261,15 +262,11 @@ def _fused_rms_norms() -> Iterator[None]:
     def fused(self: Any, hidden: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(hidden, (hidden.shape[-1],), self.weight.to(hidden.dtype), self.variance_epsilon)
 
-    classes = [modeling_deepseek_v3.DeepseekV3RMSNorm, modeling_gpt_oss.GptOssRMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm]
-    eager = [c.forward for c in classes]
-    for c in classes:
-        c.forward = fused
-    try:
+    with contextlib.ExitStack() as patched:
+        for norm in (modeling_deepseek_v3.DeepseekV3RMSNorm, modeling_gpt_oss.GptOssRMSNorm,
+                     modeling_qwen3_moe.Qwen3MoeRMSNorm):
+            patched.enter_context(mock.patch.object(norm, "forward", fused))
         yield
-    finally:
-        for c, forward in zip(classes, eager):
-            c.forward = forward
 
 
 @contextlib.contextmanager
@@ -285,12 +282,8 @@ def _fused_sink_attention() -> Iterator[None]:
         out = F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=True, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
 
-    eager = modeling_gpt_oss.eager_attention_forward
-    modeling_gpt_oss.eager_attention_forward = fused
-    try:
+    with mock.patch.object(modeling_gpt_oss, "eager_attention_forward", fused):
         yield
-    finally:
-        modeling_gpt_oss.eager_attention_forward = eager
 
 
 def windowed(shape: LayerShape, window: int, seq: int) -> LayerShape:

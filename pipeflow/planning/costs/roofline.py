@@ -422,6 +422,7 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
     if place.attention == "unfused" and shape.attention_scores:  # QK^T and PV, the scores written and read twice
         attention_s = b * (at_matmul_rate(shape.attention_flops, shape.attention_head_dim)
                            + 4 * 2 * shape.attention_scores / mem_bps + shape.other_matmul_flops / (peak * eff.attention)) / tp
+        attention_backward = 2.0  # each of its two matmuls' two gradients
     else:
         kernel_peak = peak
         if place.attention == "legacy" and f"{place.dtype}_legacy" in cluster.gpu.peak_tflops:
@@ -430,6 +431,7 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
         spread = keys / (keys + eff.matmul_knee * kernel_peak / mem_bps) if keys else 1.0
         rate = kernel_peak * eff.attention * spread
         attention_s = b * (shape.attention_flops + shape.other_matmul_flops) / tp / rate
+        attention_backward = FUSED_ATTENTION_BACKWARD
     residual = shape.residual_bytes / (tp if sp else 1)
     bytes_s = b * (residual + shape.split_bytes / tp) / mem_bps
     link = place.tp_link or cluster.intra
@@ -440,8 +442,8 @@ def layer_profile(shape: LayerShape, b: int, place: Placement, cluster: Cluster,
     forward = f_scale * (linear_s + attention_s + bytes_s) + fwd_comm
     weighted = [x for x in shape.linears if x.style != "embedding"]
     weight_grad = b_scale * sum(matmul_s(x) for x in weighted if x.trainable)
-    recomputed = 2.0 if place.attention == "unfused" else FUSED_ATTENTION_BACKWARD
-    input_grad = b_scale * (sum(matmul_s(x) for x in weighted) + recomputed * attention_s + 2 * bytes_s) + bwd_comm
+    input_grad = b_scale * (sum(matmul_s(x) for x in weighted) + attention_backward * attention_s + 2 * bytes_s) \
+        + bwd_comm
     if shape.linears and all(x.style == "embedding" for x in shape.linears):
         input_grad = b_scale * 2 * bytes_s
     split_scale = 1.0 - shape.tp_split_fraction + shape.tp_split_fraction / tp
