@@ -12,7 +12,8 @@ from pipeflow.errors import ConfigError
 from pipeflow.models.gpt import build_gpt
 from pipeflow.planning.cluster_search import Layout, Workload, predict
 from pipeflow.planning.hardware import load_hardware, override, preset_ids
-from pipeflow.planning.costs.roofline import Efficiency, LayerShape, Placement, layer_profile, trace_layers
+from pipeflow.planning.costs.layer_trace import LayerShape, trace_layers
+from pipeflow.planning.costs.roofline import Efficiency, Placement, layer_profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "predictions"))
 import published_runs  # noqa: E402  (benchmarks/predictions/published_runs.py)
@@ -101,6 +102,34 @@ def test_a_fused_kernels_backward_recomputes_its_scores():
     for attention, times in (("fused", 2.5), ("legacy", 2.5), ("unfused", 2.0)):
         cost = layer_profile(shape, 1, Placement(attention=attention), cluster)
         assert cost.input_grad_s == pytest.approx(times * cost.forward_s), attention
+
+
+def test_the_loss_moves_its_log_probabilities_and_megatrons_its_fp32_passes():
+    """F.cross_entropy writes log-probabilities as large as its logits and reads them back in the
+    backward: 2 and 4 times the logits' bytes (the trace counted one read, split over tp though
+    pipeflow's head gathers whole logits on every tp rank).  Megatron's vocab-parallel loss keeps
+    the logits split and moves them through fp32 passes (``published_rows.LOSSES``)."""
+    import dataclasses
+
+    import published_rows
+
+    vocab, seq = 4096, 128
+    head = trace_layers(build_gpt(vocab_size=vocab, block_size=seq, n_layer=1, n_head=4, n_embd=256), seq)[-1]
+    logits = seq * vocab
+    assert head.loss_elements == logits and head.loss_bytes == (2 * 2 * logits, 4 * 2 * logits)  # bf16 logits
+    cluster = load_hardware("h100_sxm")
+    bandwidth = cluster.gpu.memory_bandwidth_gbps * 1e9
+    without = dataclasses.replace(head, loss_bytes=(0.0, 0.0))
+    for tp in (1, 2):
+        with_loss, bare = (layer_profile(s, 2, Placement(tp=tp), cluster) for s in (head, without))
+        assert with_loss.forward_s - bare.forward_s == pytest.approx(2 * 4 * logits / bandwidth)  # not over tp
+        assert with_loss.input_grad_s - bare.input_grad_s == pytest.approx(2 * 8 * logits / bandwidth)
+    megatron = published_rows.with_loss((head,), published_rows.STACKS[("megatron_lm_readme", "h100")])[0]
+    assert megatron.loss_bytes == (38 * logits, 14 * logits) and megatron.loss_split
+    assert {x.style for x in megatron.linears} == {"colwise"}  # the logits stay split: no gather
+    split = layer_profile(megatron, 2, Placement(tp=2), cluster)
+    bare = layer_profile(dataclasses.replace(megatron, loss_bytes=(0.0, 0.0)), 2, Placement(tp=2), cluster)
+    assert split.forward_s - bare.forward_s == pytest.approx(2 * 38 * logits / 2 / bandwidth)
 
 
 @pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (4, False), (2, True), (4, True)])

@@ -18,7 +18,7 @@ from pipeflow.models.moe import MoE, MoEConfig
 from pipeflow.models.spec import run_layers
 from pipeflow.observability.console import step_line
 from pipeflow.observability.routing import RoutingLog
-from pipeflow.planning.costs.roofline import trace_layers
+from pipeflow.planning.costs.layer_trace import trace_layers
 from pipeflow.commands.plan.command import compose_config
 from pipeflow.runtime.parallel.routing import RoutingSync
 

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from pipeflow.planning.costs.roofline import Efficiency, LayerShape, Linear, Placement, layer_profile  # noqa: E402
+from pipeflow.planning.costs.layer_trace import LayerShape, Linear  # noqa: E402
+from pipeflow.planning.costs.roofline import Efficiency, Placement, layer_profile  # noqa: E402
 from pipeflow.planning.hardware import load_hardware  # noqa: E402
 
 PRESETS = (("H200", "h200_sxm"), ("H100", "h100_sxm"), ("A100-SXM4-40GB", "a100_sxm_40gb"), ("A100", "a100_sxm_80gb"),

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from pipeflow.models.gpt import build_gpt
 from pipeflow.planning.cluster_search import Layout, Prediction, Workload, predict
 from pipeflow.planning.hardware import Cluster, load_hardware
-from pipeflow.planning.costs.roofline import Efficiency, LayerShape, trace_layers, weight_bytes
+from pipeflow.planning.costs.layer_trace import LayerShape, trace_layers
+from pipeflow.planning.costs.roofline import Efficiency, weight_bytes
 
 FOLDER = Path(__file__).with_name("published")
 PRESETS = {"a100_sxm_80gb": "a100_sxm_80gb", "a100_sxm_40gb": "a100_sxm_40gb", "h100_sxm_80gb": "h100_sxm"}
@@ -45,28 +46,53 @@ class Stack:
     dropout: float = 0.0
     dp_every_microbatch: bool = False  # FSDP's traffic per micro-batch (no no_sync under accumulation)
     flush_per_local_batch: bool = False  # with pp, each local batch its own pipeline (filled and drained)
+    loss: str = "torch"  # its cross-entropy (:data:`LOSSES`)
+    vocab_parallel: bool = False  # with tp, the head's logits kept split and the loss on each rank's share
+    metric_losses: int = 0  # cross-entropies its trainer runs again on each micro-batch's logits, as metrics
+
+
+# bytes a cross-entropy moves per 2-byte logit, forward and backward
+LOSSES = {
+    "torch": (4.0, 8.0),  # F.cross_entropy, as the planner traces it (layer_trace.CROSS_ENTROPY_BYTES)
+    "fused": (2.0, 4.0),  # flash-attn's CrossEntropyLoss: the logits read; their gradient written from them
+    "te": (4.0, 4.0),  # Transformer Engine's: the gradient written into the logits in the forward, scaled after
+    # Megatron's VocabParallelCrossEntropy: logits.float(), max, in-place subtract, exp, sum and
+    # divide in fp32 (6 + 4 + 8 + 8 + 4 + 8); the backward's in-place multiply, the cast back (8 + 6)
+    "fp32": (38.0, 14.0),
+}
+# a metric's cross-entropy per logit: log_softmax under autocast reads the bf16 logit, writes an fp32 one
+METRIC_LOSS_BYTES = 6.0
 
 
 STACKS = {  # (source file, GPU generation) -> its software, from the source's own words
     # Narayanan et al. SC'21: Megatron-LM 2021, unfused softmax attention, no dp overlap, fp16, dropout 0.1
-    ("megatron_lm_readme", "a100"): Stack("unfused", overlap_dp=False, dropout=0.1),
+    # (its vocab-parallel cross-entropy in fp32: --fp16-lm-cross-entropy unset; likewise in r0.8,
+    # --cross-entropy-loss-fusion unset)
+    ("megatron_lm_readme", "a100"): Stack("unfused", overlap_dp=False, dropout=0.1, loss="fp32", vocab_parallel=True),
     # Megatron-Core r0.8 (2024): Transformer Engine's fused attention (cuDNN, Hopper's own),
     # --overlap-grad-reduce --overlap-param-gather (a distributed optimizer), --tp-comm-overlap
     # (with sequence parallelism)
     ("megatron_lm_readme", "h100"): Stack("fused", overlap_dp=True, tp_overlap=True, shard="optimizer",
-                                          sequence_parallel=True),
+                                          sequence_parallel=True, loss="fp32", vocab_parallel=True),
     # llm-foundry (2023, tables before torch 2.0): Composer + PyTorch FSDP FULL_SHARD (prefetching),
     # every micro-batch gathering and reduce-scattering (Composer's sync context applies no_sync to
     # DDP only: composer/trainer/dist_strategy.py), FlashAttention written for Ampere: on H100
-    # through Ampere's instructions
-    ("llm_foundry_mpt", "a100"): Stack("fused", overlap_dp=True, shard="full", dp_every_microbatch=True),
-    ("llm_foundry_mpt", "h100"): Stack("legacy", overlap_dp=True, shard="full", dp_every_microbatch=True),
+    # through Ampere's instructions; MPT's loss_fn default, fused_crossentropy (flash-attn's), and
+    # after each micro-batch's backward Composer's two train metrics (MPT's use_train_metrics
+    # default: LanguageCrossEntropy, LanguagePerplexity), each a torch CrossEntropyLoss on the logits
+    ("llm_foundry_mpt", "a100"): Stack("fused", overlap_dp=True, shard="full", dp_every_microbatch=True, loss="fused",
+                                       metric_losses=2),
+    ("llm_foundry_mpt", "h100"): Stack("legacy", overlap_dp=True, shard="full", dp_every_microbatch=True,
+                                       loss="fused", metric_losses=2),
     # Megatron-Bridge (2025-26, Megatron-Core): a distributed optimizer with --overlap-grad-reduce
-    # --overlap-param-gather, experts over ep within dp, Transformer Engine's fused attention
-    ("megatron_bridge_h100", "h100"): Stack("fused", overlap_dp=True, shard="optimizer"),
+    # --overlap-param-gather, experts over ep within dp, Transformer Engine's fused attention and
+    # cross-entropy (scripts/performance/utils/overrides.py: cross_entropy_fusion_impl = "te")
+    ("megatron_bridge_h100", "h100"): Stack("fused", overlap_dp=True, shard="optimizer", loss="te",
+                                            vocab_parallel=True),
     # NeMo AutoModel (2025): FSDP2 over dp (prefetching), experts over ep within it (DeepEP's
     # all-to-all), Transformer Engine's fused attention; with pp, torch.distributed.pipelining's
-    # schedule step()s each local batch (LBS) apart, GA times a step
+    # schedule step()s each local batch (LBS) apart, GA times a step; MaskedCrossEntropy with
+    # fp32_upcast false (examples/llm_benchmark): F.cross_entropy on the bf16 logits
     ("nemo_automodel_h100", "h100"): Stack("fused", overlap_dp=True, shard="full", flush_per_local_batch=True),
 }
 
@@ -297,6 +323,23 @@ def windowed(shape: LayerShape, window: int, seq: int) -> LayerShape:
                                attention_keys=min(shape.attention_keys, window))
 
 
+def with_loss(shapes: tuple[LayerShape, ...], stack: Stack) -> tuple[LayerShape, ...]:
+    """`shapes` with the loss `stack` runs: its bytes per logit (:data:`LOSSES`, and its metrics'),
+    and, vocab-parallel, the head's logits kept split over tp (no gather; the loss on each rank's share)."""
+    forward, backward = LOSSES[stack.loss]
+    forward += stack.metric_losses * METRIC_LOSS_BYTES
+
+    def run(shape: LayerShape) -> LayerShape:
+        if not shape.loss_elements:
+            return shape
+        linears = [dataclasses.replace(x, style="colwise") if stack.vocab_parallel and x.style == "colwise_out" else x
+                   for x in shape.linears]
+        return dataclasses.replace(shape, linears=linears, loss_split=stack.vocab_parallel,
+                                   loss_bytes=(shape.loss_elements * forward, shape.loss_elements * backward))
+
+    return tuple(run(shape) for shape in shapes)
+
+
 def chunks(layers: int, pp: int) -> int:
     """v where unpublished: the smallest count above 1 dividing a rank's layers (1 at pp = 1)."""
     per = layers // pp
@@ -326,7 +369,7 @@ def workload(row: PublishedRow, stack: Stack) -> Workload:
     traced = (moe_shapes(row, row.dtype) if row.moe
               else shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype))
     own = stack == STACKS.get((row.source, row.generation))  # the row's gathers and reductions: its own stack's
-    return Workload(traced, row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap,
+    return Workload(with_loss(traced, stack), row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap,
                     param_bytes=weight_bytes(row.gather_dtype) if own and row.gather_dtype else 0,
                     grad_bytes=weight_bytes(row.reduce_dtype) if own and row.reduce_dtype else 0)
 

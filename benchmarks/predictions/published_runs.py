@@ -82,7 +82,8 @@ def predict_row(row: Row, cluster: Cluster, eff: Efficiency = Efficiency()) -> P
     dp = row.gpus // (row.tp * row.pp)
     layout = Layout(row.tp, row.pp, dp, schedule, v, 1, recompute=True, split_boundary=True,
                     order=published_rows.MEGATRON_ORDER)
-    work = Workload(published_rows.shapes(row.heads, row.hidden, row.layers, VOCAB, SEQ, 0.1, "fp16"), SEQ,
+    shapes = published_rows.shapes(row.heads, row.hidden, row.layers, VOCAB, SEQ, 0.1, "fp16")
+    work = Workload(published_rows.with_loss(shapes, published_rows.STACKS[("megatron_lm_readme", "a100")]), SEQ,
                     row.batch, dtype="fp16", attention="unfused")
     return predict(work, layout, cluster, eff, ranges=published_rows.megatron_ranges(row.layers, row.pp * v))
 

@@ -27,8 +27,9 @@ from pipeflow.planning.costs.expert import ExpertLayers, ExpertLink, expert_prof
 from pipeflow.planning.hardware import Cluster, Link
 from pipeflow.runtime.parallel.mesh_order import MeshGrid
 from pipeflow.planning.profile import LayerProfile, action_costs
-from pipeflow.planning.costs.roofline import (Efficiency, LayerShape, Placement, beside, model_flops_per_token,
-                                              profiles_at, weight_bytes)
+from pipeflow.planning.costs.layer_trace import LayerShape
+from pipeflow.planning.costs.roofline import (Efficiency, Placement, beside, model_flops_per_token, profiles_at,
+                                              weight_bytes)
 from pipeflow.planning.search import rank_memory
 from pipeflow.schedules import LAYOUTS, PipelineSchedule, RuntimeCosts, build_schedule, lower, simulate
 from pipeflow.schedules.generators import loop_placement, v_placement

@@ -36,7 +36,8 @@ from dataclasses import replace
 from typing import Any
 
 from pipeflow.planning.hardware import Cluster, Link, override
-from pipeflow.planning.costs.roofline import Efficiency, LayerShape, Placement, layer_profile
+from pipeflow.planning.costs.layer_trace import LayerShape
+from pipeflow.planning.costs.roofline import Efficiency, Placement, layer_profile
 
 
 def start_links(costs: Any, pipelines: Sequence[Sequence[int]], host_names: Sequence[str]) -> list[dict[str, Any]]:

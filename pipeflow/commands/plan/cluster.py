@@ -26,7 +26,7 @@ from pipeflow.planning.cluster_search import Prediction, Workload
 from pipeflow.planning.cluster_space import CLUSTER_SCHEDULES, ClusterSpace, pinned, search_cluster
 from pipeflow.planning.hardware import Cluster, load_hardware, override
 from pipeflow.planning.measured_cluster import measured_layers, with_measured_links
-from pipeflow.planning.costs.roofline import trace_layers
+from pipeflow.planning.costs.layer_trace import trace_layers
 from pipeflow.config.schema import tensor_degree
 from pipeflow.config.data import TokenDataConfig, typed_data
 from pipeflow.runtime.parallel.expert_parallel import check_expert_parallel
