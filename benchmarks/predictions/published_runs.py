@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import published_rows
 from pipeflow.planning.cluster_search import Layout, Prediction, Workload, predict
@@ -118,38 +119,69 @@ def held_out(eff: Efficiency = Efficiency()) -> tuple[float, Prediction]:
 
 
 FIT_MAX_PP = 4
-KNEE_STARTS = (0.3, 3.0)
+FIT_KNEES = (0.1, 0.2, 0.35, 0.5, 0.7, 1.0, 1.5, 2.5)
+KNEE_TIE = 0.01  # knees whose best loss is within 1% of the fit's fit the rows as well
 
 
-def fit(rows: list, start: Efficiency = Efficiency()) -> Efficiency:
-    """The three fitted terms (matmul, matmul_knee, attention; network and overlap stay as set
-    beforehand) that minimise, over `rows` (each source weighing alike), the mean absolute error
-    of the predicted tokens per second plus half the largest (Nelder-Mead from `start`'s matmul
-    and attention, the knee from each of :data:`KNEE_STARTS`)."""
-    from dataclasses import replace
-
-    from scipy.optimize import minimize
-
+def fit_loss(rows: list) -> Callable[[Efficiency], float]:
+    """The fit's loss over `rows`: each source's mean absolute error of the predicted tokens per
+    second, averaged over the sources (each weighing alike), plus half the largest error."""
     by_source: dict[str, list] = {}
     for row in rows:
         by_source.setdefault(row.source, []).append(row)
 
-    def loss(x: list[float]) -> float:
-        matmul, knee, attention = x
-        if not (0.2 < matmul < 1 and 0 <= knee < 10 and 0.05 < attention < 1):
-            return 10.0
-        eff = replace(start, matmul=matmul, matmul_knee=knee, attention=attention)
+    def loss(eff: Efficiency) -> float:
         errors = {s: [abs(published_rows.ratio(r, eff) - 1) for r in group] for s, group in by_source.items()}
         mean_err = sum(sum(e) / len(e) for e in errors.values()) / len(errors)
         return mean_err + 0.5 * max(max(e) for e in errors.values())
 
-    # the knee is the loosest term (an A100's matmuls are rarely narrow enough to show it): started
-    # from both sides of its range, the best of the two minima kept, so the fit is not its start's
-    starts = [[start.matmul, knee, start.attention] for knee in KNEE_STARTS]
-    runs = [minimize(loss, x0, method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-4, "maxiter": 300})
-            for x0 in starts]
-    best = min(runs, key=lambda run: run.fun)
-    matmul, knee, attention = (round(float(v), 2) for v in best.x)
+    return loss
+
+
+def knee_profile(rows: list, start: Efficiency = Efficiency()) -> list[tuple[float, Efficiency]]:
+    """For each knee of :data:`FIT_KNEES`: the matmul and attention terms that minimise
+    :func:`fit_loss` over `rows` at that knee (Nelder-Mead from `start`'s), and the loss.  The
+    knee is the loosest term (an A100's matmuls are rarely narrow enough to show it): the
+    profile shows how loosely the rows hold it, and the fit starts from its best point."""
+    from dataclasses import replace
+
+    from scipy.optimize import minimize
+
+    loss = fit_loss(rows)
+    out = []
+    for knee in FIT_KNEES:
+        def at_knee(x: list[float], knee: float = knee) -> float:
+            if not (0.2 < x[0] < 1 and 0.05 < x[1] < 1):
+                return 10.0
+            return loss(replace(start, matmul=x[0], matmul_knee=knee, attention=x[1]))
+
+        run = minimize(at_knee, [start.matmul, start.attention], method="Nelder-Mead",
+                       options={"xatol": 1e-3, "fatol": 1e-4, "maxiter": 200})
+        out.append((float(run.fun), replace(start, matmul=float(run.x[0]), matmul_knee=knee, attention=float(run.x[1]))))
+    return out
+
+
+def fit(rows: list, start: Efficiency = Efficiency(),
+        profile: list[tuple[float, Efficiency]] | None = None) -> Efficiency:
+    """The three fitted terms (matmul, matmul_knee, attention; network and overlap stay as set
+    beforehand) that minimise :func:`fit_loss` over `rows`: Nelder-Mead in all three from the
+    best point of the :func:`knee_profile` (`profile`, if already computed), then rounded."""
+    from dataclasses import replace
+
+    from scipy.optimize import minimize
+
+    loss = fit_loss(rows)
+    best = min(profile or knee_profile(rows, start), key=lambda point: point[0])[1]
+
+    def of(x: list[float]) -> float:
+        matmul, knee, attention = x
+        if not (0.2 < matmul < 1 and 0 <= knee < 10 and 0.05 < attention < 1):
+            return 10.0
+        return loss(replace(start, matmul=matmul, matmul_knee=knee, attention=attention))
+
+    run = minimize(of, [best.matmul, best.matmul_knee, best.attention], method="Nelder-Mead",
+                   options={"xatol": 1e-3, "fatol": 1e-4, "maxiter": 300})
+    matmul, knee, attention = (round(float(v), 2) for v in run.x)
     return replace(start, matmul=matmul, matmul_knee=knee, attention=attention)
 
 
@@ -219,7 +251,8 @@ def holdout(generation: str, refit: bool) -> int:
     # fit evaluates every row hundreds of times); the deepest are predicted with the result too
     fitted_on = [r for r in modelled if r.generation != generation and (r.pp or 1) <= FIT_MAX_PP and r.dense]
     held = [r for r in modelled if r.generation == generation]
-    eff = fit(fitted_on) if refit else Efficiency()
+    profile = knee_profile(fitted_on) if refit else []
+    eff = fit(fitted_on, profile=profile) if refit else Efficiency()
     for source in sorted({r.source for r in fitted_on}):
         own = [published_rows.ratio(r, eff) - 1 for r in fitted_on if r.source == source]
         print(f"in sample {source}: {len(own)} rows, mean |error| {sum(map(abs, own)) / len(own):.1%}, "
@@ -248,9 +281,26 @@ def holdout(generation: str, refit: bool) -> int:
         if why is not None and row.generation == generation:
             skipped[why] = skipped.get(why, 0) + 1
     print("not predicted: " + "; ".join(f"{n} {why}" for why, n in sorted(skipped.items())))
+    if profile:
+        _knee_ties(profile, fit_loss(fitted_on)(eff), [r for r in held if r.dense])
     mean_err = sum(abs(e) for e in every) / len(every)
     dense_ok = mean_err <= 0.10 and all(abs(e) <= 0.20 for e in every)
     return 0 if dense_ok and all(abs(e) <= 0.25 for e in moe) else 1
+
+
+def _knee_ties(profile: list[tuple[float, Efficiency]], best: float, held: list) -> None:
+    """Print the knees the fitted rows hold as well as the fit's (:data:`KNEE_TIE`) and what
+    each predicts of the held-out dense rows: the held-out error the loose knee leaves open."""
+    from dataclasses import replace
+
+    tied = [eff for loss, eff in profile if loss <= best * (1 + KNEE_TIE)]
+    figures = []
+    for eff in tied:
+        eff = replace(eff, matmul=round(eff.matmul, 2), attention=round(eff.attention, 2))
+        errors = [published_rows.ratio(r, eff) - 1 for r in held]
+        figures.append((eff.matmul_knee, sum(map(abs, errors)) / len(errors), max(errors, key=abs)))
+    print(f"knee: the fitted rows hold {len(tied)} of {len(profile)} profiled knees within {KNEE_TIE:.0%} of the "
+          "fit's loss: " + ", ".join(f"{k:g} (held-out dense {m:.1%}, largest {x:+.1%})" for k, m, x in figures))
 
 
 def main(argv: list[str] | None = None) -> int:
