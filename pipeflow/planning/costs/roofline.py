@@ -70,7 +70,7 @@ class Efficiency:
 
     matmul: float = 0.76
     matmul_knee: float = 0.654  # 100 elements on an A100 (ridge 153 FLOPs per byte), as fitted
-    attention: float = 0.54  # A100 FlashAttention runs (llm-foundry), matmul and knee held
+    attention: float = 0.55  # A100 FlashAttention runs (llm-foundry), matmul and knee held
     network: float = 0.8
     overlap: float = 0.43
 
