@@ -55,7 +55,9 @@ class Stack:
 LOSSES = {
     "torch": (4.0, 8.0),  # F.cross_entropy, as the planner traces it (layer_trace.CROSS_ENTROPY_BYTES)
     "fused": (2.0, 4.0),  # flash-attn's CrossEntropyLoss: the logits read; their gradient written from them
-    "te": (4.0, 4.0),  # Transformer Engine's: the gradient written into the logits in the forward, scaled after
+    # Transformer Engine's: an online-softmax pass, then a pass writing the gradient into the
+    # logits (cross_entropy_kernel); the backward scales it by the per-token grad (element_mul_kernel)
+    "te": (6.0, 4.0),
     # Megatron's VocabParallelCrossEntropy: logits.float(), max, in-place subtract, exp, sum and
     # divide in fp32 (6 + 4 + 8 + 8 + 4 + 8); the backward's in-place multiply, the cast back (8 + 6)
     "fp32": (38.0, 14.0),
