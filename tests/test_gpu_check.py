@@ -141,17 +141,17 @@ ROOFLINE = ROOT / "benchmarks" / "gpu_checks" / "roofline_probe.py"
 
 def test_the_gpu_check_measures_the_planners_roofline_terms(monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
-    """The roofline probe (matmul widths, a memory pass, SDPA forward and backward beside the
-    planner's prediction) runs on the lent GPU; on tiny CPU shapes its rows come out whole."""
+    """The roofline probe (matmul widths, a memory pass, SDPA forward and backward, the loss beside
+    the planner's prediction) runs on the lent GPU; on tiny CPU shapes its rows come out whole."""
     assert 'benchmarks/gpu_checks/roofline_probe.py --out "$OUT/RESULTS.md"' in SCRIPT.read_text()
     out = tmp_path / "results.md"
     status, text = _in_process(ROOFLINE, monkeypatch, capsys, "--device", "cpu", "--quick", "--preset", "h100_sxm",
                                "--repeats", "1", "--out", str(out))
     assert status == 0, text
     number = r"[\d.]+(?:e[-+]\d+)?"
-    rows = re.findall(rf"^\| (matmul|elementwise|sdpa forward \+ backward|sdpa forward)[^|]* \| {number} \| ({number}) "
-                      rf"\| {number} \|$", text, re.M)
-    assert [kind for kind, _ in rows].count("matmul") == 2 and len(rows) == 7, text
+    rows = re.findall(rf"^\| (matmul|elementwise|sdpa forward \+ backward|sdpa forward|cross-entropy)[^|]* \| {number} "
+                      rf"\| ({number}) \| {number} \|$", text, re.M)
+    assert [kind for kind, _ in rows].count("matmul") == 2 and len(rows) == 8, text
     assert all(float(predicted) > 0 for _, predicted in rows)
     assert "against the h100_sxm preset" in out.read_text()
 

@@ -7,7 +7,9 @@
 - an elementwise pass (``a + b``: the other ops' bytes at the memory bandwidth);
 - SDPA, causal, forward and backward at 2,048-8,192 keys, head dims 64 and 128 (the fused
   attention term, its FLOPs counted whole; the backward over the forward:
-  ``FUSED_ATTENTION_BACKWARD``).
+  ``FUSED_ATTENTION_BACKWARD``);
+- F.cross_entropy forward and backward on bf16 logits of 32,000 and 131,072 words (the loss's
+  bytes, ``CROSS_ENTROPY_BYTES``, at the memory bandwidth).
 
 One markdown row per probe: measured and predicted milliseconds and their ratio (predicted /
 measured: above 1, the roofline is slow).  ``--device cpu --quick``: the code path on tiny shapes
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from pipeflow.planning.costs.layer_trace import LayerShape, Linear  # noqa: E402
+from pipeflow.planning.costs.layer_trace import CROSS_ENTROPY_BYTES, LayerShape, Linear  # noqa: E402
 from pipeflow.planning.costs.roofline import Efficiency, Placement, layer_profile  # noqa: E402
 from pipeflow.planning.hardware import load_hardware  # noqa: E402
 
@@ -91,6 +93,17 @@ def probes(device: torch.device, quick: bool) -> list[tuple[str, Callable[[], ob
 
             out.append((f"sdpa forward, {keys} keys, head dim {head_dim}", forward, shape, "forward"))
             out.append((f"sdpa forward + backward, {keys} keys, head dim {head_dim}", backward, shape, "both"))
+    tokens = 64 if quick else 8192
+    for vocab in ((512,) if quick else (32_000, 131_072)):
+        logits = torch.randn(tokens, vocab, device=device, dtype=dtype, requires_grad=True)
+        targets = torch.randint(vocab, (tokens,), device=device)
+        forward_bytes, backward_bytes = (x * logits.numel() * logits.element_size() for x in CROSS_ENTROPY_BYTES)
+        shape = LayerShape("loss", loss_elements=logits.numel(), loss_bytes=(forward_bytes, backward_bytes))
+
+        def loss(logits=logits, targets=targets) -> None:
+            torch.autograd.grad(F.cross_entropy(logits, targets), logits)
+
+        out.append((f"cross-entropy forward + backward, {tokens} x {vocab} bf16", loss, shape, "both"))
     return out
 
 
