@@ -103,12 +103,13 @@ def tails(outputs: list[list[tuple[float, str]]], first: int = 1) -> str:
     return "".join(f"\nhost {i}:\n" + "".join(line for _, line in out)[-2500:] for i, out in enumerate(outputs, first))
 
 
-def first_line_at(lines: list[tuple[float, str]], pattern: str, timeout_s: float) -> float:
-    """The time the first line matching `pattern` arrived, waiting up to `timeout_s`."""
+def first_line_at(lines: list[tuple[float, str]], pattern: str, timeout_s: float, after: float = 0.0) -> float:
+    """The time the first line matching `pattern` arrived (of those arriving at `after` or later),
+    waiting up to `timeout_s`."""
     regex, deadline = re.compile(pattern), time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for at, line in list(lines):
-            if regex.search(line):
+            if at >= after and regex.search(line):
                 return at
         time.sleep(0.02)
     raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s:\n" + "".join(l for _, l in lines)[-3000:])

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -212,8 +211,9 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
                                 env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "PIPEFLOW_LAUNCH_VERBOSE": "1"},
                                 torchrun_args="--max-restarts 3")  # verbose: a round that never forms says why
         lines, threads = watch_lines(procs)
-        try:
-            first_line_at(lines[0], rf"step\s+25/{STEPS}", 120)
+        try:  # host 2 killed at step 25 of the three hosts' plan: a round formed before it joined (min 2) may come first
+            planned = first_line_at(lines[0], r"re-planned for 3 ranks", 150)
+            first_line_at(lines[0], rf"step\s+25/{STEPS}", 120, after=planned)
         except AssertionError as exc:  # what the other hosts said
             raise AssertionError(f"{exc}{tails(lines[1:])}") from None
         hosts.kill(2)
@@ -226,9 +226,9 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
     text = "".join(line for _, line in lines[0])
     everything = text[-4000:] + tails(lines[1:])
     assert procs[0].returncode == 0, everything
-    assert "step_00000020" in copies, (copies, everything)  # host 2's part of step 20, kept on host 0's disk
-    assert re.search(r"re-planned for 3 ranks \(3 hosts x 1 rank\): dp 1 x pp 3 x tp 1, predicted step", text), \
-        text[-4000:]
+    assert "step_00000020" in copies, f"host 0 keeps {copies} of host 2's parts\n{everything}"  # step 20's, on host 0
+    assert re.search(r"re-planned for 3 ranks \(3 hosts x 1 rank\): dp 1 x pp 3 x tp 1(?: \(was [^)]*\))?, predicted "
+                     r"step", text), text[-4000:]
     assert re.search(r"re-planned for 2 ranks \(2 hosts x 1 rank\): dp \d x pp \d x tp 1 \(was dp 1 x pp 3 x tp 1 on "
                      r"3 ranks: the job lost 1 rank\)", text), text[-4000:]
     assert re.search(r"assembled step_00000020 from the parts the hosts hold \(host0's from rank 0, host1's from "

@@ -371,7 +371,8 @@ def workload(row: PublishedRow, stack: Stack) -> Workload:
     traced = (moe_shapes(row, row.dtype) if row.moe
               else shapes(row.heads, row.hidden, row.layers, row.vocab, row.seq, stack.dropout, row.dtype))
     own = stack == STACKS.get((row.source, row.generation))  # the row's gathers and reductions: its own stack's
-    return Workload(with_loss(traced, stack), row.seq, row.batch, dtype=row.dtype, attention=stack.attention, tp_overlap=stack.tp_overlap,
+    return Workload(with_loss(traced, stack), row.seq, row.batch, dtype=row.dtype, attention=stack.attention,
+                    tp_overlap=stack.tp_overlap,
                     param_bytes=weight_bytes(row.gather_dtype) if own and row.gather_dtype else 0,
                     grad_bytes=weight_bytes(row.reduce_dtype) if own and row.reduce_dtype else 0)
 
