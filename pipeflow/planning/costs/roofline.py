@@ -9,15 +9,15 @@ A layer's times for one micro-batch of b samples, on one of tp ranks (`layer_pro
   bandwidth; attention ``4 H T^2 hd / tp`` FLOPs at ``peak x attention`` (unfused attention:
   its two matmuls as above and its scores through memory; a kernel of the previous generation
   at that generation's instruction peak, ``gpu.peak_tflops.<dtype>_legacy``); the other ops'
-  bytes at the memory bandwidth (those on the residual stream
-  whole on every tp rank, a tp-th with sequence parallelism; the rest a tp-th); the tp plan's
-  collectives (a row-wise linear's output summed; with sequence parallelism the same bytes as
-  all-gathers and reduce-scatters) as ring collectives on the tp group's link at ``network`` of
-  its bandwidth.
+  bytes at the memory bandwidth (those on the residual stream whole on every tp rank, a tp-th
+  with sequence parallelism; the rest a tp-th), and the loss's (``LayerShape.loss_bytes``: whole
+  on every tp rank unless vocab-parallel); the tp plan's collectives (a row-wise linear's
+  output summed; with sequence parallelism the same bytes as all-gathers and reduce-scatters) as
+  ring collectives on the tp group's link at ``network`` of its bandwidth.
 - B (input gradients): each linear again, attention twice (a fused kernel 2.5 times: it
   recomputes its scores, five matmuls to the forward's two), twice the other ops' bytes, the
-  column-wise linears' input gradients summed over tp; with activation checkpointing, F once
-  more (the recomputed forward, its collectives included).
+  loss's backward bytes, the column-wise linears' input gradients summed over tp; with
+  activation checkpointing, F once more (the recomputed forward, its collectives included).
 - W (weight gradients): each linear once more.
 
 The five efficiency terms (:class:`Efficiency`) are global constants: matmul and knee fitted
