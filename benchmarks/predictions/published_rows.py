@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from pipeflow.models.gpt import build_gpt
 from pipeflow.planning.cluster_search import Layout, Prediction, Workload, predict
 from pipeflow.planning.hardware import Cluster, load_hardware
-from pipeflow.planning.costs.layer_trace import LayerShape, trace_layers
+from pipeflow.planning.costs.layer_trace import CROSS_ENTROPY_BYTES, LayerShape, trace_layers
 from pipeflow.planning.costs.roofline import Efficiency, weight_bytes
 
 FOLDER = Path(__file__).with_name("published")
@@ -51,9 +51,10 @@ class Stack:
     metric_losses: int = 0  # cross-entropies its trainer runs again on each micro-batch's logits, as metrics
 
 
-# bytes a cross-entropy moves per 2-byte logit, forward and backward
+LOGIT_BYTES = 2  # the published rows' logits: bf16 or fp16
+# bytes a cross-entropy moves per logit, forward and backward
 LOSSES = {
-    "torch": (4.0, 8.0),  # F.cross_entropy, as the planner traces it (layer_trace.CROSS_ENTROPY_BYTES)
+    "torch": tuple(LOGIT_BYTES * x for x in CROSS_ENTROPY_BYTES),  # F.cross_entropy, as the planner traces it
     "fused": (2.0, 4.0),  # flash-attn's CrossEntropyLoss: the logits read; their gradient written from them
     # Transformer Engine's: an online-softmax pass, then a pass writing the gradient into the
     # logits (cross_entropy_kernel); the backward scales it by the per-token grad (element_mul_kernel)

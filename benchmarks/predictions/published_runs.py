@@ -138,6 +138,16 @@ def fit_loss(rows: list) -> Callable[[Efficiency], float]:
     return loss
 
 
+def _within_bounds(loss: Callable[[Efficiency], float], start: Efficiency, matmul: float, knee: float,
+                   attention: float) -> float:
+    """`loss` at `start` with the three fitted terms, or 10 outside their plausible range."""
+    from dataclasses import replace
+
+    if not (0.2 < matmul < 1 and 0 <= knee < 10 and 0.05 < attention < 1):
+        return 10.0
+    return loss(replace(start, matmul=matmul, matmul_knee=knee, attention=attention))
+
+
 def knee_profile(rows: list, start: Efficiency = Efficiency()) -> list[tuple[float, Efficiency]]:
     """For each knee of :data:`FIT_KNEES`: the matmul and attention terms that minimise
     :func:`fit_loss` over `rows` at that knee (Nelder-Mead from `start`'s), and the loss.  The
@@ -150,12 +160,8 @@ def knee_profile(rows: list, start: Efficiency = Efficiency()) -> list[tuple[flo
     loss = fit_loss(rows)
     out = []
     for knee in FIT_KNEES:
-        def at_knee(x: list[float], knee: float = knee) -> float:
-            if not (0.2 < x[0] < 1 and 0.05 < x[1] < 1):
-                return 10.0
-            return loss(replace(start, matmul=x[0], matmul_knee=knee, attention=x[1]))
-
-        run = minimize(at_knee, [start.matmul, start.attention], method="Nelder-Mead",
+        run = minimize(lambda x, knee=knee: _within_bounds(loss, start, x[0], knee, x[1]),
+                       [start.matmul, start.attention], method="Nelder-Mead",
                        options={"xatol": 1e-3, "fatol": 1e-4, "maxiter": 200})
         out.append((float(run.fun), replace(start, matmul=float(run.x[0]), matmul_knee=knee, attention=float(run.x[1]))))
     return out
@@ -172,15 +178,8 @@ def fit(rows: list, start: Efficiency = Efficiency(),
 
     loss = fit_loss(rows)
     best = min(profile or knee_profile(rows, start), key=lambda point: point[0])[1]
-
-    def of(x: list[float]) -> float:
-        matmul, knee, attention = x
-        if not (0.2 < matmul < 1 and 0 <= knee < 10 and 0.05 < attention < 1):
-            return 10.0
-        return loss(replace(start, matmul=matmul, matmul_knee=knee, attention=attention))
-
-    run = minimize(of, [best.matmul, best.matmul_knee, best.attention], method="Nelder-Mead",
-                   options={"xatol": 1e-3, "fatol": 1e-4, "maxiter": 300})
+    run = minimize(lambda x: _within_bounds(loss, start, *x), [best.matmul, best.matmul_knee, best.attention],
+                   method="Nelder-Mead", options={"xatol": 1e-3, "fatol": 1e-4, "maxiter": 300})
     matmul, knee, attention = (round(float(v), 2) for v in run.x)
     return replace(start, matmul=matmul, matmul_knee=knee, attention=attention)
 

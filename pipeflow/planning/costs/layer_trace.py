@@ -25,6 +25,10 @@ from pipeflow.planning.costs.expert import RoutedGemm, balanced_hf_experts, laye
 
 SPLIT_STYLES = ("colwise", "colwise_qkv", "colwise_whole", "colwise_out", "rowwise", "embedding")
 _MATMULS = {torch.matmul, torch.bmm, torch.baddbmm, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.einsum}
+# F.cross_entropy's bytes over its logits' (forward, backward): log_softmax reads the logits and
+# writes the log-probabilities; the backward writes nll_loss's gradient (zeros, a one per target),
+# and log_softmax's backward reads it and the log-probabilities and writes the logits' gradient
+CROSS_ENTROPY_BYTES = (2.0, 4.0)
 
 
 @dataclass(frozen=True)
@@ -314,9 +318,3 @@ def _hidden(layer: nn.Module, items: tuple) -> int:
         if isinstance(module, nn.Embedding):
             return module.embedding_dim
     return -1
-
-
-# F.cross_entropy's bytes over its logits' (forward, backward): log_softmax reads the logits and
-# writes the log-probabilities; the backward writes nll_loss's gradient (zeros, a one per target),
-# and log_softmax's backward reads it and the log-probabilities and writes the logits' gradient
-CROSS_ENTROPY_BYTES = (2.0, 4.0)
