@@ -103,6 +103,17 @@ def tails(outputs: list[list[tuple[float, str]]], first: int = 1) -> str:
     return "".join(f"\nhost {i}:\n" + "".join(line for _, line in out)[-2500:] for i, out in enumerate(outputs, first))
 
 
+EVENTS = re.compile(r"stopped at|preempted|resumed from|re-planned|waits to join|closing signal|restart|rendezvous|"
+                    r"[Ee]rror|hold at|step\s+\d+/")
+
+
+def what_hosts_said(outputs: list[list[tuple[float, str]]], limit: int = 8000) -> str:
+    """Every host's lines of its job's life (stops, resumes, plans, rendezvous, errors, steps), each
+    marked with its host: where an elastic job went wrong."""
+    said = "".join(f"[host {h}] {line}" for h, out in enumerate(outputs) for _, line in out if EVENTS.search(line))
+    return said[-limit:]
+
+
 def first_line_at(lines: list[tuple[float, str]], pattern: str, timeout_s: float, after: float = 0.0) -> float:
     """The time the first line matching `pattern` arrived (of those arriving at `after` or later),
     waiting up to `timeout_s`."""

@@ -262,6 +262,22 @@ def test_a_lost_rendezvous_host_is_named_with_the_way_out(monkeypatch, capsys) -
             in capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("shared", ["0", None])
+def test_torchruns_shared_store_is_named_as_the_hang_of_a_node_that_joins(monkeypatch, capsys, shared) -> None:
+    """A third host joining a running 2:3 job under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0 waited
+    120 s in torch's rank assignment and failed, silently (the CI run of ad1a193)."""
+    _torchrun_that(monkeypatch, None, preempted=False)
+    for name in (STATUS_FILE_ENV, "PIPEFLOW_RDZV_ENDPOINT", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        monkeypatch.delenv(name, raising=False)  # restored after: main() sets what it adds
+    if shared is not None:
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", shared)
+    argv = ["--nnodes", "2:3", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500", "train.py"]
+    assert launch.main(argv) == 0
+    said = capsys.readouterr().err
+    assert ("warning: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0 (torchrun's shared store): a node that joins the running "
+            "job (--nnodes 2:3" in said) == (shared == "0"), said
+
+
 def test_a_rendezvous_port_another_program_holds_is_named_before_torchrun_waits_on_it(node) -> None:
     """Issue 57, item 6: the launcher hung without a line when the endpoint's port was taken."""
     import socket

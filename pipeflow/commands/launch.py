@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeflow.errors import LaunchError
-from pipeflow.commands.launch_wait import WaitReporter, endpoint_silence
+from pipeflow.commands.launch_wait import WaitReporter, endpoint_silence, shared_store_warning
 from pipeflow.checkpoint.lock import RDZV_ENDPOINT_ENV
 from pipeflow.run.signals import AGENT_STOP, PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
 from pipeflow.runtime.world.hosts import interface_addresses
@@ -57,9 +57,10 @@ torchrun (python -m torch.distributed.run) with two additions:
     passes --local-addr, sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME to that interface
     (unless already set) and --rdzv-conf is_host=1 on the node that owns the endpoint's
     address (is_host=0 elsewhere), and sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (also on one
-    machine; unless set:
-    each restart's workers get a fresh store, so no address of the attempt before is reused,
-    pytorch#135712); it refuses an endpoint port another program holds on the hosting node;
+    machine; unless set: each restart's workers get a fresh store, so no address of the attempt
+    before is reused, pytorch#135712; set to 0, it warns: a node that joins the running job
+    would hang in torchrun's rank assignment); it refuses an endpoint port another program
+    holds on the hosting node;
   * a lost node recovered in seconds: --rdzv-conf last_call_timeout=2 (a re-rendezvous closes
     2 s after the minimum of nodes is there; torchrun's 30 s), keep_alive_interval=1 and
     keep_alive_max_attempt=3 (a node is lost after 3 s of silence; torchrun's 15 s);
@@ -443,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:
         _say(f"error: {type(exc).__name__}: {exc}")  # the class the docs' fault table names
         return 2
+    warning = shared_store_warning(dict(os.environ), option(argv, "nnodes")) if RDZV_ENDPOINT_ENV in added else None
+    if warning:
+        _say(f"warning: {warning}")
     if node is not None and os.environ.get("PIPEFLOW_LAUNCH_VERBOSE"):
         _say(f"this node: {node.address} on {node.interface}"
              f"{', hosting the rendezvous' if node.hosts_endpoint else ''}; {added or 'socket interfaces as set'}")

@@ -99,3 +99,17 @@ class WaitReporter:
         thread = threading.Thread(target=loop, name="pipeflow-launch-wait", daemon=True)
         thread.start()
         return thread
+
+
+def shared_store_warning(env: dict[str, str], nnodes: str | None) -> str | None:
+    """What a job across nodes risks on torchrun's shared store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    set, not 1): an agent that joins a later round (an elastic range's extra node, a replacement)
+    reads the master address that rank 0's agent writes in its first round only (torch 2.14's
+    DynamicRendezvousHandler.next_rendezvous), and waits out read_timeout; None otherwise."""
+    value = env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if value == "1":
+        return None
+    return (f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE={value} (torchrun's shared store): a node that joins the running job "
+            f"(--nnodes {nnodes}: a range's extra node, a replacement) waits in torchrun's rank assignment until the "
+            f"rendezvous's read_timeout and fails, since rank 0's agent writes the master address for its first "
+            f"round only; unset it for a job that may grow (each round then gets a fresh store)")
