@@ -41,6 +41,7 @@ from pipeflow.schedules import PipelineSchedule, Program, RuntimeCosts, lower, s
 from pipeflow.schedules.ir import ACTIVATION, BACKWARD, FORWARD, KINDS, WEIGHT, Action, CommOp
 
 COSTS_FILE = "costs.json"
+LATENCY_RESOLUTION = 1e-6  # relative, of the fitted latency: 20 halvings where 60 took 0.1 s a run
 _AFTER = "sends of the step done"
 Event = tuple[str, str, float, float]  # kind, name, start, end
 
@@ -403,7 +404,8 @@ def _latency_for_waits(schedule: PipelineSchedule, cal: Calibration, measured: f
     """The transfer latency under which the simulated step spends as long in batched calls as the
     run did (`measured`, summed over ranks, a step's mean): the waits transfers cause beyond the
     compute, including deliveries that arrive late although both sides have posted.  The per-byte
-    term stays as fitted.  Bisection: the time in calls grows with the latency."""
+    term stays as fitted.  Bisection, to :data:`LATENCY_RESOLUTION` of the latency:
+    the time in calls grows with the latency."""
     low, high = 0.0, max(measured, cal.latency_s, 1e-6)
     probe = Calibration(**{**cal.__dict__, "latency_s": low})
     if _comm_time(schedule, probe) >= measured:
@@ -412,7 +414,7 @@ def _latency_for_waits(schedule: PipelineSchedule, cal: Calibration, measured: f
     while _comm_time(schedule, probe) < measured:  # every rank waits at least once per transfer
         low, high = high, 2 * high
         probe.latency_s = high
-    for _ in range(60):
+    while high - low > max(LATENCY_RESOLUTION * high, 1e-12):  # each probe simulates the whole step
         probe.latency_s = (low + high) / 2
         if _comm_time(schedule, probe) < measured:
             low = probe.latency_s
