@@ -272,3 +272,20 @@ def test_the_calibration_line_says_when_nothing_was_predicted_at_start() -> None
     cal = calibrate(schedule, log_of(schedule, truth, "ahead"), truth.boundary_bytes)
     assert "predicted at start none (no profile), calibrated" in calibration_line(cal, 0.01, [0.01] * 4, math.nan, "c.json")
     assert "predicted at start 12.0 ms, calibrated" in calibration_line(cal, 0.01, [0.01] * 4, 0.012, "c.json")
+
+
+def test_a_run_too_short_to_calibrate_says_so_without_a_warning(tmp_path, caplog) -> None:
+    """A run of 2 steps (all warm-up) ended with ``WARNING no calibrated prediction: ValueError:
+    none of 0 recorded steps follows the programs``, as if its schedule had misbehaved."""
+    import logging
+
+    from pipeflow.observability.calibrated import CalibrationLog
+    from pipeflow.planning.calibration import calibrator
+
+    schedule, truth = known("1f1b", 2, 4)
+    records = CalibrationLog(calibrator(schedule, truth.boundary_bytes, meta={}), 0, 2, first_pipeline=True)
+    with caplog.at_level(logging.INFO):
+        out = records._calibrate([(0, []), (1, [])], schedule, str(tmp_path), math.nan)
+    assert math.isnan(out["step_calibrated_s"]) and not (tmp_path / "costs.json").exists()
+    assert [r.levelname for r in caplog.records] == ["INFO"], caplog.text
+    assert "no full-size step after the first 2 (warm-up) was recorded" in caplog.text

@@ -64,11 +64,16 @@ class CalibrationLog:
         common = set.intersection(*(set(n for n, _ in steps) for steps in by_rank.values())) if by_rank else set()
         records = {r: dict(steps) for r, steps in by_rank.items()}
         steps = [[records[r][n] for r in range(self.num_pp)] for n in sorted(common)]
+        nothing = {"step_calibrated_s": math.nan, "finish_calibrated_s": [], "finish_measured_s": []}
+        if not steps:  # a run of a few steps (a smoke test; a resume at its last step) is no fault
+            log.info("no calibrated prediction: no full-size step after the first %d (warm-up) was recorded",
+                     WARMUP_STEPS)
+            return nothing
         try:
             cal = self.calibrate(steps)
         except Exception as err:  # noqa: BLE001 - a report at the end must never fail the run it reports on
             log.warning("no calibrated prediction: %s: %s", type(err).__name__, err)
-            return {"step_calibrated_s": math.nan, "finish_calibrated_s": [], "finish_measured_s": []}
+            return nothing
         path = os.path.join(run_dir, COSTS_FILE)
         with open(path, "w") as f:
             f.write(cal.to_json())
