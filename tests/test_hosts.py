@@ -142,11 +142,17 @@ def test_a_lost_host_is_survived_by_an_elastic_job_that_resumes_on_the_smaller_w
                  f"train.max_steps={STEPS}", "train.save_every=10", "train.resume=auto", f"train.run_dir={tmp_path}"]
     with emulated_hosts(2, names="missing") as hosts:
         # torchrun's shared agent store, as plain torchrun has it: the restart meets in a new epoch;
-        # the documented command: the launcher's own --rdzv-conf defaults recover in seconds
-        procs = launch_on_hosts(hosts, overrides, nnodes="1:2", env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"},
-                                torchrun_args="--max-restarts 3")
-        lines, threads = watch_lines(procs)
-        # host 1 killed at step 25 of the two hosts' mesh: a round of host 0 alone (min 1) may come first
+        # the documented command: the launcher's own --rdzv-conf defaults recover in seconds.  Host 1
+        # first, host 0 (the endpoint) once host 1's agent waits for it: on the shared store a host
+        # that came after a round of host 0 alone (min 1) could never join (the launcher's warning)
+        common = {"nnodes": "1:2", "env": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, "torchrun_args": "--max-restarts 3"}
+        procs = launch_on_hosts(hosts, overrides, on=[1], **common)
+        late, late_thread = watch_lines(procs)
+        first_line_at(late[0], r"waiting for the rendezvous at", 120)
+        procs = launch_on_hosts(hosts, overrides, on=[0], **common) + procs
+        lines, threads = watch_lines(procs[:1])
+        lines, threads = lines + late, threads + late_thread
+        # host 1 killed at step 25 of the two hosts' mesh
         meshed = first_line_at(lines[0], r"mesh: dp=2 x pp=2", 120)
         first_line_at(lines[0], rf"step\s+25/{STEPS}", 90, after=meshed)
         hosts.kill(1)
