@@ -217,6 +217,22 @@ def test_each_fsdp_unit_pays_the_rings_latency_across_every_rank():
     assert reduction_s(1e6, Layout(1, 1, 512, "1f1b", 1, 1, shard="none"), cluster, Efficiency(), 24) < one
 
 
+def test_a_ranks_experts_update_on_the_share_of_the_ranks_that_hold_them():
+    """Sharded over dp with ep: a rank's routed experts (already an ep-th of them) are held by the
+    dp / ep ranks of its expert group, so their update is a (dp / ep)-th of them, not a dp-th
+    (the published FSDP + EP rows divided them by ep twice)."""
+    from pipeflow.planning.cluster_search import optimizer_s
+
+    cluster = load_hardware("h100_sxm")
+    bandwidth = cluster.gpu.memory_bandwidth_gbps * 1e9
+    sharded = Layout(1, 1, 64, "1f1b", 1, 1, shard="full", ep=8)
+    assert optimizer_s(3e9, sharded, cluster, Efficiency(), expert_params=2e9) == pytest.approx(
+        32 * (1e9 / 64 + 2e9 / 8) / bandwidth)
+    replicated = Layout(1, 1, 64, "1f1b", 1, 1, shard="none", ep=8)
+    assert optimizer_s(3e9, replicated, cluster, Efficiency(), expert_params=2e9) == pytest.approx(32 * 3e9 / bandwidth)
+    assert optimizer_s(3e9, sharded, cluster, Efficiency()) == pytest.approx(32 * 3e9 / 64 / bandwidth)  # dense
+
+
 def test_dp_moves_and_ranks_hold_the_parameters_in_their_own_dtype():
     """pipeflow keeps parameters, gradients and AdamW's state in train.param_dtype: float32 master
     weights under bf16 autocast double dp's bytes and a rank's state over bf16 weights (the planner

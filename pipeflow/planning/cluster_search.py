@@ -315,7 +315,7 @@ def predict(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency = 
         dp_s = dp_exposed_s(dp_s, layout, m, forward, backward, eff, gather_share(layout, work))
     elif layout.dp_every_microbatch:
         dp_s *= m
-    update_s = optimizer_s(rank_params, layout, cluster, eff)
+    update_s = optimizer_s(rank_params, layout, cluster, eff, share.experts)
     step = span + dp_s + update_s
     tokens = work.global_batch * work.seq_len
     gpus = layout.tp * layout.pp * layout.dp
@@ -354,11 +354,16 @@ def dp_exposed_s(whole_s: float, layout: Layout, m: int, forward_s: float, backw
     return beside(whole_s, backward_s, eff) + whole_s / 16
 
 
-def optimizer_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency) -> float:
+def optimizer_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency,
+                expert_params: float = 0.0) -> float:
     """Seconds of AdamW's update: about 32 bytes read and written per parameter (fp32 master
-    weight, m, v, the gradient) at the memory bandwidth, on a dp-th of them when sharded."""
-    shards = layout.dp if layout.shard != "none" else 1
-    return 32.0 * rank_params / shards / (cluster.gpu.memory_bandwidth_gbps * 1e9)
+    weight, m, v, the gradient) at the memory bandwidth, when sharded on a dp-th of them, and of
+    the rank's `expert_params` (its ep-th of the routed experts) on a share of the dp / ep ranks
+    that hold the same experts."""
+    sharded = layout.shard != "none"
+    dense, experts = rank_params - expert_params, expert_params
+    held = dense / (layout.dp if sharded else 1) + experts / (max(1, layout.dp // layout.ep) if sharded else 1)
+    return 32.0 * held / (cluster.gpu.memory_bandwidth_gbps * 1e9)
 
 
 def reduction_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Efficiency, units: int = 1,

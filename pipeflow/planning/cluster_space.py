@@ -213,7 +213,7 @@ def _estimate(work: Workload, layout: Layout, cluster: Cluster, eff: Efficiency,
     share = rank_share(work, profiles, layers_of, layout.ep)
     return ratio * m * max(compute) + reduction_s(share.params, layout, cluster, eff, share.units, share.experts,
                                                   *work.dp_bytes()) \
-        + optimizer_s(share.params, layout, cluster, eff)
+        + optimizer_s(share.params, layout, cluster, eff, share.experts)
 
 
 def pinned(space: ClusterSpace, tp: int | None, pp: int | None, ep: int | None = None) -> ClusterSpace:
