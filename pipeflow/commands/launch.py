@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeflow.errors import LaunchError
-from pipeflow.commands.launch_wait import WaitReporter, endpoint_silence, shared_store_warning
+from pipeflow.commands.launch_wait import FRESH_STORE_ENV, WaitReporter, endpoint_silence, shared_store_warning
 from pipeflow.checkpoint.lock import RDZV_ENDPOINT_ENV
 from pipeflow.run.signals import AGENT_STOP, PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
 from pipeflow.runtime.world.hosts import interface_addresses
@@ -237,8 +237,8 @@ def with_node_address(argv: list[str], env: dict[str, str]) -> tuple[list[str], 
     address = resolve(host, f"--rdzv-endpoint {endpoint!r}")
     # the job's identity for its run directory's lock: a restart on the same rendezvous is this job
     rendezvous = {RDZV_ENDPOINT_ENV: f"[{address}]:{port}" if ":" in address else f"{address}:{port}"}
-    if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env:  # a fresh store per rendezvous round (pytorch#135712)
-        rendezvous["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if FRESH_STORE_ENV not in env:  # a fresh store per rendezvous round (pytorch#135712)
+        rendezvous[FRESH_STORE_ENV] = "1"
     if ipaddress.ip_address(address).is_loopback:
         return argv, rendezvous, None  # several agents on one machine: loopback is right
     node = find_address(endpoint)

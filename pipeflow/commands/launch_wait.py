@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pipeflow.runtime.world.hosts import connect_failure
 
 WAIT_REPORT_S = 5.0  # seconds between two lines while the agent waits
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's: 1, a fresh store per rendezvous round
 
 
 def live_children(pid: int | None = None) -> int | None:
@@ -106,10 +107,10 @@ def shared_store_warning(env: dict[str, str], nnodes: str | None) -> str | None:
     set, not 1): an agent that joins a later round (an elastic range's extra node, a replacement)
     reads the master address that rank 0's agent writes in its first round only (torch 2.14's
     DynamicRendezvousHandler.next_rendezvous), and waits out read_timeout; None otherwise."""
-    value = env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    value = env.get(FRESH_STORE_ENV, "1")
     if value == "1":
         return None
-    return (f"TORCH_DISABLE_SHARE_RDZV_TCP_STORE={value} (torchrun's shared store): a node that joins the running job "
+    return (f"{FRESH_STORE_ENV}={value} (torchrun's shared store): a node that joins the running job "
             f"(--nnodes {nnodes}: a range's extra node, a replacement) waits in torchrun's rank assignment until the "
             f"rendezvous's read_timeout and fails, since rank 0's agent writes the master address for its first "
             f"round only; unset it for a job that may grow (each round then gets a fresh store)")

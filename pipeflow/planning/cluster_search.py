@@ -361,8 +361,8 @@ def optimizer_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Effic
     the rank's `expert_params` (its ep-th of the routed experts) on a share of the dp / ep ranks
     that hold the same experts."""
     sharded = layout.shard != "none"
-    dense, experts = rank_params - expert_params, expert_params
-    held = dense / (layout.dp if sharded else 1) + experts / (max(1, layout.dp // layout.ep) if sharded else 1)
+    same = layout.dp // max(1, layout.ep)  # replicas of one expert, as in reduction_s
+    held = (rank_params - expert_params) / (layout.dp if sharded else 1) + expert_params / (same if sharded else 1)
     return 32.0 * held / (cluster.gpu.memory_bandwidth_gbps * 1e9)
 
 
