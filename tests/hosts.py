@@ -50,7 +50,15 @@ def emulated_hosts() -> Iterator[type[EmulatedHosts]]:
 # missed 2 s, and once 10 s, so the job went on with 2 hosts and grew a restart later (at start,
 # the third host came a round late).  The rendezvous store's reads wait 120 s, not torch's 60 s
 # (a re-formed round's read timed out).
-UNDER_LOAD_RDZV_CONF = "keep_alive_interval=2,keep_alive_max_attempt=10,last_call_timeout=30,read_timeout=120"
+UNDER_LOAD_RDZV = {"keep_alive_interval": 2, "keep_alive_max_attempt": 10, "last_call_timeout": 30, "read_timeout": 120}
+
+
+def rdzv_conf(**changes: int) -> str:
+    """``--rdzv-conf`` of :data:`UNDER_LOAD_RDZV` with `changes`."""
+    return ",".join(f"{key}={value}" for key, value in {**UNDER_LOAD_RDZV, **changes}.items())
+
+
+UNDER_LOAD_RDZV_CONF = rdzv_conf()
 
 
 def launch_on_hosts(hosts: EmulatedHosts, overrides: list[str], nproc: int = 2, torchrun_args: str = "",

@@ -17,7 +17,7 @@ import torch
 import warm
 
 from hosts import (SMALL64, emulated_hosts, first_line_at, launch_on_hosts, outputs, step_losses,  # noqa: F401
-                   tails, watch_lines, what_hosts_said)
+                   rdzv_conf, tails, watch_lines, what_hosts_said)
 from warm_exec import interpreters
 from pipeflow.checkpoint.saving import export, find_latest
 
@@ -284,7 +284,7 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
     # every 4 s: in CI (a load of 37) host 0's agent lost every compare-and-set to the other two for
     # 30 s, they closed the round without it, and the job finished on hosts 1 and 2
     common = {"nproc": 1, "nnodes": "2:3", "env": {"PIPEFLOW_LAUNCH_VERBOSE": "1"}, "torchrun_args": "--max-restarts 3",
-              "rdzv_conf": "keep_alive_interval=4,keep_alive_max_attempt=5,last_call_timeout=60,read_timeout=120"}
+              "rdzv_conf": rdzv_conf(keep_alive_interval=4, keep_alive_max_attempt=5, last_call_timeout=60)}
     held = tmp_path / "held"
     held.touch()
     hold = {"PIPEFLOW_FAULT_INJECT": f"hold:rank=0:step={HOLD_STEP}", "PIPEFLOW_FAULT_HOLD": str(held)}
