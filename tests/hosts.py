@@ -115,11 +115,19 @@ EVENTS = re.compile(r"stopped at|preempted|resumed from|re-planned|waits to join
                     r"[Ee]rror|hold at|step\s+\d+/")
 
 
-def what_hosts_said(outputs: list[list[tuple[float, str]]], limit: int = 8000) -> str:
-    """Every host's lines of its job's life (stops, resumes, plans, rendezvous, errors, steps), each
-    marked with its host: where an elastic job went wrong."""
-    said = "".join(f"[host {h}] {line}" for h, out in enumerate(outputs) for _, line in out if EVENTS.search(line))
-    return said[-limit:]
+# torch's rendezvous debug lines that repeat every few seconds on every host, the launcher's wait,
+# and the step lines but every tenth
+CHATTER = re.compile(r"keep-alive|successfully synced|can't complete rendezvous|s of at most \d+ \(--rdzv-conf|"
+                     r"INFO step\s+\d*[1-9]/")
+
+
+def what_hosts_said(outputs: list[list[tuple[float, str]]], limit: int = 12000) -> str:
+    """Every host's lines of its job's life (stops, resumes, plans, rendezvous, errors, steps) in
+    the order they came, each marked with its host, torch's heartbeat chatter left out: where an
+    elastic job went wrong (the last `limit` characters)."""
+    said = sorted((at, h, line) for h, out in enumerate(outputs) for at, line in out
+                  if EVENTS.search(line) and not CHATTER.search(line))
+    return "".join(f"[host {h}] {line}" for _, h, line in said)[-limit:]
 
 
 def first_line_at(lines: list[tuple[float, str]], pattern: str, timeout_s: float, after: float = 0.0) -> float:

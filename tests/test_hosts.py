@@ -260,6 +260,7 @@ def test_a_lost_host_is_survived_by_a_job_that_replans_its_pipeline(emulated_hos
 
 
 GROW_STEPS = 60
+HELD_FOR_S = 300  # at most how long the grow test's job is held (the test's own waits: 180 s, then 120 s)
 
 
 def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> None:
@@ -277,9 +278,12 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     losses = step_losses(done.stdout + done.stderr)
-    overrides = [*SMALL64, "parallel.replan=true", "parallel.pp=auto", "parallel.dp=auto", "pipeline.num_microbatches=2",
-                 f"train.max_steps={STEPS}", "train.save_every=10", "train.resume=auto",
-                 f"train.run_dir={tmp_path / 'run'}"]
+    # the peers wait on the held rank until the third host is in: on a loaded CI machine longer than
+    # SMALL64's 5 s, and a peer's timeout restarted the job from step 10 before the agents stopped it
+    waits = [o for o in SMALL64 if not o.startswith(("comm.timeout_s=", "comm.first_step_timeout_s="))]
+    overrides = [*waits, f"comm.timeout_s={HELD_FOR_S}", f"comm.first_step_timeout_s={HELD_FOR_S}", "parallel.replan=true",
+                 "parallel.pp=auto", "parallel.dp=auto", "pipeline.num_microbatches=2", f"train.max_steps={STEPS}",
+                 "train.save_every=10", "train.resume=auto", f"train.run_dir={tmp_path / 'run'}"]
     # the re-formed round waits up to 60 s for all three agents, each writing the rendezvous state
     # every 4 s: in CI (a load of 37) host 0's agent lost every compare-and-set to the other two for
     # 30 s, they closed the round without it, and the job finished on hosts 1 and 2
