@@ -175,6 +175,44 @@ def test_the_agents_own_stops_are_marked_for_the_workers_and_a_signal_to_the_job
     assert api.PContext.close.__name__ == "close"  # torchrun's own again
 
 
+def test_the_agents_own_stops_give_the_workers_the_shutdown_timeout(tmp_path) -> None:
+    """torch 2.14's agent stops its workers for a restart (a node joined or left) with its default
+    30 s before SIGKILL, whatever --shutdown-timeout says: a big model's save at the next step
+    boundary could be killed half written.  The launcher gives them the timeout torchrun was given."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing import api
+
+    asked: list[tuple] = []
+
+    class Agent:  # what LocalElasticAgent._stop_workers needs of itself
+        _shutdown_timeout = 120
+
+        def _shutdown(self, *args, **kwargs) -> None:
+            asked.append((args, kwargs))
+
+    LocalElasticAgent._stop_workers(Agent(), None)
+    assert asked == [((), {})], asked  # torch's own: no timeout passed, its default of 30 s applies
+    waited: list[int] = []
+
+    class Context:  # what PContext.close needs of its processes
+        _tail_logs, filtered_stdout, filtered_stderr = (), None, None
+
+        def _close(self, death_sig, timeout) -> None:
+            waited.append(timeout)
+
+    status = tmp_path / "status"
+    status.write_text("")
+    with launch.marking_agent_stops(str(status), grace_s=launch.shutdown_timeout_s("120")):
+        api.PContext.close(Context())  # the agent's restart: torch's 30 s
+        api.PContext.close(Context(), timeout=300)  # a longer one stays
+    assert waited == [120, 300], waited
+    assert [launch.shutdown_timeout_s(given, env) for given, env in
+            [(None, {}), (None, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"}), ("90", {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "45"})]
+            ] == [30, 45, 90]
+    argv = ["--nproc-per-node", "2", "--shutdown_timeout=75", "train.py", "--shutdown-timeout=5"]
+    assert launch.shutdown_timeout_s(launch.option(argv, "shutdown-timeout")) == 75  # torchrun's, not the script's
+
+
 def test_nodes_waiting_to_join_are_said_once_per_change(monkeypatch, capsys) -> None:
     """The agent logs the nodes that wait to join (and stops its workers for them) at INFO, below
     its default level: the launcher says it once, when the count becomes non-zero."""

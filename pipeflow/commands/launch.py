@@ -38,7 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeflow.errors import LaunchError
-from pipeflow.commands.launch_wait import FRESH_STORE_ENV, WaitReporter, endpoint_silence, shared_store_warning
+from pipeflow.commands.launch_wait import (FRESH_STORE_ENV, WaitReporter, endpoint_silence, shared_store_warning,
+                                           shutdown_timeout_s)
 from pipeflow.checkpoint.lock import RDZV_ENDPOINT_ENV
 from pipeflow.run.signals import AGENT_STOP, PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
 from pipeflow.runtime.world.hosts import interface_addresses
@@ -65,7 +66,9 @@ torchrun (python -m torch.distributed.run) with two additions:
     2 s after the minimum of nodes is there; torchrun's 30 s), keep_alive_interval=1 and
     keep_alive_max_attempt=3 (a node is lost after 3 s of silence; torchrun's 15 s);
   * while the agent waits for its rendezvous across nodes (at start, after a restart), a line
-    every 5 s: what it waits for, for how long, and the deadline.
+    every 5 s: what it waits for, for how long, and the deadline;
+  * --shutdown-timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT) also bounds the workers' save when the
+    agent stops them itself (a node joined or left): torch 2.14 gives them 30 s whatever it says.
 Options and --rdzv-conf keys given explicitly are left as they are.
 
 Every torchrun option is accepted (python -m torch.distributed.run --help lists them).
@@ -292,11 +295,12 @@ def status_file() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def marking_agent_stops(path: str) -> Iterator[None]:
+def marking_agent_stops(path: str, grace_s: int = 30) -> Iterator[None]:
     """While torchrun's agent stops its own workers unasked (a worker failed, or a node joined or
     left and it restarts them), `path` says so (:data:`~pipeflow.run.signals.AGENT_STOP`): the
-    workers' SIGTERM is then no preemption, and they neither say nor record one.  A signal sent to
-    this launcher (a scheduler's, Ctrl-C) is passed on unmarked: that is a preemption."""
+    workers' SIGTERM is then no preemption, they neither say nor record one, and they get
+    `grace_s` seconds (at least) before SIGKILL.  A signal sent to this launcher (a scheduler's,
+    Ctrl-C) is passed on unmarked: that is a preemption."""
     from torch.distributed.elastic.multiprocessing import api
 
     signalled = threading.Event()
@@ -316,8 +320,8 @@ def marking_agent_stops(path: str) -> Iterator[None]:
                 f.write(f"{AGENT_STOP}: a worker failed, or a node joined or left and the workers restart\n")
         except OSError:
             return close(context, death_sig, timeout)
-        try:
-            return close(context, death_sig, timeout)
+        try:  # the agent's restart passes torch's default, not --shutdown-timeout (torch 2.14)
+            return close(context, death_sig, max(timeout, grace_s))
         finally:
             with contextlib.suppress(OSError), open(path, "w") as f:
                 f.write(before)
@@ -460,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     waiting = rendezvous_wait(argv)
     if waiting is not None:  # the agent says nothing while it waits for the other nodes
         waiting.watch(stop_watch)
-    with status_file() as path, _set_on_exit(stop_watch), marking_agent_stops(path), saying_joins():
+    grace_s = shutdown_timeout_s(option(argv, "shutdown-timeout"))
+    with status_file() as path, _set_on_exit(stop_watch), marking_agent_stops(path, grace_s), saying_joins():
         os.environ[STATUS_FILE_ENV] = path
         try:
             torchrun.main(argv)

@@ -12,7 +12,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pipeflow.runtime.world.hosts import connect_failure
 
@@ -114,3 +114,10 @@ def shared_store_warning(env: dict[str, str], nnodes: str | None) -> str | None:
             f"(--nnodes {nnodes}: a range's extra node, a replacement) waits in torchrun's rank assignment until the "
             f"rendezvous's read_timeout and fails, since rank 0's agent writes the master address for its first "
             f"round only; unset it for a job that may grow (each round then gets a fresh store)")
+
+
+def shutdown_timeout_s(given: str | None, env: Mapping[str, str] = os.environ) -> int:
+    """torchrun's seconds from SIGTERM to SIGKILL: its ``--shutdown-timeout`` (`given`), else
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30."""
+    value = given or env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or "30"
+    return int(value) if value.isdigit() else 30  # torchrun itself refuses what is not a count
