@@ -288,7 +288,8 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
     # waits up to 60 s for all three agents, each writing the rendezvous state
     # every 4 s: in CI (a load of 37) host 0's agent lost every compare-and-set to the other two for
     # 30 s, they closed the round without it, and the job finished on hosts 1 and 2
-    common = {"nproc": 1, "nnodes": "2:3", "env": {"PIPEFLOW_LAUNCH_VERBOSE": "1"}, "torchrun_args": "--max-restarts 3 --shutdown-timeout 120",
+    common = {"nproc": 1, "nnodes": "2:3", "env": {"PIPEFLOW_LAUNCH_VERBOSE": "1"},
+              "torchrun_args": "--max-restarts 3 --shutdown-timeout 120",
               "rdzv_conf": rdzv_conf(keep_alive_interval=4, keep_alive_max_attempt=5, last_call_timeout=60)}
     held = tmp_path / "held"
     held.touch()
