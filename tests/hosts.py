@@ -26,6 +26,12 @@ SMALL64 = ["model.n_layer=4", "model.n_embd=16", "model.n_head=2", "data.batch_s
            "data.seq_len=16", "model.block_size=16", "train.dtype=float64", "train.eval_every=0", "train.eval_batches=1",
            "train.log_every=1", "pipeline.profile=false", "metrics.tensorboard=false", "comm.timeout_s=5",
            "comm.first_step_timeout_s=60", "comm.join_timeout_s=60"]
+# a test that holds a job (the `hold` fault: a host joins, a link is throttled) holds it this long at
+# most; the held rank's peers wait as long (SMALL64's 5 s ran out on a loaded CI machine: a peer's
+# timeout restarted the job)
+HELD_FOR_S = 300
+SMALL64_HELD = [*(o for o in SMALL64 if not o.startswith(("comm.timeout_s=", "comm.first_step_timeout_s="))),
+                f"comm.timeout_s={HELD_FOR_S}", f"comm.first_step_timeout_s={HELD_FOR_S}"]
 
 
 @pytest.fixture

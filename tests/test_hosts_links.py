@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-from hosts import SMALL64, emulated_hosts, first_line_at, launch_on_hosts, tails, watch_lines  # noqa: F401 - a fixture
+from hosts import (SMALL64_HELD, emulated_hosts, first_line_at, launch_on_hosts, tails,  # noqa: F401 - a fixture
+                   watch_lines)
 
 SLOW_FROM = 50  # the job is held in this step while host 1's link is throttled
 THROTTLED_MBIT = 8  # the throttle: a transfer of 0.131 MB takes 131 ms, far above what a loaded CI machine adds
@@ -23,7 +24,7 @@ def test_a_link_throttled_mid_run_is_named_within_three_intervals_and_no_earlier
     and a link named then is named again when throttled: it falls behind by the factor again; at a
     load average of 37 one CI run named nothing at all at 20 Mbit/s: the run's first intervals, its
     calibration, had read the link 10x and more below its start)."""
-    overrides = [*SMALL64, "model.n_embd=64", "model.n_head=4", "data.seq_len=64", "model.block_size=64",
+    overrides = [*SMALL64_HELD, "model.n_embd=64", "model.n_head=4", "data.seq_len=64", "model.block_size=64",
                  "parallel.pp=2", "pipeline.num_microbatches=2", "pipeline.profile=true", "train.log_every=5",
                  f"train.max_steps={SLOW_FROM + 15}", f"train.run_dir={tmp_path / 'run'}"]
     held = tmp_path / "held"
