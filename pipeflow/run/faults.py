@@ -16,7 +16,8 @@ overflow   leaves the outputs finite but makes their gradient inf in backward (a
            fp16 gradient overflow: the loss scaler skips the step, the loss stays finite)
 hold       waits while the file that ``PIPEFLOW_FAULT_HOLD`` names exists (at most an
            hour): the job held at a known step while a test or drill acts on it (a host
-           joins), released the moment the file is removed
+           joins), released the moment the file is removed; its peers wait for it at most
+           ``comm.timeout_s``, so set that above the hold
 slow       from step K on, every forward of the stage first sleeps ms=M milliseconds (a rank
            whose compute slowed: a straggler for ``metrics.straggler_factor``)
 spike      on the last stage (give stage=S): multiplies the micro-batch's loss by 30, the
