@@ -281,12 +281,12 @@ def test_a_host_that_joins_grows_a_replanning_job(emulated_hosts, tmp_path) -> N
                  "pipeline.num_microbatches=2", f"train.max_steps={STEPS}", "train.save_every=10", "train.resume=auto",
                  f"train.run_dir={tmp_path / 'run'}"]
     # the workers get 120 s (not torch's 30) to save once the agents stop them; the re-formed round
-    # waits up to 60 s for all three agents, each writing the rendezvous state
-    # every 4 s: in CI (a load of 37) host 0's agent lost every compare-and-set to the other two for
-    # 30 s, they closed the round without it, and the job finished on hosts 1 and 2
+    # waits up to 60 s for all three agents: in CI (a load of 37) host 0's agent lost every
+    # compare-and-set to the other two for 30 s, they closed the round without it, and the job
+    # finished on hosts 1 and 2
     common = {"nproc": 1, "nnodes": "2:3", "env": {"PIPEFLOW_LAUNCH_VERBOSE": "1"},
               "torchrun_args": "--max-restarts 3 --shutdown-timeout 120",
-              "rdzv_conf": rdzv_conf(keep_alive_interval=4, keep_alive_max_attempt=5, last_call_timeout=60)}
+              "rdzv_conf": rdzv_conf(last_call_timeout=60)}
     held = tmp_path / "held"
     held.touch()
     hold = {"PIPEFLOW_FAULT_INJECT": f"hold:rank=0:step={HOLD_STEP}", "PIPEFLOW_FAULT_HOLD": str(held)}
