@@ -81,6 +81,11 @@ class Layout:
     ep: int = 1
     dp_every_microbatch: bool = False
 
+    @property
+    def expert_replicas(self) -> int:
+        """How many dp ranks hold the same routed experts: dp / ep."""
+        return self.dp // max(1, self.ep)
+
     def overrides(self, m: int) -> str:
         """Ready-to-paste train.py overrides."""
         parts = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}",
@@ -361,7 +366,7 @@ def optimizer_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Effic
     the rank's `expert_params` (its ep-th of the routed experts) on a share of the dp / ep ranks
     that hold the same experts."""
     sharded = layout.shard != "none"
-    same = layout.dp // max(1, layout.ep)  # replicas of one expert, as in reduction_s
+    same = layout.expert_replicas
     held = (rank_params - expert_params) / (layout.dp if sharded else 1) + expert_params / (same if sharded else 1)
     return 32.0 * held / (cluster.gpu.memory_bandwidth_gbps * 1e9)
 
@@ -386,6 +391,6 @@ def reduction_s(rank_params: float, layout: Layout, cluster: Cluster, eff: Effic
         latency = link.latency_us * 1e-6
     per_element = {"full": 2 * param_bytes + grad_bytes, "optimizer": param_bytes + grad_bytes}.get(
         layout.shard, 2 * grad_bytes)
-    same = d // max(1, layout.ep)  # replicas of one expert
+    same = layout.expert_replicas
     moved = (d - 1) / d * (rank_params - expert_params) + (same - 1) / same * expert_params
     return per_element * moved / (link.bandwidth_gbps * 1e9 * eff.network) + latency
