@@ -38,8 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pipeflow.errors import LaunchError
-from pipeflow.commands.launch_wait import (FRESH_STORE_ENV, WaitReporter, endpoint_silence, shared_store_warning,
-                                           shutdown_timeout_s)
+from pipeflow.commands.launch_wait import (FRESH_STORE_ENV, TORCH_SHUTDOWN_TIMEOUT_S, WaitReporter, endpoint_silence,
+                                           shared_store_warning, shutdown_timeout_s)
 from pipeflow.checkpoint.lock import RDZV_ENDPOINT_ENV
 from pipeflow.run.signals import AGENT_STOP, PREEMPTED_EXIT_CODE, STATUS_FILE_ENV, preemption_recorded
 from pipeflow.runtime.world.hosts import interface_addresses
@@ -295,7 +295,7 @@ def status_file() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def marking_agent_stops(path: str, grace_s: int = 30) -> Iterator[None]:
+def marking_agent_stops(path: str, grace_s: int = TORCH_SHUTDOWN_TIMEOUT_S) -> Iterator[None]:
     """While torchrun's agent stops its own workers unasked (a worker failed, or a node joined or
     left and it restarts them), `path` says so (:data:`~pipeflow.run.signals.AGENT_STOP`): the
     workers' SIGTERM is then no preemption, they neither say nor record one, and they get

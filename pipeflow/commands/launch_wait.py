@@ -18,6 +18,7 @@ from pipeflow.runtime.world.hosts import connect_failure
 
 WAIT_REPORT_S = 5.0  # seconds between two lines while the agent waits
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's: 1, a fresh store per rendezvous round
+TORCH_SHUTDOWN_TIMEOUT_S = 30  # torchrun's seconds from SIGTERM to SIGKILL unless told otherwise
 
 
 def live_children(pid: int | None = None) -> int | None:
@@ -118,6 +119,6 @@ def shared_store_warning(env: dict[str, str], nnodes: str | None) -> str | None:
 
 def shutdown_timeout_s(given: str | None, env: Mapping[str, str] = os.environ) -> int:
     """torchrun's seconds from SIGTERM to SIGKILL: its ``--shutdown-timeout`` (`given`), else
-    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30."""
-    value = given or env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or "30"
-    return int(value) if value.isdigit() else 30  # torchrun itself refuses what is not a count
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else :data:`TORCH_SHUTDOWN_TIMEOUT_S`."""
+    value = given or env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") or ""
+    return int(value) if value.isdigit() else TORCH_SHUTDOWN_TIMEOUT_S  # torchrun refuses what is not a count
