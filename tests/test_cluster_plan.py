@@ -48,6 +48,28 @@ def test_a_file_and_measured_figures_override_a_preset(tmp_path):
         load_hardware(str(path))
 
 
+def test_a_gpus_measured_matmul_rate_sets_its_matmuls_and_is_checked(tmp_path):
+    fractions = {name: load_hardware(name).gpu.matmul_flops("bf16") / (peak * 1e12)
+                 for name, peak in VENDOR_BF16.items()}
+    assert fractions["a100_sxm_80gb"] > fractions["h100_sxm"] > fractions["b200"] > 0.7  # 86.9%, 80.3%, 77.6%
+    h100 = load_hardware("h100_sxm")
+    assert h100.gpu.matmul_flops("fp8") == pytest.approx(1402.6e12)
+    assert h100.gpu.matmul_flops("tf32") == pytest.approx(0.8 * 494e12)  # not measured: the typical fraction
+    assert override(h100, {"gpu.peak_tflops.bf16": 700}).gpu.matmul_flops("bf16") == 700e12  # never above the peak
+    block, place = _block(512), Placement()
+    slower = override(h100, {"gpu.matmul_tflops.bf16": 397.25})  # half the measured rate: the matmuls take twice
+    fast, slow = layer_profile(block, 4, place, h100), layer_profile(block, 4, place, slower)
+    assert slow.weight_grad_s == pytest.approx(2 * fast.weight_grad_s)
+    path = tmp_path / "mine.yaml"
+    path.write_text("gpus_per_host: 4\nintra: {bandwidth_gbps: 100}\ninter: {bandwidth_gbps: 10}\ngpu: {name: X, "
+                    "peak_tflops: {bf16: 100}, matmul_tflops: {bf16: 120}, memory_gb: 24, memory_bandwidth_gbps: 900}\n")
+    with pytest.raises(ConfigError, match=r"gpu.matmul_tflops.bf16=120 exceeds gpu.peak_tflops.bf16=100"):
+        load_hardware(str(path))
+    path.write_text(path.read_text().replace("matmul_tflops: {bf16: 120}", "matmul_tflops: {fp8: 90}"))
+    with pytest.raises(ConfigError, match=r"gpu.peak_tflops.fp8 is not"):
+        load_hardware(str(path))
+
+
 def _block(width: int, heads: int = 4, seq: int = 256):
     spec = build_gpt(vocab_size=512, block_size=seq, n_layer=1, n_head=heads, n_embd=width)
     return trace_layers(spec, seq)[1]

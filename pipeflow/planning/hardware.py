@@ -2,9 +2,13 @@
 each GPU's peak FLOP/s, memory size and bandwidth (``plan.hardware=<preset id or YAML file>``).
 
 Presets (vendors' published figures, cited in each file) ship in ``pipeflow/planning/hardware/``:
-``a100_sxm_80gb``, ``h100_sxm``, ``h200_sxm``, ``b200``.  A YAML file of the same shape describes
-any other cluster; figures measured on the machines (the links measured at start, a per-layer
-profile) replace a preset's with :func:`override`::
+``a100_sxm_80gb``, ``h100_sxm``, ``h200_sxm``, ``b200``.  Beside its peaks each names the fastest a
+large matmul was measured to run on the GPU (``gpu.matmul_tflops``: the Maximum Achievable Matmul
+FLOPS table of Bekman's ml-engineering, cited in the file).  The faster the GPU, the less of its
+peak it reaches (A100 86.9%, H100 80.3%, B200 77.6%): the planner's matmul efficiency, fitted on
+one generation, is a fraction of that measured rate, so it carries to another.  A YAML file of the
+same shape describes any other cluster; figures measured on the machines (the links measured at
+start, a per-layer profile) replace a preset's with :func:`override`::
 
     cluster = load_hardware("h100_sxm")
     cluster = override(cluster, {"inter.bandwidth_gbps": 42.0, "hosts": 32})
@@ -31,6 +35,9 @@ PRESET_DIR = Path(__file__).resolve().parent / "hardware"
 # host (NVLink) and across hosts (the network)
 RING_BASE_US = 8.4
 RING_STEP_US = {"intra": 3.4, "inter": 14.0}
+# a GPU described without gpu.matmul_tflops.<dtype> is taken to reach this fraction of its peak in a
+# large matmul: Hopper's measured 80.3% (H100 and H200; A100 86.9%, B200 77.6%)
+UNMEASURED_MATMUL_FRACTION = 0.8
 
 
 @dataclass(frozen=True)
@@ -48,12 +55,14 @@ class Link:
 @dataclass(frozen=True)
 class Gpu:
     """One accelerator: dense peak TFLOP/s per dtype (``bf16``, ``fp16``, ``fp8``, ``fp32``, ...),
-    memory in GB and its bandwidth in GB/s."""
+    memory in GB and its bandwidth in GB/s, and the TFLOP/s a large matmul was measured to reach
+    per dtype (``matmul_tflops``, where measured)."""
 
     name: str
     peak_tflops: Mapping[str, float]
     memory_gb: float
     memory_bandwidth_gbps: float
+    matmul_tflops: Mapping[str, float] = field(default_factory=dict)
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s in `dtype` (``bf16``, ``fp16``, ``fp8``, ``fp32``).
@@ -65,6 +74,18 @@ class Gpu:
             raise ConfigError(f"the {self.name} description has no peak for {dtype!r} (it has "
                               f"{', '.join(self.peak_tflops)}): add gpu.peak_tflops.{dtype} to the hardware file")
         return float(self.peak_tflops[dtype]) * 1e12
+
+    def matmul_flops(self, dtype: str) -> float:
+        """FLOP/s the fastest large matmul reaches in `dtype`: the measured figure (at most the
+        peak, which an override may have lowered), else :data:`UNMEASURED_MATMUL_FRACTION` of it.
+
+        Raises:
+            ConfigError: the GPU has no peak for `dtype`.
+        """
+        peak = self.peak_flops(dtype)
+        if dtype in self.matmul_tflops:
+            return min(peak, float(self.matmul_tflops[dtype]) * 1e12)
+        return UNMEASURED_MATMUL_FRACTION * peak
 
 
 @dataclass(frozen=True)
@@ -122,7 +143,8 @@ def preset_ids() -> list[str]:
 def load_hardware(spec: str) -> Cluster:
     """The cluster `spec` names: a preset id (:func:`preset_ids`) or the path of a YAML file with
     ``gpus_per_host``, ``intra``/``inter`` (``bandwidth_gbps``, ``latency_us``), ``gpu`` (``name``,
-    ``peak_tflops``, ``memory_gb``, ``memory_bandwidth_gbps``) and optionally ``hosts``.
+    ``peak_tflops``, ``memory_gb``, ``memory_bandwidth_gbps``, optionally ``matmul_tflops``: what
+    ml-engineering's ``mamf-finder.py`` measures on the GPU) and optionally ``hosts``.
 
     Raises:
         ConfigError: neither a preset nor a readable file, or a field missing or not positive.
@@ -164,14 +186,35 @@ def cluster_from_dict(data: Mapping[str, Any], name: str = "custom") -> Cluster:
     peaks = need(raw_gpu, "peak_tflops", "gpu.")
     if not isinstance(peaks, Mapping) or not peaks:
         raise ConfigError(f"hardware {name!r}: gpu.peak_tflops must map dtypes (bf16, fp16, ...) to TFLOP/s")
-    gpu = Gpu(str(need(raw_gpu, "name", "gpu.")),
-              {str(k): positive(v, f"gpu.peak_tflops.{k}") for k, v in peaks.items()},
+    peak_tflops = {str(k): positive(v, f"gpu.peak_tflops.{k}") for k, v in peaks.items()}
+    gpu = Gpu(str(need(raw_gpu, "name", "gpu.")), peak_tflops,
               positive(need(raw_gpu, "memory_gb", "gpu."), "gpu.memory_gb"),
-              positive(need(raw_gpu, "memory_bandwidth_gbps", "gpu."), "gpu.memory_bandwidth_gbps"))
+              positive(need(raw_gpu, "memory_bandwidth_gbps", "gpu."), "gpu.memory_bandwidth_gbps"),
+              _measured_matmul(raw_gpu.get("matmul_tflops", {}), peak_tflops, name))
     hosts = data.get("hosts")
     gpus = positive(need(data, "gpus_per_host", ""), "gpus_per_host")
     return Cluster(None if hosts is None else int(positive(hosts, "hosts")), int(gpus), link("intra"), link("inter"),
                    gpu, str(data.get("name", name)))
+
+
+def _measured_matmul(raw: Any, peaks: Mapping[str, float], name: str) -> dict[str, float]:
+    """``gpu.matmul_tflops`` checked: a positive figure per dtype that has a peak, and at most it."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"hardware {name!r}: gpu.matmul_tflops must map dtypes (bf16, fp8, ...) to the TFLOP/s "
+                          "a large matmul was measured to reach")
+    measured = {}
+    for dtype, value in raw.items():
+        key = f"gpu.matmul_tflops.{dtype}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"hardware {name!r}: {key}={value!r} must be a positive number")
+        if str(dtype) not in peaks:
+            raise ConfigError(f"hardware {name!r}: {key} is given but gpu.peak_tflops.{dtype} is not: add the peak")
+        if value > peaks[str(dtype)]:
+            raise ConfigError(f"hardware {name!r}: {key}={value} exceeds gpu.peak_tflops.{dtype}="
+                              f"{peaks[str(dtype)]:g}: a matmul cannot beat the dense peak; check the dtype "
+                              "and that the peak is dense (not 2:4 sparse)")
+        measured[str(dtype)] = float(value)
+    return measured
 
 
 def override(cluster: Cluster, figures: Mapping[str, Any]) -> Cluster:

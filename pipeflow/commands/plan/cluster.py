@@ -72,6 +72,7 @@ def run_cluster_plan(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[Cl
                           f"{cluster.gpus_per_host} GPUs: plan for at most {cluster.hosts * cluster.gpus_per_host}")
     start = time.perf_counter()
     dtype = "fp16" if cfg.train.precision == "fp16" else "bf16"
+    figures.append(matmul_figure(cluster, dtype))
     data = typed_data(cfg.data)
     if not isinstance(data, TokenDataConfig):
         raise ConfigError(f"plan.hardware costs a token model by the roofline: data={data.name} has no sequences; "
@@ -107,6 +108,16 @@ def run_cluster_plan(cfg: DictConfig, overrides: Sequence[str] = ()) -> tuple[Cl
               f"GPU), {counts.simulated} simulated, in {seconds:.1f} s\nfigures, where from:"
               + "".join(f"\n  {line}" for line in figures))
     return ClusterPlan(picks), header + "\n" + format_cluster_plan(picks, cfg, cluster, limit, overrides)
+
+
+def matmul_figure(cluster: Cluster, dtype: str) -> str:
+    """Where the roofline's matmul rate comes from: the GPU's measured figure, or the assumed fraction."""
+    rate, peak = cluster.gpu.matmul_flops(dtype) / 1e12, cluster.gpu.peak_flops(dtype) / 1e12
+    share = f"{rate:g} TFLOP/s {dtype} ({rate / peak:.1%} of the peak)"
+    if dtype in cluster.gpu.matmul_tflops:
+        return f"the fastest large matmul {share}, measured ({cluster.name})"
+    return (f"the fastest large matmul taken as {share}, not measured: give gpu.matmul_tflops.{dtype} as "
+            "ml-engineering's mamf-finder.py measures it")
 
 
 def calibration_meta(path: str) -> dict:
