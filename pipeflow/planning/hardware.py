@@ -182,6 +182,22 @@ def cluster_from_dict(data: Mapping[str, Any], name: str = "custom") -> Cluster:
         return Link(positive(need(raw, "bandwidth_gbps", f"{key}."), f"{key}.bandwidth_gbps"),
                     positive(raw.get("latency_us", 10.0), f"{key}.latency_us"))
 
+    def measured_matmul(raw: Any, peaks: Mapping[str, float]) -> dict[str, float]:
+        """``gpu.matmul_tflops`` checked: a positive figure per dtype that has a peak, and at most it."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"hardware {name!r}: gpu.matmul_tflops must map dtypes (bf16, fp8, ...) to the "
+                              "TFLOP/s a large matmul was measured to reach")
+        measured = {str(k): positive(v, f"gpu.matmul_tflops.{k}") for k, v in raw.items()}
+        for dtype, value in measured.items():
+            if dtype not in peaks:
+                raise ConfigError(f"hardware {name!r}: gpu.matmul_tflops.{dtype} is given but gpu.peak_tflops.{dtype} "
+                                  "is not: add the peak")
+            if value > peaks[dtype]:
+                raise ConfigError(f"hardware {name!r}: gpu.matmul_tflops.{dtype}={value:g} exceeds gpu.peak_tflops."
+                                  f"{dtype}={peaks[dtype]:g}: a matmul cannot beat the dense peak; check the dtype and "
+                                  "that the peak is dense (not 2:4 sparse)")
+        return measured
+
     raw_gpu = need(data, "gpu", "")
     peaks = need(raw_gpu, "peak_tflops", "gpu.")
     if not isinstance(peaks, Mapping) or not peaks:
@@ -190,31 +206,11 @@ def cluster_from_dict(data: Mapping[str, Any], name: str = "custom") -> Cluster:
     gpu = Gpu(str(need(raw_gpu, "name", "gpu.")), peak_tflops,
               positive(need(raw_gpu, "memory_gb", "gpu."), "gpu.memory_gb"),
               positive(need(raw_gpu, "memory_bandwidth_gbps", "gpu."), "gpu.memory_bandwidth_gbps"),
-              _measured_matmul(raw_gpu.get("matmul_tflops", {}), peak_tflops, name))
+              measured_matmul(raw_gpu.get("matmul_tflops", {}), peak_tflops))
     hosts = data.get("hosts")
     gpus = positive(need(data, "gpus_per_host", ""), "gpus_per_host")
     return Cluster(None if hosts is None else int(positive(hosts, "hosts")), int(gpus), link("intra"), link("inter"),
                    gpu, str(data.get("name", name)))
-
-
-def _measured_matmul(raw: Any, peaks: Mapping[str, float], name: str) -> dict[str, float]:
-    """``gpu.matmul_tflops`` checked: a positive figure per dtype that has a peak, and at most it."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"hardware {name!r}: gpu.matmul_tflops must map dtypes (bf16, fp8, ...) to the TFLOP/s "
-                          "a large matmul was measured to reach")
-    measured = {}
-    for dtype, value in raw.items():
-        key = f"gpu.matmul_tflops.{dtype}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"hardware {name!r}: {key}={value!r} must be a positive number")
-        if str(dtype) not in peaks:
-            raise ConfigError(f"hardware {name!r}: {key} is given but gpu.peak_tflops.{dtype} is not: add the peak")
-        if value > peaks[str(dtype)]:
-            raise ConfigError(f"hardware {name!r}: {key}={value} exceeds gpu.peak_tflops.{dtype}="
-                              f"{peaks[str(dtype)]:g}: a matmul cannot beat the dense peak; check the dtype "
-                              "and that the peak is dense (not 2:4 sparse)")
-        measured[str(dtype)] = float(value)
-    return measured
 
 
 def override(cluster: Cluster, figures: Mapping[str, Any]) -> Cluster:
